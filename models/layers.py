@@ -1,0 +1,401 @@
+"""Layers shared by the DiT ports (Flax NNX), numerically matching their diffusers counterparts.
+
+Naming: module attributes carry diffusers' names, so a layer's NNX path, joined with dots, equals its diffusers key
+prefix (``transformer_blocks.3.attn1.to_q``). Every :class:`Linear` learns that dotted path (``Linear.path``) when the
+top-level model calls :func:`name_linears` at the end of its constructor.
+
+Linear hooks: every forward pass takes an optional :class:`LinearHooks`. A :class:`Linear` called with hooks asks them
+to compute its output, which is how ``models.quantize_model`` swaps a 16-bit linear for a quantized one
+(``overrides={path: fn}``) and how ``models.capture`` records the inputs of the quantizable linears
+(``recorder=...``), without any mutable state in the modules.
+
+Layouts: activations are channels-last ``(batch, tokens, channels)``; Linear kernels are ``(d_in, d_out)``; conv
+kernels are HWIO.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+__all__ = [
+    "Attention",
+    "FeedForward",
+    "LayerNorm",
+    "Linear",
+    "LinearHooks",
+    "ConvWeights",
+    "PatchEmbed",
+    "RMSNorm",
+    "TextProjection",
+    "TimestepEmbedding",
+    "apply_rope",
+    "dot_product_attention",
+    "layer_norm",
+    "linears",
+    "name_linears",
+    "rope_frequencies",
+    "sincos_pos_embed_2d",
+    "timestep_embedding",
+]
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    return jnp.zeros(shape, dtype)
+
+
+class Recorder(Protocol):
+    """What :class:`LinearHooks` needs from a recorder (see ``models.capture``)."""
+
+    def wants(self, path: str) -> bool: ...
+
+    def record(self, path: str, x: jax.Array) -> None: ...
+
+
+class LinearHooks:
+    """Per-call routing of Linear layers: overrides by dotted path, and an optional input recorder.
+
+    Args:
+        overrides: ``{dotted path: fn(x (..., d)) -> y (..., o)}`` pure functions run instead of the 16-bit linear
+            (a ``jax.tree_util.Partial`` keeps its arrays traced arguments instead of jit constants).
+        recorder: an object with ``wants(path) -> bool`` and ``record(path, x)``, called with each wanted input.
+    """
+
+    def __init__(self, overrides: Mapping[str, Callable[[jax.Array], jax.Array]] | None = None,
+                 recorder: Recorder | None = None):
+        self.overrides = dict(overrides or {})
+        self.recorder = recorder
+
+    def __call__(self, linear: "Linear", x: jax.Array) -> jax.Array:
+        if self.recorder is not None and self.recorder.wants(linear.path):
+            self.recorder.record(linear.path, x)
+        override = self.overrides.get(linear.path)
+        if override is None:
+            return linear.dense(x)
+        y = override(x)
+        expected = x.shape[:-1] + (linear.out_features,)
+        if tuple(y.shape) != expected:
+            raise ValueError(f"override of {linear.path}: returned shape {tuple(y.shape)}, expected {expected}")
+        return y.astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    """``y = x @ kernel + bias``; kernel ``(in_features, out_features)`` (the transpose of torch's weight).
+
+    ``quantizable`` marks the layers W4A4 applies to (transformer-block linears, SANA's 1x1 convs).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, quantizable: bool = False,
+                 dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        bound = 1.0 / math.sqrt(in_features)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.quantizable = quantizable
+        self.path = ""
+        self.kernel = nnx.Param(jax.random.uniform(rngs.params(), (in_features, out_features), dtype, -bound, bound))
+        self.bias = nnx.Param(jax.random.uniform(rngs.params(), (out_features,), dtype, -bound, bound)) if bias \
+            else None
+
+    def dense(self, x: jax.Array) -> jax.Array:
+        """The plain 16-bit (or fp32) forward: x (..., d) -> (..., o)."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{self.path or 'Linear'}: input has {x.shape[-1]} features, expects {self.in_features}")
+        kernel = self.kernel[...]
+        y = jnp.matmul(x.astype(kernel.dtype), kernel)  # (..., o)
+        if self.bias is not None:
+            y = y + self.bias[...]  # (..., o)
+        return y
+
+    def __call__(self, x: jax.Array, hooks: LinearHooks | None = None) -> jax.Array:
+        return self.dense(x) if hooks is None else hooks(self, x)
+
+
+def name_linears(model: nnx.Module) -> None:
+    """Set ``Linear.path`` of every Linear in ``model`` to its dotted NNX path (= its diffusers key prefix)."""
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, Linear):
+            node.path = ".".join(str(p) for p in path)
+
+
+def linears(model: nnx.Module, quantizable_only: bool = False) -> dict[str, Linear]:
+    """``{dotted path: Linear}`` of the model, in graph order (optionally only the quantizable ones)."""
+    found = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, Linear) and (node.quantizable or not quantizable_only):
+            found[".".join(str(p) for p in path)] = node
+    return found
+
+
+def layer_norm(x: jax.Array, eps: float) -> jax.Array:
+    """Non-affine LayerNorm over the last axis, computed in fp32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """torch.nn.LayerNorm over the last axis, with optional affine ``weight``/``bias``."""
+
+    def __init__(self, dim: int, eps: float, affine: bool, *, dtype: Any = jnp.float32):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype)) if affine else None
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype)) if affine else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = layer_norm(x, self.eps)  # (..., dim)
+        if self.weight is not None:
+            y = y * self.weight[...] + self.bias[...]  # (..., dim)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis (variance in fp32), optional ``weight`` (diffusers RMSNorm / torch.nn.RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float, affine: bool = True, *, dtype: Any = jnp.float32):
+        self.eps = eps
+        self.dim = dim
+        self.weight = nnx.Param(jnp.ones((dim,), dtype)) if affine else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"RMSNorm of width {self.dim} got input of shape {x.shape}")
+        variance = jnp.square(x.astype(jnp.float32)).mean(-1, keepdims=True)  # (..., 1)
+        y = x.astype(jnp.float32) * jax.lax.rsqrt(variance + self.eps)  # (..., dim)
+        if self.weight is not None:
+            y = y * self.weight[...].astype(jnp.float32)  # (..., dim)
+        return y.astype(x.dtype)
+
+
+def timestep_embedding(t: jax.Array, dim: int = 256, flip_sin_to_cos: bool = True, shift: float = 0.0,
+                       max_period: float = 10000.0) -> jax.Array:
+    """Sinusoidal embedding of (possibly fractional) timesteps: t (b,) -> (b, dim) fp32 (diffusers
+    ``get_timestep_embedding``)."""
+    half = dim // 2
+    exponent = -math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / (half - shift)  # (half,)
+    angles = t.astype(jnp.float32)[:, None] * jnp.exp(exponent)[None, :]  # (b, half)
+    emb = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # (b, 2 half)
+    if flip_sin_to_cos:
+        emb = jnp.concatenate([emb[:, half:], emb[:, :half]], axis=-1)  # (b, 2 half)
+    if dim % 2:
+        emb = jnp.pad(emb, ((0, 0), (0, 1)))  # (b, dim)
+    return emb
+
+
+class TimestepEmbedding(nnx.Module):
+    """diffusers TimestepEmbedding: ``linear_2(silu(linear_1(x)))``."""
+
+    def __init__(self, in_channels: int, dim: int, *, dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        self.linear_1 = Linear(in_channels, dim, dtype=dtype, rngs=rngs)
+        self.linear_2 = Linear(dim, dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, hooks: LinearHooks | None = None) -> jax.Array:
+        return self.linear_2(jax.nn.silu(self.linear_1(x, hooks)), hooks)  # (b, dim)
+
+
+class TextProjection(nnx.Module):
+    """diffusers PixArtAlphaTextProjection: ``linear_2(act(linear_1(x)))``, act in {gelu_tanh, silu}."""
+
+    def __init__(self, in_features: int, hidden: int, act: str = "gelu_tanh", *, dtype: Any = jnp.float32,
+                 rngs: nnx.Rngs):
+        if act not in ("gelu_tanh", "silu"):
+            raise ValueError(f"TextProjection: unknown {act=}")
+        self.act = act
+        self.linear_1 = Linear(in_features, hidden, dtype=dtype, rngs=rngs)
+        self.linear_2 = Linear(hidden, hidden, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, hooks: LinearHooks | None = None) -> jax.Array:
+        h = self.linear_1(x, hooks)  # (..., hidden)
+        h = jax.nn.gelu(h, approximate=True) if self.act == "gelu_tanh" else jax.nn.silu(h)  # (..., hidden)
+        return self.linear_2(h, hooks)  # (..., hidden)
+
+
+class GELUProj(nnx.Module):
+    """diffusers activations.GELU: ``gelu(proj(x))`` (tanh approximation when ``approximate``)."""
+
+    def __init__(self, dim_in: int, dim_out: int, approximate: bool, *, quantizable: bool, dtype: Any,
+                 rngs: nnx.Rngs):
+        self.approximate = approximate
+        self.proj = Linear(dim_in, dim_out, quantizable=quantizable, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, hooks: LinearHooks | None = None) -> jax.Array:
+        return jax.nn.gelu(self.proj(x, hooks), approximate=self.approximate)
+
+
+class FeedForward(nnx.Module):
+    """diffusers FeedForward with a GELU activation: ``net.2(gelu(net.0.proj(x)))`` (``net.1`` is dropout)."""
+
+    def __init__(self, dim: int, inner_dim: int, dim_out: int | None = None, approximate: bool = True, *,
+                 quantizable: bool = True, dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        self.net = nnx.List([
+            GELUProj(dim, inner_dim, approximate, quantizable=quantizable, dtype=dtype, rngs=rngs),
+            None,
+            Linear(inner_dim, dim_out or dim, quantizable=quantizable, dtype=dtype, rngs=rngs),
+        ])
+
+    def __call__(self, x: jax.Array, hooks: LinearHooks | None = None) -> jax.Array:
+        return self.net[2](self.net[0](x, hooks), hooks)  # (..., dim_out)
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """Softmax attention. q (b, s, h, dh), k/v (b, t, h, dh), bias broadcastable to (b, h, s, t) -> (b, s, h, dh).
+
+    Logits and softmax in fp32, scale ``dh ** -0.5``.
+    """
+    scale = q.shape[-1] ** -0.5
+    logits = jnp.einsum("bshd,bthd->bhst", q, k, preferred_element_type=jnp.float32) * scale  # (b, h, s, t)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)  # (b, h, s, t)
+    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)  # (b, h, s, t)
+    return jnp.einsum("bhst,bthd->bshd", weights, v)  # (b, s, h, dh)
+
+
+def mask_to_bias(mask: jax.Array | None, dtype: Any = jnp.float32) -> jax.Array | None:
+    """A keep-mask (b, t) of 1/0 -> additive bias (b, 1, 1, t) of 0/-10000 (diffusers' convention); None stays None."""
+    if mask is None:
+        return None
+    if mask.ndim != 2:
+        raise ValueError(f"attention mask must be (batch, tokens), got shape {mask.shape}")
+    return ((1.0 - mask.astype(dtype)) * -10000.0)[:, None, None, :]
+
+
+class Attention(nnx.Module):
+    """diffusers Attention with the default SDPA processor: ``to_q``, ``to_k``, ``to_v``, ``to_out.0``.
+
+    Optional ``qk_norm="rms_norm_across_heads"`` (``norm_q``/``norm_k`` over the full width, as SANA 1.5).
+    """
+
+    def __init__(self, query_dim: int, heads: int, head_dim: int, kv_dim: int | None = None, *, bias: bool,
+                 out_bias: bool = True, qk_norm: str | None = None, qk_eps: float = 1e-5, quantizable: bool = True,
+                 dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        inner = heads * head_dim
+        kv_dim = query_dim if kv_dim is None else kv_dim
+        self.heads = heads
+        self.head_dim = head_dim
+        self.to_q = Linear(query_dim, inner, bias=bias, quantizable=quantizable, dtype=dtype, rngs=rngs)
+        self.to_k = Linear(kv_dim, inner, bias=bias, quantizable=quantizable, dtype=dtype, rngs=rngs)
+        self.to_v = Linear(kv_dim, inner, bias=bias, quantizable=quantizable, dtype=dtype, rngs=rngs)
+        self.to_out = nnx.List([Linear(inner, query_dim, bias=out_bias, quantizable=quantizable, dtype=dtype,
+                                       rngs=rngs)])
+        if qk_norm is None:
+            self.norm_q = self.norm_k = None
+        elif qk_norm == "rms_norm_across_heads":
+            self.norm_q = RMSNorm(inner, qk_eps, dtype=dtype)
+            self.norm_k = RMSNorm(inner, qk_eps, dtype=dtype)
+        else:
+            raise NotImplementedError(f"Attention: {qk_norm=} is not ported (None, 'rms_norm_across_heads')")
+
+    def project_qkv(self, x: jax.Array, context: jax.Array, hooks: LinearHooks | None):
+        """x (b, s, query_dim), context (b, t, kv_dim) -> q (b, s, h, dh), k, v (b, t, h, dh)."""
+        q = self.to_q(x, hooks)  # (b, s, inner)
+        k = self.to_k(context, hooks)  # (b, t, inner)
+        v = self.to_v(context, hooks)  # (b, t, inner)
+        if self.norm_q is not None:
+            q = self.norm_q(q)  # (b, s, inner)
+            k = self.norm_k(k)  # (b, t, inner)
+        split = lambda a: a.reshape(a.shape[:2] + (self.heads, self.head_dim))  # noqa: E731
+        return split(q), split(k), split(v)
+
+    def __call__(self, x: jax.Array, context: jax.Array | None = None, bias: jax.Array | None = None,
+                 hooks: LinearHooks | None = None) -> jax.Array:
+        """x (b, s, query_dim), context (b, t, kv_dim) or None (self-attention), bias (b, 1, 1, t) -> (b, s, dim)."""
+        context = x if context is None else context
+        q, k, v = self.project_qkv(x, context, hooks)  # (b, s, h, dh), (b, t, h, dh) x2
+        out = dot_product_attention(q, k, v, bias)  # (b, s, h, dh)
+        out = out.reshape(out.shape[:2] + (self.heads * self.head_dim,))  # (b, s, inner)
+        return self.to_out[0](out, hooks)  # (b, s, query_dim)
+
+
+def sincos_pos_embed_2d(dim: int, grid_h: int, grid_w: int, base_size: int, interpolation_scale: float) -> np.ndarray:
+    """diffusers get_2d_sincos_pos_embed (float64 numpy, static): -> (grid_h * grid_w, dim) float32."""
+    if dim % 4:
+        raise ValueError(f"2-D sincos position embedding needs {dim=} divisible by 4")
+    pos_h = np.arange(grid_h, dtype=np.float32) / (grid_h / base_size) / interpolation_scale  # (gh,)
+    pos_w = np.arange(grid_w, dtype=np.float32) / (grid_w / base_size) / interpolation_scale  # (gw,)
+    mesh_w, mesh_h = np.meshgrid(pos_w, pos_h, indexing="xy")  # (gh, gw) each
+    omega = 1.0 / 10000 ** (np.arange(dim // 4, dtype=np.float64) / (dim / 4.0))  # (dim/4,)
+
+    def one_axis(pos: np.ndarray) -> np.ndarray:
+        angles = np.outer(pos.reshape(-1).astype(np.float64), omega)  # (gh gw, dim/4)
+        return np.concatenate([np.sin(angles), np.cos(angles)], axis=1)  # (gh gw, dim/2)
+
+    return np.concatenate([one_axis(mesh_w), one_axis(mesh_h)], axis=1).astype(np.float32)  # (gh gw, dim)
+
+
+class ConvWeights(nnx.Module):
+    """The parameters of a 2-D convolution: ``kernel`` HWIO (kh, kw, c_in / groups, c_out), optional ``bias``."""
+
+    def __init__(self, kh: int, kw: int, c_in_per_group: int, c_out: int, *, bias: bool, dtype: Any,
+                 rngs: nnx.Rngs):
+        bound = 1.0 / math.sqrt(kh * kw * c_in_per_group)
+        self.kernel = nnx.Param(jax.random.uniform(rngs.params(), (kh, kw, c_in_per_group, c_out), dtype,
+                                                   -bound, bound))
+        self.bias = nnx.Param(jax.random.uniform(rngs.params(), (c_out,), dtype, -bound, bound)) if bias else None
+
+
+class PatchEmbed(nnx.Module):
+    """diffusers PatchEmbed: a stride-p conv ``proj`` (kernel HWIO (p, p, c, dim)) plus optional 2-D sincos positions.
+
+    Input (b, c, H, W) NCHW like diffusers; output (b, H/p * W/p, dim) tokens in row-major patch order.
+    """
+
+    def __init__(self, sample_size: int, patch_size: int, in_channels: int, dim: int,
+                 interpolation_scale: float | None, *, dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        self.patch_size = patch_size
+        self.in_channels = in_channels
+        self.base_size = sample_size // patch_size
+        self.interpolation_scale = interpolation_scale
+        self.proj = ConvWeights(patch_size, patch_size, in_channels, dim, bias=True, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, c, height, width = x.shape
+        p = self.patch_size
+        if c != self.in_channels or height % p or width % p:
+            raise ValueError(f"PatchEmbed: input {x.shape} needs {self.in_channels} channels and H, W multiples of "
+                             f"{p}")
+        kernel = self.proj.kernel[...]
+        gh, gw = height // p, width // p
+        patches = x.astype(kernel.dtype).reshape(b, c, gh, p, gw, p)  # (b, c, gh, p, gw, p)
+        patches = patches.transpose(0, 2, 4, 3, 5, 1).reshape(b, gh * gw, p * p * c)  # (b, n, p p c)
+        tokens = patches @ kernel.reshape(p * p * c, -1) + self.proj.bias[...]  # (b, n, dim)
+        if self.interpolation_scale is None:
+            return tokens
+        pos = sincos_pos_embed_2d(tokens.shape[-1], gh, gw, self.base_size, self.interpolation_scale)  # (n, dim)
+        return (tokens.astype(jnp.float32) + pos[None]).astype(tokens.dtype)  # (b, n, dim)
+
+
+def unpatchify(tokens: jax.Array, height: int, width: int, patch_size: int, channels: int) -> jax.Array:
+    """tokens (b, gh*gw, p*p*c) in diffusers' (p, q, c) order -> image (b, c, gh*p, gw*p)."""
+    b = tokens.shape[0]
+    gh, gw, p = height // patch_size, width // patch_size, patch_size
+    x = tokens.reshape(b, gh, gw, p, p, channels)  # (b, gh, gw, p, q, c)
+    x = x.transpose(0, 5, 1, 3, 2, 4)  # (b, c, gh, p, gw, q)
+    return x.reshape(b, channels, gh * p, gw * p)  # (b, c, H, W)
+
+
+def rope_frequencies(ids: jax.Array, axes_dims: tuple[int, ...], theta: float = 10000.0
+                     ) -> tuple[jax.Array, jax.Array]:
+    """FLUX's multi-axis RoPE: ids (s, n_axes) -> (cos, sin), each (s, sum(axes_dims)) fp32, pairs interleaved."""
+    if ids.shape[-1] != len(axes_dims):
+        raise ValueError(f"rope ids of shape {ids.shape} do not match {len(axes_dims)} axes {axes_dims}")
+    cos_parts, sin_parts = [], []
+    for axis, dim in enumerate(axes_dims):
+        freqs = 1.0 / theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)  # (dim/2,)
+        angles = ids[:, axis].astype(jnp.float32)[:, None] * freqs[None, :]  # (s, dim/2)
+        cos_parts.append(jnp.repeat(jnp.cos(angles), 2, axis=1))  # (s, dim)
+        sin_parts.append(jnp.repeat(jnp.sin(angles), 2, axis=1))  # (s, dim)
+    return jnp.concatenate(cos_parts, axis=1), jnp.concatenate(sin_parts, axis=1)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x (b, s, h, dh) with interleaved (real, imag) pairs; cos/sin (s, dh) -> rotated x, computed in fp32."""
+    pairs = x.astype(jnp.float32).reshape(x.shape[:-1] + (-1, 2))  # (b, s, h, dh/2, 2)
+    rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)  # (b, s, h, dh)
+    out = x.astype(jnp.float32) * cos[None, :, None, :] + rotated * sin[None, :, None, :]  # (b, s, h, dh)
+    return out.astype(x.dtype)
