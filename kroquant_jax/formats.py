@@ -1,0 +1,479 @@
+"""MXFP4 and NVFP4 block formats: quantize, dequantize and fake-quantize with a straight-through estimator.
+
+Both formats quantize along the **last axis** in blocks of consecutive elements and store:
+
+* ``codes``: FP4 E2M1 codes packed two per ``uint8`` (element ``2i`` in the low nibble, ``2i+1`` in the high nibble),
+  shape ``(..., d // 2)``. A code is ``sign << 3 | magnitude_index`` with magnitudes ``{0, .5, 1, 1.5, 2, 3, 4, 6}``.
+* ``scales``: one per block, shape ``(..., d // block_size)``.
+
+  - MXFP4 (OCP Microscaling v1.0): E8M0 bytes, ``scale = 2 ** (byte - 127)``; the byte ``0xFF`` is NaN.
+  - NVFP4: ``float8_e4m3fn`` block scales times one fp32 per-tensor scale ``amax(|x|) / (448 * 6)``.
+
+The reconstruction invariant (see :class:`QuantizedArray`)::
+
+    dequantize(quantize(x, fmt)) == fake_quant(x, fmt)             # bit for bit
+    MXFP4:  x_hat[..., j] = e2m1(code[..., j]) * 2 ** (scale_byte[..., j // 32] - 127)
+    NVFP4:  x_hat[..., j] = e2m1(code[..., j]) * f32(scale_e4m3[..., j // 16]) * tensor_scale
+
+Numerical policies (one documented choice each, tested in ``tests/test_formats.py``):
+
+* **Rounding**: round to nearest, ties to even (on the E2M1 grid), saturating at +-6; the E2M1 code is built from
+  integer comparisons (:func:`e2m1_encode`), the same per-element function the GPU kernels use.
+* **MXFP4 shared exponent** (``ScaleMode``), with ``amax`` the block's largest magnitude:
+  ``FLOOR`` (OCP default) ``e = floor(log2 amax) - 2``; ``CEIL`` ``e = ceil(log2 amax) - 2``;
+  ``EVEN`` rounds ``amax`` to 2 significant bits (round half up) before ``FLOOR``; ``RCEIL`` ``e = ceil(log2(amax/6))``.
+  ``e`` is clamped to ``[-127, 127]``; an all-zero block gets ``e = -127`` and all-zero codes.
+  These match torchao's ``ScaleCalculationMode`` (``FLOOR``/``CEIL``/``EVEN``/``RCEIL``).
+* **Non-finite input**: a block that contains NaN or +-Inf gets the E8M0 NaN scale byte ``0xFF`` (MXFP4) or a NaN
+  block scale (NVFP4) and zero codes, so the whole block dequantizes to NaN: the error is visible, never silently
+  clipped. Host-side entry points that take user data call :func:`check_finite` to raise early with the name of the
+  offending tensor.
+* **Subnormals**: f32 subnormal values (``|x| < 2**-126``) are flushed to signed zero on input and on output. XLA:CPU
+  does this in hardware (DAZ/FTZ); doing it explicitly makes every backend (CPU, GPU, the numpy reference) agree bit
+  for bit. It only affects blocks whose ``amax < 2**-124``.
+* **Shapes**: ``d`` must be a multiple of the block size, or ``pad=True`` pads with zeros to the next multiple (and
+  :func:`dequantize` returns the padded width, sliced back by ``fake_quant``).
+
+The straight-through estimator: :func:`fake_quant` has a ``custom_vjp`` whose backward pass is the identity
+(``ste="identity"``) or the identity masked to zero where the element saturated (``ste="clipped"``: ``|x| > 6 * s``
+for the element's effective block scale ``s``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import Literal, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "E4M3_MAX",
+    "MXFP4",
+    "NVFP4",
+    "QuantFormat",
+    "QuantizedArray",
+    "ScaleMode",
+    "check_finite",
+    "dequantize",
+    "e2m1_decode",
+    "e2m1_encode",
+    "fake_quant",
+    "flush_subnormals",
+    "mx_shared_exponent",
+    "mxfp4_quantize_blocks",
+    "nvfp4_quantize_blocks",
+    "pack_nibbles",
+    "quantize",
+    "unpack_nibbles",
+]
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E4M3_TINY = 2.0**-6  # smallest normal float8_e4m3fn
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+#: The 16 E2M1 values indexed by code (bit 3 = sign).
+E2M1_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32
+)
+# Rounding thresholds between adjacent magnitudes. A tie rounds to the magnitude with an even index (mantissa bit 0):
+# ">" where the lower neighbour is even, ">=" where the upper neighbour is even.
+_E2M1_THRESHOLDS_UP = (0.25, 1.25, 2.5, 5.0)  # tie goes down: count v > t
+_E2M1_THRESHOLDS_UP_INCLUSIVE = (0.75, 1.75, 3.5)  # tie goes up: count v >= t
+
+_F32_EXP_MASK = 0x7F800000
+_F32_SIGN_MASK = np.int32(-(2**31))
+
+
+class ScaleMode(str, enum.Enum):
+    """How the MXFP4 shared exponent is derived from the block's absolute maximum (torchao's names)."""
+
+    FLOOR = "floor"
+    CEIL = "ceil"
+    EVEN = "even"
+    RCEIL = "rceil"
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP4:
+    """OCP MXFP4: E2M1 elements, one E8M0 (power-of-two) scale per ``block_size`` elements."""
+
+    block_size: int = 32
+    scale_mode: ScaleMode = ScaleMode.FLOOR
+
+    def __post_init__(self):
+        if self.block_size % 2 or self.block_size <= 0:
+            raise ValueError(f"MXFP4 block_size={self.block_size} must be a positive even number")
+        object.__setattr__(self, "scale_mode", ScaleMode(self.scale_mode))
+
+    @property
+    def name(self) -> str:
+        return "mxfp4"
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4:
+    """NVFP4: E2M1 elements, one E4M3 scale per 16 elements, one fp32 per-tensor scale."""
+
+    block_size: int = 16
+
+    def __post_init__(self):
+        if self.block_size % 2 or self.block_size <= 0:
+            raise ValueError(f"NVFP4 block_size={self.block_size} must be a positive even number")
+
+    @property
+    def name(self) -> str:
+        return "nvfp4"
+
+
+QuantFormat = Union[MXFP4, NVFP4]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("codes", "scales", "tensor_scale"),
+                   meta_fields=("fmt", "dtype"))
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+    """A block-quantized array: packed E2M1 codes and block scales are leaves, the format is static.
+
+    Attributes:
+      codes: ``uint8 (..., d // 2)``; element ``2i`` in the low nibble, ``2i + 1`` in the high nibble.
+      scales: MXFP4: ``uint8 (..., d // block)`` E8M0 bytes. NVFP4: ``float8_e4m3fn (..., d // block)``.
+      tensor_scale: ``float32 ()``: NVFP4's per-tensor scale (over the whole array; stack and ``vmap`` for one scale
+        per slice); ``1.0`` for MXFP4.
+      fmt: the :data:`QuantFormat` (static).
+      dtype: the dtype of the quantized input, used by :func:`dequantize` by default (static).
+
+    Invariant: ``dequantize(quantize(x, fmt)) == fake_quant(x, fmt)`` bit for bit, where for element ``j``
+    ``x_hat[..., j] = E2M1_VALUES[code_j] * block_scale[..., j // block] * tensor_scale``.
+    """
+
+    codes: jax.Array
+    scales: jax.Array
+    tensor_scale: jax.Array
+    fmt: QuantFormat
+    dtype: np.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the dequantized array ``(..., d)``."""
+        return (*self.codes.shape[:-1], self.codes.shape[-1] * 2)
+
+    @property
+    def nbytes(self) -> int:
+        """Storage in bytes (codes + scales + tensor scale)."""
+        return int(self.codes.size * self.codes.dtype.itemsize + self.scales.size * self.scales.dtype.itemsize + 4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Per-element / per-block math, shared by the reference path and the GPU kernels (pure jnp, integer-built codes).
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def flush_subnormals(x_f32: jax.Array) -> jax.Array:
+    """Replaces f32 subnormals by signed zeros (integer test on the bit pattern, so it is exact under DAZ)."""
+    bits = jax.lax.bitcast_convert_type(x_f32, jnp.int32)
+    is_sub = (bits & _F32_EXP_MASK) == 0
+    return jnp.where(is_sub, jax.lax.bitcast_convert_type(bits & _F32_SIGN_MASK, jnp.float32), x_f32)
+
+
+def _pow2(exponent: jax.Array) -> jax.Array:
+    """``2.0 ** exponent`` as f32 built from bits; ``exponent`` int32 in ``[-126, 127]`` (normal range)."""
+    return jax.lax.bitcast_convert_type((exponent + 127).astype(jnp.int32) << 23, jnp.float32)
+
+
+def e2m1_encode(v: jax.Array) -> jax.Array:
+    """E2M1 code of already-scaled f32 values: round to nearest, ties to even, saturate at +-6.
+
+    Args:
+      v: ``float32 (...)`` values in units of the block scale (subnormals already flushed).
+
+    Returns:
+      ``uint8 (...)`` codes in ``[0, 15]`` (bit 3 = sign bit of ``v``, so ``-0.0`` and tiny negatives give ``8``,
+      as ml_dtypes' ``float4_e2m1fn`` does).
+    """
+    mag = jnp.abs(v)
+    idx = jnp.zeros(v.shape, jnp.int32)
+    for t in _E2M1_THRESHOLDS_UP:
+        idx = idx + (mag > t).astype(jnp.int32)
+    for t in _E2M1_THRESHOLDS_UP_INCLUSIVE:
+        idx = idx + (mag >= t).astype(jnp.int32)
+    sign = (jax.lax.bitcast_convert_type(v, jnp.uint32) >> 31).astype(jnp.int32)
+    return (sign << 3 | idx).astype(jnp.uint8)
+
+
+def e2m1_decode(codes: jax.Array) -> jax.Array:
+    """Values ``float32 (...)`` of E2M1 codes ``uint8 (...)`` (low 4 bits used)."""
+    return jnp.asarray(E2M1_VALUES)[(codes & 0xF).astype(jnp.int32)]
+
+
+def mx_shared_exponent(amax: jax.Array, mode: ScaleMode) -> jax.Array:
+    """Unbiased E8M0 exponent ``int32`` of each block from its ``float32`` absolute maximum ``amax``.
+
+    ``amax`` must be finite and flushed (non-finite blocks are handled by the caller). Returns values in
+    ``[-127, 127]``; in practice ``<= 126`` since ``amax < 2**128``.
+    """
+    mode = ScaleMode(mode)
+    bits = jax.lax.bitcast_convert_type(amax, jnp.int32)
+    if mode == ScaleMode.EVEN:
+        # Round the mantissa to E2M1's 1 bit (half up), carrying into the exponent, then take the floor.
+        bits = (bits + (1 << 21)) & _F32_EXP_MASK
+    exp_field = (bits >> 23) & 0xFF
+    floor_log2 = exp_field - 127
+    if mode in (ScaleMode.FLOOR, ScaleMode.EVEN):
+        e = floor_log2 - 2
+    elif mode == ScaleMode.CEIL:
+        e = floor_log2 + ((bits & 0x7FFFFF) > 0).astype(jnp.int32) - 2
+    elif mode == ScaleMode.RCEIL:
+        # ceil(log2(amax / 6)): the smallest e with amax <= 6 * 2**e. Exact: compare amax with 6 * 2**e_floor.
+        # With amax in [2**f, 2**(f+1)): e = f - 2 if amax <= 6 * 2**(f-2) = 1.5 * 2**f, else f - 1 (exact compare).
+        e_floor = floor_log2 - 2
+        threshold = 1.5 * _pow2(jnp.clip(floor_log2, -126, 127))
+        e = jnp.where(amax > threshold, e_floor + 1, e_floor)
+        e = jnp.where(exp_field == 0, -127, e)
+    else:  # pragma: no cover - enum is closed
+        raise ValueError(f"unknown scale mode {mode!r}")
+    return jnp.clip(e, -E8M0_BIAS, E8M0_BIAS).astype(jnp.int32)
+
+
+def mxfp4_quantize_blocks(x_blocks: jax.Array, mode: ScaleMode = ScaleMode.FLOOR) -> tuple[jax.Array, jax.Array]:
+    """MXFP4-quantizes blocks. The per-tile function of the reference and of the fused GPU kernels.
+
+    Args:
+      x_blocks: ``(..., block)`` values (any float dtype; computed in f32).
+      mode: shared-exponent rule.
+
+    Returns:
+      ``codes uint8 (..., block)`` (unpacked, one code per element) and ``scale_bytes uint8 (...)`` (E8M0).
+    """
+    x = flush_subnormals(x_blocks.astype(jnp.float32))
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    nonfinite = jnp.any((bits & _F32_EXP_MASK) == _F32_EXP_MASK, axis=-1)
+    amax = jnp.max(jnp.abs(jnp.where((bits & _F32_EXP_MASK) == _F32_EXP_MASK, 0.0, x)), axis=-1)
+    e = mx_shared_exponent(amax, mode)
+    inv_scale = _pow2(jnp.clip(-e, -126, 127))  # 2**-e; e <= 126 for finite f32 input
+    codes = e2m1_encode(flush_subnormals(x * inv_scale[..., None]))
+    codes = jnp.where(nonfinite[..., None], jnp.uint8(0), codes)
+    scale_bytes = jnp.where(nonfinite, jnp.uint8(E8M0_NAN), (e + E8M0_BIAS).astype(jnp.uint8))
+    return codes, scale_bytes
+
+
+def _mxfp4_dequantize_blocks(codes: jax.Array, scale_bytes: jax.Array) -> jax.Array:
+    """``(..., block)`` codes and ``(...)`` E8M0 bytes -> f32 values ``(..., block)``.
+
+    Products with the E8M0 scale are exact powers-of-two shifts; byte 0 is handled as ``(v * 2**-63) * 2**-64``
+    so that results that are normal floats survive, then subnormal results are flushed.
+    """
+    values = e2m1_decode(codes)
+    b = scale_bytes.astype(jnp.int32)[..., None]
+    scale_hi = jax.lax.bitcast_convert_type(jnp.clip(b, 1, 254) << 23, jnp.float32)
+    out = jnp.where(b == 0, (values * jnp.float32(2.0**-63)) * jnp.float32(2.0**-64), values * scale_hi)
+    out = jnp.where(b == E8M0_NAN, jnp.nan, out)
+    return flush_subnormals(out)
+
+
+def _e4m3_round(x: jax.Array) -> jax.Array:
+    """f32 -> float8_e4m3fn (round to nearest even); ``x`` already clamped to ``[E4M3_TINY, 448]``."""
+    return x.astype(jnp.float8_e4m3fn)
+
+
+def nvfp4_tensor_scale(x: jax.Array) -> jax.Array:
+    """NVFP4 per-tensor scale ``amax(|x|) / (448 * 6)`` (f32 ``()``); ``1.0`` for an all-zero (or non-finite) tensor."""
+    xf = flush_subnormals(x.astype(jnp.float32))
+    amax = jnp.max(jnp.abs(jnp.where(jnp.isfinite(xf), xf, 0.0)))  # non-finite blocks become NaN on their own
+    ok = amax > 0
+    return jnp.where(ok, amax / jnp.float32(E4M3_MAX * E2M1_MAX), jnp.float32(1.0))
+
+
+def nvfp4_quantize_blocks(x_blocks: jax.Array, tensor_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """NVFP4-quantizes blocks given the per-tensor scale. Shared per-tile function.
+
+    Args:
+      x_blocks: ``(..., block)`` values.
+      tensor_scale: ``float32 ()`` per-tensor scale (see :func:`nvfp4_tensor_scale`).
+
+    Returns:
+      ``codes uint8 (..., block)`` and ``block_scales float8_e4m3fn (...)``;
+      ``q = e2m1(clip(x * ((1 / tensor_scale) / s_blk), +-6))`` with
+      ``s_blk = e4m3(clamp(amax / 6 / tensor_scale, tiny, 448))`` (torchao's numerics: one f32 multiply per element).
+    """
+    x = flush_subnormals(x_blocks.astype(jnp.float32))
+    nonfinite = jnp.any(~jnp.isfinite(x), axis=-1)
+    amax = jnp.max(jnp.abs(jnp.where(jnp.isfinite(x), x, 0.0)), axis=-1)
+    s_blk = _e4m3_round(jnp.clip(amax / jnp.float32(E2M1_MAX) / tensor_scale, E4M3_TINY, E4M3_MAX))
+    # One multiply per element by the reciprocal of the combined scale, the numerics of torchao's nvfp4_quantize.
+    reciprocal = (jnp.float32(1.0) / tensor_scale) / s_blk.astype(jnp.float32)  # (...)
+    v = flush_subnormals(x * reciprocal[..., None])
+    codes = e2m1_encode(jnp.clip(v, -E2M1_MAX, E2M1_MAX))
+    codes = jnp.where(nonfinite[..., None], jnp.uint8(0), codes)
+    s_blk = jnp.where(nonfinite, jnp.array(jnp.nan, jnp.float8_e4m3fn), s_blk)
+    return codes, s_blk
+
+
+def _nvfp4_dequantize_blocks(codes: jax.Array, block_scales: jax.Array, tensor_scale: jax.Array) -> jax.Array:
+    values = e2m1_decode(codes)
+    return flush_subnormals(values * block_scales.astype(jnp.float32)[..., None] * tensor_scale)
+
+
+def pack_nibbles(codes: jax.Array) -> jax.Array:
+    """``uint8 (..., d)`` 4-bit codes -> ``uint8 (..., d // 2)``: element ``2i`` low nibble, ``2i+1`` high nibble."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_nibbles needs an even last axis, got shape {codes.shape}")
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
+
+
+def unpack_nibbles(packed: jax.Array) -> jax.Array:
+    """Inverse of :func:`pack_nibbles`: ``uint8 (..., d // 2)`` -> ``uint8 (..., d)``."""
+    low = packed & 0xF
+    high = packed >> 4
+    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _check_width(x_shape: tuple[int, ...], fmt: QuantFormat, pad: bool, what: str) -> int:
+    """Returns the number of zero columns to pad (0 unless ``pad``); raises on a bad last axis."""
+    if len(x_shape) == 0:
+        raise ValueError(f"{what}: cannot quantize a scalar; expected shape (..., d)")
+    d, block = x_shape[-1], fmt.block_size
+    if d % block == 0:
+        return 0
+    if not pad:
+        raise ValueError(
+            f"{what}: {d=} must be a multiple of {block=} for {fmt.name} (shape {tuple(x_shape)}); pass pad=True to "
+            "zero-pad the last axis")
+    return block - d % block
+
+
+def _check_dtype(x: jax.Array, what: str) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{what}: expected a floating dtype (float32/bfloat16/float16), got {x.dtype}")
+
+
+def quantize(x: jax.Array, fmt: QuantFormat = MXFP4(), *, pad: bool = False) -> QuantizedArray:
+    """Block-quantizes ``x (..., d)`` along its last axis.
+
+    Args:
+      x: ``float32 | bfloat16 | float16 (..., d)``.
+      fmt: :class:`MXFP4` or :class:`NVFP4`.
+      pad: zero-pad ``d`` to a multiple of the block size instead of raising.
+
+    Returns:
+      A :class:`QuantizedArray` with ``codes (..., d' // 2)`` and ``scales (..., d' // block)`` (``d'`` = padded d).
+    """
+    _check_dtype(x, "quantize")
+    n_pad = _check_width(x.shape, fmt, pad, "quantize")
+    x_in = x
+    if n_pad:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n_pad)])
+    block = fmt.block_size
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    if isinstance(fmt, MXFP4):
+        codes, scales = mxfp4_quantize_blocks(blocks, fmt.scale_mode)
+        tensor_scale = jnp.float32(1.0)
+    elif isinstance(fmt, NVFP4):
+        tensor_scale = nvfp4_tensor_scale(x)
+        codes, scales = nvfp4_quantize_blocks(blocks, tensor_scale)
+    else:
+        raise TypeError(f"unknown quantization format {fmt!r}")
+    packed = pack_nibbles(codes.reshape(x.shape))
+    return QuantizedArray(codes=packed, scales=scales, tensor_scale=jnp.asarray(tensor_scale, jnp.float32), fmt=fmt,
+                          dtype=np.dtype(x_in.dtype))
+
+
+def dequantize(q: QuantizedArray, dtype=None) -> jax.Array:
+    """Reconstructs ``(..., d)`` values from a :class:`QuantizedArray` (in ``dtype``, default the input's dtype).
+
+    The f32 reconstruction is exact (E2M1 value times a power of two / an E4M3 value); casting to bf16/f16 is exact
+    too unless the value falls outside that dtype's range.
+    """
+    dtype = q.dtype if dtype is None else dtype
+    block = q.fmt.block_size
+    codes = unpack_nibbles(q.codes)
+    codes = codes.reshape(*codes.shape[:-1], codes.shape[-1] // block, block)
+    if isinstance(q.fmt, MXFP4):
+        values = _mxfp4_dequantize_blocks(codes, q.scales)
+    else:
+        values = _nvfp4_dequantize_blocks(codes, q.scales, q.tensor_scale)
+    return values.reshape(*values.shape[:-2], -1).astype(dtype)
+
+
+SteMode = Literal["identity", "clipped"]
+
+
+def _fake_quant_forward(x: jax.Array, fmt: QuantFormat, pad: bool) -> tuple[jax.Array, jax.Array]:
+    """Returns (fake-quantized x in x.dtype, saturation mask (bool, same shape))."""
+    q = quantize(x, fmt, pad=pad)
+    x_hat = dequantize(q, jnp.float32)[..., : x.shape[-1]]
+    block = fmt.block_size
+    if isinstance(fmt, MXFP4):
+        # 6 * 2**e = 1.5 * 2**(e + 2), built from bits so that e = -127 does not underflow; NaN scale -> never saturated.
+        e_plus_2 = q.scales.astype(jnp.int32) - E8M0_BIAS + 2
+        limit = jnp.where(e_plus_2 > 127, jnp.inf, 1.5 * _pow2(jnp.clip(e_plus_2, -126, 127)))
+        limit = jnp.where(q.scales == E8M0_NAN, jnp.nan, limit)
+    else:
+        limit = q.scales.astype(jnp.float32) * q.tensor_scale * jnp.float32(E2M1_MAX)
+    limit = jnp.repeat(limit, block, axis=-1)[..., : x.shape[-1]]
+    saturated = jnp.abs(x.astype(jnp.float32)) > limit
+    return x_hat.astype(x.dtype), saturated
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _fake_quant_ste(x, fmt, ste, pad):
+    return _fake_quant_forward(x, fmt, pad)[0]
+
+
+def _fake_quant_ste_fwd(x, fmt, ste, pad):
+    x_hat, saturated = _fake_quant_forward(x, fmt, pad)
+    return x_hat, (saturated if ste == "clipped" else None)
+
+
+def _fake_quant_ste_bwd(fmt, ste, pad, saturated, g):
+    if ste == "clipped":
+        g = jnp.where(saturated, jnp.zeros_like(g), g)
+    return (g,)
+
+
+_fake_quant_ste.defvjp(_fake_quant_ste_fwd, _fake_quant_ste_bwd)
+
+
+def fake_quant(x: jax.Array, fmt: QuantFormat = MXFP4(), *, ste: SteMode = "identity", pad: bool = False) -> jax.Array:
+    """Quantize-then-dequantize ``x (..., d)`` (the paper's ``Q_b``), same shape and dtype, differentiable by STE.
+
+    Args:
+      x: ``float32 | bfloat16 | float16 (..., d)``.
+      fmt: :class:`MXFP4` or :class:`NVFP4`.
+      ste: backward rule: ``"identity"`` (plain straight-through) or ``"clipped"`` (zero gradient where the element
+        saturated, i.e. ``|x| > 6 * block_scale``).
+      pad: zero-pad the last axis to a block multiple internally (output keeps ``d`` columns).
+    """
+    _check_dtype(x, "fake_quant")
+    _check_width(x.shape, fmt, pad, "fake_quant")
+    if ste not in ("identity", "clipped"):
+        raise ValueError(f"ste={ste!r} must be 'identity' or 'clipped'")
+    return _fake_quant_ste(x, fmt, ste, pad)
+
+
+def check_finite(x, name: str) -> None:
+    """Raises ``ValueError`` naming ``name`` if ``x`` (host or device array) holds NaN or Inf.
+
+    For host-side entry points (calibration data, checkpoint loading); inside jitted code the NaN scale policy applies.
+    """
+    arr = np.asarray(jax.device_get(x))
+    if not np.issubdtype(arr.dtype, np.floating) and arr.dtype.kind != "V":
+        arr = arr.astype(np.float32)
+    bad = ~np.isfinite(arr.astype(np.float32))
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name}: {int(bad.sum())} non-finite value(s) (NaN/Inf) in array of shape {arr.shape}, first at index "
+            f"{first}")

@@ -1,0 +1,283 @@
+"""MXFP4 / NVFP4 formats: bit-exact against an independent numpy + ml_dtypes reference, and torchao where installed."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kroquant_jax import formats as F
+from kroquant_jax.formats import MXFP4, NVFP4, ScaleMode
+
+ALL_MODES = list(ScaleMode)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Independent reference: float64 log2 for the exponent, ml_dtypes' float4_e2m1fn cast for the rounding.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _flush(x):
+    x = np.asarray(x, np.float32).copy()
+    sub = (np.abs(x) < np.float32(2.0**-126))
+    x[sub] = np.copysign(np.float32(0.0), x[sub])
+    return x
+
+
+def _ref_exponent(amax: np.ndarray, mode: ScaleMode) -> np.ndarray:
+    amax = amax.astype(np.float64)
+    safe = np.where(amax > 0, amax, 1.0)
+    if mode == ScaleMode.FLOOR:
+        e = np.floor(np.log2(safe)) - 2
+    elif mode == ScaleMode.CEIL:
+        e = np.ceil(np.log2(safe)) - 2
+    elif mode == ScaleMode.EVEN:
+        mant, ex = np.frexp(safe)  # safe = mant * 2**ex, mant in [0.5, 1)
+        rounded = np.floor(mant * 4 + 0.5) / 4  # 2 significant bits, half up
+        e = np.floor(np.log2(rounded * 2.0**ex)) - 2
+    elif mode == ScaleMode.RCEIL:
+        e = np.ceil(np.log2(safe / 6.0))
+    e = np.where(amax > 0, e, -127)
+    return np.clip(e, -127, 127).astype(np.int64)
+
+
+def ref_mxfp4(x: np.ndarray, mode: ScaleMode = ScaleMode.FLOOR, block: int = 32):
+    """Returns (unpacked codes uint8 (..., d), scale bytes uint8 (..., d/block))."""
+    x = _flush(x)
+    xb = x.reshape(*x.shape[:-1], -1, block)
+    amax = np.abs(xb).max(-1)
+    e = _ref_exponent(amax, mode)
+    v = xb.astype(np.float64) * np.exp2(-e.astype(np.float64))[..., None]
+    v = _flush(np.clip(v, -6.0, 6.0).astype(np.float32))
+    codes = v.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
+    return codes.reshape(x.shape), (e + 127).astype(np.uint8)
+
+
+def ref_nvfp4(x: np.ndarray, block: int = 16):
+    x = _flush(np.asarray(x, np.float32))
+    amax_t = np.abs(x).max()
+    ts = np.float32(amax_t / np.float32(448.0 * 6.0)) if amax_t > 0 else np.float32(1.0)
+    xb = x.reshape(*x.shape[:-1], -1, block)
+    amax = np.abs(xb).max(-1)
+    s = np.clip(amax / np.float32(6.0) / ts, np.float32(2.0**-6), np.float32(448.0)).astype(np.float32)
+    s8 = s.astype(ml_dtypes.float8_e4m3fn)
+    recip = (np.float32(1.0) / ts) / s8.astype(np.float32)
+    v = _flush(np.clip(xb * recip[..., None], -6.0, 6.0).astype(np.float32))
+    codes = v.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
+    return codes.reshape(x.shape), s8, ts
+
+
+def unpacked_codes(q):
+    return np.asarray(F.unpack_nibbles(q.codes))
+
+
+def _outlier_data(key, shape, scale=1.0):
+    """Gaussian data with a few huge channels and heavy-tailed rows; never zeros."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    x = jax.random.normal(k1, shape) * scale
+    channel_boost = jnp.where(jax.random.uniform(k2, shape[-1:]) < 0.05, 50.0, 1.0)
+    row_boost = jnp.exp(jax.random.normal(k3, shape[:-1] + (1,)))
+    return np.array(x * channel_boost * row_boost, np.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("magnitude", [2.0**-120, 1e-3, 1.0, 3e4, 2.0**110])
+def test_mxfp4_bit_exact_against_reference(mode, magnitude):
+    x = _outlier_data(jax.random.key(1), (8, 256), magnitude)
+    q = F.quantize(jnp.asarray(x), MXFP4(scale_mode=mode))
+    codes, scales = ref_mxfp4(x, mode)
+    np.testing.assert_array_equal(np.asarray(q.scales), scales)
+    np.testing.assert_array_equal(unpacked_codes(q), codes)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_every_e2m1_tie_and_saturation(mode):
+    # Each block: amax pinned at 6 * 2**k so that the FLOOR scale is 2**k; other entries are every tie point,
+    # every representable value, and values just above/below ties, in both signs.
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    vals = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    eps = [t * (1 + 2**-20) for t in ties] + [t * (1 - 2**-20) for t in ties]
+    row = np.array(ties + vals + eps + [0.1, 4.5, 5.9], np.float64)
+    assert row.size == 32
+    blocks = []
+    for k in (-3, 0, 5):
+        for sign in (1.0, -1.0):
+            b = sign * row * 2.0**k
+            b[7 + 7] = 6.0 * 2.0**k  # vals[7] sits at index 14
+            blocks.append(b)
+    # Saturation under FLOOR: amax = 7.75 * 2**k scales to 7.75 > 6.
+    sat = np.linspace(-7.75, 7.75, 32)
+    blocks.append(sat)
+    x = np.stack(blocks).astype(np.float32)
+    q = F.quantize(jnp.asarray(x), MXFP4(scale_mode=mode))
+    codes, scales = ref_mxfp4(x, mode)
+    np.testing.assert_array_equal(np.asarray(q.scales), scales)
+    np.testing.assert_array_equal(unpacked_codes(q), codes)
+    if mode == ScaleMode.FLOOR:
+        # Explicit expectations, independent of ml_dtypes: ties to even on the index grid.
+        expect = [0, 2, 2, 4, 4, 6, 6]  # 0.25->0, 0.75->1.0(idx2), 1.25->1.0, 1.75->2.0, 2.5->2.0, 3.5->4.0, 5->4.0
+        np.testing.assert_array_equal(unpacked_codes(q)[0, :7], expect)
+        np.testing.assert_array_equal(unpacked_codes(q)[1, :7], np.array(expect) | 8)
+        assert unpacked_codes(q)[-1, 0] == 0xF and unpacked_codes(q)[-1, -1] == 0x7  # -7.75 -> -6, 7.75 -> 6
+
+
+def test_nibble_order_low_first():
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0], x[0, 1] = 6.0, 0.5  # codes 7 and 1, scale 2**0 (amax 6 -> floor(log2 6) - 2 = 0)
+    x[0, 2], x[0, 3] = -1.0, 3.0  # codes 0xA and 5
+    q = F.quantize(jnp.asarray(x))
+    assert int(q.scales[0, 0]) == 127
+    assert int(q.codes[0, 0]) == 0x17
+    assert int(q.codes[0, 1]) == 0x5A
+
+
+def test_all_zero_block_gives_zero_codes_and_min_scale():
+    x = np.zeros((2, 64), np.float32)
+    x[1, 32:] = np.linspace(1, 2, 32)
+    q = F.quantize(jnp.asarray(x))
+    assert np.all(np.asarray(q.codes)[0] == 0) and np.all(np.asarray(q.codes)[1, :16] == 0)
+    assert int(q.scales[0, 0]) == 0 and int(q.scales[1, 0]) == 0
+    np.testing.assert_array_equal(np.asarray(F.dequantize(q))[0], 0.0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_block_becomes_nan_scale(bad):
+    x = _outlier_data(jax.random.key(2), (2, 64))
+    x[1, 40] = bad
+    q = F.quantize(jnp.asarray(x))
+    assert int(q.scales[1, 1]) == 0xFF
+    out = np.asarray(F.dequantize(q))
+    assert np.all(np.isnan(out[1, 32:])) and np.all(np.isfinite(out[1, :32])) and np.all(np.isfinite(out[0]))
+    codes, scales = ref_mxfp4(np.where(np.isfinite(x), x, 0.0))
+    np.testing.assert_array_equal(np.asarray(q.scales)[0], scales[0])  # other blocks untouched
+    qn = F.quantize(jnp.asarray(x), NVFP4())
+    outn = np.asarray(F.dequantize(qn))
+    assert np.all(np.isnan(outn[1, 32:48])) and np.all(np.isfinite(outn[1, :32])) and np.all(np.isfinite(outn[0]))
+    with pytest.raises(ValueError, match=r"activations of layer blocks\.0: 1 non-finite"):
+        F.check_finite(x, "activations of layer blocks.0")
+
+
+def test_subnormal_inputs_flush_and_tiny_scales_are_exact():
+    x = np.full((1, 32), 2.0**-125, np.float32)
+    x[0, 1] = 2.0**-127  # subnormal -> flushed to +0
+    x[0, 2] = -(2.0**-128)  # subnormal -> flushed to -0 (code 8)
+    q = F.quantize(jnp.asarray(x))
+    assert int(q.scales[0, 0]) == 0  # e = -127
+    c = unpacked_codes(q)[0]
+    assert c[0] == 6 and c[1] == 0 and c[2] == 8  # 2**-125 * 2**127 = 4 -> idx 6
+    np.testing.assert_array_equal(np.asarray(F.dequantize(q))[0, 0], np.float32(2.0**-125))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("fmt", [MXFP4(), MXFP4(scale_mode="rceil"), NVFP4()])
+def test_round_trip_equals_fake_quant_any_leading_shape(dtype, fmt):
+    x = jnp.asarray(_outlier_data(jax.random.key(3), (2, 3, 128)), dtype)
+    q = F.quantize(x, fmt)
+    assert q.codes.shape == (2, 3, 64) and q.scales.shape == (2, 3, 128 // fmt.block_size)
+    fq = F.fake_quant(x, fmt)
+    assert fq.dtype == dtype and fq.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(F.dequantize(q)), np.asarray(fq))
+    # bf16/f16 inputs quantize exactly like their f32 upcast
+    q32 = F.quantize(x.astype(jnp.float32), fmt)
+    np.testing.assert_array_equal(np.asarray(q32.codes), np.asarray(q.codes))
+    # and jit agrees with eager
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: F.fake_quant(a, fmt))(x)), np.asarray(fq))
+
+
+def test_width_not_multiple_of_block_raises_or_pads():
+    x = jnp.ones((4, 48))
+    with pytest.raises(ValueError, match=r"d=48 must be a multiple of block=32"):
+        F.quantize(x)
+    with pytest.raises(ValueError, match=r"d=48 must be a multiple of block=32"):
+        F.fake_quant(x)
+    q = F.quantize(x, pad=True)
+    assert q.codes.shape == (4, 32)
+    fq = F.fake_quant(x, pad=True)
+    assert fq.shape == (4, 48)
+    np.testing.assert_array_equal(np.asarray(fq), 1.0)
+    with pytest.raises(TypeError, match="floating"):
+        F.quantize(jnp.ones((2, 32), jnp.int32))
+
+
+def test_nvfp4_bit_exact_against_reference():
+    for seed, mag in [(4, 1.0), (5, 1e-4), (6, 1e5)]:
+        x = _outlier_data(jax.random.key(seed), (16, 128), mag)
+        q = F.quantize(jnp.asarray(x), NVFP4())
+        codes, s8, ts = ref_nvfp4(x)
+        assert np.float32(q.tensor_scale) == ts
+        np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint8), s8.view(np.uint8))
+        np.testing.assert_array_equal(unpacked_codes(q), codes)
+    zero = F.quantize(jnp.zeros((2, 32)), NVFP4())
+    assert float(zero.tensor_scale) == 1.0 and np.all(np.asarray(zero.codes) == 0)
+
+
+@pytest.mark.parametrize("fmt", [MXFP4(), NVFP4()])
+def test_ste_gradients(fmt):
+    x = jnp.asarray(_outlier_data(jax.random.key(7), (4, 64)))
+    g = jax.random.normal(jax.random.key(8), x.shape)
+    grad = jax.grad(lambda a: jnp.sum(F.fake_quant(a, fmt) * g))(x)
+    np.testing.assert_array_equal(np.asarray(grad), np.asarray(g))
+    # Clipped STE: zero exactly where |x| > 6 * block scale.
+    xs = np.linspace(-7.75, 7.75, 64, dtype=np.float32).reshape(1, 64)  # FLOOR scale 1 in both blocks
+    grad_c = jax.grad(lambda a: jnp.sum(F.fake_quant(a, MXFP4(), ste="clipped")))(jnp.asarray(xs))
+    np.testing.assert_array_equal(np.asarray(grad_c), (np.abs(xs) <= 6.0).astype(np.float32))
+    assert 0 < np.asarray(grad_c).sum() < 64
+    with pytest.raises(ValueError, match="ste"):
+        F.fake_quant(x, fmt, ste="bogus")
+
+
+def test_quantized_array_is_a_pytree_with_static_format():
+    q = F.quantize(jnp.ones((3, 64)), MXFP4(scale_mode="ceil"))
+    leaves, treedef = jax.tree_util.tree_flatten(q)
+    assert len(leaves) == 3
+    q2 = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert q2.fmt == MXFP4(scale_mode="ceil") and q2.shape == (3, 64)
+    stacked = jax.vmap(lambda a: F.quantize(a, NVFP4()))(jax.random.normal(jax.random.key(0), (5, 4, 32)))
+    assert stacked.tensor_scale.shape == (5,)  # one per-tensor scale per vmapped slice
+    assert q.nbytes == 3 * 32 + 3 * 2 + 4
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# torchao's reference code (test extras; its pure-torch path runs on the CPU).
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _torchao():
+    torch = pytest.importorskip("torch")
+    try:
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.kernels import unpack_uint4
+        from torchao.prototype.mx_formats.mx_tensor import to_mx
+        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+    except Exception as e:  # pragma: no cover - depends on the optional install
+        pytest.skip(f"torchao mx_formats not importable here: {e}")
+    return torch, ScaleCalculationMode, unpack_uint4, to_mx, nvfp4_quantize, per_tensor_amax_to_scale
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_mxfp4_matches_torchao(mode):
+    torch, SCM, unpack_uint4, to_mx, _, _ = _torchao()
+    # Magnitudes where torchao's min-normal clamp of the scale does not kick in (amax >= 2**-120).
+    x = _outlier_data(jax.random.key(11), (16, 256))
+    scale_t, data_t = to_mx(torch.from_numpy(x), torch.float4_e2m1fn_x2, 32, scaling_mode=SCM(mode.value))
+    q = F.quantize(jnp.asarray(x), MXFP4(scale_mode=mode))
+    np.testing.assert_array_equal(np.asarray(q.scales).reshape(-1), scale_t.view(torch.uint8).numpy().reshape(-1))
+    codes_t = unpack_uint4(data_t.view(torch.uint8).contiguous()).numpy().reshape(16, 256)
+    np.testing.assert_array_equal(unpacked_codes(q), codes_t)
+
+
+def test_nvfp4_matches_torchao():
+    torch, _, unpack_uint4, _, nvfp4_quantize, per_tensor_amax_to_scale = _torchao()
+    x = _outlier_data(jax.random.key(12), (16, 256))
+    xt = torch.from_numpy(x)
+    ts = per_tensor_amax_to_scale(xt.abs().max())
+    scales_t, data_t = nvfp4_quantize(xt, 16, per_tensor_scale=ts)
+    q = F.quantize(jnp.asarray(x), NVFP4())
+    assert np.float32(q.tensor_scale) == np.float32(ts.item())
+    np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint8).reshape(-1),
+                                  scales_t.view(torch.uint8).numpy().reshape(-1))
+    codes_t = unpack_uint4(data_t.view(torch.uint8).contiguous()).numpy().reshape(16, 256)
+    np.testing.assert_array_equal(unpacked_codes(q), codes_t)
