@@ -482,6 +482,7 @@ class KeyTable:
             groups.setdefault((rule_index, tuple(sorted(captured.items()))), {})[slot] = key
         missing: list[str] = []
         mis_shaped: list[str] = []
+        produced: set[str] = set()
         result: dict[str, np.ndarray] = {}
         for (rule_index, captured_items), slots in groups.items():
             rule_ = self.rules[rule_index]
@@ -497,10 +498,12 @@ class KeyTable:
                 outputs = _apply(rule_, sources, inverse=False)
             except ValueError as err:
                 mis_shaped.append(f"{', '.join(slots.values())}: {err}")
+                produced.update(_fill(p, captured) for p in rule_.target)
                 continue
             for pattern, array in zip(rule_.target, outputs):
                 path = _fill(pattern, captured)
                 source_names = ", ".join(slots[n] for n in range(len(rule_.source)))
+                produced.add(path)
                 if path not in expected_shapes:
                     unexpected.append(f"{source_names} (-> {path}, which the model does not have)")
                     continue
@@ -512,7 +515,7 @@ class KeyTable:
                     array = array.astype(target_dtype)
                 result[path] = array
         for path in expected_shapes:
-            if path in result or any(path in m for m in mis_shaped):
+            if path in produced:
                 continue
             found = self._match_target(path)
             if found is None:
