@@ -13,7 +13,9 @@ described by ``indicator`` / ``segment_ids`` / ``position_ids``):
 
 Each of the ``num_layers`` blocks: AdaLN scales/gates from the timestep (``tanh`` gates, ``1 + scale``), self-attention
 with q/k RMSNorm per head, a SwiGLU feed-forward ``w2(silu(w1 x) * w3 x)``, and "sandwich" RMSNorms before and after
-each branch. Module names follow diffusers, so a linear's dotted path is its diffusers key prefix
+each branch. The linears are the shared ``models.layers.Linear`` (kernel ``(d_in, d_out)``; the block linears
+``to_q/to_k/to_v/to_out.0/w1/w2/w3`` are marked quantizable) and every forward takes optional ``LinearHooks`` (quantized
+overrides, activation capture). Module names follow diffusers, so a linear's dotted path is its diffusers key prefix
 (``layers.3.attention.to_q`` <- ``layers.3.attention.to_q.weight``); :data:`KEY_TABLE` is the declarative mapping
 used by :mod:`models.convert`.
 
@@ -39,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 from models import convert
+from models.layers import Linear, LinearHooks, name_linears
 
 # Per-token role indicators of the packed sequence (diffusers' constants).
 SEQUENCE_PADDING_INDICATOR = -1
@@ -57,8 +60,8 @@ class Ideogram4Config:
     The first ten fields are diffusers' ``config.json`` fields; the rest are JAX-side choices.
 
     Attributes:
-        dtype: compute dtype of activations (``jnp.bfloat16`` for serving, ``jnp.float32`` for parity tests).
-        param_dtype: dtype the parameters are created in.
+        dtype: dtype of the activations between layers (``jnp.bfloat16`` for serving, ``jnp.float32`` for parity).
+        param_dtype: dtype the parameters are created in; the linears (``models.layers.Linear``) compute in it.
         attention_impl: ``"xla"`` (any device) or ``"cudnn"`` (cuDNN flash attention; GPU, bf16/fp16 only).
         scan_layers: stack the blocks and run them with ``lax.scan`` (see the module docstring).
     """
@@ -226,8 +229,9 @@ def sinusoidal_embedding(t: jax.Array, dim: int, scale: float = 1e4) -> jax.Arra
     return emb
 
 
-def _linear(cfg: Ideogram4Config, d_in: int, d_out: int, rngs: nnx.Rngs, bias: bool) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+def _linear(cfg: Ideogram4Config, d_in: int, d_out: int, rngs: nnx.Rngs, bias: bool,
+            quantizable: bool = False) -> Linear:
+    return Linear(d_in, d_out, bias=bias, quantizable=quantizable, dtype=cfg.param_dtype, rngs=rngs)
 
 
 class Ideogram4Attention(nnx.Module):
@@ -238,38 +242,39 @@ class Ideogram4Attention(nnx.Module):
         self.num_heads = cfg.num_attention_heads
         self.head_dim = cfg.attention_head_dim
         self.attention_impl = cfg.attention_impl
-        self.to_q = _linear(cfg, hidden, hidden, rngs, bias=False)
-        self.to_k = _linear(cfg, hidden, hidden, rngs, bias=False)
-        self.to_v = _linear(cfg, hidden, hidden, rngs, bias=False)
+        self.to_q = _linear(cfg, hidden, hidden, rngs, bias=False, quantizable=True)
+        self.to_k = _linear(cfg, hidden, hidden, rngs, bias=False, quantizable=True)
+        self.to_v = _linear(cfg, hidden, hidden, rngs, bias=False, quantizable=True)
         self.norm_q = RMSNorm(self.head_dim, 1e-5, param_dtype=cfg.param_dtype)
         self.norm_k = RMSNorm(self.head_dim, 1e-5, param_dtype=cfg.param_dtype)
-        self.to_out = nnx.List([_linear(cfg, hidden, hidden, rngs, bias=False)])
+        self.to_out = nnx.List([_linear(cfg, hidden, hidden, rngs, bias=False, quantizable=True)])
 
-    def __call__(self, x: jax.Array, mask: jax.Array | None, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, mask: jax.Array | None, cos: jax.Array, sin: jax.Array,
+                 hooks: LinearHooks | None = None) -> jax.Array:
         """``x (B, L, hidden)``, ``mask (B, 1, L, L)`` bool or None (all attend), ``cos/sin (B, L, head_dim)``."""
         batch, length, _ = x.shape
         heads = (batch, length, self.num_heads, self.head_dim)
-        query = self.norm_q(self.to_q(x).reshape(heads))  # (B, L, H, D)
-        key = self.norm_k(self.to_k(x).reshape(heads))  # (B, L, H, D)
-        value = self.to_v(x).reshape(heads)  # (B, L, H, D)
+        query = self.norm_q(self.to_q(x, hooks).reshape(heads))  # (B, L, H, D)
+        key = self.norm_k(self.to_k(x, hooks).reshape(heads))  # (B, L, H, D)
+        value = self.to_v(x, hooks).reshape(heads)  # (B, L, H, D)
         query = apply_rotary(query, cos, sin)  # (B, L, H, D)
         key = apply_rotary(key, cos, sin)  # (B, L, H, D)
         out = jax.nn.dot_product_attention(query, key, value, mask=mask,
                                            implementation=self.attention_impl)  # (B, L, H, D)
-        return self.to_out[0](out.reshape(batch, length, -1))  # (B, L, hidden)
+        return self.to_out[0](out.reshape(batch, length, -1), hooks)  # (B, L, hidden)
 
 
 class Ideogram4MLP(nnx.Module):
     """SwiGLU feed-forward ``w2(silu(w1 x) * w3 x)`` (no biases)."""
 
     def __init__(self, cfg: Ideogram4Config, *, rngs: nnx.Rngs):
-        self.w1 = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, rngs, bias=False)
-        self.w2 = _linear(cfg, cfg.intermediate_size, cfg.hidden_size, rngs, bias=False)
-        self.w3 = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, rngs, bias=False)
+        self.w1 = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, rngs, bias=False, quantizable=True)
+        self.w2 = _linear(cfg, cfg.intermediate_size, cfg.hidden_size, rngs, bias=False, quantizable=True)
+        self.w3 = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, rngs, bias=False, quantizable=True)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gated = jax.nn.silu(self.w1(x)) * self.w3(x)  # (B, L, intermediate)
-        return self.w2(gated)  # (B, L, hidden)
+    def __call__(self, x: jax.Array, hooks: LinearHooks | None = None) -> jax.Array:
+        gated = jax.nn.silu(self.w1(x, hooks)) * self.w3(x, hooks)  # (B, L, intermediate)
+        return self.w2(gated, hooks)  # (B, L, hidden)
 
 
 class Ideogram4TransformerBlock(nnx.Module):
@@ -286,17 +291,17 @@ class Ideogram4TransformerBlock(nnx.Module):
         self.adaln_modulation = _linear(cfg, cfg.adaln_dim, 4 * hidden, rngs, bias=True)
 
     def __call__(self, hidden_states: jax.Array, mask: jax.Array | None, cos: jax.Array, sin: jax.Array,
-                 adaln_input: jax.Array) -> jax.Array:
+                 adaln_input: jax.Array, hooks: LinearHooks | None = None) -> jax.Array:
         """``hidden_states (B, L, hidden)``; ``adaln_input (B, 1 or L, adaln_dim)``."""
         mod = self.adaln_modulation(adaln_input)  # (B, 1|L, 4*hidden)
         scale_msa, gate_msa, scale_mlp, gate_mlp = jnp.split(mod, 4, axis=-1)  # each (B, 1|L, hidden)
         gate_msa, gate_mlp = jnp.tanh(gate_msa), jnp.tanh(gate_mlp)
         scale_msa, scale_mlp = 1.0 + scale_msa, 1.0 + scale_mlp
         attn_in = self.attention_norm1(hidden_states) * scale_msa  # (B, L, hidden)
-        attn_out = self.attention(attn_in, mask, cos, sin)  # (B, L, hidden)
+        attn_out = self.attention(attn_in, mask, cos, sin, hooks)  # (B, L, hidden)
         hidden_states = hidden_states + gate_msa * self.attention_norm2(attn_out)  # (B, L, hidden)
         ffn_in = self.ffn_norm1(hidden_states) * scale_mlp  # (B, L, hidden)
-        ffn_out = self.feed_forward(ffn_in)  # (B, L, hidden)
+        ffn_out = self.feed_forward(ffn_in, hooks)  # (B, L, hidden)
         return hidden_states + gate_mlp * self.ffn_norm2(ffn_out)  # (B, L, hidden)
 
 
@@ -362,6 +367,7 @@ class Ideogram4Transformer(nnx.Module):
         else:
             self.layers = nnx.List([Ideogram4TransformerBlock(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_layer = Ideogram4FinalLayer(cfg, rngs=rngs)
+        name_linears(self)
 
     def embed_text(self, encoder_hidden_states: jax.Array | None, indicator: jax.Array) -> jax.Array:
         """Text conditioning added to the hidden stream: ``llm_cond_proj(norm(f * m)) * m``, ``m = [text token]``.
@@ -379,7 +385,7 @@ class Ideogram4Transformer(nnx.Module):
         cfg = self.config
         llm_token_mask = (indicator == LLM_TOKEN_INDICATOR).astype(cfg.dtype)[..., None]  # (B, L, 1)
         if encoder_hidden_states is None:
-            bias = self.llm_cond_proj.bias[...].astype(cfg.dtype)  # (hidden,)
+            bias = self.llm_cond_proj.bias[...].astype(cfg.dtype)  # (hidden,) (the projection of zero features)
             return bias * llm_token_mask  # (B, L, hidden)
         if encoder_hidden_states.shape != (*indicator.shape, cfg.llm_features_dim):
             raise ValueError(f"encoder_hidden_states {encoder_hidden_states.shape} must be (B, L, "
@@ -389,7 +395,7 @@ class Ideogram4Transformer(nnx.Module):
 
     def __call__(self, hidden_states: jax.Array, timestep: jax.Array, encoder_hidden_states: jax.Array | None,
                  position_ids: jax.Array, segment_ids: jax.Array | None, indicator: jax.Array, *,
-                 text_embeddings: jax.Array | None = None) -> jax.Array:
+                 text_embeddings: jax.Array | None = None, hooks: LinearHooks | None = None) -> jax.Array:
         """Flow-matching velocity for every token of the packed sequence (only image tokens are meaningful).
 
         Args:
@@ -402,6 +408,8 @@ class Ideogram4Transformer(nnx.Module):
                 of a row is in one segment (no mask: the cheap path).
             indicator: ``(B, L)`` integer token roles (``LLM_TOKEN_INDICATOR``, ``OUTPUT_IMAGE_INDICATOR``, other).
             text_embeddings: ``(B, L, hidden)`` from :meth:`embed_text`; replaces ``encoder_hidden_states``.
+            hooks: :class:`models.layers.LinearHooks` routing the block linears (quantized overrides, activation
+                capture); list layout only (scanned layers share one path per linear).
         Returns:
             ``(B, L, in_channels)`` in the compute dtype.
         """
@@ -415,6 +423,8 @@ class Ideogram4Transformer(nnx.Module):
             raise ValueError(f"position_ids {position_ids.shape} must be (B, L, 3) = {(batch, length, 3)}")
         if segment_ids is not None and segment_ids.shape != (batch, length):
             raise ValueError(f"segment_ids {segment_ids.shape} must be (B, L) = {(batch, length)}")
+        if hooks is not None and cfg.scan_layers:
+            raise ValueError("hooks need the list layout (scan_layers=False): scanned blocks share their linear paths")
         if timestep.shape not in ((batch,), (batch, length)):
             raise ValueError(f"timestep {timestep.shape} must be (B,) = {(batch,)} or (B, L) = {(batch, length)}")
 
@@ -450,7 +460,7 @@ class Ideogram4Transformer(nnx.Module):
             hidden, _ = jax.lax.scan(run_block, hidden, block_states)  # (B, L, hidden)
         else:
             for block in self.layers:
-                hidden = block(hidden, mask, cos, sin, adaln_input)  # (B, L, hidden)
+                hidden = block(hidden, mask, cos, sin, adaln_input, hooks)  # (B, L, hidden)
 
         return self.final_layer(hidden, adaln_input)  # (B, L, in_channels)
 

@@ -304,3 +304,34 @@ def test_config_validation_and_round_trip():
         ig.Ideogram4Config.from_diffusers_config({"in_channels": 8, "patch_size": 2})
     cfg = ig.tiny_config()
     assert ig.Ideogram4Config.from_diffusers_config(cfg.to_diffusers_config()) == cfg
+
+
+def test_quantizable_linears_and_hooks():
+    """Block linears are the shared models.layers.Linear, named by their diffusers key prefix and hookable."""
+    from models.layers import LinearHooks, linears
+
+    cfg = ig.tiny_config()
+    model = ig.Ideogram4Transformer(cfg, rngs=nnx.Rngs(3))
+    quantizable = linears(model, quantizable_only=True)
+    expected = {f"layers.{i}.{name}" for i in range(cfg.num_layers)
+                for name in ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
+                             "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")}
+    assert set(quantizable) == expected
+    assert all(layer.path == path for path, layer in quantizable.items())
+    position_ids, segment_ids, indicator = (jnp.asarray(t.numpy()) for t in _pipeline_layout([2], (2, 2), 3))
+    latents = jax.random.normal(jax.random.key(4), (*indicator.shape, cfg.in_channels))
+    args = (latents, jnp.array([0.5]), None, position_ids, segment_ids, indicator)
+
+    def run(hooks):
+        return nnx.jit(lambda m, a: m(*a, hooks=hooks))(model, args)
+
+    plain = run(None)
+    same = run(LinearHooks({"layers.1.feed_forward.w2": quantizable["layers.1.feed_forward.w2"].dense}))
+    np.testing.assert_allclose(np.asarray(same), np.asarray(plain), rtol=1e-6, atol=1e-6)
+    zeroed = run(LinearHooks({"layers.1.feed_forward.w2": lambda x: jnp.zeros(x.shape[:-1] + (cfg.hidden_size,),
+                                                                               x.dtype)}))
+    assert np.abs(np.asarray(zeroed) - np.asarray(plain)).max() > 1e-3
+    scan_model = nnx.eval_shape(lambda: ig.Ideogram4Transformer(dataclasses.replace(cfg, scan_layers=True),
+                                                                rngs=nnx.Rngs(3)))
+    with pytest.raises(ValueError, match="list layout"):
+        scan_model(*args, hooks=LinearHooks({}))
