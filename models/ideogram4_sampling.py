@@ -200,8 +200,8 @@ def grid_for(height: int, width: int) -> tuple[int, int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Branches:
-    """Precomputed per-prompt inputs of the two transformers (a pytree of arrays)."""
+class Branches:
+    """Precomputed per-prompt inputs of the two transformers (a pytree of arrays; see :func:`prepare_branches`)."""
 
     text_embeddings: jax.Array  # (B, L, hidden) conditional branch
     uncond_text_embeddings: jax.Array  # (B, N, hidden)
@@ -210,22 +210,28 @@ class _Branches:
     indicator: jax.Array  # (B, L)
 
 
-jax.tree_util.register_dataclass(_Branches, data_fields=[f.name for f in dataclasses.fields(_Branches)],
+jax.tree_util.register_dataclass(Branches, data_fields=[f.name for f in dataclasses.fields(Branches)],
                                  meta_fields=[])
 
 
-def _prepare_branches(cond: Ideogram4Transformer, uncond: Ideogram4Transformer, text_features: jax.Array,
-                      layout_arrays: tuple[jax.Array, jax.Array | None, jax.Array], num_text_slots: int) -> _Branches:
+def prepare_branches(cond: Ideogram4Transformer, uncond: Ideogram4Transformer, text_features: jax.Array,
+                     layout_arrays: tuple[jax.Array, jax.Array | None, jax.Array], num_text_slots: int) -> Branches:
+    """Per-prompt inputs of both branches; the text projection runs here once, not at every step.
+
+    Args:
+        text_features: ``(B, T, llm_features_dim)`` text region of the sequence (``T = num_text_slots``).
+        layout_arrays: ``(position_ids (B, L, 3), segment_ids (B, L) or None, indicator (B, L))``.
+    """
     position_ids, segment_ids, indicator = layout_arrays
     text_region = cond.embed_text(text_features, indicator[:, :num_text_slots])  # (B, T, hidden)
     # Image positions carry zero features in the pipeline: their contribution is exactly bias * [text token].
     image_region = cond.embed_text(None, indicator[:, num_text_slots:])  # (B, N, hidden)
     text_embeddings = jnp.concatenate([text_region, image_region], axis=1)  # (B, L, hidden)
     uncond_text = uncond.embed_text(None, indicator[:, num_text_slots:])  # (B, N, hidden)
-    return _Branches(text_embeddings, uncond_text, position_ids, segment_ids, indicator)
+    return Branches(text_embeddings, uncond_text, position_ids, segment_ids, indicator)
 
 
-def _guided_velocity(cond: Ideogram4Transformer, uncond: Ideogram4Transformer, branches: _Branches,
+def guided_velocity(cond: Ideogram4Transformer, uncond: Ideogram4Transformer, branches: Branches,
                      latents: jax.Array, model_time: jax.Array, guidance: jax.Array, num_text_slots: int) -> jax.Array:
     """``g v_cond + (1 - g) v_uncond`` in float32 for ``latents (B, N, C)`` float32 at scalar ``model_time``."""
     batch, _, channels = latents.shape
@@ -244,12 +250,15 @@ def _guided_velocity(cond: Ideogram4Transformer, uncond: Ideogram4Transformer, b
     return guidance * cond_v + (1.0 - guidance) * uncond_v  # (B, N, C)
 
 
-def _euler(latents: jax.Array, velocity: jax.Array, sigma: jax.Array, sigma_next: jax.Array) -> jax.Array:
+def euler_step(latents: jax.Array, velocity: jax.Array, sigma: jax.Array, sigma_next: jax.Array) -> jax.Array:
     """The scheduler's step on ``-v``: ``x + (sigma_next - sigma) * (-v)`` in float32."""
     return latents + (sigma_next - sigma) * (-velocity)  # (B, N, C)
 
 
-def _layout_arrays(layout: PackedLayout, use_mask: bool | None):
+def layout_arrays(layout: PackedLayout, use_mask: bool | None = None
+                  ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """``(position_ids, segment_ids or None, indicator)`` device arrays; ``segment_ids`` is dropped (no attention
+    mask) when ``use_mask`` is False, by default when the layout is one segment per row."""
     use_mask = (not layout.single_segment) if use_mask is None else use_mask
     if not use_mask and not layout.single_segment:
         raise ValueError("use_mask=False needs a single-segment layout (no padding); this layout has padding")
@@ -268,20 +277,26 @@ def _check_inputs(cond: Ideogram4Transformer, noise: jax.Array, text_features: j
                          f"{(batch, layout.num_text_slots, cfg.llm_features_dim)}")
 
 
-@nnx.jit(static_argnames=("num_text_slots",))
-def _sample_jit(cond, uncond, noise, text_features, layout_arrays, sigmas, model_times, guidance, num_text_slots):
-    branches = _prepare_branches(cond, uncond, text_features, layout_arrays, num_text_slots)
+def denoise_loop(cond: Ideogram4Transformer, uncond: Ideogram4Transformer, noise: jax.Array, text_features: jax.Array,
+                 layout_arrays: tuple[jax.Array, jax.Array | None, jax.Array], sigmas: jax.Array,
+                 model_times: jax.Array, guidance: jax.Array, num_text_slots: int) -> jax.Array:
+    """The whole guided Euler loop as one ``lax.scan`` (pure; call it under jit). Shapes as in :func:`sample`;
+    ``sigmas (N + 1,)``, ``model_times (N,)``, ``guidance (N,)`` float32 from a :class:`FlowSchedule`."""
+    branches = prepare_branches(cond, uncond, text_features, layout_arrays, num_text_slots)
     cond_graph, cond_state = nnx.split(cond)
     uncond_graph, uncond_state = nnx.split(uncond)
 
     def step(latents, per_step):
         model_time, sigma, sigma_next, g = per_step
-        velocity = _guided_velocity(nnx.merge(cond_graph, cond_state), nnx.merge(uncond_graph, uncond_state),
-                                    branches, latents, model_time, g, num_text_slots)  # (B, N, C)
-        return _euler(latents, velocity, sigma, sigma_next), None
+        velocity = guided_velocity(nnx.merge(cond_graph, cond_state), nnx.merge(uncond_graph, uncond_state),
+                                   branches, latents, model_time, g, num_text_slots)  # (B, N, C)
+        return euler_step(latents, velocity, sigma, sigma_next), None
 
     latents, _ = jax.lax.scan(step, noise.astype(jnp.float32), (model_times, sigmas[:-1], sigmas[1:], guidance))
     return latents  # (B, N, C)
+
+
+_sample_jit = nnx.jit(denoise_loop, static_argnames=("num_text_slots",))
 
 
 def sample(cond: Ideogram4Transformer, uncond: Ideogram4Transformer, noise: jax.Array, text_features: jax.Array,
@@ -300,20 +315,20 @@ def sample(cond: Ideogram4Transformer, uncond: Ideogram4Transformer, noise: jax.
         ``(B, grid_h * grid_w, in_channels)`` float32 denoised latents (the pipeline's ``output_type="latent"``).
     """
     _check_inputs(cond, noise, text_features, layout)
-    return _sample_jit(cond, uncond, noise, text_features, _layout_arrays(layout, use_mask),
+    return _sample_jit(cond, uncond, noise, text_features, layout_arrays(layout, use_mask),
                        jnp.asarray(schedule.sigmas), jnp.asarray(schedule.model_times),
                        jnp.asarray(schedule.guidance), num_text_slots=layout.num_text_slots)
 
 
 @nnx.jit(static_argnames=("num_text_slots",))
 def _cfg_step_jit(cond, uncond, branches, latents, model_time, sigma, sigma_next, guidance, num_text_slots):
-    velocity = _guided_velocity(cond, uncond, branches, latents, model_time, guidance, num_text_slots)
-    return _euler(latents, velocity, sigma, sigma_next)
+    velocity = guided_velocity(cond, uncond, branches, latents, model_time, guidance, num_text_slots)
+    return euler_step(latents, velocity, sigma, sigma_next)
 
 
 @nnx.jit(static_argnames=("num_text_slots",))
 def _prepare_branches_jit(cond, uncond, text_features, layout_arrays, num_text_slots):
-    return _prepare_branches(cond, uncond, text_features, layout_arrays, num_text_slots)
+    return prepare_branches(cond, uncond, text_features, layout_arrays, num_text_slots)
 
 
 class CFGStepper:
@@ -328,7 +343,7 @@ class CFGStepper:
             raise ValueError(f"text_features {text_features.shape} must be (B, num_text_slots={layout.num_text_slots},"
                              f" llm_features_dim)")
         self.cond, self.uncond, self.layout = cond, uncond, layout
-        self.branches = _prepare_branches_jit(cond, uncond, text_features, _layout_arrays(layout, use_mask),
+        self.branches = _prepare_branches_jit(cond, uncond, text_features, layout_arrays(layout, use_mask),
                                               num_text_slots=layout.num_text_slots)
 
     def __call__(self, latents: jax.Array, schedule: FlowSchedule, step: int) -> jax.Array:
