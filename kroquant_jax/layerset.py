@@ -1,0 +1,203 @@
+"""Layer sets: the calibration input ``{name: (W (o, d), bias (o,) | None, A_rows (n, d))}``, validation, I/O, rows.
+
+A *layer set* maps a layer name to a :class:`LayerData` (plain 3-tuples are accepted and converted): the layer's
+weight ``W (o, d)`` (``O = A W^T + b``), its bias or ``None``, and activation samples ``A_rows (n, d)`` recorded at its
+input (``models.capture`` produces them; :func:`load_layer_set` reads them back from ``.npz`` / ``.safetensors``).
+
+Calibration rows (:func:`split_rows`): every method sees the same rows of a layer. They depend only on the seed and
+the layer's name (never on the method), drawn without replacement: a *held-out* slice (used only to select among
+candidate transforms and to report errors) and a disjoint *calibration* slice (used to optimise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import zlib
+from typing import Mapping, NamedTuple, Optional, Union
+
+import numpy as np
+
+from kroquant_jax.formats import check_finite
+
+__all__ = ["LayerData", "RowSplit", "as_layer_set", "load_layer_set", "save_layer_set", "split_rows",
+           "validate_layer", "atomic_write_bytes"]
+
+
+class LayerData(NamedTuple):
+    """One linear layer and its activation samples.
+
+    Attributes:
+      weight: ``(o, d)``.
+      bias: ``(o,)`` or ``None``.
+      activations: ``(n, d)`` input rows.
+    """
+
+    weight: np.ndarray
+    bias: Optional[np.ndarray]
+    activations: np.ndarray
+
+
+LayerSet = Mapping[str, Union[LayerData, tuple]]
+
+
+def validate_layer(name: str, layer, block: int = 32) -> LayerData:
+    """Checks one layer (shapes, width a multiple of ``block``, finite values); returns it as float32 numpy.
+
+    Raises:
+      ValueError: naming the layer and the offending tensor/shape.
+    """
+    if not isinstance(layer, LayerData):
+        if len(layer) != 3:
+            raise ValueError(f"layer {name!r}: expected (weight, bias, activations), got a {len(layer)}-tuple")
+        layer = LayerData(*layer)
+    w = np.asarray(layer.weight, np.float32)
+    a = np.asarray(layer.activations, np.float32)
+    b = None if layer.bias is None else np.asarray(layer.bias, np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"layer {name!r}: weight must be (o, d), got shape {w.shape}")
+    if a.ndim != 2:
+        raise ValueError(f"layer {name!r}: activations must be (n, d), got shape {a.shape}")
+    if a.shape[1] != w.shape[1]:
+        raise ValueError(f"layer {name!r}: activations {a.shape} and weight {w.shape} disagree on d "
+                         f"({a.shape[1]} != {w.shape[1]})")
+    if w.shape[1] % block:
+        raise ValueError(f"layer {name!r}: d={w.shape[1]} (weight {w.shape}) must be a multiple of {block}")
+    if b is not None and b.shape != (w.shape[0],):
+        raise ValueError(f"layer {name!r}: bias shape {b.shape} does not match weight {w.shape} (expected "
+                         f"({w.shape[0]},))")
+    if a.shape[0] < 2:
+        raise ValueError(f"layer {name!r}: needs at least 2 activation rows (calibration + held-out), got {a.shape}")
+    check_finite(w, f"layer {name!r} weight")
+    check_finite(a, f"layer {name!r} activations")
+    if b is not None:
+        check_finite(b, f"layer {name!r} bias")
+    return LayerData(w, b, a)
+
+
+def as_layer_set(layer_set: LayerSet, block: int = 32) -> dict[str, LayerData]:
+    """Validates every layer (see :func:`validate_layer`); returns ``{name: LayerData}`` in the input's order."""
+    if not layer_set:
+        raise ValueError("empty layer set")
+    return {name: validate_layer(name, layer, block) for name, layer in layer_set.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSplit:
+    """Indices into a layer's activation rows: ``calibration`` (optimise) and ``heldout`` (select, report)."""
+
+    calibration: np.ndarray
+    heldout: np.ndarray
+
+
+def layer_seed(seed: int, name: str) -> np.random.Generator:
+    """The generator of a layer's row draw: depends on ``seed`` and the layer name only (stable across runs)."""
+    return np.random.default_rng([int(seed), zlib.crc32(name.encode("utf-8"))])
+
+
+def split_rows(name: str, num_available: int, num_rows: int, num_heldout: int, seed: int) -> RowSplit:
+    """Draws a layer's calibration and held-out rows without replacement (disjoint), deterministic for ``seed``.
+
+    With fewer than ``num_rows + num_heldout`` rows available, a fifth of them (at least one) is held out and the
+    rest calibrate.
+
+    Args:
+      name: layer name (part of the seed, so layers draw different rows).
+      num_available: ``n``, the layer's activation rows.
+      num_rows: calibration rows wanted.
+      num_heldout: held-out rows wanted.
+      seed: the run's seed.
+    """
+    if num_available < 2:
+        raise ValueError(f"layer {name!r}: needs at least 2 activation rows, got {num_available}")
+    if num_rows < 1 or num_heldout < 1:
+        raise ValueError(f"layer {name!r}: num_rows={num_rows} and num_heldout={num_heldout} must be >= 1")
+    perm = layer_seed(seed, name).permutation(num_available)
+    if num_available >= num_rows + num_heldout:
+        n_held, n_cal = num_heldout, num_rows
+    else:
+        n_held = max(1, num_available // 5)
+        n_cal = num_available - n_held
+    return RowSplit(calibration=np.sort(perm[n_held:n_held + n_cal]), heldout=np.sort(perm[:n_held]))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# File I/O: flat key layout "<name>/weight", "<name>/bias", "<name>/activations".
+# ---------------------------------------------------------------------------------------------------------------------
+
+_FIELDS = ("weight", "bias", "activations")
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Writes ``data`` to ``path`` through a temporary file in the same folder and ``os.replace`` (atomic)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _flatten(layer_set: LayerSet) -> dict[str, np.ndarray]:
+    flat = {}
+    for name, layer in as_layer_set(layer_set).items():
+        if "/" in name.split("/")[-1] or any(name.endswith("/" + f) for f in _FIELDS):
+            raise ValueError(f"layer name {name!r} clashes with the file key layout")
+        flat[f"{name}/weight"] = layer.weight
+        flat[f"{name}/activations"] = layer.activations
+        if layer.bias is not None:
+            flat[f"{name}/bias"] = layer.bias
+    return flat
+
+
+def save_layer_set(path: str, layer_set: LayerSet) -> None:
+    """Saves a layer set to ``path`` (``.npz`` or ``.safetensors``), atomically."""
+    flat = _flatten(layer_set)
+    if path.endswith(".safetensors"):
+        from safetensors.numpy import save
+
+        data = save({k: np.ascontiguousarray(v) for k, v in flat.items()})
+    elif path.endswith(".npz"):
+        import io
+
+        buf = io.BytesIO()
+        np.savez(buf, **flat)
+        data = buf.getvalue()
+    else:
+        raise ValueError(f"layer set path {path!r}: expected a .npz or .safetensors file")
+    atomic_write_bytes(path, data)
+
+
+def load_layer_set(path: str) -> dict[str, LayerData]:
+    """Loads a layer set saved by :func:`save_layer_set` (or any file with ``<name>/weight``, ``<name>/activations``
+    and optional ``<name>/bias`` keys); validates it."""
+    if path.endswith(".safetensors"):
+        from safetensors.numpy import load_file
+
+        flat = load_file(path)
+    elif path.endswith(".npz"):
+        with np.load(path) as z:
+            flat = {k: z[k] for k in z.files}
+    else:
+        raise ValueError(f"layer set path {path!r}: expected a .npz or .safetensors file")
+    names: dict[str, dict] = {}
+    for key, value in flat.items():
+        name, _, field = key.rpartition("/")
+        if field not in _FIELDS or not name:
+            raise ValueError(f"{path}: unexpected key {key!r} (expected '<layer>/weight|bias|activations')")
+        names.setdefault(name, {})[field] = value
+    out = {}
+    for name, fields in names.items():
+        missing = {"weight", "activations"} - set(fields)
+        if missing:
+            raise ValueError(f"{path}: layer {name!r} lacks {sorted(missing)}")
+        out[name] = (fields["weight"], fields.get("bias"), fields["activations"])
+    return as_layer_set(out)

@@ -1,0 +1,374 @@
+"""The calibrated W4A4 linear layer: a pytree, its forward pass (paper eq. 11) and atomic, resumable storage.
+
+A :class:`QuantizedLinear` holds, for ``y = x W^T + b`` with ``x (..., d)`` and ``W (o, d)``:
+
+* ``blocks (d/n, n, n)``: the blocks of the online transform ``T`` (K1 form; ``n = 1`` for a diagonal, 32 for
+  KroQuant / Hadamard-32), and optionally ``transform_params`` (the parameterization's parameters, for the K2 kernel
+  that rebuilds the blocks on the fly);
+* ``weight``: the packed residual ``Q(W~ - L R)`` with ``W~ = W T^{-T}``, a :class:`~kroquant_jax.formats.QuantizedArray`
+  ``(o, d)`` (codes ``uint8 (o, d/2)`` + block scales);
+* ``lowrank_left (o, r)``, ``lowrank_right (r, d)``: the low-rank branch ``L``, ``R``, either packed
+  (``QuantizedArray``, quantized along their last axis, as LoRaQ stores them in MXFP4) or 16/32-bit arrays
+  (SVDQuant), or ``None`` (no branch);
+* ``bias (o,)`` or ``None``; and a static :class:`QLinearConfig`.
+
+Forward (eq. 11)::
+
+    y = Q(x T) Q(W~ - L R)^T + (x T)(L R)^T + b
+
+The activations entering the low-rank branch stay unquantized. ``path="simulate"`` fake-quantizes ``x T`` with the
+STE (differentiable, any device); ``path="packed"`` quantizes ``x T`` to codes + scales and multiplies the dequantized
+codes of both operands (the reference of the GPU kernels, which plug in from ``pallas_kernels``). Both agree.
+
+Storage: :class:`QLinearStore` keeps one ``.safetensors`` file per layer in a folder, each written atomically (temp
+file + rename), so a calibration interrupted midway restarts from the layers already stored.
+:func:`save_orbax` / :func:`restore_orbax` save a whole ``{name: QuantizedLinear}`` with orbax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+from typing import Any, Literal, Mapping, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kroquant_jax import transforms
+from kroquant_jax.formats import (MXFP4, NVFP4, QuantFormat, QuantizedArray, ScaleMode, check_finite, dequantize,
+                                  fake_quant, quantize)
+from kroquant_jax.layerset import atomic_write_bytes
+
+__all__ = ["QLinearConfig", "QuantizedLinear", "QLinearStore", "build_qlinear", "effective_weight", "load_qlinear",
+           "qlinear_forward", "restore_orbax", "save_orbax", "save_qlinear"]
+
+Path = Literal["simulate", "packed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class QLinearConfig:
+    """Static description of a :class:`QuantizedLinear`.
+
+    Attributes:
+      in_features: ``d``.
+      out_features: ``o``.
+      transform: parameterization name of ``T`` (``transforms.REGISTRY``).
+      act_fmt: format of the activations ``Q(x T)`` (the weight's format is in ``weight.fmt``).
+      rank: low-rank branch rank ``r`` (0: no branch).
+      ste: STE rule of the simulated activation quantizer.
+    """
+
+    in_features: int
+    out_features: int
+    transform: str = "identity"
+    act_fmt: QuantFormat = MXFP4()
+    rank: int = 0
+    ste: str = "identity"
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("blocks", "transform_params", "weight", "lowrank_left", "lowrank_right", "bias"),
+                   meta_fields=("config",))
+@dataclasses.dataclass(frozen=True)
+class QuantizedLinear:
+    """One calibrated W4A4 linear layer (see the module docstring for the fields and eq. 11)."""
+
+    blocks: jax.Array
+    transform_params: Any
+    weight: QuantizedArray
+    lowrank_left: Union[QuantizedArray, jax.Array, None]
+    lowrank_right: Union[QuantizedArray, jax.Array, None]
+    bias: Optional[jax.Array]
+    config: QLinearConfig
+
+    @property
+    def lowrank_quantized(self) -> bool:
+        return isinstance(self.lowrank_left, QuantizedArray)
+
+
+def _dense(x) -> Optional[jax.Array]:
+    if x is None:
+        return None
+    if isinstance(x, QuantizedArray):
+        return dequantize(x, jnp.float32)
+    return jnp.asarray(x, jnp.float32)
+
+
+def build_qlinear(weight, bias=None, *, transform: str = "identity", transform_params=None,
+                  lowrank: Optional[tuple] = None, lowrank_quantized: bool = True,
+                  weight_fmt: QuantFormat = MXFP4(), act_fmt: QuantFormat = MXFP4(), lowrank_fmt: QuantFormat = MXFP4(),
+                  keep_params: bool = True, name: str = "layer") -> QuantizedLinear:
+    """Builds a :class:`QuantizedLinear` from a 16-bit layer and its calibration results.
+
+    Args:
+      weight: ``W (o, d)`` (original, untransformed).
+      bias: ``(o,)`` or ``None``.
+      transform: parameterization name; ``transform_params`` its parameters (default ``init(d)``).
+      lowrank: ``(L (o, r), R (r, d))`` fitted to the *transformed* weight ``W~ = W T^{-T}``, or ``None``.
+      lowrank_quantized: store ``L``, ``R`` packed in ``lowrank_fmt`` (LoRaQ) instead of f32 (SVDQuant). The residual
+        is computed against the branch as stored, so it absorbs the branch's own quantization error.
+      weight_fmt, act_fmt: formats of the residual weight and of the activations.
+      keep_params: also keep ``transform_params`` (for the K2 kernel); else only the blocks.
+      name: layer name for error messages.
+    """
+    w = jnp.asarray(weight, jnp.float32)
+    if w.ndim != 2:
+        raise ValueError(f"layer {name!r}: weight must be (o, d), got {w.shape}")
+    o, d = w.shape
+    p = transforms.get(transform)
+    params = p.init(d) if transform_params is None else transform_params
+    blocks = p.blocks(params)
+    if blocks.shape[0] * blocks.shape[1] != d:
+        raise ValueError(f"layer {name!r}: transform {transform!r} has width {blocks.shape[0] * blocks.shape[1]}, "
+                         f"weight {w.shape}")
+    w_t = transforms.apply_to_weights(w, p.inverse_blocks(params))
+    left = right = None
+    rank = 0
+    if lowrank is not None:
+        left, right = (jnp.asarray(x, jnp.float32) for x in lowrank)
+        rank = left.shape[1]
+        if left.shape != (o, rank) or right.shape != (rank, d):
+            raise ValueError(f"layer {name!r}: low-rank factors {left.shape}, {right.shape} do not fit weight "
+                             f"{w.shape} (expected (o, r), (r, d))")
+        if lowrank_quantized:
+            left, right = quantize(left, lowrank_fmt), quantize(right, lowrank_fmt)
+        branch = jnp.matmul(_dense(left), _dense(right), precision="highest")
+        w_t = w_t - branch
+    check_finite(w_t, f"layer {name!r} residual weight")
+    b = None if bias is None else jnp.asarray(bias, jnp.float32)
+    if b is not None and b.shape != (o,):
+        raise ValueError(f"layer {name!r}: bias {b.shape} does not match weight {w.shape}")
+    cfg = QLinearConfig(in_features=d, out_features=o, transform=transform, act_fmt=act_fmt, rank=rank)
+    return QuantizedLinear(blocks=blocks, transform_params=params if keep_params else None,
+                           weight=quantize(w_t, weight_fmt), lowrank_left=left, lowrank_right=right, bias=b,
+                           config=cfg)
+
+
+def effective_weight(layer: QuantizedLinear) -> jax.Array:
+    """The transformed weight the layer represents, ``Q(W~ - L R) + L R`` ``(o, d)`` (f32)."""
+    w = dequantize(layer.weight, jnp.float32)
+    if layer.lowrank_left is not None:
+        w = w + jnp.matmul(_dense(layer.lowrank_left), _dense(layer.lowrank_right), precision="highest")
+    return w
+
+
+def qlinear_forward(layer: QuantizedLinear, x: jax.Array, path: Path = "simulate") -> jax.Array:
+    """Eq. 11: ``y = Q(x T) Q(W~ - L R)^T + (x T)(L R)^T + b``.
+
+    Args:
+      layer: the calibrated layer.
+      x: ``(..., d)`` activations (f32/bf16/f16); the result has ``x.dtype``, computed in f32.
+      path: ``"simulate"`` (fake quant with STE, differentiable in ``x``) or ``"packed"`` (codes + scales).
+
+    Returns:
+      ``(..., o)``.
+    """
+    cfg = layer.config
+    if x.shape[-1] != cfg.in_features:
+        raise ValueError(f"qlinear_forward: input of shape {x.shape} does not match the layer's in_features="
+                         f"{cfg.in_features} (out_features={cfg.out_features}, transform {cfg.transform!r})")
+    xt = transforms.apply_to_activations(x.astype(jnp.float32), layer.blocks)  # (..., d)
+    if path == "simulate":
+        xq = fake_quant(xt, cfg.act_fmt, ste=cfg.ste)
+    elif path == "packed":
+        xq = dequantize(quantize(xt, cfg.act_fmt), jnp.float32)
+    else:
+        raise ValueError(f"qlinear_forward: path={path!r} must be 'simulate' or 'packed'")
+    w = dequantize(layer.weight, jnp.float32)  # (o, d)
+    y = jnp.einsum("...d,od->...o", xq, w, precision="highest")
+    if layer.lowrank_left is not None:
+        h = jnp.einsum("...d,rd->...r", xt, _dense(layer.lowrank_right), precision="highest")  # 16-bit branch input
+        y = y + jnp.einsum("...r,or->...o", h, _dense(layer.lowrank_left), precision="highest")
+    if layer.bias is not None:
+        y = y + layer.bias
+    return y.astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Serialisation: a flat {key: numpy array} state plus a JSON description.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _fmt_to_json(fmt: QuantFormat) -> dict:
+    if isinstance(fmt, MXFP4):
+        return {"name": "mxfp4", "block_size": fmt.block_size, "scale_mode": ScaleMode(fmt.scale_mode).value}
+    return {"name": "nvfp4", "block_size": fmt.block_size}
+
+
+def _fmt_from_json(d: dict) -> QuantFormat:
+    if d["name"] == "mxfp4":
+        return MXFP4(block_size=d["block_size"], scale_mode=ScaleMode(d["scale_mode"]))
+    if d["name"] == "nvfp4":
+        return NVFP4(block_size=d["block_size"])
+    raise ValueError(f"unknown quantization format {d!r}")
+
+
+def _qa_state(prefix: str, q: QuantizedArray, state: dict) -> dict:
+    state[f"{prefix}.codes"] = np.asarray(q.codes)
+    scales = np.asarray(q.scales)
+    state[f"{prefix}.scales"] = scales.view(np.uint8) if scales.dtype != np.uint8 else scales
+    state[f"{prefix}.tensor_scale"] = np.asarray(q.tensor_scale, np.float32).reshape(1)
+    return {"fmt": _fmt_to_json(q.fmt), "dtype": np.dtype(q.dtype).name, "scales_dtype": scales.dtype.name}
+
+
+def _qa_from_state(prefix: str, meta: dict, state: Mapping[str, np.ndarray]) -> QuantizedArray:
+    import ml_dtypes  # noqa: F401 - registers float8 dtype names with numpy
+
+    scales = np.asarray(state[f"{prefix}.scales"])
+    if meta["scales_dtype"] != "uint8":
+        scales = scales.view(np.dtype(getattr(ml_dtypes, meta["scales_dtype"])))
+    return QuantizedArray(codes=jnp.asarray(state[f"{prefix}.codes"]), scales=jnp.asarray(scales),
+                          tensor_scale=jnp.asarray(np.asarray(state[f"{prefix}.tensor_scale"]).reshape(()),
+                                                   jnp.float32),
+                          fmt=_fmt_from_json(meta["fmt"]), dtype=np.dtype(meta["dtype"]))
+
+
+def to_state(layer: QuantizedLinear) -> tuple[dict, dict]:
+    """``(arrays {key: np.ndarray}, metadata dict (JSON-able))`` describing ``layer`` completely."""
+    cfg = layer.config
+    state = {"blocks": np.asarray(layer.blocks, np.float32)}
+    meta = {"config": {"in_features": cfg.in_features, "out_features": cfg.out_features, "transform": cfg.transform,
+                       "act_fmt": _fmt_to_json(cfg.act_fmt), "rank": cfg.rank, "ste": cfg.ste},
+            "weight": _qa_state("weight", layer.weight, state), "has_params": layer.transform_params is not None,
+            "has_bias": layer.bias is not None, "lowrank": None}
+    if layer.transform_params is not None:
+        for i, leaf in enumerate(jax.tree.leaves(layer.transform_params)):
+            state[f"transform_params.{i}"] = np.asarray(leaf)
+    if layer.bias is not None:
+        state["bias"] = np.asarray(layer.bias, np.float32)
+    if layer.lowrank_left is not None:
+        if layer.lowrank_quantized:
+            meta["lowrank"] = {"quantized": True, "left": _qa_state("lowrank_left", layer.lowrank_left, state),
+                               "right": _qa_state("lowrank_right", layer.lowrank_right, state)}
+        else:
+            meta["lowrank"] = {"quantized": False}
+            state["lowrank_left"] = np.asarray(layer.lowrank_left, np.float32)
+            state["lowrank_right"] = np.asarray(layer.lowrank_right, np.float32)
+    return state, meta
+
+
+def from_state(state: Mapping[str, np.ndarray], meta: dict) -> QuantizedLinear:
+    """Inverse of :func:`to_state`."""
+    c = meta["config"]
+    cfg = QLinearConfig(in_features=c["in_features"], out_features=c["out_features"], transform=c["transform"],
+                        act_fmt=_fmt_from_json(c["act_fmt"]), rank=c["rank"], ste=c["ste"])
+    params = None
+    if meta["has_params"]:
+        template = transforms.get(cfg.transform).init(cfg.in_features)
+        leaves, treedef = jax.tree.flatten(template)
+        params = jax.tree.unflatten(treedef, [jnp.asarray(state[f"transform_params.{i}"])
+                                              for i in range(len(leaves))])
+    left = right = None
+    lr = meta["lowrank"]
+    if lr is not None:
+        if lr["quantized"]:
+            left = _qa_from_state("lowrank_left", lr["left"], state)
+            right = _qa_from_state("lowrank_right", lr["right"], state)
+        else:
+            left, right = jnp.asarray(state["lowrank_left"]), jnp.asarray(state["lowrank_right"])
+    return QuantizedLinear(blocks=jnp.asarray(state["blocks"]), transform_params=params,
+                           weight=_qa_from_state("weight", meta["weight"], state), lowrank_left=left,
+                           lowrank_right=right, bias=jnp.asarray(state["bias"]) if meta["has_bias"] else None,
+                           config=cfg)
+
+
+def save_qlinear(path: str, layer: QuantizedLinear, extra_metadata: Optional[dict] = None) -> None:
+    """Writes one layer to a ``.safetensors`` file atomically (temp file + rename)."""
+    from safetensors.numpy import save
+
+    state, meta = to_state(layer)
+    if extra_metadata:
+        meta["extra"] = extra_metadata
+    data = save({k: np.ascontiguousarray(v) for k, v in state.items()}, metadata={"qlinear": json.dumps(meta)})
+    atomic_write_bytes(path, data)
+
+
+def load_qlinear(path: str) -> tuple[QuantizedLinear, dict]:
+    """Reads a layer written by :func:`save_qlinear`; returns ``(layer, extra_metadata)``."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="numpy") as f:
+        meta = json.loads(f.metadata()["qlinear"])
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    return from_state(state, meta), meta.get("extra", {})
+
+
+def _file_name(name: str) -> str:
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    return f"{safe}-{abs(hash_name(name)):08x}.safetensors"
+
+
+def hash_name(name: str) -> int:
+    import zlib
+
+    return zlib.crc32(name.encode("utf-8"))
+
+
+class QLinearStore:
+    """A folder of calibrated layers, one atomic ``.safetensors`` file each (resume = skip the stored names).
+
+    >>> store = QLinearStore("runs/pixart_kroquant")
+    >>> todo = [n for n in names if n not in store]
+    >>> store.save(name, layer, {"heldout_error": 0.12})
+    >>> layers = store.load_all()
+    """
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        os.makedirs(directory, exist_ok=True)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.directory, _file_name(name))
+
+    def __contains__(self, name: str) -> bool:
+        return os.path.exists(self.path(name))
+
+    def save(self, name: str, layer: QuantizedLinear, extra_metadata: Optional[dict] = None) -> None:
+        save_qlinear(self.path(name), layer, {"name": name, **(extra_metadata or {})})
+
+    def load(self, name: str) -> tuple[QuantizedLinear, dict]:
+        if name not in self:
+            raise KeyError(f"layer {name!r} is not in the store {self.directory!r}")
+        return load_qlinear(self.path(name))
+
+    def names(self) -> list[str]:
+        out = []
+        for f in sorted(os.listdir(self.directory)):
+            if f.endswith(".safetensors") and not f.startswith(".tmp-"):
+                _, extra = load_qlinear(os.path.join(self.directory, f))
+                out.append(extra["name"])
+        return out
+
+    def load_all(self) -> dict[str, QuantizedLinear]:
+        return {n: self.load(n)[0] for n in self.names()}
+
+
+def save_orbax(path: str, layers: Mapping[str, QuantizedLinear]) -> None:
+    """Saves ``{name: QuantizedLinear}`` as one orbax checkpoint at ``path`` (orbax writes to a temporary folder and
+    renames it when complete, so a crash never leaves a half checkpoint under ``path``)."""
+    import orbax.checkpoint as ocp
+
+    tree, metas = {}, {}
+    for i, (name, layer) in enumerate(layers.items()):
+        state, meta = to_state(layer)
+        tree[f"layer{i}"] = state
+        metas[f"layer{i}"] = {"name": name, "meta": meta}
+    tree["meta_json"] = np.frombuffer(json.dumps(metas).encode("utf-8"), np.uint8).copy()
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.abspath(path), tree)
+        ckptr.wait_until_finished()
+
+
+def restore_orbax(path: str) -> dict[str, QuantizedLinear]:
+    """Restores what :func:`save_orbax` wrote."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        tree = ckptr.restore(os.path.abspath(path))
+    metas = json.loads(np.asarray(tree["meta_json"]).tobytes().decode("utf-8"))
+    return {m["name"]: from_state({k: np.asarray(v) for k, v in tree[key].items()}, m["meta"])
+            for key, m in metas.items()}

@@ -1,0 +1,184 @@
+"""Calibration engine: vmapped == per-layer, sharded == unsharded, safeguard, determinism, bad input, resume."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from kroquant_jax import calibrate, layerset, transforms
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = dict(steps=20, num_rows=160, num_heldout=64)
+
+
+def _layer_set(shapes=((48, 64), (48, 64), (32, 96)), n=260, seed=0):
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i, (o, d) in enumerate(shapes):
+        a = rng.standard_normal((n, d)).astype(np.float32)
+        a[:, rng.integers(0, d, 2)] *= 25.0
+        w = (rng.standard_normal((o, d)) * 0.05).astype(np.float32)
+        out[f"block{i}.attn"] = (w, rng.standard_normal(o).astype(np.float32), a)
+    return out
+
+
+def _assert_same_params(r1, r2, rtol=1e-5, atol=1e-6):
+    assert r1.keys() == r2.keys()
+    for name in r1:
+        assert r1[name].chosen == r2[name].chosen, name
+        for x, y in zip(jax.tree.leaves(r1[name].params), jax.tree.leaves(r2[name].params)):
+            np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=name)
+
+
+def test_training_lowers_loss_and_heldout_error():
+    res = calibrate.calibrate_layers(_layer_set(), calibrate.CalibrationConfig(transform="kron_lu", **FAST))
+    for name, r in res.items():
+        assert r.losses.shape == (1, 20)
+        assert r.losses[0, -1] < r.losses[0, 0], name
+        assert r.heldout_errors["trained0"] < r.heldout_errors["init0"], name
+        assert r.chosen == "trained0"
+
+
+def test_vmapped_equals_per_layer():
+    """Stacked programs and a per-layer loop agree to float rounding. (Over many steps, rounding differences of a
+    batched vs. unbatched matmul can flip single quantization decisions and the runs drift apart by ~1e-3: 10 steps
+    keep the comparison tight.)"""
+    ls = _layer_set()
+    kw = dict(FAST, steps=10)
+    cfg = calibrate.CalibrationConfig(transform="kron_lu", **kw)
+    stacked = calibrate.calibrate_layers(ls, cfg)
+    one_by_one = {n: calibrate.calibrate_layers({n: ls[n]}, cfg)[n] for n in ls}
+    _assert_same_params(stacked, one_by_one, rtol=1e-5, atol=1e-5)
+    chunked = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(transform="kron_lu", max_layers_per_program=1,
+                                                                         **kw))
+    _assert_same_params(stacked, chunked, rtol=1e-5, atol=1e-5)
+    for n in ls:
+        np.testing.assert_allclose(stacked[n].heldout_error, one_by_one[n].heldout_error, rtol=1e-5)
+
+
+def test_deterministic_for_a_seed():
+    ls = _layer_set()
+    cfg = calibrate.CalibrationConfig(transform="kron_lu", **FAST)
+    _assert_same_params(calibrate.calibrate_layers(ls, cfg), calibrate.calibrate_layers(ls, cfg), rtol=0, atol=0)
+
+
+def test_rows_depend_on_seed_and_name_only_and_are_disjoint():
+    s1 = layerset.split_rows("a", 1000, 300, 100, seed=0)
+    s2 = layerset.split_rows("a", 1000, 300, 100, seed=0)
+    s3 = layerset.split_rows("b", 1000, 300, 100, seed=0)
+    np.testing.assert_array_equal(s1.calibration, s2.calibration)
+    assert not np.array_equal(s1.calibration, s3.calibration)
+    assert len(s1.calibration) == 300 and len(s1.heldout) == 100
+    assert not set(s1.calibration) & set(s1.heldout)
+    small = layerset.split_rows("a", 50, 300, 100, seed=0)  # too few rows: a fifth held out
+    assert len(small.heldout) == 10 and len(small.calibration) == 40
+
+
+def test_safeguard_keeps_the_best_candidate():
+    """8 calibration rows and a far too large learning rate make the trained transform worse on held-out rows than
+    its Hadamard init; the safeguard falls back to the init."""
+    ls = _layer_set(shapes=((48, 64),), n=400)
+    kw = dict(transform="kron_lu", steps=20, learning_rate=0.5, num_rows=8, num_heldout=256)
+    guarded = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(**kw))
+    plain = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(safeguard=False, **kw))
+    (g,), (p,) = guarded.values(), plain.values()
+    assert p.chosen == "trained0"
+    assert g.heldout_errors["trained0"] > g.heldout_errors["init0"]  # it did overfit
+    assert g.chosen == "init0" and g.heldout_error == min(g.heldout_errors.values())
+    assert g.heldout_error <= p.heldout_error
+
+
+def test_several_inits_and_fixed_transforms():
+    ls = _layer_set(shapes=((48, 64),))
+    (name,) = ls
+    gamma = np.exp(np.random.default_rng(1).normal(size=64) * 0.3).astype(np.float32)
+    sk = transforms.get("smoothed_kron")
+    inits = {name: [sk.init(64), transforms.smoothed_kron.init_from_scales(gamma)]}
+    res = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(transform="smoothed_kron", **FAST), inits=inits)
+    r = res[name]
+    assert set(r.heldout_errors) == {"init0", "init1", "trained0", "trained1"}
+    assert r.losses.shape == (2, 20) and r.lambdas.shape == (2, 2)
+    assert r.heldout_error == min(r.heldout_errors.values())
+    fixed = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(transform="hadamard32", **FAST))[name]
+    assert fixed.chosen == "init0" and fixed.losses.shape == (1, 0)
+    np.testing.assert_allclose(fixed.heldout_error, r.heldout_errors["init0"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["dense32", "cayley32", "diagonal", "identity"])
+def test_any_parameterization_runs(name):
+    res = calibrate.calibrate_layers(_layer_set(shapes=((16, 32),)),
+                                     calibrate.CalibrationConfig(transform=name, steps=5, num_rows=64, num_heldout=32))
+    (r,) = res.values()
+    assert np.isfinite(r.heldout_error)
+    assert r.heldout_error <= r.heldout_errors["init0"]
+
+
+def test_bad_input_names_the_layer():
+    ls = _layer_set(shapes=((48, 64), (48, 64)))
+    bad = dict(ls)
+    w, b, a = bad["block1.attn"]
+    a = a.copy()
+    a[3, 5] = np.nan
+    bad["block1.attn"] = (w, b, a)
+    with pytest.raises(ValueError, match=r"block1\.attn.*activations.*non-finite"):
+        calibrate.calibrate_layers(bad, calibrate.CalibrationConfig(**FAST))
+    bad = dict(ls)
+    bad["block1.attn"] = (w, b, np.ones((100, 32), np.float32))
+    with pytest.raises(ValueError, match=r"block1\.attn.*disagree on d"):
+        calibrate.calibrate_layers(bad, calibrate.CalibrationConfig(**FAST))
+    bad = {"odd": (np.ones((8, 40), np.float32), None, np.ones((100, 40), np.float32))}
+    with pytest.raises(ValueError, match=r"odd.*multiple of 32"):
+        calibrate.calibrate_layers(bad, calibrate.CalibrationConfig(**FAST))
+    with pytest.raises(ValueError, match=r"block0\.attn.*bias"):
+        calibrate.calibrate_layers({"block0.attn": (w, np.ones(3, np.float32), ls["block0.attn"][2])},
+                                   calibrate.CalibrationConfig(**FAST))
+
+
+def test_layer_set_file_round_trip(tmp_path):
+    ls = _layer_set(shapes=((16, 32), (8, 64)))
+    ls["no_bias"] = (ls["block0.attn"][0], None, ls["block0.attn"][2])
+    for ext in ("npz", "safetensors"):
+        path = str(tmp_path / f"layers.{ext}")
+        layerset.save_layer_set(path, ls)
+        back = layerset.load_layer_set(path)
+        assert set(back) == set(ls)
+        for n in ls:
+            np.testing.assert_array_equal(back[n].weight, ls[n][0])
+            np.testing.assert_array_equal(back[n].activations, ls[n][2])
+            assert (back[n].bias is None) == (ls[n][1] is None)
+
+
+_SHARD_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    sys.path.insert(0, {repo!r})
+    from tests.test_calibrate import _layer_set, FAST
+    from kroquant_jax import calibrate
+    assert jax.local_device_count() == 4, jax.devices()
+    ls = _layer_set(shapes=((48, 64),) * 5)  # 5 jobs: padded to 8 over 4 devices
+    out = {{}}
+    for shard in (True, False):
+        res = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(transform="kron_lu", shard=shard,
+                                                                         **dict(FAST, steps=4)))
+        out[str(shard)] = {{n: [np.asarray(x).tolist() for x in jax.tree.leaves(r.params)] for n, r in res.items()}}
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_sharded_equals_unsharded_on_4_host_devices():
+    """The layer axis sharded over 4 (forced host) devices gives the single-device result (to rounding: 4 steps, as
+    in test_vmapped_equals_per_layer)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _SHARD_SCRIPT.format(repo=REPO)], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][0]
+    out = json.loads(line[len("RESULT"):])
+    for name in out["True"]:
+        for x, y in zip(out["True"][name], out["False"][name]):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5, err_msg=name)

@@ -1,0 +1,134 @@
+"""Quantized linear layer: eq. 11, simulate == packed, storage round trips (safetensors store, orbax), errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kroquant_jax import qlinear, transforms
+from kroquant_jax.formats import MXFP4, NVFP4, QuantizedArray, dequantize, fake_quant
+
+
+def _params(d=128, seed=0):
+    p = transforms.get("kron_lu").init(d)
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(np.float32), p)
+
+
+def _layer(lowrank=True, quantized=True, weight_fmt=MXFP4(), seed=0, o=48, d=128, r=32):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((o, d)) * 0.1).astype(np.float32)
+    b = rng.standard_normal(o).astype(np.float32)
+    lr = None
+    if lowrank:
+        lr = ((rng.standard_normal((o, r)) * 0.1).astype(np.float32), (rng.standard_normal((r, d)) * 0.1).astype(
+            np.float32))
+    layer = qlinear.build_qlinear(w, b, transform="kron_lu", transform_params=_params(d, seed), lowrank=lr,
+                                  lowrank_quantized=quantized, weight_fmt=weight_fmt)
+    return layer, w, b, lr
+
+
+def test_forward_is_eq_11():
+    layer, w, b, (left, right) = _layer()
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 5, 128)).astype(np.float32))
+    p = transforms.get("kron_lu")
+    params = _params()
+    x_t = transforms.apply_to_activations(x, p.blocks(params))
+    w_t = transforms.apply_to_weights(jnp.asarray(w), p.inverse_blocks(params))
+    lq = fake_quant(jnp.asarray(left))  # the branch as stored (MXFP4 along r and along d)
+    rq = fake_quant(jnp.asarray(right))
+    branch = lq @ rq
+    want = fake_quant(x_t) @ fake_quant(w_t - branch).T + x_t @ branch.T + b
+    got = qlinear.qlinear_forward(layer, x)
+    assert got.shape == (3, 5, 48)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    # and it approximates the 16-bit layer
+    ref = np.asarray(x) @ w.T + b
+    assert np.linalg.norm(np.asarray(got) - ref) / np.linalg.norm(ref) < 0.3
+
+
+@pytest.mark.parametrize("lowrank,quantized,fmt", [(True, True, MXFP4()), (True, False, MXFP4()),
+                                                   (False, False, MXFP4()), (False, False, NVFP4())])
+def test_simulate_and_packed_paths_agree(lowrank, quantized, fmt):
+    layer, *_ = _layer(lowrank, quantized, fmt)
+    assert isinstance(layer.weight, QuantizedArray) and layer.weight.codes.shape == (48, 64)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((7, 128)).astype(np.float32))
+    y_sim = qlinear.qlinear_forward(layer, x, path="simulate")
+    y_packed = qlinear.qlinear_forward(layer, x, path="packed")
+    np.testing.assert_allclose(np.asarray(y_sim), np.asarray(y_packed), rtol=1e-6, atol=1e-6)
+
+
+def test_jit_grad_and_dtype():
+    layer, *_ = _layer()
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 128)), jnp.bfloat16)
+    y = jax.jit(qlinear.qlinear_forward, static_argnames="path")(layer, x)
+    assert y.dtype == jnp.bfloat16
+    g = jax.grad(lambda v: jnp.sum(qlinear.qlinear_forward(layer, v)))(x.astype(jnp.float32))
+    assert np.all(np.isfinite(np.asarray(g))) and float(jnp.max(jnp.abs(g))) > 0
+
+
+def test_shape_mismatch_is_a_clear_error():
+    layer, *_ = _layer(lowrank=False)
+    with pytest.raises(ValueError, match="in_features=128"):
+        qlinear.qlinear_forward(layer, jnp.ones((2, 96)))
+    with pytest.raises(ValueError, match="layer 'ff.up'.*low-rank"):
+        qlinear.build_qlinear(np.ones((8, 64), np.float32), lowrank=(np.ones((8, 4)), np.ones((4, 32))),
+                              name="ff.up")
+    w = np.ones((8, 64), np.float32)
+    w[0, 0] = np.inf
+    with pytest.raises(ValueError, match="layer 'bad'.*non-finite"):
+        qlinear.build_qlinear(w, name="bad")
+
+
+def _assert_same_layer(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.atleast_1d(np.asarray(x)).view(np.uint8), np.atleast_1d(np.asarray(y)).view(np.uint8))
+
+
+@pytest.mark.parametrize("lowrank,quantized,fmt", [(True, True, MXFP4()), (True, False, NVFP4()),
+                                                   (False, False, MXFP4())])
+def test_safetensors_round_trip(tmp_path, lowrank, quantized, fmt):
+    layer, *_ = _layer(lowrank, quantized, fmt)
+    path = str(tmp_path / "layer.safetensors")
+    qlinear.save_qlinear(path, layer, {"heldout_error": 0.25})
+    back, extra = qlinear.load_qlinear(path)
+    assert extra == {"heldout_error": 0.25}
+    _assert_same_layer(layer, back)
+    assert back.config == layer.config and back.weight.fmt == layer.weight.fmt
+
+
+def test_orbax_round_trip(tmp_path):
+    layers = {"blocks.0.attn1.to_q": _layer()[0], "blocks.0.ff.net.2": _layer(False, False, NVFP4(), seed=4)[0]}
+    qlinear.save_orbax(str(tmp_path / "ckpt"), layers)
+    back = qlinear.restore_orbax(str(tmp_path / "ckpt"))
+    assert list(back) == list(layers)
+    for n in layers:
+        _assert_same_layer(layers[n], back[n])
+
+
+def test_store_is_atomic_and_lists_names(tmp_path):
+    store = qlinear.QLinearStore(str(tmp_path / "store"))
+    layer = _layer()[0]
+    assert "a/b" not in store
+    store.save("a/b", layer, {"chosen": "trained0"})
+    store.save("c", layer)
+    (tmp_path / "store" / ".tmp-partial.safetensors").write_bytes(b"junk from a crash")  # ignored
+    assert "a/b" in store and sorted(store.names()) == ["a/b", "c"]
+    back, extra = store.load("a/b")
+    assert extra["chosen"] == "trained0" and extra["name"] == "a/b"
+    _assert_same_layer(layer, back)
+    with pytest.raises(KeyError, match="'zzz'"):
+        store.load("zzz")
+
+
+def test_effective_weight_absorbs_branch_quantization():
+    layer, w, _, _ = _layer()
+    p = transforms.get("kron_lu")
+    w_t = transforms.apply_to_weights(jnp.asarray(w), p.inverse_blocks(_params()))
+    eff = qlinear.effective_weight(layer)
+    # the residual absorbs the branch's own quantization error: error is that of one 4-bit rounding of the residual
+    err = np.linalg.norm(np.asarray(eff - w_t)) / np.linalg.norm(np.asarray(w_t))
+    plain = np.linalg.norm(np.asarray(fake_quant(w_t) - w_t)) / np.linalg.norm(np.asarray(w_t))
+    assert err < 1.5 * plain
+    assert np.asarray(dequantize(layer.lowrank_left)).shape == (48, 32)
