@@ -1,0 +1,369 @@
+"""GEMM epilogue fusion: GEMM + RMSNorm over heads of 256 outputs, and GEMM + gated SiLU (SwiGLU).
+
+The second seed's "Fusing the epilogue": the small op after a big GEMM is applied to the accumulator before the tile
+leaves the chip, so the GEMM output never makes an HBM round trip. Both kernels run on 16-bit operands (bf16 ``A``,
+``W``) or on the packed W4A4 operands of :mod:`pallas_kernels.w4a4_gemm` (same main loop,
+:func:`~pallas_kernels.w4a4_gemm.accumulate_tiles`), Pallas with the Triton lowering, ``interpret=True`` on the CPU.
+
+**RMSNorm over a head of 256** (Ideogram 4's q/k norm: ``y = x * rsqrt(mean(x**2) + eps) * weight`` per head). The
+epilogue works in tiles of ``EPILOGUE_TILE = 128`` output columns, so one head spans two tiles. Each program owns one
+row block and one head; its main loop accumulates the head's two 128-wide tiles, then the epilogue walks the seed's
+three-touch schedule:
+
+1. tile 0, pass 0: sum of squares of the first half (kept in registers, not normalised, not stored);
+2. tile 1, pass 1: add the second half's sum of squares, ``rstd = rsqrt(ss / 256 + eps)``, normalise and store tile 1;
+3. tile 0, pass 2 (revisit): scale the first half by the now-known ``rstd`` and store it.
+
+``head_dim`` may be any multiple of 128 (128: one tile, the trivial case).
+
+**SwiGLU** ``out = SiLU(C[:, :N/2]) * C[:, N/2:]`` with ``C = A W^T``, ``W = [W_gate; W_up]`` ``(N, K)``. The weight
+rows (the output columns of ``C``) are permuted once at packing time (:func:`pack_swiglu_weight`) into gate/up pairs
+``[g0, u0, g1, u1, ...]``, so each pair is adjacent in the accumulator tile: the epilogue splits the tile's even and
+odd columns (a register-level split, no cross-tile traffic) and stores ``(block_m, block_n / 2)``. Output width N/2.
+For packed weights the permutation acts on whole rows (codes, block scales), which commutes with the row-wise
+quantization: ``permute(quantize(W)) == quantize(permute(W))`` (NVFP4's per-tensor scale is unchanged).
+
+Optional in both: the low-rank branch ``h L^T`` of eq. 11 and a bias, added to the accumulator before the op (their
+rows permuted the same way for SwiGLU), and NVFP4's per-tensor scales.
+
+References (:func:`gemm_rmsnorm_reference`, :func:`gemm_swiglu_reference`): the unfused path, the GEMM output rounded
+to the output dtype (as a separate kernel would store it), then the op in f32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kroquant_jax.formats import QuantizedArray, dequantize
+from pallas_kernels._compat import pl, triton_compiler_params
+from pallas_kernels.w4a4_gemm import (Compute, OperandSpec, _dot_nt, _operand_arrays, _operand_specs, _pad_rows,
+                                      _round_up, accumulate_tiles, check_operands)
+
+__all__ = [
+    "EPILOGUE_TILE",
+    "EpilogueBlockSizes",
+    "gemm",
+    "gemm_reference",
+    "gemm_rmsnorm",
+    "gemm_rmsnorm_reference",
+    "gemm_swiglu",
+    "gemm_swiglu_reference",
+    "pack_swiglu_weight",
+    "permute_rows",
+    "rmsnorm_heads",
+    "swiglu",
+    "swiglu_permutation",
+    "unpack_swiglu_weight",
+]
+
+#: Width of one epilogue tile (output columns), as in the seed's 128x128 epilogue subtiles.
+EPILOGUE_TILE = 128
+
+Epilogue = Literal["none", "rmsnorm", "swiglu"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EpilogueBlockSizes:
+    """Tiles of the epilogue kernels (powers of two).
+
+    Attributes:
+      block_m: rows per program.
+      block_n: accumulator columns per program for SwiGLU / the plain GEMM (RMSNorm programs own one whole head).
+      block_k: K elements per main-loop step.
+      tile: epilogue tile width for RMSNorm (a head spans ``head_dim / tile`` tiles).
+      num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 128
+    tile: int = EPILOGUE_TILE
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "tile"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"EpilogueBlockSizes.{name}={v} must be a power of two >= 16")
+
+
+def _default_blocks(m: int, k: int, block_m: int = 64) -> EpilogueBlockSizes:
+    bm = block_m
+    while bm > 16 and bm // 2 >= m:
+        bm //= 2
+    bk = 128
+    while bk > 32 and k % bk:
+        bk //= 2
+    return EpilogueBlockSizes(block_m=bm, block_k=bk)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Weight packing for SwiGLU.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def swiglu_permutation(n: int) -> np.ndarray:
+    """Row order ``[g0, u0, g1, u1, ...]`` of a fused ``[W_gate; W_up]`` ``(n, K)``: ``perm[2i] = i``,
+    ``perm[2i + 1] = n/2 + i``; ``W_perm = W[perm]``."""
+    if n % 2:
+        raise ValueError(f"SwiGLU needs an even number of fused output rows, got {n}")
+    f = n // 2
+    return np.stack([np.arange(f), np.arange(f, n)], axis=1).reshape(n)
+
+
+def permute_rows(x, perm: np.ndarray):
+    """Rows of a 2-D array, or of a :class:`QuantizedArray` (codes and block scales; tensor scale unchanged)."""
+    perm = np.asarray(perm)
+    if isinstance(x, QuantizedArray):
+        return dataclasses.replace(x, codes=x.codes[perm], scales=x.scales[perm])
+    return jnp.asarray(x)[perm]
+
+
+def pack_swiglu_weight(w_fused, *, lowrank_left: Optional[jax.Array] = None, bias: Optional[jax.Array] = None):
+    """Permutes a fused ``[W_gate; W_up]`` (array or ``QuantizedArray`` ``(N, K)``) once into gate/up pairs.
+
+    Also permutes the rows of the low-rank factor ``L (N, r)`` and the bias ``(N,)`` when given. Returns
+    ``w_perm`` or ``(w_perm, L_perm, bias_perm)`` when either extra is given.
+    """
+    n = w_fused.shape[0]
+    perm = swiglu_permutation(n)
+    w_perm = permute_rows(w_fused, perm)
+    if lowrank_left is None and bias is None:
+        return w_perm
+    left = None if lowrank_left is None else permute_rows(lowrank_left, perm)
+    b = None if bias is None else jnp.asarray(bias)[perm]
+    return w_perm, left, b
+
+
+def unpack_swiglu_weight(w_perm):
+    """Inverse of :func:`pack_swiglu_weight`: gate/up pairs -> the fused ``[W_gate; W_up]``."""
+    inv = np.argsort(swiglu_permutation(w_perm.shape[0]))
+    return permute_rows(w_perm, inv)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Plain ops (jnp), for references and the unfused baselines.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def rmsnorm_heads(x: jax.Array, weight: jax.Array, *, head_dim: int = 256, eps: float = 1e-6) -> jax.Array:
+    """RMSNorm over each head of ``head_dim`` consecutive columns of ``x (m, n)``, in f32, returned in ``x.dtype``."""
+    m, n = x.shape
+    xf = x.astype(jnp.float32).reshape(m, n // head_dim, head_dim)
+    rstd = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * rstd * weight.astype(jnp.float32)).reshape(m, n).astype(x.dtype)
+
+
+def swiglu(c: jax.Array) -> jax.Array:
+    """``SiLU(c[:, :N/2]) * c[:, N/2:]`` in f32, returned in ``c.dtype``."""
+    f = c.shape[-1] // 2
+    g, u = c[:, :f].astype(jnp.float32), c[:, f:].astype(jnp.float32)
+    return (g * jax.nn.sigmoid(g) * u).astype(c.dtype)
+
+
+def _dense(x) -> jax.Array:
+    if isinstance(x, QuantizedArray):
+        return dequantize(x, jnp.float32)
+    return jnp.asarray(x).astype(jnp.float32)
+
+
+def gemm_reference(a, w, *, lowrank=None, bias=None, out_dtype=jnp.float32) -> jax.Array:
+    """``A W^T [+ h L^T] [+ b]`` in f32 (operands dequantized if packed; 16-bit operands taken as bf16)."""
+    if not isinstance(a, QuantizedArray):
+        a, w = jnp.asarray(a).astype(jnp.bfloat16), jnp.asarray(w).astype(jnp.bfloat16)
+    y = jnp.matmul(_dense(a), _dense(w).T, precision="highest")
+    if lowrank is not None:
+        h, left = (jnp.asarray(v).astype(jnp.bfloat16).astype(jnp.float32) for v in lowrank)
+        y = y + jnp.matmul(h, left.T, precision="highest")
+    if bias is not None:
+        y = y + jnp.asarray(bias, jnp.float32)
+    return y.astype(out_dtype)
+
+
+def gemm_rmsnorm_reference(a, w, norm_weight, *, head_dim: int = 256, eps: float = 1e-6, lowrank=None, bias=None,
+                           out_dtype=jnp.bfloat16) -> jax.Array:
+    """Unfused: the GEMM output stored in ``out_dtype``, then RMSNorm per head (f32 math)."""
+    c = gemm_reference(a, w, lowrank=lowrank, bias=bias, out_dtype=out_dtype)
+    return rmsnorm_heads(c, norm_weight, head_dim=head_dim, eps=eps)
+
+
+def gemm_swiglu_reference(a, w_fused, *, lowrank=None, bias=None, out_dtype=jnp.bfloat16) -> jax.Array:
+    """Unfused, on the *unpermuted* fused weight ``[W_gate; W_up]``: GEMM stored in ``out_dtype``, then SwiGLU."""
+    return swiglu(gemm_reference(a, w_fused, lowrank=lowrank, bias=bias, out_dtype=out_dtype))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The kernel.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _epilogue_kernel(*refs, spec: OperandSpec, k: int, epilogue: str, tile: int, n_sub: int, has_lowrank: bool,
+                     has_bias: bool, eps: float, has_alias: bool):
+    refs = list(refs)
+    n_op = 1 if spec.kind == "bf16" else 2
+    a_refs, refs = refs[:n_op], refs[n_op:]
+    w_refs, refs = refs[:n_op], refs[n_op:]
+    ts_ref = refs.pop(0) if spec.has_tensor_scale else None
+    h_ref = l_ref = bias_ref = nw_ref = None
+    if has_lowrank:
+        h_ref, l_ref = refs.pop(0), refs.pop(0)
+    if has_bias:
+        bias_ref = refs.pop(0)
+    if epilogue == "rmsnorm":
+        nw_ref = refs.pop(0)
+    if has_alias:
+        refs.pop(0)
+    (o_ref,) = refs
+
+    accs = accumulate_tiles(a_refs, w_refs, spec=spec, k=k, block_n=tile, n_sub=n_sub)
+    for j in range(n_sub):
+        cols = pl.ds(j * tile, tile)
+        if ts_ref is not None:
+            accs[j] = accs[j] * ts_ref[...].reshape(1, 1)
+        if has_lowrank:
+            accs[j] = accs[j] + _dot_nt(h_ref[...], l_ref[cols, :])
+        if has_bias:
+            accs[j] = accs[j] + bias_ref[cols].astype(jnp.float32).reshape(1, tile)
+
+    if epilogue == "none":
+        for j in range(n_sub):
+            o_ref[:, pl.ds(j * tile, tile)] = accs[j].astype(o_ref.dtype)
+    elif epilogue == "rmsnorm":
+        head_dim = n_sub * tile
+        # Touch 0 .. n_sub-2: carry the sum of squares over the first tiles of the head (not stored yet).
+        ss = jnp.sum(accs[0] * accs[0], axis=1)
+        for j in range(1, n_sub - 1):
+            ss = ss + jnp.sum(accs[j] * accs[j], axis=1)
+        # Last tile: complete the reduction, normalise it and store it.
+        last = n_sub - 1
+        if last > 0:
+            ss = ss + jnp.sum(accs[last] * accs[last], axis=1)
+        rstd = jax.lax.rsqrt(ss * jnp.float32(1.0 / head_dim) + jnp.float32(eps)).reshape(-1, 1)
+        order = [last] + list(range(last))  # then revisit the first tiles with the known rstd
+        for j in order:
+            cols = pl.ds(j * tile, tile)
+            wj = nw_ref[cols].astype(jnp.float32).reshape(1, tile)
+            o_ref[:, cols] = (accs[j] * rstd * wj).astype(o_ref.dtype)
+    elif epilogue == "swiglu":
+        (acc,) = accs
+        bm = acc.shape[0]
+        gate, up = jax.lax.unstack(acc.reshape(bm, tile // 2, 2), axis=2)  # adjacent gate/up pairs
+        o_ref[...] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(o_ref.dtype)
+    else:
+        raise ValueError(f"unknown epilogue {epilogue!r}")
+
+
+def _fused_call(a, w, *, epilogue: Epilogue, head_dim: int, norm_weight, eps: float, lowrank, bias,
+                block_sizes: Optional[EpilogueBlockSizes], compute: Compute, out_dtype, out, interpret: bool):
+    kind, m, n, k = check_operands(a, w)
+    bs = block_sizes or _default_blocks(m, k)
+    spec = OperandSpec(kind=kind, compute=compute if kind != "bf16" else "bf16", block_k=bs.block_k)
+    if compute == "fp8" and kind != "mxfp4":
+        raise ValueError("compute='fp8' supports MXFP4 only")
+    blk = spec.fmt_block
+    if epilogue == "rmsnorm":
+        if head_dim % bs.tile or n % head_dim:
+            raise ValueError(f"rmsnorm: head_dim={head_dim} must be a multiple of the tile {bs.tile} and divide n={n}")
+        if norm_weight is None or norm_weight.shape != (head_dim,):
+            raise ValueError(f"rmsnorm: norm_weight must have shape ({head_dim},)")
+        tile, n_sub, cols = bs.tile, head_dim // bs.tile, head_dim
+    else:
+        tile, n_sub, cols = bs.block_n, 1, bs.block_n
+        if n % cols:
+            raise ValueError(f"{epilogue}: n={n} must be a multiple of block_n={cols}")
+    out_cols = cols // 2 if epilogue == "swiglu" else cols
+    n_out = n // 2 if epilogue == "swiglu" else n
+    m_pad, k_pad = _round_up(m, bs.block_m), _round_up(k, bs.block_k)
+    grid = (m_pad // bs.block_m, n // cols)
+    a_map = lambda i, j: (i, 0)  # noqa: E731
+    w_map = lambda i, j: (j, 0)  # noqa: E731
+    args = _operand_arrays(a, kind, m_pad, k_pad) + _operand_arrays(w, kind, n, k_pad)
+    in_specs = _operand_specs(kind, bs.block_m, k_pad, blk, a_map) + _operand_specs(kind, cols, k_pad, blk, w_map)
+    if spec.has_tensor_scale:
+        args.append((a.tensor_scale * w.tensor_scale).astype(jnp.float32).reshape(1))
+        in_specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
+    if lowrank is not None:
+        h, left = lowrank
+        r = h.shape[-1]
+        if h.shape != (m, r) or left.shape != (n, r) or r < 16 or r & (r - 1):
+            raise ValueError(f"lowrank=(h {h.shape}, L {left.shape}) must be (m, r), (n, r) with r a power of two")
+        args += [_pad_rows(h.astype(jnp.bfloat16), m_pad), left.astype(jnp.bfloat16)]
+        in_specs += [pl.BlockSpec((bs.block_m, r), a_map), pl.BlockSpec((cols, r), w_map)]
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"bias {bias.shape} must be ({n},)")
+        args.append(bias.astype(jnp.float32))
+        in_specs.append(pl.BlockSpec((cols,), lambda i, j: (j,)))
+    if epilogue == "rmsnorm":
+        args.append(norm_weight.astype(jnp.float32))
+        in_specs.append(pl.BlockSpec((head_dim,), lambda i, j: (0,)))
+    aliases = {}
+    if out is not None:
+        if out.shape != (m, n_out):
+            raise ValueError(f"out {out.shape} must be ({m}, {n_out})")
+        aliases = {len(args): 0}
+        args.append(jnp.pad(out.astype(out_dtype), [(0, m_pad - m), (0, 0)]))
+        in_specs.append(pl.BlockSpec((bs.block_m, out_cols), lambda i, j: (i, j)))
+    kernel = functools.partial(_epilogue_kernel, spec=spec, k=k_pad, epilogue=epilogue, tile=tile, n_sub=n_sub,
+                               has_lowrank=lowrank is not None, has_bias=bias is not None, eps=float(eps),
+                               has_alias=out is not None)
+    y = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((bs.block_m, out_cols), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m_pad, n_out), out_dtype),
+        input_output_aliases=aliases,
+        compiler_params=triton_compiler_params(bs.num_warps, bs.num_stages),
+        interpret=interpret,
+        name=f"gemm_{epilogue}_{kind}",
+    )(*args)
+    return y[:m]
+
+
+_STATIC = ("block_sizes", "compute", "out_dtype", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def gemm(a, w, *, lowrank=None, bias=None, block_sizes: Optional[EpilogueBlockSizes] = None, compute: Compute = "bf16",
+         out_dtype=jnp.bfloat16, out=None, interpret: bool = False) -> jax.Array:
+    """The same kernel with no epilogue op: ``A W^T [+ h L^T] [+ b]`` (bf16 or packed operands); the unfused
+    baseline's GEMM."""
+    return _fused_call(a, w, epilogue="none", head_dim=0, norm_weight=None, eps=0.0, lowrank=lowrank, bias=bias,
+                       block_sizes=block_sizes, compute=compute, out_dtype=out_dtype, out=out, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("head_dim", "eps"))
+def gemm_rmsnorm(a, w, norm_weight, *, head_dim: int = 256, eps: float = 1e-6, lowrank=None, bias=None,
+                 block_sizes: Optional[EpilogueBlockSizes] = None, compute: Compute = "bf16", out_dtype=jnp.bfloat16,
+                 out=None, interpret: bool = False) -> jax.Array:
+    """``RMSNorm_per_head(A W^T [+ h L^T] [+ b]) * norm_weight``, fused (three-touch epilogue).
+
+    Args:
+      a: ``(m, k)`` bf16 array or packed ``QuantizedArray``.
+      w: ``(n, k)`` likewise (same kind), ``n`` a multiple of ``head_dim``.
+      norm_weight: ``(head_dim,)``, shared by all heads.
+      head_dim: a multiple of the epilogue tile (128); 256 for Ideogram 4.
+    """
+    return _fused_call(a, w, epilogue="rmsnorm", head_dim=head_dim, norm_weight=norm_weight, eps=eps, lowrank=lowrank,
+                       bias=bias, block_sizes=block_sizes, compute=compute, out_dtype=out_dtype, out=out,
+                       interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def gemm_swiglu(a, w_perm, *, lowrank=None, bias=None, block_sizes: Optional[EpilogueBlockSizes] = None,
+                compute: Compute = "bf16", out_dtype=jnp.bfloat16, out=None, interpret: bool = False) -> jax.Array:
+    """``SiLU(C[:, 0::2]) * C[:, 1::2]`` with ``C = A W_perm^T [+ h L_perm^T] [+ b_perm]``: output ``(m, N/2)``.
+
+    ``w_perm`` (and ``L``, ``bias``) must come from :func:`pack_swiglu_weight` (gate/up pairs); the result equals
+    ``SiLU(C'[:, :N/2]) * C'[:, N/2:]`` for the unpermuted fused weight.
+    """
+    return _fused_call(a, w_perm, epilogue="swiglu", head_dim=0, norm_weight=None, eps=0.0, lowrank=lowrank, bias=bias,
+                       block_sizes=block_sizes, compute=compute, out_dtype=out_dtype, out=out, interpret=interpret)

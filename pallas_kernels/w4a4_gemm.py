@@ -1,0 +1,545 @@
+"""W4A4 GEMM: ``dequant(Qa) @ dequant(Qw)^T`` from packed MXFP4 / NVFP4 operands, on the Hopper tensor cores.
+
+The H200 (sm_90) has no FP4 tensor cores. This kernel reads the packed operands (two E2M1 codes per byte plus block
+scales), unpacks them in registers and runs bf16 (or, for MXFP4, FP8 E4M3) tensor-core dots with fp32 accumulation.
+Pallas with the Triton lowering (``pallas_call`` + ``pltriton.CompilerParams``), the same path as
+``pallas_kernels/transform_quantize.py``; ``interpret=True`` runs the same kernel body on the CPU.
+
+Operands (``kroquant_jax.formats.QuantizedArray``, quantized along K, the last axis)::
+
+    A: codes uint8 (m, k/2), scales (m, k/blk)      W: codes uint8 (n, k/2), scales (n, k/blk)
+    out (m, n) = dequant(A) @ dequant(W)^T  [+ h @ L^T (low-rank branch)]  [+ bias]
+
+Per-tile math (shared with :func:`w4a4_matmul_tiled_reference`, the jnp mirror of the kernel):
+
+* **Unpacking without a table.** Byte ``i`` of a row holds elements ``2i`` (low nibble) and ``2i+1`` (high nibble).
+  The kernel never interleaves them: a dot product is a sum over K, so it reorders K the same way in both operands
+  and computes ``dot(A_lo, W_lo^T) + dot(A_hi, W_hi^T)``. The nibble ``c = s<<3 | e1 e0 m`` becomes the FP8 E4M3 bit
+  pattern ``s<<7 | (e1 e0 m)<<2``, whose value is exactly ``e2m1(c) * 2**-6`` for all 16 codes (0.5 lands on the
+  E4M3 subnormal 2**-7): a shift, a mask and a bitcast per element.
+* **Scales.** A block of ``blk`` elements occupies ``blk/2`` consecutive bytes, and both nibbles of byte ``i`` belong
+  to the same block, so the low and the high half share the block scale, broadcast over ``blk/2`` bytes.
+
+Two compute modes (static ``compute``):
+
+``"bf16"`` (MXFP4 and NVFP4, the default): each element becomes ``bf16(fp8_value * scale * 2**6)``. MXFP4:
+  ``e2m1 * 2**e`` has 2 significant bits, NVFP4: ``e2m1 * e4m3`` at most 6; both are exact in bf16 (8 bits). Products
+  of two such values have at most 12 significant bits and are exact in the fp32 accumulator. So the kernel computes
+  **exactly** the f32 matrix product of the fake-quantized operands, up to the order of the fp32 additions.
+``"fp8"`` (MXFP4 only): E2M1 codes go to the tensor cores as E4M3 (exact); one K=32 FP8 dot per MXFP4 block, whose
+  partial sum (32 products of E2M1 values, multiples of 2**-2 below 1152: 13 significant bits) is exact; it is then
+  multiplied by the power-of-two outer product ``2**(ea_i + ew_j)`` (exact) and added to the fp32 accumulator. Same
+  exactness, provided the FP8 tensor-core accumulator keeps >= 13 significant bits (Hopper's does: about 14 are
+  reported for its FP8 accumulation; the GPU test checks it). It costs one fp32 multiply-add per output per 32 K.
+
+Bounds (tested in ``tests/test_w4a4_gemm.py``), with ``x_hat = fake_quant(x)`` in f32 and ``P = |A_hat| |W_hat|^T``:
+
+* MXFP4: ``|out - A_hat W_hat^T| <= k * 2**-24 * P`` elementwise (the fp32 summation-order bound ``gamma_k``), for
+  block scale bytes in ``[2, 248]`` (block amax in about ``[2**-123, 2**123]``); byte 0 blocks are exactly zero, the
+  NaN byte 0xFF propagates NaN. Outside that range (f32 subnormals / overflow) the kernel may differ.
+* NVFP4: the kernel applies the two per-tensor scales once to the accumulator; the reference rounds
+  ``e2m1 * s_blk * tensor_scale`` to f32 per element. Bound: ``(k + 3) * 2**-24 * P``.
+* Output in bf16: add the final rounding, ``2**-8 |out|``.
+
+Low-rank branch (eq. 11, ``(A T)(L R)^T``): the caller computes ``h = (A T) R^T`` ``(m, r)`` (a small GEMM) and the
+kernel adds ``h L^T`` in its epilogue (``lowrank=(h, L)``, ``L (n, r)`` bf16), one more K=r dot per output tile
+(fused), or :func:`w4a4_linear` does it beside the kernel with XLA (``lowrank_mode="beside"``).
+
+The activation tensors keep their natural layout; ragged ``m`` (not a multiple of ``block_m``) and ``n``/``k`` that
+are no multiple of the blocks are zero-padded by the wrapper (zero codes with scale byte 0 contribute exactly 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from kroquant_jax.formats import MXFP4, NVFP4, QuantizedArray, dequantize
+from pallas_kernels._compat import pl, triton_compiler_params
+
+__all__ = [
+    "BlockSizes",
+    "Compute",
+    "OperandSpec",
+    "accumulate_tiles",
+    "choose_block_sizes",
+    "decode_tile_bf16",
+    "decode_tile_fp8",
+    "e2m1_to_e4m3_bits",
+    "scale_multiplier",
+    "w4a4_linear",
+    "w4a4_linear_reference",
+    "w4a4_matmul",
+    "w4a4_matmul_reference",
+    "w4a4_matmul_tiled_reference",
+]
+
+Compute = Literal["bf16", "fp8"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes of the W4A4 GEMM (all powers of two, as Triton requires).
+
+    Attributes:
+      block_m: rows of A per program.
+      block_n: rows of W (output columns) per program.
+      block_k: unpacked K elements per main-loop step (a multiple of the format's block size, >= 32).
+      num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"BlockSizes.{name}={v} must be a power of two >= 16")
+        if self.block_k < 32:
+            raise ValueError(f"BlockSizes.block_k={self.block_k} must be >= 32 (one MXFP4 block)")
+
+
+def choose_block_sizes(m: int, n: int, k: int, *, max_block_m: int = 128, block_n: int = 128,
+                       block_k: int = 128) -> BlockSizes:
+    """Default tiles for a problem: ``block_m`` shrinks for small ``m``; n and k are padded to the blocks if needed."""
+    bm = max_block_m
+    while bm > 16 and bm // 2 >= m:
+        bm //= 2
+    bn = block_n
+    while bn > 16 and n % bn and n % (bn // 2) == 0:
+        bn //= 2
+    bk = block_k
+    while bk > 32 and k % bk:
+        bk //= 2
+    return BlockSizes(block_m=bm, block_n=bn, block_k=bk, num_warps=8 if bm * bn >= 128 * 128 else 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class OperandSpec:
+    """How a kernel reads its two GEMM operands (static).
+
+    Attributes:
+      kind: ``"mxfp4"``, ``"nvfp4"`` (packed ``QuantizedArray`` operands) or ``"bf16"`` (plain 16-bit ``A``, ``W``).
+      compute: tensor-core input type for packed operands (``"bf16"`` or, MXFP4 only, ``"fp8"``).
+      block_k: unpacked K elements per main-loop step.
+    """
+
+    kind: Literal["mxfp4", "nvfp4", "bf16"]
+    compute: Compute = "bf16"
+    block_k: int = 128
+
+    @property
+    def packed(self) -> bool:
+        return self.kind != "bf16"
+
+    @property
+    def fmt_block(self) -> int:
+        return {"mxfp4": 32, "nvfp4": 16, "bf16": 1}[self.kind]
+
+    @property
+    def has_tensor_scale(self) -> bool:
+        return self.kind == "nvfp4"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Per-tile math (jnp; the kernel body and the tiled reference both call these).
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def e2m1_to_e4m3_bits(nibbles: jax.Array) -> jax.Array:
+    """E2M1 codes (int32, low 4 bits) -> E4M3 bit patterns (int32 in [0, 255]) of value ``e2m1(code) * 2**-6``."""
+    return ((nibbles & 7) << 2) | ((nibbles & 8) << 4)
+
+
+def _bits_to_fp8(bits_i32: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(bits_i32.astype(jnp.uint8), jnp.float8_e4m3fn)
+
+
+def unpack_tile_fp8(codes: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``uint8 (r, c)`` packed codes -> ``(lo, hi)`` ``float8_e4m3fn (r, c)``: elements ``2i`` and ``2i+1``, each
+    holding ``e2m1 * 2**-6`` exactly."""
+    c = codes.astype(jnp.int32)
+    return _bits_to_fp8(e2m1_to_e4m3_bits(c & 15)), _bits_to_fp8(e2m1_to_e4m3_bits(c >> 4))
+
+
+def scale_multiplier(scales: jax.Array, kind: str) -> jax.Array:
+    """Block-scale bytes -> the f32 factor that turns an ``e2m1 * 2**-6`` value into the dequantized value.
+
+    MXFP4 (E8M0 byte ``s``): ``2**(s - 127 + 6)``, built from bits; exact for ``s`` in ``[2, 248]``; ``s = 0`` gives 0
+    (the reference flushes those blocks to zero: ``6 * 2**-127`` is an f32 subnormal); ``s = 255`` gives NaN.
+    NVFP4 (``float8_e4m3fn`` bytes, passed as uint8): ``f32(s_blk) * 2**6``; NaN scales stay NaN.
+    """
+    s = scales.astype(jnp.int32)
+    if kind == "mxfp4":
+        mult = jax.lax.bitcast_convert_type(jnp.clip(s + 6, 1, 254) << 23, jnp.float32)
+        mult = jnp.where(s == 0, jnp.float32(0.0), mult)
+        return jnp.where(s == 255, jnp.float32(jnp.nan), mult)
+    if kind == "nvfp4":
+        s8 = jax.lax.bitcast_convert_type(scales.astype(jnp.uint8), jnp.float8_e4m3fn)
+        return s8.astype(jnp.float32) * jnp.float32(64.0)
+    raise ValueError(f"scale_multiplier: unknown kind {kind!r}")
+
+
+def _expand_scales(mult: jax.Array, bytes_per_block: int) -> jax.Array:
+    """``(r, nb)`` per-block factors -> ``(r, nb * bytes_per_block)`` per-byte factors (broadcast, no gather)."""
+    r, nb = mult.shape
+    return jnp.broadcast_to(mult[:, :, None], (r, nb, bytes_per_block)).reshape(r, nb * bytes_per_block)
+
+
+def decode_tile_bf16(codes: jax.Array, scales: jax.Array, kind: str) -> tuple[jax.Array, jax.Array]:
+    """Packed tile ``uint8 (r, bk/2)`` + block-scale bytes ``uint8 (r, bk/blk)`` -> ``(lo, hi)`` ``bfloat16 (r, bk/2)``.
+
+    ``lo[:, i]`` is element ``2i`` of the tile, ``hi[:, i]`` element ``2i + 1``, both dequantized exactly (up to the
+    per-tensor scale of NVFP4, applied to the accumulator).
+    """
+    blk = 32 if kind == "mxfp4" else 16
+    lo8, hi8 = unpack_tile_fp8(codes)
+    mult = _expand_scales(scale_multiplier(scales, kind), blk // 2)
+    lo = (lo8.astype(jnp.float32) * mult).astype(jnp.bfloat16)
+    hi = (hi8.astype(jnp.float32) * mult).astype(jnp.bfloat16)
+    return lo, hi
+
+
+def decode_tile_fp8(codes16: jax.Array) -> jax.Array:
+    """One MXFP4 block of a tile, ``uint8 (r, 16)`` -> ``float8_e4m3fn (r, 32)`` in natural element order,
+    values ``e2m1 * 2**-6``."""
+    lo, hi = unpack_tile_fp8(codes16)
+    r = codes16.shape[0]
+    return jax.lax.stack([lo, hi], axis=2).reshape(r, 2 * codes16.shape[1])
+
+
+def _dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a (r, c) @ b (s, c)^T`` in f32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The main loop, shared with pallas_kernels/epilogues.py.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def accumulate_tiles(a_refs: Sequence, w_refs: Sequence, *, spec: OperandSpec, k: int, block_n: int,
+                     n_sub: int) -> list[jax.Array]:
+    """The K loop of one program: ``n_sub`` f32 accumulators ``(bm, block_n)`` for W row tiles ``j * block_n``.
+
+    Args:
+      a_refs: ``(a,)`` for bf16 operands (``(bm, k)`` block) or ``(codes (bm, k/2), scales (bm, k/blk))``.
+      w_refs: the same for W, with ``n_sub * block_n`` rows.
+      spec: operand description; ``k`` the (padded) reduction length, a multiple of ``spec.block_k``.
+    """
+    bk = spec.block_k
+    n_k = k // bk
+    bm = a_refs[0].shape[0]
+    accs0 = [jnp.zeros((bm, block_n), jnp.float32) for _ in range(n_sub)]
+
+    if spec.kind == "bf16":
+        def body(kk, accs):
+            a = a_refs[0][:, pl.ds(kk * bk, bk)]
+            out = []
+            for j, acc in enumerate(accs):
+                w = w_refs[0][pl.ds(j * block_n, block_n), pl.ds(kk * bk, bk)]
+                out.append(acc + _dot_nt(a, w))
+            return out
+    elif spec.compute == "bf16":
+        hk, nsb = bk // 2, bk // spec.fmt_block
+
+        def body(kk, accs):
+            a_lo, a_hi = decode_tile_bf16(a_refs[0][:, pl.ds(kk * hk, hk)], a_refs[1][:, pl.ds(kk * nsb, nsb)],
+                                          spec.kind)
+            out = []
+            for j, acc in enumerate(accs):
+                rows = pl.ds(j * block_n, block_n)
+                w_lo, w_hi = decode_tile_bf16(w_refs[0][rows, pl.ds(kk * hk, hk)],
+                                              w_refs[1][rows, pl.ds(kk * nsb, nsb)], spec.kind)
+                out.append(acc + _dot_nt(a_lo, w_lo) + _dot_nt(a_hi, w_hi))
+            return out
+    elif spec.compute == "fp8":
+        if spec.kind != "mxfp4":
+            raise ValueError("compute='fp8' supports MXFP4 only (an NVFP4 block of 16 is below the FP8 dot's K=32)")
+        nsb = bk // 32
+
+        def body(kk, accs):
+            out = list(accs)
+            for b in range(nsb):
+                kb = kk * nsb + b
+                a8 = decode_tile_fp8(a_refs[0][:, pl.ds(kb * 16, 16)])
+                sa = scale_multiplier(a_refs[1][:, pl.ds(kb, 1)], "mxfp4")  # (bm, 1)
+                for j in range(n_sub):
+                    rows = pl.ds(j * block_n, block_n)
+                    w8 = decode_tile_fp8(w_refs[0][rows, pl.ds(kb * 16, 16)])
+                    sw = scale_multiplier(w_refs[1][rows, pl.ds(kb, 1)], "mxfp4").reshape(1, block_n)
+                    out[j] = out[j] + _dot_nt(a8, w8) * (sa * sw)
+            return out
+    else:
+        raise ValueError(f"unknown compute mode {spec.compute!r}")
+
+    return list(jax.lax.fori_loop(0, n_k, body, accs0))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Kernel and wrapper.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _gemm_kernel(*refs, spec: OperandSpec, k: int, block_n: int, has_lowrank: bool, has_bias: bool):
+    n_op = 1 if spec.kind == "bf16" else 2
+    refs = list(refs)
+    a_refs, refs = refs[:n_op], refs[n_op:]
+    w_refs, refs = refs[:n_op], refs[n_op:]
+    ts_ref = refs.pop(0) if spec.has_tensor_scale else None
+    h_ref = l_ref = bias_ref = None
+    if has_lowrank:
+        h_ref, l_ref = refs.pop(0), refs.pop(0)
+    if has_bias:
+        bias_ref = refs.pop(0)
+    if len(refs) == 2:  # an aliased (poisoned) output buffer, then the output
+        refs = refs[1:]
+    (o_ref,) = refs
+    (acc,) = accumulate_tiles(a_refs, w_refs, spec=spec, k=k, block_n=block_n, n_sub=1)
+    if ts_ref is not None:
+        acc = acc * ts_ref[...].reshape(1, 1)
+    if has_lowrank:
+        acc = acc + _dot_nt(h_ref[...], l_ref[...])
+    if has_bias:
+        acc = acc + bias_ref[...].astype(jnp.float32).reshape(1, block_n)
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
+    return x if x.shape[0] == rows else jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+
+
+def _pad_cols(x: jax.Array, cols: int) -> jax.Array:
+    return x if x.shape[1] == cols else jnp.pad(x, [(0, 0), (0, cols - x.shape[1])])
+
+
+def _round_up(x: int, b: int) -> int:
+    return -(-x // b) * b
+
+
+def _operand_arrays(q, kind: str, rows: int, k_pad: int) -> list[jax.Array]:
+    """The arrays a kernel reads for one operand, zero-padded to ``rows`` x ``k_pad``."""
+    if kind == "bf16":
+        return [_pad_cols(_pad_rows(jnp.asarray(q, jnp.bfloat16), rows), k_pad)]
+    blk = q.fmt.block_size
+    scales = q.scales
+    if scales.dtype != jnp.uint8:
+        scales = jax.lax.bitcast_convert_type(scales, jnp.uint8)
+    codes = _pad_cols(_pad_rows(q.codes, rows), k_pad // 2)
+    # Padding scale byte 0: MXFP4 -> exactly 0; NVFP4 -> E4M3 +0. With zero codes either way the padding adds 0.
+    return [codes, _pad_cols(_pad_rows(scales, rows), k_pad // blk)]
+
+
+def _operand_specs(kind: str, rows_block: int, k_pad: int, blk: int, index_map) -> list:
+    if kind == "bf16":
+        return [pl.BlockSpec((rows_block, k_pad), index_map)]
+    return [pl.BlockSpec((rows_block, k_pad // 2), index_map), pl.BlockSpec((rows_block, k_pad // blk), index_map)]
+
+
+def _kind_of(q) -> str:
+    if isinstance(q, QuantizedArray):
+        if isinstance(q.fmt, MXFP4):
+            if q.fmt.block_size != 32:
+                raise ValueError("the W4A4 kernels support MXFP4 with block_size=32")
+            return "mxfp4"
+        if isinstance(q.fmt, NVFP4):
+            if q.fmt.block_size != 16:
+                raise ValueError("the W4A4 kernels support NVFP4 with block_size=16")
+            return "nvfp4"
+        raise TypeError(f"unknown format {q.fmt!r}")
+    return "bf16"
+
+
+def check_operands(a, w) -> tuple[str, int, int, int]:
+    """Validates ``a (m, k)``, ``w (n, k)`` (both packed in one format, or both 16-bit); returns (kind, m, n, k)."""
+    kind = _kind_of(a)
+    if _kind_of(w) != kind:
+        raise TypeError(f"operands must be both packed in one format or both 16-bit, got {kind} and {_kind_of(w)}")
+    if kind != "bf16" and a.fmt.block_size != w.fmt.block_size:
+        raise ValueError("operand formats differ")
+    if len(a.shape) != 2 or len(w.shape) != 2:
+        raise ValueError(f"expected 2-D operands a (m, k), w (n, k); got {a.shape} and {w.shape}")
+    (m, k), (n, k_w) = a.shape, w.shape
+    if k != k_w:
+        raise ValueError(f"reduction lengths differ: a {a.shape}, w {w.shape}")
+    return kind, m, n, k
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "compute", "out_dtype", "interpret"))
+def w4a4_matmul(a: QuantizedArray, w: QuantizedArray, *, lowrank: Optional[tuple] = None,
+                bias: Optional[jax.Array] = None, block_sizes: Optional[BlockSizes] = None, compute: Compute = "bf16",
+                out_dtype=jnp.bfloat16, out: Optional[jax.Array] = None, interpret: bool = False) -> jax.Array:
+    """``dequant(a) @ dequant(w)^T [+ h @ L^T] [+ bias]`` with the Pallas kernel.
+
+    Args:
+      a: packed activations ``(m, k)`` (``QuantizedArray``, MXFP4 or NVFP4).
+      w: packed weights ``(n, k)``, same format.
+      lowrank: ``(h (m, r), L (n, r))``: fused low-rank epilogue ``h @ L^T`` (``h = (A T) R^T``); ``r`` a power of
+        two >= 16.
+      bias: ``(n,)`` or ``None``.
+      block_sizes: tiles (default :func:`choose_block_sizes`).
+      compute: ``"bf16"`` or ``"fp8"`` (MXFP4 only), see the module docstring.
+      out_dtype: output dtype (bf16 by default; f32 for exactness checks).
+      out: optional ``(m, n)`` buffer the kernel writes into (aliased; tests poison it to check every element).
+      interpret: run the kernel body with the Pallas interpreter (CPU).
+
+    Returns:
+      ``(m, n)`` in ``out_dtype``.
+    """
+    kind, m, n, k = check_operands(a, w)
+    if kind == "bf16":
+        raise TypeError("w4a4_matmul takes packed operands; use a @ w.T for 16-bit ones")
+    bs = block_sizes or choose_block_sizes(m, n, k)
+    spec = OperandSpec(kind=kind, compute=compute, block_k=bs.block_k)
+    if compute == "fp8" and kind != "mxfp4":
+        raise ValueError("compute='fp8' supports MXFP4 only")
+    blk = spec.fmt_block
+    m_pad, n_pad, k_pad = _round_up(m, bs.block_m), _round_up(n, bs.block_n), _round_up(k, bs.block_k)
+    grid = (m_pad // bs.block_m, n_pad // bs.block_n)
+    a_map = lambda i, j: (i, 0)  # noqa: E731
+    w_map = lambda i, j: (j, 0)  # noqa: E731
+    args = _operand_arrays(a, kind, m_pad, k_pad) + _operand_arrays(w, kind, n_pad, k_pad)
+    in_specs = (_operand_specs(kind, bs.block_m, k_pad, blk, a_map)
+                + _operand_specs(kind, bs.block_n, k_pad, blk, w_map))
+    if spec.has_tensor_scale:
+        args.append((a.tensor_scale * w.tensor_scale).astype(jnp.float32).reshape(1))
+        in_specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
+    if lowrank is not None:
+        h, left = lowrank
+        r = h.shape[-1]
+        if h.shape != (m, r) or left.shape != (n, r) or r < 16 or r & (r - 1):
+            raise ValueError(f"lowrank=(h {h.shape}, L {left.shape}) must be (m, r), (n, r) with r a power of two")
+        args += [_pad_rows(h.astype(jnp.bfloat16), m_pad), _pad_rows(left.astype(jnp.bfloat16), n_pad)]
+        in_specs += [pl.BlockSpec((bs.block_m, r), a_map), pl.BlockSpec((bs.block_n, r), w_map)]
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"bias {bias.shape} must be ({n},)")
+        args.append(jnp.pad(bias.astype(jnp.float32), (0, n_pad - n)))
+        in_specs.append(pl.BlockSpec((bs.block_n,), lambda i, j: (j,)))
+    aliases = {}
+    if out is not None:
+        if out.shape != (m, n):
+            raise ValueError(f"out {out.shape} must be ({m}, {n})")
+        aliases = {len(args): 0}
+        args.append(jnp.pad(out.astype(out_dtype), [(0, m_pad - m), (0, n_pad - n)]))
+        in_specs.append(pl.BlockSpec((bs.block_m, bs.block_n), lambda i, j: (i, j)))
+    kernel = functools.partial(_gemm_kernel, spec=spec, k=k_pad, block_n=bs.block_n, has_lowrank=lowrank is not None,
+                               has_bias=bias is not None)
+    y = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((bs.block_m, bs.block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m_pad, n_pad), out_dtype),
+        input_output_aliases=aliases,
+        compiler_params=triton_compiler_params(bs.num_warps, bs.num_stages),
+        interpret=interpret,
+        name=f"w4a4_gemm_{kind}_{compute}",
+    )(*args)
+    return y[:m, :n]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# References.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def w4a4_matmul_reference(a: QuantizedArray, w: QuantizedArray, *, lowrank: Optional[tuple] = None,
+                          bias: Optional[jax.Array] = None, out_dtype=jnp.float32) -> jax.Array:
+    """The library's fake-quant product in f32: ``dequantize(a) @ dequantize(w)^T [+ h L^T] [+ b]``.
+
+    Equal to ``fake_quant(A) @ fake_quant(W).T`` (``dequantize(quantize(x)) == fake_quant(x)`` bit for bit).
+    """
+    y = jnp.matmul(dequantize(a, jnp.float32), dequantize(w, jnp.float32).T, precision="highest")
+    if lowrank is not None:
+        h, left = lowrank
+        y = y + jnp.matmul(h.astype(jnp.bfloat16).astype(jnp.float32), left.astype(jnp.bfloat16).astype(jnp.float32).T,
+                           precision="highest")
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(out_dtype)
+
+
+def w4a4_matmul_tiled_reference(a: QuantizedArray, w: QuantizedArray, *, block_k: int = 128,
+                                compute: Compute = "bf16") -> jax.Array:
+    """jnp mirror of the kernel's main loop (same per-tile functions, whole rows at once), f32 ``(m, n)``."""
+    kind, m, n, k = check_operands(a, w)
+    k_pad = _round_up(k, block_k)
+    (ca, sa), (cw, sw) = _operand_arrays(a, kind, m, k_pad), _operand_arrays(w, kind, n, k_pad)
+    acc = jnp.zeros((m, n), jnp.float32)
+    if compute == "bf16":
+        hk, nsb = block_k // 2, block_k // (32 if kind == "mxfp4" else 16)
+        for kk in range(k_pad // block_k):
+            a_lo, a_hi = decode_tile_bf16(ca[:, kk * hk:(kk + 1) * hk], sa[:, kk * nsb:(kk + 1) * nsb], kind)
+            w_lo, w_hi = decode_tile_bf16(cw[:, kk * hk:(kk + 1) * hk], sw[:, kk * nsb:(kk + 1) * nsb], kind)
+            acc = acc + _dot_nt(a_lo, w_lo) + _dot_nt(a_hi, w_hi)
+    else:
+        for kb in range(k_pad // 32):
+            a8, w8 = decode_tile_fp8(ca[:, kb * 16:(kb + 1) * 16]), decode_tile_fp8(cw[:, kb * 16:(kb + 1) * 16])
+            s = scale_multiplier(sa[:, kb:kb + 1], "mxfp4") * scale_multiplier(sw[:, kb:kb + 1], "mxfp4").T
+            acc = acc + _dot_nt(a8.astype(jnp.float32), w8.astype(jnp.float32)) * s
+    if kind == "nvfp4":
+        acc = acc * (a.tensor_scale * w.tensor_scale)
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One quantized linear layer on packed operands (eq. 11), for kroquant_jax.qlinear.QuantizedLinear.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _dense_bf16(x) -> Optional[jax.Array]:
+    if x is None:
+        return None
+    if isinstance(x, QuantizedArray):
+        return dequantize(x, jnp.float32).astype(jnp.bfloat16)  # MXFP4 values are exact in bf16
+    return jnp.asarray(x).astype(jnp.bfloat16)
+
+
+def w4a4_linear(layer, x_t: jax.Array, x_q: QuantizedArray, *, lowrank_mode: Literal["fused", "beside"] = "fused",
+                block_sizes: Optional[BlockSizes] = None, compute: Compute = "bf16", out_dtype=jnp.bfloat16,
+                interpret: bool = False) -> jax.Array:
+    """Eq. 11 on packed operands: ``Q(x T) Q(W~ - L R)^T + (x T)(L R)^T + b``.
+
+    Args:
+      layer: a ``kroquant_jax.qlinear.QuantizedLinear`` (its ``weight`` packed, its low-rank factors packed or dense).
+      x_t: the transformed activations ``x T`` ``(m, d)`` (bf16), input of the 16-bit low-rank branch.
+      x_q: their packed quantization ``Q(x T)`` (from the fused transform+quantize kernel).
+      lowrank_mode: ``"fused"`` adds ``h L^T`` in the GEMM's epilogue, ``"beside"`` with an XLA GEMM after it.
+    """
+    lowrank = None
+    if layer.lowrank_left is not None:
+        right, left = _dense_bf16(layer.lowrank_right), _dense_bf16(layer.lowrank_left)
+        h = jnp.matmul(x_t.astype(jnp.bfloat16), right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        lowrank = (h, left)
+    bias = layer.bias
+    if lowrank_mode == "fused" or lowrank is None:
+        return w4a4_matmul(x_q, layer.weight, lowrank=lowrank, bias=bias, block_sizes=block_sizes, compute=compute,
+                           out_dtype=out_dtype, interpret=interpret)
+    if lowrank_mode != "beside":
+        raise ValueError(f"lowrank_mode={lowrank_mode!r} must be 'fused' or 'beside'")
+    y = w4a4_matmul(x_q, layer.weight, bias=bias, block_sizes=block_sizes, compute=compute, out_dtype=jnp.float32,
+                    interpret=interpret)
+    h, left = lowrank
+    y = y + jnp.matmul(h, left.T, preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
+
+
+def w4a4_linear_reference(layer, x_t: jax.Array, x_q: QuantizedArray, out_dtype=jnp.float32) -> jax.Array:
+    """f32 reference of :func:`w4a4_linear` (the low-rank input ``h`` rounded to bf16 as the kernel path does)."""
+    lowrank = None
+    if layer.lowrank_left is not None:
+        right, left = _dense_bf16(layer.lowrank_right), _dense_bf16(layer.lowrank_left)
+        h = jnp.matmul(x_t.astype(jnp.bfloat16).astype(jnp.float32), right.astype(jnp.float32).T,
+                       precision="highest").astype(jnp.bfloat16)
+        lowrank = (h, left)
+    return w4a4_matmul_reference(x_q, layer.weight, lowrank=lowrank, bias=layer.bias, out_dtype=out_dtype)
+

@@ -1,0 +1,166 @@
+"""W4A4 GEMM (pallas_kernels/w4a4_gemm.py): per-tile math, the Pallas kernel in interpret mode, the layer path.
+
+Exactness contract (module docstring): against ``fake_quant(A) @ fake_quant(W).T`` in f32 the kernel differs only by
+the order of its fp32 additions: ``|out - ref| <= k * 2**-24 * (|A_hat| @ |W_hat|^T)`` (MXFP4), ``(k + 3) * ...``
+(NVFP4, per-tensor scales applied once).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kroquant_jax.formats import E2M1_VALUES, MXFP4, NVFP4, dequantize, fake_quant, quantize
+from pallas_kernels import w4a4_gemm as g
+
+# Jitted once per (shape, format): eager dispatch of the many small ops is what costs time on the CPU.
+quantize = jax.jit(quantize, static_argnums=1)
+fake_quant = jax.jit(fake_quant, static_argnums=1)
+tiled_reference = jax.jit(g.w4a4_matmul_tiled_reference, static_argnames=("block_k", "compute"))
+
+
+def _data(seed, m, n, k, outliers=True):
+    ka, kw, ko = jax.random.split(jax.random.PRNGKey(seed), 3)
+    a = jax.random.normal(ka, (m, k), jnp.float32) * 2.0
+    w = jax.random.normal(kw, (n, k), jnp.float32) * 0.05
+    if outliers:
+        # Outlier channels and single huge values, tiny blocks, an all-zero block.
+        a = a.at[:, 5].multiply(80.0).at[1, 40].set(-3.0e3)
+        a = a.at[2, 64:96].multiply(1e-20)
+        a = a.at[0, 0:32].set(0.0)
+        w = w.at[3, :].multiply(50.0)
+    return a, w
+
+
+def _bound(qa, qw, k, extra_ulps=0):
+    p = jnp.matmul(jnp.abs(dequantize(qa, jnp.float32)), jnp.abs(dequantize(qw, jnp.float32)).T, precision="highest")
+    return (k + extra_ulps) * 2.0**-24 * p + 1e-30
+
+
+FORMATS = [(MXFP4(), "bf16", 0), (NVFP4(), "bf16", 3), (MXFP4(), "fp8", 0)]
+
+
+class TestTileMath:
+    def test_e2m1_to_e4m3_bits_all_codes(self):
+        codes = jnp.arange(16, dtype=jnp.int32)
+        v = jax.lax.bitcast_convert_type(g.e2m1_to_e4m3_bits(codes).astype(jnp.uint8), jnp.float8_e4m3fn)
+        np.testing.assert_array_equal(np.asarray(v.astype(jnp.float32)) * 64.0, E2M1_VALUES)
+
+    def test_unpack_tile_orders_low_nibble_first(self):
+        codes = jnp.array([[0x21, 0xF7]], jnp.uint8)  # elements [1, 2, 7, 15]
+        lo, hi = g.unpack_tile_fp8(codes)
+        np.testing.assert_array_equal(np.asarray(lo.astype(jnp.float32)) * 64, [[0.5, 6.0]])
+        np.testing.assert_array_equal(np.asarray(hi.astype(jnp.float32)) * 64, [[1.0, -6.0]])
+        full = g.decode_tile_fp8(jnp.tile(codes, (1, 8)))
+        np.testing.assert_array_equal(np.asarray(full.astype(jnp.float32))[0, :4] * 64, [0.5, 1.0, 6.0, -6.0])
+
+    def test_mx_scale_multiplier_exact_range(self):
+        s = jnp.arange(256, dtype=jnp.int32).astype(jnp.uint8)
+        mult = np.asarray(g.scale_multiplier(s, "mxfp4"))
+        for b in range(2, 249):
+            assert mult[b] == np.float32(2.0 ** (b - 121))
+        assert mult[0] == 0.0 and np.isnan(mult[255])
+
+    def test_decode_tile_matches_dequantize(self):
+        for fmt in (MXFP4(), NVFP4()):
+            x = jax.random.normal(jax.random.PRNGKey(3), (8, 128)) * jnp.logspace(-3, 3, 128)
+            q = quantize(x, fmt)
+            scales = q.scales if q.scales.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
+            lo, hi = jax.jit(g.decode_tile_bf16, static_argnums=2)(q.codes, scales, fmt.name)
+            full = jax.lax.stack([lo, hi], axis=2).reshape(8, 128).astype(jnp.float32) * q.tensor_scale
+            ref = dequantize(q, jnp.float32)
+            if isinstance(fmt, MXFP4):
+                np.testing.assert_array_equal(np.asarray(full), np.asarray(ref))
+            else:  # the per-tensor scale is applied after the bf16 cast: one f32 rounding apart
+                np.testing.assert_allclose(np.asarray(full), np.asarray(ref), rtol=2**-23, atol=0)
+
+    @pytest.mark.parametrize("fmt,compute,extra", FORMATS)
+    def test_tiled_reference_exact(self, fmt, compute, extra):
+        m, n, k = 24, 40, 320
+        a, w = _data(1, m, n, k)
+        qa, qw = quantize(a, fmt), quantize(w, fmt)
+        out = tiled_reference(qa, qw, block_k=64, compute=compute)
+        ref = jnp.matmul(fake_quant(a, fmt), fake_quant(w, fmt).T, precision="highest")
+        assert bool(jnp.all(jnp.abs(out - ref) <= _bound(qa, qw, k, extra)))
+
+    def test_nan_scale_propagates_and_zero_block_is_zero(self):
+        a, w = _data(2, 8, 16, 64, outliers=False)
+        a = a.at[1, 3].set(jnp.nan)  # block (1, 0) gets the E8M0 NaN byte
+        qa, qw = quantize(a, MXFP4()), quantize(w, MXFP4())
+        out = tiled_reference(qa, qw, block_k=64)
+        assert bool(jnp.all(jnp.isnan(out[1]))) and bool(jnp.all(jnp.isfinite(out[0])))
+
+    def test_choose_block_sizes(self):
+        bs = g.choose_block_sizes(40, 2240, 5600)
+        assert bs.block_m == 64 and 2240 % bs.block_n == 0 and bs.block_k == 32
+        assert g.choose_block_sizes(4096, 4608, 4608) == g.BlockSizes(128, 128, 128, 8, 3)
+        with pytest.raises(ValueError):
+            g.BlockSizes(block_m=48)
+
+
+class TestInterpretKernel:
+    """The Pallas kernel itself, run with ``interpret=True`` on the CPU."""
+
+    BS = g.BlockSizes(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2)
+
+    @pytest.mark.parametrize("fmt,compute,extra", FORMATS)
+    def test_exact_against_fake_quant_ragged_poisoned(self, fmt, compute, extra):
+        m, n, k = 37, 64, 192  # ragged m: 37 = 2 * 16 + 5
+        a, w = _data(4, m, n, k)
+        qa, qw = quantize(a, fmt), quantize(w, fmt)
+        poison = jnp.full((m, n), jnp.nan, jnp.float32)
+        out = g.w4a4_matmul(qa, qw, block_sizes=self.BS, compute=compute, out_dtype=jnp.float32, out=poison,
+                            interpret=True)
+        assert out.shape == (m, n) and bool(jnp.all(jnp.isfinite(out))), "unwritten (poisoned) outputs"
+        ref = jnp.matmul(fake_quant(a, fmt), fake_quant(w, fmt).T, precision="highest")
+        assert bool(jnp.all(jnp.abs(out - ref) <= _bound(qa, qw, k, extra)))
+
+    def test_layer_fused_and_beside(self):
+        from kroquant_jax.qlinear import build_qlinear, qlinear_forward
+
+        d, o, r, m = 128, 64, 32, 16
+        kw, kl, kr, kx, kb = jax.random.split(jax.random.PRNGKey(7), 5)
+        wt = jax.random.normal(kw, (o, d)) * 0.05
+        lowrank = (jax.random.normal(kl, (o, r)) * 0.05, jax.random.normal(kr, (r, d)) * 0.05)
+        layer = build_qlinear(wt, jax.random.normal(kb, (o,)), lowrank=lowrank)
+        x = jax.random.normal(kx, (m, d)).astype(jnp.bfloat16)  # identity transform: x T = x
+        xq = quantize(x.astype(jnp.float32), MXFP4())
+        ref = jax.jit(g.w4a4_linear_reference)(layer, x, xq)
+        # fused low-rank + bias epilogue, bf16 output: within the final bf16 rounding
+        y = g.w4a4_linear(layer, x, xq, lowrank_mode="fused", block_sizes=self.BS, interpret=True)
+        assert y.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), np.asarray(ref), rtol=2.0**-8, atol=1e-5)
+        # low-rank branch beside the kernel (XLA), f32 output
+        y = g.w4a4_linear(layer, x, xq, lowrank_mode="beside", block_sizes=self.BS, out_dtype=jnp.float32,
+                          interpret=True)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-4)
+        # and against the library's own packed forward (which keeps h in f32): bf16 rounding of h only
+        lib = jax.jit(qlinear_forward, static_argnames="path")(layer, x.astype(jnp.float32), path="packed")
+        np.testing.assert_allclose(np.asarray(ref), np.asarray(lib), rtol=2e-2, atol=2e-2)
+
+    def test_rejects_mismatched_operands(self):
+        qa = quantize(jnp.ones((16, 64)), MXFP4())
+        with pytest.raises(TypeError):
+            g.w4a4_matmul(qa, quantize(jnp.ones((32, 64)), NVFP4()), interpret=True)
+        with pytest.raises(ValueError):
+            g.w4a4_matmul(qa, quantize(jnp.ones((32, 96)), MXFP4()), interpret=True)
+        with pytest.raises(ValueError):
+            g.w4a4_matmul(quantize(jnp.ones((16, 64)), NVFP4()), quantize(jnp.ones((32, 64)), NVFP4()),
+                          compute="fp8", interpret=True)
+
+
+@pytest.mark.gpu
+class TestGPU:
+    """The compiled kernel on the H200 (run ``pytest -m gpu tests/test_w4a4_gemm.py`` there)."""
+
+    @pytest.mark.parametrize("fmt,compute,extra", FORMATS)
+    @pytest.mark.parametrize("m", [256, 333])
+    def test_exact_on_gpu(self, fmt, compute, extra, m):
+        n, k = 384, 1152
+        a, w = _data(8, m, n, k)
+        qa, qw = quantize(a, fmt), quantize(w, fmt)
+        poison = jnp.full((m, n), jnp.nan, jnp.float32)
+        out = g.w4a4_matmul(qa, qw, compute=compute, out_dtype=jnp.float32, out=poison)
+        assert bool(jnp.all(jnp.isfinite(out)))
+        ref = jnp.matmul(fake_quant(a, fmt), fake_quant(w, fmt).T, precision="highest")
+        assert bool(jnp.all(jnp.abs(out - ref) <= _bound(qa, qw, k, extra)))
