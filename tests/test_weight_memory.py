@@ -1,0 +1,44 @@
+"""Weight memory accounting (pallas_kernels/weight_memory.py) against the real packed storage."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kroquant_jax.formats import MXFP4, NVFP4, quantize
+from pallas_kernels import weight_memory as wm
+
+
+@pytest.mark.parametrize("fmt,name", [(MXFP4(), "mxfp4"), (NVFP4(), "nvfp4")])
+def test_matches_quantized_array_nbytes(fmt, name):
+    o, d, r = 96, 160, 32
+    w = jax.random.normal(jax.random.PRNGKey(0), (o, d))
+    left, right = jnp.ones((o, r)), jnp.ones((r, d))
+    wb = wm.linear_weight_bytes(o, d, fmt=name, rank=r, lowrank="mxfp4", transform="none")
+    stored = quantize(w, fmt).nbytes + quantize(left, MXFP4()).nbytes + quantize(right, MXFP4()).nbytes
+    assert wb.packed == stored
+    assert wb.bf16 == 2 * o * d
+    assert wm.linear_weight_bytes(o, d, fmt=name, rank=r, lowrank="bf16", transform="none").lowrank == 2 * r * (o + d)
+
+
+def test_transform_storage_and_errors():
+    assert wm.linear_weight_bytes(64, 4608, transform="kron_params").transform == 4 * 15 * 144
+    assert wm.linear_weight_bytes(64, 4608, transform="k1_blocks_bf16").transform == 2 * 32 * 4608
+    with pytest.raises(ValueError):
+        wm.linear_weight_bytes(64, 48)  # 48 is no multiple of the MXFP4 block
+    with pytest.raises(KeyError):
+        wm.preset_memory("sd3")
+
+
+def test_presets_and_goal():
+    # Ideogram 4 per block: q/k/v/o 4608^2, fused w1|w3 (24576, 4608), w2 (4608, 12288): 34 blocks.
+    per_block = 4 * 4608 * 4608 + 2 * 12288 * 4608 + 4608 * 12288
+    assert wm.preset_memory("ideogram4").bf16 == 2 * 34 * per_block
+    rows = {(r["preset"], r["config"]): r["ratio"] for r in wm.preset_table()}
+    lora = "MXFP4, KroQuant + LoRaQ r=128 (MXFP4 factors)"
+    # The issue's goal (weights >= 3.5x smaller) holds for the large models with packed LoRaQ factors ...
+    assert rows[("ideogram4", lora)] >= 3.5 and rows[("flux1", lora)] >= 3.5
+    # ... and for every model without the low-rank branch; a rank-128 branch costs the small ones more.
+    for preset in wm.PRESETS:
+        assert rows[(preset, "MXFP4, KroQuant, no low-rank")] == pytest.approx(4 / (0.5 + 1 / 32), rel=1e-3)
+    assert rows[("pixart_sigma", lora)] < 3.5
+    assert "| ideogram4 |" in wm.markdown_table()
