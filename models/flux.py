@@ -29,7 +29,8 @@ from flax import nnx
 from models import convert
 from models.convert import linear_rules, param_rules
 from models.layers import (FeedForward, Linear, LinearHooks, RMSNorm, TextProjection, TimestepEmbedding, apply_rope,
-                           dot_product_attention, layer_norm, name_linears, rope_frequencies, timestep_embedding)
+                           dot_product_attention, host_init, layer_norm, name_linears, rope_frequencies,
+                           timestep_embedding)
 
 __all__ = ["FLUX1_SCHNELL", "FluxConfig", "FluxTransformer2DModel", "KEY_TABLE", "from_diffusers", "image_ids",
            "pack_latents", "to_diffusers", "unpack_latents"]
@@ -312,9 +313,14 @@ def _rules() -> list:
 KEY_TABLE = convert.KeyTable(_rules(), name="FluxTransformer2DModel")
 
 
+def construct(cfg: FluxConfig, dtype: Any = jnp.float32) -> FluxTransformer2DModel:
+    """The plain constructor (jax.random init, eager); use under ``nnx.eval_shape`` for shapes without memory."""
+    return FluxTransformer2DModel(cfg, dtype=convert.resolve_dtype(dtype), rngs=nnx.Rngs(0))
+
+
 def build(cfg: FluxConfig, dtype: Any = jnp.float32, seed: int = 0) -> FluxTransformer2DModel:
-    """A randomly initialised model."""
-    return FluxTransformer2DModel(cfg, dtype=convert.resolve_dtype(dtype), rngs=nnx.Rngs(seed))
+    """A randomly initialised model (host init, see :func:`models.layers.host_init`)."""
+    return host_init(lambda: construct(cfg, dtype), seed)
 
 
 def from_diffusers(directory: str | os.PathLike, dtype: Any = "float32") -> tuple[FluxConfig, FluxTransformer2DModel]:
@@ -322,7 +328,7 @@ def from_diffusers(directory: str | os.PathLike, dtype: Any = "float32") -> tupl
     config, state = convert.read_diffusers_dir(directory)
     cfg = FluxConfig.from_diffusers_config(config)
     np_dtype = convert.resolve_dtype(dtype)
-    return cfg, convert.convert_to_nnx(state, KEY_TABLE, lambda: build(cfg, np_dtype), np_dtype)
+    return cfg, convert.convert_to_nnx(state, KEY_TABLE, lambda: construct(cfg, np_dtype), np_dtype)
 
 
 def to_diffusers(model: FluxTransformer2DModel, directory: str | os.PathLike, dtype: Any = None,

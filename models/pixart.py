@@ -23,7 +23,8 @@ from flax import nnx
 from models import convert
 from models.convert import linear_rules, param_rules, rule
 from models.layers import (Attention, FeedForward, LayerNorm, Linear, LinearHooks, PatchEmbed, TextProjection,
-                           TimestepEmbedding, layer_norm, mask_to_bias, name_linears, timestep_embedding, unpatchify)
+                           TimestepEmbedding, host_init, layer_norm, mask_to_bias, name_linears, timestep_embedding,
+                           unpatchify)
 
 __all__ = ["PIXART_SIGMA_XL_2_1024_MS", "PixArtConfig", "PixArtTransformer2DModel", "KEY_TABLE", "from_diffusers",
            "to_diffusers"]
@@ -257,9 +258,14 @@ KEY_TABLE = convert.KeyTable([
 ], name="PixArtTransformer2DModel")
 
 
+def construct(cfg: PixArtConfig, dtype: Any = jnp.float32) -> PixArtTransformer2DModel:
+    """The plain constructor (jax.random init, eager); use under ``nnx.eval_shape`` for shapes without memory."""
+    return PixArtTransformer2DModel(cfg, dtype=convert.resolve_dtype(dtype), rngs=nnx.Rngs(0))
+
+
 def build(cfg: PixArtConfig, dtype: Any = jnp.float32, seed: int = 0) -> PixArtTransformer2DModel:
-    """A randomly initialised model (diffusers-like init; for tests and training from scratch)."""
-    return PixArtTransformer2DModel(cfg, dtype=convert.resolve_dtype(dtype), rngs=nnx.Rngs(seed))
+    """A randomly initialised model (host init, see :func:`models.layers.host_init`; for tests and training)."""
+    return host_init(lambda: construct(cfg, dtype), seed)
 
 
 def from_diffusers(directory: str | os.PathLike, dtype: Any = "float32"
@@ -272,7 +278,7 @@ def from_diffusers(directory: str | os.PathLike, dtype: Any = "float32"
     config, state = convert.read_diffusers_dir(directory)
     cfg = PixArtConfig.from_diffusers_config(config)
     np_dtype = convert.resolve_dtype(dtype)
-    model = convert.convert_to_nnx(state, KEY_TABLE, lambda: build(cfg, np_dtype), np_dtype)
+    model = convert.convert_to_nnx(state, KEY_TABLE, lambda: construct(cfg, np_dtype), np_dtype)
     return cfg, model
 
 

@@ -25,7 +25,7 @@ from flax import nnx
 from models import convert
 from models.convert import linear_rules, param_rules, rule
 from models.layers import (Attention, ConvWeights, LayerNorm, Linear, LinearHooks, PatchEmbed, RMSNorm,
-                           TextProjection, TimestepEmbedding, layer_norm, mask_to_bias, name_linears,
+                           TextProjection, TimestepEmbedding, host_init, layer_norm, mask_to_bias, name_linears,
                            timestep_embedding, unpatchify)
 from models.pixart import AdaLayerNormSingle
 
@@ -257,9 +257,14 @@ KEY_TABLE = convert.KeyTable([
 ], name="SanaTransformer2DModel")
 
 
+def construct(cfg: SanaConfig, dtype: Any = jnp.float32) -> SanaTransformer2DModel:
+    """The plain constructor (jax.random init, eager); use under ``nnx.eval_shape`` for shapes without memory."""
+    return SanaTransformer2DModel(cfg, dtype=convert.resolve_dtype(dtype), rngs=nnx.Rngs(0))
+
+
 def build(cfg: SanaConfig, dtype: Any = jnp.float32, seed: int = 0) -> SanaTransformer2DModel:
-    """A randomly initialised model."""
-    return SanaTransformer2DModel(cfg, dtype=convert.resolve_dtype(dtype), rngs=nnx.Rngs(seed))
+    """A randomly initialised model (host init, see :func:`models.layers.host_init`)."""
+    return host_init(lambda: construct(cfg, dtype), seed)
 
 
 def from_diffusers(directory: str | os.PathLike, dtype: Any = "float32") -> tuple[SanaConfig, SanaTransformer2DModel]:
@@ -267,7 +272,7 @@ def from_diffusers(directory: str | os.PathLike, dtype: Any = "float32") -> tupl
     config, state = convert.read_diffusers_dir(directory)
     cfg = SanaConfig.from_diffusers_config(config)
     np_dtype = convert.resolve_dtype(dtype)
-    return cfg, convert.convert_to_nnx(state, KEY_TABLE, lambda: build(cfg, np_dtype), np_dtype)
+    return cfg, convert.convert_to_nnx(state, KEY_TABLE, lambda: construct(cfg, np_dtype), np_dtype)
 
 
 def to_diffusers(model: SanaTransformer2DModel, directory: str | os.PathLike, dtype: Any = None,

@@ -172,7 +172,7 @@ def test_orbax_save_load_round_trip_and_atomic_replace(tmp_path):
     assert sorted(loaded) == sorted(params)
     for key in params:
         np.testing.assert_array_equal(loaded[key], params[key])
-    rebuilt = convert.merge_flat_state(lambda: pixart.build(TINY), loaded)
+    rebuilt = convert.merge_flat_state(lambda: pixart.construct(TINY), loaded)
     x, context, t = jnp.ones((1, 3, 8, 8)), jnp.ones((1, 3, 6)), jnp.array([7.0])
     np.testing.assert_array_equal(np.asarray(rebuilt(x, context, t)), np.asarray(model(x, context, t)))
     with pytest.raises(CheckpointError, match="not a complete"):
@@ -186,4 +186,4 @@ def test_merge_flat_state_reports_bad_keys():
     params["proj_out.kernel"] = np.zeros((3, 3), np.float32)
     params["nonsense"] = np.zeros(1, np.float32)
     with pytest.raises(ConversionError, match=r"proj_out\.bias[\s\S]*nonsense[\s\S]*proj_out\.kernel"):
-        convert.merge_flat_state(lambda: pixart.build(TINY), params)
+        convert.merge_flat_state(lambda: pixart.construct(TINY), params)

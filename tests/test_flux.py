@@ -2,15 +2,24 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
 from models import convert, flux  # noqa: E402
 from models.layers import linears  # noqa: E402
+
+
+def _jit_forward(model, *args):
+    """One compiled forward pass (eager dispatch compiles every op separately: slower for a single call)."""
+    graphdef, state = nnx.split(model)
+    return jax.jit(lambda s, *a: nnx.merge(graphdef, s)(*a))(state, *args)
+
 
 
 def _random_flux(seed: int, **config):
@@ -55,7 +64,7 @@ def test_forward_matches_diffusers(tmp_path, name, sharded):
         expected = reference(torch.from_numpy(tokens), torch.from_numpy(context), torch.from_numpy(pooled),
                              torch.from_numpy(timestep), torch.from_numpy(img_ids), torch.from_numpy(txt_ids),
                              None if guidance is None else torch.from_numpy(guidance)).sample.numpy()
-    got = np.asarray(model(jnp.asarray(tokens), jnp.asarray(context), jnp.asarray(pooled), jnp.asarray(timestep),
+    got = np.asarray(_jit_forward(model, jnp.asarray(tokens), jnp.asarray(context), jnp.asarray(pooled), jnp.asarray(timestep),
                            jnp.asarray(img_ids), jnp.asarray(txt_ids),
                            None if guidance is None else jnp.asarray(guidance)))
     assert got.shape == expected.shape
@@ -91,7 +100,7 @@ def test_export_round_trip_and_quantizable_names(tmp_path):
 
 def test_preset_parameter_count_matches_diffusers():
     cfg = flux.FLUX1_SCHNELL
-    shapes = convert.abstract_shapes(lambda: flux.build(cfg))
+    shapes = convert.abstract_shapes(lambda: flux.construct(cfg))
     ours = sum(math.prod(s) for s in shapes.values())
     config = {k: v for k, v in cfg.to_diffusers_config().items() if not k.startswith("_")}
     with torch.device("meta"):

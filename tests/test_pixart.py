@@ -7,11 +7,20 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
 from models import convert, pixart  # noqa: E402
+from models.layers import linears  # noqa: E402
+
+
+def _jit_forward(model, *args):
+    """One compiled forward pass (eager dispatch compiles every op separately: slower for a single call)."""
+    graphdef, state = nnx.split(model)
+    return jax.jit(lambda s, *a: nnx.merge(graphdef, s)(*a))(state, *args)
+
 
 
 def _random_pixart(seed: int, **config):
@@ -70,7 +79,7 @@ def test_forward_matches_diffusers(tmp_path, name, sharded):
         expected = reference(torch.from_numpy(x), encoder_hidden_states=torch.from_numpy(context),
                              timestep=torch.from_numpy(timestep), encoder_attention_mask=torch.from_numpy(mask),
                              added_cond_kwargs=added).sample.numpy()
-    got = np.asarray(model(jnp.asarray(x), jnp.asarray(context), jnp.asarray(timestep), jnp.asarray(mask),
+    got = np.asarray(_jit_forward(model, jnp.asarray(x), jnp.asarray(context), jnp.asarray(timestep), jnp.asarray(mask),
                            jnp.asarray(resolution), jnp.asarray(aspect)))
     assert got.shape == expected.shape
     assert _rel_err(expected, got) < 1e-4, _rel_err(expected, got)
@@ -112,7 +121,6 @@ def test_bf16_conversion_and_export(tmp_path):
 def test_linear_paths_are_diffusers_prefixes(tmp_path):
     reference = _random_pixart(4, **CONFIGS["sigma_like_odd_heads"])
     model = pixart.build(pixart.PixArtConfig.from_diffusers_config(dict(reference.config)))
-    from models.layers import linears
     torch_linears = {n for n, m in reference.named_modules() if isinstance(m, torch.nn.Linear)}
     assert set(linears(model)) == torch_linears
     quantizable = set(linears(model, quantizable_only=True))
@@ -122,7 +130,7 @@ def test_linear_paths_are_diffusers_prefixes(tmp_path):
 
 def test_preset_parameter_count_matches_diffusers():
     cfg = pixart.PIXART_SIGMA_XL_2_1024_MS
-    shapes = convert.abstract_shapes(lambda: pixart.build(cfg))
+    shapes = convert.abstract_shapes(lambda: pixart.construct(cfg))
     ours = sum(math.prod(s) for s in shapes.values())
     config = {k: v for k, v in cfg.to_diffusers_config().items() if not k.startswith("_")}
     with torch.device("meta"):
@@ -143,7 +151,6 @@ def test_config_rejects_unported_settings():
 def test_forward_is_jittable():
     cfg = pixart.PixArtConfig.from_diffusers_config(CONFIGS["pixel_space_no_conditions"])
     model = pixart.build(cfg)
-    from flax import nnx
     graphdef, state = nnx.split(model)
 
     @jax.jit
