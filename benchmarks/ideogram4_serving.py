@@ -577,7 +577,7 @@ def print_table(payload: dict[str, Any]) -> None:
                   f"{timing['tflops_achieved']:8.1f} {timing['ratio_to_nominal_roofline']:15.2f} "
                   f"{timing['ratio_to_measured_roofline']:16.2f}")
         if "loop_extrapolated_s" in layout:
-            print(f"{name:8} 48 x step = {layout['loop_extrapolated_s']:.2f} s")
+            print(f"{name:8} {payload['steps']} x step = {layout['loop_extrapolated_s']:.2f} s")
         for what, err in layout["errors"].items():
             print(f"{name:8} {what}: ERROR {err[:300]}")
     memory = payload.get("memory_gib_final", {})
