@@ -27,13 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.flux import image_ids, pack_latents, unpack_latents
 from models.layers import LinearHooks
 
 __all__ = ["DPMSolverSchedule", "cfg_combine", "dpm_solver_schedule", "flow_euler", "flow_sigmas",
-           "dpm_solver_pp_2m", "flux_denoiser", "pixart_denoiser", "sana_denoiser"]
+           "dpm_solver_pp_2m", "flux_denoiser", "make_sampler", "pixart_denoiser", "sana_denoiser"]
 
 Denoiser = Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
-HooksFactory = Callable[[jax.Array], LinearHooks]
+HooksFactory = Callable[[Any, jax.Array], LinearHooks]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -164,10 +165,11 @@ def cfg_combine(prediction: jax.Array, guidance_scale: float) -> jax.Array:
     return uncond + guidance_scale * (cond - uncond)
 
 
-def _hooks(overrides: Mapping[str, Callable] | None, hooks_factory: HooksFactory | None, step: jax.Array
-           ) -> LinearHooks | None:
+def _hooks(params: Mapping[str, Any], hooks_factory: HooksFactory | None, step: jax.Array) -> LinearHooks | None:
+    """``hooks_factory(params, step)`` when given, else LinearHooks of ``params["overrides"]`` (if any)."""
     if hooks_factory is not None:
-        return hooks_factory(step)
+        return hooks_factory(params, step)
+    overrides = params.get("overrides")
     return LinearHooks(overrides) if overrides else None
 
 
@@ -190,7 +192,7 @@ def pixart_denoiser(graphdef: nnx.GraphDef, guidance_scale: float, latent_channe
 
     def denoise(params, x, t, step):
         model = nnx.merge(graphdef, params["model"])
-        hooks = _hooks(params.get("overrides"), hooks_factory, step)
+        hooks = _hooks(params, hooks_factory, step)
         use_cfg = guidance_scale != 1.0
         context = jnp.concatenate([params["uncond_context"], params["context"]]) if use_cfg else params["context"]
         mask = _masks(params, use_cfg)
@@ -209,7 +211,7 @@ def sana_denoiser(graphdef: nnx.GraphDef, guidance_scale: float, hooks_factory: 
 
     def denoise(params, x, t, step):
         model = nnx.merge(graphdef, params["model"])
-        hooks = _hooks(params.get("overrides"), hooks_factory, step)
+        hooks = _hooks(params, hooks_factory, step)
         use_cfg = guidance_scale != 1.0
         context = jnp.concatenate([params["uncond_context"], params["context"]]) if use_cfg else params["context"]
         mask = _masks(params, use_cfg)
@@ -230,9 +232,55 @@ def flux_denoiser(graphdef: nnx.GraphDef, hooks_factory: HooksFactory | None = N
 
     def denoise(params, x, t, step):
         model = nnx.merge(graphdef, params["model"])
-        hooks = _hooks(params.get("overrides"), hooks_factory, step)
+        hooks = _hooks(params, hooks_factory, step)
         out = model(x, params["context"], params["pooled"], jnp.full((x.shape[0],), t), params["img_ids"],
                     params["txt_ids"], params.get("guidance"), hooks=hooks)  # (b, n, c)
         return out, _aux(hooks)
 
     return denoise
+
+
+def make_sampler(family: str, graphdef: nnx.GraphDef, cfg: Any, *, num_steps: int, guidance_scale: float,
+                 latent_hw: tuple[int, int], shift: float | None = None,
+                 hooks_factory: HooksFactory | None = None) -> Callable[[Any, jax.Array], tuple[jax.Array, Any]]:
+    """The whole sampling run of one family as ``sample(params, key) -> (latents (b, c, H, W), aux per step)``.
+
+    Draws the initial noise from ``key`` (fixed seed -> fixed image), builds the family's denoiser and loop:
+    ``"pixart"``: DPM-Solver++ 2M on PixArt-Σ's schedule, CFG; ``"sana"``: flow Euler with ``shift`` (default 3.0,
+    SANA's flow_shift), CFG; ``"flux"``: flow Euler on packed latents, shift (default 1.0, schnell), no CFG.
+    ``params`` holds ``"model"`` (the nnx state) and the text inputs the family's denoiser documents; the batch size
+    is ``params["context"].shape[0]``. Wrap in ``jax.jit``.
+    """
+    height, width = latent_hw
+    if family == "pixart":
+        channels = cfg.in_channels
+        schedule = dpm_solver_schedule(num_steps)
+        denoise = pixart_denoiser(graphdef, guidance_scale, channels, hooks_factory)
+        loop = lambda params, noise: dpm_solver_pp_2m(denoise, params, noise, schedule)  # noqa: E731
+    elif family == "sana":
+        channels = cfg.in_channels
+        sigmas = flow_sigmas(num_steps, 3.0 if shift is None else shift)
+        denoise = sana_denoiser(graphdef, guidance_scale, hooks_factory)
+        loop = lambda params, noise: flow_euler(denoise, params, noise, sigmas)  # noqa: E731
+    elif family == "flux":
+        if cfg.in_channels % 4:
+            raise ValueError(f"FLUX in_channels={cfg.in_channels} must be 4 x latent channels")
+        channels = cfg.in_channels // 4
+        sigmas = flow_sigmas(num_steps, 1.0 if shift is None else shift)
+        denoise = flux_denoiser(graphdef, hooks_factory)
+        img_ids = jnp.asarray(image_ids(height, width))
+
+        def loop(params, noise):
+            params = dict(params, img_ids=img_ids, txt_ids=jnp.zeros((params["context"].shape[1], 3)))
+            tokens, aux = flow_euler(denoise, params, pack_latents(noise), sigmas, timestep_scale=1.0)
+            return unpack_latents(tokens, height, width), aux
+    else:
+        raise ValueError(f"unknown family {family!r} (pixart, sana, flux)")
+
+    def sample(params, key):
+        batch = params["context"].shape[0]
+        noise = jax.random.normal(key, (batch, channels, height, width), jnp.float32)  # (b, c, H, W)
+        return loop(params, noise.astype(params["context"].dtype))
+
+    return sample
+

@@ -1,0 +1,148 @@
+"""Calibration data: record the inputs of the quantizable linears while sampling, subsampled on the device.
+
+:func:`capture_layer_set` runs the family's jitted sampler (``models.sampling.make_sampler``) once per batch of prompt
+embeddings. At every denoising step, every wanted linear's input ``x (..., d)`` is flattened to rows and a fixed
+number of rows is drawn without replacement *on the device* (:class:`RowSampler`); the drawn rows leave the scan as
+its per-step output, so memory is ``steps x rows_per_step x d`` per layer and batch, whatever the image size (FLUX at
+1024 px has 4096 + 512 tokens per image: nothing of that size is kept). The host concatenates the batches and keeps
+at most ``rows_per_layer`` rows per layer (a seeded random subset).
+
+The result is a **layer set** ``{name: (W (o, d), bias (o,) or None, A_rows (n, d))}`` (names = diffusers key
+prefixes, e.g. ``transformer_blocks.3.attn1.to_q``), saved with :func:`kroquant_jax.layerset.save_layer_set`
+(``.npz`` / ``.safetensors``, atomic) and consumed by ``kroquant_jax.calibrate``.
+
+Which linears: by default the model's quantizable ones (``Linear.quantizable``: transformer-block linears and
+SANA's 1x1 convs; embeddings, AdaLN modulation, caption projection and the final projection stay 16-bit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.layers import LinearHooks, linears
+from models.sampling import make_sampler
+
+__all__ = ["CaptureConfig", "RowSampler", "capture_layer_set"]
+
+
+class RowSampler:
+    """A :class:`~models.layers.LinearHooks` recorder keeping ``rows`` random input rows of each wanted layer.
+
+    Args:
+        names: dotted paths of the layers to record.
+        rows: rows drawn per layer per call (fewer when the input has fewer rows).
+        key: PRNG key of this call (layer ``k`` of ``names`` uses ``fold_in(key, k)``).
+        dtype: dtype of the kept rows.
+    """
+
+    def __init__(self, names: Sequence[str], rows: int, key: jax.Array, dtype: Any = jnp.float32):
+        self.index = {name: k for k, name in enumerate(names)}
+        self.rows = rows
+        self.key = key
+        self.dtype = dtype
+        self.records: dict[str, jax.Array] = {}
+
+    def wants(self, path: str) -> bool:
+        return path in self.index
+
+    def record(self, path: str, x: jax.Array) -> None:
+        if path in self.records:
+            raise ValueError(f"RowSampler: layer {path} was called twice in one forward pass")
+        flat = x.reshape(-1, x.shape[-1])  # (N, d)
+        count = min(self.rows, flat.shape[0])
+        picked = jax.random.choice(jax.random.fold_in(self.key, self.index[path]), flat.shape[0], (count,),
+                                   replace=False)  # (count,)
+        self.records[path] = flat[picked].astype(self.dtype)  # (count, d)
+
+    def result(self) -> dict[str, jax.Array]:
+        missing = sorted(set(self.index) - set(self.records))
+        if missing:
+            raise ValueError(f"RowSampler: these layers were never called: {missing}")
+        return dict(self.records)
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureConfig:
+    """Settings of :func:`capture_layer_set`.
+
+    Attributes:
+        num_steps: denoising steps per sampling run.
+        guidance_scale: CFG scale (both branches are recorded, as both run through the quantized model).
+        latent_hw: latent (H, W).
+        rows_per_layer: rows kept per layer in the end (over all batches and steps).
+        seed: seeds the noise (batch ``i`` uses ``fold_in(seed, i)``) and the row draws.
+        layers: dotted paths to record; None = every quantizable linear.
+        shift: flow-matching shift (SANA/FLUX); None = the family default.
+        row_dtype: dtype of the recorded rows on the device.
+    """
+
+    num_steps: int = 20
+    guidance_scale: float = 4.5
+    latent_hw: tuple[int, int] = (128, 128)
+    rows_per_layer: int = 1024
+    seed: int = 0
+    layers: tuple[str, ...] | None = None
+    shift: float | None = None
+    row_dtype: str = "float32"
+
+
+def capture_layer_set(family: str, model: nnx.Module, prompt_batches: Sequence[Mapping[str, Any]],
+                      config: CaptureConfig = CaptureConfig()) -> dict[str, tuple[np.ndarray, Any, np.ndarray]]:
+    """Sample once per prompt batch and return the layer set of the recorded linears.
+
+    Args:
+        family: ``"pixart"``, ``"sana"`` or ``"flux"``.
+        model: the converted 16-bit model.
+        prompt_batches: each a dict of the family's text inputs (``models.sampling`` denoisers: e.g. PixArt
+            ``context (b, t, c)``, ``mask (b, t)``, ``uncond_context``, ``uncond_mask``); all batches the same shapes
+            (one compilation).
+        config: see :class:`CaptureConfig`.
+    Returns:
+        ``{name: (W (o, d) float32, bias (o,) float32 or None, A_rows (n, d) float32)}``, n <= rows_per_layer.
+    """
+    if not prompt_batches:
+        raise ValueError("capture_layer_set needs at least one prompt batch")
+    available = linears(model)
+    names = list(config.layers) if config.layers is not None else list(linears(model, quantizable_only=True))
+    unknown = [name for name in names if name not in available]
+    if unknown:
+        raise ValueError(f"capture_layer_set: no Linear at {unknown} (the model's linears: {sorted(available)[:8]} ...)")
+    rows_per_step = max(1, math.ceil(config.rows_per_layer / (len(prompt_batches) * config.num_steps)))
+    row_dtype = jnp.dtype(config.row_dtype)
+
+    def hooks_factory(params, step):
+        key = jax.random.fold_in(params["capture_key"], step)
+        return LinearHooks(params.get("overrides"), RowSampler(names, rows_per_step, key, row_dtype))
+
+    graphdef, state = nnx.split(model)
+    sample = jax.jit(make_sampler(family, graphdef, model.cfg, num_steps=config.num_steps,
+                                  guidance_scale=config.guidance_scale, latent_hw=tuple(config.latent_hw),
+                                  shift=config.shift, hooks_factory=hooks_factory))
+    base = jax.random.key(config.seed)
+    collected: dict[str, list[np.ndarray]] = {name: [] for name in names}
+    for index, batch in enumerate(prompt_batches):
+        noise_key, capture_key = jax.random.split(jax.random.fold_in(base, index))
+        params = {"model": state, **batch, "capture_key": capture_key}
+        _, rows = sample(params, noise_key)  # {name: (steps, rows_per_step, d)}
+        for name in names:
+            array = np.asarray(rows[name], np.float32)
+            collected[name].append(array.reshape(-1, array.shape[-1]))
+    rng = np.random.default_rng(config.seed)
+    layer_set = {}
+    for name in names:
+        rows = np.concatenate(collected[name], axis=0)  # (n_all, d)
+        if rows.shape[0] > config.rows_per_layer:
+            rows = rows[np.sort(rng.choice(rows.shape[0], config.rows_per_layer, replace=False))]
+        layer = available[name]
+        weight = np.asarray(layer.kernel[...], np.float32).T  # (o, d)
+        bias = None if layer.bias is None else np.asarray(layer.bias[...], np.float32)  # (o,)
+        layer_set[name] = (weight, bias, rows)
+    return layer_set
