@@ -1,0 +1,378 @@
+"""H200 benchmark of the FP4 forward pass: W4A4 layer vs bf16 ``A W^T``, fused epilogues vs GEMM + separate op.
+
+Per layer shape ``(n, k)`` of Ideogram 4, PixArt-Sigma, SANA and FLUX.1 and ``m`` in (4096, 512):
+
+* ``bf16_xla``: XLA/cuBLAS ``A W^T`` on bf16 operands (bf16 output): the baseline.
+* ``w4a4_gemm_<fmt>_<compute>``: the Pallas W4A4 GEMM alone on packed operands (MXFP4 bf16 / fp8 modes, NVFP4).
+* ``w4a4_layer_lr_fused``: one layer as served: fused K2 transform+quantize kernel (``transform_quantize``) + the
+  low-rank input ``h = A (R T^T)^T`` (XLA; ``T`` folded into ``R`` at packing time, so the branch needs no ``A T``) +
+  the W4A4 GEMM with ``h L^T`` fused in its epilogue (rank 128). ``w4a4_layer_lr_beside``: the same with the low-rank
+  product as a separate XLA GEMM + add. ``w4a4_layer_nolr``: transform+quantize + GEMM only.
+* Epilogues (Ideogram 4 shapes: q projection + RMSNorm over heads of 256, fused w1|w3 + SwiGLU): the fused kernel vs
+  the same kernel without epilogue + the op in XLA vs XLA ``A W^T`` + the op, on bf16 and on MXFP4 operands.
+
+Timing (device time): one jitted ``fori_loop`` of ``N`` calls over ``R = 3`` rotating input sets (operands of
+different layers, more bytes than the 60 MB L2 for the large shapes), an ``optimization_barrier`` on the loop carry
+so nothing is hoisted, ``block_until_ready``; the median over repeats of (wall time / N) after warm-up. Before timing
+each variant's output is checked against an f32 reference (relative error and NaN check, stored in the JSON).
+
+    python benchmarks/w4a4_bench.py --out $OUT/w4a4.json                # on the H200 (default set, --budget-s)
+    python benchmarks/w4a4_bench.py --tiny --interpret --out /tmp/w.json  # CPU validation (interpret mode)
+
+A variant that fails to compile or run is recorded with its error and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kroquant_jax import transforms as T  # noqa: E402
+from kroquant_jax.formats import MXFP4, NVFP4, QuantizedArray, dequantize, quantize  # noqa: E402
+from pallas_kernels import epilogues as E  # noqa: E402
+from pallas_kernels import w4a4_gemm as G  # noqa: E402
+
+try:
+    from pallas_kernels import transform_quantize as TQ  # noqa: E402
+except ImportError:  # pragma: no cover - the fused quantizer lives in another module
+    TQ = None
+
+RANK = 128
+N_SETS = 3
+
+# (model, layer, n, k): output features, input features. Ordered by priority (the run stops at --budget-s).
+SHAPES = [
+    ("ideogram4", "attn.q", 4608, 4608),
+    ("ideogram4", "ffn.w13", 24576, 4608),
+    ("ideogram4", "ffn.w2", 4608, 12288),
+    ("flux1", "attn.q", 3072, 3072),
+    ("flux1", "ff.up", 12288, 3072),
+    ("pixart_sigma", "attn.q", 1152, 1152),
+    ("pixart_sigma", "ff.up", 4608, 1152),
+    ("sana_1600m", "attn.q", 2240, 2240),
+    ("sana_1600m", "glumb.inverted", 11200, 2240),
+    ("flux1", "ff.down", 3072, 12288),
+    ("pixart_sigma", "ff.down", 1152, 4608),
+    ("sana_1600m", "glumb.point", 2240, 5600),
+    ("flux1", "single.proj_out", 3072, 15360),
+]
+TINY_SHAPES = [("tiny", "attn.q", 512, 256), ("tiny", "ffn.w13", 256, 128)]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Timing.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _first_leaf(y):
+    leaf = jax.tree_util.tree_leaves(y)[0]
+    return leaf.reshape(-1)[0].astype(jnp.float32)
+
+
+def time_op(fn, input_sets, *, n_calls, repeats=5, warmup=1):
+    """Median seconds per call of ``fn(*inputs)`` over rotating ``input_sets`` inside one jitted fori_loop.
+
+    Returns ``(median_s, all_s, y0)``, ``y0`` the output for ``input_sets[0]`` from the timed loop itself (checked
+    against the reference, so each variant compiles once).
+    """
+    r_sets = len(input_sets)
+    n_iter = max(1, n_calls // r_sets)
+    xs = tuple(tuple(s) for s in input_sets)
+    y_shape = jax.eval_shape(fn, *xs[0])
+
+    def body(_, carry):
+        acc, y0, xs = carry
+        xs, acc = jax.lax.optimization_barrier((xs, acc))
+        for r in range(r_sets):
+            y = fn(*xs[r])
+            if r == 0:
+                y0 = y
+            acc = acc + _first_leaf(y)
+        return acc, y0, xs
+
+    def run(xs):
+        y_init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), y_shape)
+        acc, y0, _ = jax.lax.fori_loop(0, n_iter, body, (jnp.float32(0.0), y_init, xs))
+        return acc, y0
+
+    loop = jax.jit(run)
+    y0 = None
+    for _ in range(warmup):
+        _, y0 = jax.block_until_ready(loop(xs))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(xs))
+        times.append((time.perf_counter() - t0) / (n_iter * r_sets))
+    return statistics.median(times), times, y0
+
+
+def _n_calls(flops, target_s, tiny):
+    if tiny:
+        return N_SETS
+    est = flops / 400e12 + 5e-6
+    return int(min(300, max(N_SETS * 2, target_s / est)))
+
+
+def _rel_err(y, ref):
+    y = np.asarray(jax.device_get(y), np.float32)
+    ref = np.asarray(jax.device_get(ref), np.float32)
+    nan = bool(np.isnan(y).any())
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30)), nan
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Inputs.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def make_layer(key, m, n, k, with_outliers=True):
+    """bf16 activations, bf16 weight, and LoRaQ-like low-rank factors for one layer."""
+    ka, kw, kl, kr = jax.random.split(key, 4)
+    a = jax.random.normal(ka, (m, k), jnp.float32)
+    if with_outliers:
+        a = a * jnp.where(jnp.arange(k) % 97 == 0, 20.0, 1.0)
+    w = jax.random.normal(kw, (n, k), jnp.float32) / np.sqrt(k)
+    left = jax.random.normal(kl, (n, RANK), jnp.float32) * 0.02
+    right = jax.random.normal(kr, (RANK, k), jnp.float32) * 0.02
+    return a.astype(jnp.bfloat16), w.astype(jnp.bfloat16), left.astype(jnp.bfloat16), right.astype(jnp.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Variants: each returns (fn, input_sets, reference_fn or None).
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _quantize_jit(fmt):
+    return jax.jit(lambda x: quantize(x, fmt))
+
+
+def gemm_variants(layers, interpret, tiny):
+    """bf16 XLA vs the W4A4 GEMM (operands pre-quantized)."""
+    out = {}
+
+    def bf16(a, w):
+        return jnp.matmul(a, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    out["bf16_xla"] = (bf16, [(a, w) for a, w, _, _ in layers],
+                       lambda a, w: jnp.matmul(a.astype(jnp.float32), w.astype(jnp.float32).T))
+    for fmt, compute in ((MXFP4(), "bf16"), (MXFP4(), "fp8"), (NVFP4(), "bf16")):
+        q = _quantize_jit(fmt)
+        sets = [(q(a), q(w)) for a, w, _, _ in layers]
+        bs = G.BlockSizes(16, 32, 64, 4, 2) if tiny else None
+
+        def fn(qa, qw, compute=compute, bs=bs):
+            return G.w4a4_matmul(qa, qw, compute=compute, block_sizes=bs, interpret=interpret)
+
+        out[f"w4a4_gemm_{fmt.name}_{compute}"] = (
+            fn, sets, lambda qa, qw: jnp.matmul(dequantize(qa, jnp.float32), dequantize(qw, jnp.float32).T))
+    return out
+
+
+def layer_variants(layers, interpret, tiny):
+    """The whole W4A4 layer: transform+quantize kernel + low-rank input + GEMM (+ fused / beside low-rank)."""
+    if TQ is None:
+        return {}
+    k = layers[0][0].shape[1]
+    params = T.get("kron_lu").init(k)
+    prepared = TQ.prepare("kron_lu", params, d=k)
+    blocks = T.get("kron_lu").blocks(params)  # (k/32, 32, 32): A T = blockdiag(A_j K_j)
+    impl = "interpret" if interpret else None
+    q = _quantize_jit(MXFP4())
+    bs = G.BlockSizes(16, 32, 64, 4, 2) if tiny else None
+    sets = []
+    for a, w, left, right in layers:
+        # T folded into R at packing time: (A T) R^T = A (R T^T)^T.
+        r_folded = jnp.einsum("rjc,jkc->rjk", right.astype(jnp.float32).reshape(RANK, -1, 32),
+                              blocks).reshape(RANK, k).astype(jnp.bfloat16)
+        sets.append((a, q(w), left, r_folded))
+
+    def tq(a):
+        return TQ.transform_quantize(a, prepared, MXFP4(), impl=impl)
+
+    def fused(a, qw, left, r_folded):
+        h = jnp.matmul(a, r_folded.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        return G.w4a4_matmul(tq(a), qw, lowrank=(h, left), block_sizes=bs, interpret=interpret)
+
+    def beside(a, qw, left, r_folded):
+        h = jnp.matmul(a, r_folded.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        y = G.w4a4_matmul(tq(a), qw, block_sizes=bs, out_dtype=jnp.float32, interpret=interpret)
+        return (y + jnp.matmul(h, left.T, preferred_element_type=jnp.float32)).astype(jnp.bfloat16)
+
+    def nolr(a, qw, left, r_folded):
+        return G.w4a4_matmul(tq(a), qw, block_sizes=bs, interpret=interpret)
+
+    def ref(a, qw, left, r_folded):
+        at = T.apply_to_activations(a.astype(jnp.float32), blocks).astype(jnp.bfloat16)
+        xq = dequantize(quantize(at.astype(jnp.float32), MXFP4()), jnp.float32)
+        h = jnp.matmul(a.astype(jnp.float32), r_folded.astype(jnp.float32).T).astype(jnp.bfloat16)
+        return (jnp.matmul(xq, dequantize(qw, jnp.float32).T)
+                + jnp.matmul(h.astype(jnp.float32), left.astype(jnp.float32).T))
+
+    def ref_nolr(a, qw, left, r_folded):
+        at = T.apply_to_activations(a.astype(jnp.float32), blocks).astype(jnp.bfloat16)
+        xq = dequantize(quantize(at.astype(jnp.float32), MXFP4()), jnp.float32)
+        return jnp.matmul(xq, dequantize(qw, jnp.float32).T)
+
+    return {"w4a4_layer_lr_fused": (fused, sets, ref), "w4a4_layer_lr_beside": (beside, sets, ref),
+            "w4a4_layer_nolr": (nolr, sets, ref_nolr), "transform_quantize_only": (lambda a, *_: tq(a), sets, None)}
+
+
+def epilogue_variants(layers, kind, interpret, tiny):
+    """Fused epilogue vs GEMM kernel + XLA op vs XLA GEMM + op (``kind`` 'rmsnorm' or 'swiglu')."""
+    bs = E.EpilogueBlockSizes(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=2) if tiny else None
+    n = layers[0][1].shape[0]
+    nw = (1.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(5), (256,))).astype(jnp.float32)
+    q = _quantize_jit(MXFP4())
+    out = {}
+    for operands in ("bf16", "mxfp4"):
+        sets = []
+        for a, w, _, _ in layers:
+            if kind == "swiglu":
+                w = E.pack_swiglu_weight(w)  # once, at packing time
+            sets.append((a, w) if operands == "bf16" else (q(a.astype(jnp.float32)), q(w.astype(jnp.float32))))
+        if kind == "rmsnorm":
+            def fused(a, w, bs=bs):
+                return E.gemm_rmsnorm(a, w, nw, block_sizes=bs, interpret=interpret)
+
+            def op(c):
+                return E.rmsnorm_heads(c, nw)
+        else:
+            def fused(a, w, bs=bs):
+                return E.gemm_swiglu(a, w, block_sizes=bs, interpret=interpret)
+
+            def op(c):  # on the permuted output: pairs are adjacent
+                cf = c.astype(jnp.float32).reshape(c.shape[0], -1, 2)
+                return (jax.nn.silu(cf[..., 0]) * cf[..., 1]).astype(c.dtype)
+
+        def unfused_kernel(a, w, bs=bs, op=op):
+            return op(E.gemm(a, w, block_sizes=bs, interpret=interpret))
+
+        def ref(a, w, op=op):
+            return op(E.gemm_reference(a, w))
+
+        out[f"{kind}_{operands}_fused"] = (fused, sets, ref)
+        out[f"{kind}_{operands}_gemm_kernel_then_op"] = (unfused_kernel, sets, ref)
+        if operands == "bf16":
+            def xla_then_op(a, w, op=op):
+                return op(jnp.matmul(a, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+
+            out[f"{kind}_bf16_xla_then_op"] = (xla_then_op, sets, ref)
+    del n
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Driver.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def run_case(name, fn, sets, ref, *, flops, target_s, tiny, validate=True):
+    rec = {"variant": name}
+    try:
+        t, ts, y0 = time_op(fn, sets, n_calls=_n_calls(flops, target_s, tiny), repeats=2 if tiny else 5)
+        rec.update(us=t * 1e6, us_all=[x * 1e6 for x in ts], tflops=flops / t / 1e12)
+        if validate and ref is not None:
+            err, nan = _rel_err(y0, jax.jit(ref)(*sets[0]))
+            rec.update(rel_err=err, nan=nan)
+    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+        rec.update(error=f"{type(e).__name__}: {str(e)[:400]}", trace=traceback.format_exc()[-1200:])
+    return rec
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="benchmarks/results/w4a4.json")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU validation)")
+    p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
+    p.add_argument("--ms", default="4096,512")
+    p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new cases after this many seconds")
+    p.add_argument("--target-s", type=float, default=0.02, help="approximate seconds of work per timed loop")
+    p.add_argument("--only", default="", help="comma-separated models to run (default: all, in priority order)")
+    p.add_argument("--no-layer", action="store_true")
+    p.add_argument("--no-epilogues", action="store_true")
+    args = p.parse_args(argv)
+    t_start = time.time()
+    ms = [int(x) for x in args.ms.split(",")]
+    if args.tiny:
+        ms = [40, 16]
+    shapes = TINY_SHAPES if args.tiny else SHAPES
+    if args.only:
+        keep = set(args.only.split(","))
+        shapes = [s for s in shapes if s[0] in keep]
+    dev = jax.devices()[0]
+    result = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "jax": jax.__version__,
+              "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "interpret": args.interpret, "tiny": args.tiny, "rank": RANK, "n_sets": N_SETS,
+              "method": "median over repeats of wall(jitted fori_loop of N calls on rotating inputs)/N",
+              "cases": [], "stopped_early": False}
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    done_epi = set()
+    for model, layer, n, k in shapes:
+        for m in ms:
+            if time.time() - t_start > args.budget_s:
+                result["stopped_early"] = True
+                save()
+                return result
+            layers = [make_layer(jax.random.PRNGKey(100 * i + m), m, n, k) for i in range(N_SETS)]
+            flops = 2.0 * m * n * k
+            variants = dict(gemm_variants(layers, args.interpret, args.tiny))
+            if not args.no_layer:
+                variants.update(layer_variants(layers, args.interpret, args.tiny))
+            epi = None
+            if not args.no_epilogues and model in ("ideogram4", "tiny") and (layer, m) not in done_epi:
+                epi = "rmsnorm" if layer == "attn.q" else ("swiglu" if layer == "ffn.w13" else None)
+                if epi:
+                    variants.update(epilogue_variants(layers, epi, args.interpret, args.tiny))
+                    done_epi.add((layer, m))
+            case = {"model": model, "layer": layer, "m": m, "n": n, "k": k, "flops": flops, "variants": []}
+            for name, (fn, sets, ref) in variants.items():
+                rec = run_case(name, fn, sets, ref, flops=flops, target_s=args.target_s, tiny=args.tiny)
+                case["variants"].append(rec)
+                msg = f"{rec['us']:9.1f} us" if "us" in rec else rec.get("error", "?")[:100]
+                print(f"{model:12s} {layer:16s} m={m:5d} n={n:6d} k={k:6d} {name:38s} {msg}"
+                      f"{'  err=%.1e' % rec['rel_err'] if 'rel_err' in rec else ''}", flush=True)
+            base = next((v["us"] for v in case["variants"] if v["variant"] == "bf16_xla" and "us" in v), None)
+            for v in case["variants"]:
+                if base and "us" in v:
+                    v["speedup_vs_bf16_xla"] = base / v["us"]
+            result["cases"].append(case)
+            save()
+    save()
+    print(summary_table(result))
+    return result
+
+
+def summary_table(result) -> str:
+    """A Markdown table of a result dict (the one in docs/w4a4.md)."""
+    lines = ["| model | layer | m | n | k | variant | us | vs bf16 XLA | rel err |",
+             "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+    for c in result["cases"]:
+        for v in c["variants"]:
+            us = f"{v['us']:.1f}" if "us" in v else "error"
+            sp = f"{v['speedup_vs_bf16_xla']:.2f}x" if "speedup_vs_bf16_xla" in v else ""
+            err = f"{v['rel_err']:.1e}" if "rel_err" in v else ""
+            lines.append(f"| {c['model']} | {c['layer']} | {c['m']} | {c['n']} | {c['k']} | {v['variant']} | {us} | "
+                         f"{sp} | {err} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
