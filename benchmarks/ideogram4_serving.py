@@ -493,6 +493,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--layouts", default="packed,padded")
     parser.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto")
     parser.add_argument("--matmul-size", type=int, default=None)
+    parser.add_argument("--list-layers", action="store_true",
+                        help="unrolled list of blocks instead of lax.scan over stacked blocks (34x the compile time)")
     parser.add_argument("--torch-baseline", action="store_true",
                         help="time the plain-PyTorch copy of diffusers' forward instead (its own process)")
     parser.add_argument("--torch-compile", action="store_true", help="with --torch-baseline: also torch.compile")
@@ -508,7 +510,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     attention = args.attention if args.attention != "auto" else ("cudnn" if on_gpu else "xla")
     base = ig.tiny_config() if tiny else ig.IDEOGRAM4
     cfg = dataclasses.replace(base, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, attention_impl=attention,
-                              scan_layers=True)
+                              scan_layers=not args.list_layers)
     height = args.height or (64 if tiny else 1024)
     width = args.width or (64 if tiny else 1024)
     text_tokens = args.text_tokens or (6 if tiny else 128)
@@ -531,7 +533,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device": getattr(device, "device_kind", str(device)), "backend": jax.default_backend(),
         "jax": jax.__version__, "flax": getattr(__import__("flax"), "__version__", "?"),
         "python": platform.python_version(), "preset": args.preset, "attention_impl": attention,
-        "scan_layers": True, "params_per_transformer": ig.count_params(cfg), "height": height, "width": width,
+        "scan_layers": cfg.scan_layers, "params_per_transformer": ig.count_params(cfg), "height": height,
+        "width": width,
         "steps": args.steps, "guidance": [float(g) for g in schedule.guidance],
         "method": f"median of {args.repeats} repeats of {args.inner} back-to-back calls after one warm-up call, "
                   f"block_until_ready per repeat; loop: {args.loop_runs} run(s) of the AOT-compiled scan",
