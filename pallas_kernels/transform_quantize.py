@@ -1,0 +1,800 @@
+"""Fused online block transform + FP4 quantizer: one pass from a 16-bit ``A (m, d)`` to packed E2M1 codes and scales.
+
+Kernels (paper §3.5, §4.4, appendices A and B; SPEC.md §5), selected by :class:`PreparedTransform` ``kind``:
+
+=========  ============================================================================================================
+``q4``     bare quantizer ``Q(A)`` (the lower bound).
+``scale``  per-channel scale ``Q(A diag(s))`` (SmoothQuant's online cost; ``s = 1/γ``).
+``k1``     precomputed dense ``(d/32, 32, 32)`` blocks: one ``(BR, 32) x (32, 32)`` tensor-core product per tile.
+``k2``     blocks rebuilt on the fly from the 15 Kronecker-LU parameters per block (appendix B's streaming product).
+``k2s``    smoothed KroQuant: ``k2`` with the 32 per-block scales ``1/γ`` folded into the block's rows in registers.
+``fwht``   full-width normalised fast Walsh-Hadamard transform (``d`` a power of two), then quantize.
+=========  ============================================================================================================
+
+Every kernel reads ``A`` once and writes ``codes uint8 (m, d/2)`` (element ``2i`` in the low nibble) and the block
+scales (MXFP4: E8M0 bytes ``(m, d/32)``; NVFP4: E4M3 ``(m, d/16)`` plus the fp32 tensor scale) once.
+
+**Numerics (the "same math order" contract).** The reference is ``formats.quantize(apply_to_activations(A, blocks))``:
+the transform in f32, the result rounded to ``A.dtype``, then quantized. The kernels do the same: ``y`` in f32, cast to
+``A.dtype`` and back, then the per-tile quantizer of this module (:func:`mx_quantize_tile`, :func:`nv_quantize_tile`),
+built from :mod:`kroquant_jax.formats`' shared per-element functions (``flush_subnormals``, ``mx_shared_exponent``,
+``e2m1_encode``) and tested bit for bit against ``mxfp4_quantize_blocks`` / ``nvfp4_quantize_blocks``.
+The only difference is inside the transform:
+
+* ``q4``, ``scale``: none (one f32 multiply), so codes and scales are bit-exact.
+* ``k1``/``k2``/``k2s``: the 32-term dot runs on tensor cores with the f32 block split into ``dot_passes`` parts of
+  ``A.dtype`` (3 by default: ``K = hi + mid + lo`` exactly for bf16, to ~2^-21 for fp16), each product exact in the f32
+  accumulator; the accumulation order (and the hardware's accumulator alignment) differ from XLA's f32 einsum. Where
+  every partial sum is exact (dyadic data, tested) the result is bit-exact; on general data ``y`` differs by a few f32
+  ulps, which changes the value rounded to ``A.dtype`` rarely and a code or scale more rarely (bounded in the tests).
+  ``dot_passes=1`` is the paper's numerics (block rounded to ``A.dtype``) and is faster but not faithful.
+* ``fwht``: butterflies in f32 (log2 d stages) instead of the dense matrix; exact on dyadic data, bounded otherwise.
+
+**Lowering.** The kernels use the Pallas Triton lowering (``compiler_params=pltriton.CompilerParams``), deprecated
+from jax 0.11 but still shipped; see ``docs/kernels.md`` for why (and for the Mosaic GPU status). On other backends
+:func:`transform_quantize` runs the jnp reference; ``impl="interpret"`` runs the kernel bodies through
+``pallas_call(interpret=True)`` (what CPU CI tests).
+
+Public API: :class:`BlockSizes`, :class:`PreparedTransform` / :func:`prepare`, :func:`transform_quantize`,
+:func:`transform_fake_quant` (STE ``custom_vjp``), :func:`reference_transform_quantize`, :func:`reference_apply`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kroquant_jax import formats as F
+from kroquant_jax import transforms as T
+from kroquant_jax.formats import MXFP4, NVFP4, QuantizedArray, ScaleMode
+from kroquant_jax.transforms import kron_lu
+from pallas_kernels._compat import on_gpu, pl, pltriton, triton_compiler_params
+
+__all__ = [
+    "BlockSizes",
+    "KINDS",
+    "default_block_sizes",
+    "PreparedTransform",
+    "mx_quantize_pair",
+    "mx_quantize_tile",
+    "mx_quantize_tile_simple",
+    "nv_quantize_tile",
+    "prepare",
+    "reference_apply",
+    "reference_transform_quantize",
+    "transform_fake_quant",
+    "transform_quantize",
+]
+
+KINDS = ("q4", "scale", "k1", "k2", "k2s", "fwht")
+BLOCK = 32
+_EXP_MASK = 0x7F800000
+_E4M3_NAN = 0x7F
+_KPARAM_WIDTH = 16  # a(5), b(5), c(5), one pad: a power of two for the Triton lowering
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Block sizes
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiling of the kernels (static).
+
+    Attributes:
+      block_rows: rows ``BR`` per program (a power of two >= 16, the tensor-core minimum).
+      block_cols: the widest column tile ``BD`` (a power-of-two multiple of 32); the tile actually used is the largest
+        ``32 * 2**k <= block_cols`` dividing ``d`` (so any ``d % 32 == 0`` works, ``d = 32 * odd`` with ``BD = 32``).
+      num_warps, num_stages: Triton launch parameters.
+      dot_passes: 1, 2 or 3 ``A.dtype`` parts of each f32 block in the K1/K2 tensor-core product (module docstring).
+      vector_tile: ``q4``/``scale`` quantize the whole ``(BR, BD)`` tile at once (else 32 columns at a time, as K1/K2).
+      fwht_rows, fwht_num_warps: tiling of the full-width FWHT (each program holds ``fwht_rows`` whole rows).
+      fwht_variant: ``"axis"`` (one size-2 reduction per bit axis) or ``"shuffle"`` (constant-geometry stages).
+      fast_encode: MXFP4 codes by :func:`mx_quantize_tile` (integer form, ~20 ops/element) instead of
+        :func:`mx_quantize_tile_simple` (formats' functions verbatim, ~45 ops/element); both bit-exact.
+      split_dot: K1/K2 with MXFP4 output compute the even and odd output columns of each 32-block by two (32, 16)
+        products and quantize them with :func:`mx_quantize_pair`, so no reshape follows the tensor-core product.
+      cols_first: launch the grid with the column tile as the fastest-varying program index.
+    """
+
+    block_rows: int = 64
+    block_cols: int = 128
+    num_warps: int = 4
+    num_stages: int = 1
+    dot_passes: int = 3
+    vector_tile: bool = True
+    fwht_rows: int = 1
+    fwht_num_warps: int = 8
+    fwht_variant: str = "shuffle"
+    fast_encode: bool = True
+    split_dot: bool = True
+    cols_first: bool = False
+
+    def __post_init__(self):
+        for name in ("block_rows", "fwht_rows"):
+            v = getattr(self, name)
+            if v <= 0 or v & (v - 1):
+                raise ValueError(f"BlockSizes.{name}={v} must be a power of two")
+        if self.block_rows < 16:
+            raise ValueError(f"BlockSizes.block_rows={self.block_rows} must be >= 16 (tensor-core tile)")
+        if self.block_cols < BLOCK or self.block_cols % BLOCK or (self.block_cols // BLOCK) & (
+                self.block_cols // BLOCK - 1):
+            raise ValueError(f"BlockSizes.block_cols={self.block_cols} must be 32 * a power of two")
+        if self.dot_passes not in (1, 2, 3):
+            raise ValueError(f"BlockSizes.dot_passes={self.dot_passes} must be 1, 2 or 3")
+        if self.fwht_variant not in ("axis", "shuffle"):
+            raise ValueError(f"BlockSizes.fwht_variant={self.fwht_variant!r} must be 'axis' or 'shuffle'")
+
+    def cols_for(self, d: int) -> int:
+        """The column tile for width ``d``: the largest ``32 * 2**k <= block_cols`` that divides ``d``."""
+        bd = BLOCK
+        while bd * 2 <= self.block_cols and d % (bd * 2) == 0:
+            bd *= 2
+        return bd
+
+
+def default_block_sizes(kind: str, m: int, d: int) -> BlockSizes:
+    """The tiling :func:`transform_quantize` uses when none is given (from the H200 sweeps in docs/kernels.md)."""
+    del m
+    if kind == "q4":
+        return BlockSizes(block_rows=32, block_cols=128, num_warps=4)
+    if kind == "scale":
+        return BlockSizes(block_rows=64, block_cols=128, num_warps=8)
+    if kind == "fwht":
+        return BlockSizes(fwht_rows=1 if d >= 8192 else 2, fwht_num_warps=16)
+    return BlockSizes(block_rows=64, block_cols=32, num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The transform, prepared for the kernels (a pytree)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("inv_scale", "blocks", "kparams"),
+                   meta_fields=("kind", "d"))
+@dataclasses.dataclass(frozen=True)
+class PreparedTransform:
+    """What a kernel reads besides ``A``.
+
+    Attributes:
+      kind: one of :data:`KINDS`.
+      d: the width.
+      inv_scale: ``float32 (d,)``: the per-channel factor ``1/γ`` (``scale``, ``k2s``), else ``None``.
+      blocks: ``float32 (d/32, 32, 32)`` dense blocks ``K_j`` (``k1``), else ``None``.
+      kparams: ``float32 (d/32, 16)`` Kronecker-LU parameters ``[a_1..a_5, b_1..b_5, c_1..c_5, 0]`` (``k2``, ``k2s``).
+    """
+
+    inv_scale: Optional[jax.Array]
+    blocks: Optional[jax.Array]
+    kparams: Optional[jax.Array]
+    kind: str
+    d: int
+
+    @staticmethod
+    def identity(d: int) -> "PreparedTransform":
+        return PreparedTransform(None, None, None, "q4", int(d))
+
+    @staticmethod
+    def from_inv_scale(inv_scale: jax.Array) -> "PreparedTransform":
+        inv_scale = jnp.asarray(inv_scale, jnp.float32)
+        return PreparedTransform(inv_scale, None, None, "scale", int(inv_scale.shape[-1]))
+
+    @staticmethod
+    def from_blocks(blocks: jax.Array) -> "PreparedTransform":
+        blocks = jnp.asarray(blocks, jnp.float32)
+        if blocks.ndim != 3 or blocks.shape[1:] != (BLOCK, BLOCK):
+            raise ValueError(f"K1 needs blocks of shape (d/32, 32, 32), got {blocks.shape}")
+        return PreparedTransform(None, blocks, None, "k1", int(blocks.shape[0] * BLOCK))
+
+    @staticmethod
+    def from_kron_params(params: dict, inv_scale: Optional[jax.Array] = None) -> "PreparedTransform":
+        a, b, c = (jnp.asarray(params[k], jnp.float32) for k in ("a", "b", "c"))  # (nb, 5) each
+        kp = jnp.concatenate([a, b, c, jnp.zeros((a.shape[0], 1), jnp.float32)], axis=-1)
+        d = int(a.shape[0] * BLOCK)
+        if inv_scale is None:
+            return PreparedTransform(None, None, kp, "k2", d)
+        return PreparedTransform(jnp.asarray(inv_scale, jnp.float32), None, kp, "k2s", d)
+
+    @staticmethod
+    def fwht(d: int) -> "PreparedTransform":
+        if d <= 0 or d & (d - 1):
+            raise ValueError(f"FWHT needs d a power of two, got {d=}")
+        return PreparedTransform(None, None, None, "fwht", int(d))
+
+    def kron_params(self) -> dict:
+        """``{"a", "b", "c"}`` (each ``(d/32, 5)``) of a ``k2``/``k2s`` transform."""
+        return {"a": self.kparams[:, 0:5], "b": self.kparams[:, 5:10], "c": self.kparams[:, 10:15]}
+
+    def dense_blocks(self) -> jax.Array:
+        """``(d/32, 32, 32)`` blocks of a ``k1``/``k2``/``k2s`` transform (what the reference multiplies by)."""
+        if self.kind == "k1":
+            return self.blocks
+        if self.kind in ("k2", "k2s"):
+            k = kron_lu.blocks(self.kron_params())  # (nb, 32, 32), the same f32 product order as the kernel
+            if self.kind == "k2s":
+                k = self.inv_scale.reshape(-1, BLOCK)[:, :, None] * k  # = smoothed_kron.blocks
+            return k
+        raise ValueError(f"{self.kind!r} has no 32x32 blocks")
+
+
+def prepare(name: str, params: Any = None, *, d: Optional[int] = None, kernel: Optional[str] = None
+            ) -> PreparedTransform:
+    """The :class:`PreparedTransform` of a registered parameterization (``kroquant_jax.transforms``).
+
+    Args:
+      name: ``"identity"`` (Q4), ``"diagonal"`` (Scale), ``"kron_lu"`` (K2, or K1 with ``kernel="k1"``),
+        ``"smoothed_kron"`` (K2 smoothed, or K1 with the diagonal folded into the blocks), ``"fwht"``, or any other
+        registered parameterization with 32x32 blocks (``hadamard32``, ``dense32``, ``cayley32``, ... -> K1).
+      params: the parameterization's parameters (``None`` for ``identity``/``fwht`` with ``d``).
+      d: the width, where ``params`` does not carry it.
+      kernel: force ``"k1"`` for Kronecker transforms (precomputed dense blocks).
+    """
+    if kernel not in (None, "k1", "k2"):
+        raise ValueError(f"kernel={kernel!r} must be None, 'k1' or 'k2'")
+    width = d if d is not None else getattr(params, "d", None)
+    if name == "identity":
+        if width is None:
+            raise ValueError("prepare('identity') needs d (or WidthOnly params)")
+        return PreparedTransform.identity(width)
+    if name == "fwht":
+        if width is None:
+            raise ValueError("prepare('fwht') needs d (or WidthOnly params)")
+        return PreparedTransform.fwht(width)
+    if name == "diagonal":
+        return PreparedTransform.from_inv_scale(jnp.exp(-params["log_gamma"]))
+    if name == "kron_lu" and kernel != "k1":
+        return PreparedTransform.from_kron_params(params)
+    if name == "smoothed_kron" and kernel != "k1":
+        return PreparedTransform.from_kron_params(params["kron"], jnp.exp(-params["log_gamma"]))
+    blocks = T.get(name).blocks(params)
+    if blocks.shape[1:] == (1, 1):
+        return PreparedTransform.from_inv_scale(blocks[:, 0, 0])
+    return PreparedTransform.from_blocks(blocks)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Per-tile math, shared by the kernels and the tests (pure jnp; lowers through Pallas Triton: no jnp.any, no slicing)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _pow2(exponent: jax.Array) -> jax.Array:
+    """``2.0 ** exponent`` (int32 in ``[-126, 127]``) built from bits."""
+    return jax.lax.bitcast_convert_type((exponent + 127).astype(jnp.int32) << 23, jnp.float32)
+
+
+def _nonfinite(x: jax.Array) -> jax.Array:
+    """``|x|`` is Inf or NaN, from the exponent bits."""
+    return (jax.lax.bitcast_convert_type(x, jnp.int32) & _EXP_MASK) == _EXP_MASK
+
+
+def _pack_pairs(codes: jax.Array) -> jax.Array:
+    """``(R, w)`` codes (any int dtype, values < 16) -> ``uint8 (R, w/2)``, element ``2i`` in the low nibble."""
+    r, w = codes.shape
+    lo, hi = jnp.unstack(codes.astype(jnp.int32).reshape(r, w // 2, 2), axis=-1)
+    return (lo | (hi << 4)).astype(jnp.uint8)
+
+
+def mx_quantize_tile_simple(y: jax.Array, mode: ScaleMode = ScaleMode.FLOOR) -> tuple[jax.Array, jax.Array]:
+    """MXFP4 of a tile, written directly with ``formats``' per-element functions (the slower, obviously-equal form).
+
+    ``y float32 (R, w)`` (``w % 32 == 0``) -> ``(packed uint8 (R, w/2), E8M0 uint8 (R, w/32))``, bit-identical to
+    ``pack_nibbles(mxfp4_quantize_blocks(y))``. Used by the kernels when ``BlockSizes.fast_encode`` is off.
+    """
+    r, w = y.shape
+    x = F.flush_subnormals(y.astype(jnp.float32)).reshape(r, w // BLOCK, BLOCK)
+    nf = _nonfinite(x)
+    nonfinite = jnp.max(nf.astype(jnp.int32), axis=-1) > 0  # (R, nb)
+    amax = jnp.max(jnp.abs(jnp.where(nf, 0.0, x)), axis=-1)  # (R, nb)
+    e = F.mx_shared_exponent(amax, mode)
+    inv_scale = _pow2(jnp.clip(-e, -126, 127))
+    codes = F.e2m1_encode(F.flush_subnormals(x * inv_scale[..., None])).astype(jnp.int32)
+    codes = jnp.where(nonfinite[..., None], 0, codes)
+    scale_bytes = jnp.where(nonfinite, F.E8M0_NAN, e + F.E8M0_BIAS).astype(jnp.uint8)
+    return _pack_pairs(codes.reshape(r, w)), scale_bytes
+
+
+# Integer forms of the E2M1 thresholds (non-negative f32 order like their bit patterns).
+_F32_ONE_BITS = 0x3F800000
+_F32_SIX_BITS = 0x40C00000
+_F32_QUARTER_BITS = 0x3E800000
+_F32_THREE_QUARTERS_BITS = 0x3F400000
+_F32_MIN_NORMAL_BITS = 0x00800000
+_ABS_MASK = 0x7FFFFFFF
+
+
+def _block_scale(abs_bits_max: jax.Array, mode: ScaleMode) -> tuple[jax.Array, jax.Array]:
+    """Per block: from the integer max of ``|x|`` bits -> (f32 ``2**-e`` multiplier, E8M0 byte int32).
+
+    A block holding Inf/NaN (max bits >= 0x7F800000) gets the NaN byte and a zero multiplier (its codes are zeroed by
+    the caller via :func:`_nan_block_mask`); a block whose max is subnormal flushes to ``amax = 0``.
+    """
+    nonfinite = abs_bits_max >= _EXP_MASK
+    amax_bits = jnp.where(abs_bits_max < _F32_MIN_NORMAL_BITS, 0, abs_bits_max)  # flush_subnormals(amax)
+    amax = jax.lax.bitcast_convert_type(jnp.where(nonfinite, 0, amax_bits), jnp.float32)
+    e = F.mx_shared_exponent(amax, mode)
+    inv_scale = jnp.where(nonfinite, 0.0, _pow2(jnp.clip(-e, -126, 127)))
+    scale_byte = jnp.where(nonfinite, F.E8M0_NAN, e + F.E8M0_BIAS)
+    return inv_scale, scale_byte
+
+
+def _e2m1_codes_fast(x: jax.Array, inv_scale: jax.Array) -> jax.Array:
+    """E2M1 codes (int32) of ``x * inv_scale`` with ``formats.e2m1_encode``'s rounding, in ~16 integer ops.
+
+    Equal to ``e2m1_encode(flush_subnormals(flush_subnormals(x) * inv_scale))`` for finite ``x`` and a power-of-two
+    ``inv_scale`` (tested exhaustively over the rounding boundaries): magnitudes >= 1 are rounded to one mantissa bit
+    on the f32 bits (round to nearest even, carry into the exponent), magnitudes < 1 by two compares (0.25 down,
+    0.75 up), saturation at 6 by an integer min. Subnormal ``x`` give magnitude 0 (the flush); the sign bit is kept.
+    """
+    xb = jax.lax.bitcast_convert_type(x, jnp.int32)
+    v = x * inv_scale
+    vb = jax.lax.bitcast_convert_type(v, jnp.int32)
+    mag = jnp.minimum(vb & _ABS_MASK, _F32_SIX_BITS)
+    mag = jnp.where((xb & _ABS_MASK) < _F32_MIN_NORMAL_BITS, 0, mag)
+    hi = ((mag + 0x1FFFFF + ((mag >> 22) & 1)) >> 22) - 252  # 1.0 -> 2, 1.5 -> 3, ..., 6.0 -> 7
+    lo = (mag > _F32_QUARTER_BITS).astype(jnp.int32) + (mag >= _F32_THREE_QUARTERS_BITS).astype(jnp.int32)
+    idx = jnp.where(mag >= _F32_ONE_BITS, hi, lo)
+    return idx | ((vb >> 28) & 8)
+
+
+def mx_quantize_tile(y: jax.Array, mode: ScaleMode = ScaleMode.FLOOR) -> tuple[jax.Array, jax.Array]:
+    """MXFP4 of a tile: ``y float32 (R, w)`` (``w % 32 == 0``) -> ``(packed uint8 (R, w/2), E8M0 uint8 (R, w/32))``.
+
+    Bit-identical to ``pack_nibbles(mxfp4_quantize_blocks(y))`` (tested), with the per-element work cut to ~20
+    integer/f32 ops (the kernels are ALU-bound otherwise): the block max on the integer bits (non-finite blocks
+    detected on the block, not per element), and :func:`_e2m1_codes_fast`.
+    """
+    r, w = y.shape
+    x = y.astype(jnp.float32).reshape(r, w // BLOCK, BLOCK)
+    abs_bits = jax.lax.bitcast_convert_type(x, jnp.int32) & _ABS_MASK
+    inv_scale, scale_byte = _block_scale(jnp.max(abs_bits, axis=-1), mode)  # (R, nb)
+    codes = _e2m1_codes_fast(x, inv_scale[..., None])
+    codes = jnp.where((scale_byte == F.E8M0_NAN)[..., None], 0, codes)
+    return _pack_pairs(codes.reshape(r, w)), scale_byte.astype(jnp.uint8)
+
+
+def mx_quantize_pair(y_even: jax.Array, y_odd: jax.Array, mode: ScaleMode = ScaleMode.FLOOR
+                     ) -> tuple[jax.Array, jax.Array]:
+    """MXFP4 of one 32-wide block per row given as its even and odd columns ``(R, 16)`` each.
+
+    Returns ``(packed uint8 (R, 16), E8M0 uint8 (R, 1))``; no reshape, so it runs in whatever register layout the
+    tensor-core product left ``y_even``/``y_odd`` in (the K1/K2 kernels' ``split_dot`` path).
+    """
+    be = jax.lax.bitcast_convert_type(y_even, jnp.int32) & _ABS_MASK
+    bo = jax.lax.bitcast_convert_type(y_odd, jnp.int32) & _ABS_MASK
+    row_max = jnp.maximum(jnp.max(be, axis=1, keepdims=True), jnp.max(bo, axis=1, keepdims=True))  # (R, 1)
+    inv_scale, scale_byte = _block_scale(row_max, mode)
+    nan_block = scale_byte == F.E8M0_NAN
+    ce = jnp.where(nan_block, 0, _e2m1_codes_fast(y_even, inv_scale))
+    co = jnp.where(nan_block, 0, _e2m1_codes_fast(y_odd, inv_scale))
+    return (ce | (co << 4)).astype(jnp.uint8), scale_byte.astype(jnp.uint8)
+
+
+def _e4m3_round(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Round positive normal f32 ``s`` in ``[2**-6, 448]`` to E4M3 (nearest, ties to even) -> (f32 value, int32 byte)."""
+    bits = jax.lax.bitcast_convert_type(s, jnp.int32)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & jnp.int32(-0x100000)
+    byte = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32), byte
+
+
+def nv_quantize_tile(y: jax.Array, tensor_scale: jax.Array, inv_tensor_scale: jax.Array
+                     ) -> tuple[jax.Array, jax.Array]:
+    """NVFP4 of a tile: ``y float32 (R, w)`` (``w % 16 == 0``) -> ``(packed uint8 (R, w/2), E4M3 bytes uint8 (R, w/16))``.
+
+    ``inv_tensor_scale`` must be ``float32(1) / tensor_scale`` (as ``nvfp4_quantize_blocks`` computes it). Bit-identical
+    to ``nvfp4_quantize_blocks`` (tested); the E4M3 rounding is done on the integer bits.
+    """
+    r, w = y.shape
+    nvb = NVFP4().block_size
+    x = F.flush_subnormals(y.astype(jnp.float32)).reshape(r, w // nvb, nvb)
+    nf = _nonfinite(x)
+    nonfinite = jnp.max(nf.astype(jnp.int32), axis=-1) > 0
+    amax = jnp.max(jnp.abs(jnp.where(nf, 0.0, x)), axis=-1)
+    # Two roundings, as formats.nvfp4_quantize_blocks evaluates eagerly (and torchao): the max() keeps XLA's algebraic
+    # simplifier from rewriting (amax / 6) / ts into amax / (6 * ts) when this runs jitted (interpret mode, CPU).
+    s = jnp.clip(jnp.maximum(amax / jnp.float32(F.E2M1_MAX), 0.0) / tensor_scale, F.E4M3_TINY, F.E4M3_MAX)
+    s, byte = _e4m3_round(s)
+    reciprocal = inv_tensor_scale / s
+    v = F.flush_subnormals(x * reciprocal[..., None])
+    codes = F.e2m1_encode(jnp.clip(v, -F.E2M1_MAX, F.E2M1_MAX)).astype(jnp.int32)
+    codes = jnp.where(nonfinite[..., None], 0, codes)
+    scale_bytes = jnp.where(nonfinite, _E4M3_NAN, byte).astype(jnp.uint8)
+    return _pack_pairs(codes.reshape(r, w)), scale_bytes
+
+
+def _dot_split(x: jax.Array, k: jax.Array, passes: int) -> jax.Array:
+    """``x (R, 32)`` (bf16/f16) times the f32 block ``k (32, 32)`` with ``k`` split into ``passes`` parts of x.dtype."""
+    parts = [k.astype(x.dtype)]
+    rest = k
+    for _ in range(passes - 1):
+        rest = rest - parts[-1].astype(jnp.float32)
+        parts.append(rest.astype(x.dtype))
+    y = None
+    for p in reversed(parts):  # smallest part first
+        t = jnp.dot(x, p, preferred_element_type=jnp.float32)
+        y = t if y is None else y + t
+    return y
+
+
+def _kron_block(load_param, inv_col: Optional[jax.Array], col_parity: Optional[int] = None) -> jax.Array:
+    """Appendix B: ``K[r, c] = prod_k G_k[bit_{5-k}(r), bit_{5-k}(c)]`` as a streaming product of five (32, 32) selects.
+
+    ``load_param(i)`` returns parameter ``i`` of ``[a_1..a_5, b_1..b_5, c_1..c_5]`` (an f32 scalar). ``inv_col``
+    ``(32, 1)`` scales row ``r`` by ``1/γ_r`` (smoothed variant). The f32 product order is ``((G_1 G_2) G_3) ...``, the
+    order of ``kron_lu.kron_chain``. ``col_parity`` 0/1 builds only the even/odd columns ``(32, 16)``.
+    """
+    ncol = BLOCK if col_parity is None else BLOCK // 2
+    row = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, ncol), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, ncol), 1)
+    if col_parity is not None:
+        col = 2 * col + col_parity
+    k = None
+    for f in range(kron_lu.NUM_FACTORS):
+        a, b, c = load_param(f), load_param(5 + f), load_param(10 + f)
+        g00, g01, g10, g11 = a, b, c * a, c * b - 1.0 / a  # kron_lu.lu_factors
+        shift = kron_lu.NUM_FACTORS - 1 - f
+        rb = (row >> shift) & 1
+        cb = (col >> shift) & 1
+        g = jnp.where(rb == 0, jnp.where(cb == 0, g00, g01), jnp.where(cb == 0, g10, g11))
+        k = g if k is None else k * g
+    if inv_col is not None:
+        k = inv_col * k
+    return k
+
+
+def _fwht_scale(d: int) -> float:
+    """The f32 entry magnitude of ``normalized_hadamard(d)``: ``(1/√2)**log2(d)`` in the same float64 product order."""
+    h, h2 = 1.0, 1.0 / np.sqrt(2.0)
+    for _ in range(d.bit_length() - 1):
+        h = h * h2
+    return float(np.float32(h))
+
+
+def _fwht_rows(y: jax.Array, variant: str) -> jax.Array:
+    """Unnormalised Walsh-Hadamard transform (Sylvester order) of each row of ``y float32 (R, d)``."""
+    r, d = y.shape
+    n = d.bit_length() - 1
+    if variant == "shuffle":
+        # Constant geometry: out = [x0+x1, x2+x3, ..., x0-x1, x2-x3, ...]; n stages give H_d.
+        for _ in range(n):
+            a, b = jnp.unstack(y.reshape(r, d // 2, 2), axis=-1)
+            y = jnp.swapaxes(jnp.stack([a + b, a - b], axis=-1), 1, 2).reshape(r, d)
+        return y
+    # "axis": H_2 along each bit axis, as a size-2 reduction (no transposes).
+    for s in range(n):
+        h = 1 << s
+        z = y.reshape(r, d // (2 * h), 2, h)
+        first = jax.lax.broadcasted_iota(jnp.int32, z.shape, 2) == 0
+        total = jnp.sum(z, axis=2, keepdims=True)
+        diff = jnp.sum(jnp.where(first, z, -z), axis=2, keepdims=True)
+        y = jnp.where(first, total, diff).reshape(r, d)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The kernel
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes, fwht_variant, amax_only,
+            n_poison, fast_encode, split_dot, row_axis):
+    it = iter(refs)
+    a_ref = next(it)
+    inv_ref = next(it) if kind in ("scale", "k2s") else None
+    k_ref = next(it) if kind == "k1" else None
+    p_ref = next(it) if kind in ("k2", "k2s") else None
+    ts_ref = next(it) if (fmt_kind == "nvfp4" and not amax_only) else None
+    for _ in range(n_poison):
+        next(it)  # aliased output buffers (poison), never read
+    out_refs = list(it)
+    dtype = a_ref.dtype
+
+    ragged = m % block_rows != 0
+    row_mask = None
+    if ragged:
+        rows = pl.program_id(row_axis) * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
+        row_mask = rows < m
+
+    def load(ref_view, width):
+        if row_mask is None:
+            return ref_view[...]
+        return pltriton.load(ref_view, mask=jnp.broadcast_to(row_mask, (block_rows, width)), other=0)
+
+    def store(ref_view, value):
+        if row_mask is None:
+            ref_view[...] = value
+        else:
+            pltriton.store(ref_view, value, mask=jnp.broadcast_to(row_mask, value.shape))
+
+    if fmt_kind == "nvfp4" and not amax_only:
+        ts, inv_ts = ts_ref[0, 0], ts_ref[0, 1]
+    block = 16 if fmt_kind == "nvfp4" else BLOCK
+    running_max = None
+    use_pair = split_dot and kind in ("k1", "k2", "k2s") and fmt_kind == "mxfp4" and not amax_only
+    for t in range(n_chunks):
+        x = load(a_ref.at[:, pl.ds(t * chunk, chunk)], chunk)
+        if use_pair:
+            if kind == "k1":
+                k_even, k_odd = jnp.unstack(k_ref[t].reshape(BLOCK, BLOCK // 2, 2), axis=-1)
+            else:
+                inv_col = inv_ref[pl.ds(t * BLOCK, BLOCK), :] if kind == "k2s" else None
+                k_even, k_odd = (_kron_block(lambda i, t=t: p_ref[t, i], inv_col, parity) for parity in (0, 1))
+            y_even = _dot_split(x, k_even, passes).astype(dtype).astype(jnp.float32)
+            y_odd = _dot_split(x, k_odd, passes).astype(dtype).astype(jnp.float32)
+            packed, scale_bytes = mx_quantize_pair(y_even, y_odd, mode)
+            q_ref, s_ref = out_refs
+            store(q_ref.at[:, pl.ds(t * (BLOCK // 2), BLOCK // 2)], packed)
+            store(s_ref.at[:, pl.ds(t, 1)], scale_bytes)
+            continue
+        if kind == "q4":
+            y = x.astype(jnp.float32)
+        elif kind == "scale":
+            y = x.astype(jnp.float32) * inv_ref[:, pl.ds(t * chunk, chunk)]
+        elif kind == "k1":
+            y = _dot_split(x, k_ref[t], passes)
+        elif kind in ("k2", "k2s"):
+            inv_col = inv_ref[pl.ds(t * BLOCK, BLOCK), :] if kind == "k2s" else None
+            kb = _kron_block(lambda i, t=t: p_ref[t, i], inv_col)
+            y = _dot_split(x, kb, passes)
+        elif kind == "fwht":
+            y = _fwht_rows(x.astype(jnp.float32), fwht_variant) * jnp.float32(_fwht_scale(chunk))
+        else:  # pragma: no cover - validated by the wrapper
+            raise ValueError(kind)
+        if kind != "q4":
+            y = y.astype(dtype).astype(jnp.float32)  # the reference's rounding to A.dtype
+        if amax_only:
+            yf = F.flush_subnormals(y)
+            tile_max = jnp.max(jnp.abs(jnp.where(_nonfinite(yf), 0.0, yf)), axis=1, keepdims=True)
+            running_max = tile_max if running_max is None else jnp.maximum(running_max, tile_max)
+            continue
+        if fmt_kind == "nvfp4":
+            packed, scale_bytes = nv_quantize_tile(y, ts, inv_ts)
+        elif fast_encode:
+            packed, scale_bytes = mx_quantize_tile(y, mode)
+        else:
+            packed, scale_bytes = mx_quantize_tile_simple(y, mode)
+        q_ref, s_ref = out_refs
+        store(q_ref.at[:, pl.ds(t * (chunk // 2), chunk // 2)], packed)
+        store(s_ref.at[:, pl.ds(t * (chunk // block), chunk // block)], scale_bytes)
+    if amax_only:
+        store(out_refs[0].at[...], running_max)
+
+
+def _check_kernel_inputs(a: jax.Array, t: PreparedTransform, fmt) -> None:
+    if a.ndim != 2:
+        raise ValueError(f"the kernel takes A (m, d), got shape {a.shape}")
+    if a.dtype not in (jnp.bfloat16, jnp.float16):
+        raise TypeError(f"the kernels read bfloat16 or float16 activations, got {a.dtype} (use impl='reference')")
+    if t.kind not in KINDS:
+        raise ValueError(f"unknown transform kind {t.kind!r}")
+    m, d = a.shape
+    if d != t.d:
+        raise ValueError(f"activations of width {d} do not match a transform of width {t.d}")
+    if d % BLOCK:
+        raise ValueError(f"{d=} must be a multiple of 32")
+    if isinstance(fmt, MXFP4) and fmt.block_size != BLOCK:
+        raise ValueError(f"the kernels write MXFP4 with 32-element blocks, got {fmt}")
+    if isinstance(fmt, NVFP4) and fmt.block_size != 16:
+        raise ValueError(f"the kernels write NVFP4 with 16-element blocks, got {fmt}")
+    if t.kind == "fwht" and (d & (d - 1)):
+        raise ValueError(f"FWHT needs d a power of two, got {d=}")
+
+
+def _pallas_call(a: jax.Array, t: PreparedTransform, fmt, ts_pair: Optional[jax.Array], bs: BlockSizes,
+                 interpret: bool, poison: Optional[tuple[jax.Array, jax.Array]] = None, amax_only: bool = False):
+    """The kernel on ``A (m, d)``: ``(codes (m, d/2), scale bytes (m, d/block))`` or, with ``amax_only``, the f32
+    row maxima of ``|A T|`` per column tile ``(m, d/BD)`` (for NVFP4's tensor scale)."""
+    m, d = a.shape
+    kind = t.kind
+    fmt_kind = "nvfp4" if isinstance(fmt, NVFP4) else "mxfp4"
+    block = 16 if fmt_kind == "nvfp4" else BLOCK
+    if kind == "fwht":
+        br, bd, chunk, warps = bs.fwht_rows, d, d, bs.fwht_num_warps
+    else:
+        br, bd, warps = bs.block_rows, bs.cols_for(d), bs.num_warps
+        chunk = bd if (kind in ("q4", "scale") and bs.vector_tile) else BLOCK
+    grid = (pl.cdiv(m, br), d // bd)
+
+    def spec(block_shape, index_map):
+        """BlockSpec over (row tile i, column tile j), whichever grid axis is launched fastest."""
+        if bs.cols_first:
+            return pl.BlockSpec(block_shape, lambda j, i: index_map(i, j))
+        return pl.BlockSpec(block_shape, index_map)
+
+    args, in_specs = [a], [spec((br, bd), lambda i, j: (i, j))]
+    if kind == "scale":
+        args.append(t.inv_scale.astype(jnp.float32).reshape(1, d))
+        in_specs.append(spec((1, bd), lambda i, j: (0, j)))
+    if kind == "k2s":
+        args.append(t.inv_scale.astype(jnp.float32).reshape(d, 1))
+        in_specs.append(spec((bd, 1), lambda i, j: (j, 0)))
+    if kind == "k1":
+        args.append(t.blocks.astype(jnp.float32))
+        in_specs.append(spec((bd // BLOCK, BLOCK, BLOCK), lambda i, j: (j, 0, 0)))
+    if kind in ("k2", "k2s"):
+        args.append(t.kparams.astype(jnp.float32))
+        in_specs.append(spec((bd // BLOCK, _KPARAM_WIDTH), lambda i, j: (j, 0)))
+    if fmt_kind == "nvfp4" and not amax_only:
+        args.append(ts_pair.astype(jnp.float32).reshape(1, 2))
+        in_specs.append(spec((1, 2), lambda i, j: (0, 0)))
+    if amax_only:
+        out_shape = [jax.ShapeDtypeStruct((m, grid[1]), jnp.float32)]
+        out_specs = [spec((br, 1), lambda i, j: (i, j))]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((m, d // 2), jnp.uint8), jax.ShapeDtypeStruct((m, d // block), jnp.uint8)]
+        out_specs = [spec((br, bd // 2), lambda i, j: (i, j)),
+                     spec((br, bd // block), lambda i, j: (i, j))]
+    aliases = {}
+    n_poison = 0
+    if poison is not None and not amax_only:
+        n_poison = 2
+        aliases = {len(args): 0, len(args) + 1: 1}
+        args.extend(poison)
+        in_specs.extend(out_specs)
+    kernel = functools.partial(
+        _kernel, kind=kind, m=m, block_rows=br, chunk=chunk, n_chunks=bd // chunk, fmt_kind=fmt_kind,
+        mode=fmt.scale_mode if fmt_kind == "mxfp4" else None, passes=bs.dot_passes, fwht_variant=bs.fwht_variant,
+        amax_only=amax_only, n_poison=n_poison, fast_encode=bs.fast_encode, split_dot=bs.split_dot,
+        row_axis=1 if bs.cols_first else 0)
+    call = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=grid[::-1] if bs.cols_first else grid, in_specs=in_specs, out_specs=out_specs,
+        input_output_aliases=aliases, interpret=interpret,
+        compiler_params=None if interpret else triton_compiler_params(warps, bs.num_stages),
+        name=f"tq_{kind}_{fmt_kind}{'_amax' if amax_only else ''}")
+    return call(*args)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# References (jnp) and the public ops
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _fwht_jnp(x: jax.Array) -> jax.Array:
+    """Normalised full-width Walsh-Hadamard of the last axis, f32 butterflies (any leading shape)."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    y = _fwht_rows(x.astype(jnp.float32).reshape(-1, d), "axis") * jnp.float32(_fwht_scale(d))
+    return y.reshape(*lead, d)
+
+
+def reference_apply(a: jax.Array, t: PreparedTransform, *, dense_fwht: bool = False) -> jax.Array:
+    """``A T`` in f32, returned in ``a.dtype`` (``transforms.apply_to_activations``'s contract).
+
+    ``fwht`` uses f32 butterflies unless ``dense_fwht`` (the dense ``(d, d)`` normalised Hadamard, small d only).
+    """
+    if t.kind == "q4":
+        return a
+    if t.kind == "scale":
+        return T.apply_to_activations(a, t.inv_scale[:, None, None])
+    if t.kind in ("k1", "k2", "k2s"):
+        return T.apply_to_activations(a, t.dense_blocks())
+    if t.kind == "fwht":
+        if dense_fwht:
+            return T.apply_to_activations(a, T.FWHT.blocks(T.FWHT.init(t.d)))
+        return _fwht_jnp(a).astype(a.dtype)
+    raise ValueError(f"unknown transform kind {t.kind!r}")
+
+
+def _quantize_with_scale(y: jax.Array, fmt, tensor_scale: Optional[jax.Array]) -> QuantizedArray:
+    """``formats.quantize``, or NVFP4 with a given tensor scale."""
+    if isinstance(fmt, MXFP4) or tensor_scale is None:
+        return F.quantize(y, fmt)
+    ts = jnp.asarray(tensor_scale, jnp.float32)
+    blocks = y.reshape(*y.shape[:-1], y.shape[-1] // fmt.block_size, fmt.block_size)
+    codes, scales = F.nvfp4_quantize_blocks(blocks, ts)
+    return QuantizedArray(codes=F.pack_nibbles(codes.reshape(y.shape)), scales=scales, tensor_scale=ts, fmt=fmt,
+                          dtype=np.dtype(y.dtype))
+
+
+def reference_transform_quantize(a: jax.Array, t: PreparedTransform, fmt=MXFP4(), *,
+                                 tensor_scale: Optional[jax.Array] = None, dense_fwht: bool = False
+                                 ) -> QuantizedArray:
+    """The jnp reference: ``quantize(reference_apply(a, t), fmt)`` (NVFP4: tensor scale of ``A T`` unless given)."""
+    return _quantize_with_scale(reference_apply(a, t, dense_fwht=dense_fwht), fmt, tensor_scale)
+
+
+def _resolve_impl(a: jax.Array, impl: Optional[str]) -> str:
+    if impl is None:
+        return "pallas" if (on_gpu(a) and a.dtype in (jnp.bfloat16, jnp.float16)) else "reference"
+    if impl not in ("pallas", "interpret", "reference"):
+        raise ValueError(f"impl={impl!r} must be None, 'pallas', 'interpret' or 'reference'")
+    return impl
+
+
+def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), *,
+                       tensor_scale: Optional[jax.Array] = None, block_sizes: Optional[BlockSizes] = None,
+                       impl: Optional[str] = None, _poison: Optional[tuple] = None) -> QuantizedArray:
+    """``quantize(A T)`` for ``A (..., d)``: the fused kernel on a GPU, the jnp reference elsewhere.
+
+    Args:
+      a: ``bfloat16 | float16 (..., d)`` activations (``float32`` runs the reference).
+      transform: a :class:`PreparedTransform` (see :func:`prepare`).
+      fmt: ``MXFP4()`` (any scale mode) or ``NVFP4()``.
+      tensor_scale: NVFP4 only: a fixed per-tensor scale; by default it is ``amax|A T| / (448 * 6)``, which costs the
+        kernel path one extra read pass (an amax kernel with the same transform).
+      block_sizes: kernel tiling (default :class:`BlockSizes`).
+      impl: ``None`` (kernel on GPU for bf16/f16, else reference), ``"pallas"``, ``"interpret"`` or ``"reference"``.
+
+    Returns:
+      A :class:`~kroquant_jax.formats.QuantizedArray` (codes ``(..., d/2)``, scales ``(..., d/block)``); its gradient
+      is zero (integer outputs; use :func:`transform_fake_quant` for the STE).
+    """
+    F._check_dtype(a, "transform_quantize")
+    if not isinstance(fmt, (MXFP4, NVFP4)):
+        raise TypeError(f"unknown quantization format {fmt!r}")
+    impl = _resolve_impl(a, impl)
+    a = jax.lax.stop_gradient(a)
+    if impl == "reference":
+        return reference_transform_quantize(a, transform, fmt, tensor_scale=tensor_scale)
+    lead, d = a.shape[:-1], a.shape[-1]
+    a2 = a.reshape(-1, d)
+    _check_kernel_inputs(a2, transform, fmt)
+    bs = block_sizes or default_block_sizes(transform.kind, a2.shape[0], d)
+    interpret = impl == "interpret"
+    ts_pair = None
+    ts = jnp.float32(1.0)
+    if isinstance(fmt, NVFP4):
+        if tensor_scale is None:
+            (row_max,) = _pallas_call(a2, transform, fmt, None, bs, interpret, amax_only=True)
+            amax = jnp.max(row_max)
+            ts = jnp.where(amax > 0, amax / jnp.float32(F.E4M3_MAX * F.E2M1_MAX), jnp.float32(1.0))
+        else:
+            ts = jnp.asarray(tensor_scale, jnp.float32)
+        ts_pair = jnp.stack([ts, jnp.float32(1.0) / ts])
+    codes, scales = _pallas_call(a2, transform, fmt, ts_pair, bs, interpret, poison=_poison)
+    codes = codes.reshape(*lead, d // 2)
+    scales = scales.reshape(*lead, scales.shape[-1])
+    if isinstance(fmt, NVFP4):
+        scales = jax.lax.bitcast_convert_type(scales, jnp.float8_e4m3fn)
+    return QuantizedArray(codes=codes, scales=scales, tensor_scale=ts, fmt=fmt, dtype=np.dtype(a.dtype))
+
+
+def _apply_f32(a: jax.Array, t: PreparedTransform) -> jax.Array:
+    """``A T`` in f32 (no rounding): the function whose VJP the STE backward uses."""
+    if t.kind == "q4":
+        return a.astype(jnp.float32)
+    if t.kind == "scale":
+        return a.astype(jnp.float32) * t.inv_scale
+    if t.kind == "fwht":
+        return _fwht_jnp(a)
+    blocks = t.dense_blocks()
+    xb = a.astype(jnp.float32).reshape(*a.shape[:-1], blocks.shape[0], BLOCK)
+    return jnp.einsum("...bi,bij->...bj", xb, blocks, precision=jax.lax.Precision.HIGHEST).reshape(a.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fake_quant(a, t, tensor_scale, fmt, block_sizes, impl):
+    q = transform_quantize(a, t, fmt, tensor_scale=tensor_scale, block_sizes=block_sizes, impl=impl)
+    return F.dequantize(q, a.dtype)
+
+
+def _fake_quant_fwd(a, t, tensor_scale, fmt, block_sizes, impl):
+    return _fake_quant(a, t, tensor_scale, fmt, block_sizes, impl), (a, t, tensor_scale)
+
+
+def _fake_quant_bwd(fmt, block_sizes, impl, res, g):
+    a, t, tensor_scale = res
+    _, vjp = jax.vjp(_apply_f32, a, t)
+    ga, gt = vjp(g.astype(jnp.float32))
+    gts = None if tensor_scale is None else jnp.zeros_like(tensor_scale)
+    return ga.astype(a.dtype), gt, gts
+
+
+_fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd)
+
+
+def transform_fake_quant(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), *,
+                         tensor_scale: Optional[jax.Array] = None, block_sizes: Optional[BlockSizes] = None,
+                         impl: Optional[str] = None) -> jax.Array:
+    """``dequantize(transform_quantize(A))`` in ``a.dtype``, differentiable by the straight-through estimator.
+
+    Backward: identity through the quantizer, the exact VJP of the f32 transform ``A -> A T`` (so gradients reach
+    both ``A`` and the transform's arrays, e.g. ``kparams``/``blocks``/``inv_scale``).
+    """
+    return _fake_quant(a, transform, tensor_scale, fmt, block_sizes, impl)

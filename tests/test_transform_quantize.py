@@ -1,0 +1,307 @@
+"""CPU tests of the fused transform + FP4 quantizer (``pallas_kernels.transform_quantize``).
+
+* The per-tile functions the kernels call, bit for bit against ``kroquant_jax.formats`` (all scale modes, rounding
+  boundaries, subnormals, NaN/Inf, zero blocks).
+* The kernels themselves through ``pallas_call(interpret=True)`` (``TestInterpretKernels``): exact data, ragged m,
+  poisoned outputs, every kind, MXFP4 and NVFP4.
+* The dispatch (reference on CPU), ``prepare`` for every registered transform, and the STE ``custom_vjp``.
+
+GPU runs of the same kernels: ``tests/gpu/test_transform_quantize_gpu.py`` (``pytest -m gpu`` on the H200).
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kroquant_jax import formats as F
+from kroquant_jax import transforms as T
+from kroquant_jax.formats import MXFP4, NVFP4, ScaleMode
+from pallas_kernels import transform_quantize as tq
+
+ALL_MODES = list(ScaleMode)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _boundary_blocks(rng, n_blocks):
+    """f32 (n_blocks, 32): E2M1 thresholds and grid points (with 1-ulp jitter) at random exponents, plus specials."""
+    base = rng.choice(np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.5, 1, 1.5, 2, 3, 4, 7.99, 8.0]),
+                      size=(n_blocks, 32))
+    jitter = rng.choice([1.0, 1 + 2**-23, 1 - 2**-24, 1 + 2**-20, 1 - 2**-20], size=(n_blocks, 32))
+    e = rng.integers(-130, 126, size=(n_blocks, 1)).astype(np.float64)
+    with np.errstate(over="ignore"):
+        y = (base * jitter * rng.choice([-1, 1], size=(n_blocks, 32)) * np.exp2(e)).astype(np.float32)
+    y[::7, 3] = rng.normal(size=y[::7, 3].shape) * 1e-39  # subnormals inside normal blocks
+    y[::11] = (rng.normal(size=(len(y[::11]), 32)) * 1e-38).astype(np.float32)  # blocks near/below min normal
+    y[5, 7] = np.nan
+    y[9, 1] = np.inf
+    y[21, 4] = -np.inf
+    y[13] = 0.0
+    y[17] = -0.0
+    y[25] = np.float32(2.0**-126) * rng.integers(0, 4, size=32)
+    y[26] = np.float32(2.0**-122) * rng.random(32)
+    y[27] = 3.0e38 * rng.choice([-1, 1], size=32)
+    return y
+
+
+def _exact_activations(key, m, d, dtype):
+    """``±k * 2**-2``, k in 1..31, 1% outliers x4: every transform below is exact in f32 (any summation order)."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    mag = jax.random.randint(k1, (m, d), 1, 32).astype(jnp.float32) * 0.25
+    sign = jnp.where(jax.random.bernoulli(k2, 0.5, (m, d)), 1.0, -1.0)
+    return (mag * sign * jnp.where(jax.random.bernoulli(k3, 0.01, (m, d)), 4.0, 1.0)).astype(dtype)
+
+
+def _exact_transform(kind, d, key):
+    ks = jax.random.split(key, 4)
+    nb = d // 32
+    if kind == "q4":
+        return tq.PreparedTransform.identity(d)
+    if kind == "scale":
+        return tq.PreparedTransform.from_inv_scale(2.0 ** jax.random.randint(ks[0], (d,), -2, 3).astype(jnp.float32))
+    if kind == "k1":
+        vals = jnp.array([0.0, 0.25, -0.25, 0.5, -0.5, 1.0, -1.0], jnp.float32)
+        return tq.PreparedTransform.from_blocks(vals[jax.random.randint(ks[0], (nb, 32, 32), 0, 7)])
+    if kind in ("k2", "k2s"):
+        a = jnp.where(jax.random.bernoulli(ks[0], 0.5, (nb, 5)), 1.0, -1.0)
+        b = jnp.array([0.0, 0.5, -0.5])[jax.random.randint(ks[1], (nb, 5), 0, 3)]
+        c = jnp.array([0.0, 1.0, -1.0])[jax.random.randint(ks[2], (nb, 5), 0, 3)]
+        inv = 2.0 ** jax.random.randint(ks[3], (d,), -1, 2).astype(jnp.float32) if kind == "k2s" else None
+        return tq.PreparedTransform.from_kron_params({"a": a, "b": b, "c": c}, inv)
+    if kind == "fwht":
+        return tq.PreparedTransform.fwht(d)
+    raise ValueError(kind)
+
+
+def _learned_kron(d, key):
+    return jax.tree.map(lambda x: x * (1 + 0.2 * jax.random.normal(key, x.shape)), T.KRON_LU.init(d))
+
+
+def _scale_bytes(q):
+    s = q.scales
+    return np.asarray(jax.lax.bitcast_convert_type(s, jnp.uint8) if s.dtype != jnp.uint8 else s)
+
+
+def _assert_same(q, r):
+    np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(r.codes))
+    np.testing.assert_array_equal(_scale_bytes(q), _scale_bytes(r))
+    np.testing.assert_array_equal(np.asarray(q.tensor_scale), np.asarray(r.tensor_scale))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Per-tile functions
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class TestTileFunctions:
+    @pytest.mark.parametrize("mode", ALL_MODES, ids=lambda m: m.value)
+    def test_mx_tiles_match_formats(self, mode):
+        y = _boundary_blocks(np.random.default_rng(0), 6000)
+        codes, scales = F.mxfp4_quantize_blocks(jnp.asarray(y), mode)
+        ref_packed = np.asarray(F.pack_nibbles(codes))
+        ref_scales = np.asarray(scales)
+        wide = jnp.asarray(y.reshape(-1, 128))
+        for fn in (tq.mx_quantize_tile, tq.mx_quantize_tile_simple):
+            packed, s = jax.jit(fn, static_argnums=1)(wide, mode)
+            np.testing.assert_array_equal(np.asarray(packed).reshape(-1, 16), ref_packed, err_msg=fn.__name__)
+            np.testing.assert_array_equal(np.asarray(s).reshape(-1), ref_scales, err_msg=fn.__name__)
+        packed, s = jax.jit(tq.mx_quantize_pair, static_argnums=2)(jnp.asarray(y[:, 0::2]), jnp.asarray(y[:, 1::2]),
+                                                                   mode)
+        np.testing.assert_array_equal(np.asarray(packed), ref_packed)
+        np.testing.assert_array_equal(np.asarray(s)[:, 0], ref_scales)
+
+    def test_nv_tile_matches_formats(self):
+        rng = np.random.default_rng(1)
+        y = (rng.normal(size=(512, 64)) * np.exp2(rng.integers(-20, 20, size=(512, 1)))).astype(np.float32)
+        y[3, 5] = np.nan
+        y[7, 40] = -np.inf
+        y[9] = 0.0
+        y[11, :16] = 1e-40
+        for ts in (F.nvfp4_tensor_scale(jnp.asarray(np.where(np.isfinite(y), y, 0))), jnp.float32(1e-3)):
+            codes, scales = F.nvfp4_quantize_blocks(jnp.asarray(y).reshape(512, 4, 16), ts)
+            packed, s = jax.jit(tq.nv_quantize_tile)(jnp.asarray(y), ts, jnp.float32(1.0) / ts)  # noqa: E501
+            np.testing.assert_array_equal(np.asarray(packed), np.asarray(F.pack_nibbles(codes.reshape(512, 64))))
+            np.testing.assert_array_equal(np.asarray(s),
+                                          np.asarray(jax.lax.bitcast_convert_type(scales, jnp.uint8)))
+
+    def test_e4m3_round_matches_ml_dtypes(self):
+        rng = np.random.default_rng(2)
+        grid = np.array([float(v) for v in np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+                         if np.isfinite(float(v)) and 2.0**-6 <= float(v) <= 448.0], np.float32)
+        mids = (grid[:-1] + grid[1:]) / 2
+        s = np.concatenate([grid, mids, np.nextafter(mids, 0), np.nextafter(mids, 1000),
+                            rng.uniform(2.0**-6, 448.0, 5000).astype(np.float32)]).astype(np.float32)
+        val, byte = jax.jit(tq._e4m3_round)(jnp.asarray(s))
+        ref = s.astype(ml_dtypes.float8_e4m3fn)
+        np.testing.assert_array_equal(np.asarray(val), ref.astype(np.float32))
+        np.testing.assert_array_equal(np.asarray(byte), ref.view(np.uint8).astype(np.int32))
+
+    def test_kron_block_exact_for_dyadic_params(self):
+        t = _exact_transform("k2s", 64, jax.random.key(30))
+        build = jax.jit(lambda kp, inv: tq._kron_block(lambda i: kp[i], inv))
+        for j in range(2):
+            np.testing.assert_array_equal(np.asarray(build(t.kparams[j], t.inv_scale.reshape(2, 32)[j][:, None])),
+                                          np.asarray(t.dense_blocks()[j]))
+
+    def test_kron_block_streaming_product_is_kron_lu(self):
+        params = _learned_kron(64, jax.random.key(3))
+        t = tq.prepare("smoothed_kron", {"kron": params, "log_gamma": 0.3 * jax.random.normal(jax.random.key(4), (64,))})
+        ref = np.asarray(T.SMOOTHED_KRON.blocks({"kron": params, "log_gamma": -jnp.log(t.inv_scale)}))
+        @jax.jit
+        def build(kp, inv_col):
+            return [tq._kron_block(lambda i: kp[i], inv_col, parity) for parity in (None, 0, 1)]
+
+        for j in range(2):
+            full, even, odd = build(t.kparams[j], t.inv_scale.reshape(2, 32)[j][:, None])
+            # c*b - 1/a may be contracted into an FMA by the compiler (XLA:CPU fusions, ptxas): ~1 ulp.
+            np.testing.assert_allclose(np.asarray(full), np.asarray(t.dense_blocks()[j]), rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(np.asarray(full), ref[j], rtol=2e-6, atol=1e-7)
+            np.testing.assert_array_equal(np.asarray(even), np.asarray(full)[:, 0::2])
+            np.testing.assert_array_equal(np.asarray(odd), np.asarray(full)[:, 1::2])
+
+    @pytest.mark.parametrize("variant", ["shuffle", "axis"])
+    def test_fwht_rows_exact(self, variant):
+        a = _exact_activations(jax.random.key(5), 4, 256, jnp.float32)
+        got = jax.jit(lambda x: tq._fwht_rows(x, variant) * tq._fwht_scale(256))(a)
+        ref = T.apply_to_activations(a, T.FWHT.blocks(T.FWHT.init(256)))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+    def test_dot_split_is_f32_faithful(self, dtype):
+        x = jax.random.normal(jax.random.key(6), (16, 32)).astype(dtype)
+        k = jax.random.normal(jax.random.key(7), (32, 32), jnp.float32)
+        ref = np.asarray(x, np.float64) @ np.asarray(k, np.float64)
+        dot = jax.jit(tq._dot_split, static_argnums=2)
+        errs = {p: np.max(np.abs(np.asarray(dot(x, k, p)) - ref) / (np.abs(ref) + 1)) for p in (1, 2, 3)}
+        assert errs[3] < 1e-6 and errs[1] > 1e-4, errs
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The kernels, in Pallas interpret mode (interpret=True)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _poisoned(a, t, fmt, bs):
+    """Runs the kernel (interpret mode) into outputs poisoned with 0x00 and 0xFF; both runs must agree."""
+    m, d = a.shape
+    run = jax.jit(lambda a, t, p0, p1: tq.transform_quantize(a, t, fmt, block_sizes=bs, impl="interpret",
+                                                             _poison=(p0, p1)))  # one trace for both poisons
+    outs = []
+    for byte in (0x00, 0xFF):
+        outs.append(run(a, t, jnp.full((m, d // 2), byte, jnp.uint8),
+                        jnp.full((m, d // fmt.block_size), byte, jnp.uint8)))
+    _assert_same(outs[0], outs[1])
+    return outs[0]
+
+
+SMALL = tq.BlockSizes(block_rows=16, block_cols=128)
+
+
+class TestInterpretKernels:
+    """``pallas_call(..., interpret=True)`` of the very kernel bodies that run on the GPU."""
+
+    @pytest.mark.parametrize("kind", tq.KINDS)
+    def test_exact_mxfp4(self, kind):
+        m, d = 37, 256  # ragged last row tile (16-row tiles), two 128-column tiles of 4 blocks
+        a = _exact_activations(jax.random.key(10), m, d, jnp.bfloat16)
+        t = _exact_transform(kind, d, jax.random.key(11))
+        _assert_same(_poisoned(a, t, MXFP4(), SMALL), tq.reference_transform_quantize(a, t, MXFP4(), dense_fwht=True))
+
+    @pytest.mark.parametrize("kind", ["k1", "k2s", "scale"])
+    def test_exact_other_tilings_fp16(self, kind):
+        m, d = 21, 96  # d = 32 * 3: 32-column tiles; row-major tiles with the reshape path, columns launched first
+        a = _exact_activations(jax.random.key(12), m, d, jnp.float16)
+        t = _exact_transform(kind, d, jax.random.key(13))
+        bs = tq.BlockSizes(block_rows=16, split_dot=False, fast_encode=False, vector_tile=False, cols_first=True,
+                           dot_passes=2)
+        _assert_same(_poisoned(a, t, MXFP4(scale_mode=ScaleMode.EVEN), bs),
+                     tq.reference_transform_quantize(a, t, MXFP4(scale_mode=ScaleMode.EVEN)))
+
+    @pytest.mark.parametrize("kind", ["q4", "k1"])
+    def test_exact_nvfp4(self, kind):
+        m, d = 37, 128
+        a = _exact_activations(jax.random.key(14), m, d, jnp.float16)
+        t = _exact_transform(kind, d, jax.random.key(15))
+        _assert_same(_poisoned(a, t, NVFP4(), SMALL), tq.reference_transform_quantize(a, t, NVFP4()))
+        ts = jnp.float32(0.01)  # a fixed (calibrated) tensor scale: one pass
+        _assert_same(tq.transform_quantize(a, t, NVFP4(), tensor_scale=ts, block_sizes=SMALL, impl="interpret"),
+                     tq.reference_transform_quantize(a, t, NVFP4(), tensor_scale=ts))
+
+    def test_general_data_bounded_mismatch(self):
+        m, d = 64, 256
+        x = jax.random.normal(jax.random.key(16), (m, d)) * jnp.where(
+            jax.random.bernoulli(jax.random.key(17), 0.05, (1, d)), 30.0, 1.0)
+        a = x.astype(jnp.bfloat16)
+        t = tq.prepare("smoothed_kron", {"kron": _learned_kron(d, jax.random.key(18)),
+                                         "log_gamma": 0.5 * jax.random.normal(jax.random.key(19), (d,))})
+        q = _poisoned(a, t, MXFP4(), SMALL)
+        r = tq.reference_transform_quantize(a, t, MXFP4())
+        assert np.mean(np.asarray(q.codes) != np.asarray(r.codes)) <= 2e-3
+        assert np.mean(_scale_bytes(q) != _scale_bytes(r)) <= 2e-3
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Dispatch, prepare, STE
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class TestDispatch:
+    @pytest.mark.parametrize("name", ["identity", "diagonal", "kron_lu", "smoothed_kron", "hadamard32", "dense32",
+                                      "fwht"])
+    def test_prepare_and_reference_match_library(self, name):
+        d = 128
+        p = T.get(name)
+        params = p.init(d, jax.random.key(20))
+        if p.trainable:
+            params = jax.tree.map(lambda v: v + 0.1 * jax.random.normal(jax.random.key(21), v.shape), params)
+        a = jax.random.normal(jax.random.key(22), (3, 5, d)).astype(jnp.bfloat16)  # leading dims are flattened
+        expected = F.quantize(T.apply_to_activations(a, p.blocks(params)), MXFP4())
+        for kernel in (None, "k1"):
+            t = tq.prepare(name, params, kernel=kernel)
+            q = tq.transform_quantize(a, t)  # CPU: the reference
+            assert q.codes.shape == (3, 5, d // 2) and q.scales.shape == (3, 5, d // 32)
+            if name == "fwht":  # butterflies vs the dense matrix: rounding may differ in rare elements
+                assert np.mean(np.asarray(q.codes) != np.asarray(expected.codes)) < 1e-2
+                continue
+            _assert_same(q, expected)
+        assert tq.prepare(name, params).kind == {"identity": "q4", "diagonal": "scale", "kron_lu": "k2",
+                                                  "smoothed_kron": "k2s", "fwht": "fwht"}.get(name, "k1")
+
+    def test_errors(self):
+        t = tq.PreparedTransform.identity(64)
+        with pytest.raises(ValueError, match="width"):
+            tq.transform_quantize(jnp.ones((4, 96), jnp.bfloat16), t, impl="interpret")
+        with pytest.raises(TypeError, match="bfloat16 or float16"):
+            tq.transform_quantize(jnp.ones((4, 64), jnp.float32), t, impl="interpret")
+        with pytest.raises(ValueError, match="block_rows"):
+            tq.BlockSizes(block_rows=8)
+        with pytest.raises(ValueError, match="power of two"):
+            tq.PreparedTransform.fwht(96)
+        assert tq.BlockSizes(block_cols=256).cols_for(96) == 32 and tq.BlockSizes().cols_for(1152) == 128
+
+    def test_ste_custom_vjp(self):
+        m, d = 8, 64
+        a = jax.random.normal(jax.random.key(23), (m, d)).astype(jnp.bfloat16)
+        t = tq.prepare("kron_lu", _learned_kron(d, jax.random.key(24)))
+        w = jax.random.normal(jax.random.key(25), (m, d))
+
+        def loss(x, tt):
+            return jnp.sum(tq.transform_fake_quant(x, tt).astype(jnp.float32) * w)
+
+        out = tq.transform_fake_quant(a, t)
+        np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                      np.asarray(F.dequantize(tq.reference_transform_quantize(a, t)), np.float32))
+        ga, gt = jax.jit(jax.grad(loss, argnums=(0, 1)))(a, t)
+        _, vjp = jax.vjp(lambda x, tt: tq._apply_f32(x, tt), a, t)
+        ea, et = vjp(w.astype(jnp.bfloat16).astype(jnp.float32))  # the cotangent of a bf16 output is bf16
+        np.testing.assert_allclose(np.asarray(ga, np.float32), np.asarray(ea.astype(jnp.bfloat16), np.float32))
+        np.testing.assert_allclose(np.asarray(gt.kparams), np.asarray(et.kparams), rtol=1e-5, atol=1e-5)
+        assert np.abs(np.asarray(gt.kparams[:, :15])).sum() > 0
+        # integer outputs: differentiable graph, zero gradient
+        g0 = jax.grad(lambda x: jnp.sum(tq.transform_quantize(x, t).codes.astype(jnp.float32)))(a.astype(jnp.float32))
+        assert not np.any(np.asarray(g0))
