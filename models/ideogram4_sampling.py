@@ -387,7 +387,7 @@ def decode_latents_with_pipeline(pipeline: Any, latents: np.ndarray, height: int
 
     grid_h, grid_w = grid_for(height, width)
     vae = pipeline.vae
-    z = torch.from_numpy(np.asarray(latents, np.float32)).to(pipeline._execution_device)
+    z = torch.from_numpy(np.array(latents, np.float32)).to(pipeline._execution_device)  # a writable copy
     with torch.no_grad():
         bn_mean = vae.bn.running_mean.view(1, 1, -1).to(z)
         bn_std = torch.sqrt(vae.bn.running_var + vae.config.batch_norm_eps).view(1, 1, -1).to(z)

@@ -60,7 +60,7 @@ def test_prepare_ids_matches_pipeline():
         sampling.prepare_ids([9], 2, 2, 8)
 
 
-def _pipeline_and_models(seed: int = 0):
+def _pipeline_and_models(seed: int = 0, vae=None):
     torch.manual_seed(seed)
     cond_torch = Ideogram4Transformer2DModel(**TINY).eval()
     uncond_torch = Ideogram4Transformer2DModel(**TINY).eval()
@@ -70,14 +70,15 @@ def _pipeline_and_models(seed: int = 0):
             for name, param in model.named_parameters():
                 if param.ndim == 1:
                     param.add_(0.1 * torch.randn(param.shape, generator=generator))
-    pipe = Ideogram4Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None,
+    pipe = Ideogram4Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None,
                              tokenizer=None, transformer=cond_torch, unconditional_transformer=uncond_torch)
     cfg = ig.Ideogram4Config(**TINY)
     state = lambda m: {k: v.numpy() for k, v in m.state_dict().items()}  # noqa: E731
     return pipe, ig.from_diffusers_state(state(cond_torch), cfg), ig.from_diffusers_state(state(uncond_torch), cfg)
 
 
-def _run_pipeline(pipe, text_features, text_lengths, height, width, max_text, noise, guidance, steps):
+def _run_pipeline(pipe, text_features, text_lengths, height, width, max_text, noise, guidance, steps,
+                  output_type="latent"):
     """Ideogram4Pipeline.__call__ with its text encoder replaced by precomputed features (see the docstring below)."""
     grid_h, grid_w = height // 16, width // 16
 
@@ -89,10 +90,12 @@ def _run_pipeline(pipe, text_features, text_lengths, height, width, max_text, no
 
     pipe.encode_prompt = encode_prompt
     out = pipe(prompt=["p"] * len(text_lengths), height=height, width=width, num_inference_steps=steps,
-               guidance_schedule=list(guidance), max_sequence_length=max_text, latents=noise, output_type="latent",
+               guidance_schedule=list(guidance), max_sequence_length=max_text, latents=noise, output_type=output_type,
                return_dict=False)[0]
-    assert out.shape == (len(text_lengths), grid_h * grid_w, TINY["in_channels"])
-    return out.numpy()
+    if output_type == "latent":
+        assert out.shape == (len(text_lengths), grid_h * grid_w, TINY["in_channels"])
+        return out.numpy()
+    return out
 
 
 def test_sampler_matches_pipeline_steps():
@@ -152,3 +155,29 @@ def test_packed_single_prompt_equals_padded_and_default_schedule_runs():
         sampling.sample(cond, uncond, noise[:, :4], real_features, packed_layout, schedule)
     full = sampling.sample(cond, uncond, noise, real_features, packed_layout, sampling.flow_schedule(height, width))
     assert np.all(np.isfinite(np.asarray(full)))
+
+
+def test_decode_helper_gives_the_pipeline_images():
+    """JAX sampling + decode_latents_with_pipeline (tiny random VAE, random batch-norm statistics) reproduces the
+    images of Ideogram4Pipeline(output_type="np") from the same noise and features."""
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(7)
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 8, 8, 8), latent_channels=2, norm_num_groups=4,
+                             layers_per_block=1, sample_size=64).eval()
+    vae.bn.running_mean.copy_(0.3 * torch.randn(8))
+    vae.bn.running_var.copy_(0.5 + torch.rand(8))
+    pipe, cond, uncond = _pipeline_and_models(seed=5, vae=vae)
+    height, width, max_text = 32, 48, 5
+    generator = torch.Generator().manual_seed(2)
+    text_features = torch.randn(1, max_text, TINY["llm_features_dim"], generator=generator)
+    noise = torch.randn(1, 6, TINY["in_channels"], generator=generator)
+    expected = _run_pipeline(pipe, text_features, [max_text], height, width, max_text, noise, (4.0, 2.0), 2,
+                             output_type="np")
+    layout = sampling.prepare_ids([max_text], 2, 3, max_text)
+    latents = sampling.sample(cond, uncond, jnp.asarray(noise.numpy()), jnp.asarray(text_features.numpy()), layout,
+                              sampling.flow_schedule(height, width, 2, guidance_schedule=(4.0, 2.0)))
+    images = sampling.decode_latents_with_pipeline(pipe, np.asarray(latents), height, width)
+    assert images.shape == expected.shape == (1, height, width, 3)
+    np.testing.assert_allclose(images, expected, atol=2e-4)
+    assert images.std() > 1e-3
