@@ -157,27 +157,60 @@ def test_packed_single_prompt_equals_padded_and_default_schedule_runs():
     assert np.all(np.isfinite(np.asarray(full)))
 
 
-def test_decode_helper_gives_the_pipeline_images():
-    """JAX sampling + decode_latents_with_pipeline (tiny random VAE, random batch-norm statistics) reproduces the
-    images of Ideogram4Pipeline(output_type="np") from the same noise and features."""
+def _tiny_text_encoder_and_tokenizer(hidden: int):
+    """A random 36-layer Qwen3-VL of width ``hidden`` (the pipeline taps layers 0, 3, ..., 33, 35) and a word-level
+    tokenizer with a chat template, both built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3VLConfig, Qwen3VLModel
+
+    words = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "a", "cat", "red", "dog", "sits", "on"]
+    word_level = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="<unk>", pad_token="<unk>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|> {{ m['role'] }} {% for c in m['content'] %}{{ c['text'] }} {% endfor %}"
+        "<|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|> assistant{% endif %}")
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=16, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=36,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
+                         rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 0], "mrope_interleaved": True}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden,
+                           deepstack_visual_indexes=[]))
+    return Qwen3VLModel(config).eval(), tokenizer
+
+
+def test_end_to_end_with_pipeline_text_encoder_and_vae():
+    """The whole Ideogram4Pipeline (tiny random Qwen3-VL + tokenizer, transformers, VAE with random batch-norm
+    statistics; nothing replaced) against encode_prompt_with_pipeline -> JAX sample -> decode_latents_with_pipeline,
+    from the same noise: the same images."""
     from diffusers import AutoencoderKLFlux2
 
+    hidden = 8
+    text_encoder, tokenizer = _tiny_text_encoder_and_tokenizer(hidden)
     torch.manual_seed(7)
     vae = AutoencoderKLFlux2(block_out_channels=(8, 8, 8, 8), latent_channels=2, norm_num_groups=4,
                              layers_per_block=1, sample_size=64).eval()
     vae.bn.running_mean.copy_(0.3 * torch.randn(8))
     vae.bn.running_var.copy_(0.5 + torch.rand(8))
-    pipe, cond, uncond = _pipeline_and_models(seed=5, vae=vae)
-    height, width, max_text = 32, 48, 5
-    generator = torch.Generator().manual_seed(2)
-    text_features = torch.randn(1, max_text, TINY["llm_features_dim"], generator=generator)
-    noise = torch.randn(1, 6, TINY["in_channels"], generator=generator)
-    expected = _run_pipeline(pipe, text_features, [max_text], height, width, max_text, noise, (4.0, 2.0), 2,
-                             output_type="np")
-    layout = sampling.prepare_ids([max_text], 2, 3, max_text)
-    latents = sampling.sample(cond, uncond, jnp.asarray(noise.numpy()), jnp.asarray(text_features.numpy()), layout,
-                              sampling.flow_schedule(height, width, 2, guidance_schedule=(4.0, 2.0)))
+    config = {**TINY, "llm_features_dim": 13 * hidden}
+    cond_torch, uncond_torch = (Ideogram4Transformer2DModel(**config).eval() for _ in range(2))
+    pipe = Ideogram4Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder,
+                             tokenizer=tokenizer, transformer=cond_torch, unconditional_transformer=uncond_torch)
+    prompts, height, width, max_text, guidance = ["a cat", "a red dog sits on a cat"], 32, 48, 24, (4.0, 2.0)
+    noise = torch.randn(2, 6, TINY["in_channels"], generator=torch.Generator().manual_seed(2))
+    expected = pipe(prompt=prompts, height=height, width=width, num_inference_steps=2, guidance_schedule=list(guidance),
+                    max_sequence_length=max_text, latents=noise, output_type="np", return_dict=False)[0]
+
+    features, layout = sampling.encode_prompt_with_pipeline(pipe, prompts, height, width, max_text)
+    assert features.shape == (2, max_text, 13 * hidden) and not layout.single_segment
+    np.testing.assert_array_equal(layout.indicator, sampling.prepare_ids(
+        [int((row == ig.LLM_TOKEN_INDICATOR).sum()) for row in layout.indicator], 2, 3, max_text).indicator)
+    cfg = ig.Ideogram4Config(**config)
+    state = lambda m: {k: v.numpy() for k, v in m.state_dict().items()}  # noqa: E731
+    cond, uncond = ig.from_diffusers_state(state(cond_torch), cfg), ig.from_diffusers_state(state(uncond_torch), cfg)
+    latents = sampling.sample(cond, uncond, jnp.asarray(noise.numpy()), jnp.asarray(features), layout,
+                              sampling.flow_schedule(height, width, 2, guidance_schedule=guidance))
     images = sampling.decode_latents_with_pipeline(pipe, np.asarray(latents), height, width)
-    assert images.shape == expected.shape == (1, height, width, 3)
+    assert images.shape == expected.shape == (2, height, width, 3)
     np.testing.assert_allclose(images, expected, atol=2e-4)
     assert images.std() > 1e-3
