@@ -484,7 +484,7 @@ def _fwht_rows(y: jax.Array, variant: str) -> jax.Array:
 
 
 def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes, fwht_variant, amax_only,
-            n_poison, fast_encode, split_dot, row_axis):
+            n_poison, fast_encode, split_dot, row_axis, round_y):
     it = iter(refs)
     a_ref = next(it)
     inv_ref = next(it) if kind in ("scale", "k2s") else None
@@ -526,8 +526,11 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes,
             else:
                 inv_col = inv_ref[pl.ds(t * BLOCK, BLOCK), :] if kind == "k2s" else None
                 k_even, k_odd = (_kron_block(lambda i, t=t: p_ref[t, i], inv_col, parity) for parity in (0, 1))
-            y_even = _dot_split(x, k_even, passes).astype(dtype).astype(jnp.float32)
-            y_odd = _dot_split(x, k_odd, passes).astype(dtype).astype(jnp.float32)
+            y_even = _dot_split(x, k_even, passes)
+            y_odd = _dot_split(x, k_odd, passes)
+            if round_y:
+                y_even = y_even.astype(dtype).astype(jnp.float32)
+                y_odd = y_odd.astype(dtype).astype(jnp.float32)
             packed, scale_bytes = mx_quantize_pair(y_even, y_odd, mode)
             q_ref, s_ref = out_refs
             store(q_ref.at[:, pl.ds(t * (BLOCK // 2), BLOCK // 2)], packed)
@@ -547,7 +550,7 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes,
             y = _fwht_rows(x.astype(jnp.float32), fwht_variant) * jnp.float32(_fwht_scale(chunk))
         else:  # pragma: no cover - validated by the wrapper
             raise ValueError(kind)
-        if kind != "q4":
+        if kind != "q4" and round_y:
             y = y.astype(dtype).astype(jnp.float32)  # the reference's rounding to A.dtype
         if amax_only:
             yf = F.flush_subnormals(y)
@@ -588,7 +591,8 @@ def _check_kernel_inputs(a: jax.Array, t: PreparedTransform, fmt) -> None:
 
 
 def _pallas_call(a: jax.Array, t: PreparedTransform, fmt, ts_pair: Optional[jax.Array], bs: BlockSizes,
-                 interpret: bool, poison: Optional[tuple[jax.Array, jax.Array]] = None, amax_only: bool = False):
+                 interpret: bool, poison: Optional[tuple[jax.Array, jax.Array]] = None, amax_only: bool = False,
+                 round_y: bool = True):
     """The kernel on ``A (m, d)``: ``(codes (m, d/2), scale bytes (m, d/block))`` or, with ``amax_only``, the f32
     row maxima of ``|A T|`` per column tile ``(m, d/BD)`` (for NVFP4's tensor scale)."""
     m, d = a.shape
@@ -642,7 +646,7 @@ def _pallas_call(a: jax.Array, t: PreparedTransform, fmt, ts_pair: Optional[jax.
         _kernel, kind=kind, m=m, block_rows=br, chunk=chunk, n_chunks=bd // chunk, fmt_kind=fmt_kind,
         mode=fmt.scale_mode if fmt_kind == "mxfp4" else None, passes=bs.dot_passes, fwht_variant=bs.fwht_variant,
         amax_only=amax_only, n_poison=n_poison, fast_encode=bs.fast_encode, split_dot=bs.split_dot,
-        row_axis=1 if bs.cols_first else 0)
+        row_axis=1 if bs.cols_first else 0, round_y=round_y)
     call = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid[::-1] if bs.cols_first else grid, in_specs=in_specs, out_specs=out_specs,
         input_output_aliases=aliases, interpret=interpret,
@@ -693,10 +697,20 @@ def _quantize_with_scale(y: jax.Array, fmt, tensor_scale: Optional[jax.Array]) -
 
 
 def reference_transform_quantize(a: jax.Array, t: PreparedTransform, fmt=MXFP4(), *,
-                                 tensor_scale: Optional[jax.Array] = None, dense_fwht: bool = False
-                                 ) -> QuantizedArray:
-    """The jnp reference: ``quantize(reference_apply(a, t), fmt)`` (NVFP4: tensor scale of ``A T`` unless given)."""
-    return _quantize_with_scale(reference_apply(a, t, dense_fwht=dense_fwht), fmt, tensor_scale)
+                                 tensor_scale: Optional[jax.Array] = None, dense_fwht: bool = False,
+                                 round_to_input: bool = True) -> QuantizedArray:
+    """The jnp reference: ``quantize(reference_apply(a, t), fmt)`` (NVFP4: tensor scale of ``A T`` unless given).
+
+    ``round_to_input=False`` quantizes the f32 ``A T`` without rounding it to ``a.dtype`` first (the
+    ``qlinear_forward(path="packed")`` convention), returning a QuantizedArray with ``dtype=a.dtype``.
+    """
+    if round_to_input or t.kind == "q4":
+        y = reference_apply(a, t, dense_fwht=dense_fwht)
+    else:
+        y = (T.apply_to_activations(a.astype(jnp.float32), T.FWHT.blocks(T.FWHT.init(t.d)))
+             if (t.kind == "fwht" and dense_fwht) else _apply_f32(a, t))
+    q = _quantize_with_scale(y, fmt, tensor_scale)
+    return dataclasses.replace(q, dtype=np.dtype(a.dtype))
 
 
 def _resolve_impl(a: jax.Array, impl: Optional[str]) -> str:
@@ -709,7 +723,8 @@ def _resolve_impl(a: jax.Array, impl: Optional[str]) -> str:
 
 def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), *,
                        tensor_scale: Optional[jax.Array] = None, block_sizes: Optional[BlockSizes] = None,
-                       impl: Optional[str] = None, _poison: Optional[tuple] = None) -> QuantizedArray:
+                       impl: Optional[str] = None, round_to_input: bool = True, _poison: Optional[tuple] = None
+                       ) -> QuantizedArray:
     """``quantize(A T)`` for ``A (..., d)``: the fused kernel on a GPU, the jnp reference elsewhere.
 
     Args:
@@ -720,6 +735,8 @@ def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), 
         kernel path one extra read pass (an amax kernel with the same transform).
       block_sizes: kernel tiling (default :class:`BlockSizes`).
       impl: ``None`` (kernel on GPU for bf16/f16, else reference), ``"pallas"``, ``"interpret"`` or ``"reference"``.
+      round_to_input: round ``A T`` to ``a.dtype`` before quantizing (the reference ``quantize(apply_to_activations(
+        A, blocks))``); ``False`` quantizes the f32 product (``qlinear_forward(path="packed")``'s convention).
 
     Returns:
       A :class:`~kroquant_jax.formats.QuantizedArray` (codes ``(..., d/2)``, scales ``(..., d/block)``); its gradient
@@ -731,7 +748,8 @@ def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), 
     impl = _resolve_impl(a, impl)
     a = jax.lax.stop_gradient(a)
     if impl == "reference":
-        return reference_transform_quantize(a, transform, fmt, tensor_scale=tensor_scale)
+        return reference_transform_quantize(a, transform, fmt, tensor_scale=tensor_scale,
+                                            round_to_input=round_to_input)
     lead, d = a.shape[:-1], a.shape[-1]
     a2 = a.reshape(-1, d)
     _check_kernel_inputs(a2, transform, fmt)
@@ -741,13 +759,14 @@ def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), 
     ts = jnp.float32(1.0)
     if isinstance(fmt, NVFP4):
         if tensor_scale is None:
-            (row_max,) = _pallas_call(a2, transform, fmt, None, bs, interpret, amax_only=True)
+            (row_max,) = _pallas_call(a2, transform, fmt, None, bs, interpret, amax_only=True,
+                                      round_y=round_to_input)
             amax = jnp.max(row_max)
             ts = jnp.where(amax > 0, amax / jnp.float32(F.E4M3_MAX * F.E2M1_MAX), jnp.float32(1.0))
         else:
             ts = jnp.asarray(tensor_scale, jnp.float32)
         ts_pair = jnp.stack([ts, jnp.float32(1.0) / ts])
-    codes, scales = _pallas_call(a2, transform, fmt, ts_pair, bs, interpret, poison=_poison)
+    codes, scales = _pallas_call(a2, transform, fmt, ts_pair, bs, interpret, poison=_poison, round_y=round_to_input)
     codes = codes.reshape(*lead, d // 2)
     scales = scales.reshape(*lead, scales.shape[-1])
     if isinstance(fmt, NVFP4):
