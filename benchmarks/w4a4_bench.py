@@ -6,8 +6,9 @@ Per layer shape ``(n, k)`` of Ideogram 4, PixArt-Sigma, SANA and FLUX.1 and ``m`
 * ``w4a4_gemm_<fmt>_<compute>``: the Pallas W4A4 GEMM alone on packed operands (MXFP4 bf16 / fp8 modes, NVFP4).
 * ``w4a4_layer_lr_fused``: one layer as served: fused K2 transform+quantize kernel (``transform_quantize``) + the
   low-rank input ``h = A (R T^T)^T`` (XLA; ``T`` folded into ``R`` at packing time, so the branch needs no ``A T``) +
-  the W4A4 GEMM with ``h L^T`` fused in its epilogue (rank 128). ``w4a4_layer_lr_beside``: the same with the low-rank
-  product as a separate XLA GEMM + add. ``w4a4_layer_nolr``: transform+quantize + GEMM only.
+  the W4A4 GEMM with ``h L^T`` fused in its epilogue (rank 128, ``L`` packed in MXFP4 and decoded in the epilogue).
+  ``w4a4_layer_lr_beside``: the same with the low-rank product as a separate XLA GEMM + add (``L`` resident in bf16).
+  ``w4a4_layer_nolr``: transform+quantize + GEMM only. ``transform_quantize_only``: the quantizer kernel alone.
 * Epilogues (Ideogram 4 shapes: q projection + RMSNorm over heads of 256, fused w1|w3 + SwiGLU): the fused kernel vs
   the same kernel without epilogue + the op in XLA vs XLA ``A W^T`` + the op, on bf16 and on MXFP4 operands.
 
@@ -193,38 +194,39 @@ def layer_variants(layers, interpret, tiny):
     q = _quantize_jit(MXFP4())
     bs = G.BlockSizes(16, 32, 64, 4, 2) if tiny else None
     sets = []
+    perm = G.even_odd_permutation(RANK)
     for a, w, left, right in layers:
-        # T folded into R at packing time: (A T) R^T = A (R T^T)^T.
+        # T folded into R at packing time: (A T) R^T = A (R T^T)^T; R's rows in the even/odd order of packed L.
         r_folded = jnp.einsum("rjc,jkc->rjk", right.astype(jnp.float32).reshape(RANK, -1, 32),
-                              blocks).reshape(RANK, k).astype(jnp.bfloat16)
-        sets.append((a, q(w), left, r_folded))
+                              blocks).reshape(RANK, k)[perm].astype(jnp.bfloat16)
+        left_q = q(left.astype(jnp.float32))
+        sets.append((a, q(w.astype(jnp.float32)), left_q, dequantize(left_q, jnp.bfloat16), r_folded))
 
     def tq(a):
         return TQ.transform_quantize(a, prepared, MXFP4(), impl=impl)
 
-    def fused(a, qw, left, r_folded):
+    def fused(a, qw, left_q, left, r_folded):  # L packed (MXFP4), decoded in the GEMM epilogue
         h = jnp.matmul(a, r_folded.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-        return G.w4a4_matmul(tq(a), qw, lowrank=(h, left), block_sizes=bs, interpret=interpret)
+        return G.w4a4_matmul(tq(a), qw, lowrank=(h, left_q), block_sizes=bs, interpret=interpret)
 
-    def beside(a, qw, left, r_folded):
+    def beside(a, qw, left_q, left, r_folded):  # L resident in bf16, a separate XLA GEMM + add
         h = jnp.matmul(a, r_folded.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
         y = G.w4a4_matmul(tq(a), qw, block_sizes=bs, out_dtype=jnp.float32, interpret=interpret)
-        return (y + jnp.matmul(h, left.T, preferred_element_type=jnp.float32)).astype(jnp.bfloat16)
+        return (y + jnp.matmul(h, left[:, perm].T, preferred_element_type=jnp.float32)).astype(jnp.bfloat16)
 
-    def nolr(a, qw, left, r_folded):
+    def nolr(a, qw, *_):
         return G.w4a4_matmul(tq(a), qw, block_sizes=bs, interpret=interpret)
 
-    def ref(a, qw, left, r_folded):
+    def _xq(a):
         at = T.apply_to_activations(a.astype(jnp.float32), blocks).astype(jnp.bfloat16)
-        xq = dequantize(quantize(at.astype(jnp.float32), MXFP4()), jnp.float32)
-        h = jnp.matmul(a.astype(jnp.float32), r_folded.astype(jnp.float32).T).astype(jnp.bfloat16)
-        return (jnp.matmul(xq, dequantize(qw, jnp.float32).T)
-                + jnp.matmul(h.astype(jnp.float32), left.astype(jnp.float32).T))
+        return dequantize(quantize(at.astype(jnp.float32), MXFP4()), jnp.float32)
 
-    def ref_nolr(a, qw, left, r_folded):
-        at = T.apply_to_activations(a.astype(jnp.float32), blocks).astype(jnp.bfloat16)
-        xq = dequantize(quantize(at.astype(jnp.float32), MXFP4()), jnp.float32)
-        return jnp.matmul(xq, dequantize(qw, jnp.float32).T)
+    def ref(a, qw, left_q, left, r_folded):
+        h = jnp.matmul(a.astype(jnp.float32), r_folded.astype(jnp.float32).T).astype(jnp.bfloat16)
+        return jnp.matmul(_xq(a), dequantize(qw, jnp.float32).T) + G.lowrank_reference(h, left_q)
+
+    def ref_nolr(a, qw, *_):
+        return jnp.matmul(_xq(a), dequantize(qw, jnp.float32).T)
 
     return {"w4a4_layer_lr_fused": (fused, sets, ref), "w4a4_layer_lr_beside": (beside, sets, ref),
             "w4a4_layer_nolr": (nolr, sets, ref_nolr), "transform_quantize_only": (lambda a, *_: tq(a), sets, None)}

@@ -42,8 +42,9 @@ import numpy as np
 
 from kroquant_jax.formats import QuantizedArray, dequantize
 from pallas_kernels._compat import pl, triton_compiler_params
-from pallas_kernels.w4a4_gemm import (Compute, OperandSpec, _dot_nt, _operand_arrays, _operand_specs, _pad_rows,
-                                      _round_up, accumulate_tiles, check_operands)
+from pallas_kernels.w4a4_gemm import (Compute, OperandSpec, _operand_arrays, _operand_specs, _round_up,
+                                      accumulate_tiles, check_operands, lowrank_arrays, lowrank_reference,
+                                      lowrank_term)
 
 __all__ = [
     "EPILOGUE_TILE",
@@ -180,8 +181,7 @@ def gemm_reference(a, w, *, lowrank=None, bias=None, out_dtype=jnp.float32) -> j
         a, w = jnp.asarray(a).astype(jnp.bfloat16), jnp.asarray(w).astype(jnp.bfloat16)
     y = jnp.matmul(_dense(a), _dense(w).T, precision="highest")
     if lowrank is not None:
-        h, left = (jnp.asarray(v).astype(jnp.bfloat16).astype(jnp.float32) for v in lowrank)
-        y = y + jnp.matmul(h, left.T, precision="highest")
+        y = y + lowrank_reference(*lowrank)
     if bias is not None:
         y = y + jnp.asarray(bias, jnp.float32)
     return y.astype(out_dtype)
@@ -205,15 +205,17 @@ def gemm_swiglu_reference(a, w_fused, *, lowrank=None, bias=None, out_dtype=jnp.
 
 
 def _epilogue_kernel(*refs, spec: OperandSpec, k: int, epilogue: str, tile: int, n_sub: int, has_lowrank: bool,
-                     has_bias: bool, eps: float, has_alias: bool):
+                     lowrank_packed: bool, has_bias: bool, eps: float, has_alias: bool):
     refs = list(refs)
     n_op = 1 if spec.kind == "bf16" else 2
     a_refs, refs = refs[:n_op], refs[n_op:]
     w_refs, refs = refs[:n_op], refs[n_op:]
     ts_ref = refs.pop(0) if spec.has_tensor_scale else None
-    h_ref = l_ref = bias_ref = nw_ref = None
+    h_ref = bias_ref = nw_ref = None
+    l_refs = []
     if has_lowrank:
-        h_ref, l_ref = refs.pop(0), refs.pop(0)
+        h_ref = refs.pop(0)
+        l_refs = [refs.pop(0) for _ in range(2 if lowrank_packed else 1)]
     if has_bias:
         bias_ref = refs.pop(0)
     if epilogue == "rmsnorm":
@@ -228,7 +230,7 @@ def _epilogue_kernel(*refs, spec: OperandSpec, k: int, epilogue: str, tile: int,
         if ts_ref is not None:
             accs[j] = accs[j] * ts_ref[...].reshape(1, 1)
         if has_lowrank:
-            accs[j] = accs[j] + _dot_nt(h_ref[...], l_ref[cols, :])
+            accs[j] = accs[j] + lowrank_term(h_ref, l_refs, cols, packed=lowrank_packed)
         if has_bias:
             accs[j] = accs[j] + bias_ref[cols].astype(jnp.float32).reshape(1, tile)
 
@@ -289,13 +291,14 @@ def _fused_call(a, w, *, epilogue: Epilogue, head_dim: int, norm_weight, eps: fl
     if spec.has_tensor_scale:
         args.append((a.tensor_scale * w.tensor_scale).astype(jnp.float32).reshape(1))
         in_specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
+    lowrank_packed = False
     if lowrank is not None:
         h, left = lowrank
-        r = h.shape[-1]
-        if h.shape != (m, r) or left.shape != (n, r) or r < 16 or r & (r - 1):
-            raise ValueError(f"lowrank=(h {h.shape}, L {left.shape}) must be (m, r), (n, r) with r a power of two")
-        args += [_pad_rows(h.astype(jnp.bfloat16), m_pad), left.astype(jnp.bfloat16)]
-        in_specs += [pl.BlockSpec((bs.block_m, r), a_map), pl.BlockSpec((cols, r), w_map)]
+        if h.shape[0] != m or left.shape[0] != n:
+            raise ValueError(f"lowrank=(h {h.shape}, L {left.shape}) must be (m, r), (n, r)")
+        lr_args, lr_specs, lowrank_packed = lowrank_arrays(h, left, m_pad, None, bs.block_m, cols, a_map, w_map)
+        args += lr_args
+        in_specs += lr_specs
     if bias is not None:
         if bias.shape != (n,):
             raise ValueError(f"bias {bias.shape} must be ({n},)")
@@ -312,7 +315,8 @@ def _fused_call(a, w, *, epilogue: Epilogue, head_dim: int, norm_weight, eps: fl
         args.append(jnp.pad(out.astype(out_dtype), [(0, m_pad - m), (0, 0)]))
         in_specs.append(pl.BlockSpec((bs.block_m, out_cols), lambda i, j: (i, j)))
     kernel = functools.partial(_epilogue_kernel, spec=spec, k=k_pad, epilogue=epilogue, tile=tile, n_sub=n_sub,
-                               has_lowrank=lowrank is not None, has_bias=bias is not None, eps=float(eps),
+                               has_lowrank=lowrank is not None, lowrank_packed=lowrank_packed,
+                               has_bias=bias is not None, eps=float(eps),
                                has_alias=out is not None)
     y = pl.pallas_call(
         kernel,

@@ -41,9 +41,13 @@ Bounds (tested in ``tests/test_w4a4_gemm.py``), with ``x_hat = fake_quant(x)`` i
   ``e2m1 * s_blk * tensor_scale`` to f32 per element. Bound: ``(k + 3) * 2**-24 * P``.
 * Output in bf16: add the final rounding, ``2**-8 |out|``.
 
-Low-rank branch (eq. 11, ``(A T)(L R)^T``): the caller computes ``h = (A T) R^T`` ``(m, r)`` (a small GEMM) and the
-kernel adds ``h L^T`` in its epilogue (``lowrank=(h, L)``, ``L (n, r)`` bf16), one more K=r dot per output tile
-(fused), or :func:`w4a4_linear` does it beside the kernel with XLA (``lowrank_mode="beside"``).
+Low-rank branch (eq. 11, ``(A T)(L R)^T``): the caller computes ``h = (A T) R^T`` ``(m, r)`` (a small GEMM,
+:func:`lowrank_input`; or ``h = A (R T^T)^T`` with ``T`` folded into ``R`` at packing time, which needs no ``A T``)
+and the kernel adds ``h L^T`` in its epilogue (``lowrank=(h, L)``), one more K=r dot per output tile (fused), or
+:func:`w4a4_linear` does it beside the kernel with XLA (``lowrank_mode="beside"``). ``L (n, r)`` is bf16 or stays
+packed in MXFP4 as LoRaQ stores it (decoded in the epilogue like a W tile: its low nibbles hold the even ``r``, its
+high nibbles the odd ``r``, so ``h`` comes with its columns in :func:`even_odd_permutation` order, ``R``'s rows
+permuted the same way).
 
 The activation tensors keep their natural layout; ragged ``m`` (not a multiple of ``block_m``) and ``n``/``k`` that
 are no multiple of the blocks are zero-padded by the wrapper (zero codes with scale byte 0 contribute exactly 0).
@@ -57,6 +61,7 @@ from typing import Literal, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kroquant_jax.formats import MXFP4, NVFP4, QuantizedArray, dequantize
 from pallas_kernels._compat import pl, triton_compiler_params
@@ -70,6 +75,9 @@ __all__ = [
     "decode_tile_bf16",
     "decode_tile_fp8",
     "e2m1_to_e4m3_bits",
+    "even_odd_permutation",
+    "lowrank_input",
+    "lowrank_reference",
     "scale_multiplier",
     "w4a4_linear",
     "w4a4_linear_reference",
@@ -285,19 +293,81 @@ def accumulate_tiles(a_refs: Sequence, w_refs: Sequence, *, spec: OperandSpec, k
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The low-rank branch (eq. 11's (A T)(L R)^T), shared with pallas_kernels/epilogues.py.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def even_odd_permutation(r: int) -> np.ndarray:
+    """``[0, 2, 4, ..., 1, 3, 5, ...]``: the order of ``h``'s columns when ``L`` is packed (see :func:`lowrank_input`)."""
+    return np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
+
+
+def lowrank_input(x_t: jax.Array, right, *, packed_left: bool) -> jax.Array:
+    """``h = (x T) R^T`` ``(m, r)`` bf16 for the fused low-rank epilogue.
+
+    With a packed ``L`` the kernel decodes ``L``'s low nibbles (even ``r``) and high nibbles (odd ``r``) separately,
+    so ``h`` is returned with its columns in :func:`even_odd_permutation` order (``R``'s rows permuted; for a packed
+    ``R`` that is a free row permutation of its codes, done here on the dequantized copy).
+    """
+    if isinstance(right, QuantizedArray):
+        right = dequantize(right, jnp.float32)
+    right = jnp.asarray(right).astype(jnp.bfloat16)
+    if packed_left:
+        right = right[even_odd_permutation(right.shape[0])]
+    return jnp.matmul(x_t.astype(jnp.bfloat16), right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def lowrank_arrays(h: jax.Array, left, m_pad: int, rows_pad: Optional[int], block_m: int, rows_block: int, a_map,
+                   w_map) -> tuple[list, list, bool]:
+    """Arrays and BlockSpecs of the fused low-rank epilogue; ``left`` bf16 ``(n, r)`` or packed MXFP4."""
+    m = h.shape[0]
+    r = h.shape[-1]
+    packed = isinstance(left, QuantizedArray)
+    n = left.shape[0]
+    if left.shape != (n, r) or r < 16 or r & (r - 1) or h.ndim != 2:
+        raise ValueError(f"lowrank=(h {h.shape}, L {left.shape}) must be (m, r), (n, r) with r a power of two >= 16")
+    rows = n if rows_pad is None else rows_pad
+    args = [_pad_rows(h.astype(jnp.bfloat16), m_pad)]
+    specs = [pl.BlockSpec((block_m, r), a_map)]
+    if packed:
+        if _kind_of(left) != "mxfp4" or r < 32:
+            raise ValueError("a packed low-rank factor L must be MXFP4 (block 32) with r >= 32")
+        args += _operand_arrays(left, "mxfp4", rows, r)
+        specs += _operand_specs("mxfp4", rows_block, r, 32, w_map)
+    else:
+        args.append(_pad_rows(jnp.asarray(left).astype(jnp.bfloat16), rows))
+        specs.append(pl.BlockSpec((rows_block, r), w_map))
+    del m
+    return args, specs, packed
+
+
+def lowrank_term(h_ref, l_refs, rows, *, packed: bool) -> jax.Array:
+    """``h L^T`` for the rows ``rows`` of ``L`` (f32 ``(bm, len(rows))``), ``L`` bf16 or packed (decoded here)."""
+    if not packed:
+        return _dot_nt(h_ref[...], l_refs[0][rows, :])
+    r = h_ref.shape[-1]
+    l_lo, l_hi = decode_tile_bf16(l_refs[0][rows, :], l_refs[1][rows, :], "mxfp4")
+    return _dot_nt(h_ref[:, pl.ds(0, r // 2)], l_lo) + _dot_nt(h_ref[:, pl.ds(r // 2, r // 2)], l_hi)
+
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Kernel and wrapper.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _gemm_kernel(*refs, spec: OperandSpec, k: int, block_n: int, has_lowrank: bool, has_bias: bool):
+def _gemm_kernel(*refs, spec: OperandSpec, k: int, block_n: int, has_lowrank: bool, lowrank_packed: bool,
+                 has_bias: bool):
     n_op = 1 if spec.kind == "bf16" else 2
     refs = list(refs)
     a_refs, refs = refs[:n_op], refs[n_op:]
     w_refs, refs = refs[:n_op], refs[n_op:]
     ts_ref = refs.pop(0) if spec.has_tensor_scale else None
-    h_ref = l_ref = bias_ref = None
+    h_ref = bias_ref = None
+    l_refs = []
     if has_lowrank:
-        h_ref, l_ref = refs.pop(0), refs.pop(0)
+        h_ref = refs.pop(0)
+        l_refs = [refs.pop(0) for _ in range(2 if lowrank_packed else 1)]
     if has_bias:
         bias_ref = refs.pop(0)
     if len(refs) == 2:  # an aliased (poisoned) output buffer, then the output
@@ -307,7 +377,7 @@ def _gemm_kernel(*refs, spec: OperandSpec, k: int, block_n: int, has_lowrank: bo
     if ts_ref is not None:
         acc = acc * ts_ref[...].reshape(1, 1)
     if has_lowrank:
-        acc = acc + _dot_nt(h_ref[...], l_ref[...])
+        acc = acc + lowrank_term(h_ref, l_refs, pl.ds(0, block_n), packed=lowrank_packed)
     if has_bias:
         acc = acc + bias_ref[...].astype(jnp.float32).reshape(1, block_n)
     o_ref[...] = acc.astype(o_ref.dtype)
@@ -383,7 +453,8 @@ def w4a4_matmul(a: QuantizedArray, w: QuantizedArray, *, lowrank: Optional[tuple
       a: packed activations ``(m, k)`` (``QuantizedArray``, MXFP4 or NVFP4).
       w: packed weights ``(n, k)``, same format.
       lowrank: ``(h (m, r), L (n, r))``: fused low-rank epilogue ``h @ L^T`` (``h = (A T) R^T``); ``r`` a power of
-        two >= 16.
+        two >= 16. ``L`` bf16, or packed MXFP4 (``QuantizedArray``, decoded in the kernel; then ``h``'s columns must
+        be in :func:`even_odd_permutation` order, as :func:`lowrank_input` returns them).
       bias: ``(n,)`` or ``None``.
       block_sizes: tiles (default :func:`choose_block_sizes`).
       compute: ``"bf16"`` or ``"fp8"`` (MXFP4 only), see the module docstring.
@@ -412,13 +483,14 @@ def w4a4_matmul(a: QuantizedArray, w: QuantizedArray, *, lowrank: Optional[tuple
     if spec.has_tensor_scale:
         args.append((a.tensor_scale * w.tensor_scale).astype(jnp.float32).reshape(1))
         in_specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
+    lowrank_packed = False
     if lowrank is not None:
         h, left = lowrank
-        r = h.shape[-1]
-        if h.shape != (m, r) or left.shape != (n, r) or r < 16 or r & (r - 1):
-            raise ValueError(f"lowrank=(h {h.shape}, L {left.shape}) must be (m, r), (n, r) with r a power of two")
-        args += [_pad_rows(h.astype(jnp.bfloat16), m_pad), _pad_rows(left.astype(jnp.bfloat16), n_pad)]
-        in_specs += [pl.BlockSpec((bs.block_m, r), a_map), pl.BlockSpec((bs.block_n, r), w_map)]
+        if h.shape[0] != m or left.shape[0] != n:
+            raise ValueError(f"lowrank=(h {h.shape}, L {left.shape}) must be (m, r), (n, r)")
+        lr_args, lr_specs, lowrank_packed = lowrank_arrays(h, left, m_pad, n_pad, bs.block_m, bs.block_n, a_map, w_map)
+        args += lr_args
+        in_specs += lr_specs
     if bias is not None:
         if bias.shape != (n,):
             raise ValueError(f"bias {bias.shape} must be ({n},)")
@@ -432,7 +504,7 @@ def w4a4_matmul(a: QuantizedArray, w: QuantizedArray, *, lowrank: Optional[tuple
         args.append(jnp.pad(out.astype(out_dtype), [(0, m_pad - m), (0, n_pad - n)]))
         in_specs.append(pl.BlockSpec((bs.block_m, bs.block_n), lambda i, j: (i, j)))
     kernel = functools.partial(_gemm_kernel, spec=spec, k=k_pad, block_n=bs.block_n, has_lowrank=lowrank is not None,
-                               has_bias=bias is not None)
+                               lowrank_packed=lowrank_packed, has_bias=bias is not None)
     y = pl.pallas_call(
         kernel,
         grid=grid,
@@ -460,12 +532,20 @@ def w4a4_matmul_reference(a: QuantizedArray, w: QuantizedArray, *, lowrank: Opti
     """
     y = jnp.matmul(dequantize(a, jnp.float32), dequantize(w, jnp.float32).T, precision="highest")
     if lowrank is not None:
-        h, left = lowrank
-        y = y + jnp.matmul(h.astype(jnp.bfloat16).astype(jnp.float32), left.astype(jnp.bfloat16).astype(jnp.float32).T,
-                           precision="highest")
+        y = y + lowrank_reference(*lowrank)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(out_dtype)
+
+
+def lowrank_reference(h: jax.Array, left) -> jax.Array:
+    """``h L^T`` in f32 (``h`` in even/odd column order when ``L`` is packed, as the kernel expects it)."""
+    hf = jnp.asarray(h).astype(jnp.bfloat16).astype(jnp.float32)
+    if isinstance(left, QuantizedArray):
+        lf = dequantize(left, jnp.float32)[:, even_odd_permutation(left.shape[1])]
+    else:
+        lf = jnp.asarray(left).astype(jnp.bfloat16).astype(jnp.float32)
+    return jnp.matmul(hf, lf.T, precision="highest")
 
 
 def w4a4_matmul_tiled_reference(a: QuantizedArray, w: QuantizedArray, *, block_k: int = 128,
@@ -496,14 +576,6 @@ def w4a4_matmul_tiled_reference(a: QuantizedArray, w: QuantizedArray, *, block_k
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _dense_bf16(x) -> Optional[jax.Array]:
-    if x is None:
-        return None
-    if isinstance(x, QuantizedArray):
-        return dequantize(x, jnp.float32).astype(jnp.bfloat16)  # MXFP4 values are exact in bf16
-    return jnp.asarray(x).astype(jnp.bfloat16)
-
-
 def w4a4_linear(layer, x_t: jax.Array, x_q: QuantizedArray, *, lowrank_mode: Literal["fused", "beside"] = "fused",
                 block_sizes: Optional[BlockSizes] = None, compute: Compute = "bf16", out_dtype=jnp.bfloat16,
                 interpret: bool = False) -> jax.Array:
@@ -515,11 +587,7 @@ def w4a4_linear(layer, x_t: jax.Array, x_q: QuantizedArray, *, lowrank_mode: Lit
       x_q: their packed quantization ``Q(x T)`` (from the fused transform+quantize kernel).
       lowrank_mode: ``"fused"`` adds ``h L^T`` in the GEMM's epilogue, ``"beside"`` with an XLA GEMM after it.
     """
-    lowrank = None
-    if layer.lowrank_left is not None:
-        right, left = _dense_bf16(layer.lowrank_right), _dense_bf16(layer.lowrank_left)
-        h = jnp.matmul(x_t.astype(jnp.bfloat16), right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-        lowrank = (h, left)
+    lowrank = _layer_lowrank(layer, x_t)
     bias = layer.bias
     if lowrank_mode == "fused" or lowrank is None:
         return w4a4_matmul(x_q, layer.weight, lowrank=lowrank, bias=bias, block_sizes=block_sizes, compute=compute,
@@ -529,17 +597,27 @@ def w4a4_linear(layer, x_t: jax.Array, x_q: QuantizedArray, *, lowrank_mode: Lit
     y = w4a4_matmul(x_q, layer.weight, bias=bias, block_sizes=block_sizes, compute=compute, out_dtype=jnp.float32,
                     interpret=interpret)
     h, left = lowrank
+    if isinstance(left, QuantizedArray):  # a transient bf16 copy, columns in h's even/odd order
+        left = dequantize(left, jnp.float32)[:, even_odd_permutation(left.shape[1])].astype(jnp.bfloat16)
     y = y + jnp.matmul(h, left.T, preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
 
 
 def w4a4_linear_reference(layer, x_t: jax.Array, x_q: QuantizedArray, out_dtype=jnp.float32) -> jax.Array:
     """f32 reference of :func:`w4a4_linear` (the low-rank input ``h`` rounded to bf16 as the kernel path does)."""
-    lowrank = None
-    if layer.lowrank_left is not None:
-        right, left = _dense_bf16(layer.lowrank_right), _dense_bf16(layer.lowrank_left)
-        h = jnp.matmul(x_t.astype(jnp.bfloat16).astype(jnp.float32), right.astype(jnp.float32).T,
-                       precision="highest").astype(jnp.bfloat16)
-        lowrank = (h, left)
-    return w4a4_matmul_reference(x_q, layer.weight, lowrank=lowrank, bias=layer.bias, out_dtype=out_dtype)
+    return w4a4_matmul_reference(x_q, layer.weight, lowrank=_layer_lowrank(layer, x_t), bias=layer.bias,
+                                 out_dtype=out_dtype)
+
+
+def _layer_lowrank(layer, x_t: jax.Array) -> Optional[tuple]:
+    """``(h, L)`` of a layer's low-rank branch: ``L`` stays packed if it is (decoded in the kernel), else bf16."""
+    if layer.lowrank_left is None:
+        return None
+    left = layer.lowrank_left
+    packed = isinstance(left, QuantizedArray) and _kind_of(left) == "mxfp4" and left.shape[1] >= 32
+    if not packed:
+        left = (dequantize(left, jnp.float32) if isinstance(left, QuantizedArray) else jnp.asarray(left))
+        left = left.astype(jnp.bfloat16)
+    return lowrank_input(x_t, layer.lowrank_right, packed_left=packed), left
+
 

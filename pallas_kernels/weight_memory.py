@@ -6,8 +6,9 @@ Per quantized linear ``W (o, d)`` (``QuantizedArray`` storage, :attr:`kroquant_j
 * block scales: ``o * d / 32`` bytes (MXFP4, one E8M0 byte per 32) or ``o * d / 16`` (NVFP4, one E4M3 byte per 16),
   plus the 4-byte per-tensor scale (stored for both formats, ``1.0`` for MXFP4);
 * low-rank branch ``L (o, r)``, ``R (r, d)``: packed in MXFP4 as LoRaQ stores them (each quantized along its last
-  axis, so ``r`` and ``d`` must be multiples of 32) or 16-bit (``2 r (o + d)`` bytes; SVDQuant, and what the current
-  GPU path keeps resident: ``pallas_kernels.w4a4_gemm.w4a4_linear`` feeds bf16 ``L``, ``R`` to the kernel);
+  axis, so ``r`` and ``d`` must be multiples of 32) or 16-bit (``2 r (o + d)`` bytes; SVDQuant). The GPU path keeps
+  them packed: the W4A4 GEMM decodes a packed ``L`` in its epilogue, and ``R`` is dequantized on the fly into a
+  transient ``(r, d)`` bf16 copy for the small ``h = (x T) R^T`` GEMM;
 * the online transform: KroQuant's 15 parameters per 32-block (``15 d / 32`` f32, what the K2 kernel reads), or the
   K1 blocks ``(d/32, 32, 32)`` in bf16, or nothing (identity / fixed Hadamard);
 * the bias (same in both; ``o`` bf16) is left out of both sides.
@@ -147,7 +148,7 @@ def preset_memory(preset: str, *, fmt: Fmt = "mxfp4", rank: int = 0, lowrank: Lo
 TABLE_CONFIGS = (
     ("MXFP4, KroQuant, no low-rank", "mxfp4", 0, "none", "kron_params"),
     ("MXFP4, KroQuant + LoRaQ r=128 (MXFP4 factors)", "mxfp4", 128, "mxfp4", "kron_params"),
-    ("MXFP4, KroQuant + r=128 bf16 factors (current GPU path)", "mxfp4", 128, "bf16", "kron_params"),
+    ("MXFP4, KroQuant + r=128 bf16 factors", "mxfp4", 128, "bf16", "kron_params"),
     ("NVFP4, no transform, no low-rank", "nvfp4", 0, "none", "none"),
     ("NVFP4 + LoRaQ r=128 (MXFP4 factors)", "nvfp4", 128, "mxfp4", "kron_params"),
 )

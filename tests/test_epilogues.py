@@ -100,9 +100,13 @@ class TestFusedInterpret:
         y = e.gemm_rmsnorm(qa, qw, nw, lowrank=(h, left), block_sizes=BS, interpret=True)
         exact = e.rmsnorm_heads(e.gemm_reference(qa, qw, lowrank=(h, left)), nw)
         _close(y, exact, rtol=2**-8, atol_frac=2**-12)
+        # MXFP4, FP8 tensor-core mode, low-rank factor L packed in MXFP4 (decoded in the epilogue)
         qa, qw = _operands(a, w, "mxfp4")
-        y = e.gemm_rmsnorm(qa, qw, nw, block_sizes=BS, compute="fp8", interpret=True)
-        _close(y, e.rmsnorm_heads(e.gemm_reference(qa, qw), nw), rtol=2**-8, atol_frac=2**-12)
+        left_q = quantize(0.1 * jax.random.normal(jax.random.PRNGKey(11), (n, 32)), MXFP4())
+        h32 = jax.random.normal(jax.random.PRNGKey(12), (m, 32)).astype(jnp.bfloat16)
+        y = e.gemm_rmsnorm(qa, qw, nw, lowrank=(h32, left_q), block_sizes=BS, compute="fp8", interpret=True)
+        exact = e.rmsnorm_heads(e.gemm_reference(qa, qw, lowrank=(h32, left_q)), nw)
+        _close(y, exact, rtol=2**-8, atol_frac=2**-12)
 
     @pytest.mark.parametrize("kind", ["bf16", "mxfp4"])
     def test_gemm_swiglu(self, kind):

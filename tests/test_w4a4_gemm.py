@@ -122,7 +122,8 @@ class TestInterpretKernel:
         kw, kl, kr, kx, kb = jax.random.split(jax.random.PRNGKey(7), 5)
         wt = jax.random.normal(kw, (o, d)) * 0.05
         lowrank = (jax.random.normal(kl, (o, r)) * 0.05, jax.random.normal(kr, (r, d)) * 0.05)
-        layer = build_qlinear(wt, jax.random.normal(kb, (o,)), lowrank=lowrank)
+        layer = build_qlinear(wt, jax.random.normal(kb, (o,)), lowrank=lowrank)  # L, R packed in MXFP4 (LoRaQ)
+        assert layer.lowrank_quantized
         x = jax.random.normal(kx, (m, d)).astype(jnp.bfloat16)  # identity transform: x T = x
         xq = quantize(x.astype(jnp.float32), MXFP4())
         ref = jax.jit(g.w4a4_linear_reference)(layer, x, xq)
@@ -137,6 +138,21 @@ class TestInterpretKernel:
         # and against the library's own packed forward (which keeps h in f32): bf16 rounding of h only
         lib = jax.jit(qlinear_forward, static_argnames="path")(layer, x.astype(jnp.float32), path="packed")
         np.testing.assert_allclose(np.asarray(ref), np.asarray(lib), rtol=2e-2, atol=2e-2)
+
+    def test_packed_lowrank_factor_matches_dense(self):
+        """L packed in MXFP4 and decoded in the epilogue == the same L dequantized to bf16 (h permuted to match)."""
+        m, n, k, r = 16, 32, 64, 64
+        a, w = _data(9, m, n, k, outliers=False)
+        qa, qw = quantize(a, MXFP4()), quantize(w, MXFP4())
+        left_q = quantize(0.1 * jax.random.normal(jax.random.PRNGKey(1), (n, r)), MXFP4())
+        h = jax.random.normal(jax.random.PRNGKey(2), (m, r)).astype(jnp.bfloat16)  # natural column order
+        perm = g.even_odd_permutation(r)
+        np.testing.assert_array_equal(perm[:4], [0, 2, 4, 6])
+        y_packed = g.w4a4_matmul(qa, qw, lowrank=(h[:, perm], left_q), block_sizes=self.BS, out_dtype=jnp.float32,
+                                 interpret=True)
+        dense = dequantize(left_q, jnp.float32).astype(jnp.bfloat16)
+        ref = g.w4a4_matmul_reference(qa, qw, lowrank=(h, dense))
+        np.testing.assert_allclose(np.asarray(y_packed), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
     def test_rejects_mismatched_operands(self):
         qa = quantize(jnp.ones((16, 64)), MXFP4())
