@@ -28,8 +28,8 @@ from flax import nnx
 
 from models import convert
 from models.convert import linear_rules, param_rules
-from models.layers import (FeedForward, Linear, LinearHooks, RMSNorm, TextProjection, TimestepEmbedding, apply_rope,
-                           dot_product_attention, host_init, layer_norm, name_linears, rope_frequencies,
+from models.layers import (FeedForward, InitKeys, Linear, LinearHooks, RMSNorm, TextProjection, TimestepEmbedding,
+                           apply_rope, dot_product_attention, host_init, layer_norm, name_linears, rope_frequencies,
                            timestep_embedding)
 
 __all__ = ["FLUX1_SCHNELL", "FluxConfig", "FluxTransformer2DModel", "KEY_TABLE", "from_diffusers", "image_ids",
@@ -315,7 +315,7 @@ KEY_TABLE = convert.KeyTable(_rules(), name="FluxTransformer2DModel")
 
 def construct(cfg: FluxConfig, dtype: Any = jnp.float32) -> FluxTransformer2DModel:
     """The plain constructor (jax.random init, eager); use under ``nnx.eval_shape`` for shapes without memory."""
-    return FluxTransformer2DModel(cfg, dtype=convert.resolve_dtype(dtype), rngs=nnx.Rngs(0))
+    return FluxTransformer2DModel(cfg, dtype=convert.resolve_dtype(dtype), rngs=InitKeys(0))
 
 
 def build(cfg: FluxConfig, dtype: Any = jnp.float32, seed: int = 0) -> FluxTransformer2DModel:

@@ -29,6 +29,7 @@ __all__ = [
     "FeedForward",
     "LayerNorm",
     "Linear",
+    "InitKeys",
     "LinearHooks",
     "ConvWeights",
     "PatchEmbed",
@@ -429,3 +430,17 @@ def host_init(constructor: Callable[[], nnx.Module], seed: int = 0) -> nnx.Modul
             raise ValueError(f"host_init: no init rule for parameter {'.'.join(map(str, path))} of shape {shape}")
         leaves.append((path, variable.replace(jnp.asarray(array, dtype))))
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+class InitKeys:
+    """A cheap stand-in for ``nnx.Rngs`` at construction time: ``params()`` returns ``fold_in(key, n)`` for
+    n = 1, 2, ... (nnx.Rngs updates an nnx Variable at each draw, which is slow to trace for models with hundreds
+    of parameters, e.g. under ``nnx.eval_shape`` of FLUX). Modules only draw keys in their constructors."""
+
+    def __init__(self, seed: int = 0):
+        self.key = jax.random.key(seed)
+        self.count = 0
+
+    def params(self) -> jax.Array:
+        self.count += 1
+        return jax.random.fold_in(self.key, self.count)

@@ -22,9 +22,9 @@ from flax import nnx
 
 from models import convert
 from models.convert import linear_rules, param_rules, rule
-from models.layers import (Attention, FeedForward, LayerNorm, Linear, LinearHooks, PatchEmbed, TextProjection,
-                           TimestepEmbedding, host_init, layer_norm, mask_to_bias, name_linears, timestep_embedding,
-                           unpatchify)
+from models.layers import (Attention, FeedForward, InitKeys, LayerNorm, Linear, LinearHooks, PatchEmbed,
+                           TextProjection, TimestepEmbedding, host_init, layer_norm, mask_to_bias, name_linears,
+                           timestep_embedding, unpatchify)
 
 __all__ = ["PIXART_SIGMA_XL_2_1024_MS", "PixArtConfig", "PixArtTransformer2DModel", "KEY_TABLE", "from_diffusers",
            "to_diffusers"]
@@ -260,7 +260,7 @@ KEY_TABLE = convert.KeyTable([
 
 def construct(cfg: PixArtConfig, dtype: Any = jnp.float32) -> PixArtTransformer2DModel:
     """The plain constructor (jax.random init, eager); use under ``nnx.eval_shape`` for shapes without memory."""
-    return PixArtTransformer2DModel(cfg, dtype=convert.resolve_dtype(dtype), rngs=nnx.Rngs(0))
+    return PixArtTransformer2DModel(cfg, dtype=convert.resolve_dtype(dtype), rngs=InitKeys(0))
 
 
 def build(cfg: PixArtConfig, dtype: Any = jnp.float32, seed: int = 0) -> PixArtTransformer2DModel:

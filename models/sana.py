@@ -24,7 +24,7 @@ from flax import nnx
 
 from models import convert
 from models.convert import linear_rules, param_rules, rule
-from models.layers import (Attention, ConvWeights, LayerNorm, Linear, LinearHooks, PatchEmbed, RMSNorm,
+from models.layers import (Attention, ConvWeights, InitKeys, LayerNorm, Linear, LinearHooks, PatchEmbed, RMSNorm,
                            TextProjection, TimestepEmbedding, host_init, layer_norm, mask_to_bias, name_linears,
                            timestep_embedding, unpatchify)
 from models.pixart import AdaLayerNormSingle
@@ -259,7 +259,7 @@ KEY_TABLE = convert.KeyTable([
 
 def construct(cfg: SanaConfig, dtype: Any = jnp.float32) -> SanaTransformer2DModel:
     """The plain constructor (jax.random init, eager); use under ``nnx.eval_shape`` for shapes without memory."""
-    return SanaTransformer2DModel(cfg, dtype=convert.resolve_dtype(dtype), rngs=nnx.Rngs(0))
+    return SanaTransformer2DModel(cfg, dtype=convert.resolve_dtype(dtype), rngs=InitKeys(0))
 
 
 def build(cfg: SanaConfig, dtype: Any = jnp.float32, seed: int = 0) -> SanaTransformer2DModel:

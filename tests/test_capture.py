@@ -133,3 +133,36 @@ def test_fake_quant_w4a4_sampling_same_graph_same_seed():
     np.testing.assert_array_equal(np.asarray(w4a4), np.asarray(again))
     difference = float(jnp.abs(w4a4 - full).max())
     assert 1e-4 < difference < float(jnp.abs(full).max())
+
+
+@pytest.mark.slow
+def test_quantize_checkpoint_script_end_to_end(tmp_path):
+    torch = pytest.importorskip("torch")
+    diffusers = pytest.importorskip("diffusers")
+    from kroquant_jax.layerset import load_layer_set
+    from kroquant_jax.qlinear import restore_orbax
+    from scripts import quantize_checkpoint
+
+    pixart.to_diffusers(pixart.build(PIXART, seed=4), tmp_path / "ckpt")
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,),
+                                  down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
+                                  norm_num_groups=8, layers_per_block=1)
+    vae.save_pretrained(tmp_path / "vae")
+    out = tmp_path / "out"
+    argv = ["--checkpoint", str(tmp_path / "ckpt"), "--out", str(out), "--synthetic-prompts", "2",
+            "--synthetic-tokens", "4", "--steps", "2", "--latent-hw", "8", "8", "--rows-per-layer", "24",
+            "--recipe", "hadamard32", "--calib-rows", "16", "--calib-heldout", "8",
+            "--eval-prompts", "1", "--vae", str(tmp_path / "vae")]
+    report = quantize_checkpoint.main(argv)
+    assert report["family"] == "pixart" and report["layers"] == 20
+    psnr = report["per_prompt"][0]["latent_psnr_db"]
+    assert np.isfinite(psnr) and 0 < psnr < 200  # W4A4 differs from 16-bit, but not wildly
+    assert set(report["heldout_error"]) == set(linears(pixart.build(PIXART), quantizable_only=True))
+    layer_set = load_layer_set(str(out / "layer_set.safetensors"))
+    assert layer_set["transformer_blocks.1.ff.net.2"].activations.shape == (24, 128)
+    assert sorted(restore_orbax(str(out / "quantized"))) == sorted(layer_set)
+    with np.load(out / "samples.npz") as samples:
+        assert samples["latents_16bit"].shape == samples["latents_w4a4"].shape == (1, 4, 8, 8)
+    assert sorted(p.name for p in (out / "images").iterdir()) == ["16bit_0000.png", "w4a4_0000.png"]
+    assert not [p for p in out.rglob("*") if ".tmp" in p.name]

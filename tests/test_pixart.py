@@ -147,17 +147,3 @@ def test_config_rejects_unported_settings():
     with pytest.raises(NotImplementedError, match="norm_type"):
         pixart.PixArtConfig(norm_type="ada_norm_zero")
 
-
-def test_forward_is_jittable():
-    cfg = pixart.PixArtConfig.from_diffusers_config(CONFIGS["pixel_space_no_conditions"])
-    model = pixart.build(cfg)
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def forward(state, x, context, t):
-        return nnx.merge(graphdef, state)(x, context, t)
-
-    x = jnp.ones((2, 3, 16, 16))
-    eager = model(x, jnp.ones((2, 4, 40)), jnp.array([1.0, 2.0]))
-    jitted = forward(state, x, jnp.ones((2, 4, 40)), jnp.array([1.0, 2.0]))
-    np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-5, atol=1e-5)
