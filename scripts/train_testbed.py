@@ -1,0 +1,295 @@
+"""Train the emoji testbed DiT (pixel-space PixArt-Σ, flow matching) in JAX and export a diffusers checkpoint.
+
+    python -m scripts.build_emoji_dataset --out data/emoji32.npz
+    python -m scripts.train_testbed --data data/emoji32.npz --run runs/testbed --export checkpoints/emoji_pixart \
+        --steps 20000 --time-budget 330
+
+Objective, sampler and model: see ``models/testbed.py`` and docs/testbed.md. Parameters are fp32 (AdamW with warmup,
+then constant learning rate, gradient clipping), the forward/backward pass runs in ``--compute-dtype`` (bf16 by
+default), and an exponential moving average (EMA) of the parameters is what gets exported (fp16 safetensors).
+
+Training stops at ``--steps`` or when ``--time-budget`` seconds have passed, whichever comes first; the training
+state (parameters, EMA, optimizer, step, PRNG key) is saved to ``<run>/train_state.npz`` every ``--save-every``
+steps and at the end (atomic writes), and a later run with the same ``--run`` resumes from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+from models import convert, pixart, testbed, testbed_data
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, help="dataset .npz from scripts.build_emoji_dataset")
+    parser.add_argument("--run", default=None, help="folder for the training state and the log (resumed if present)")
+    parser.add_argument("--export", default=None, help="write the EMA model here as a diffusers directory")
+    parser.add_argument("--steps", type=int, default=20000, help="total optimizer steps (default 20000)")
+    parser.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds of training")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=3e-4, help="peak AdamW learning rate (default 3e-4)")
+    parser.add_argument("--warmup", type=int, default=500, help="linear warm-up steps (default 500)")
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--ema-decay", type=float, default=0.9995)
+    parser.add_argument("--caption-dropout", type=float, default=0.1, help="CFG dropout probability (default 0.1)")
+    parser.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--chunk", type=int, default=50, help="optimizer steps per jitted call (default 50)")
+    parser.add_argument("--save-every", type=int, default=2000, help="save the training state every N steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-layers", type=int, default=None, help="override the block count (smoke tests)")
+    parser.add_argument("--export-dtype", choices=("float16", "float32"), default="float16")
+    parser.add_argument("--sample-grid", default=None, help="write a PNG of held-out captions sampled at the end")
+    parser.add_argument("--sample-steps", type=int, default=30)
+    parser.add_argument("--guidance", type=float, default=3.0)
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm bar (plain log lines instead)")
+    parser.add_argument("--sample-from", default=None,
+                        help="no training: load this diffusers checkpoint and write --sample-grid with captions")
+    parser.add_argument("--sample-split", choices=("heldout", "train"), default="heldout")
+    parser.add_argument("--sample-count", type=int, default=16, help="captions in the --sample-from grid")
+    parser.add_argument("--sample-seeds", type=int, nargs="+", default=[0, 1, 2], help="one column per seed")
+    return parser.parse_args(argv)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Training state: a pytree of arrays, saved as one .npz keyed by pytree path
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def save_train_state(path: Path, state) -> None:
+    """Write the training-state pytree as an .npz keyed by ``jax.tree_util.keystr`` paths (atomic)."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+    arrays = {jax.tree_util.keystr(key): np.asarray(leaf) for key, leaf in leaves}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")
+    try:
+        with open(temporary, "wb") as handle:
+            np.savez(handle, **arrays)
+        os.replace(temporary, path)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+
+
+def load_train_state(path: Path, template):
+    """Read :func:`save_train_state`'s file into the structure of ``template`` (keys and shapes must match)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
+    with np.load(path, allow_pickle=False) as archive:
+        names = [jax.tree_util.keystr(key) for key, _ in leaves]
+        missing = sorted(set(names) - set(archive.files))
+        unexpected = sorted(set(archive.files) - set(names))
+        if missing or unexpected:
+            raise KeyError(f"{path}: training state does not match the model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+        restored = []
+        for name, (_, leaf) in zip(names, leaves):
+            value = archive[name]
+            if value.shape != np.shape(leaf):
+                raise ValueError(f"{path}: {name} has shape {value.shape}, the model expects {np.shape(leaf)}")
+            restored.append(jnp.asarray(value, dtype=jnp.asarray(leaf).dtype))
+    return jax.tree_util.tree_unflatten(treedef, restored)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def build_model(cfg: pixart.PixArtConfig, seed: int) -> nnx.Module:
+    """The PixArt port with the DiT/PixArt training initialisation (fp32 parameters)."""
+    build = lambda: pixart.build(cfg, jnp.float32, seed)  # noqa: E731
+    initial = testbed.init_for_training(convert.flat_state_dict(build()), seed)
+    return convert.merge_flat_state(build, initial)
+
+
+def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
+    schedule = optax.linear_schedule(0.0, args.lr, max(args.warmup, 1))  # then constant at args.lr
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=args.weight_decay))
+
+
+def make_train_chunk(graphdef, optimizer, flow: testbed.FlowMatchingConfig, data: dict, batch_size: int,
+                     chunk: int, ema_decay: float, compute_dtype):
+    """A jitted function running ``chunk`` optimizer steps: state -> (state, mean loss over the chunk)."""
+    num_examples = data["images"].shape[0]
+
+    def loss_fn(params, images, context, mask, key):
+        low = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+        model = nnx.merge(graphdef, low)
+        pixels = testbed.images_to_pixels(images)  # (b, 3, s, s)
+        return testbed.flow_matching_loss(testbed.pixart_velocity_fn(model), pixels, context.astype(compute_dtype),
+                                          mask, key, flow, data["null_context"].astype(compute_dtype),
+                                          data["null_mask"])
+
+    def one_step(state, _):
+        key, key_batch, key_loss = jax.random.split(state["key"], 3)
+        index = jax.random.randint(key_batch, (batch_size,), 0, num_examples)  # (b,)
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], data["images"][index], data["context"][index],
+                                                  data["context_mask"][index], key_loss)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        step = state["step"] + 1
+        decay = jnp.minimum(ema_decay, (1.0 + step) / (10.0 + step))  # EMA warm-up
+        ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, state["ema"], params)
+        return {"params": params, "ema": ema, "opt_state": opt_state, "step": step, "key": key}, loss
+
+    @jax.jit
+    def train_chunk(state):
+        state, losses = jax.lax.scan(one_step, state, None, length=chunk)
+        return state, losses.mean()
+
+    return train_chunk
+
+
+def sample_captions(graphdef, params, dataset: testbed_data.EmojiDataset, indices: np.ndarray, seed: int,
+                    num_steps: int, guidance: float) -> np.ndarray:
+    """Sample the captions ``dataset.captions[indices]`` (fixed seed) -> (n, s, s, 3) uint8."""
+    model = nnx.merge(graphdef, params)
+    size = dataset.image_size
+    noise = jax.random.normal(jax.random.key(seed), (len(indices), 3, size, size), jnp.float32)  # (n, 3, s, s)
+
+    @jax.jit
+    def run(noise, context, mask):
+        return testbed.euler_sample(testbed.pixart_velocity_fn(model), noise, context, mask,
+                                    jnp.asarray(dataset.null_context, jnp.float32), jnp.asarray(dataset.null_mask),
+                                    num_steps, guidance)
+
+    pixels = run(noise, jnp.asarray(dataset.context[indices], jnp.float32), jnp.asarray(dataset.context_mask[indices]))
+    return testbed.pixels_to_images(pixels)
+
+
+def sample_checkpoint_grid(args: argparse.Namespace) -> None:
+    """--sample-from: the first ``--sample-count`` captions of a split, the dataset image, one sample per seed."""
+    if not args.sample_grid:
+        raise ValueError("--sample-from needs --sample-grid PATH")
+    cfg, model = pixart.from_diffusers(args.sample_from, "float32")
+    dataset = testbed_data.load_dataset(args.data).split(heldout=args.sample_split == "heldout")
+    if cfg.sample_size != dataset.image_size:
+        raise ValueError(f"{args.sample_from}: sample_size {cfg.sample_size} != dataset image size "
+                         f"{dataset.image_size}")
+    graphdef, params = nnx.split(model)
+    indices = np.arange(min(args.sample_count, dataset.num_examples))
+    columns = [sample_captions(graphdef, params, dataset, indices, seed, args.sample_steps, args.guidance)
+               for seed in tqdm(args.sample_seeds, desc="seeds", disable=args.no_progress)]  # each (n, s, s, 3)
+    rows = [[dataset.images[i]] + [column[k] for column in columns] for k, i in enumerate(indices)]
+    titles = ["dataset"] + [f"seed {seed}" for seed in args.sample_seeds]
+    testbed.save_caption_grid(args.sample_grid, [str(dataset.captions[i]) for i in indices], rows, titles,
+                              title=f"{args.sample_split} captions, Euler {args.sample_steps} steps, CFG "
+                                    f"{args.guidance:g}")
+    print(f"wrote {args.sample_grid}", flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.sample_from:
+        sample_checkpoint_grid(args)
+        return 0
+    if not args.run:
+        raise ValueError("training needs --run FOLDER")
+    run_dir = Path(args.run)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dataset = testbed_data.load_dataset(args.data)
+    train = dataset.split(heldout=False)
+    cfg = testbed.TESTBED_PIXART_CONFIG
+    if args.num_layers is not None:
+        cfg = dataclasses.replace(cfg, num_layers=args.num_layers)
+    if cfg.sample_size != dataset.image_size:
+        cfg = dataclasses.replace(cfg, sample_size=dataset.image_size)
+    compute_dtype = jnp.dtype(args.compute_dtype)
+    flow = testbed.FlowMatchingConfig(caption_dropout=args.caption_dropout)
+
+    model = build_model(cfg, args.seed)
+    graphdef, params = nnx.split(model)
+    optimizer = make_optimizer(args)
+    state = {"params": params, "ema": jax.tree.map(jnp.copy, params), "opt_state": optimizer.init(params),
+             "step": jnp.asarray(0, jnp.int32), "key": jax.random.key_data(jax.random.key(args.seed))}
+    state_path = run_dir / "train_state.npz"
+    if state_path.exists():
+        state = load_train_state(state_path, state)
+    state["key"] = jax.random.wrap_key_data(jnp.asarray(state["key"], jnp.uint32))
+    start_step = int(state["step"])
+    num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))
+
+    data = {
+        "images": jnp.asarray(train.images),  # (n, s, s, 3) uint8
+        "context": jnp.asarray(train.context),  # (n, t, 384) fp16
+        "context_mask": jnp.asarray(train.context_mask),  # (n, t) uint8
+        "null_context": jnp.asarray(dataset.null_context),  # (t, 384)
+        "null_mask": jnp.asarray(dataset.null_mask),  # (t,)
+    }
+    train_chunk = make_train_chunk(graphdef, optimizer, flow, data, args.batch_size, args.chunk, args.ema_decay,
+                                   compute_dtype)
+    log_path = run_dir / "log.jsonl"
+    header = {"event": "start", "step": start_step, "params": int(num_params), "train_examples": train.num_examples,
+              "device": str(jax.devices()[0]), "jax": jax.__version__, "args": vars(args)}
+    with open(log_path, "a") as log:
+        log.write(json.dumps(header) + "\n")
+    print(json.dumps(header), flush=True)
+
+    began = time.perf_counter()
+    step = start_step
+    bar = tqdm(total=args.steps, initial=start_step, disable=args.no_progress, unit="step", dynamic_ncols=True)
+    last_saved = step
+    while step < args.steps:
+        if args.time_budget is not None and time.perf_counter() - began > args.time_budget:
+            break
+        state, loss = train_chunk(state)
+        loss = float(loss)
+        if not np.isfinite(loss):
+            raise FloatingPointError(f"training loss became {loss} at step {step + args.chunk}")
+        step = int(state["step"])
+        elapsed = time.perf_counter() - began
+        bar.update(args.chunk)
+        bar.set_postfix(loss=f"{loss:.4f}")
+        record = {"event": "chunk", "step": step, "loss": loss, "elapsed_s": round(elapsed, 2)}
+        with open(log_path, "a") as log:
+            log.write(json.dumps(record) + "\n")
+        if args.no_progress and (step // args.chunk) % 20 == 0:
+            print(json.dumps(record), flush=True)
+        if step - last_saved >= args.save_every:
+            save_train_state(state_path, {**state, "key": jax.random.key_data(state["key"])})
+            last_saved = step
+    bar.close()
+    elapsed = time.perf_counter() - began
+    save_train_state(state_path, {**state, "key": jax.random.key_data(state["key"])})
+    summary = {"event": "end", "step": step, "steps_this_run": step - start_step, "elapsed_s": round(elapsed, 1),
+               "images_per_s": round((step - start_step) * args.batch_size / max(elapsed, 1e-9), 1)}
+    with open(log_path, "a") as log:
+        log.write(json.dumps(summary) + "\n")
+    print(json.dumps(summary), flush=True)
+
+    ema_model = nnx.merge(graphdef, state["ema"])
+    if args.export:
+        pixart.to_diffusers(ema_model, args.export, dtype=args.export_dtype)
+        print(f"exported {args.export}", flush=True)
+    if args.sample_grid:
+        held = dataset.split(heldout=True)
+        indices = np.arange(min(held.num_examples, 32))
+        images = sample_captions(graphdef, state["ema"], held, indices, args.seed, args.sample_steps, args.guidance)
+        from PIL import Image
+
+        pairs = np.stack([held.images[indices], images], axis=1).reshape(-1, *images.shape[1:])  # (2n, s, s, 3)
+        grid = testbed.image_grid(pairs, columns=16, scale=2)
+        Path(args.sample_grid).parent.mkdir(parents=True, exist_ok=True)
+        temporary = Path(args.sample_grid).with_name(f".tmp-{os.getpid()}.png")
+        Image.fromarray(grid).save(temporary)
+        os.replace(temporary, args.sample_grid)
+        print(f"wrote {args.sample_grid}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""The emoji testbed DiT: the shipped diffusers checkpoint, its JAX port parity, flow matching, training script."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import pixart, testbed, testbed_data
+
+REPO = Path(__file__).resolve().parents[1]
+CHECKPOINT = REPO / "checkpoints" / "emoji_pixart"
+PROMPTS = CHECKPOINT / "testbed_prompts.npz"
+
+
+@pytest.fixture(scope="module")
+def prompts() -> testbed_data.EmojiDataset:
+    return testbed_data.load_dataset(PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def jax_model():
+    return pixart.from_diffusers(CHECKPOINT, "float32")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The shipped checkpoint
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_shipped_checkpoint_files_and_config():
+    weights = CHECKPOINT / "diffusion_pytorch_model.safetensors"
+    assert weights.stat().st_size <= 25 * 2**20
+    config = json.loads((CHECKPOINT / "config.json").read_text())
+    assert config["_class_name"] == "PixArtTransformer2DModel"
+    assert pixart.PixArtConfig.from_diffusers_config(config) == testbed.TESTBED_PIXART_CONFIG
+
+
+def test_diffusers_loads_checkpoint_and_matches_jax_port(jax_model, prompts):
+    torch = pytest.importorskip("torch")
+    from diffusers import PixArtTransformer2DModel
+
+    reference_model = PixArtTransformer2DModel.from_pretrained(CHECKPOINT, torch_dtype=torch.float32).eval()
+    _, model = jax_model
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 3, 32, 32)).astype(np.float32)  # (b, 3, s, s)
+    context = prompts.context[:3].astype(np.float32)  # (b, t, 384)
+    mask = prompts.context_mask[:3].astype(np.float32)  # (b, t)
+    timestep = np.array([999.0, 500.0, 12.5], np.float32)  # (b,)
+    with torch.no_grad():
+        reference = reference_model(torch.from_numpy(x), encoder_hidden_states=torch.from_numpy(context),
+                                    timestep=torch.from_numpy(timestep),
+                                    encoder_attention_mask=torch.from_numpy(mask),
+                                    added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+                                    return_dict=False)[0].numpy()
+    ours = np.asarray(model(jnp.asarray(x), jnp.asarray(context), jnp.asarray(timestep),
+                            encoder_attention_mask=jnp.asarray(mask)))
+    assert ours.shape == reference.shape == (3, 3, 32, 32)
+    relative = np.linalg.norm(ours - reference) / np.linalg.norm(reference)
+    assert relative < 1e-5, relative
+    # The mask matters: dropping it changes the output (so the comparison above exercised it).
+    unmasked = np.asarray(model(jnp.asarray(x), jnp.asarray(context), jnp.asarray(timestep)))
+    assert np.linalg.norm(unmasked - reference) / np.linalg.norm(reference) > 1e-3
+
+
+def test_shipped_model_samples_its_captions(jax_model, prompts):
+    """Training captions come out as their emoji; a held-out caption still gives an emoji-like image on white."""
+    _, model = jax_model
+    train = prompts.split(heldout=False)
+    held = prompts.split(heldout=True)
+    train_indices = [train.find(caption) for caption in ("watermelon", "palm tree", "flag: China")]
+    held_index = held.find("writing hand")
+    context = np.concatenate([train.context[train_indices], held.context[[held_index]]]).astype(np.float32)
+    mask = np.concatenate([train.context_mask[train_indices], held.context_mask[[held_index]]])
+    noise = jax.random.normal(jax.random.key(0), (4, 3, 32, 32), jnp.float32)
+    sample = jax.jit(lambda n, c, m: testbed.euler_sample(
+        testbed.pixart_velocity_fn(model), n, c, m, jnp.asarray(prompts.null_context, jnp.float32),
+        jnp.asarray(prompts.null_mask), num_steps=10, guidance=3.0))
+    images = testbed.pixels_to_images(sample(noise, jnp.asarray(context), jnp.asarray(mask)))  # (4, 32, 32, 3)
+    targets = np.concatenate([train.images[train_indices], held.images[[held_index]]]).astype(np.float32) / 255
+    samples = images.astype(np.float32) / 255
+    errors = ((samples[:, None] - targets[None]) ** 2).mean(axis=(2, 3, 4))  # (sample, target)
+    for row in range(3):
+        assert errors[row].argmin() == row, errors
+        assert errors[row, row] < 0.04, errors  # measured 0.005-0.027; other targets 0.06-0.23
+    # Held-out caption: white corners, coloured content, nearer its own target than the training targets.
+    corners = samples[3, [0, 0, -1, -1], [0, -1, 0, -1]]  # (4, 3)
+    assert corners.min() > 0.9
+    assert samples[3].std() > 0.15
+    assert errors[3].argmin() == 3, errors
+
+
+def test_project_flow_euler_sampler_reproduces_the_testbed_sampler(jax_model, prompts):
+    """models.sampling.flow_euler + pixart_denoiser (what capture / W4A4 evaluation use) = testbed.euler_sample."""
+    from flax import nnx
+
+    from models import sampling
+
+    _, model = jax_model
+    graphdef, state = nnx.split(model)
+    noise = jax.random.normal(jax.random.key(5), (1, 3, 32, 32), jnp.float32)
+    context = jnp.asarray(prompts.context[:1], jnp.float32)  # (1, t, 384)
+    mask = jnp.asarray(prompts.context_mask[:1])  # (1, t)
+    null_context = jnp.asarray(prompts.null_context, jnp.float32)  # (t, 384)
+    null_mask = jnp.asarray(prompts.null_mask)  # (t,)
+    ours = testbed.euler_sample(testbed.pixart_velocity_fn(model), noise, context, mask, null_context, null_mask,
+                                num_steps=3, guidance=3.0)
+    params = {"model": state, "context": context, "mask": mask, "uncond_context": null_context[None],
+              "uncond_mask": null_mask[None]}
+    theirs, _ = sampling.flow_euler(sampling.pixart_denoiser(graphdef, 3.0, 3), params, noise,
+                                    sampling.flow_sigmas(3))
+    np.testing.assert_allclose(np.asarray(theirs), np.asarray(ours), atol=2e-4)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Objective and sampler
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_euler_sampler_is_exact_on_a_straight_flow():
+    """With the exact velocity of a single target x0, v = (x - x0) / sigma, Euler lands on x0 from any noise."""
+    target = jax.random.uniform(jax.random.key(1), (2, 3, 8, 8), minval=-1, maxval=1)
+    noise = jax.random.normal(jax.random.key(2), (2, 3, 8, 8))
+    context, mask = jnp.zeros((2, 4, 5)), jnp.ones((2, 4), jnp.uint8)
+
+    def velocity(x, timestep, context, mask):
+        sigma = timestep[:, None, None, None] / testbed.TIMESTEP_SCALE
+        return (x - jnp.concatenate([target] * (x.shape[0] // 2))) / sigma
+
+    for guidance in (1.0, 4.0):
+        out = testbed.euler_sample(velocity, noise, context, mask, jnp.zeros((4, 5)), jnp.ones((4,), jnp.uint8),
+                                   num_steps=7, guidance=guidance)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(target), atol=1e-5)
+
+
+def test_guidance_combines_conditional_and_unconditional_velocity():
+    noise = jnp.ones((1, 3, 2, 2))
+    context = jnp.ones((1, 2, 4))  # conditional branch sees ones, unconditional zeros
+
+    def velocity(x, timestep, context, mask):
+        return jnp.broadcast_to(jnp.where(context.sum((1, 2)) > 0, 2.0, 0.5)[:, None, None, None], x.shape)
+
+    out = testbed.euler_sample(velocity, noise, context, jnp.ones((1, 2)), jnp.zeros((2, 4)), jnp.ones((2,)),
+                               num_steps=1, guidance=3.0)
+    # one step from sigma 1 to 0: x - v_cfg, v_cfg = 0.5 + 3 (2 - 0.5) = 5
+    np.testing.assert_allclose(np.asarray(out), -4.0)
+
+
+def test_flow_matching_loss_is_zero_for_the_true_velocity_and_positive_otherwise():
+    pixels = jax.random.uniform(jax.random.key(3), (4, 3, 8, 8), minval=-1, maxval=1)
+    config = testbed.FlowMatchingConfig(caption_dropout=0.0)
+    key = jax.random.key(4)
+    key_sigma, key_noise, _ = jax.random.split(key, 3)
+    sigma = testbed.sample_sigmas(key_sigma, 4, config)
+    noise = jax.random.normal(key_noise, pixels.shape, jnp.float32)
+    oracle = lambda x, t, c, m: noise - pixels  # noqa: E731
+    args = (pixels, jnp.zeros((4, 2, 3)), jnp.ones((4, 2)), key, config, jnp.zeros((2, 3)), jnp.ones((2,)))
+    assert float(testbed.flow_matching_loss(oracle, *args)) < 1e-12
+    assert float(testbed.flow_matching_loss(lambda x, t, c, m: jnp.zeros_like(x), *args)) > 0.5
+    assert 0.0 < float(sigma.min()) and float(sigma.max()) < 1.0
+
+
+def test_caption_dropout_replaces_whole_captions():
+    context, mask = jnp.ones((64, 3, 2)), jnp.ones((64, 3), jnp.uint8)
+    null_context, null_mask = jnp.full((3, 2), 7.0), jnp.array([1, 1, 0], jnp.uint8)
+    kept = testbed.drop_captions(jax.random.key(0), context, mask, null_context, null_mask, 0.0)
+    np.testing.assert_array_equal(np.asarray(kept[0]), np.asarray(context))
+    dropped_context, dropped_mask = testbed.drop_captions(jax.random.key(0), context, mask, null_context, null_mask,
+                                                          0.5)
+    is_null = np.asarray(dropped_context[:, 0, 0] == 7.0)  # (64,)
+    assert 10 < is_null.sum() < 54
+    np.testing.assert_array_equal(np.asarray(dropped_mask)[is_null], np.tile([1, 1, 0], (is_null.sum(), 1)))
+    assert (np.asarray(dropped_context)[~is_null] == 1.0).all()
+
+
+def test_pixel_conversion_roundtrip_and_errors():
+    images = np.random.default_rng(0).integers(0, 256, (2, 4, 4, 3), dtype=np.uint8)
+    pixels = testbed.images_to_pixels(jnp.asarray(images))
+    assert pixels.shape == (2, 3, 4, 4) and float(pixels.min()) >= -1 and float(pixels.max()) <= 1
+    np.testing.assert_array_equal(testbed.pixels_to_images(pixels), images)
+    with pytest.raises(ValueError, match="batch, height, width, 3"):
+        testbed.images_to_pixels(jnp.zeros((2, 3, 4, 4)))
+
+
+def test_training_init_zeroes_outputs_and_rejects_unknown_parameters():
+    params = {"proj_out.kernel": np.ones((4, 12)), "transformer_blocks.0.attn2.to_out.0.kernel": np.ones((4, 4)),
+              "transformer_blocks.0.attn1.to_q.kernel": np.ones((4, 4)), "transformer_blocks.0.attn1.to_q.bias":
+              np.ones(4), "scale_shift_table": np.full((2, 4), 3.0)}
+    out = testbed.init_for_training(params, seed=0)
+    assert not out["proj_out.kernel"].any() and not out["transformer_blocks.0.attn2.to_out.0.kernel"].any()
+    assert not out["transformer_blocks.0.attn1.to_q.bias"].any()
+    assert np.abs(out["transformer_blocks.0.attn1.to_q.kernel"]).max() <= np.sqrt(6 / 8)
+    assert (out["scale_shift_table"] == 3.0).all()
+    with pytest.raises(KeyError, match="mystery"):
+        testbed.init_for_training({"mystery": np.ones(3)}, seed=0)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The training script: a few CPU steps, resume, export loadable by diffusers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def synthetic_dataset(path: Path) -> None:
+    rng = np.random.default_rng(0)
+    n, tokens = 6, 5
+    mask = np.zeros((n, tokens), np.uint8)
+    mask[:, :3] = 1
+    dataset = testbed_data.EmojiDataset(
+        images=rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8),
+        context=(rng.standard_normal((n, tokens, 384)) * mask[..., None]).astype(np.float16),
+        context_mask=mask, null_context=np.zeros((tokens, 384), np.float16),
+        null_mask=np.array([1, 1, 0, 0, 0], np.uint8),
+        captions=np.array([f"caption {i}" for i in range(n)]), sequences=np.array([f"{i:X}" for i in range(n)]),
+        heldout=np.array([False] * 4 + [True] * 2), image_size=32, max_tokens=tokens)
+    testbed_data.write_dataset(dataset, path)
+
+
+def test_train_script_runs_resumes_and_exports(tmp_path):
+    from scripts import train_testbed
+
+    data = tmp_path / "tiny.npz"
+    synthetic_dataset(data)
+    common = ["--data", str(data), "--run", str(tmp_path / "run"), "--batch-size", "2", "--chunk", "1",
+              "--num-layers", "1", "--no-progress", "--compute-dtype", "float32", "--warmup", "1"]
+    assert train_testbed.main(common + ["--steps", "2"]) == 0
+    first = np.load(tmp_path / "run" / "train_state.npz")
+    assert int(first["['step']"]) == 2
+    assert train_testbed.main(common + ["--steps", "3", "--export", str(tmp_path / "export")]) == 0
+    events = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    starts = [event["step"] for event in events if event["event"] == "start"]
+    assert starts == [0, 2], "the second run must resume at step 2"
+    second = np.load(tmp_path / "run" / "train_state.npz")
+    assert int(second["['step']"]) == 3
+    changed = [key for key in first.files if "params" in key and not np.array_equal(first[key], second[key])]
+    assert changed, "the resumed step must update the parameters"
+    config, model = pixart.from_diffusers(tmp_path / "export", "float32")
+    assert config.num_layers == 1 and config.caption_channels == 384
+    torch = pytest.importorskip("torch")
+    from diffusers import PixArtTransformer2DModel
+
+    exported = PixArtTransformer2DModel.from_pretrained(tmp_path / "export", torch_dtype=torch.float32)
+    assert exported.config.num_layers == 1
