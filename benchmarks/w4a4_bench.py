@@ -305,6 +305,7 @@ def main(argv=None):
     p.add_argument("--only", default="", help="comma-separated models to run (default: all, in priority order)")
     p.add_argument("--no-layer", action="store_true")
     p.add_argument("--no-epilogues", action="store_true")
+    p.add_argument("--no-sweep", action="store_true")
     args = p.parse_args(argv)
     t_start = time.time()
     ms = [int(x) for x in args.ms.split(",")]
@@ -326,40 +327,69 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
-    done_epi = set()
+    tasks = []
     for model, layer, n, k in shapes:
         for m in ms:
-            if time.time() - t_start > args.budget_s:
-                result["stopped_early"] = True
-                save()
-                return result
-            layers = [make_layer(jax.random.PRNGKey(100 * i + m), m, n, k) for i in range(N_SETS)]
-            flops = 2.0 * m * n * k
+            tasks.append((model, layer, n, k, m, "full" if model in ("ideogram4", "tiny") else "lean"))
+        if layer == "ffn.w13" and not args.no_sweep:  # tiling sweep after Ideogram's first shapes
+            tasks += [(model, "attn.q", *shapes[0][2:], m, "sweep") for m in ms]
+    for model, layer, n, k, m, mode in tasks:
+        if time.time() - t_start > args.budget_s:
+            result["stopped_early"] = True
+            break
+        layers = [make_layer(jax.random.PRNGKey(100 * i + m), m, n, k) for i in range(N_SETS)]
+        flops = 2.0 * m * n * k
+        if mode == "sweep":
+            variants = sweep_variants(layers, args.interpret, args.tiny)
+        else:
             variants = dict(gemm_variants(layers, args.interpret, args.tiny))
             if not args.no_layer:
                 variants.update(layer_variants(layers, args.interpret, args.tiny))
-            epi = None
-            if not args.no_epilogues and model in ("ideogram4", "tiny") and (layer, m) not in done_epi:
-                epi = "rmsnorm" if layer == "attn.q" else ("swiglu" if layer == "ffn.w13" else None)
-                if epi:
-                    variants.update(epilogue_variants(layers, epi, args.interpret, args.tiny))
-                    done_epi.add((layer, m))
-            case = {"model": model, "layer": layer, "m": m, "n": n, "k": k, "flops": flops, "variants": []}
-            for name, (fn, sets, ref) in variants.items():
-                rec = run_case(name, fn, sets, ref, flops=flops, target_s=args.target_s, tiny=args.tiny)
-                case["variants"].append(rec)
-                msg = f"{rec['us']:9.1f} us" if "us" in rec else rec.get("error", "?")[:100]
-                print(f"{model:12s} {layer:16s} m={m:5d} n={n:6d} k={k:6d} {name:38s} {msg}"
-                      f"{'  err=%.1e' % rec['rel_err'] if 'rel_err' in rec else ''}", flush=True)
+            if mode == "lean":
+                variants = {key: v for key, v in variants.items() if key in LEAN}
+            epi = "rmsnorm" if layer == "attn.q" else ("swiglu" if layer == "ffn.w13" else None)
+            if mode == "full" and epi and not args.no_epilogues:
+                variants.update(epilogue_variants(layers, epi, args.interpret, args.tiny))
+        case = {"model": model, "layer": layer, "m": m, "n": n, "k": k, "flops": flops, "mode": mode, "variants": []}
+        result["cases"].append(case)
+        for name, (fn, sets, ref) in variants.items():
+            if time.time() - t_start > args.budget_s:
+                result["stopped_early"] = True
+                break
+            rec = run_case(name, fn, sets, ref, flops=flops, target_s=args.target_s, tiny=args.tiny)
+            case["variants"].append(rec)
+            msg = f"{rec['us']:9.1f} us" if "us" in rec else rec.get("error", "?")[:110]
+            print(f"{model[:9]:9s} {layer[:12]:12s} m={m:4d} n={n:5d} k={k:5d} {name:34s} {msg}"
+                  f"{'  err=%.1e' % rec['rel_err'] if 'rel_err' in rec else ''}", flush=True)
             base = next((v["us"] for v in case["variants"] if v["variant"] == "bf16_xla" and "us" in v), None)
-            for v in case["variants"]:
-                if base and "us" in v:
-                    v["speedup_vs_bf16_xla"] = base / v["us"]
-            result["cases"].append(case)
+            if base and "us" in rec:
+                rec["speedup_vs_bf16_xla"] = base / rec["us"]
             save()
+    result["wall_s"] = time.time() - t_start
     save()
     print(summary_table(result))
     return result
+
+
+LEAN = ("bf16_xla", "w4a4_gemm_mxfp4_bf16", "w4a4_gemm_mxfp4_fp8", "w4a4_layer_lr_fused")
+SWEEP = [(128, 128, 128, 8, 3), (128, 128, 64, 4, 4), (64, 128, 128, 4, 3), (128, 256, 64, 8, 3),
+         (64, 64, 128, 4, 4)]
+
+
+def sweep_variants(layers, interpret=False, tiny=False):
+    """Tilings of the W4A4 GEMM (MXFP4, bf16 and fp8 modes)."""
+    q = _quantize_jit(MXFP4())
+    sets = [(q(a.astype(jnp.float32)), q(w.astype(jnp.float32))) for a, w, _, _ in layers]
+    out = {}
+    for bm, bn, bk, nw, ns in ([(16, 32, 64, 4, 2)] if tiny else SWEEP):
+        bs = G.BlockSizes(bm, bn, bk, nw, ns)
+        for compute in ("bf16", "fp8"):
+            def fn(qa, qw, bs=bs, compute=compute):
+                return G.w4a4_matmul(qa, qw, compute=compute, block_sizes=bs, interpret=interpret)
+
+            out[f"mxfp4_{compute}_bm{bm}_bn{bn}_bk{bk}_w{nw}_s{ns}"] = (
+                fn, sets, lambda qa, qw: jnp.matmul(dequantize(qa, jnp.float32), dequantize(qw, jnp.float32).T))
+    return out
 
 
 def summary_table(result) -> str:
