@@ -7,6 +7,8 @@ import pytest
 from kroquant_jax.formats import MXFP4, NVFP4, quantize
 from pallas_kernels import weight_memory as wm
 
+quantize = jax.jit(quantize, static_argnums=1)
+
 
 @pytest.mark.parametrize("fmt,name", [(MXFP4(), "mxfp4"), (NVFP4(), "nvfp4")])
 def test_matches_quantized_array_nbytes(fmt, name):
