@@ -81,6 +81,7 @@ class CaptureConfig:
         seed: seeds the noise (batch ``i`` uses ``fold_in(seed, i)``) and the row draws.
         layers: dotted paths to record; None = every quantizable linear.
         shift: flow-matching shift (SANA/FLUX); None = the family default.
+        solver: None (the family default) or ``"flow_euler"`` (flow-matching PixArt-architecture models).
         row_dtype: dtype of the recorded rows on the device.
     """
 
@@ -91,6 +92,7 @@ class CaptureConfig:
     seed: int = 0
     layers: tuple[str, ...] | None = None
     shift: float | None = None
+    solver: str | None = None
     row_dtype: str = "float32"
 
 
@@ -114,7 +116,7 @@ def capture_layer_set(family: str, model: nnx.Module, prompt_batches: Sequence[M
     names = list(config.layers) if config.layers is not None else list(linears(model, quantizable_only=True))
     unknown = [name for name in names if name not in available]
     if unknown:
-        raise ValueError(f"capture_layer_set: no Linear at {unknown} (the model's linears: {sorted(available)[:8]} ...)")
+        raise ValueError(f"capture_layer_set: no Linear at {unknown} (e.g. {sorted(available)[:4]})")
     rows_per_step = max(1, math.ceil(config.rows_per_layer / (len(prompt_batches) * config.num_steps)))
     row_dtype = jnp.dtype(config.row_dtype)
 
@@ -125,7 +127,7 @@ def capture_layer_set(family: str, model: nnx.Module, prompt_batches: Sequence[M
     graphdef, state = nnx.split(model)
     sample = jax.jit(make_sampler(family, graphdef, model.cfg, num_steps=config.num_steps,
                                   guidance_scale=config.guidance_scale, latent_hw=tuple(config.latent_hw),
-                                  shift=config.shift, hooks_factory=hooks_factory))
+                                  shift=config.shift, solver=config.solver, hooks_factory=hooks_factory))
     base = jax.random.key(config.seed)
     collected: dict[str, list[np.ndarray]] = {name: [] for name in names}
     for index, batch in enumerate(prompt_batches):

@@ -4,8 +4,8 @@ The JAX side (every other module of ``models``) never imports this file: the Fla
 embeddings and return latents. These helpers need ``torch``, ``diffusers`` and ``transformers`` and load components
 from LOCAL pipeline directories only (no hub downloads).
 
-* :func:`encode_prompts`: prompts -> the embeddings ``.npz`` layout of ``scripts/quantize_checkpoint.py``, through the
-  pipeline's own ``encode_prompt`` (PixArt-Σ: T5, 300 tokens; SANA: Gemma-2 with its chat instruction; FLUX: T5 + CLIP).
+* :func:`encode_prompts`: prompts -> the embeddings ``.npz`` layout of ``scripts/quantize_checkpoint.py``, through
+  the pipeline's own ``encode_prompt`` (PixArt-Σ: T5, 300 tokens; SANA: Gemma-2; FLUX: T5 + CLIP).
 * :func:`decode_latents`: latents (N, C, h, w) -> uint8 images (N, H, W, 3) with the family's VAE and scaling.
 * :func:`save_pngs`: write images as PNGs, atomically.
 """

@@ -241,22 +241,32 @@ def flux_denoiser(graphdef: nnx.GraphDef, hooks_factory: HooksFactory | None = N
 
 
 def make_sampler(family: str, graphdef: nnx.GraphDef, cfg: Any, *, num_steps: int, guidance_scale: float,
-                 latent_hw: tuple[int, int], shift: float | None = None,
+                 latent_hw: tuple[int, int], shift: float | None = None, solver: str | None = None,
                  hooks_factory: HooksFactory | None = None) -> Callable[[Any, jax.Array], tuple[jax.Array, Any]]:
     """The whole sampling run of one family as ``sample(params, key) -> (latents (b, c, H, W), aux per step)``.
 
     Draws the initial noise from ``key`` (fixed seed -> fixed image), builds the family's denoiser and loop:
     ``"pixart"``: DPM-Solver++ 2M on PixArt-Σ's schedule, CFG; ``"sana"``: flow Euler with ``shift`` (default 3.0,
     SANA's flow_shift), CFG; ``"flux"``: flow Euler on packed latents, shift (default 1.0, schnell), no CFG.
+    ``solver="flow_euler"`` samples a PixArt-architecture model trained with flow matching (velocity output, model
+    timestep 1000 sigma, shift default 1.0: the emoji testbed's sampler).
     ``params`` holds ``"model"`` (the nnx state) and the text inputs the family's denoiser documents; the batch size
     is ``params["context"].shape[0]``. Wrap in ``jax.jit``.
     """
     height, width = latent_hw
+    if solver not in (None, "dpm_solver_pp_2m", "flow_euler"):
+        raise ValueError(f"unknown {solver=} (dpm_solver_pp_2m, flow_euler)")
     if family == "pixart":
         channels = cfg.in_channels
-        schedule = dpm_solver_schedule(num_steps)
         denoise = pixart_denoiser(graphdef, guidance_scale, channels, hooks_factory)
-        loop = lambda params, noise: dpm_solver_pp_2m(denoise, params, noise, schedule)  # noqa: E731
+        if solver == "flow_euler":
+            sigmas = flow_sigmas(num_steps, 1.0 if shift is None else shift)
+            loop = lambda params, noise: flow_euler(denoise, params, noise, sigmas)  # noqa: E731
+        else:
+            schedule = dpm_solver_schedule(num_steps)
+            loop = lambda params, noise: dpm_solver_pp_2m(denoise, params, noise, schedule)  # noqa: E731
+    elif solver == "dpm_solver_pp_2m":
+        raise ValueError(f"{family}: only flow_euler is implemented")
     elif family == "sana":
         channels = cfg.in_channels
         sigmas = flow_sigmas(num_steps, 3.0 if shift is None else shift)

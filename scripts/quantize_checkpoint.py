@@ -12,6 +12,7 @@ Outputs in OUT (each file written atomically): ``layer_set.safetensors`` (the ca
 resumable per-layer store of ``kroquant_jax.calibrate``), ``quantized/`` (orbax checkpoint of ``{name:
 QuantizedLinear}``), ``samples.npz`` (16-bit and W4A4 latents of the evaluation prompts, same seeds) and
 ``report.json`` (latent PSNR / relative error of W4A4 vs 16-bit per prompt, per-layer held-out errors).
+The last ``--eval-prompts`` prompts are only generated, never captured (unless there are no more prompts than that).
 With ``--vae DIR`` (a diffusers AutoencoderKL directory, torch side) the latents are also decoded to PNGs.
 """
 
@@ -45,12 +46,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--calib-steps", type=int, help="override the recipe's optimisation steps")
     parser.add_argument("--calib-rows", type=int, help="calibration rows per layer (default: the recipe's)")
     parser.add_argument("--calib-heldout", type=int, help="held-out rows per layer (default: the recipe's)")
+    parser.add_argument("--solver", choices=("dpm_solver_pp_2m", "flow_euler"),
+                        help="default: DPM-Solver++ 2M for PixArt, flow Euler for SANA/FLUX; flow_euler for "
+                        "flow-matching PixArt-architecture models (the emoji testbed)")
+    parser.add_argument("--shift", type=float, help="flow-matching sigma shift (default: the family's)")
+    parser.add_argument("--max-prompts", type=int, help="use only the first N prompts of --embeddings")
     parser.add_argument("--steps", type=int, default=20, help="denoising steps (capture and generation)")
     parser.add_argument("--guidance", type=float, default=4.5, help="CFG scale (PixArt/SANA)")
     parser.add_argument("--latent-hw", type=int, nargs=2, default=(128, 128), metavar=("H", "W"))
     parser.add_argument("--rows-per-layer", type=int, default=1024, help="captured rows kept per layer")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per sampling run")
-    parser.add_argument("--eval-prompts", type=int, default=4, help="prompts generated with both models")
+    parser.add_argument("--eval-prompts", type=int, default=4, help="the LAST N prompts are generated with both "
+                        "models and not captured (unless there are no more than N prompts)")
     parser.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16, float16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vae", help="diffusers AutoencoderKL directory: decode the latents to PNGs (torch)")
@@ -73,6 +80,13 @@ def _prompt_arrays(args, family: str, cfg) -> dict[str, np.ndarray]:
     if args.embeddings:
         with np.load(args.embeddings) as data:
             arrays = {k: data[k] for k in data.files}
+        renames = (("mask", "context_mask"), ("uncond_context", "null_context"), ("uncond_mask", "null_mask"))
+        for ours, theirs in renames:  # the emoji testbed's prompt file layout
+            if ours not in arrays and theirs in arrays:
+                arrays[ours] = arrays[theirs] if theirs == "context_mask" else arrays[theirs][None]
+        if args.max_prompts:
+            arrays = {k: v[:args.max_prompts] if not k.startswith("uncond_") and v.ndim else v
+                      for k, v in arrays.items()}
     else:
         rng = np.random.default_rng(args.seed)
         count, tokens = args.synthetic_prompts, args.synthetic_tokens
@@ -135,8 +149,10 @@ def main(argv: list[str] | None = None) -> dict:
     # 1. capture
     capture_config = capture.CaptureConfig(num_steps=args.steps, guidance_scale=args.guidance,
                                            latent_hw=tuple(args.latent_hw), rows_per_layer=args.rows_per_layer,
-                                           seed=args.seed)
-    batches = _batches(arrays, list(range(count)), args.batch_size, dtype)
+                                           seed=args.seed, shift=args.shift, solver=args.solver)
+    eval_count = min(args.eval_prompts, count)
+    capture_indices = list(range(count - eval_count)) if count > eval_count else list(range(count))
+    batches = _batches(arrays, capture_indices, args.batch_size, dtype)
     layer_set = capture.capture_layer_set(family, model, batches, capture_config)
     save_layer_set(str(out / "layer_set.safetensors"), layer_set)
 
@@ -160,10 +176,11 @@ def main(argv: list[str] | None = None) -> dict:
     # 4. generate with both models, same seeds, same jitted sampler
     graphdef, state = nnx.split(model)
     sample = jax.jit(sampling.make_sampler(family, graphdef, cfg, num_steps=args.steps,
-                                           guidance_scale=args.guidance, latent_hw=tuple(args.latent_hw)))
-    eval_count = min(args.eval_prompts, count)
+                                           guidance_scale=args.guidance, latent_hw=tuple(args.latent_hw),
+                                           shift=args.shift, solver=args.solver))
+    eval_indices = list(range(count - eval_count, count))
     full, w4a4, per_prompt = [], [], []
-    for index, batch in enumerate(_batches(arrays, list(range(eval_count)), 1, dtype)):
+    for index, batch in zip(eval_indices, _batches(arrays, eval_indices, 1, dtype)):
         key = jax.random.key(args.seed + 1000 + index)
         reference, _ = sample({"model": state, **batch}, key)
         quantized, _ = sample({"model": state, **batch, "overrides": overrides}, key)
@@ -187,8 +204,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     heldout = {n: r.get("heldout_error") for n, r in reports.items()}
     report = {"family": family, "checkpoint": str(args.checkpoint), "recipe": args.recipe, "steps": args.steps,
+              "solver": args.solver, "shift": args.shift,
               "guidance": args.guidance, "latent_hw": list(args.latent_hw), "layers": len(qlayers),
-              "prompts_captured": count, "per_prompt": per_prompt,
+              "prompts_captured": len(capture_indices), "per_prompt": per_prompt,
               "mean_latent_psnr_db": float(np.mean([p["latent_psnr_db"] for p in per_prompt])),
               "heldout_error": heldout}
     _atomic_write(out / "report.json", json.dumps(report, indent=2, default=float).encode("utf-8"))
