@@ -210,6 +210,16 @@ CANDIDATES = {
              "shuffle_r2_w16": BS(fwht_rows=2, fwht_num_warps=16)},
 }
 CANDIDATES["k2"] = CANDIDATES["k1"]
+# Wide tiles walked by a lax.fori_loop (scf.for, software-pipelined by Triton over num_stages): --candidates fori
+FORI_CANDIDATES = {
+    "q4": {"br32_bd128_w4": CANDIDATES["q4"]["br32_bd128_w4"],
+           "br32_bd512_c128_fori_s3": BS(block_rows=32, block_cols=512, chunk_cols=128, chunk_loop="fori",
+                                         num_stages=3)},
+    "k1": {"br64_bd32_w4_split": CANDIDATES["k1"]["br64_bd32_w4_split"],
+           "br64_bd256_fori_s3": BS(block_rows=64, block_cols=256, chunk_loop="fori", num_stages=3),
+           "br64_bd512_fori_s3": BS(block_rows=64, block_cols=512, chunk_loop="fori", num_stages=3)},
+}
+FORI_CANDIDATES["k2"] = FORI_CANDIDATES["k1"]
 XLA_ALL_SHAPES = {(4096, 4096), (4096, 16384)}
 
 
@@ -365,6 +375,9 @@ def main(argv=None):
     ap.add_argument("--shapes", default="all", help="'all' or a list like 4096x4096,512x3072")
     ap.add_argument("--sweep", action="store_true", help="tiling sweep instead of the table")
     ap.add_argument("--no-xla", action="store_true")
+    ap.add_argument("--kinds", default="q4,scale,k1,k2,fwht")
+    ap.add_argument("--candidates", default="default", choices=["default", "fori"])
+    ap.add_argument("--copy-gib", type=float, default=1.0, help="size of each buffer of the copy-bandwidth probe")
     args = ap.parse_args(argv)
     dtype = jnp.dtype(args.dtype)
     dev = jax.devices()[0]
@@ -377,8 +390,9 @@ def main(argv=None):
     else:
         shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x")) for s in
                                                       args.shapes.split(",")]
-        big = make_inputs(8192, 65536, jnp.float16, 2) if dev.platform == "gpu" else make_inputs(256, 1024,
-                                                                                                jnp.float16, 2)
+        rows_big = max(1, int(8192 * args.copy_gib))
+        big = make_inputs(rows_big, 65536, jnp.float16, 2) if dev.platform == "gpu" else make_inputs(256, 1024,
+                                                                                                     jnp.float16, 2)
         copy_us, copy_method, _ = time_device(copy_fn(), big, 30)
         copy_bw = 2 * big[0].size * 2 / (copy_us * 1e-6) / 1e9
         del big
@@ -389,7 +403,9 @@ def main(argv=None):
         out = {"meta": meta, "rows": rows}
         for m, d in shapes:
             t0 = time.time()
-            row = derive(bench_shape(m, d, dtype, ("q4", "scale", "k1", "k2", "fwht"), None, args.iters,
+            if args.candidates == "fori":
+                CANDIDATES.update(FORI_CANDIDATES)
+            row = derive(bench_shape(m, d, dtype, tuple(args.kinds.split(",")), None, args.iters,
                                      with_xla=not args.no_xla), copy_bw)
             rows.append(row)
             print(f"({m}, {d}) done in {time.time() - t0:.1f}s: " +

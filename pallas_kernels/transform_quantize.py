@@ -102,6 +102,9 @@ class BlockSizes:
       split_dot: K1/K2 with MXFP4 output compute the even and odd output columns of each 32-block by two (32, 16)
         products and quantize them with :func:`mx_quantize_pair`, so no reshape follows the tensor-core product.
       cols_first: launch the grid with the column tile as the fastest-varying program index.
+      chunk_loop: ``"static"`` unrolls the loop over the column chunks of a tile; ``"fori"`` makes it a
+        ``lax.fori_loop`` (an ``scf.for`` that Triton software-pipelines over ``num_stages``), for wide tiles.
+      chunk_cols: q4/scale with ``vector_tile``: quantize the tile ``chunk_cols`` columns at a time (0: all of ``BD``).
     """
 
     block_rows: int = 64
@@ -116,6 +119,8 @@ class BlockSizes:
     fast_encode: bool = True
     split_dot: bool = True
     cols_first: bool = False
+    chunk_loop: str = "static"
+    chunk_cols: int = 0
 
     def __post_init__(self):
         for name in ("block_rows", "fwht_rows"):
@@ -129,6 +134,10 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.block_cols={self.block_cols} must be 32 * a power of two")
         if self.dot_passes not in (1, 2, 3):
             raise ValueError(f"BlockSizes.dot_passes={self.dot_passes} must be 1, 2 or 3")
+        if self.chunk_cols and (self.chunk_cols % BLOCK or (self.chunk_cols // BLOCK) & (self.chunk_cols // BLOCK - 1)):
+            raise ValueError(f"BlockSizes.chunk_cols={self.chunk_cols} must be 0 or 32 * a power of two")
+        if self.chunk_loop not in ("static", "fori"):
+            raise ValueError(f"BlockSizes.chunk_loop={self.chunk_loop!r} must be 'static' or 'fori'")
         if self.fwht_variant not in ("axis", "shuffle"):
             raise ValueError(f"BlockSizes.fwht_variant={self.fwht_variant!r} must be 'axis' or 'shuffle'")
 
@@ -149,6 +158,8 @@ def default_block_sizes(kind: str, m: int, d: int) -> BlockSizes:
         return BlockSizes(block_rows=64, block_cols=128, num_warps=8)
     if kind == "fwht":
         return BlockSizes(fwht_rows=1 if d >= 8192 else 2, fwht_num_warps=16)
+    if kind == "k1" and d % 256 == 0:  # 256-wide tiles walked by a pipelined loop: -11% at 4096x4096 and 4096x16384
+        return BlockSizes(block_rows=64, block_cols=256, num_warps=4, chunk_loop="fori", num_stages=3)
     return BlockSizes(block_rows=64, block_cols=32, num_warps=4)
 
 
@@ -484,7 +495,7 @@ def _fwht_rows(y: jax.Array, variant: str) -> jax.Array:
 
 
 def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes, fwht_variant, amax_only,
-            n_poison, fast_encode, split_dot, row_axis, round_y):
+            n_poison, fast_encode, split_dot, row_axis, round_y, chunk_loop):
     it = iter(refs)
     a_ref = next(it)
     inv_ref = next(it) if kind in ("scale", "k2s") else None
@@ -516,16 +527,17 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes,
     if fmt_kind == "nvfp4" and not amax_only:
         ts, inv_ts = ts_ref[0, 0], ts_ref[0, 1]
     block = 16 if fmt_kind == "nvfp4" else BLOCK
-    running_max = None
     use_pair = split_dot and kind in ("k1", "k2", "k2s") and fmt_kind == "mxfp4" and not amax_only
-    for t in range(n_chunks):
+
+    def process(t):
+        """Chunk ``t`` of the tile: transform, quantize, store (or return the row maxima, ``amax_only``)."""
         x = load(a_ref.at[:, pl.ds(t * chunk, chunk)], chunk)
         if use_pair:
             if kind == "k1":
                 k_even, k_odd = jnp.unstack(k_ref[t].reshape(BLOCK, BLOCK // 2, 2), axis=-1)
             else:
                 inv_col = inv_ref[pl.ds(t * BLOCK, BLOCK), :] if kind == "k2s" else None
-                k_even, k_odd = (_kron_block(lambda i, t=t: p_ref[t, i], inv_col, parity) for parity in (0, 1))
+                k_even, k_odd = (_kron_block(lambda i: p_ref[t, i], inv_col, parity) for parity in (0, 1))
             y_even = _dot_split(x, k_even, passes)
             y_odd = _dot_split(x, k_odd, passes)
             if round_y:
@@ -535,7 +547,7 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes,
             q_ref, s_ref = out_refs
             store(q_ref.at[:, pl.ds(t * (BLOCK // 2), BLOCK // 2)], packed)
             store(s_ref.at[:, pl.ds(t, 1)], scale_bytes)
-            continue
+            return None
         if kind == "q4":
             y = x.astype(jnp.float32)
         elif kind == "scale":
@@ -544,7 +556,7 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes,
             y = _dot_split(x, k_ref[t], passes)
         elif kind in ("k2", "k2s"):
             inv_col = inv_ref[pl.ds(t * BLOCK, BLOCK), :] if kind == "k2s" else None
-            kb = _kron_block(lambda i, t=t: p_ref[t, i], inv_col)
+            kb = _kron_block(lambda i: p_ref[t, i], inv_col)
             y = _dot_split(x, kb, passes)
         elif kind == "fwht":
             y = _fwht_rows(x.astype(jnp.float32), fwht_variant) * jnp.float32(_fwht_scale(chunk))
@@ -554,9 +566,7 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes,
             y = y.astype(dtype).astype(jnp.float32)  # the reference's rounding to A.dtype
         if amax_only:
             yf = F.flush_subnormals(y)
-            tile_max = jnp.max(jnp.abs(jnp.where(_nonfinite(yf), 0.0, yf)), axis=1, keepdims=True)
-            running_max = tile_max if running_max is None else jnp.maximum(running_max, tile_max)
-            continue
+            return jnp.max(jnp.abs(jnp.where(_nonfinite(yf), 0.0, yf)), axis=1, keepdims=True)
         if fmt_kind == "nvfp4":
             packed, scale_bytes = nv_quantize_tile(y, ts, inv_ts)
         elif fast_encode:
@@ -566,6 +576,17 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes,
         q_ref, s_ref = out_refs
         store(q_ref.at[:, pl.ds(t * (chunk // 2), chunk // 2)], packed)
         store(s_ref.at[:, pl.ds(t * (chunk // block), chunk // block)], scale_bytes)
+        return None
+
+    if chunk_loop == "fori" and not amax_only and n_chunks > 1:
+        # A scf.for over the column blocks: Triton's software pipeliner can prefetch the next block's tile.
+        jax.lax.fori_loop(0, n_chunks, lambda t, carry: (process(t), carry)[1], jnp.int32(0))
+        return
+    running_max = None
+    for t in range(n_chunks):
+        tile_max = process(t)
+        if amax_only:
+            running_max = tile_max if running_max is None else jnp.maximum(running_max, tile_max)
     if amax_only:
         store(out_refs[0].at[...], running_max)
 
@@ -603,7 +624,7 @@ def _pallas_call(a: jax.Array, t: PreparedTransform, fmt, ts_pair: Optional[jax.
         br, bd, chunk, warps = bs.fwht_rows, d, d, bs.fwht_num_warps
     else:
         br, bd, warps = bs.block_rows, bs.cols_for(d), bs.num_warps
-        chunk = bd if (kind in ("q4", "scale") and bs.vector_tile) else BLOCK
+        chunk = (min(bs.chunk_cols or bd, bd) if (kind in ("q4", "scale") and bs.vector_tile) else BLOCK)
     grid = (pl.cdiv(m, br), d // bd)
 
     def spec(block_shape, index_map):
@@ -646,7 +667,7 @@ def _pallas_call(a: jax.Array, t: PreparedTransform, fmt, ts_pair: Optional[jax.
         _kernel, kind=kind, m=m, block_rows=br, chunk=chunk, n_chunks=bd // chunk, fmt_kind=fmt_kind,
         mode=fmt.scale_mode if fmt_kind == "mxfp4" else None, passes=bs.dot_passes, fwht_variant=bs.fwht_variant,
         amax_only=amax_only, n_poison=n_poison, fast_encode=bs.fast_encode, split_dot=bs.split_dot,
-        row_axis=1 if bs.cols_first else 0, round_y=round_y)
+        row_axis=1 if bs.cols_first else 0, round_y=round_y, chunk_loop=bs.chunk_loop)
     call = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid[::-1] if bs.cols_first else grid, in_specs=in_specs, out_specs=out_specs,
         input_output_aliases=aliases, interpret=interpret,

@@ -334,3 +334,13 @@ class TestQLinearGPU:
             np.testing.assert_allclose(y, ref, atol=3e-3 * np.abs(ref).max())
         assert qlinear_gpu.prepare_layer_transform(layer).kind == "k2"
         assert qlinear_gpu.prepare_layer_transform(layer, kernel="k1").kind == "k1"
+
+
+@pytest.mark.parametrize("kind", ["q4", "k2"])
+def test_interpret_fori_tiles_exact(kind):
+    """Wide tiles walked by ``lax.fori_loop`` (``chunk_loop="fori"``), dynamic column offsets."""
+    m, d = 37, 256
+    a = _exact_activations(jax.random.key(50), m, d, jnp.bfloat16)
+    t = _exact_transform(kind, d, jax.random.key(51))
+    bs = tq.BlockSizes(block_rows=16, block_cols=256, chunk_cols=64, chunk_loop="fori", num_stages=3)
+    _assert_same(_poisoned(a, t, MXFP4(), bs), tq.reference_transform_quantize(a, t, MXFP4()))

@@ -192,3 +192,40 @@ def test_dispatch_uses_kernel_and_ste_grad():
                           precision=jax.lax.Precision.HIGHEST).reshape(m, d)
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(expected.astype(jnp.bfloat16), np.float32),
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["q4", "k1", "k2"])
+def test_fori_tiles_exact(kind):
+    m, d = 1000, 1152
+    a = _exact_activations(jax.random.key(12), m, d, jnp.bfloat16)
+    t = _exact_transform(kind, d, jax.random.key(13))
+    bs = tq.BlockSizes(block_rows=32 if kind == "q4" else 64, block_cols=512 if kind == "q4" else 256,
+                       chunk_cols=128 if kind == "q4" else 0, chunk_loop="fori", num_stages=3)
+    q = _run_poisoned(a, t, MXFP4(), bs)
+    r = _reference(a, t, MXFP4())
+    np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(r.codes))
+    np.testing.assert_array_equal(_scale_bytes(q), _scale_bytes(r))
+
+
+@pytest.mark.parametrize("with_lowrank", [False, True])
+def test_qlinear_gpu_matches_packed_forward(with_lowrank):
+    from kroquant_jax import qlinear
+    from pallas_kernels import qlinear_gpu
+
+    o, d, r = 256, 1152, 128
+    w = jax.random.normal(jax.random.key(14), (o, d))
+    lowrank = None
+    if with_lowrank:
+        lowrank = (0.1 * jax.random.normal(jax.random.key(15), (o, r)), 0.1 * jax.random.normal(jax.random.key(16),
+                                                                                                 (r, d)))
+    params = jax.tree.map(lambda v: v * (1 + 0.2 * jax.random.normal(jax.random.key(17), v.shape)),
+                          T.KRON_LU.init(d))
+    layer = qlinear.build_qlinear(w, jnp.ones((o,)), transform="kron_lu", transform_params=params, lowrank=lowrank)
+    x = _random_activations(jax.random.key(18), 300, d, jnp.bfloat16)
+    ref = np.asarray(qlinear.qlinear_forward(layer, x, path="packed"), np.float32)
+    y = np.asarray(qlinear_gpu.qlinear_forward_gpu(layer, x), np.float32)  # kernels (GPU)
+    y_ref_impl = np.asarray(qlinear_gpu.qlinear_forward_gpu(layer, x, impl="reference"), np.float32)
+    scale = np.abs(ref).max()
+    # bf16 output; the K2 block entries may differ from kron_lu.blocks by ~1 ulp (FMA), flipping rare codes
+    assert np.mean(np.abs(y - ref) > 2e-2 * scale) < 1e-3
+    assert np.mean(np.abs(y - y_ref_impl) > 2e-2 * scale) < 1e-3
