@@ -47,7 +47,7 @@ from pallas_kernels import w4a4_gemm as G  # noqa: E402
 
 try:
     from pallas_kernels import transform_quantize as TQ  # noqa: E402
-except ImportError:  # pragma: no cover - the fused quantizer lives in another module
+except Exception:  # noqa: BLE001 - the fused quantizer lives in another module (recorded as missing)
     TQ = None
 
 RANK = 128

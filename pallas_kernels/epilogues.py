@@ -228,11 +228,11 @@ def _epilogue_kernel(*refs, spec: OperandSpec, k: int, epilogue: str, tile: int,
     for j in range(n_sub):
         cols = pl.ds(j * tile, tile)
         if ts_ref is not None:
-            accs[j] = accs[j] * ts_ref[...].reshape(1, 1)
+            accs[j] = accs[j] * ts_ref[...]  # (1, 1)
         if has_lowrank:
             accs[j] = accs[j] + lowrank_term(h_ref, l_refs, cols, packed=lowrank_packed)
         if has_bias:
-            accs[j] = accs[j] + bias_ref[cols].astype(jnp.float32).reshape(1, tile)
+            accs[j] = accs[j] + bias_ref[:, cols]  # (1, tile) f32
 
     if epilogue == "none":
         for j in range(n_sub):
@@ -251,7 +251,7 @@ def _epilogue_kernel(*refs, spec: OperandSpec, k: int, epilogue: str, tile: int,
         order = [last] + list(range(last))  # then revisit the first tiles with the known rstd
         for j in order:
             cols = pl.ds(j * tile, tile)
-            wj = nw_ref[cols].astype(jnp.float32).reshape(1, tile)
+            wj = nw_ref[:, cols]  # (1, tile) f32
             o_ref[:, cols] = (accs[j] * rstd * wj).astype(o_ref.dtype)
     elif epilogue == "swiglu":
         (acc,) = accs
@@ -289,8 +289,8 @@ def _fused_call(a, w, *, epilogue: Epilogue, head_dim: int, norm_weight, eps: fl
     args = _operand_arrays(a, kind, m_pad, k_pad) + _operand_arrays(w, kind, n, k_pad)
     in_specs = _operand_specs(kind, bs.block_m, k_pad, blk, a_map) + _operand_specs(kind, cols, k_pad, blk, w_map)
     if spec.has_tensor_scale:
-        args.append((a.tensor_scale * w.tensor_scale).astype(jnp.float32).reshape(1))
-        in_specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
+        args.append((a.tensor_scale * w.tensor_scale).astype(jnp.float32).reshape(1, 1))
+        in_specs.append(pl.BlockSpec((1, 1), lambda i, j: (0, 0)))
     lowrank_packed = False
     if lowrank is not None:
         h, left = lowrank
@@ -302,11 +302,11 @@ def _fused_call(a, w, *, epilogue: Epilogue, head_dim: int, norm_weight, eps: fl
     if bias is not None:
         if bias.shape != (n,):
             raise ValueError(f"bias {bias.shape} must be ({n},)")
-        args.append(bias.astype(jnp.float32))
-        in_specs.append(pl.BlockSpec((cols,), lambda i, j: (j,)))
+        args.append(bias.astype(jnp.float32).reshape(1, n))
+        in_specs.append(pl.BlockSpec((1, cols), lambda i, j: (0, j)))
     if epilogue == "rmsnorm":
-        args.append(norm_weight.astype(jnp.float32))
-        in_specs.append(pl.BlockSpec((head_dim,), lambda i, j: (0,)))
+        args.append(norm_weight.astype(jnp.float32).reshape(1, head_dim))
+        in_specs.append(pl.BlockSpec((1, head_dim), lambda i, j: (0, 0)))
     aliases = {}
     if out is not None:
         if out.shape != (m, n_out):

@@ -376,11 +376,11 @@ def _gemm_kernel(*refs, spec: OperandSpec, k: int, block_n: int, has_lowrank: bo
     (o_ref,) = refs
     (acc,) = accumulate_tiles(a_refs, w_refs, spec=spec, k=k, block_n=block_n, n_sub=1)
     if ts_ref is not None:
-        acc = acc * ts_ref[...].reshape(1, 1)
+        acc = acc * ts_ref[...]  # (1, 1)
     if has_lowrank:
         acc = acc + lowrank_term(h_ref, l_refs, pl.ds(0, block_n), packed=lowrank_packed)
     if has_bias:
-        acc = acc + bias_ref[...].astype(jnp.float32).reshape(1, block_n)
+        acc = acc + bias_ref[...]  # (1, block_n) f32
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
@@ -482,8 +482,8 @@ def w4a4_matmul(a: QuantizedArray, w: QuantizedArray, *, lowrank: Optional[tuple
     in_specs = (_operand_specs(kind, bs.block_m, k_pad, blk, a_map)
                 + _operand_specs(kind, bs.block_n, k_pad, blk, w_map))
     if spec.has_tensor_scale:
-        args.append((a.tensor_scale * w.tensor_scale).astype(jnp.float32).reshape(1))
-        in_specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
+        args.append((a.tensor_scale * w.tensor_scale).astype(jnp.float32).reshape(1, 1))
+        in_specs.append(pl.BlockSpec((1, 1), lambda i, j: (0, 0)))
     lowrank_packed = False
     if lowrank is not None:
         h, left = lowrank
@@ -495,8 +495,8 @@ def w4a4_matmul(a: QuantizedArray, w: QuantizedArray, *, lowrank: Optional[tuple
     if bias is not None:
         if bias.shape != (n,):
             raise ValueError(f"bias {bias.shape} must be ({n},)")
-        args.append(jnp.pad(bias.astype(jnp.float32), (0, n_pad - n)))
-        in_specs.append(pl.BlockSpec((bs.block_n,), lambda i, j: (j,)))
+        args.append(jnp.pad(bias.astype(jnp.float32), (0, n_pad - n)).reshape(1, n_pad))
+        in_specs.append(pl.BlockSpec((1, bs.block_n), lambda i, j: (0, j)))
     aliases = {}
     if out is not None:
         if out.shape != (m, n):
