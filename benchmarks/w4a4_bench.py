@@ -331,7 +331,8 @@ def main(argv=None):
     for model, layer, n, k in shapes:
         for m in ms:
             tasks.append((model, layer, n, k, m, "full" if model in ("ideogram4", "tiny") else "lean"))
-        if layer == "ffn.w13" and not args.no_sweep:  # tiling sweep after Ideogram's first shapes
+        last_full = [sh for sh in shapes if sh[0] in ("ideogram4", "tiny")][-1:]
+        if (model, layer, n, k) in last_full and not args.no_sweep:  # tiling sweep after Ideogram's shapes
             tasks += [(model, "attn.q", *shapes[0][2:], m, "sweep") for m in ms]
     for model, layer, n, k, m, mode in tasks:
         if time.time() - t_start > args.budget_s:
@@ -372,8 +373,8 @@ def main(argv=None):
 
 
 LEAN = ("bf16_xla", "w4a4_gemm_mxfp4_bf16", "w4a4_gemm_mxfp4_fp8", "w4a4_layer_lr_fused")
-SWEEP = [(128, 128, 128, 8, 3), (128, 128, 64, 4, 4), (64, 128, 128, 4, 3), (128, 256, 64, 8, 3),
-         (64, 64, 128, 4, 4)]
+SWEEP = [(128, 128, 128, 8, 3, 1), (128, 128, 64, 4, 4, 1), (64, 128, 128, 4, 3, 1), (128, 256, 64, 8, 3, 1),
+         (128, 128, 64, 8, 3, 2), (64, 64, 128, 4, 4, 1)]
 
 
 def sweep_variants(layers, interpret=False, tiny=False):
@@ -381,13 +382,13 @@ def sweep_variants(layers, interpret=False, tiny=False):
     q = _quantize_jit(MXFP4())
     sets = [(q(a.astype(jnp.float32)), q(w.astype(jnp.float32))) for a, w, _, _ in layers]
     out = {}
-    for bm, bn, bk, nw, ns in ([(16, 32, 64, 4, 2)] if tiny else SWEEP):
-        bs = G.BlockSizes(bm, bn, bk, nw, ns)
+    for bm, bn, bk, nw, ns, nsub in ([(16, 32, 64, 4, 2, 2)] if tiny else SWEEP):
+        bs = G.BlockSizes(bm, bn, bk, nw, ns, nsub)
         for compute in ("bf16", "fp8"):
             def fn(qa, qw, bs=bs, compute=compute):
                 return G.w4a4_matmul(qa, qw, compute=compute, block_sizes=bs, interpret=interpret)
 
-            out[f"mxfp4_{compute}_bm{bm}_bn{bn}_bk{bk}_w{nw}_s{ns}"] = (
+            out[f"mxfp4_{compute}_bm{bm}_bn{bn}x{nsub}_bk{bk}_w{nw}_s{ns}"] = (
                 fn, sets, lambda qa, qw: jnp.matmul(dequantize(qa, jnp.float32), dequantize(qw, jnp.float32).T))
     return out
 

@@ -98,6 +98,8 @@ class BlockSizes:
       block_n: rows of W (output columns) per program.
       block_k: unpacked K elements per main-loop step (a multiple of the format's block size, >= 32).
       num_warps, num_stages: Triton launch parameters.
+      n_sub: W tiles of ``block_n`` rows per program (the A tile is decoded once for all of them, so its unpacking
+        cost is shared); a program computes ``block_m x (n_sub * block_n)`` outputs.
     """
 
     block_m: int = 128
@@ -105,6 +107,7 @@ class BlockSizes:
     block_k: int = 128
     num_warps: int = 8
     num_stages: int = 3
+    n_sub: int = 1
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -357,8 +360,8 @@ def lowrank_term(h_ref, l_refs, rows, *, packed: bool) -> jax.Array:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _gemm_kernel(*refs, spec: OperandSpec, k: int, block_n: int, has_lowrank: bool, lowrank_packed: bool,
-                 has_bias: bool):
+def _gemm_kernel(*refs, spec: OperandSpec, k: int, block_n: int, n_sub: int, has_lowrank: bool,
+                 lowrank_packed: bool, has_bias: bool):
     n_op = 1 if spec.kind == "bf16" else 2
     refs = list(refs)
     a_refs, refs = refs[:n_op], refs[n_op:]
@@ -374,14 +377,16 @@ def _gemm_kernel(*refs, spec: OperandSpec, k: int, block_n: int, has_lowrank: bo
     if len(refs) == 2:  # an aliased (poisoned) output buffer, then the output
         refs = refs[1:]
     (o_ref,) = refs
-    (acc,) = accumulate_tiles(a_refs, w_refs, spec=spec, k=k, block_n=block_n, n_sub=1)
-    if ts_ref is not None:
-        acc = acc * ts_ref[...]  # (1, 1)
-    if has_lowrank:
-        acc = acc + lowrank_term(h_ref, l_refs, pl.ds(0, block_n), packed=lowrank_packed)
-    if has_bias:
-        acc = acc + bias_ref[...]  # (1, block_n) f32
-    o_ref[...] = acc.astype(o_ref.dtype)
+    accs = accumulate_tiles(a_refs, w_refs, spec=spec, k=k, block_n=block_n, n_sub=n_sub)
+    for j, acc in enumerate(accs):
+        cols = pl.ds(j * block_n, block_n)
+        if ts_ref is not None:
+            acc = acc * ts_ref[...]  # (1, 1)
+        if has_lowrank:
+            acc = acc + lowrank_term(h_ref, l_refs, cols, packed=lowrank_packed)
+        if has_bias:
+            acc = acc + bias_ref[:, cols]  # (1, block_n) f32
+        o_ref[:, cols] = acc.astype(o_ref.dtype)
 
 
 def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
@@ -474,13 +479,14 @@ def w4a4_matmul(a: QuantizedArray, w: QuantizedArray, *, lowrank: Optional[tuple
     if compute == "fp8" and kind != "mxfp4":
         raise ValueError("compute='fp8' supports MXFP4 only")
     blk = spec.fmt_block
-    m_pad, n_pad, k_pad = _round_up(m, bs.block_m), _round_up(n, bs.block_n), _round_up(k, bs.block_k)
-    grid = (m_pad // bs.block_m, n_pad // bs.block_n)
+    cols = bs.block_n * bs.n_sub
+    m_pad, n_pad, k_pad = _round_up(m, bs.block_m), _round_up(n, cols), _round_up(k, bs.block_k)
+    grid = (m_pad // bs.block_m, n_pad // cols)
     a_map = lambda i, j: (i, 0)  # noqa: E731
     w_map = lambda i, j: (j, 0)  # noqa: E731
     args = _operand_arrays(a, kind, m_pad, k_pad) + _operand_arrays(w, kind, n_pad, k_pad)
     in_specs = (_operand_specs(kind, bs.block_m, k_pad, blk, a_map)
-                + _operand_specs(kind, bs.block_n, k_pad, blk, w_map))
+                + _operand_specs(kind, cols, k_pad, blk, w_map))
     if spec.has_tensor_scale:
         args.append((a.tensor_scale * w.tensor_scale).astype(jnp.float32).reshape(1, 1))
         in_specs.append(pl.BlockSpec((1, 1), lambda i, j: (0, 0)))
@@ -489,28 +495,28 @@ def w4a4_matmul(a: QuantizedArray, w: QuantizedArray, *, lowrank: Optional[tuple
         h, left = lowrank
         if h.shape[0] != m or left.shape[0] != n:
             raise ValueError(f"lowrank=(h {h.shape}, L {left.shape}) must be (m, r), (n, r)")
-        lr_args, lr_specs, lowrank_packed = lowrank_arrays(h, left, m_pad, n_pad, bs.block_m, bs.block_n, a_map, w_map)
+        lr_args, lr_specs, lowrank_packed = lowrank_arrays(h, left, m_pad, n_pad, bs.block_m, cols, a_map, w_map)
         args += lr_args
         in_specs += lr_specs
     if bias is not None:
         if bias.shape != (n,):
             raise ValueError(f"bias {bias.shape} must be ({n},)")
         args.append(jnp.pad(bias.astype(jnp.float32), (0, n_pad - n)).reshape(1, n_pad))
-        in_specs.append(pl.BlockSpec((1, bs.block_n), lambda i, j: (0, j)))
+        in_specs.append(pl.BlockSpec((1, cols), lambda i, j: (0, j)))
     aliases = {}
     if out is not None:
         if out.shape != (m, n):
             raise ValueError(f"out {out.shape} must be ({m}, {n})")
         aliases = {len(args): 0}
         args.append(jnp.pad(out.astype(out_dtype), [(0, m_pad - m), (0, n_pad - n)]))
-        in_specs.append(pl.BlockSpec((bs.block_m, bs.block_n), lambda i, j: (i, j)))
-    kernel = functools.partial(_gemm_kernel, spec=spec, k=k_pad, block_n=bs.block_n, has_lowrank=lowrank is not None,
-                               lowrank_packed=lowrank_packed, has_bias=bias is not None)
+        in_specs.append(pl.BlockSpec((bs.block_m, cols), lambda i, j: (i, j)))
+    kernel = functools.partial(_gemm_kernel, spec=spec, k=k_pad, block_n=bs.block_n, n_sub=bs.n_sub,
+                               has_lowrank=lowrank is not None, lowrank_packed=lowrank_packed, has_bias=bias is not None)
     y = pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((bs.block_m, bs.block_n), lambda i, j: (i, j)),
+        out_specs=pl.BlockSpec((bs.block_m, cols), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((m_pad, n_pad), out_dtype),
         input_output_aliases=aliases,
         compiler_params=triton_compiler_params(bs.num_warps, bs.num_stages),

@@ -94,6 +94,7 @@ class TestTileMath:
         bs = g.choose_block_sizes(40, 2240, 5600)
         assert bs.block_m == 64 and 2240 % bs.block_n == 0 and bs.block_k == 32
         assert g.choose_block_sizes(4096, 4608, 4608) == g.BlockSizes(128, 128, 128, 8, 3)
+        assert g.BlockSizes().n_sub == 1
         with pytest.raises(ValueError):
             g.BlockSizes(block_m=48)
 
@@ -140,18 +141,23 @@ class TestInterpretKernel:
         np.testing.assert_allclose(np.asarray(ref), np.asarray(lib), rtol=2e-2, atol=2e-2)
 
     def test_packed_lowrank_factor_matches_dense(self):
-        """L packed in MXFP4 and decoded in the epilogue == the same L dequantized to bf16 (h permuted to match)."""
-        m, n, k, r = 16, 32, 64, 64
+        """L packed in MXFP4 and decoded in the epilogue == the same L dequantized to bf16 (h permuted to match).
+
+        Also two W sub-tiles per program (``n_sub=2``: one A decode shared by both)."""
+        m, n, k, r = 16, 64, 64, 64
         a, w = _data(9, m, n, k, outliers=False)
         qa, qw = quantize(a, MXFP4()), quantize(w, MXFP4())
         left_q = quantize(0.1 * jax.random.normal(jax.random.PRNGKey(1), (n, r)), MXFP4())
         h = jax.random.normal(jax.random.PRNGKey(2), (m, r)).astype(jnp.bfloat16)  # natural column order
         perm = g.even_odd_permutation(r)
         np.testing.assert_array_equal(perm[:4], [0, 2, 4, 6])
-        y_packed = g.w4a4_matmul(qa, qw, lowrank=(h[:, perm], left_q), block_sizes=self.BS, out_dtype=jnp.float32,
-                                 interpret=True)
+        bs = g.BlockSizes(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2, n_sub=2)
+        bias = jax.random.normal(jax.random.PRNGKey(3), (n,))
+        poison = jnp.full((m, n), jnp.nan, jnp.float32)
+        y_packed = g.w4a4_matmul(qa, qw, lowrank=(h[:, perm], left_q), bias=bias, block_sizes=bs,
+                                 out_dtype=jnp.float32, out=poison, interpret=True)
         dense = dequantize(left_q, jnp.float32).astype(jnp.bfloat16)
-        ref = g.w4a4_matmul_reference(qa, qw, lowrank=(h, dense))
+        ref = g.w4a4_matmul_reference(qa, qw, lowrank=(h, dense), bias=bias)
         np.testing.assert_allclose(np.asarray(y_packed), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
     def test_rejects_mismatched_operands(self):
