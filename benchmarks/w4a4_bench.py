@@ -306,7 +306,12 @@ def main(argv=None):
     p.add_argument("--no-layer", action="store_true")
     p.add_argument("--no-epilogues", action="store_true")
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--tables-from", default="", help="print the docs tables of an existing JSON and exit")
     args = p.parse_args(argv)
+    if args.tables_from:
+        with open(args.tables_from) as f:
+            print(doc_tables(json.load(f)))
+        return None
     t_start = time.time()
     ms = [int(x) for x in args.ms.split(",")]
     if args.tiny:
@@ -391,6 +396,51 @@ def sweep_variants(layers, interpret=False, tiny=False):
             out[f"mxfp4_{compute}_bm{bm}_bn{bn}x{nsub}_bk{bk}_w{nw}_s{ns}"] = (
                 fn, sets, lambda qa, qw: jnp.matmul(dequantize(qa, jnp.float32), dequantize(qw, jnp.float32).T))
     return out
+
+
+def doc_tables(result) -> str:
+    """Condensed Markdown tables for docs/w4a4.md: layers vs bf16, epilogues fused vs unfused, the tiling sweep."""
+    def us(case, name):
+        v = next((v for v in case["variants"] if v["variant"] == name), None)
+        if v is None:
+            return None, "–"
+        if "us" not in v:
+            return None, "error"
+        return v["us"], f"{v['us']:.1f}"
+
+    gemm_cols = ["bf16_xla", "w4a4_gemm_mxfp4_bf16", "w4a4_gemm_mxfp4_fp8", "w4a4_gemm_nvfp4_bf16",
+                 "transform_quantize_only", "w4a4_layer_nolr", "w4a4_layer_lr_fused", "w4a4_layer_lr_beside"]
+    out = ["| model | layer | m | n | k | " + " | ".join(gemm_cols) + " | best layer / bf16 |",
+           "| --- | --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in gemm_cols) + " | ---: |"]
+    for c in result["cases"]:
+        if c.get("mode") == "sweep":
+            continue
+        cells = [us(c, name) for name in gemm_cols]
+        base = cells[0][0]
+        layer_t = [t for t, _ in cells[6:8] if t]
+        ratio = f"{base / min(layer_t):.2f}x" if base and layer_t else "–"
+        out.append(f"| {c['model']} | {c['layer']} | {c['m']} | {c['n']} | {c['k']} | "
+                   + " | ".join(txt for _, txt in cells) + f" | {ratio} |")
+    out += ["", "| epilogue | operands | m | fused µs | same kernel + XLA op µs | XLA GEMM + op µs | fused speedup |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for c in result["cases"]:
+        for epi in ("rmsnorm", "swiglu"):
+            for ops in ("bf16", "mxfp4"):
+                f, ftxt = us(c, f"{epi}_{ops}_fused")
+                if ftxt == "–":
+                    continue
+                u, utxt = us(c, f"{epi}_{ops}_gemm_kernel_then_op")
+                x, xtxt = us(c, f"{epi}_bf16_xla_then_op") if ops == "bf16" else (None, "–")
+                sp = f"{u / f:.2f}x" if f and u else "–"
+                out.append(f"| {epi} | {ops} | {c['m']} | {ftxt} | {utxt} | {xtxt} | {sp} |")
+    sweep = [c for c in result["cases"] if c.get("mode") == "sweep"]
+    if sweep:
+        out += ["", "| tiling (MXFP4 GEMM, Ideogram 4 q 4608x4608) | m | µs | TFLOP/s |", "| --- | ---: | ---: | ---: |"]
+        for c in sweep:
+            for v in c["variants"]:
+                t = f"{v['us']:.1f} | {v['tflops']:.0f}" if "us" in v else "error | –"
+                out.append(f"| {v['variant']} | {c['m']} | {t} |")
+    return "\n".join(out)
 
 
 def summary_table(result) -> str:
