@@ -305,9 +305,13 @@ def nvfp4_quantize_blocks(x_blocks: jax.Array, tensor_scale: jax.Array) -> tuple
     x = flush_subnormals(x_blocks.astype(jnp.float32))
     nonfinite = jnp.any(~jnp.isfinite(x), axis=-1)
     amax = jnp.max(jnp.abs(jnp.where(jnp.isfinite(x), x, 0.0)), axis=-1)
-    s_blk = _e4m3_round(jnp.clip(amax / jnp.float32(E2M1_MAX) / tensor_scale, E4M3_TINY, E4M3_MAX))
+    # XLA's algebraic simplifier rewrites (a / b) / c into a / (b * c) under jit, which changes the last bit; the
+    # optimization barriers keep torchao's two roundings, so jitted and eager results agree (tested).
+    block_over_max = jax.lax.optimization_barrier(amax / jnp.float32(E2M1_MAX))  # (...)
+    s_blk = _e4m3_round(jnp.clip(block_over_max / tensor_scale, E4M3_TINY, E4M3_MAX))  # (...)
     # One multiply per element by the reciprocal of the combined scale, the numerics of torchao's nvfp4_quantize.
-    reciprocal = (jnp.float32(1.0) / tensor_scale) / s_blk.astype(jnp.float32)  # (...)
+    inv_tensor_scale = jax.lax.optimization_barrier(jnp.float32(1.0) / tensor_scale)
+    reciprocal = inv_tensor_scale / s_blk.astype(jnp.float32)  # (...)
     v = flush_subnormals(x * reciprocal[..., None])
     codes = e2m1_encode(jnp.clip(v, -E2M1_MAX, E2M1_MAX))
     codes = jnp.where(nonfinite[..., None], jnp.uint8(0), codes)

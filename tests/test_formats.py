@@ -281,3 +281,17 @@ def test_nvfp4_matches_torchao():
                                   scales_t.view(torch.uint8).numpy().reshape(-1))
     codes_t = unpack_uint4(data_t.view(torch.uint8).contiguous()).numpy().reshape(16, 256)
     np.testing.assert_array_equal(unpacked_codes(q), codes_t)
+
+
+def test_nvfp4_block_scales_identical_under_jit():
+    """XLA rewrites (a / 6) / t into a / (6 t) under jit unless prevented: block scales must not depend on jit."""
+    amax_rows = np.asarray(jax.random.uniform(jax.random.key(13), (4096, 16), minval=0.01, maxval=100.0), np.float32)
+    x = jnp.asarray(amax_rows[..., None] * np.linspace(-1, 1, 16, dtype=np.float32))  # (4096, 16, 16)
+    ts = jnp.float32(0.0123)
+    eager = F.nvfp4_quantize_blocks(x, ts)
+    jitted = jax.jit(F.nvfp4_quantize_blocks)(x, ts)
+    np.testing.assert_array_equal(np.asarray(eager[1]).view(np.uint8), np.asarray(jitted[1]).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(eager[0]), np.asarray(jitted[0]))
+    s_ref = np.clip(np.abs(np.asarray(x)).max(-1) / np.float32(6.0) / np.float32(0.0123), 2.0**-6, 448.0)
+    np.testing.assert_array_equal(np.asarray(jitted[1]).view(np.uint8),
+                                  s_ref.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
