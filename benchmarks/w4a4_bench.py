@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kroquant_jax import transforms as T  # noqa: E402
-from kroquant_jax.formats import MXFP4, NVFP4, QuantizedArray, dequantize, quantize  # noqa: E402
+from kroquant_jax.formats import MXFP4, NVFP4, dequantize, quantize  # noqa: E402
 from pallas_kernels import epilogues as E  # noqa: E402
 from pallas_kernels import w4a4_gemm as G  # noqa: E402
 
@@ -235,7 +235,6 @@ def layer_variants(layers, interpret, tiny):
 def epilogue_variants(layers, kind, interpret, tiny):
     """Fused epilogue vs GEMM kernel + XLA op vs XLA GEMM + op (``kind`` 'rmsnorm' or 'swiglu')."""
     bs = E.EpilogueBlockSizes(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=2) if tiny else None
-    n = layers[0][1].shape[0]
     nw = (1.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(5), (256,))).astype(jnp.float32)
     q = _quantize_jit(MXFP4())
     out = {}
@@ -272,7 +271,6 @@ def epilogue_variants(layers, kind, interpret, tiny):
                 return op(jnp.matmul(a, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
 
             out[f"{kind}_bf16_xla_then_op"] = (xla_then_op, sets, ref)
-    del n
     return out
 
 
