@@ -8,10 +8,12 @@
 PixArt/SANA ``context (P, t, c)``, ``mask (P, t)``, ``uncond_context (1, t, c)``, ``uncond_mask (1, t)``; FLUX
 ``context (P, t, 4096)``, ``pooled (P, 768)``) or, for smoke tests, from random embeddings (``--synthetic-prompts``).
 
-Outputs in OUT (each file written atomically): ``layer_set.safetensors`` (the captured layer set), ``qlayers/`` (the
-resumable per-layer store of ``kroquant_jax.calibrate``), ``quantized/`` (orbax checkpoint of ``{name:
-QuantizedLinear}``), ``samples.npz`` (16-bit and W4A4 latents of the evaluation prompts, same seeds) and
-``report.json`` (latent PSNR / relative error of W4A4 vs 16-bit per prompt, per-layer held-out errors).
+Outputs in OUT (each file written atomically; RECIPE is the recipe name with ``+`` -> ``_``):
+``layer_set.safetensors`` (the captured layer set; ``--layer-set`` reuses one instead of capturing again),
+``qlayers-RECIPE/`` (the resumable per-layer store of ``kroquant_jax.calibrate``), ``quantized-RECIPE/`` (orbax
+checkpoint of ``{name: QuantizedLinear}``), ``samples-RECIPE.npz`` (16-bit and W4A4 latents of the evaluation
+prompts, same seeds) and ``report-RECIPE.json`` (latent PSNR / relative error of W4A4 vs 16-bit per prompt,
+per-layer held-out errors).
 The last ``--eval-prompts`` prompts are only generated, never captured (unless there are no more prompts than that).
 With ``--vae DIR`` (a diffusers AutoencoderKL directory, torch side) the latents are also decoded to PNGs.
 """
@@ -55,6 +57,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--guidance", type=float, default=4.5, help="CFG scale (PixArt/SANA)")
     parser.add_argument("--latent-hw", type=int, nargs=2, default=(128, 128), metavar=("H", "W"))
     parser.add_argument("--rows-per-layer", type=int, default=1024, help="captured rows kept per layer")
+    parser.add_argument("--layer-set", help="reuse a captured layer set (.safetensors/.npz) instead of capturing")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per sampling run")
     parser.add_argument("--eval-prompts", type=int, default=4, help="the LAST N prompts are generated with both "
                         "models and not captured (unless there are no more than N prompts)")
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     from flax import nnx
 
     from kroquant_jax import calibrate, qlinear
-    from kroquant_jax.layerset import save_layer_set
+    from kroquant_jax.layerset import load_layer_set, save_layer_set
     from models import capture, quantize_model, sampling
 
     family, cfg, model = _load(args.checkpoint, args.dtype)
@@ -152,9 +155,12 @@ def main(argv: list[str] | None = None) -> dict:
                                            seed=args.seed, shift=args.shift, solver=args.solver)
     eval_count = min(args.eval_prompts, count)
     capture_indices = list(range(count - eval_count)) if count > eval_count else list(range(count))
-    batches = _batches(arrays, capture_indices, args.batch_size, dtype)
-    layer_set = capture.capture_layer_set(family, model, batches, capture_config)
-    save_layer_set(str(out / "layer_set.safetensors"), layer_set)
+    if args.layer_set:
+        layer_set = load_layer_set(args.layer_set)
+    else:
+        batches = _batches(arrays, capture_indices, args.batch_size, dtype)
+        layer_set = capture.capture_layer_set(family, model, batches, capture_config)
+        save_layer_set(str(out / "layer_set.safetensors"), layer_set)
 
     # 2. calibrate (resumable store), 3. save the quantized layers
     recipe = calibrate.get_recipe(args.recipe)
@@ -163,13 +169,15 @@ def main(argv: list[str] | None = None) -> dict:
     if calib_overrides:
         import dataclasses
         recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, **calib_overrides))
-    qlayers, reports = calibrate.quantize_layer_set(layer_set, recipe, store=str(out / "qlayers"))
+    store = out / f"qlayers-{args.recipe.replace('+', '_')}"  # one resumable store per recipe
+    qlayers, reports = calibrate.quantize_layer_set(layer_set, recipe, store=str(store))
+    quantized_dir = out / f"quantized-{args.recipe.replace('+', '_')}"
     tmp = Path(tempfile.mkdtemp(prefix=".quantized.", dir=out))
     shutil.rmtree(tmp)
     qlinear.save_orbax(str(tmp), qlayers)
-    if (out / "quantized").exists():
-        shutil.rmtree(out / "quantized")
-    os.replace(tmp, out / "quantized")
+    if quantized_dir.exists():
+        shutil.rmtree(quantized_dir)
+    os.replace(tmp, quantized_dir)
     overrides = quantize_model.qlinear_overrides(qlayers)
     quantize_model.check_overrides(model, overrides)
 
@@ -195,12 +203,12 @@ def main(argv: list[str] | None = None) -> dict:
     buffer = io.BytesIO()
     np.savez(buffer, latents_16bit=np.stack(full), latents_w4a4=np.stack(w4a4),
              seeds=np.array([p["seed"] for p in per_prompt]))
-    _atomic_write(out / "samples.npz", buffer.getvalue())
+    _atomic_write(out / f"samples-{args.recipe.replace('+', '_')}.npz", buffer.getvalue())
     if args.vae:
         from models import diffusers_io
         for name, latents in (("16bit", np.stack(full)), ("w4a4", np.stack(w4a4))):
             images = diffusers_io.decode_latents(args.vae, latents, family)
-            diffusers_io.save_pngs(images, out / "images", f"{name}_")
+            diffusers_io.save_pngs(images, out / f"images-{args.recipe.replace('+', '_')}", f"{name}_")
 
     heldout = {n: r.get("heldout_error") for n, r in reports.items()}
     report = {"family": family, "checkpoint": str(args.checkpoint), "recipe": args.recipe, "steps": args.steps,
@@ -209,7 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
               "prompts_captured": len(capture_indices), "per_prompt": per_prompt,
               "mean_latent_psnr_db": float(np.mean([p["latent_psnr_db"] for p in per_prompt])),
               "heldout_error": heldout}
-    _atomic_write(out / "report.json", json.dumps(report, indent=2, default=float).encode("utf-8"))
+    report_path = out / f"report-{args.recipe.replace('+', '_')}.json"
+    _atomic_write(report_path, json.dumps(report, indent=2, default=float).encode("utf-8"))
     print(f"{family}: {len(qlayers)} layers quantized with {args.recipe}; mean latent PSNR W4A4 vs 16-bit "
           f"{report['mean_latent_psnr_db']:.2f} dB over {eval_count} prompt(s); outputs in {out}", file=sys.stderr)
     return report

@@ -1,5 +1,7 @@
 """Activation capture (layer sets) and W4A4 assembly through linear overrides, on tiny models."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -161,8 +163,9 @@ def test_quantize_checkpoint_script_end_to_end(tmp_path):
     assert set(report["heldout_error"]) == set(linears(pixart.build(PIXART), quantizable_only=True))
     layer_set = load_layer_set(str(out / "layer_set.safetensors"))
     assert layer_set["transformer_blocks.1.ff.net.2"].activations.shape == (24, 128)
-    assert sorted(restore_orbax(str(out / "quantized"))) == sorted(layer_set)
-    with np.load(out / "samples.npz") as samples:
+    assert sorted(restore_orbax(str(out / "quantized-hadamard32"))) == sorted(layer_set)
+    with np.load(out / "samples-hadamard32.npz") as samples:
         assert samples["latents_16bit"].shape == samples["latents_w4a4"].shape == (1, 4, 8, 8)
-    assert sorted(p.name for p in (out / "images").iterdir()) == ["16bit_0000.png", "w4a4_0000.png"]
+    assert sorted(p.name for p in (out / "images-hadamard32").iterdir()) == ["16bit_0000.png", "w4a4_0000.png"]
+    assert json.loads((out / "report-hadamard32.json").read_text())["layers"] == 20
     assert not [p for p in out.rglob("*") if ".tmp" in p.name]
