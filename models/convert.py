@@ -277,9 +277,17 @@ def write_diffusers_dir(directory: str | os.PathLike, config: Mapping[str, Any],
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     keys = sorted(state)
+    stale_config = directory / CONFIG_NAME
+    if stale_config.exists():  # the directory is incomplete until the new config.json lands
+        stale_config.unlink()
     if max_shard_bytes is None:
         write_safetensors(directory / WEIGHTS_NAME, state)
+        for stale in [directory / WEIGHTS_INDEX_NAME, *directory.glob("diffusion_pytorch_model-*-of-*.safetensors")]:
+            stale.unlink(missing_ok=True)
     else:
+        (directory / WEIGHTS_NAME).unlink(missing_ok=True)
+        for stale in directory.glob("diffusion_pytorch_model-*-of-*.safetensors"):
+            stale.unlink()
         shards: list[list[str]] = [[]]
         size = 0
         for key in keys:

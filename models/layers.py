@@ -48,10 +48,6 @@ __all__ = [
 ]
 
 
-def _zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    return jnp.zeros(shape, dtype)
-
-
 class Recorder(Protocol):
     """What :class:`LinearHooks` needs from a recorder (see ``models.capture``)."""
 

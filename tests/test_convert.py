@@ -96,6 +96,17 @@ def test_config_mismatch_is_a_shape_error(tmp_path):
         pixart.from_diffusers(tmp_path)
 
 
+def test_rewriting_a_directory_removes_the_other_layout(tmp_path):
+    model = _tiny_checkpoint(tmp_path, max_shard_bytes=2048)
+    pixart.to_diffusers(model, tmp_path)  # single file over a sharded export
+    assert not (tmp_path / convert.WEIGHTS_INDEX_NAME).exists()
+    assert not list(tmp_path.glob("diffusion_pytorch_model-*"))
+    pixart.to_diffusers(model, tmp_path, max_shard_bytes=4096)  # and back
+    assert not (tmp_path / convert.WEIGHTS_NAME).exists()
+    _, reloaded = pixart.from_diffusers(tmp_path)
+    np.testing.assert_array_equal(np.asarray(reloaded.proj_out.kernel[...]), np.asarray(model.proj_out.kernel[...]))
+
+
 def test_missing_files_are_named(tmp_path):
     with pytest.raises(CheckpointError, match="config.json"):
         convert.read_diffusers_dir(tmp_path)
