@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kroquant_jax import objectives, transforms
-from kroquant_jax.layerset import LayerData, LayerSet, as_layer_set, split_rows
+from kroquant_jax.layerset import (LayerData, LayerSet, as_layer_set, make_mesh, progress_bar, run_stacked,
+                                   split_rows, stack_trees, take_tree)
 
 __all__ = ["CalibrationConfig", "LayerCalibration", "calibrate_layers", "layer_rows", "make_mesh", "run_stacked"]
 
@@ -109,12 +108,6 @@ class LayerCalibration:
         return self.heldout_errors[self.chosen]
 
 
-def make_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-    """A 1-D mesh ``("layers",)`` over ``devices`` (default: all local devices)."""
-    devices = jax.local_devices() if devices is None else list(devices)
-    return Mesh(np.array(devices), ("layers",))
-
-
 def layer_rows(name: str, layer: LayerData, num_rows: int, num_heldout: int, seed: int
                ) -> tuple[np.ndarray, np.ndarray]:
     """``(calibration rows, held-out rows)`` of a layer, both ``(·, d)`` float32 (see :func:`split_rows`)."""
@@ -163,57 +156,6 @@ def _program(params0, a_cal, a_held, w, *, parameterization, steps, learning_rat
 
 
 _program_jit = jax.jit(_program, static_argnames=("parameterization", "steps", "learning_rate", "obj_cfg"))
-
-
-def _stack(trees: Sequence[Any]) -> Any:
-    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *trees)
-
-
-def _take(tree: Any, i: int) -> Any:
-    return jax.tree.map(lambda x: np.asarray(x[i]), tree)
-
-
-def _pad_rows(tree: Any, size: int) -> Any:
-    """Pads the leading axis to ``size`` by repeating the first entry (padding jobs are computed and dropped)."""
-    def pad(x):
-        x = np.asarray(x)
-        if x.shape[0] == size:
-            return x
-        return np.concatenate([x, np.repeat(x[:1], size - x.shape[0], axis=0)])
-    return jax.tree.map(pad, tree)
-
-
-def run_stacked(fn, stacked_inputs: Sequence[Any], num_jobs: int, *, max_per_program: int, shard: bool,
-                progress=None) -> list:
-    """Runs ``fn(*inputs)`` over chunks of the leading (layer) axis of ``stacked_inputs``; returns per-chunk outputs
-    (host numpy, padding dropped) concatenated along the leading axis.
-
-    Every chunk is padded to the same size (a multiple of the local device count when sharding) so that ``fn``
-    compiles once; with ``shard`` each input leaf is placed with ``NamedSharding(mesh, P("layers"))``.
-    """
-    n_dev = jax.local_device_count() if shard else 1
-    chunk = min(max_per_program, num_jobs)
-    chunk = int(math.ceil(chunk / n_dev) * n_dev)
-    sharding = NamedSharding(make_mesh(), PartitionSpec("layers")) if shard and n_dev > 1 else None
-    outputs = []
-    for start in range(0, num_jobs, chunk):
-        stop = min(start + chunk, num_jobs)
-        inputs = [_pad_rows(jax.tree.map(lambda x: np.asarray(x)[start:stop], t), chunk) for t in stacked_inputs]
-        if sharding is not None:
-            inputs = [jax.tree.map(lambda x: jax.device_put(x, sharding), t) for t in inputs]
-        out = jax.device_get(fn(*inputs))
-        outputs.append(jax.tree.map(lambda x: np.asarray(x)[: stop - start], out))
-        if progress is not None:
-            progress.update(stop - start)
-    return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *outputs)
-
-
-def _progress_bar(total: int, enabled: bool, desc: str):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="layer")
 
 
 def calibrate_layers(layer_set: LayerSet, config: CalibrationConfig = CalibrationConfig(),
@@ -268,11 +210,11 @@ def calibrate_layers(layer_set: LayerSet, config: CalibrationConfig = Calibratio
     steps = config.steps if parameterization.trainable else 0
     fn = functools.partial(_program_jit, parameterization=parameterization, steps=steps,
                                learning_rate=config.learning_rate, obj_cfg=config.objective)
-    bar = _progress_bar(len(jobs), config.progress, f"calibrate {config.transform}")
+    bar = progress_bar(len(jobs), config.progress, f"calibrate {config.transform}")
     per_job = {}
     try:
         for group in groups.values():
-            params0 = _stack([p for _, _, p in group])
+            params0 = stack_trees([p for _, _, p in group])
             a_cal = np.stack([rows[n][0] for n, _, _ in group])
             a_held = np.stack([rows[n][1] for n, _, _ in group])
             w = np.stack([layers[n].weight for n, _, _ in group])
@@ -280,7 +222,7 @@ def calibrate_layers(layer_set: LayerSet, config: CalibrationConfig = Calibratio
                               max_per_program=config.max_layers_per_program, shard=config.shard, progress=bar)
             params, losses, lambdas, err_init, err_trained = out
             for i, (name, k, p) in enumerate(group):
-                per_job[(name, k)] = (p, _take(params, i), losses[i], lambdas[i], float(err_init[i]),
+                per_job[(name, k)] = (p, take_tree(params, i), losses[i], lambdas[i], float(err_init[i]),
                                       float(err_trained[i]))
     finally:
         if bar is not None:
@@ -308,3 +250,198 @@ def calibrate_layers(layer_set: LayerSet, config: CalibrationConfig = Calibratio
             losses=np.stack([per_job[(name, k)][2] for k in ks]),
             lambdas=np.stack([per_job[(name, k)][3] for k in ks]))
     return results
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Recipes: a transform (+ SmoothQuant init) (+ low-rank branch) -> {name: QuantizedLinear}, resumable.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A whole per-layer quantization method.
+
+    Attributes:
+      transform: parameterization of ``T``.
+      train: optimise ``T`` with the calibration engine (ignored for fixed transforms).
+      smooth_init: run the SmoothQuant (α, β) search first and start from its γ: for ``"diagonal"`` as the transform
+        itself (SmoothQuant / SVDQuant's smoothing), for ``"smoothed_kron"`` as a second initial transform beside
+        (γ = 1, Hadamard).
+      lowrank: ``None``, ``"loraq"`` (LoRaQ, branch in MXFP4) or ``"svd"`` (SVDQuant's 16-bit SVD branch).
+      smooth_svd_rank: rank of the 16-bit SVD branch inside the SmoothQuant search; ``None`` (default): the paper's 32
+        when the recipe has a low-rank branch (the search then models the deployed layer), 0 without one (plain
+        SmoothQuant, searched for the plain 4-bit weight).
+      calibration, smoothquant, loraq, svdquant: the stages' settings (``calibration.transform`` is overridden by
+        ``transform``; its row settings are used everywhere).
+    """
+
+    transform: str = "kron_lu"
+    train: bool = True
+    smooth_init: bool = False
+    lowrank: Optional[str] = None
+    smooth_svd_rank: Optional[int] = None
+    calibration: CalibrationConfig = CalibrationConfig()
+    smoothquant: Any = None
+    loraq: Any = None
+    svdquant: Any = None
+
+    def __post_init__(self):
+        transforms.get(self.transform)
+        if self.lowrank not in (None, "loraq", "svd"):
+            raise ValueError(f"Recipe.lowrank={self.lowrank!r} must be None, 'loraq' or 'svd'")
+        if self.smooth_init and self.transform not in ("diagonal", "smoothed_kron"):
+            raise ValueError(f"Recipe.smooth_init needs transform 'diagonal' or 'smoothed_kron', got "
+                             f"{self.transform!r}")
+
+
+#: The methods of the paper's comparison (add ``+loraq`` to any name for the LoRaQ branch).
+RECIPES = {
+    "rtn": Recipe(transform="identity", train=False),
+    "smoothquant": Recipe(transform="diagonal", train=False, smooth_init=True),
+    "hadamard32": Recipe(transform="hadamard32", train=False),
+    "kroquant": Recipe(transform="kron_lu"),
+    "smoothed_kroquant": Recipe(transform="smoothed_kron", smooth_init=True),
+    "svdquant": Recipe(transform="diagonal", train=False, smooth_init=True, lowrank="svd"),
+}
+
+
+def get_recipe(name: str, **overrides) -> Recipe:
+    """``RECIPES[name]`` (``"<name>+loraq"`` adds the LoRaQ branch) with field ``overrides``."""
+    base, plus, extra = name.partition("+")
+    if base not in RECIPES or (plus and extra != "loraq"):
+        raise KeyError(f"unknown recipe {name!r}; available: {sorted(RECIPES)} (each also as '<name>+loraq')")
+    r = RECIPES[base]
+    if plus:
+        r = dataclasses.replace(r, lowrank="loraq")
+    return dataclasses.replace(r, **overrides)
+
+
+def _relative_error(y, ref) -> float:
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), np.finfo(np.float32).tiny))
+
+
+def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe) -> tuple[dict, dict]:
+    """All stages for a batch of layers (any shapes). Returns ``({name: QuantizedLinear}, {name: report})``."""
+    from kroquant_jax import lowrank, qlinear, smoothquant
+
+    cal = dataclasses.replace(recipe.calibration, transform=recipe.transform,
+                              steps=recipe.calibration.steps if recipe.train else 0)
+    reports = {n: {"transform": recipe.transform} for n in layers}
+    inits = None
+    if recipe.smooth_init:
+        sq_cfg = recipe.smoothquant or smoothquant.SmoothQuantConfig()
+        svd_rank = recipe.smooth_svd_rank
+        if svd_rank is None:
+            svd_rank = 32 if recipe.lowrank else 0
+        sq_cfg = dataclasses.replace(sq_cfg, num_rows=cal.num_rows, num_heldout=cal.num_heldout, seed=cal.seed,
+                                     shard=cal.shard, svd_rank=svd_rank)
+        sq = smoothquant.smoothquant_layers(layers, sq_cfg)
+        inits = {}
+        for n, res in sq.items():
+            reports[n].update(alpha=res.alpha, beta=res.beta)
+            if recipe.transform == "diagonal":
+                inits[n] = [transforms.diagonal.from_scales(res.gamma)]
+            else:
+                inits[n] = [transforms.get(recipe.transform).init(layers[n].weight.shape[1]),
+                            transforms.smoothed_kron.init_from_scales(res.gamma)]
+    calib = calibrate_layers(layers, cal, inits=inits)
+    param = transforms.get(recipe.transform)
+    w_t, a_cal_t, a_held = {}, {}, {}
+    for n, layer in layers.items():
+        c = calib[n]
+        reports[n].update(chosen=c.chosen, transform_heldout_error=c.heldout_error,
+                          candidates={k: float(v) for k, v in c.heldout_errors.items()})
+        w_t[n] = np.asarray(transforms.apply_to_weights(jnp.asarray(layer.weight), param.inverse_blocks(c.params)))
+        a_cal, a_held[n] = layer_rows(n, layer, cal.num_rows, cal.num_heldout, cal.seed)
+        if recipe.lowrank == "svd":
+            a_cal_t[n] = np.asarray(transforms.apply_to_activations(jnp.asarray(a_cal), param.blocks(c.params)))
+    branches, quantized_branch = {}, False
+    if recipe.lowrank == "loraq":
+        lq_cfg = recipe.loraq or lowrank.LoRaQConfig()
+        lq_cfg = dataclasses.replace(lq_cfg, shard=cal.shard)
+        branches = lowrank.loraq_layers(w_t, lq_cfg)
+        quantized_branch = lq_cfg.quantize_branch
+    elif recipe.lowrank == "svd":
+        sv_cfg = recipe.svdquant or lowrank.SVDQuantConfig()
+        sv_cfg = dataclasses.replace(sv_cfg, shard=cal.shard)
+        branches = lowrank.svdquant_layers(w_t, a_cal_t, sv_cfg)
+    out = {}
+    forward = jax.jit(qlinear.qlinear_forward, static_argnames="path")
+    for n, layer in layers.items():
+        lr = None
+        if n in branches:
+            lr = (branches[n].left, branches[n].right)
+            reports[n].update(weight_error_init=float(branches[n].error_init),
+                              weight_error_final=float(branches[n].error_final))
+        q = qlinear.build_qlinear(layer.weight, layer.bias, transform=recipe.transform,
+                                  transform_params=calib[n].params, lowrank=lr, lowrank_quantized=quantized_branch,
+                                  weight_fmt=cal.objective.fmt, act_fmt=cal.objective.fmt, name=n)
+        y = np.asarray(forward(q, jnp.asarray(a_held[n])))
+        if layer.bias is not None:
+            y = y - layer.bias
+        ref = a_held[n].astype(np.float64) @ layer.weight.T.astype(np.float64)
+        reports[n]["heldout_error"] = _relative_error(y, ref)
+        reports[n]["weight_error"] = float(lowrank.weight_error(jnp.asarray(w_t[n]), None, None, cal.objective.fmt)
+                                           if lr is None else np.float32(reports[n]["weight_error_final"]))
+        out[n] = q
+    return out, reports
+
+
+def quantize_layer_set(layer_set: LayerSet, recipe: Recipe | str = "kroquant", store=None,
+                       on_batch_done=None) -> tuple[dict, dict]:
+    """Quantizes every layer with ``recipe``; resumable through ``store``.
+
+    Layers are processed in batches (same shapes first, at most ``recipe.calibration.max_layers_per_program`` per
+    batch); each finished layer is written to ``store`` (a :class:`kroquant_jax.qlinear.QLinearStore` or a folder
+    path) atomically, and layers already in the store are loaded instead of recomputed, so a run interrupted midway
+    restarts from the finished layers.
+
+    Args:
+      layer_set: ``{name: (W, bias, A_rows)}``.
+      recipe: a :class:`Recipe` or a name for :func:`get_recipe`.
+      store: ``None``, a folder path, or a ``QLinearStore``.
+      on_batch_done: optional ``callback(list_of_names)`` after each batch is stored (progress hooks, tests).
+
+    Returns:
+      ``({name: QuantizedLinear}, {name: report dict})``; a report holds ``heldout_error`` (relative output error
+      of the final layer on the held-out rows), ``transform_heldout_error``, ``chosen``, ``candidates`` and, where
+      they apply, ``alpha``/``beta`` and the weight errors; ``resumed`` is ``True`` for layers loaded from the store.
+    """
+    from kroquant_jax import qlinear
+
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    layers = as_layer_set(layer_set)
+    if isinstance(store, str):
+        store = qlinear.QLinearStore(store)
+    done_layers, reports = {}, {}
+    todo = []
+    for n in layers:
+        if store is not None and n in store:
+            done_layers[n], rep = store.load(n)
+            reports[n] = {k: v for k, v in rep.items() if k != "name"}
+            reports[n]["resumed"] = True
+        else:
+            todo.append(n)
+    by_shape: dict[tuple, list[str]] = {}
+    for n in todo:
+        by_shape.setdefault(layers[n].weight.shape, []).append(n)
+    size = recipe.calibration.max_layers_per_program
+    batches = [names[i:i + size] for names in by_shape.values() for i in range(0, len(names), size)]
+    bar = progress_bar(len(todo), recipe.calibration.progress, "quantize")
+    try:
+        for batch in batches:
+            q, rep = _quantize_batch({n: layers[n] for n in batch}, recipe)
+            for n in batch:
+                rep[n]["resumed"] = False
+                if store is not None:
+                    store.save(n, q[n], {k: v for k, v in rep[n].items() if k != "resumed"})
+            done_layers.update(q)
+            reports.update(rep)
+            if bar is not None:
+                bar.update(len(batch))
+            if on_batch_done is not None:
+                on_batch_done(list(batch))
+    finally:
+        if bar is not None:
+            bar.close()
+    return {n: done_layers[n] for n in layers}, {n: reports[n] for n in layers}

@@ -12,17 +12,20 @@ candidate transforms and to report errors) and a disjoint *calibration* slice (u
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 import zlib
-from typing import Mapping, NamedTuple, Optional, Union
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
+import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kroquant_jax.formats import check_finite
 
-__all__ = ["LayerData", "RowSplit", "as_layer_set", "load_layer_set", "save_layer_set", "split_rows",
-           "validate_layer", "atomic_write_bytes"]
+__all__ = ["LayerData", "RowSplit", "as_layer_set", "atomic_write_bytes", "load_layer_set", "make_mesh",
+           "progress_bar", "run_stacked", "save_layer_set", "split_rows", "stack_trees", "take_tree", "validate_layer"]
 
 
 class LayerData(NamedTuple):
@@ -201,3 +204,67 @@ def load_layer_set(path: str) -> dict[str, LayerData]:
             raise ValueError(f"{path}: layer {name!r} lacks {sorted(missing)}")
         out[name] = (fields["weight"], fields.get("bias"), fields["activations"])
     return as_layer_set(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Stacked execution over the layer axis (shared by calibrate, smoothquant, lowrank).
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def make_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """A 1-D mesh ``("layers",)`` over ``devices`` (default: all local devices)."""
+    devices = jax.local_devices() if devices is None else list(devices)
+    return Mesh(np.array(devices), ("layers",))
+
+
+def stack_trees(trees: Sequence[Any]) -> Any:
+    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *trees)
+
+
+def take_tree(tree: Any, i: int) -> Any:
+    return jax.tree.map(lambda x: np.asarray(x[i]), tree)
+
+
+def _pad_rows(tree: Any, size: int) -> Any:
+    """Pads the leading axis to ``size`` by repeating the first entry (padding jobs are computed and dropped)."""
+    def pad(x):
+        x = np.asarray(x)
+        if x.shape[0] == size:
+            return x
+        return np.concatenate([x, np.repeat(x[:1], size - x.shape[0], axis=0)])
+    return jax.tree.map(pad, tree)
+
+
+def run_stacked(fn, stacked_inputs: Sequence[Any], num_jobs: int, *, max_per_program: int, shard: bool,
+                progress=None) -> list:
+    """Runs ``fn(*inputs)`` over chunks of the leading (layer) axis of ``stacked_inputs``; returns per-chunk outputs
+    (host numpy, padding dropped) concatenated along the leading axis.
+
+    Every chunk is padded to the same size (a multiple of the local device count when sharding) so that ``fn``
+    compiles once; with ``shard`` each input leaf is placed with ``NamedSharding(mesh, P("layers"))``.
+    """
+    n_dev = jax.local_device_count() if shard else 1
+    chunk = min(max_per_program, num_jobs)
+    chunk = int(math.ceil(chunk / n_dev) * n_dev)
+    sharding = NamedSharding(make_mesh(), PartitionSpec("layers")) if shard and n_dev > 1 else None
+    outputs = []
+    for start in range(0, num_jobs, chunk):
+        stop = min(start + chunk, num_jobs)
+        inputs = [_pad_rows(jax.tree.map(lambda x: np.asarray(x)[start:stop], t), chunk) for t in stacked_inputs]
+        if sharding is not None:
+            inputs = [jax.tree.map(lambda x: jax.device_put(x, sharding), t) for t in inputs]
+        out = jax.device_get(fn(*inputs))
+        outputs.append(jax.tree.map(lambda x: np.asarray(x)[: stop - start], out))
+        if progress is not None:
+            progress.update(stop - start)
+    return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *outputs)
+
+
+def progress_bar(total: int, enabled: bool, desc: str):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="layer")
+
+

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from kroquant_jax import calibrate, layerset, transforms
+from kroquant_jax import calibrate, layerset, qlinear, transforms
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = dict(steps=20, num_rows=160, num_heldout=64)
@@ -182,3 +182,31 @@ def test_sharded_equals_unsharded_on_4_host_devices():
     for name in out["True"]:
         for x, y in zip(out["True"][name], out["False"][name]):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_recipe_resumes_after_an_interruption(tmp_path):
+    ls = _layer_set(shapes=((48, 64), (48, 64), (32, 96)))
+    recipe = calibrate.get_recipe("kroquant", calibration=calibrate.CalibrationConfig(
+        max_layers_per_program=1, **dict(FAST, steps=5)))
+    full, full_rep = calibrate.quantize_layer_set(ls, recipe)
+
+    class Interrupt(Exception):
+        pass
+
+    def crash(names):
+        raise Interrupt(names)
+
+    store = str(tmp_path / "store")
+    with pytest.raises(Interrupt):
+        calibrate.quantize_layer_set(ls, recipe, store=store, on_batch_done=crash)
+    done = []
+    resumed, rep = calibrate.quantize_layer_set(ls, recipe, store=store, on_batch_done=done.extend)
+    assert sum(r["resumed"] for r in rep.values()) == 1  # the layer finished before the crash was not redone
+    assert len(done) == 2 and not set(done) & {n for n, r in rep.items() if r["resumed"]}
+    x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    for n in ls:
+        d = ls[n][0].shape[1]
+        y1 = qlinear.qlinear_forward(full[n], x[:, :d] if d == 64 else np.tile(x, (1, 2))[:, :d])
+        y2 = qlinear.qlinear_forward(resumed[n], x[:, :d] if d == 64 else np.tile(x, (1, 2))[:, :d])
+        np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
+        assert rep[n]["heldout_error"] == pytest.approx(full_rep[n]["heldout_error"], rel=1e-6)

@@ -1,0 +1,115 @@
+"""LoRaQ and SVDQuant branches: weight error reduction, branch storage, SVD, vmapped == per-layer, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kroquant_jax import lowrank, synthetic
+from kroquant_jax.formats import MXFP4, fake_quant
+
+
+def _weights(names=("a", "b"), o=96, d=128):
+    return {n: synthetic.synthetic_layer(n, o, d, 4).weight for n in names}
+
+
+SMALL = lowrank.LoRaQConfig(rank=32, steps=60, rotation_steps=30)
+
+
+def test_low_rank_svd_matches_exact():
+    w = _weights(("a",), 96, 256)["a"]
+    l_e, r_e = lowrank.low_rank_svd(jnp.asarray(w), 16, "exact")
+    l_r, r_r = lowrank.low_rank_svd(jnp.asarray(w), 16, "randomized")
+    best = np.linalg.svd(w.astype(np.float64), compute_uv=False)
+    opt = np.sqrt(np.sum(best[16:] ** 2))
+    for left, right in ((l_e, r_e), (l_r, r_r)):
+        err = np.linalg.norm(w - np.asarray(left @ right))
+        assert err <= opt * 1.01 + 1e-6
+        # balanced factors: equal column / row norms
+        np.testing.assert_allclose(np.linalg.norm(left, axis=0), np.linalg.norm(right, axis=1), rtol=1e-3)
+    with pytest.raises(ValueError, match="rank=200"):
+        lowrank.low_rank_svd(jnp.asarray(w), 200)
+
+
+def test_loraq_reduces_weight_error():
+    ws = _weights()
+    res = lowrank.loraq_layers(ws, SMALL)
+    for n, w in ws.items():
+        plain = float(lowrank.weight_error(jnp.asarray(w), None, None))
+        r = res[n]
+        stored = float(lowrank.weight_error(jnp.asarray(w), jnp.asarray(r.left), jnp.asarray(r.right),
+                                            branch_fmt=MXFP4()))
+        np.testing.assert_allclose(stored, float(r.error_final), rtol=1e-4)
+        assert stored < 0.75 * plain, (n, plain, stored)
+        assert float(r.error_final) <= float(r.error_fit) + 1e-7  # rotation keeps its best iterate
+        assert r.left.shape == (96, 32) and r.right.shape == (32, 128)
+
+
+def test_loraq_fit_stage_improves_on_its_init():
+    w = jnp.asarray(_weights(("a",))["a"])
+    cfg = lowrank.LoRaQConfig(rank=32, steps=80, rotation_steps=0, quantize_branch=False, init="svd_error")
+    r = lowrank.loraq_fit(w, cfg)
+    assert float(r.error_fit) < float(r.error_init)
+
+
+def test_rotation_keeps_the_product():
+    w = jnp.asarray(_weights(("a",))["a"])
+    no_rot = lowrank.loraq_fit(w, dataclasses_replace(SMALL, rotation_steps=0))
+    rot = lowrank.loraq_fit(w, SMALL)
+    # L O O^T R = L R (O orthogonal): the 16-bit product is unchanged by the rotation
+    np.testing.assert_allclose(np.asarray(rot.left @ rot.right), np.asarray(no_rot.left @ no_rot.right), atol=2e-4)
+
+
+def dataclasses_replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
+
+
+def test_loraq_vmapped_equals_single():
+    ws = _weights(("a", "b", "c"))
+    cfg = dataclasses_replace(SMALL, steps=5, rotation_steps=3)
+    stacked = lowrank.loraq_layers(ws, cfg)
+    for n, w in ws.items():
+        single = jax.jit(lambda x: lowrank.loraq_fit(x, cfg))(jnp.asarray(w))
+        np.testing.assert_allclose(stacked[n].left, np.asarray(single.left), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(float(stacked[n].error_final), float(single.error_final), rtol=1e-4)
+
+
+def test_loraq_bad_rank_names_layer():
+    with pytest.raises(ValueError, match="layer 'a'.*multiple of the branch format's block 32"):
+        lowrank.loraq_layers(_weights(("a",)), dataclasses_replace(SMALL, rank=20))
+    w = _weights(("a",))
+    w["a"] = w["a"].copy()
+    w["a"][0, 0] = np.nan
+    with pytest.raises(ValueError, match="layer 'a'.*non-finite"):
+        lowrank.loraq_layers(w, SMALL)
+
+
+def test_svdquant_branch_and_refinement():
+    rng = np.random.default_rng(0)
+    w = _weights(("a",), 64, 128)["a"]
+    a = rng.standard_normal((200, 128)).astype(np.float32)
+    plain = lowrank.svdquant_layers({"a": w}, None, lowrank.SVDQuantConfig(rank=32, svd_method="exact"))["a"]
+    l_e, r_e = lowrank.low_rank_svd(jnp.asarray(w), 32, "exact")
+    np.testing.assert_allclose(plain.left @ plain.right, np.asarray(l_e @ r_e), atol=1e-4)
+    assert float(plain.error_final) < float(lowrank.weight_error(jnp.asarray(w), None, None))
+    cfg = lowrank.SVDQuantConfig(rank=32, refine_steps=6, svd_method="exact")
+    ref = lowrank.svdquant_layers({"a": w}, {"a": a}, cfg)["a"]
+    # the returned candidate is the first local minimum of the output error along the refinement sequence
+    hi = jax.lax.Precision.HIGHEST
+    left, right = l_e, r_e
+    cands = [(left, right)]
+    for _ in range(6):
+        left, right = lowrank.low_rank_svd(jnp.asarray(w) - fake_quant(jnp.asarray(w) - left @ right), 32, "exact")
+        cands.append((left, right))
+    ref_out = a @ w.T
+    errs = []
+    for left, right in cands:
+        out = (jnp.matmul(fake_quant(jnp.asarray(a)), fake_quant(jnp.asarray(w) - left @ right).T, precision=hi)
+               + (a @ np.asarray(right).T) @ np.asarray(left).T)
+        errs.append(float(np.mean((np.asarray(out) - ref_out) ** 2)))
+    k = next((i for i in range(6) if errs[i + 1] > errs[i]), 6)
+    np.testing.assert_allclose(ref.left @ ref.right, np.asarray(cands[k][0] @ cands[k][1]), atol=2e-3)
+    with pytest.raises(ValueError, match="needs the calibration activations"):
+        lowrank.svdquant_layers({"a": w}, None, cfg)
