@@ -187,6 +187,25 @@ def prepare_ids(text_lengths: Sequence[int], grid_h: int, grid_w: int, max_text_
     return PackedLayout(position_ids, segment_ids, indicator, max_text_tokens, (grid_h, grid_w))
 
 
+def trim_text_padding(text_features: Any, layout: PackedLayout) -> tuple[Any, PackedLayout]:
+    """Drop the text slots that no prompt of the batch uses: ``T`` slots -> ``max(text lengths)`` slots.
+
+    The image-token velocities are unchanged (padding is its own attention segment and nothing attends to it), and a
+    single prompt then needs no attention mask: the pipeline's 2048 + 4096 tokens become e.g. 128 + 4096 (see
+    docs/ideogram4.md for the cost). ``text_features (B, T, F)`` (numpy or jax) -> ``(B, max_len, F)``.
+    """
+    lengths = [int(n) for n in (layout.indicator == LLM_TOKEN_INDICATOR).sum(axis=1)]
+    expected = prepare_ids(lengths, *layout.grid, layout.num_text_slots)
+    if not all(np.array_equal(a, b) for a, b in ((expected.position_ids, layout.position_ids),
+                                                  (expected.segment_ids, layout.segment_ids),
+                                                  (expected.indicator, layout.indicator))):
+        raise ValueError("trim_text_padding needs the pipeline's [left pad][text][image] layout (prepare_ids)")
+    if text_features.shape[:2] != (len(lengths), layout.num_text_slots):
+        raise ValueError(f"text_features {text_features.shape} must be (B, num_text_slots={layout.num_text_slots}, F)")
+    keep = max(lengths)
+    return text_features[:, layout.num_text_slots - keep:], prepare_ids(lengths, *layout.grid, keep)
+
+
 def grid_for(height: int, width: int) -> tuple[int, int]:
     """Image-token grid ``(height / 16, width / 16)`` of an image size in pixels."""
     if height % PIXELS_PER_TOKEN or width % PIXELS_PER_TOKEN:

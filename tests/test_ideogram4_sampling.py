@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,6 +149,11 @@ def test_packed_single_prompt_equals_padded_and_default_schedule_runs():
                              schedule)
     packed_layout = sampling.prepare_ids([n_text], 3, 3, n_text)
     packed = sampling.sample(cond, uncond, noise, real_features, packed_layout, schedule)
+    trimmed_features, trimmed_layout = sampling.trim_text_padding(
+        padded_features, sampling.prepare_ids([n_text], 3, 3, max_text))
+    assert trimmed_layout.single_segment and trimmed_layout.num_text_slots == n_text
+    np.testing.assert_array_equal(np.asarray(trimmed_features), np.asarray(real_features))
+    np.testing.assert_array_equal(trimmed_layout.position_ids, packed_layout.position_ids)
     np.testing.assert_allclose(np.asarray(packed), np.asarray(padded), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="single-segment"):
         sampling.sample(cond, uncond, noise, padded_features, sampling.prepare_ids([n_text], 3, 3, max_text),
@@ -214,3 +221,11 @@ def test_end_to_end_with_pipeline_text_encoder_and_vae():
     assert images.shape == expected.shape == (2, height, width, 3)
     np.testing.assert_allclose(images, expected, atol=2e-4)
     assert images.std() > 1e-3
+    # Trimming the unused text slots (24 -> the longer prompt's length) gives the same images.
+    trimmed_features, trimmed_layout = sampling.trim_text_padding(features, layout)
+    assert trimmed_layout.num_text_slots < max_text
+    trimmed = sampling.sample(cond, uncond, jnp.asarray(noise.numpy()), jnp.asarray(trimmed_features), trimmed_layout,
+                              sampling.flow_schedule(height, width, 2, guidance_schedule=guidance))
+    np.testing.assert_allclose(np.asarray(trimmed), np.asarray(latents), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="layout"):
+        sampling.trim_text_padding(features, dataclasses.replace(layout, indicator=layout.indicator[::-1]))
