@@ -244,3 +244,26 @@ def test_train_script_runs_resumes_and_exports(tmp_path):
 
     exported = PixArtTransformer2DModel.from_pretrained(tmp_path / "export", torch_dtype=torch.float32)
     assert exported.config.num_layers == 1
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The end-to-end W4A4 evaluation command (tiny setting)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path):
+    from scripts import eval_testbed
+
+    out = tmp_path / "eval"
+    assert eval_testbed.main(["--out", str(out), "--methods", "rtn", "--calib-captions", "1", "--eval-captions", "2",
+                              "--steps", "2", "--batch-size", "1", "--rows-per-layer", "96", "--calib-rows", "64",
+                              "--calib-heldout", "32", "--layers", "3"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    result = report["results"]["rtn"]
+    assert len(result["per_layer_error"]) == 3
+    assert 0.0 < result["layer_error_mean"] <= result["layer_error_max"] < 1.0
+    assert 10.0 < result["psnr_db"] < 99.0, "3 W4A4 linears change the images, but not beyond recognition"
+    assert 0.0 < result["ssim"] <= 1.0
+    assert "| rtn |" in (out / "table.md").read_text()
+    assert (out / "grid.png").stat().st_size > 1000
+    assert (out / "qlayers" / "rtn").is_dir(), "the calibrated layers are stored (resumable)"
