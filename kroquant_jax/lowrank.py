@@ -78,8 +78,8 @@ def low_rank_svd(w: jax.Array, rank: int, method: SvdMethod = "randomized", over
       w: ``(o, d)``.
       rank: ``r <= min(o, d)``.
       method: ``"exact"`` (full SVD) or ``"randomized"`` (Halko et al.: a Gaussian sketch of ``r + oversample``
-        columns, ``power_iters`` QR-stabilised power iterations, then the SVD of the small projection; a fixed
-        ``seed``, so deterministic). The randomized one costs a few ``(o, d) x (d, r)`` products instead of a full SVD.
+        columns, ``power_iters`` power iterations re-orthonormalised by Cholesky-QR2, then the eigendecomposition of
+        the small ``k x k`` Gram matrix of the projection; a fixed ``seed``, so deterministic). The randomized one costs a few ``(o, d) x (d, r)`` products instead of a full SVD.
 
     Returns:
       ``L (o, r)``, ``R (r, d)`` (f32).
@@ -95,18 +95,36 @@ def low_rank_svd(w: jax.Array, rank: int, method: SvdMethod = "randomized", over
     elif method == "randomized":
         k = rank + oversample
         omega = jax.random.normal(jax.random.key(seed), (d, k), jnp.float32)
-        q, _ = jnp.linalg.qr(jnp.matmul(w, omega, precision=hi))
+        q = _orthonormalize(jnp.matmul(w, omega, precision=hi))
         for _ in range(power_iters):
-            z, _ = jnp.linalg.qr(jnp.matmul(w.T, q, precision=hi))
-            q, _ = jnp.linalg.qr(jnp.matmul(w, z, precision=hi))
+            z = _orthonormalize(jnp.matmul(w.T, q, precision=hi))
+            q = _orthonormalize(jnp.matmul(w, z, precision=hi))
         b = jnp.matmul(q.T, w, precision=hi)  # (k, d)
-        ub, s, vt = jnp.linalg.svd(b, full_matrices=False)
-        u = jnp.matmul(q, ub, precision=hi)[:, :rank]
-        s, vt = s[:rank], vt[:rank]
+        evals, evecs = jnp.linalg.eigh(jnp.matmul(b, b.T, precision=hi))  # ascending, (k,), (k, k)
+        evals, evecs = evals[::-1][:rank], evecs[:, ::-1][:, :rank]
+        s = jnp.sqrt(jnp.maximum(evals, 0.0))
+        u = jnp.matmul(q, evecs, precision=hi)  # (o, r)
+        safe = jnp.where(s > 0, s, 1.0)
+        vt = jnp.where(s[:, None] > 0, jnp.matmul(evecs.T, b, precision=hi) / safe[:, None], 0.0)  # (r, d)
     else:
         raise ValueError(f"low_rank_svd: method={method!r} must be 'exact' or 'randomized'")
     root = jnp.sqrt(s)
     return u * root[None, :], root[:, None] * vt
+
+
+def _orthonormalize(y: jax.Array) -> jax.Array:
+    """Orthonormal basis of the columns of ``y (n, k)`` by shifted Cholesky-QR, twice (CholeskyQR2).
+
+    Only matrix products, a ``k x k`` Cholesky and triangular solves: unlike Householder QR these batch well under
+    ``vmap`` (XLA:CPU's and cuSOLVER's QR of tall ``(o, k)`` matrices were the slow part of the randomized SVD).
+    """
+    hi = jax.lax.Precision.HIGHEST
+    for _ in range(2):
+        g = jnp.matmul(y.T, y, precision=hi)  # (k, k)
+        shift = 1e-6 * jnp.trace(g) / g.shape[0] + jnp.finfo(jnp.float32).tiny
+        r = jnp.linalg.cholesky(g + shift * jnp.eye(g.shape[0], dtype=g.dtype)).T  # upper, (k, k)
+        y = jax.scipy.linalg.solve_triangular(r, y.T, trans="T", lower=False).T  # y R^{-1}
+    return y
 
 
 def branch(left: jax.Array, right: jax.Array, fmt: Optional[QuantFormat], ste: str = "identity") -> jax.Array:
