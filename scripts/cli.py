@@ -19,7 +19,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "quantize-checkpoint": ("scripts.quantize_checkpoint", "diffusers dir -> capture -> calibrate -> generate"),
     "build-emoji-dataset": ("scripts.build_emoji_dataset", "build the emoji testbed dataset from the Noto font"),
     "train-testbed": ("scripts.train_testbed", "train the emoji testbed DiT"),
-    "evaluate": ("scripts.evaluate_testbed", "end-to-end W4A4 evaluation of every method on the testbed"),
+    "evaluate": ("scripts.eval_testbed", "end-to-end W4A4 evaluation of every method on the testbed"),
 }
 
 
