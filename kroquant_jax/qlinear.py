@@ -125,7 +125,6 @@ def build_qlinear(weight, bias=None, *, transform: str = "identity", transform_p
     if blocks.shape[0] * blocks.shape[1] != d:
         raise ValueError(f"layer {name!r}: transform {transform!r} has width {blocks.shape[0] * blocks.shape[1]}, "
                          f"weight {w.shape}")
-    w_t = transforms.apply_to_weights(w, p.inverse_blocks(params))
     left = right = None
     rank = 0
     if lowrank is not None:
@@ -134,18 +133,27 @@ def build_qlinear(weight, bias=None, *, transform: str = "identity", transform_p
         if left.shape != (o, rank) or right.shape != (rank, d):
             raise ValueError(f"layer {name!r}: low-rank factors {left.shape}, {right.shape} do not fit weight "
                              f"{w.shape} (expected (o, r), (r, d))")
-        if lowrank_quantized:
-            left, right = quantize(left, lowrank_fmt), quantize(right, lowrank_fmt)
-        branch = jnp.matmul(_dense(left), _dense(right), precision="highest")
-        w_t = w_t - branch
+    w_t, left, right = _residual(w, params, left, right, transform=transform,
+                                 lowrank_fmt=lowrank_fmt if lowrank_quantized else None)
     check_finite(w_t, f"layer {name!r} residual weight")
     b = None if bias is None else jnp.asarray(bias, jnp.float32)
     if b is not None and b.shape != (o,):
         raise ValueError(f"layer {name!r}: bias {b.shape} does not match weight {w.shape}")
     cfg = QLinearConfig(in_features=d, out_features=o, transform=transform, act_fmt=act_fmt, rank=rank)
     return QuantizedLinear(blocks=blocks, transform_params=params if keep_params else None,
-                           weight=quantize(w_t, weight_fmt), lowrank_left=left, lowrank_right=right, bias=b,
+                           weight=jax.jit(quantize, static_argnums=1)(w_t, weight_fmt), lowrank_left=left, lowrank_right=right, bias=b,
                            config=cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("transform", "lowrank_fmt"))
+def _residual(w, params, left, right, *, transform, lowrank_fmt):
+    """``(W T^{-T} - B, L, R)`` with ``B`` the branch as stored (``L``, ``R`` quantized when ``lowrank_fmt``)."""
+    w_t = transforms.apply_to_weights(w, transforms.get(transform).inverse_blocks(params))
+    if left is not None:
+        if lowrank_fmt is not None:
+            left, right = quantize(left, lowrank_fmt), quantize(right, lowrank_fmt)
+        w_t = w_t - jnp.matmul(_dense(left), _dense(right), precision="highest")
+    return w_t, left, right
 
 
 def effective_weight(layer: QuantizedLinear) -> jax.Array:
@@ -171,13 +179,21 @@ def qlinear_forward(layer: QuantizedLinear, x: jax.Array, path: Path = "simulate
     if x.shape[-1] != cfg.in_features:
         raise ValueError(f"qlinear_forward: input of shape {x.shape} does not match the layer's in_features="
                          f"{cfg.in_features} (out_features={cfg.out_features}, transform {cfg.transform!r})")
+    if path not in ("simulate", "packed"):
+        raise ValueError(f"qlinear_forward: path={path!r} must be 'simulate' or 'packed'")
+    return _forward(layer, x, path)
+
+
+@functools.partial(jax.jit, static_argnames="path")
+def _forward(layer: QuantizedLinear, x: jax.Array, path: Path) -> jax.Array:
+    cfg = layer.config
     xt = transforms.apply_to_activations(x.astype(jnp.float32), layer.blocks)  # (..., d)
     if path == "simulate":
         xq = fake_quant(xt, cfg.act_fmt, ste=cfg.ste)
     elif path == "packed":
         xq = dequantize(quantize(xt, cfg.act_fmt), jnp.float32)
-    else:
-        raise ValueError(f"qlinear_forward: path={path!r} must be 'simulate' or 'packed'")
+    else:  # pragma: no cover - checked by qlinear_forward
+        raise ValueError(path)
     w = dequantize(layer.weight, jnp.float32)  # (o, d)
     y = jnp.einsum("...d,od->...o", xq, w, precision="highest")
     if layer.lowrank_left is not None:

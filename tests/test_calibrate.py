@@ -1,5 +1,6 @@
 """Calibration engine: vmapped == per-layer, sharded == unsharded, safeguard, determinism, bad input, resume."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -35,10 +36,22 @@ def _assert_same_params(r1, r2, rtol=1e-5, atol=1e-6):
             np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=name)
 
 
+_STACKED = {}
+
+
+def _stacked_run():
+    """One stacked KroQuant run (10 steps) shared by the tests below (compiles once per test session)."""
+    if not _STACKED:
+        ls = _layer_set()
+        cfg = calibrate.CalibrationConfig(transform="kron_lu", **dict(FAST, steps=10))
+        _STACKED.update(ls=ls, cfg=cfg, res=calibrate.calibrate_layers(ls, cfg))
+    return _STACKED["ls"], _STACKED["cfg"], _STACKED["res"]
+
+
 def test_training_lowers_loss_and_heldout_error():
-    res = calibrate.calibrate_layers(_layer_set(), calibrate.CalibrationConfig(transform="kron_lu", **FAST))
+    _, _, res = _stacked_run()
     for name, r in res.items():
-        assert r.losses.shape == (1, 20)
+        assert r.losses.shape == (1, 10)
         assert r.losses[0, -1] < r.losses[0, 0], name
         assert r.heldout_errors["trained0"] < r.heldout_errors["init0"], name
         assert r.chosen == "trained0"
@@ -48,23 +61,18 @@ def test_vmapped_equals_per_layer():
     """Stacked programs and a per-layer loop agree to float rounding. (Over many steps, rounding differences of a
     batched vs. unbatched matmul can flip single quantization decisions and the runs drift apart by ~1e-3: 10 steps
     keep the comparison tight.)"""
-    ls = _layer_set()
-    kw = dict(FAST, steps=10)
-    cfg = calibrate.CalibrationConfig(transform="kron_lu", **kw)
-    stacked = calibrate.calibrate_layers(ls, cfg)
+    ls, cfg, stacked = _stacked_run()
     one_by_one = {n: calibrate.calibrate_layers({n: ls[n]}, cfg)[n] for n in ls}
     _assert_same_params(stacked, one_by_one, rtol=1e-5, atol=1e-5)
-    chunked = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(transform="kron_lu", max_layers_per_program=1,
-                                                                         **kw))
+    chunked = calibrate.calibrate_layers(ls, dataclasses.replace(cfg, max_layers_per_program=1))
     _assert_same_params(stacked, chunked, rtol=1e-5, atol=1e-5)
     for n in ls:
         np.testing.assert_allclose(stacked[n].heldout_error, one_by_one[n].heldout_error, rtol=1e-5)
 
 
 def test_deterministic_for_a_seed():
-    ls = _layer_set()
-    cfg = calibrate.CalibrationConfig(transform="kron_lu", **FAST)
-    _assert_same_params(calibrate.calibrate_layers(ls, cfg), calibrate.calibrate_layers(ls, cfg), rtol=0, atol=0)
+    ls, cfg, res = _stacked_run()
+    _assert_same_params(res, calibrate.calibrate_layers(ls, cfg), rtol=0, atol=0)
 
 
 def test_rows_depend_on_seed_and_name_only_and_are_disjoint():
@@ -109,7 +117,7 @@ def test_several_inits_and_fixed_transforms():
     np.testing.assert_allclose(fixed.heldout_error, r.heldout_errors["init0"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["dense32", "cayley32", "diagonal", "identity"])
+@pytest.mark.parametrize("name", ["dense32", "cayley32", "diagonal"])
 def test_any_parameterization_runs(name):
     res = calibrate.calibrate_layers(_layer_set(shapes=((16, 32),)),
                                      calibrate.CalibrationConfig(transform=name, steps=5, num_rows=64, num_heldout=32))
