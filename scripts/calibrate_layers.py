@@ -43,8 +43,10 @@ SYNTHETIC = {
 
 def build_recipe(method: str, args) -> calibrate.Recipe:
     grid = tuple(round(x, 4) for x in np.linspace(0.0, 1.0, args.sq_grid))
+    has_branch = "+" in method or method == "svdquant"
     return calibrate.get_recipe(
         method,
+        smooth_svd_rank=args.svd_rank if has_branch else 0,
         calibration=calibrate.CalibrationConfig(steps=args.steps, num_rows=args.rows, num_heldout=args.heldout,
                                                 seed=args.seed, max_layers_per_program=args.max_layers_per_program,
                                                 objective=objectives.ObjectiveConfig(precision=args.precision),
