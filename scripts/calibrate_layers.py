@@ -74,16 +74,18 @@ def plot(errors: dict, methods: list, layer_names: list, path: str, title: str) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(layer_names) + 3), 4.5))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.4 * len(layer_names) + 5), 4.5))
     x = np.arange(len(layer_names))
     width = 0.8 / len(methods)
+    colors = plt.get_cmap("tab20")(np.linspace(0, 1, 20))
     for i, m in enumerate(methods):
-        ax.bar(x + (i - (len(methods) - 1) / 2) * width, [errors[m][n] for n in layer_names], width, label=m)
+        ax.bar(x + (i - (len(methods) - 1) / 2) * width, [errors[m][n] for n in layer_names], width, label=m,
+               color=colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20])
     ax.set_xticks(x)
     ax.set_xticklabels(layer_names, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("relative output error (held-out rows)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(title, fontsize=8, wrap=True)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     tmp = path + ".tmp.png"
     fig.savefig(tmp, dpi=120)
@@ -153,7 +155,8 @@ def main(argv=None):
     text = header + "\n\n" + table + "\n"
     print(text)
     layerset.atomic_write_bytes(os.path.join(args.out, "table.md"), text.encode())
-    plot(errors, args.methods, names, args.plot or os.path.join(args.out, "plot.png"), header[:150])
+    plot(errors, args.methods, names, args.plot or os.path.join(args.out, "plot.png"),
+         f"{source}; {meta['device']}, jax {meta['jax_version']}, {meta['date_utc']} UTC")
     return errors
 
 
