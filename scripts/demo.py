@@ -29,8 +29,8 @@ DEMO_DEFAULTS = [
     "--rows-per-layer", "512",
     "--calib-rows", "384",
     "--calib-heldout", "128",
-    "--calib-steps", "50",
-    "--loraq-steps", "100",
+    "--calib-steps", "40",
+    "--loraq-steps", "40",
     "--batch-size", "8",
 ]
 

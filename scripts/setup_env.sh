@@ -4,9 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ ! -f /usr/share/fonts/truetype/noto/NotoColorEmoji.ttf ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  # The emoji testbed's dataset builder reads this font (tests build a few glyphs from it).
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fonts-noto-color-emoji >/dev/null
+if { [ ! -f /usr/share/fonts/truetype/noto/NotoColorEmoji.ttf ] || [ ! -d /usr/share/iso-codes ]; } && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  # The emoji testbed's dataset builder reads this font (tests build a few glyphs from it) and names flags from iso-codes.
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fonts-noto-color-emoji iso-codes >/dev/null
 fi
 
 PYTHON=${PYTHON:-python3}
