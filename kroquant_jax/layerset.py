@@ -20,6 +20,8 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
 import numpy as np
+
+from kroquant_jax.fileio import publishable
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kroquant_jax.formats import check_finite
@@ -142,6 +144,7 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        publishable(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -65,6 +65,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from kroquant_jax.fileio import publishable
+
 __all__ = [
     "CheckpointError",
     "ConversionError",
@@ -191,6 +193,7 @@ def _atomic_target(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(handle)
+    publishable(tmp)
     return Path(tmp)
 
 
@@ -664,6 +667,7 @@ def save_flax_state(directory: str | os.PathLike, params: Mapping[str, Any],
     directory = Path(directory).absolute()
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
+    publishable(tmp)
     try:
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(tmp / "params", _nest({k: np.asarray(v) for k, v in params.items()}))

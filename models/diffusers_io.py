@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kroquant_jax.fileio import publishable
+
 __all__ = ["decode_latents", "encode_prompts", "save_pngs"]
 
 _PIPELINES = {"pixart": "PixArtSigmaPipeline", "sana": "SanaPipeline", "flux": "FluxPipeline"}
@@ -81,6 +83,7 @@ def save_pngs(images: np.ndarray, folder: str | os.PathLike, prefix: str = "") -
         os.close(handle)
         try:
             Image.fromarray(image).save(tmp)
+            publishable(tmp)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

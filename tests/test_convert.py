@@ -198,3 +198,16 @@ def test_merge_flat_state_reports_bad_keys():
     params["nonsense"] = np.zeros(1, np.float32)
     with pytest.raises(ConversionError, match=r"proj_out\.bias[\s\S]*nonsense[\s\S]*proj_out\.kernel"):
         convert.merge_flat_state(lambda: pixart.construct(TINY), params)
+
+
+def test_written_files_are_world_readable(tmp_path):
+    """Atomic writers create 0600 temporaries; the published files must get the usual 0644."""
+    import stat
+
+    from kroquant_jax.layerset import atomic_write_bytes
+    from models.convert import write_safetensors
+
+    write_safetensors(tmp_path / "w.safetensors", {"a": np.ones((2, 3), np.float32)})
+    atomic_write_bytes(str(tmp_path / "x.bin"), b"abc")
+    for name in ("w.safetensors", "x.bin"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644, name
