@@ -14,6 +14,8 @@ import pytest
 from kroquant_jax import transforms as T
 from kroquant_jax.formats import MXFP4, NVFP4, ScaleMode
 from pallas_kernels import transform_quantize as tq
+from tq_cases import exact_activations as _exact_activations  # noqa: E402
+from tq_cases import exact_transform as _exact_transform  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -25,13 +27,6 @@ MAX_CODE_MISMATCH = 2e-3
 MAX_SCALE_MISMATCH = 2e-3
 
 
-def _exact_activations(key, m, d, dtype):
-    """``±k * 2**-2`` with ``k`` in 1..31 and 1% outliers times 4: 5 significant bits, never zero."""
-    k1, k2, k3 = jax.random.split(key, 3)
-    mag = jax.random.randint(k1, (m, d), 1, 32).astype(jnp.float32) * 0.25
-    sign = jnp.where(jax.random.bernoulli(k2, 0.5, (m, d)), 1.0, -1.0)
-    out = jnp.where(jax.random.bernoulli(k3, 0.01, (m, d)), 4.0, 1.0)
-    return (mag * sign * out).astype(dtype)
 
 
 def _random_activations(key, m, d, dtype):
@@ -43,25 +38,6 @@ def _random_activations(key, m, d, dtype):
     return x.astype(dtype)
 
 
-def _exact_transform(kind, d, key):
-    ks = jax.random.split(key, 4)
-    nb = d // 32
-    if kind == "q4":
-        return tq.PreparedTransform.identity(d)
-    if kind == "scale":
-        return tq.PreparedTransform.from_inv_scale(2.0 ** jax.random.randint(ks[0], (d,), -2, 3).astype(jnp.float32))
-    if kind == "k1":
-        vals = jnp.array([0.0, 0.25, -0.25, 0.5, -0.5, 1.0, -1.0], jnp.float32)
-        return tq.PreparedTransform.from_blocks(vals[jax.random.randint(ks[0], (nb, 32, 32), 0, 7)])
-    if kind in ("k2", "k2s"):
-        a = jnp.where(jax.random.bernoulli(ks[0], 0.5, (nb, 5)), 1.0, -1.0)
-        b = jnp.array([0.0, 0.5, -0.5])[jax.random.randint(ks[1], (nb, 5), 0, 3)]
-        c = jnp.array([0.0, 1.0, -1.0])[jax.random.randint(ks[2], (nb, 5), 0, 3)]
-        inv = 2.0 ** jax.random.randint(ks[3], (d,), -1, 2).astype(jnp.float32) if kind == "k2s" else None
-        return tq.PreparedTransform.from_kron_params({"a": a, "b": b, "c": c}, inv)
-    if kind == "fwht":
-        return tq.PreparedTransform.fwht(d)
-    raise ValueError(kind)
 
 
 def _random_transform(kind, d, key):
