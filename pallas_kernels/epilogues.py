@@ -42,9 +42,8 @@ import numpy as np
 
 from kroquant_jax.formats import QuantizedArray, dequantize
 from pallas_kernels._compat import pl, triton_compiler_params
-from pallas_kernels.w4a4_gemm import (Compute, OperandSpec, _operand_arrays, _operand_specs, _round_up,
-                                      accumulate_tiles, check_operands, lowrank_arrays, lowrank_reference,
-                                      lowrank_term)
+from pallas_kernels.w4a4_gemm import (Compute, OperandSpec, _round_up, accumulate_tiles, check_operands,
+                                      gemm_inputs, lowrank_reference, lowrank_term)
 
 __all__ = [
     "EPILOGUE_TILE",
@@ -269,7 +268,6 @@ def _fused_call(a, w, *, epilogue: Epilogue, head_dim: int, norm_weight, eps: fl
     spec = OperandSpec(kind=kind, compute=compute if kind != "bf16" else "bf16", block_k=bs.block_k)
     if compute == "fp8" and kind != "mxfp4":
         raise ValueError("compute='fp8' supports MXFP4 only")
-    blk = spec.fmt_block
     if epilogue == "rmsnorm":
         if head_dim % bs.tile or n % head_dim:
             raise ValueError(f"rmsnorm: head_dim={head_dim} must be a multiple of the tile {bs.tile} and divide n={n}")
@@ -284,26 +282,8 @@ def _fused_call(a, w, *, epilogue: Epilogue, head_dim: int, norm_weight, eps: fl
     n_out = n // 2 if epilogue == "swiglu" else n
     m_pad, k_pad = _round_up(m, bs.block_m), _round_up(k, bs.block_k)
     grid = (m_pad // bs.block_m, n // cols)
-    a_map = lambda i, j: (i, 0)  # noqa: E731
-    w_map = lambda i, j: (j, 0)  # noqa: E731
-    args = _operand_arrays(a, kind, m_pad, k_pad) + _operand_arrays(w, kind, n, k_pad)
-    in_specs = _operand_specs(kind, bs.block_m, k_pad, blk, a_map) + _operand_specs(kind, cols, k_pad, blk, w_map)
-    if spec.has_tensor_scale:
-        args.append((a.tensor_scale * w.tensor_scale).astype(jnp.float32).reshape(1, 1))
-        in_specs.append(pl.BlockSpec((1, 1), lambda i, j: (0, 0)))
-    lowrank_packed = False
-    if lowrank is not None:
-        h, left = lowrank
-        if h.shape[0] != m or left.shape[0] != n:
-            raise ValueError(f"lowrank=(h {h.shape}, L {left.shape}) must be (m, r), (n, r)")
-        lr_args, lr_specs, lowrank_packed = lowrank_arrays(h, left, m_pad, None, bs.block_m, cols, a_map, w_map)
-        args += lr_args
-        in_specs += lr_specs
-    if bias is not None:
-        if bias.shape != (n,):
-            raise ValueError(f"bias {bias.shape} must be ({n},)")
-        args.append(bias.astype(jnp.float32).reshape(1, n))
-        in_specs.append(pl.BlockSpec((1, cols), lambda i, j: (0, j)))
+    args, in_specs, lowrank_packed = gemm_inputs(a, w, spec, m_pad=m_pad, n_pad=n, k_pad=k_pad, block_m=bs.block_m,
+                                                 cols=cols, lowrank=lowrank, bias=bias)
     if epilogue == "rmsnorm":
         args.append(norm_weight.astype(jnp.float32).reshape(1, head_dim))
         in_specs.append(pl.BlockSpec((1, head_dim), lambda i, j: (0, 0)))

@@ -345,6 +345,38 @@ def lowrank_arrays(h: jax.Array, left, m_pad: int, rows_pad: Optional[int], bloc
     return args, specs, packed
 
 
+def gemm_inputs(a, w, spec: OperandSpec, *, m_pad: int, n_pad: int, k_pad: int, block_m: int, cols: int, lowrank,
+                bias) -> tuple[list, list, bool]:
+    """Arrays and BlockSpecs of a GEMM on a ``(m_pad / block_m, n_pad / cols)`` grid, in the order the kernels unpack
+    them: ``A`` and ``W`` (codes + scales, or bf16), the product of the NVFP4 tensor scales, the low-rank pair
+    ``(h (m, r), L (n, r))`` and the bias ``(n,)`` (zero-padded to ``n_pad``). Returns ``(args, in_specs,
+    lowrank_packed)``; shared by :func:`w4a4_matmul` and ``pallas_kernels.epilogues``."""
+    kind, m, n, _ = check_operands(a, w)
+    a_map = lambda i, j: (i, 0)  # noqa: E731
+    w_map = lambda i, j: (j, 0)  # noqa: E731
+    args = _operand_arrays(a, kind, m_pad, k_pad) + _operand_arrays(w, kind, n_pad, k_pad)
+    in_specs = (_operand_specs(kind, block_m, k_pad, spec.fmt_block, a_map)
+                + _operand_specs(kind, cols, k_pad, spec.fmt_block, w_map))
+    if spec.has_tensor_scale:
+        args.append((a.tensor_scale * w.tensor_scale).astype(jnp.float32).reshape(1, 1))
+        in_specs.append(pl.BlockSpec((1, 1), lambda i, j: (0, 0)))
+    lowrank_packed = False
+    if lowrank is not None:
+        h, left = lowrank
+        if h.shape[0] != m or left.shape[0] != n:
+            raise ValueError(f"lowrank=(h {h.shape}, L {left.shape}) must be (m, r), (n, r)")
+        lr_args, lr_specs, lowrank_packed = lowrank_arrays(h, left, m_pad, n_pad, block_m, cols, a_map, w_map)
+        args += lr_args
+        in_specs += lr_specs
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"bias {bias.shape} must be ({n},)")
+        args.append(jnp.pad(bias.astype(jnp.float32), (0, n_pad - n)).reshape(1, n_pad))
+        in_specs.append(pl.BlockSpec((1, cols), lambda i, j: (0, j)))
+    return args, in_specs, lowrank_packed
+
+
+
 def lowrank_term(h_ref, l_refs, rows, *, packed: bool) -> jax.Array:
     """``h L^T`` for the rows ``rows`` of ``L`` (f32 ``(bm, len(rows))``), ``L`` bf16 or packed (decoded here)."""
     if not packed:
@@ -478,31 +510,11 @@ def w4a4_matmul(a: QuantizedArray, w: QuantizedArray, *, lowrank: Optional[tuple
     spec = OperandSpec(kind=kind, compute=compute, block_k=bs.block_k)
     if compute == "fp8" and kind != "mxfp4":
         raise ValueError("compute='fp8' supports MXFP4 only")
-    blk = spec.fmt_block
     cols = bs.block_n * bs.n_sub
     m_pad, n_pad, k_pad = _round_up(m, bs.block_m), _round_up(n, cols), _round_up(k, bs.block_k)
     grid = (m_pad // bs.block_m, n_pad // cols)
-    a_map = lambda i, j: (i, 0)  # noqa: E731
-    w_map = lambda i, j: (j, 0)  # noqa: E731
-    args = _operand_arrays(a, kind, m_pad, k_pad) + _operand_arrays(w, kind, n_pad, k_pad)
-    in_specs = (_operand_specs(kind, bs.block_m, k_pad, blk, a_map)
-                + _operand_specs(kind, cols, k_pad, blk, w_map))
-    if spec.has_tensor_scale:
-        args.append((a.tensor_scale * w.tensor_scale).astype(jnp.float32).reshape(1, 1))
-        in_specs.append(pl.BlockSpec((1, 1), lambda i, j: (0, 0)))
-    lowrank_packed = False
-    if lowrank is not None:
-        h, left = lowrank
-        if h.shape[0] != m or left.shape[0] != n:
-            raise ValueError(f"lowrank=(h {h.shape}, L {left.shape}) must be (m, r), (n, r)")
-        lr_args, lr_specs, lowrank_packed = lowrank_arrays(h, left, m_pad, n_pad, bs.block_m, cols, a_map, w_map)
-        args += lr_args
-        in_specs += lr_specs
-    if bias is not None:
-        if bias.shape != (n,):
-            raise ValueError(f"bias {bias.shape} must be ({n},)")
-        args.append(jnp.pad(bias.astype(jnp.float32), (0, n_pad - n)).reshape(1, n_pad))
-        in_specs.append(pl.BlockSpec((1, cols), lambda i, j: (0, j)))
+    args, in_specs, lowrank_packed = gemm_inputs(a, w, spec, m_pad=m_pad, n_pad=n_pad, k_pad=k_pad,
+                                                 block_m=bs.block_m, cols=cols, lowrank=lowrank, bias=bias)
     aliases = {}
     if out is not None:
         if out.shape != (m, n):
