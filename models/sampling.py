@@ -184,6 +184,13 @@ def _aux(hooks: LinearHooks | None) -> Any:
     return recorder.result() if recorder is not None else {}
 
 
+def _cfg_batch(params: Mapping[str, Any], x: jax.Array, use_cfg: bool):
+    """The model inputs of one denoising step: with CFG, ``[uncond; cond]`` stacked on the batch axis."""
+    context = jnp.concatenate([params["uncond_context"], params["context"]]) if use_cfg else params["context"]
+    x_in = jnp.concatenate([x, x]) if use_cfg else x  # (2b, c, H, W)
+    return x_in, context, _masks(params, use_cfg)
+
+
 def pixart_denoiser(graphdef: nnx.GraphDef, guidance_scale: float, latent_channels: int,
                     hooks_factory: HooksFactory | None = None) -> Denoiser:
     """PixArt epsilon denoiser with CFG. params = {"model": nnx state, "context": (b, t, c), "mask": (b, t),
@@ -194,9 +201,7 @@ def pixart_denoiser(graphdef: nnx.GraphDef, guidance_scale: float, latent_channe
         model = nnx.merge(graphdef, params["model"])
         hooks = _hooks(params, hooks_factory, step)
         use_cfg = guidance_scale != 1.0
-        context = jnp.concatenate([params["uncond_context"], params["context"]]) if use_cfg else params["context"]
-        mask = _masks(params, use_cfg)
-        x_in = jnp.concatenate([x, x]) if use_cfg else x  # (2b, c, H, W)
+        x_in, context, mask = _cfg_batch(params, x, use_cfg)  # (2b, c, H, W), (2b, t, c), (2b, t)
         out = model(x_in, context, jnp.full((x_in.shape[0],), t), mask, hooks=hooks)  # (2b, out, H, W)
         out = cfg_combine(out, guidance_scale) if use_cfg else out  # (b, out, H, W)
         return out[:, :latent_channels], _aux(hooks)
@@ -213,9 +218,7 @@ def sana_denoiser(graphdef: nnx.GraphDef, guidance_scale: float, hooks_factory: 
         model = nnx.merge(graphdef, params["model"])
         hooks = _hooks(params, hooks_factory, step)
         use_cfg = guidance_scale != 1.0
-        context = jnp.concatenate([params["uncond_context"], params["context"]]) if use_cfg else params["context"]
-        mask = _masks(params, use_cfg)
-        x_in = jnp.concatenate([x, x]) if use_cfg else x  # (2b, c, H, W)
+        x_in, context, mask = _cfg_batch(params, x, use_cfg)  # (2b, c, H, W), (2b, t, c), (2b, t)
         guidance = params.get("guidance")
         if guidance is not None and use_cfg:
             guidance = jnp.concatenate([guidance, guidance])  # (2b,)
