@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 from models.layers import LinearHooks, linears
 from models.sampling import make_sampler
@@ -83,6 +84,7 @@ class CaptureConfig:
         shift: flow-matching shift (SANA/FLUX); None = the family default.
         solver: None (the family default) or ``"flow_euler"`` (flow-matching PixArt-architecture models).
         row_dtype: dtype of the recorded rows on the device.
+        progress: show a tqdm bar over the prompt batches.
     """
 
     num_steps: int = 20
@@ -94,6 +96,7 @@ class CaptureConfig:
     shift: float | None = None
     solver: str | None = None
     row_dtype: str = "float32"
+    progress: bool = False
 
 
 def capture_layer_set(family: str, model: nnx.Module, prompt_batches: Sequence[Mapping[str, Any]],
@@ -130,7 +133,7 @@ def capture_layer_set(family: str, model: nnx.Module, prompt_batches: Sequence[M
                                   shift=config.shift, solver=config.solver, hooks_factory=hooks_factory))
     base = jax.random.key(config.seed)
     collected: dict[str, list[np.ndarray]] = {name: [] for name in names}
-    for index, batch in enumerate(prompt_batches):
+    for index, batch in enumerate(tqdm(prompt_batches, desc="capture", unit="batch", disable=not config.progress)):
         noise_key, capture_key = jax.random.split(jax.random.fold_in(base, index))
         params = {"model": state, **batch, "capture_key": capture_key}
         _, rows = sample(params, noise_key)  # {name: (steps, rows_per_step, d)}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -31,11 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from models import image_metrics, pixart, sampling, testbed, testbed_data
-from models.capture import RowSampler
-from models.layers import LinearHooks, linears
+from models.capture import CaptureConfig, capture_layer_set
+from models.layers import linears
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "emoji_pixart"
@@ -84,37 +82,14 @@ def text_params(dataset: testbed_data.EmojiDataset, indices: np.ndarray) -> dict
 
 
 def capture_flow_layer_set(model, dataset: testbed_data.EmojiDataset, indices: np.ndarray, args, names: list[str]):
-    """``{name: (W (o, d), bias (o,), A_rows (n, d))}`` from flow-matching sampling runs over ``indices``."""
+    """``{name: (W (o, d), bias (o,), A_rows (n, d))}`` from flow-matching sampling runs over ``indices``
+    (``models.capture.capture_layer_set`` with the flow-Euler PixArt sampler)."""
     batches = [indices[start:start + args.batch_size] for start in range(0, len(indices), args.batch_size)]
-    rows_per_step = max(1, math.ceil(args.rows_per_layer / (len(batches) * args.steps)))
-
-    def hooks_factory(params, step):
-        return LinearHooks(None, RowSampler(names, rows_per_step, jax.random.fold_in(params["capture_key"], step)))
-
-    graphdef, state = nnx.split(model)
-    size, channels = model.cfg.sample_size, model.cfg.in_channels
-    sample = flow_sampler(graphdef, args.steps, args.guidance, channels, hooks_factory)
-    collected: dict[str, list[np.ndarray]] = {name: [] for name in names}
-    base = jax.random.key(args.seed)
-    for index, batch in enumerate(tqdm(batches, desc="capture", unit="batch")):
-        noise_key, capture_key = jax.random.split(jax.random.fold_in(base, index))
-        noise = jax.random.normal(noise_key, (len(batch), channels, size, size), jnp.float32)
-        _, rows = sample({"model": state, **text_params(dataset, batch), "capture_key": capture_key}, noise)
-        for name in names:
-            array = np.asarray(rows[name], np.float32)  # (steps, rows_per_step, d)
-            collected[name].append(array.reshape(-1, array.shape[-1]))
-    rng = np.random.default_rng(args.seed)
-    available = linears(model)
-    layer_set = {}
-    for name in names:
-        rows = np.concatenate(collected[name])  # (n_all, d)
-        if rows.shape[0] > args.rows_per_layer:
-            rows = rows[np.sort(rng.choice(rows.shape[0], args.rows_per_layer, replace=False))]
-        layer = available[name]
-        weight = np.asarray(layer.kernel[...], np.float32).T  # (o, d)
-        bias = None if layer.bias is None else np.asarray(layer.bias[...], np.float32)  # (o,)
-        layer_set[name] = (weight, bias, rows)
-    return layer_set
+    size = model.cfg.sample_size
+    config = CaptureConfig(num_steps=args.steps, guidance_scale=args.guidance, latent_hw=(size, size),
+                           rows_per_layer=args.rows_per_layer, seed=args.seed, layers=tuple(names), solver="flow_euler",
+                           progress=True)
+    return capture_layer_set("pixart", model, [text_params(dataset, batch) for batch in batches], config)
 
 
 def recipe_for(name: str, args):
