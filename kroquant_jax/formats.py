@@ -282,12 +282,23 @@ def _e4m3_round(x: jax.Array) -> jax.Array:
     return x.astype(jnp.float8_e4m3fn)
 
 
+def _divide(x: jax.Array, divisor) -> jax.Array:
+    """``x / divisor`` (a scalar), correctly rounded under jit and vmap too.
+
+    XLA rewrites a division by a broadcast scalar into a multiplication by its (inexact) reciprocal, which changes
+    the last bit. The divisor is therefore materialised with ``x``'s shape (``where(x == x, d, 2 d)`` cannot be
+    folded back into a broadcast; NaN stays NaN either way) behind an optimization barrier.
+    """
+    divisor = jnp.asarray(divisor, jnp.float32)
+    return x / jax.lax.optimization_barrier(jnp.where(x == x, divisor, 2 * divisor))
+
+
 def nvfp4_tensor_scale(x: jax.Array) -> jax.Array:
     """NVFP4 per-tensor scale ``amax(|x|) / (448 * 6)`` (f32 ``()``); ``1.0`` for an all-zero (or non-finite) tensor."""
     xf = flush_subnormals(x.astype(jnp.float32))
     amax = jnp.max(jnp.abs(jnp.where(jnp.isfinite(xf), xf, 0.0)))  # non-finite blocks become NaN on their own
     ok = amax > 0
-    return jnp.where(ok, amax / jnp.float32(E4M3_MAX * E2M1_MAX), jnp.float32(1.0))
+    return jnp.where(ok, _divide(amax, E4M3_MAX * E2M1_MAX), jnp.float32(1.0))
 
 
 def nvfp4_quantize_blocks(x_blocks: jax.Array, tensor_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -305,10 +316,11 @@ def nvfp4_quantize_blocks(x_blocks: jax.Array, tensor_scale: jax.Array) -> tuple
     x = flush_subnormals(x_blocks.astype(jnp.float32))
     nonfinite = jnp.any(~jnp.isfinite(x), axis=-1)
     amax = jnp.max(jnp.abs(jnp.where(jnp.isfinite(x), x, 0.0)), axis=-1)
-    # XLA's algebraic simplifier rewrites (a / b) / c into a / (b * c) under jit, which changes the last bit; the
-    # optimization barriers keep torchao's two roundings, so jitted and eager results agree (tested).
-    block_over_max = jax.lax.optimization_barrier(amax / jnp.float32(E2M1_MAX))  # (...)
-    s_blk = _e4m3_round(jnp.clip(block_over_max / tensor_scale, E4M3_TINY, E4M3_MAX))  # (...)
+    # Under jit XLA rewrites (a / b) / c into a / (b * c) and a / scalar into a * (1 / scalar); either changes the
+    # last bit and, near E4M3 midpoints, the block scale. `_divide` and the barrier keep torchao's two roundings, so
+    # jit == eager == numpy (tested).
+    block_over_max = jax.lax.optimization_barrier(_divide(amax, E2M1_MAX))  # (...)
+    s_blk = _e4m3_round(jnp.clip(_divide(block_over_max, tensor_scale), E4M3_TINY, E4M3_MAX))  # (...)
     # One multiply per element by the reciprocal of the combined scale, the numerics of torchao's nvfp4_quantize.
     inv_tensor_scale = jax.lax.optimization_barrier(jnp.float32(1.0) / tensor_scale)
     reciprocal = inv_tensor_scale / s_blk.astype(jnp.float32)  # (...)

@@ -295,3 +295,26 @@ def test_nvfp4_block_scales_identical_under_jit():
     s_ref = np.clip(np.abs(np.asarray(x)).max(-1) / np.float32(6.0) / np.float32(0.0123), 2.0**-6, 448.0)
     np.testing.assert_array_equal(np.asarray(jitted[1]).view(np.uint8),
                                   s_ref.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+
+
+# (amax, tensor_scale) pairs where (amax / 6) / t and amax / (6 t) round to different E4M3 block scales (found by a
+# search next to E4M3 rounding midpoints): without the optimization barriers, jit gives the second.
+_DIVISION_ORDER_CASES = [(0.3293984532356262, 0.051670342683792114), (0.09735774248838425, 0.015271801501512527),
+                         (0.6050914525985718, 0.09491629898548126), (0.20317964255809784, 0.03187131509184837)]
+
+
+@pytest.mark.parametrize("amax,ts", _DIVISION_ORDER_CASES)
+def test_nvfp4_block_scale_keeps_division_order_under_jit(amax, ts):
+    x = jnp.asarray(np.linspace(-amax, amax, 16, dtype=np.float32)[None])  # (1, 16), amax exact at both ends
+    s_ref = (np.float32(np.float32(amax) / np.float32(6.0)) / np.float32(ts)).astype(ml_dtypes.float8_e4m3fn)
+    s_fused = (np.float32(amax) / (np.float32(6.0) * np.float32(ts))).astype(ml_dtypes.float8_e4m3fn)
+    assert s_ref.view(np.uint8) != s_fused.view(np.uint8)  # the case really separates the two orders
+    _, s_jit = jax.jit(F.nvfp4_quantize_blocks)(x, jnp.float32(ts))
+    assert np.asarray(s_jit).view(np.uint8)[0] == s_ref.view(np.uint8)
+
+
+def test_nvfp4_tensor_scale_correctly_rounded_under_jit():
+    amax = np.asarray(jax.random.uniform(jax.random.key(14), (4096,), minval=0.01, maxval=1e4), np.float32)
+    x = jnp.asarray(amax[:, None] * np.array([1.0, -0.5], np.float32))  # (4096, 2): one tensor per row
+    got = np.asarray(jax.jit(jax.vmap(F.nvfp4_tensor_scale))(x))
+    np.testing.assert_array_equal(got, amax / np.float32(448.0 * 6.0))
