@@ -94,14 +94,44 @@ class EpilogueBlockSizes:
                 raise ValueError(f"EpilogueBlockSizes.{name}={v} must be a power of two >= 16")
 
 
-def _default_blocks(m: int, k: int, block_m: int = 64) -> EpilogueBlockSizes:
+#: Shared memory a program's pipelined operand tiles may take. The H200 allows 227 KiB (232448 bytes) per block;
+#: the rest is left for Triton's layout-conversion scratch in the epilogue.
+SMEM_BUDGET_BYTES = 200 * 1024
+
+
+def operand_smem_bytes(kind: str, block_m: int, cols: int, block_k: int, num_stages: int) -> int:
+    """Shared memory of the software-pipelined A and W tiles: ``num_stages * (A tile + W tile)`` in bytes.
+
+    ``kind`` is the operand kind of :func:`check_operands` ("bf16", "mxfp4", "nvfp4"): bf16 tiles take 2 bytes per
+    element; packed FP4 tiles take half a byte per element plus one scale byte per block (32 for MXFP4, 16 for NVFP4).
+    This is what Triton requested on the H200 (``3 * (64*128*2 + 256*128*2) = 245760`` for the bf16 RMSNorm kernel).
+    """
+    if kind == "bf16":
+        per_elem = 2.0
+    else:
+        per_elem = 0.5 + 1.0 / (32 if kind == "mxfp4" else 16)
+    return int(num_stages * (block_m + cols) * block_k * per_elem)
+
+
+def _default_blocks(m: int, k: int, *, kind: str = "bf16", cols: int = 128, block_m: int = 64,
+                    budget: int = SMEM_BUDGET_BYTES) -> EpilogueBlockSizes:
+    """Default tiles: ``block_m`` shrinks for small m, ``block_k`` divides k, and the pipelined operand tiles fit
+    ``budget`` bytes of shared memory (fewer stages first, then a smaller ``block_k``)."""
     bm = block_m
     while bm > 16 and bm // 2 >= m:
         bm //= 2
     bk = 128
     while bk > 32 and k % bk:
         bk //= 2
-    return EpilogueBlockSizes(block_m=bm, block_k=bk)
+    stages = 3
+    while operand_smem_bytes(kind, bm, cols, bk, stages) > budget:
+        if stages > 2:
+            stages -= 1
+        elif bk > 32:
+            bk //= 2
+        else:
+            raise ValueError(f"no tiling of {kind} operands with {cols=} fits {budget} bytes of shared memory")
+    return EpilogueBlockSizes(block_m=bm, block_k=bk, num_stages=stages)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -264,7 +294,7 @@ def _epilogue_kernel(*refs, spec: OperandSpec, k: int, epilogue: str, tile: int,
 def _fused_call(a, w, *, epilogue: Epilogue, head_dim: int, norm_weight, eps: float, lowrank, bias,
                 block_sizes: Optional[EpilogueBlockSizes], compute: Compute, out_dtype, out, interpret: bool):
     kind, m, n, k = check_operands(a, w)
-    bs = block_sizes or _default_blocks(m, k)
+    bs = block_sizes or _default_blocks(m, k, kind=kind, cols=head_dim if epilogue == "rmsnorm" else EPILOGUE_TILE)
     spec = OperandSpec(kind=kind, compute=compute if kind != "bf16" else "bf16", block_k=bs.block_k)
     if compute == "fp8" and kind != "mxfp4":
         raise ValueError("compute='fp8' supports MXFP4 only")

@@ -143,3 +143,16 @@ class TestGPU:
         wp, _, bp = e.pack_swiglu_weight(qw, bias=bias)
         y = e.gemm_swiglu(qa, wp, bias=bp)
         _close(y, e.swiglu(e.gemm_reference(qa, qw, bias=bias)), rtol=2**-6, atol_frac=2**-9)
+
+
+def test_default_tiles_fit_hopper_shared_memory():
+    # The H200 run of 2026-11-30 requested exactly this much (bf16 RMSNorm, head 256, 3 stages) and failed: 227 KiB max.
+    assert e.operand_smem_bytes("bf16", 64, 256, 128, 3) == 245760
+    for kind in ("bf16", "mxfp4", "nvfp4"):
+        for cols in (128, 256):
+            for m, k in ((300, 1152), (4096, 4608), (8, 64)):
+                bs = e._default_blocks(m, k, kind=kind, cols=cols)
+                assert k % bs.block_k == 0
+                assert e.operand_smem_bytes(kind, bs.block_m, cols, bs.block_k, bs.num_stages) <= e.SMEM_BUDGET_BYTES
+    assert e._default_blocks(4096, 4608, kind="bf16", cols=256).num_stages == 2
+    assert e._default_blocks(4096, 4608, kind="mxfp4", cols=256).num_stages == 3
