@@ -32,13 +32,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import math
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -51,6 +49,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from kroquant_jax.fileio import atomic_write_json  # noqa: E402
 from models import ideogram4 as ig  # noqa: E402
 from models import ideogram4_sampling as sampling  # noqa: E402
 
@@ -472,11 +471,7 @@ def run_torch_baseline(args: argparse.Namespace, out_path: Path) -> dict[str, An
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(handle, "w") as stream:
-        json.dump(payload, stream, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    atomic_write_json(path, payload)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

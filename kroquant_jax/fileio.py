@@ -1,8 +1,22 @@
-"""Small file helpers shared by every atomic writer of the project."""
+"""Atomic file writes shared by every writer of the project (results, checkpoints, images, tables).
+
+A reader never sees a half-written file and an interrupted run never destroys the previous version: every writer
+writes into a temporary file in the target's folder (same filesystem), flushes it, gives it the usual permissions
+and renames it onto the target with ``os.replace``. On any error the temporary file is removed and the target is
+left as it was.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+__all__ = ["DIR_MODE", "FILE_MODE", "atomic_path", "atomic_write_bytes", "atomic_write_json", "atomic_write_text",
+           "publishable"]
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755
@@ -12,3 +26,47 @@ def publishable(path: str | os.PathLike) -> None:
     """Gives a temporary file (``tempfile.mkstemp``: mode 0600) or folder (``mkdtemp``: 0700) the usual permissions
     (0644 / 0755) before it is renamed into place, so results and checkpoints are readable like any other file."""
     os.chmod(path, DIR_MODE if os.path.isdir(path) else FILE_MODE)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
+    """Yields a fresh temporary path next to ``path``; renamed onto ``path`` (mode 0644) when the block exits normally,
+    removed when it raises.
+
+    ``suffix`` ends the temporary name, for writers that pick the format from the extension (``".png"`` for PIL and
+    matplotlib, ``".npz"`` for ``np.savez``, which would otherwise append one). Creates the parent folder.
+
+    >>> with atomic_path("out/grid.png", suffix=".png") as tmp:
+    ...     image.save(tmp)
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{suffix}", dir=path.parent)
+    os.close(handle)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        publishable(tmp)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Writes ``data`` to ``path`` atomically (temporary file, fsync, rename)."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Writes UTF-8 ``text`` to ``path`` atomically."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int = 2, sort_keys: bool = True) -> None:
+    """Writes ``obj`` as JSON (with a final newline) to ``path`` atomically."""
+    atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")

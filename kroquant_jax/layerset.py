@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import tempfile
 import zlib
 from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
 import numpy as np
 
-from kroquant_jax.fileio import publishable
+from kroquant_jax.fileio import atomic_write_bytes
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kroquant_jax.formats import check_finite
@@ -132,24 +130,6 @@ def split_rows(name: str, num_available: int, num_rows: int, num_heldout: int, s
 # ---------------------------------------------------------------------------------------------------------------------
 
 _FIELDS = ("weight", "bias", "activations")
-
-
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Writes ``data`` to ``path`` through a temporary file in the same folder and ``os.replace`` (atomic)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        publishable(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def _flatten(layer_set: LayerSet) -> dict[str, np.ndarray]:

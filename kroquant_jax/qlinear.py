@@ -41,7 +41,7 @@ import numpy as np
 from kroquant_jax import transforms
 from kroquant_jax.formats import (MXFP4, NVFP4, QuantFormat, QuantizedArray, ScaleMode, check_finite, dequantize,
                                   fake_quant, quantize)
-from kroquant_jax.layerset import atomic_write_bytes
+from kroquant_jax.fileio import atomic_write_bytes
 
 __all__ = ["QLinearConfig", "QuantizedLinear", "QLinearStore", "build_qlinear", "effective_weight", "load_qlinear",
            "qlinear_forward", "restore_orbax", "save_orbax", "save_qlinear"]

@@ -65,7 +65,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from kroquant_jax.fileio import publishable
+from kroquant_jax.fileio import atomic_path, atomic_write_json, publishable
 
 __all__ = [
     "CheckpointError",
@@ -189,14 +189,6 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _atomic_target(path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(handle)
-    publishable(tmp)
-    return Path(tmp)
-
-
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
                       metadata: Mapping[str, str] | None = None) -> None:
     """Write ``{key: array}`` as a .safetensors file, atomically (temporary file in the same folder, then rename)."""
@@ -214,27 +206,12 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
         arrays.append(array)
     header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
     header_bytes += b" " * (-len(header_bytes) % 8)
-    tmp = _atomic_target(path)
-    try:
+    with atomic_path(path) as tmp:
         with open(tmp, "wb") as handle:
             handle.write(len(header_bytes).to_bytes(8, "little"))
             handle.write(header_bytes)
             for array in arrays:
                 handle.write(array.tobytes())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = _atomic_target(path)
-    try:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def read_diffusers_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -306,8 +283,8 @@ def write_diffusers_dir(directory: str | os.PathLike, config: Mapping[str, Any],
             write_safetensors(directory / name, {k: state[k] for k in shard_keys})
             weight_map.update({k: name for k in shard_keys})
         total = int(sum(np.asarray(state[k]).nbytes for k in keys))
-        _write_json(directory / WEIGHTS_INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    _write_json(directory / CONFIG_NAME, dict(config))
+        atomic_write_json(directory / WEIGHTS_INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    atomic_write_json(directory / CONFIG_NAME, dict(config))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -13,12 +13,11 @@ from LOCAL pipeline directories only (no hub downloads).
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from kroquant_jax.fileio import publishable
+from kroquant_jax.fileio import atomic_path
 
 __all__ = ["decode_latents", "encode_prompts", "save_pngs"]
 
@@ -79,14 +78,7 @@ def save_pngs(images: np.ndarray, folder: str | os.PathLike, prefix: str = "") -
     paths = []
     for index, image in enumerate(images):
         path = folder / f"{prefix}{index:04d}.png"
-        handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=folder)
-        os.close(handle)
-        try:
+        with atomic_path(path, suffix=".png") as tmp:
             Image.fromarray(image).save(tmp)
-            publishable(tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
         paths.append(path)
     return paths

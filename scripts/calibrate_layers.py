@@ -28,6 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kroquant_jax import calibrate, layerset, lowrank, objectives, smoothquant, synthetic  # noqa: E402
+from kroquant_jax.fileio import atomic_path, atomic_write_bytes  # noqa: E402
 
 ALL_METHODS = ("rtn", "smoothquant", "hadamard32", "kroquant", "smoothed_kroquant", "rtn+loraq", "smoothquant+loraq",
                "hadamard32+loraq", "kroquant+loraq", "smoothed_kroquant+loraq", "svdquant")
@@ -87,10 +88,9 @@ def plot(errors: dict, methods: list, layer_names: list, path: str, title: str) 
     ax.set_title(title, fontsize=8, wrap=True)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def main(argv=None):
@@ -146,7 +146,7 @@ def main(argv=None):
         errors[m] = {n: rep[n]["heldout_error"] for n in names}
         reports[m] = rep
         print(f"{m:>26s}: mean {np.mean(list(errors[m].values())):.4f}  ({seconds[m]} s)", flush=True)
-        layerset.atomic_write_bytes(os.path.join(args.out, "results.json"), json.dumps(
+        atomic_write_bytes(os.path.join(args.out, "results.json"), json.dumps(
             {"meta": meta, "errors": errors, "seconds": seconds, "reports": reports}, indent=1, default=float).encode())
     table = markdown_table(errors, args.methods, names)
     header = (f"Relative output error on held-out rows ({source}; {meta['device']}, jax {meta['jax_version']}, "
@@ -154,7 +154,7 @@ def main(argv=None):
               f"{args.loraq_steps}+{args.rotation_steps} steps)")
     text = header + "\n\n" + table + "\n"
     print(text)
-    layerset.atomic_write_bytes(os.path.join(args.out, "table.md"), text.encode())
+    atomic_write_bytes(os.path.join(args.out, "table.md"), text.encode())
     plot(errors, args.methods, names, args.plot or os.path.join(args.out, "plot.png"),
          f"{source}; {meta['device']}, jax {meta['jax_version']}, {meta['date_utc']} UTC")
     return errors

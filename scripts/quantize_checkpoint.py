@@ -123,7 +123,7 @@ def _batches(arrays: dict[str, np.ndarray], indices: list[int], batch_size: int,
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    from kroquant_jax.layerset import atomic_write_bytes
+    from kroquant_jax.fileio import atomic_write_bytes
 
     atomic_write_bytes(str(path), data)
 

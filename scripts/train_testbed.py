@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
+from kroquant_jax.fileio import atomic_path
 from models import convert, pixart, testbed, testbed_data
 
 
@@ -73,15 +73,9 @@ def save_train_state(path: Path, state) -> None:
     """Write the training-state pytree as an .npz keyed by ``jax.tree_util.keystr`` paths (atomic)."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(state)
     arrays = {jax.tree_util.keystr(key): np.asarray(leaf) for key, leaf in leaves}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")
-    try:
+    with atomic_path(path, suffix=".npz") as temporary:
         with open(temporary, "wb") as handle:
             np.savez(handle, **arrays)
-        os.replace(temporary, path)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
 
 
 def load_train_state(path: Path, template):
@@ -283,10 +277,8 @@ def main(argv=None) -> int:
 
         pairs = np.stack([held.images[indices], images], axis=1).reshape(-1, *images.shape[1:])  # (2n, s, s, 3)
         grid = testbed.image_grid(pairs, columns=16, scale=2)
-        Path(args.sample_grid).parent.mkdir(parents=True, exist_ok=True)
-        temporary = Path(args.sample_grid).with_name(f".tmp-{os.getpid()}.png")
-        Image.fromarray(grid).save(temporary)
-        os.replace(temporary, args.sample_grid)
+        with atomic_path(args.sample_grid, suffix=".png") as temporary:
+            Image.fromarray(grid).save(temporary)
         print(f"wrote {args.sample_grid}", flush=True)
     return 0
 

@@ -204,7 +204,7 @@ def test_written_files_are_world_readable(tmp_path):
     """Atomic writers create 0600 temporaries; the published files must get the usual 0644."""
     import stat
 
-    from kroquant_jax.layerset import atomic_write_bytes
+    from kroquant_jax.fileio import atomic_write_bytes
     from models.convert import write_safetensors
 
     write_safetensors(tmp_path / "w.safetensors", {"a": np.ones((2, 3), np.float32)})
