@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kroquant_jax import transforms as T  # noqa: E402
 from kroquant_jax.formats import MXFP4  # noqa: E402
 from pallas_kernels import transform_quantize as tq  # noqa: E402
+from pallas_kernels import transform_quantize_mgpu as tqm  # noqa: E402
 
 TABLE3 = {  # (m, d): Q4, Scale, K1, K2, FWHT (µs, AMD MI350, fp16)
     (4096, 1024): (9.40, 10.56, 9.96, 14.00, 18.16),
@@ -154,6 +155,18 @@ def kernel_fn(t, bs, fmt=MXFP4()):
     return f
 
 
+def mgpu_kernel_fn(t, bs, dtype, fmt=MXFP4()):
+    """The Mosaic GPU kernel (``transform_quantize_mgpu``); K1's split blocks prepared once, outside the timing."""
+    bs = bs or tqm.default_block_sizes(t.kind)
+    parts = tqm.prepare_k1_blocks(t.blocks, dtype, bs.dot_passes) if t.kind == "k1" else None
+
+    @jax.jit
+    def f(a, parts):
+        q = tqm.transform_quantize_mgpu(a, t, fmt, block_sizes=bs, impl="pallas", k1_parts=parts)
+        return q.codes, q.scales
+    return lambda a: f(a, parts)
+
+
 def xla_fn(t, fmt=MXFP4()):
     @jax.jit
     def f(a):
@@ -209,6 +222,12 @@ CANDIDATES = {
              "shuffle_r2_w16": BS(fwht_rows=2, fwht_num_warps=16)},
 }
 CANDIDATES["k2"] = CANDIDATES["k1"]
+# Mosaic GPU kernels (kind "mgpu_q4" / "mgpu_k1"): run where transform_quantize_mgpu.supports() the shape
+MB = tqm.MgpuBlockSizes
+CANDIDATES["mgpu_q4"] = {"br64_bd512": MB(block_rows=64, block_cols=512),
+                         "br64_bd512_seq2": MB(block_rows=64, block_cols=512, sequential_cols=True)}
+CANDIDATES["mgpu_k1"] = {"br64_bd256_p3": MB(block_rows=64, block_cols=256),
+                         "br64_bd256_p3_seq2": MB(block_rows=64, block_cols=256, sequential_cols=True)}
 # Wide tiles walked by a lax.fori_loop (scf.for, software-pipelined by Triton over num_stages): --candidates fori
 FORI_CANDIDATES = {
     "q4": {"br32_bd128_w4": CANDIDATES["q4"]["br32_bd128_w4"],
@@ -235,14 +254,20 @@ def bench_shape(m, d, dtype, kinds, bs, n_iter, with_xla=True):
     row["us"]["copy"] = t_copy
     row["copy_GBps"] = 2 * in_bytes / (t_copy * 1e-6) / 1e9
     for kind in kinds:
-        if kind not in ts:
+        base = kind[5:] if kind.startswith("mgpu_") else kind
+        if base not in ts:
             continue
-        t = ts[kind]
+        t = ts[base]
         cands = {"given": bs} if bs is not None else CANDIDATES[kind]
+        if DEFAULTS_ONLY:
+            cands = {"default": None}
         best = None
         for vname, cbs in cands.items():
+            if kind.startswith("mgpu_") and not tqm.supports(base, (m, d), dtype, cbs):
+                continue
             try:
-                us, meth, names = time_device(kernel_fn(t, cbs), bufs, n_iter)
+                fn = mgpu_kernel_fn(t, cbs, dtype) if kind.startswith("mgpu_") else kernel_fn(t, cbs)
+                us, meth, names = time_device(fn, bufs, n_iter)
             except Exception as e:  # noqa: BLE001 - record and go on
                 row.setdefault("errors", {})[f"{kind}/{vname}"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(f"  {kind}/{vname}: ERROR {type(e).__name__}: {str(e)[:300]}")
@@ -274,6 +299,9 @@ def bench_shape(m, d, dtype, kinds, bs, n_iter, with_xla=True):
     return row
 
 
+DEFAULTS_ONLY = False  # --candidates defaults: each kind with its default tiling only
+
+
 def derive(row, copy_bw):
     us = row["us"]
     row["copy_floor_us"] = row["io_bytes"] / (copy_bw * 1e9) * 1e6
@@ -283,7 +311,9 @@ def derive(row, copy_bw):
         return us[a] / us[b] if us.get(a) and us.get(b) else None
 
     row["ratios"] = {"scale/k1": ratio("scale", "k1"), "scale/k2": ratio("scale", "k2"),
-                     "fwht/k2": ratio("fwht", "k2"), "xla/k1": ratio("xla_k1", "k1")}
+                     "fwht/k2": ratio("fwht", "k2"), "xla/k1": ratio("xla_k1", "k1"),
+                     "scale/mgpu_k1": ratio("scale", "mgpu_k1"), "k1/mgpu_k1": ratio("k1", "mgpu_k1"),
+                     "q4/mgpu_q4": ratio("q4", "mgpu_q4")}
     for k in ("q4", "scale", "k2", "fwht"):
         if us.get(f"xla_{k}"):
             row["ratios"][f"xla_{k}/{k}"] = ratio(f"xla_{k}", k)
@@ -296,7 +326,8 @@ def derive(row, copy_bw):
 
 
 def fmt_table(rows):
-    head = (f"{'m':>5} {'d':>6} | {'Q4':>7} {'Scale':>7} {'K1':>7} {'K2':>7} {'FWHT':>7} {'XLA':>7} {'copy':>7} | "
+    head = (f"{'m':>5} {'d':>6} | {'Q4':>7} {'Scale':>7} {'K1':>7} {'K2':>7} {'FWHT':>7} {'XLA':>7} {'copy':>7} "
+            f"{'mQ4':>7} {'mK1':>7} | "
             f"{'K1 %cp':>6} | {'S/K1':>5} {'S/K2':>5} {'F/K2':>5} {'X/K1':>5} | paper S/K1 S/K2 F/K2")
     lines = [head, "-" * len(head)]
 
@@ -307,7 +338,8 @@ def fmt_table(rows):
         us, ra, pr = r["us"], r["ratios"], r["paper_ratios"]
         lines.append(
             f"{r['m']:>5} {r['d']:>6} | {f(us.get('q4'))} {f(us.get('scale'))} {f(us.get('k1'))} {f(us.get('k2'))} "
-            f"{f(us.get('fwht'))} {f(us.get('xla_k1'))} {f(us.get('copy'))} | "
+            f"{f(us.get('fwht'))} {f(us.get('xla_k1'))} {f(us.get('copy'))} {f(us.get('mgpu_q4'))} "
+            f"{f(us.get('mgpu_k1'))} | "
             f"{f(100 * r['frac_of_copy_bw'].get('k1', float('nan')), 6, 1)} | {f(ra['scale/k1'], 5)} "
             f"{f(ra['scale/k2'], 5)} {f(ra['fwht/k2'], 5)} {f(ra['xla/k1'], 5)} | {f(pr['scale/k1'], 5)} "
             f"{f(pr['scale/k2'], 5)} {f(pr['fwht/k2'], 5)}")
@@ -375,9 +407,16 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="tiling sweep instead of the table")
     ap.add_argument("--no-xla", action="store_true")
     ap.add_argument("--kinds", default="q4,scale,k1,k2,fwht")
-    ap.add_argument("--candidates", default="default", choices=["default", "fori"])
+    ap.add_argument("--candidates", default="default", choices=["default", "fori", "defaults"],
+                    help="'default': the CANDIDATES tilings per kind, fastest reported; 'fori': the wide-tile ones; "
+                         "'defaults': only each kind's default tiling (one timing per kind)")
+    ap.add_argument("--xla", default="all", choices=["all", "big", "none"],
+                    help="XLA's fusion of the reference: K1 at every shape ('all'), only at 4096x4096/4096x16384 "
+                         "('big'), or not at all")
+    ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which remaining shapes are skipped")
     ap.add_argument("--copy-gib", type=float, default=1.0, help="size of each buffer of the copy-bandwidth probe")
     args = ap.parse_args(argv)
+    t_start = time.time()
     dtype = jnp.dtype(args.dtype)
     dev = jax.devices()[0]
     meta = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "jax": jax.__version__,
@@ -400,12 +439,19 @@ def main(argv=None):
               f"{meta['copy_GBps_torch'] or float('nan'):.0f} GB/s (torch copy_)")
         rows = []
         out = {"meta": meta, "rows": rows}
+        global DEFAULTS_ONLY
+        DEFAULTS_ONLY = args.candidates == "defaults"
+        meta["candidates"] = args.candidates
         for m, d in shapes:
             t0 = time.time()
+            if t0 - t_start > args.deadline:
+                print(f"deadline: skipping ({m}, {d})")
+                continue
             if args.candidates == "fori":
                 CANDIDATES.update(FORI_CANDIDATES)
+            with_xla = not args.no_xla and (args.xla == "all" or (args.xla == "big" and (m, d) in XLA_ALL_SHAPES))
             row = derive(bench_shape(m, d, dtype, tuple(args.kinds.split(",")), None, args.iters,
-                                     with_xla=not args.no_xla), copy_bw)
+                                     with_xla=with_xla), copy_bw)
             rows.append(row)
             print(f"({m}, {d}) done in {time.time() - t0:.1f}s: " +
                   " ".join(f"{k}={v:.2f}" for k, v in row["us"].items() if v))

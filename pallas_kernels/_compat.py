@@ -10,7 +10,7 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-__all__ = ["pl", "pltriton", "triton_compiler_params", "on_gpu"]
+__all__ = ["pl", "pltriton", "triton_compiler_params", "on_gpu", "mgpu_load"]
 
 
 def triton_compiler_params(num_warps: int, num_stages: int):
@@ -28,3 +28,19 @@ def on_gpu(x=None) -> bool:
         if devices:
             return all(d.platform == "gpu" for d in devices)
     return jax.default_backend() == "gpu"
+
+
+def mgpu_load(ref, *, layout, optimized: bool = False):
+    """``plgpu.load`` of the whole (already indexed) ``ref`` into registers of the given layout.
+
+    jax 0.10 takes the index as a required second argument; jax 0.11 deprecates passing it (index the ref with
+    ``ref.at[...]`` instead) and makes it optional.
+    """
+    import inspect
+
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    idx_param = inspect.signature(plgpu.load).parameters.get("idx")
+    if idx_param is not None and idx_param.default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout, optimized=optimized)
+    return plgpu.load(ref, layout=layout, optimized=optimized)

@@ -394,12 +394,27 @@ def _e4m3_round(s: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jax.lax.bitcast_convert_type(bits, jnp.float32), byte
 
 
-def nv_quantize_tile(y: jax.Array, tensor_scale: jax.Array, inv_tensor_scale: jax.Array
-                     ) -> tuple[jax.Array, jax.Array]:
+def _div_rn_ptx(x: jax.Array, y: jax.Array) -> jax.Array:
+    """Correctly rounded f32 ``x / y`` inside a Pallas Triton kernel on the GPU: ``div.rn.f32`` as inline PTX.
+
+    Triton lowers an f32 ``arith.divf`` to ``div.full.f32`` (approximate, up to 2 ulp), which moves NVFP4 block scales
+    that sit next to an E4M3 rounding midpoint; the reference divides exactly (``formats._divide``).
+    """
+    x, y = jnp.broadcast_arrays(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
+    (q,) = pltriton.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[x, y], constraints="=r,r,r", pack=1,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    return q
+
+
+def nv_quantize_tile(y: jax.Array, tensor_scale: jax.Array, inv_tensor_scale: jax.Array, *,
+                     divide=None) -> tuple[jax.Array, jax.Array]:
     """NVFP4 of a tile: ``y float32 (R, w)`` (``w % 16 == 0``) -> ``(packed uint8 (R, w/2), E4M3 bytes uint8 (R, w/16))``.
 
     ``inv_tensor_scale`` must be ``float32(1) / tensor_scale`` (as ``nvfp4_quantize_blocks`` computes it). Bit-identical
-    to ``nvfp4_quantize_blocks`` (tested); the E4M3 rounding is done on the integer bits.
+    to ``nvfp4_quantize_blocks`` (tested); the E4M3 rounding is done on the integer bits. The three f32 divisions
+    (``amax / 6``, ``/ tensor_scale``, ``inv_tensor_scale / s``) go through ``divide(x, y)``, which must round
+    correctly: ``formats._divide`` by default (correct under jit: XLA would otherwise multiply by the reciprocal of a
+    broadcast scalar), :func:`_div_rn_ptx` in the GPU kernel (Triton's own f32 division is approximate).
     """
     r, w = y.shape
     nvb = NVFP4().block_size
@@ -407,11 +422,12 @@ def nv_quantize_tile(y: jax.Array, tensor_scale: jax.Array, inv_tensor_scale: ja
     nf = _nonfinite(x)
     nonfinite = jnp.max(nf.astype(jnp.int32), axis=-1) > 0
     amax = jnp.max(jnp.abs(jnp.where(nf, 0.0, x)), axis=-1)
-    # Two roundings, as formats.nvfp4_quantize_blocks evaluates eagerly (and torchao): the max() keeps XLA's algebraic
-    # simplifier from rewriting (amax / 6) / ts into amax / (6 * ts) when this runs jitted (interpret mode, CPU).
-    s = jnp.clip(jnp.maximum(amax / jnp.float32(F.E2M1_MAX), 0.0) / tensor_scale, F.E4M3_TINY, F.E4M3_MAX)
+    div = F._divide if divide is None else divide
+    # Two roundings, as formats.nvfp4_quantize_blocks (and torchao): (amax / 6) / ts, each division correctly rounded
+    # (the max() keeps XLA's algebraic simplifier from fusing the two divisions when this runs jitted).
+    s = jnp.clip(div(jnp.maximum(div(amax, jnp.float32(F.E2M1_MAX)), 0.0), tensor_scale), F.E4M3_TINY, F.E4M3_MAX)
     s, byte = _e4m3_round(s)
-    reciprocal = inv_tensor_scale / s
+    reciprocal = div(inv_tensor_scale, s)
     v = F.flush_subnormals(x * reciprocal[..., None])
     codes = F.e2m1_encode(jnp.clip(v, -F.E2M1_MAX, F.E2M1_MAX)).astype(jnp.int32)
     codes = jnp.where(nonfinite[..., None], 0, codes)
@@ -494,7 +510,7 @@ def _fwht_rows(y: jax.Array, variant: str) -> jax.Array:
 
 
 def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes, fwht_variant, amax_only,
-            n_poison, fast_encode, split_dot, row_axis, round_y, chunk_loop):
+            n_poison, fast_encode, split_dot, row_axis, round_y, chunk_loop, stage="quantize", interpret=False):
     it = iter(refs)
     a_ref = next(it)
     inv_ref = next(it) if kind in ("scale", "k2s") else None
@@ -525,12 +541,17 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes,
 
     if fmt_kind == "nvfp4" and not amax_only:
         ts, inv_ts = ts_ref[0, 0], ts_ref[0, 1]
+    exact_div = None if interpret else _div_rn_ptx  # interpret mode (XLA:CPU): formats._divide
     block = 16 if fmt_kind == "nvfp4" else BLOCK
-    use_pair = split_dot and kind in ("k1", "k2", "k2s") and fmt_kind == "mxfp4" and not amax_only
+    use_pair = (split_dot and kind in ("k1", "k2", "k2s") and fmt_kind == "mxfp4" and not amax_only
+                and stage == "quantize")
 
     def process(t):
         """Chunk ``t`` of the tile: transform, quantize, store (or return the row maxima, ``amax_only``)."""
         x = load(a_ref.at[:, pl.ds(t * chunk, chunk)], chunk)
+        if stage == "copy":  # profiling: the tile's load and store alone
+            store(out_refs[0].at[:, pl.ds(t * chunk, chunk)], x)
+            return None
         if use_pair:
             if kind == "k1":
                 k_even, k_odd = jnp.unstack(k_ref[t].reshape(BLOCK, BLOCK // 2, 2), axis=-1)
@@ -563,11 +584,14 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes,
             raise ValueError(kind)
         if kind != "q4" and round_y:
             y = y.astype(dtype).astype(jnp.float32)  # the reference's rounding to A.dtype
+        if stage == "transform":  # profiling: the transform alone, its result stored in A.dtype
+            store(out_refs[0].at[:, pl.ds(t * chunk, chunk)], y.astype(dtype))
+            return None
         if amax_only:
             yf = F.flush_subnormals(y)
             return jnp.max(jnp.abs(jnp.where(_nonfinite(yf), 0.0, yf)), axis=1, keepdims=True)
         if fmt_kind == "nvfp4":
-            packed, scale_bytes = nv_quantize_tile(y, ts, inv_ts)
+            packed, scale_bytes = nv_quantize_tile(y, ts, inv_ts, divide=exact_div)
         elif fast_encode:
             packed, scale_bytes = mx_quantize_tile(y, mode)
         else:
@@ -612,9 +636,15 @@ def _check_kernel_inputs(a: jax.Array, t: PreparedTransform, fmt) -> None:
 
 def _pallas_call(a: jax.Array, t: PreparedTransform, fmt, ts_pair: Optional[jax.Array], bs: BlockSizes,
                  interpret: bool, poison: Optional[tuple[jax.Array, jax.Array]] = None, amax_only: bool = False,
-                 round_y: bool = True):
+                 round_y: bool = True, stage: str = "quantize"):
     """The kernel on ``A (m, d)``: ``(codes (m, d/2), scale bytes (m, d/block))`` or, with ``amax_only``, the f32
-    row maxima of ``|A T|`` per column tile ``(m, d/BD)`` (for NVFP4's tensor scale)."""
+    row maxima of ``|A T|`` per column tile ``(m, d/BD)`` (for NVFP4's tensor scale).
+
+    ``stage`` (profiling, ``benchmarks/transform_quantize_profile.py``): ``"quantize"`` (the kernel), ``"transform"``
+    (the same tiles and transform, ``A T`` stored in ``A.dtype`` to an ``(m, d)`` output, no quantizer) or ``"copy"``
+    (the same tiles loaded and stored back, no transform, no quantizer); the last two return ``[out (m, d)]``."""
+    if stage not in ("quantize", "transform", "copy"):
+        raise ValueError(f"stage={stage!r} must be 'quantize', 'transform' or 'copy'")
     m, d = a.shape
     kind = t.kind
     fmt_kind = "nvfp4" if isinstance(fmt, NVFP4) else "mxfp4"
@@ -651,13 +681,16 @@ def _pallas_call(a: jax.Array, t: PreparedTransform, fmt, ts_pair: Optional[jax.
     if amax_only:
         out_shape = [jax.ShapeDtypeStruct((m, grid[1]), jnp.float32)]
         out_specs = [spec((br, 1), lambda i, j: (i, j))]
+    elif stage != "quantize":
+        out_shape = [jax.ShapeDtypeStruct((m, d), a.dtype)]
+        out_specs = [spec((br, bd), lambda i, j: (i, j))]
     else:
         out_shape = [jax.ShapeDtypeStruct((m, d // 2), jnp.uint8), jax.ShapeDtypeStruct((m, d // block), jnp.uint8)]
         out_specs = [spec((br, bd // 2), lambda i, j: (i, j)),
                      spec((br, bd // block), lambda i, j: (i, j))]
     aliases = {}
     n_poison = 0
-    if poison is not None and not amax_only:
+    if poison is not None and not amax_only and stage == "quantize":
         n_poison = 2
         aliases = {len(args): 0, len(args) + 1: 1}
         args.extend(poison)
@@ -666,12 +699,13 @@ def _pallas_call(a: jax.Array, t: PreparedTransform, fmt, ts_pair: Optional[jax.
         _kernel, kind=kind, m=m, block_rows=br, chunk=chunk, n_chunks=bd // chunk, fmt_kind=fmt_kind,
         mode=fmt.scale_mode if fmt_kind == "mxfp4" else None, passes=bs.dot_passes, fwht_variant=bs.fwht_variant,
         amax_only=amax_only, n_poison=n_poison, fast_encode=bs.fast_encode, split_dot=bs.split_dot,
-        row_axis=1 if bs.cols_first else 0, round_y=round_y, chunk_loop=bs.chunk_loop)
+        row_axis=1 if bs.cols_first else 0, round_y=round_y, chunk_loop=bs.chunk_loop, stage=stage,
+        interpret=interpret)
     call = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid[::-1] if bs.cols_first else grid, in_specs=in_specs, out_specs=out_specs,
         input_output_aliases=aliases, interpret=interpret,
         compiler_params=None if interpret else triton_compiler_params(warps, bs.num_stages),
-        name=f"tq_{kind}_{fmt_kind}{'_amax' if amax_only else ''}")
+        name=f"tq_{kind}_{fmt_kind}{'_amax' if amax_only else ''}{'' if stage == 'quantize' else '_' + stage}")
     return call(*args)
 
 
@@ -782,7 +816,7 @@ def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), 
             (row_max,) = _pallas_call(a2, transform, fmt, None, bs, interpret, amax_only=True,
                                       round_y=round_to_input)
             amax = jnp.max(row_max)
-            ts = jnp.where(amax > 0, amax / jnp.float32(F.E4M3_MAX * F.E2M1_MAX), jnp.float32(1.0))
+            ts = jnp.where(amax > 0, F._divide(amax, F.E4M3_MAX * F.E2M1_MAX), jnp.float32(1.0))
         else:
             ts = jnp.asarray(tensor_scale, jnp.float32)
         ts_pair = jnp.stack([ts, jnp.float32(1.0) / ts])

@@ -321,3 +321,42 @@ def test_interpret_fori_tiles_exact(kind):
     t = _exact_transform(kind, d, jax.random.key(51))
     bs = tq.BlockSizes(block_rows=16, block_cols=256, chunk_cols=64, chunk_loop="fori", num_stages=3)
     _assert_same(_poisoned(a, t, MXFP4(), bs), tq.reference_transform_quantize(a, t, MXFP4()))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# NVFP4 divisions: the block scale (amax / 6) / ts and the reciprocal (1 / ts) / s must be correctly rounded
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _nv_division_cases():
+    from tq_cases import NVFP4_DIVISION_CASES, nvfp4_division_stress, nvfp4_found_case_vectors
+
+    for amax, ts in NVFP4_DIVISION_CASES:  # the found cases of tests/test_formats.py, one tensor scale each
+        yield nvfp4_found_case_vectors(amax), ts
+    yield nvfp4_division_stress(0.0123, nb=8), 0.0123  # 512 blocks next to E4M3 midpoints and E2M1 thresholds
+
+
+def test_nv_tile_divisions_correctly_rounded_under_jit():
+    """The stress data separates exact division from XLA's reciprocal rewrite (the test has teeth)."""
+    from tq_cases import nvfp4_division_stress
+
+    ts = jnp.float32(0.0123)
+    y = jnp.asarray(nvfp4_division_stress(0.0123, nb=8).reshape(-1, 32))
+    ref_codes, ref_scales = F.nvfp4_quantize_blocks(y.reshape(-1, 2, 16), ts)
+    ref_bytes = np.asarray(jax.lax.bitcast_convert_type(ref_scales, jnp.uint8)).reshape(-1, 2)
+    packed, s = jax.jit(tq.nv_quantize_tile)(y, ts, jnp.float32(1.0) / ts)
+    np.testing.assert_array_equal(np.asarray(s), ref_bytes)
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(F.pack_nibbles(ref_codes.reshape(-1, 32))))
+    _, s_plain = jax.jit(lambda y: tq.nv_quantize_tile(y, ts, jnp.float32(1.0) / ts, divide=lambda a, b: a / b))(y)
+    assert np.sum(np.asarray(s_plain) != ref_bytes) > 10  # jitted plain division is rewritten: scales move
+
+
+def test_interpret_nvfp4_division_cases_exact():
+    from tq_cases import one_hot_k1
+
+    for vectors, ts in _nv_division_cases():
+        a, t = one_hot_k1(vectors)
+        q = tq.transform_quantize(a, t, NVFP4(), tensor_scale=jnp.float32(ts), block_sizes=SMALL, impl="interpret",
+                                  round_to_input=False)
+        _assert_same(q, tq.reference_transform_quantize(a, t, NVFP4(), tensor_scale=jnp.float32(ts),
+                                                         round_to_input=False))

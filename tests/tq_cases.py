@@ -2,6 +2,8 @@
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 
 from pallas_kernels import transform_quantize as tq
 
@@ -33,3 +35,61 @@ def exact_transform(kind, d, key):
     if kind == "fwht":
         return tq.PreparedTransform.fwht(d)
     raise ValueError(kind)
+
+
+# (amax, tensor_scale) pairs near E4M3 rounding midpoints, where the two NVFP4 block-scale divisions must both be
+# correctly rounded ((amax / 6) / t and amax / (6 t) differ): the found cases of tests/test_formats.py.
+NVFP4_DIVISION_CASES = [(0.3293984532356262, 0.051670342683792114), (0.09735774248838425, 0.015271801501512527),
+                        (0.6050914525985718, 0.09491629898548126), (0.20317964255809784, 0.03187131509184837)]
+
+
+def nvfp4_found_case_vectors(amax):
+    """``(1, 32, 32)`` f32 vectors for :func:`one_hot_k1`: every row holds ``linspace(-amax, amax, 16)`` and its
+    reverse (two NVFP4 blocks whose maximum is ``amax`` exactly)."""
+    v = np.zeros((1, 32, 32), np.float32)
+    v[0, :, :16] = np.linspace(-amax, amax, 16, dtype=np.float32)
+    v[0, :, 16:] = np.linspace(amax, -amax, 16, dtype=np.float32)
+    return v
+
+
+def one_hot_k1(vectors):
+    """A K1 case whose transform output is exactly the given f32 values (``round_to_input=False``).
+
+    ``vectors float32 (nb, 32, 32)``: row ``r`` of block ``b`` becomes output row ``r``, columns ``32 b .. 32 b + 31``.
+    Returns ``(a bfloat16 (32, 32 nb), PreparedTransform k1)``: ``a[r, 32 b + r] = 1``, so ``(a K)[r, block b] =
+    K[b, r]`` exactly (a 3-part bf16 split of an f32 block is exact, and so is each product with 1).
+    """
+    vectors = np.asarray(vectors, np.float32)
+    nb = vectors.shape[0]
+    a = np.zeros((32, 32 * nb), np.float32)
+    for b in range(nb):
+        a[np.arange(32), 32 * b + np.arange(32)] = 1.0
+    return jnp.asarray(a, jnp.bfloat16), tq.PreparedTransform.from_blocks(jnp.asarray(vectors))
+
+
+def nvfp4_division_stress(ts, nb=16, seed=0):
+    """f32 vectors ``(nb, 32, 32)`` (two NVFP4 blocks per row) whose block scales ``(amax / 6) / ts`` fall within 3 f32
+    ulps of an E4M3 rounding midpoint (either side), the other values at E2M1 decision thresholds of the scale (±1 ulp),
+    so an approximate division or a reciprocal multiply changes codes or scales. Use with :func:`one_hot_k1`."""
+    rng = np.random.default_rng(seed)
+    ts = np.float32(ts)
+    grid = np.array([float(v) for v in np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+                     if np.isfinite(float(v)) and 2.0**-6 <= float(v) <= 448.0])
+    mids = (grid[:-1] + grid[1:]) / 2
+    n = nb * 32 * 2
+    mid = rng.choice(mids, n)
+    k = rng.integers(-3, 4, n)
+    q = np.float32(mid)
+    q = np.array([np.float32(v) for v in q])
+    for i in range(n):  # k f32 ulps away from the midpoint
+        for _ in range(abs(int(k[i]))):
+            q[i] = np.nextafter(q[i], np.float32(np.inf if k[i] > 0 else 0), dtype=np.float32)
+    amax = (q.astype(np.float64) * float(ts) * 6.0).astype(np.float32)
+    s = np.clip(amax / np.float32(6.0) / ts, 2.0**-6, 448.0).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    thresholds = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    vals = (rng.choice(thresholds, (n, 15)) * (s * ts)[:, None]).astype(np.float32)
+    vals = vals * rng.choice(np.float32([1 - 2**-23, 1.0, 1 + 2**-23]), (n, 15)).astype(np.float32)
+    vals = vals * rng.choice(np.float32([-1.0, 1.0]), (n, 15))
+    blocks = np.concatenate([amax[:, None] * rng.choice(np.float32([-1.0, 1.0]), (n, 1)), vals], axis=1)
+    blocks = np.clip(blocks, -amax[:, None], amax[:, None])  # the first element stays the block maximum
+    return blocks.reshape(nb, 32, 32).astype(np.float32)

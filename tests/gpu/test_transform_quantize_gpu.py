@@ -205,3 +205,21 @@ def test_qlinear_gpu_matches_packed_forward(with_lowrank):
     # bf16 output; the K2 block entries may differ from kron_lu.blocks by ~1 ulp (FMA), flipping rare codes
     assert np.mean(np.abs(y - ref) > 2e-2 * scale) < 1e-3
     assert np.mean(np.abs(y - y_ref_impl) > 2e-2 * scale) < 1e-3
+
+
+def test_nvfp4_division_cases_exact():
+    """Found (amax, tensor scale) pairs and 1024 blocks next to E4M3 midpoints / E2M1 thresholds through the NVFP4
+    kernel (K1 with one-hot activations, so the quantizer sees the f32 values exactly): the kernel's divisions must be
+    correctly rounded (Triton's own f32 division is ``div.full.f32``; the kernel uses ``div.rn.f32``)."""
+    from tq_cases import NVFP4_DIVISION_CASES, nvfp4_division_stress, nvfp4_found_case_vectors, one_hot_k1
+
+    cases = [(nvfp4_found_case_vectors(amax), ts) for amax, ts in NVFP4_DIVISION_CASES]
+    cases.append((nvfp4_division_stress(0.0123, nb=16), 0.0123))
+    cases.append((nvfp4_division_stress(0.0871, nb=16, seed=1), 0.0871))
+    for vectors, ts in cases:
+        a, t = one_hot_k1(vectors)
+        ts = jnp.float32(ts)
+        q = tq.transform_quantize(a, t, NVFP4(), tensor_scale=ts, impl="pallas", round_to_input=False)
+        r = tq.reference_transform_quantize(a, t, NVFP4(), tensor_scale=ts, round_to_input=False)
+        np.testing.assert_array_equal(_scale_bytes(q), _scale_bytes(r))
+        np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(r.codes))

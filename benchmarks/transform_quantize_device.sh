@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The H200 device calls of issue #5's profile / Mosaic GPU / test work (docs/kernels.md), one mode per call:
+#
+#   bash benchmarks/transform_quantize_device.sh profile   # GPU tests (xdist) + variant profile + Mosaic timings
+#   bash benchmarks/transform_quantize_device.sh table     # the benchmark table, Triton and Mosaic GPU side by side
+#
+# Writes logs and JSON under $OUT (the device tool's output folder; ./device_out elsewhere).
+set -uo pipefail
+OUT=${OUT:-device_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+mode=${1:-profile}
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+  python3 -c "import jax, jaxlib, triton; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'triton', triton.__version__)"
+  date -u; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+if [ "$mode" = profile ]; then
+  timeout "${TESTS_S:-90}" python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider -rA tests/gpu/ \
+    > "$OUT/gpu_tests.log" 2>&1
+  echo "pytest rc=$?"; grep -E "passed|failed|error|mismatch" "$OUT/gpu_tests.log" | tail -n 25
+  timeout "${PROFILE_S:-130}" python3 benchmarks/transform_quantize_profile.py --iters 30 \
+    --out "$OUT/transform_quantize_profile.json" --deadline "${PROFILE_DEADLINE_S:-100}" > "$OUT/profile.log" 2>&1
+  echo "profile rc=$?"; tail -n 60 "$OUT/profile.log"
+elif [ "$mode" = table ]; then
+  timeout "${TABLE_S:-200}" python3 benchmarks/transform_quantize_bench.py --candidates defaults --xla big \
+    --kinds q4,scale,k1,k2,fwht,mgpu_q4,mgpu_k1 --iters 30 --deadline "${TABLE_DEADLINE_S:-170}" \
+    --out "$OUT/transform_quantize.json" > "$OUT/table.log" 2>&1
+  echo "table rc=$?"; tail -n 40 "$OUT/table.log"
+fi
