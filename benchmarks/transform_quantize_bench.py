@@ -157,7 +157,7 @@ def kernel_fn(t, bs, fmt=MXFP4()):
 
 def mgpu_kernel_fn(t, bs, dtype, fmt=MXFP4()):
     """The Mosaic GPU kernel (``transform_quantize_mgpu``); K1's split blocks prepared once, outside the timing."""
-    bs = bs or tqm.default_block_sizes(t.kind)
+    bs = bs or tqm.default_block_sizes(t.kind, dtype)
     parts = tqm.prepare_k1_blocks(t.blocks, dtype, bs.dot_passes) if t.kind == "k1" else None
 
     @jax.jit

@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/transform_quantize_device.sh profile   # GPU tests (xdist) + variant profile + Mosaic timings
 #   bash benchmarks/transform_quantize_device.sh table     # the benchmark table, Triton and Mosaic GPU side by side
+#   bash benchmarks/transform_quantize_device.sh final     # GPU tests + Mosaic GPU variants + the table, in one call
 #
 # Writes logs and JSON under $OUT (the device tool's output folder; ./device_out elsewhere).
 set -uo pipefail
@@ -15,12 +16,24 @@ mode=${1:-profile}
   date -u; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 if [ "$mode" = profile ]; then
-  timeout "${TESTS_S:-90}" python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider -rA tests/gpu/ \
+  timeout "${TESTS_S:-90}" python3 -m pytest -q -m gpu -n "${NPROC:-8}" -p no:cacheprovider -rA tests/gpu/ \
     > "$OUT/gpu_tests.log" 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|error|mismatch" "$OUT/gpu_tests.log" | tail -n 25
   timeout "${PROFILE_S:-130}" python3 benchmarks/transform_quantize_profile.py --iters 30 \
     --out "$OUT/transform_quantize_profile.json" --deadline "${PROFILE_DEADLINE_S:-100}" > "$OUT/profile.log" 2>&1
   echo "profile rc=$?"; tail -n 60 "$OUT/profile.log"
+elif [ "$mode" = final ]; then
+  timeout "${TESTS_S:-100}" python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider -rfE \
+    --junitxml="$OUT/gpu_tests.xml" tests/gpu/ > "$OUT/gpu_tests.log" 2>&1
+  echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | cut -c1-300 | tail -n 30
+  MGPU=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import transform_quantize_profile as p; print(','.join(p.MGPU_VARIANTS))")
+  timeout "${PROFILE_S:-40}" python3 benchmarks/transform_quantize_profile.py --iters 30 --only "$MGPU" \
+    --out "$OUT/transform_quantize_profile_mgpu.json" --deadline 28 > "$OUT/profile_mgpu.log" 2>&1
+  echo "profile rc=$?"; grep -E "mgpu|ERROR" "$OUT/profile_mgpu.log" | cut -c1-200 | tail -n 30
+  timeout "${TABLE_S:-85}" python3 benchmarks/transform_quantize_bench.py --candidates defaults --xla none \
+    --kinds q4,scale,k1,k2,mgpu_q4,mgpu_k1 --iters 30 --deadline 72 \
+    --out "$OUT/transform_quantize.json" > "$OUT/table.log" 2>&1
+  echo "table rc=$?"; tail -n 16 "$OUT/table.log"
 elif [ "$mode" = table ]; then
   timeout "${TABLE_S:-200}" python3 benchmarks/transform_quantize_bench.py --candidates defaults --xla big \
     --kinds q4,scale,k1,k2,fwht,mgpu_q4,mgpu_k1 --iters 30 --deadline "${TABLE_DEADLINE_S:-170}" \

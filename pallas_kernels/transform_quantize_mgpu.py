@@ -113,10 +113,12 @@ class MgpuBlockSizes:
             raise ValueError(f"MgpuBlockSizes.max_concurrent_steps={self.max_concurrent_steps} must be >= 1")
 
 
-def default_block_sizes(kind: str) -> MgpuBlockSizes:
-    """The tiling :func:`transform_quantize_mgpu` uses when none is given."""
+def default_block_sizes(kind: str, dtype=None) -> MgpuBlockSizes:
+    """The tiling :func:`transform_quantize_mgpu` uses when none is given (``dot_passes`` as the Triton K1: 3 parts
+    for bf16, 2 for fp16, see ``transform_quantize.default_block_sizes``)."""
     if kind == "k1":
-        return MgpuBlockSizes(block_rows=64, block_cols=256)
+        passes = 2 if (dtype is not None and jnp.dtype(dtype) == jnp.dtype(jnp.float16)) else 3
+        return MgpuBlockSizes(block_rows=64, block_cols=256, dot_passes=passes)
     return MgpuBlockSizes(block_rows=64, block_cols=512)
 
 
@@ -124,7 +126,7 @@ def supports(kind: str, shape: tuple[int, ...], dtype, bs: Optional[MgpuBlockSiz
     """Whether :func:`transform_quantize_mgpu` runs ``kind`` on activations of ``shape``/``dtype`` (2-D view)."""
     if kind not in KINDS or jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return False
-    bs = bs or default_block_sizes(kind)
+    bs = bs or default_block_sizes(kind, dtype)
     d = shape[-1]
     m = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     rows = bs.block_rows if kind == "q4" else max(bs.block_rows, 64)
@@ -206,9 +208,8 @@ def _plgpu():
     return plgpu
 
 
-def _q4_kernel(x_ref, *refs, dtype, mode, bs, mosaic):
-    """``x_ref (BR, NB, 16) uint32`` -> ``q_ref (BR, NB, 16) uint8``; scale bytes to ``s_gmem (m, d/32)``."""
-    q_ref, s_gmem = refs[-2:]  # (aliased poison inputs, never read, come first)
+def _q4_tile(x_ref, q_ref, s_gmem, row0, col0, *, dtype, mode, bs, mosaic):
+    """``x_ref (BR, NB, 16) uint32`` -> ``q_ref (BR, NB, 16) uint8``; scale bytes to ``s_gmem[row0:, col0:]``."""
     br, nb, _ = x_ref.shape
     if mosaic:
         plgpu = _plgpu()
@@ -220,8 +221,6 @@ def _q4_kernel(x_ref, *refs, dtype, mode, bs, mosaic):
         def load(ref):
             return ref[...]
         hint = _identity
-    row0 = pl.program_id(0) * br
-    col0 = pl.program_id(1) * nb
     rc = bs.row_chunk
     for r in range(br // rc):  # (rc, NB, 16) at a time: 32 registers of input per thread
         rows = pl.ds(r * rc, rc)
@@ -232,13 +231,11 @@ def _q4_kernel(x_ref, *refs, dtype, mode, bs, mosaic):
         s_gmem[pl.ds(row0 + r * rc, rc), pl.ds(col0, nb)] = scale_bytes
 
 
-def _k1_kernel(a_ref, k_ref, *refs, dtype, mode, bs, mosaic, round_y):
+def _k1_tile(a_ref, k_ref, q_ref, s_gmem, row0, col0, *, dtype, mode, bs, mosaic, round_y):
     """``a_ref (BR, BD)``, ``k_ref (NB, P, 32, 32)`` -> ``q_ref (BR, NB, 16) uint8``; scales to ``s_gmem``."""
-    q_ref, s_gmem = refs[-2:]
+    del bs
     nb, passes = k_ref.shape[0], k_ref.shape[1]
     br = a_ref.shape[0]
-    row0 = pl.program_id(0) * br
-    col0 = pl.program_id(1) * nb
     for t in range(nb):
         cols = pl.ds(t * BLOCK, BLOCK)
         if mosaic:
@@ -266,47 +263,80 @@ def _k1_kernel(a_ref, k_ref, *refs, dtype, mode, bs, mosaic, round_y):
 def _call(a: jax.Array, kind: str, kparts: Optional[jax.Array], mode: ScaleMode, bs: MgpuBlockSizes,
           interpret: bool, round_y: bool, poison: Optional[tuple[jax.Array, jax.Array]] = None
           ) -> tuple[jax.Array, jax.Array]:
+    """Launch: ``plgpu.kernel`` over a grid of row (and column) tiles, each program running ``plgpu.emit_pipeline``
+    (TMA loads of the input tiles and TMA stores of the code tiles, ``max_concurrent_steps`` deep over the sequential
+    column axis when ``sequential_cols``); ``interpret``: ``pl.pallas_call(interpret=True)`` of the same tile
+    functions. ``poison`` (tests): the outputs start as these arrays (mutable refs written in place)."""
     m, d = a.shape
     br, bd = bs.block_rows, bs.block_cols
     nb = bd // BLOCK
     grid = (m // br, d // bd)
-    out_shape = [jax.ShapeDtypeStruct((m, d // BLOCK, _HALF), jnp.uint8),
-                 jax.ShapeDtypeStruct((m, d // BLOCK), jnp.uint8)]
-    mosaic = not interpret
-    if mosaic:
-        plgpu = _plgpu()
-        gmem_spec = pl.BlockSpec(memory_space=plgpu.GMEM)
-        sem = ("parallel", "sequential") if bs.sequential_cols else ("parallel", "parallel")
-        params = plgpu.CompilerParams(dimension_semantics=sem, max_concurrent_steps=bs.max_concurrent_steps)
-    else:
-        gmem_spec = pl.BlockSpec(memory_space=pl.ANY)
-        params = None
-    q_spec = pl.BlockSpec((br, nb, _HALF), lambda i, j: (i, j, 0))
+    q_shape = jax.ShapeDtypeStruct((m, d // BLOCK, _HALF), jnp.uint8)
+    s_shape = jax.ShapeDtypeStruct((m, d // BLOCK), jnp.uint8)
     if kind == "q4":
-        words = jax.lax.bitcast_convert_type(a.reshape(m, d // BLOCK, _HALF, 2), jnp.uint32)  # (m, d/32, 16)
-        kernel = functools.partial(_q4_kernel, dtype=a.dtype, mode=mode, bs=bs, mosaic=mosaic)
-        in_specs = [pl.BlockSpec((br, nb, _HALF), lambda i, j: (i, j, 0))]
-        args = [words]
+        args = [jax.lax.bitcast_convert_type(a.reshape(m, d // BLOCK, _HALF, 2), jnp.uint32)]  # (m, d/32, 16)
+        blocks = [((br, nb, _HALF), lambda i, j: (i, j, 0))]
+        tile = functools.partial(_q4_tile, dtype=a.dtype, mode=mode, bs=bs, mosaic=not interpret)
     else:
-        kernel = functools.partial(_k1_kernel, dtype=a.dtype, mode=mode, bs=bs, mosaic=mosaic, round_y=round_y)
         passes = kparts.shape[1]
-        if mosaic:
-            swz = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(BLOCK * 2))  # 64-byte rows
-            in_specs = [plgpu.BlockSpec((br, bd), lambda i, j: (i, j), transforms=swz),
-                        plgpu.BlockSpec((nb, passes, BLOCK, BLOCK), lambda i, j: (j, 0, 0, 0), transforms=swz)]
-        else:
-            in_specs = [pl.BlockSpec((br, bd), lambda i, j: (i, j)),
-                        pl.BlockSpec((nb, passes, BLOCK, BLOCK), lambda i, j: (j, 0, 0, 0))]
         args = [a, kparts]
-    aliases = {}
-    if poison is not None:  # tests: outputs pre-filled with a byte pattern, so an unwritten element shows
-        aliases = {len(args): 0, len(args) + 1: 1}
-        args += [poison[0].reshape(m, d // BLOCK, _HALF), poison[1]]
-        in_specs += [gmem_spec, gmem_spec]
-    codes, scales = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=[q_spec, gmem_spec],
-        input_output_aliases=aliases, compiler_params=params, interpret=interpret,
-        name=f"tq_mgpu_{kind}_mxfp4")(*args)
+        blocks = [((br, bd), lambda i, j: (i, j)), ((nb, passes, BLOCK, BLOCK), lambda i, j: (j, 0, 0, 0))]
+        tile = functools.partial(_k1_tile, dtype=a.dtype, mode=mode, bs=bs, mosaic=not interpret, round_y=round_y)
+    q_block = ((br, nb, _HALF), lambda i, j: (i, j, 0))
+
+    if interpret:
+        def kernel(*refs):
+            *in_refs, q_ref, s_ref = refs[:len(args)] + refs[-2:]
+            tile(*in_refs, q_ref, s_ref, pl.program_id(0) * br, pl.program_id(1) * nb)
+
+        aliases, extra = {}, []
+        if poison is not None:
+            aliases = {len(args): 0, len(args) + 1: 1}
+            extra = [poison[0].reshape(q_shape.shape), poison[1]]
+        anyspec = pl.BlockSpec(memory_space=pl.ANY)
+        codes, scales = pl.pallas_call(
+            kernel, out_shape=[q_shape, s_shape], grid=grid,
+            in_specs=[pl.BlockSpec(*b) for b in blocks] + [anyspec] * len(extra),
+            out_specs=[pl.BlockSpec(*q_block), anyspec], input_output_aliases=aliases, interpret=True)(*args, *extra)
+        return codes.reshape(m, d // 2), scales
+
+    plgpu = _plgpu()
+    swz = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(BLOCK * 2))  # 64-byte rows (wgmma operands)
+    transforms = [()] if kind == "q4" else [swz, swz]
+    par_grid, par_names = ((grid[0],), ("rows",)) if bs.sequential_cols else (grid, ("rows", "cols"))
+    seq_grid = (grid[1],) if bs.sequential_cols else ()
+
+    def body(*refs):
+        in_gmem, (q_gmem, s_gmem) = refs[:len(args)], refs[len(args):len(args) + 2]
+        i = jax.lax.axis_index("rows")
+        j_par = None if bs.sequential_cols else jax.lax.axis_index("cols")
+
+        def col(seq_idx):
+            return seq_idx[0] if bs.sequential_cols else j_par
+
+        def spec(block, tfs=()):
+            shape, index_map = block
+            return plgpu.BlockSpec(shape, lambda *seq_idx: index_map(i, col(seq_idx)), transforms=tfs)
+
+        def step(seq_idx, *smem):
+            tile(*smem, s_gmem, i * br, col(seq_idx) * nb)
+
+        plgpu.emit_pipeline(step, grid=seq_grid, in_specs=[spec(b, tf) for b, tf in zip(blocks, transforms)],
+                            out_specs=[spec(q_block)], max_concurrent_steps=bs.max_concurrent_steps)(*in_gmem, q_gmem)
+
+    launch = functools.partial(plgpu.kernel, grid=par_grid, grid_names=par_names,
+                               compiler_params=plgpu.CompilerParams())
+    if poison is None:
+        codes, scales = launch(body, out_type=(q_shape, s_shape))(*args)
+    else:  # tests: outputs as mutable GMEM refs pre-filled with the poison, written in place (pl.core_map)
+        refs = [jax.new_ref(x, memory_space=plgpu.GMEM) for x in (*args, poison[0].reshape(q_shape.shape),
+                                                                 poison[1])]
+
+        @pl.core_map(plgpu.Mesh(grid=par_grid, grid_names=par_names), compiler_params=plgpu.CompilerParams())
+        def _():
+            body(*refs)
+
+        codes, scales = jax.freeze(refs[-2]), jax.freeze(refs[-1])
     return codes.reshape(m, d // 2), scales
 
 
@@ -346,7 +376,7 @@ def transform_quantize_mgpu(a: jax.Array, transform: tq.PreparedTransform, fmt=M
         raise TypeError(f"the kernels read bfloat16 or float16 activations, got {a2.dtype}")
     if d != transform.d:
         raise ValueError(f"activations of width {d} do not match a transform of width {transform.d}")
-    bs = block_sizes or default_block_sizes(transform.kind)
+    bs = block_sizes or default_block_sizes(transform.kind, a2.dtype)
     if transform.kind == "k1" and bs.block_rows % 64:
         raise ValueError(f"k1 needs block_rows a multiple of 64 (warpgroup MMA), got {bs.block_rows}")
     if not supports(transform.kind, a2.shape, a2.dtype, bs):

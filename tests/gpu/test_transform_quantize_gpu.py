@@ -223,3 +223,18 @@ def test_nvfp4_division_cases_exact():
         r = tq.reference_transform_quantize(a, t, NVFP4(), tensor_scale=ts, round_to_input=False)
         np.testing.assert_array_equal(_scale_bytes(q), _scale_bytes(r))
         np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(r.codes))
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2"])
+def test_fp16_default_two_parts_bounded(kind):
+    """fp16's default K1/K2 tiling splits the f32 block into 2 fp16 parts (``default_block_sizes``): bounded like 3."""
+    m, d = 1027, 3072
+    a = _random_activations(jax.random.key(19), m, d, jnp.float16)
+    t = _random_transform(kind, d, jax.random.key(20))
+    assert tq.default_block_sizes(kind, m, d, jnp.float16).dot_passes == 2
+    q = _run_poisoned(a, t, MXFP4())
+    r = _reference(a, t, MXFP4())
+    code_rate = float(np.mean(np.asarray(q.codes) != np.asarray(r.codes)))
+    scale_rate = float(np.mean(_scale_bytes(q) != _scale_bytes(r)))
+    print(f"\n[mismatch] {kind} fp16 default (2 parts): codes {code_rate:.2e} scales {scale_rate:.2e}")
+    assert code_rate <= MAX_CODE_MISMATCH and scale_rate <= MAX_SCALE_MISMATCH
