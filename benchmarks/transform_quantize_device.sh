@@ -24,14 +24,14 @@ if [ "$mode" = profile ]; then
   echo "profile rc=$?"; tail -n 60 "$OUT/profile.log"
 elif [ "$mode" = final ]; then
   timeout "${TESTS_S:-100}" python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider -rfE \
-    --junitxml="$OUT/gpu_tests.xml" tests/gpu/ > "$OUT/gpu_tests.log" 2>&1
+    -o junit_logging=all --junitxml="$OUT/gpu_tests.xml" tests/gpu/ > "$OUT/gpu_tests.log" 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | cut -c1-300 | tail -n 30
-  MGPU=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import transform_quantize_profile as p; print(','.join(p.MGPU_VARIANTS))")
-  timeout "${PROFILE_S:-40}" python3 benchmarks/transform_quantize_profile.py --iters 30 --only "$MGPU" \
-    --out "$OUT/transform_quantize_profile_mgpu.json" --deadline 28 > "$OUT/profile_mgpu.log" 2>&1
-  echo "profile rc=$?"; grep -E "mgpu|ERROR" "$OUT/profile_mgpu.log" | cut -c1-200 | tail -n 30
-  timeout "${TABLE_S:-85}" python3 benchmarks/transform_quantize_bench.py --candidates defaults --xla none \
-    --kinds q4,scale,k1,k2,mgpu_q4,mgpu_k1 --iters 30 --deadline 72 \
+  MGPU=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import transform_quantize_profile as p; print(','.join([*p.MGPU_VARIANTS, *[n for n in p.TRITON_VARIANTS if 'wide' in n], 'k1_p2', 'k2_p2']))")
+  timeout "${PROFILE_S:-50}" python3 benchmarks/transform_quantize_profile.py --iters 30 --only "$MGPU" \
+    --out "$OUT/transform_quantize_profile_mgpu.json" --deadline 36 > "$OUT/profile_mgpu.log" 2>&1
+  echo "profile rc=$?"; grep -E "mgpu|wide|_p2 |ERROR" "$OUT/profile_mgpu.log" | cut -c1-200 | tail -n 36
+  timeout "${TABLE_S:-80}" python3 benchmarks/transform_quantize_bench.py --candidates defaults --xla none \
+    --kinds q4,scale,k1,k2,mgpu_q4,mgpu_k1 --iters 30 --deadline 64 \
     --out "$OUT/transform_quantize.json" > "$OUT/table.log" 2>&1
   echo "table rc=$?"; tail -n 16 "$OUT/table.log"
 elif [ "$mode" = table ]; then

@@ -46,7 +46,8 @@ BS = tq.BlockSizes
 MB = tqm.MgpuBlockSizes
 K1_FORI = dict(block_rows=64, block_cols=256, num_warps=4, chunk_loop="fori", num_stages=3)
 
-# name -> (kind, BlockSizes, stage); stage "quantize" is the real kernel.
+# name -> (kind, BlockSizes, stage); stage "quantize" is the real kernel. "k1_default" is the K1 default before the
+# profile (3 parts for every dtype); fp16's default is now 2 parts ("k1_p2").
 TRITON_VARIANTS = {
     "k1_default": ("k1", BS(**K1_FORI), "quantize"),
     "k1_p2": ("k1", BS(**K1_FORI, dot_passes=2), "quantize"),
@@ -71,11 +72,17 @@ TRITON_VARIANTS = {
     "k2_p1": ("k2", BS(block_rows=64, block_cols=32, dot_passes=1), "quantize"),
     "k2_transform_only": ("k2", BS(block_rows=64, block_cols=32, split_dot=False), "transform"),
     "k2_fori_p2": ("k2", BS(**K1_FORI, dot_passes=2), "quantize"),
+    # products of 2 or 4 blocks joined into one tile, quantized at once (BlockSizes.wide_quantize)
+    "k1_wide2_p2": ("k1", BS(**K1_FORI, dot_passes=2, wide_quantize=2), "quantize"),
+    "k1_wide4_p2": ("k1", BS(**K1_FORI, dot_passes=2, wide_quantize=4), "quantize"),
+    "k1_wide4_p3": ("k1", BS(**K1_FORI, dot_passes=3, wide_quantize=4), "quantize"),
+    "k1_wide4_p2_transform_only": ("k1", BS(**K1_FORI, dot_passes=2, wide_quantize=4), "transform"),
+    "k2_wide4_p2": ("k2", BS(**K1_FORI, dot_passes=2, wide_quantize=4), "quantize"),
 }
 # the subset also timed at the second (large) shape
 BIG_SHAPE_VARIANTS = ["k1_default", "k1_p2", "k1_p1", "k1_nosplit", "k1_transform_only", "k1_copy_stage",
                       "q4_k1_tiling", "q4_default", "q4_copy_stage", "scale_default", "k2_default", "k2_p2",
-                      "k2_transform_only"]
+                      "k2_transform_only", "k1_wide2_p2", "k1_wide4_p2", "k2_wide4_p2"]
 
 MGPU_VARIANTS = {
     "mgpu_q4_br64_bd512": ("q4", MB(block_rows=64, block_cols=512)),

@@ -104,6 +104,9 @@ class BlockSizes:
       chunk_loop: ``"static"`` unrolls the loop over the column chunks of a tile; ``"fori"`` makes it a
         ``lax.fori_loop`` (an ``scf.for`` that Triton software-pipelines over ``num_stages``), for wide tiles.
       chunk_cols: q4/scale with ``vector_tile``: quantize the tile ``chunk_cols`` columns at a time (0: all of ``BD``).
+      wide_quantize: k1/k2/k2s (MXFP4, 0 = off): compute the products of ``wide_quantize`` (2 or 4) consecutive
+        32-column blocks, join them into one ``(BR, 32 * wide_quantize)`` tile (``stack``/``transpose``/``reshape``)
+        and quantize that tile at once (:func:`mx_quantize_tile`), instead of one 32-column block at a time.
     """
 
     block_rows: int = 64
@@ -120,6 +123,7 @@ class BlockSizes:
     cols_first: bool = False
     chunk_loop: str = "static"
     chunk_cols: int = 0
+    wide_quantize: int = 0
 
     def __post_init__(self):
         for name in ("block_rows", "fwht_rows"):
@@ -137,6 +141,8 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.chunk_cols={self.chunk_cols} must be 0 or 32 * a power of two")
         if self.chunk_loop not in ("static", "fori"):
             raise ValueError(f"BlockSizes.chunk_loop={self.chunk_loop!r} must be 'static' or 'fori'")
+        if self.wide_quantize not in (0, 2, 4):
+            raise ValueError(f"BlockSizes.wide_quantize={self.wide_quantize} must be 0, 2 or 4")
         if self.fwht_variant not in ("axis", "shuffle"):
             raise ValueError(f"BlockSizes.fwht_variant={self.fwht_variant!r} must be 'axis' or 'shuffle'")
 
@@ -457,6 +463,20 @@ def _dot_split(x: jax.Array, k: jax.Array, passes: int) -> jax.Array:
     return y
 
 
+def _join_blocks(ys: list) -> jax.Array:
+    """``[y_0, ..., y_{G-1}]`` (G = 2 or 4) of shape ``(R, 32)`` -> ``(R, 32 G)`` with ``y_g`` in columns ``32 g ..``.
+
+    Built from the ops the Pallas Triton lowering has (2-way ``stack`` on a new last axis, ``transpose``, ``reshape``):
+    no concatenate or slicing.
+    """
+    r = ys[0].shape[0]
+    if len(ys) == 2:
+        j = jnp.stack(ys, axis=-1)  # (R, 32, 2): [..., c, g]
+        return jnp.transpose(j, (0, 2, 1)).reshape(r, 2 * BLOCK)
+    j = jnp.stack([jnp.stack(ys[0:2], axis=-1), jnp.stack(ys[2:4], axis=-1)], axis=-1)  # (R, 32, 2, 2): [c, i, k]
+    return jnp.transpose(j, (0, 3, 2, 1)).reshape(r, 4 * BLOCK)  # block 2k + i
+
+
 def _kron_block(load_param, inv_col: Optional[jax.Array], col_parity: Optional[int] = None) -> jax.Array:
     """Appendix B: ``K[r, c] = prod_k G_k[bit_{5-k}(r), bit_{5-k}(c)]`` as a streaming product of five (32, 32) selects.
 
@@ -518,7 +538,8 @@ def _fwht_rows(y: jax.Array, variant: str) -> jax.Array:
 
 
 def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes, fwht_variant, amax_only,
-            n_poison, fast_encode, split_dot, row_axis, round_y, chunk_loop, stage="quantize", interpret=False):
+            n_poison, fast_encode, split_dot, row_axis, round_y, chunk_loop, stage="quantize", interpret=False,
+            wide=0):
     it = iter(refs)
     a_ref = next(it)
     inv_ref = next(it) if kind in ("scale", "k2s") else None
@@ -551,15 +572,37 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes,
         ts, inv_ts = ts_ref[0, 0], ts_ref[0, 1]
     exact_div = None if interpret else _div_rn_ptx  # interpret mode (XLA:CPU): formats._divide
     block = 16 if fmt_kind == "nvfp4" else BLOCK
+    use_wide = bool(wide) and kind in ("k1", "k2", "k2s") and fmt_kind == "mxfp4" and not amax_only
     use_pair = (split_dot and kind in ("k1", "k2", "k2s") and fmt_kind == "mxfp4" and not amax_only
-                and stage == "quantize")
+                and stage == "quantize" and not use_wide)
 
     def process(t):
         """Chunk ``t`` of the tile: transform, quantize, store (or return the row maxima, ``amax_only``)."""
-        x = load(a_ref.at[:, pl.ds(t * chunk, chunk)], chunk)
         if stage == "copy":  # profiling: the tile's load and store alone
-            store(out_refs[0].at[:, pl.ds(t * chunk, chunk)], x)
+            store(out_refs[0].at[:, pl.ds(t * chunk, chunk)], load(a_ref.at[:, pl.ds(t * chunk, chunk)], chunk))
             return None
+        if use_wide:  # chunk = 32 * wide columns: one product per block, quantized as one tile
+            ys = []
+            for g in range(wide):
+                xb = load(a_ref.at[:, pl.ds(t * chunk + g * BLOCK, BLOCK)], BLOCK)
+                b = t * wide + g
+                if kind == "k1":
+                    kb = k_ref[b]
+                else:
+                    inv_col = inv_ref[pl.ds(b * BLOCK, BLOCK), :] if kind == "k2s" else None
+                    kb = _kron_block(lambda i, b=b: p_ref[b, i], inv_col)
+                yb = _dot_split(xb, kb, passes)
+                ys.append(yb.astype(dtype).astype(jnp.float32) if round_y else yb)
+            y = _join_blocks(ys)
+            if stage == "transform":
+                store(out_refs[0].at[:, pl.ds(t * chunk, chunk)], y.astype(dtype))
+                return None
+            packed, scale_bytes = mx_quantize_tile(y, mode)
+            q_ref, s_ref = out_refs
+            store(q_ref.at[:, pl.ds(t * (chunk // 2), chunk // 2)], packed)
+            store(s_ref.at[:, pl.ds(t * (chunk // BLOCK), chunk // BLOCK)], scale_bytes)
+            return None
+        x = load(a_ref.at[:, pl.ds(t * chunk, chunk)], chunk)
         if use_pair:
             if kind == "k1":
                 k_even, k_odd = jnp.unstack(k_ref[t].reshape(BLOCK, BLOCK // 2, 2), axis=-1)
@@ -662,6 +705,11 @@ def _pallas_call(a: jax.Array, t: PreparedTransform, fmt, ts_pair: Optional[jax.
     else:
         br, bd, warps = bs.block_rows, bs.cols_for(d), bs.num_warps
         chunk = (min(bs.chunk_cols or bd, bd) if (kind in ("q4", "scale") and bs.vector_tile) else BLOCK)
+        if bs.wide_quantize and kind in ("k1", "k2", "k2s") and isinstance(fmt, MXFP4) and not amax_only:
+            chunk = BLOCK * bs.wide_quantize
+            if bd % chunk:
+                raise ValueError(f"wide_quantize={bs.wide_quantize} needs column tiles of a multiple of {chunk} "
+                                 f"columns, got {bd} for {d=}")
     grid = (pl.cdiv(m, br), d // bd)
 
     def spec(block_shape, index_map):
@@ -708,7 +756,7 @@ def _pallas_call(a: jax.Array, t: PreparedTransform, fmt, ts_pair: Optional[jax.
         mode=fmt.scale_mode if fmt_kind == "mxfp4" else None, passes=bs.dot_passes, fwht_variant=bs.fwht_variant,
         amax_only=amax_only, n_poison=n_poison, fast_encode=bs.fast_encode, split_dot=bs.split_dot,
         row_axis=1 if bs.cols_first else 0, round_y=round_y, chunk_loop=bs.chunk_loop, stage=stage,
-        interpret=interpret)
+        interpret=interpret, wide=bs.wide_quantize)
     call = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid[::-1] if bs.cols_first else grid, in_specs=in_specs, out_specs=out_specs,
         input_output_aliases=aliases, interpret=interpret,

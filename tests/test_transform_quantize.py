@@ -360,3 +360,15 @@ def test_interpret_nvfp4_division_cases_exact():
                                   round_to_input=False)
         _assert_same(q, tq.reference_transform_quantize(a, t, NVFP4(), tensor_scale=jnp.float32(ts),
                                                          round_to_input=False))
+
+
+@pytest.mark.parametrize("kind,wide,loop", [("k1", 4, "fori"), ("k2s", 2, "static")])
+def test_interpret_wide_quantize_exact(kind, wide, loop):
+    """``BlockSizes.wide_quantize``: block products joined into one tile (stack/transpose/reshape), quantized at once."""
+    m, d = 37, 256
+    a = _exact_activations(jax.random.key(52), m, d, jnp.bfloat16)
+    t = _exact_transform(kind, d, jax.random.key(53))
+    bs = tq.BlockSizes(block_rows=16, block_cols=256, chunk_loop=loop, num_stages=3, wide_quantize=wide)
+    _assert_same(_poisoned(a, t, MXFP4(), bs), tq.reference_transform_quantize(a, t, MXFP4()))
+    (y,) = tq._pallas_call(a, t, MXFP4(), None, bs, True, stage="transform")  # the joined tile itself
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(tq.reference_apply(a, t), np.float32))

@@ -238,3 +238,16 @@ def test_fp16_default_two_parts_bounded(kind):
     scale_rate = float(np.mean(_scale_bytes(q) != _scale_bytes(r)))
     print(f"\n[mismatch] {kind} fp16 default (2 parts): codes {code_rate:.2e} scales {scale_rate:.2e}")
     assert code_rate <= MAX_CODE_MISMATCH and scale_rate <= MAX_SCALE_MISMATCH
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2s"])
+def test_wide_quantize_exact(kind):
+    """``BlockSizes.wide_quantize``: 4 block products joined into one (BR, 128) tile, quantized at once."""
+    m, d = 1000, 1024
+    a = _exact_activations(jax.random.key(21), m, d, jnp.bfloat16)
+    t = _exact_transform(kind, d, jax.random.key(22))
+    bs = tq.BlockSizes(block_rows=64, block_cols=256, chunk_loop="fori", num_stages=3, wide_quantize=4)
+    q = _run_poisoned(a, t, MXFP4(), bs)
+    r = _reference(a, t, MXFP4())
+    np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(r.codes))
+    np.testing.assert_array_equal(_scale_bytes(q), _scale_bytes(r))
