@@ -23,17 +23,24 @@ if [ "$mode" = profile ]; then
     --out "$OUT/transform_quantize_profile.json" --deadline "${PROFILE_DEADLINE_S:-100}" > "$OUT/profile.log" 2>&1
   echo "profile rc=$?"; tail -n 60 "$OUT/profile.log"
 elif [ "$mode" = final ]; then
-  timeout "${TESTS_S:-100}" python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider -rfE \
+  # Order: the Triton table first (nothing new in it can hang), then the GPU tests (per-test timeout), then the
+  # Mosaic GPU / wide variants, then the Mosaic GPU columns of the table; each phase within what is left of ~228 s.
+  END=$((SECONDS + ${TOTAL_S:-228}))
+  left() { local l=$((END - SECONDS)); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+  timeout "$(left 55)" python3 benchmarks/transform_quantize_bench.py --candidates defaults --xla none \
+    --kinds q4,scale,k1,k2 --iters 30 --deadline 45 --out "$OUT/transform_quantize.json" > "$OUT/table.log" 2>&1
+  echo "table rc=$?"; tail -n 16 "$OUT/table.log"
+  timeout "$(left 95)" python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider -rfE --timeout 60 \
     -o junit_logging=all --junitxml="$OUT/gpu_tests.xml" tests/gpu/ > "$OUT/gpu_tests.log" 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | cut -c1-300 | tail -n 30
   MGPU=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import transform_quantize_profile as p; print(','.join([*p.MGPU_VARIANTS, *[n for n in p.TRITON_VARIANTS if 'wide' in n], 'k1_p2', 'k2_p2']))")
-  timeout "${PROFILE_S:-50}" python3 benchmarks/transform_quantize_profile.py --iters 30 --only "$MGPU" \
-    --out "$OUT/transform_quantize_profile_mgpu.json" --deadline 36 > "$OUT/profile_mgpu.log" 2>&1
+  timeout "$(left 45)" python3 benchmarks/transform_quantize_profile.py --iters 30 --only "$MGPU" \
+    --out "$OUT/transform_quantize_profile_mgpu.json" --deadline 32 > "$OUT/profile_mgpu.log" 2>&1
   echo "profile rc=$?"; grep -E "mgpu|wide|_p2 |ERROR" "$OUT/profile_mgpu.log" | cut -c1-200 | tail -n 36
-  timeout "${TABLE_S:-80}" python3 benchmarks/transform_quantize_bench.py --candidates defaults --xla none \
-    --kinds q4,scale,k1,k2,mgpu_q4,mgpu_k1 --iters 30 --deadline 64 \
-    --out "$OUT/transform_quantize.json" > "$OUT/table.log" 2>&1
-  echo "table rc=$?"; tail -n 16 "$OUT/table.log"
+  timeout "$(left 60)" python3 benchmarks/transform_quantize_bench.py --candidates defaults --xla none \
+    --kinds mgpu_q4,mgpu_k1 --iters 30 --deadline 40 --out "$OUT/transform_quantize_mgpu_table.json" \
+    > "$OUT/table_mgpu.log" 2>&1
+  echo "table mgpu rc=$?"; tail -n 16 "$OUT/table_mgpu.log"
 elif [ "$mode" = table ]; then
   timeout "${TABLE_S:-200}" python3 benchmarks/transform_quantize_bench.py --candidates defaults --xla big \
     --kinds q4,scale,k1,k2,fwht,mgpu_q4,mgpu_k1 --iters 30 --deadline "${TABLE_DEADLINE_S:-170}" \
