@@ -26,7 +26,7 @@ elif [ "$mode" = final ]; then
   # Order: the Triton table first (nothing new in it can hang), then the GPU tests (per-test timeout), then the
   # Mosaic GPU / wide variants, then the Mosaic GPU columns of the table; each phase within what is left of ~228 s.
   END=$((SECONDS + ${TOTAL_S:-228}))
-  left() { local l=$((END - SECONDS)); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+  left() { local l=$((END - SECONDS)); [ "$l" -lt 1 ] && l=1; [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
   timeout "$(left 55)" python3 benchmarks/transform_quantize_bench.py --candidates defaults --xla none \
     --kinds q4,scale,k1,k2 --iters 30 --deadline 45 --out "$OUT/transform_quantize.json" > "$OUT/table.log" 2>&1
   echo "table rc=$?"; tail -n 16 "$OUT/table.log"
