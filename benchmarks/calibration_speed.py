@@ -3,47 +3,137 @@ engine vs. a plain per-layer Python loop over the same engine stages.
 
 Layers: 28 blocks x 10 quantized linears (self-attn q/k/v/out, cross-attn q/k/v/out, ff up 1152->4608, ff down
 4608->1152; cross k/v read the projected 1152-wide caption features, as in the real model; ``--text-dim 4096`` for
-4096-wide ones). Data: synthetic DiT-like layers (:mod:`kroquant_jax.synthetic`); to keep data generation out of the
-device budget, one block's 10 layers are generated and reused by all blocks (the timing does not depend on values).
+4096-wide ones): 224 layers of 1152x1152, 28 of 4608x1152, 28 of 1152x4608. Data: synthetic DiT-like layers
+(:mod:`kroquant_jax.synthetic`, outlier channels, heavy-tailed tokens, power-law weight spectra) with the engine's
+default row counts (1024 calibration + 256 held-out rows per layer); one block's 10 layers are generated and reused by
+every block (the time does not depend on the values; each layer name still draws its own rows).
 
-Timed stages (per layer): ``calibrate_layers`` (KroQuant, Hadamard init, held-out safeguard) and ``loraq_layers`` on
-the transformed weight (Adam fit + Cayley rotation). The vmapped engine stacks equal shapes; the loop runs the same
-stages with one layer per program (``max_layers_per_program=1``), over ``--loop-blocks`` blocks, extrapolated
-linearly to all blocks (said so in the output). Each mode is run once cold (compilation included) and once warm.
+Per shape group (largest first), three stages are timed on the host clock around calls that return host numpy (so
+device work is finished): ``calibrate_layers`` (KroQuant: λ at the Hadamard init, Adam scan, held-out safeguard),
+the transformed weight ``W T^{-T}`` (one jitted call per layer), ``loraq_layers`` (randomized-SVD init, Adam fit,
+Cayley rotation). Settings are the engine defaults (:class:`CalibrationConfig`, :class:`LoRaQConfig`), except
+``max_layers_per_program``.
 
-Usage (CPU validation):  python -m benchmarks.calibration_speed --preset tiny
-Device:                   python -m benchmarks.calibration_speed --out $OUT/calibration_speed.json
+* **vmapped**: each stage over the whole group (stacked, chunks of ``--max-layers-per-program``, one compiled program
+  per group and stage).
+* **loop**: the same stages one layer at a time (``max_layers_per_program=1``: a jit of the single-layer program,
+  called in a Python loop) over the first ``--loop-layers`` layers of the group; the mean time of the layers that
+  compiled nothing, times the group's layer count, is the *extrapolated* loop time (said so in the record).
+
+Order: the loop on the largest group, the vmapped engine on every group, the loop on the other groups (while
+``--time-budget`` lasts), then warm vmapped reruns where time is left.
+
+Compilation is separated from run time by JAX's monitoring events (tracing, lowering and XLA compilation spans; their
+union within a stage is its compile time): ``run = wall - compile``. If time is left, the vmapped stages are run
+again (warm) as a direct check. The JSON record (``--out``) is rewritten atomically after every stage, with
+``in_progress`` naming the stage under way, so a run stopped by a timeout keeps what it measured.
+
+Usage (CPU check):  python benchmarks/calibration_speed.py --preset tiny --out /tmp/calibration_speed.json
+Device:             python3 benchmarks/calibration_speed.py --time-budget 250 --out $OUT/calibration_speed.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import faulthandler
+import functools
 import json
 import os
+import signal
 import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kroquant_jax import calibrate, lowrank, synthetic, transforms  # noqa: E402
+from kroquant_jax import calibrate, lowrank, objectives, synthetic, transforms  # noqa: E402
 from kroquant_jax.layerset import atomic_write_bytes  # noqa: E402
 
+_CAL = calibrate.CalibrationConfig()
+_LQ = lowrank.LoRaQConfig()
 PRESETS = {
-    "pixart": dict(blocks=28, d=1152, ffn=4608, rows=1024, heldout=256, steps=100, rank=128, loraq_steps=500,
-                   rotation_steps=500, loop_blocks=2),
+    # PixArt-Σ shapes at the engine's defaults (rows, steps, rank).
+    "pixart": dict(blocks=28, d=1152, ffn=4608, rows=_CAL.num_rows, heldout=_CAL.num_heldout, steps=_CAL.steps,
+                   rank=_LQ.rank, loraq_steps=_LQ.steps, rotation_steps=_LQ.rotation_steps, loop_layers=4,
+                   max_layers_per_program=112),
     "tiny": dict(blocks=3, d=64, ffn=128, rows=96, heldout=32, steps=5, rank=32, loraq_steps=5, rotation_steps=3,
-                 loop_blocks=2),
+                 loop_layers=3, max_layers_per_program=16),
 }
 
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_BACKEND_EVENT = "/jax/core/compile/backend_compile_duration"
 
-def peak_bytes() -> int | None:
+
+class CompileClock:
+    """Collects JAX's compile-event spans (wall-clock ``time.time()`` intervals) to separate compilation from run time.
+
+    Nested spans (a jit traced inside another's trace) are merged: the compile time of a window is the length of the
+    union of the spans inside it.
+    """
+
+    def __init__(self, t_start: float, log_over: float = 1.0):
+        self.spans: list[tuple[float, float]] = []
+        self.backend: list[tuple[float, float, str]] = []  # (end time, duration, function name)
+        self.t_start, self.log_over = t_start, log_over
+        self.use_spans = hasattr(jax.monitoring, "register_event_time_span_listener")
+        if self.use_spans:
+            jax.monitoring.register_event_time_span_listener(self._on_span)
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+
+    def _on_span(self, event, start, end, **kw):
+        if event in _COMPILE_EVENTS:
+            self.spans.append((start, end))
+
+    def _on_duration(self, event, duration, **kw):
+        now = time.time()
+        if not self.use_spans and event in _COMPILE_EVENTS:
+            self.spans.append((now - duration, now))
+        if event == _BACKEND_EVENT:
+            name = str(kw.get("fun_name", "?"))
+            self.backend.append((now, duration, name))
+            if duration >= self.log_over:
+                print(f"    [{time.perf_counter() - self.t_start:6.1f} s] compiled {name} in {duration:.1f} s",
+                      flush=True)
+
+    def window(self, t0: float, t1: float) -> tuple[float, int]:
+        """``(compile seconds, number of XLA compilations)`` within the wall-clock window ``[t0, t1]``."""
+        spans = sorted((max(a, t0), min(b, t1)) for a, b in self.spans if b > t0 and a < t1)
+        total, cur_a, cur_b = 0.0, None, None
+        for a, b in spans:
+            if cur_b is None or a > cur_b:
+                if cur_b is not None:
+                    total += cur_b - cur_a
+                cur_a, cur_b = a, b
+            else:
+                cur_b = max(cur_b, b)
+        if cur_b is not None:
+            total += cur_b - cur_a
+        return total, sum(1 for end, _, _ in self.backend if t0 <= end <= t1)
+
+
+def measure(clock: CompileClock, fn):
+    """Runs ``fn()`` (which must return host data) and returns ``(result, {wall_s, compile_s, run_s, compiles})``."""
+    t0w, t0 = time.time(), time.perf_counter()
+    out = fn()
+    wall = time.perf_counter() - t0
+    comp, n = clock.window(t0w, time.time())
+    comp = min(comp, wall)
+    return out, {"wall_s": round(wall, 3), "compile_s": round(comp, 3), "run_s": round(wall - comp, 3),
+                 "compiles": n}
+
+
+def memory() -> dict:
     stats = jax.local_devices()[0].memory_stats()
-    return None if not stats else int(stats.get("peak_bytes_in_use", 0))
+    if not stats:
+        return {"peak_bytes_in_use": None, "note": "this backend reports no memory statistics"}
+    return {"peak_bytes_in_use": int(stats.get("peak_bytes_in_use", 0)),
+            "peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2**30, 3),
+            "bytes_limit": int(stats.get("bytes_limit", 0))}
 
 
 def build_layers(args) -> dict:
@@ -56,56 +146,86 @@ def build_layers(args) -> dict:
     return layers
 
 
-def run_engine(layers, args, per_layer_programs: bool):
-    """KroQuant calibration + LoRaQ; returns (seconds, mean held-out error of the transform)."""
-    chunk = 1 if per_layer_programs else args.max_layers_per_program
-    cal = calibrate.CalibrationConfig(transform="kron_lu", steps=args.steps, num_rows=args.rows,
-                                      num_heldout=args.heldout, max_layers_per_program=chunk,
-                                      shard=not per_layer_programs, objective=calibrate.objectives.ObjectiveConfig(
-                                          precision=args.precision))
-    lq = lowrank.LoRaQConfig(rank=args.rank, steps=args.loraq_steps, rotation_steps=args.rotation_steps,
-                             max_layers_per_program=chunk, shard=not per_layer_programs)
-    t0 = time.perf_counter()
-    per_layer_seconds = {}
-    if per_layer_programs:
-        results, branches = {}, {}
-        for name, layer in layers.items():  # a plain Python loop, one layer at a time
-            t_layer = time.perf_counter()
-            r = calibrate.calibrate_layers({name: layer}, cal)[name]
-            p = transforms.get("kron_lu")
-            w_t = np.asarray(transforms.apply_to_weights(jnp.asarray(layer.weight), p.inverse_blocks(r.params)))
-            branches.update(lowrank.loraq_layers({name: w_t}, lq))
-            results[name] = r
-            per_layer_seconds[name] = time.perf_counter() - t_layer
-    else:
-        results = calibrate.calibrate_layers(layers, cal)
-        print(f"  calibrate_layers (KroQuant) done at {time.perf_counter() - t0:.1f} s", flush=True)
-        p = transforms.get("kron_lu")
-        w_t = {n: np.asarray(transforms.apply_to_weights(jnp.asarray(layers[n].weight),
-                                                         p.inverse_blocks(results[n].params))) for n in layers}
-        branches = lowrank.loraq_layers(w_t, lq)
-        print(f"  loraq_layers done at {time.perf_counter() - t0:.1f} s", flush=True)
-    seconds = time.perf_counter() - t0
-    return seconds, per_layer_seconds, {
-        "transform_heldout_error_mean": float(np.mean([r.heldout_error for r in results.values()])),
-        "hadamard_heldout_error_mean": float(np.mean([r.heldout_errors["init0"] for r in results.values()])),
-        "loraq_weight_error_mean": float(np.mean([float(b.error_final) for b in branches.values()])),
-        "loraq_init_weight_error_16bit_branch_mean": float(np.mean([float(b.error_init) for b in branches.values()])),
-        "no_branch_weight_error_mean": float(np.mean([float(lowrank.weight_error(jnp.asarray(
-            transforms.apply_to_weights(jnp.asarray(layers[n].weight), transforms.get("kron_lu").inverse_blocks(
-                results[n].params))), None, None)) for n in branches])),
+@functools.partial(jax.jit, static_argnames="transform")
+def _transformed_weight(w, params, transform):
+    """``W T^{-T}`` ``(o, d)``."""
+    p = transforms.get(transform)
+    return transforms.apply_to_weights(w, p.inverse_blocks(params))
+
+
+def transformed_weights(layers: dict, results: dict) -> dict:
+    return {n: np.asarray(_transformed_weight(layers[n].weight, results[n].params, results[n].transform))
+            for n in layers}
+
+
+def flops(o: int, d: int, args) -> dict:
+    """Analytic matmul FLOPs per layer (multiply-adds x 2; fake quantization and small ops not counted).
+
+    KroQuant step: output product forward + its two backward products (``6 m o d``) and the block transforms of both
+    operands forward + backward (``4 (m + o) d 32``). LoRaQ: the two randomized SVDs of the init (``(2 + 4*2 + 1)``
+    products ``(o, d) x (d, r + 16)`` each), Adam step ``L R`` forward + backward (``6 o r d``), rotation step the same
+    plus ``L O``, ``O^T R`` forward + backward (``4 (o + d) r^2``).
+    """
+    m, r, k = args.rows, args.rank, args.rank + 16
+    kq = args.steps * (6 * m * o * d + 4 * (m + o) * d * 32)
+    lq = 2 * 11 * 2 * o * d * k + args.loraq_steps * 6 * o * r * d + args.rotation_steps * (
+        6 * o * r * d + 4 * (o + d) * r * r)
+    return {"kroquant": float(kq), "loraq": float(lq)}
+
+
+def summarize(record: dict) -> dict:
+    """Totals over the shape groups measured so far (``groups_measured``; all of them once the run completes)."""
+    gs = [g for g in record["groups"].values() if "vmapped_cold" in g]
+    if not gs:
+        return {}
+    summ = {
+        "groups_measured": [k for k, g in record["groups"].items() if "vmapped_cold" in g],
+        "layers_measured": sum(g["layers"] for g in gs),
+        "vmapped_cold_wall_s": round(sum(g["vmapped_cold"]["total"]["wall_s"] for g in gs), 2),
+        "vmapped_compile_s": round(sum(g["vmapped_cold"]["total"]["compile_s"] for g in gs), 2),
+        "vmapped_run_s": round(sum(g["vmapped_cold"]["total"]["run_s"] for g in gs), 2),
+        "vmapped_xla_compilations": int(sum(g["vmapped_cold"]["total"]["compiles"] for g in gs)),
     }
+    if all(isinstance(g.get("vmapped_warm"), dict) for g in gs):
+        summ["vmapped_warm_wall_s"] = round(sum(g["vmapped_warm"]["total"]["wall_s"] for g in gs), 2)
+        summ["vmapped_warm_xla_compilations"] = int(sum(g["vmapped_warm"]["total"]["compiles"] for g in gs))
+    for stage in ("kroquant", "transform_weights", "loraq"):
+        summ[f"vmapped_{stage}_run_s"] = round(sum(g["vmapped_cold"][stage]["run_s"] for g in gs), 2)
+    for s in ("kroquant", "loraq"):
+        fl = sum(g["flops_per_layer"][s] * g["layers"] for g in gs)
+        run = summ[f"vmapped_{s}_run_s"]
+        summ[f"{s}_matmul_tflop"] = round(fl / 1e12, 1)
+        summ[f"{s}_achieved_tflops"] = round(fl / 1e12 / run, 2) if run > 0 else None
+    summ["per_group_speedup_run"] = {
+        k: round(g["loop_extrapolated_run_s"] / (g["vmapped_warm"]["total"]["wall_s"] if isinstance(
+            g.get("vmapped_warm"), dict) else g["vmapped_cold"]["total"]["run_s"]), 2)
+        for k, g in record["groups"].items() if "vmapped_cold" in g and "loop_extrapolated_run_s" in g}
+    if all("loop_extrapolated_run_s" in g for g in gs):
+        summ["loop_extrapolated_run_s"] = round(sum(g["loop_extrapolated_run_s"] for g in gs), 2)
+        summ["loop_compile_s"] = round(sum(g["loop_compile_s"] for g in gs), 2)
+        summ["loop_note"] = ("extrapolated: per shape group, the mean wall time of the timed loop layers that compiled "
+                             "nothing x the group's layer count; layers timed per group: "
+                             + ", ".join(f"{k} {g['loop_warm_layers_timed']} of {g['layers']}"
+                                         for k, g in record["groups"].items() if g in gs))
+        steady = summ.get("vmapped_warm_wall_s", summ["vmapped_run_s"])
+        summ["speedup_run"] = round(summ["loop_extrapolated_run_s"] / steady, 2)
+        summ["speedup_run_note"] = ("loop (extrapolated, compiled programs) / vmapped "
+                                    + ("warm rerun wall" if "vmapped_warm_wall_s" in summ else "cold wall - compile"))
+        summ["speedup_with_compile"] = round((summ["loop_extrapolated_run_s"] + summ["loop_compile_s"])
+                                             / summ["vmapped_cold_wall_s"], 2)
+        summ["goal_10x_met"] = bool(summ["speedup_run"] >= 10)
+    return summ
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="pixart")
     ap.add_argument("--text-dim", type=int, default=None, help="input width of cross-attn k/v (default: d)")
-    ap.add_argument("--max-layers-per-program", type=int, default=64)
-    ap.add_argument("--precision", default="highest", choices=["highest", "high", "default"])
+    ap.add_argument("--precision", default=_CAL.objective.precision, choices=["highest", "high", "default"])
     ap.add_argument("--skip-loop", action="store_true")
-    ap.add_argument("--time-budget", type=float, default=250.0, help="seconds; the warm vmapped rerun (last) is "
-                    "skipped when it would not fit")
+    ap.add_argument("--groups", nargs="*", default=None, help="only these shape groups, e.g. 1152x4608")
+    ap.add_argument("--time-budget", type=float, default=250.0,
+                    help="seconds from the start; loop layers and warm reruns are skipped once it is spent")
     ap.add_argument("--out", default="benchmarks/results/calibration_speed.json")
     for k, v in PRESETS["pixart"].items():
         ap.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"(pixart preset: {v})")
@@ -114,69 +234,167 @@ def main(argv=None):
         if getattr(args, k) is None:
             setattr(args, k, v)
 
+    faulthandler.register(signal.SIGTERM, chain=True)  # a timeout shows where the run was
+    t_start = time.perf_counter()
+    clock = CompileClock(t_start)
+    elapsed = lambda: time.perf_counter() - t_start  # noqa: E731
+
     dev = jax.local_devices()[0]
     record = {
         "benchmark": "calibration_speed", "preset": args.preset,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "jax_version": jax.__version__, "device": dev.device_kind, "platform": dev.platform,
         "num_local_devices": jax.local_device_count(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "config": {k: getattr(args, k) for k in ("blocks", "d", "ffn", "text_dim", "rows", "heldout", "steps", "rank",
-                                                  "loraq_steps", "rotation_steps", "loop_blocks",
+                                                  "loraq_steps", "rotation_steps", "loop_layers",
                                                   "max_layers_per_program", "precision")},
+        "method": ("per shape group: calibrate_layers (KroQuant kron_lu, Adam lr 1e-2) -> W T^-T -> loraq_layers "
+                   "(init 'best', Adam 1e-3, Cayley SGD 0.5, branch MXFP4); wall = host clock around calls returning "
+                   "host numpy; compile = union of JAX trace/lower/XLA-compile event spans inside the stage; "
+                   "run = wall - compile"),
+        "groups": {},
     }
 
-    def save():
+    def save(stage=None):
+        if stage is None:
+            record.pop("in_progress", None)
+        else:
+            record["in_progress"] = stage
+            print(f"[{elapsed():6.1f} s] {stage}", flush=True)
         atomic_write_bytes(args.out, (json.dumps(record, indent=2) + "\n").encode())
 
-    t0 = time.perf_counter()
-    layers = build_layers(args)
-    record["num_layers"] = len(layers)
-    record["layer_shapes"] = sorted({f"{l.weight.shape[0]}x{l.weight.shape[1]}" for l in layers.values()})
-    record["data_seconds"] = round(time.perf_counter() - t0, 2)
-    print(f"{len(layers)} layers, shapes {record['layer_shapes']}, data {record['data_seconds']} s", flush=True)
-    save()
+    save("data")
+    layers, st = measure(clock, lambda: build_layers(args))
+    record["data_seconds"] = st["wall_s"]
+    groups: dict[tuple, list[str]] = {}
+    for n, layer in layers.items():
+        groups.setdefault(layer.weight.shape, []).append(n)
+    groups = dict(sorted(groups.items(), key=lambda kv: -len(kv[1]) * kv[0][0] * kv[0][1]))
+    if args.groups:
+        available = [f"{o}x{d}" for o, d in groups]
+        if not set(args.groups) <= set(available):
+            raise SystemExit(f"--groups {args.groups}: the model's shape groups are {available}")
+        groups = {k: v for k, v in groups.items() if f"{k[0]}x{k[1]}" in args.groups}
+        record["groups_selected"] = args.groups
+    record["num_layers"] = sum(len(v) for v in groups.values())
+    record["layer_shapes"] = {f"{o}x{d}": len(v) for (o, d), v in groups.items()}
+    print(f"{record['num_layers']} layers {record['layer_shapes']}, data {st['wall_s']} s", flush=True)
 
-    start = time.perf_counter()
-    sec, _, quality = run_engine(layers, args, per_layer_programs=False)
-    record["vmapped_cold_seconds"] = round(sec, 2)
-    record["vmapped_quality"] = quality
-    record["peak_bytes_in_use"] = peak_bytes()
-    print(f"vmapped engine (cold): {sec:.1f} s, peak {record['peak_bytes_in_use']} B, {quality}", flush=True)
-    save()
+    cal = calibrate.CalibrationConfig(transform="kron_lu", steps=args.steps, num_rows=args.rows,
+                                      num_heldout=args.heldout, max_layers_per_program=args.max_layers_per_program,
+                                      objective=objectives.ObjectiveConfig(precision=args.precision))
+    lq = lowrank.LoRaQConfig(rank=args.rank, steps=args.loraq_steps, rotation_steps=args.rotation_steps,
+                             max_layers_per_program=args.max_layers_per_program)
+    cal1 = dataclasses.replace(cal, max_layers_per_program=1, shard=False)
+    lq1 = dataclasses.replace(lq, max_layers_per_program=1, shard=False)
 
-    if not args.skip_loop:
-        # Blocks 0 .. loop_blocks-1 in a plain loop; block 0 compiles every shape's programs, the later blocks run
-        # compiled programs: their per-layer times are extrapolated to the whole model.
-        subset = {n: layers[n] for n in layers if int(n.split(".")[1]) < args.loop_blocks}
-        sec, per_layer, _ = run_engine(subset, args, per_layer_programs=True)
-        warm = [t for n, t in per_layer.items() if int(n.split(".")[1]) >= 1]
-        record["loop_seconds_subset"] = round(sec, 2)
-        record["loop_subset_layers"] = len(subset)
-        record["loop_warm_layers"] = len(warm)
-        record["loop_warm_seconds_per_block"] = round(sum(warm) / max(1, args.loop_blocks - 1), 3)
-        record["loop_extrapolated_seconds"] = round(record["loop_warm_seconds_per_block"] * args.blocks, 2)
-        record["loop_note"] = (f"plain per-layer loop over {len(subset)} layers ({args.loop_blocks} blocks); block 0 "
-                               f"compiles, the {len(warm)} layers of the later block(s) run compiled: their time per "
-                               f"block x {args.blocks} blocks is the extrapolated loop time")
-        print(f"loop: {sec:.1f} s over {len(subset)} layers; extrapolated {record['loop_extrapolated_seconds']} s",
-              flush=True)
+    def pipeline(sub: dict, c, lqc, tag: str) -> tuple[dict, dict, dict]:
+        save(f"{tag}: calibrate_layers")
+        res, s_k = measure(clock, lambda: calibrate.calibrate_layers(sub, c))
+        save(f"{tag}: transformed weights")
+        w_t, s_w = measure(clock, lambda: transformed_weights(sub, res))
+        save(f"{tag}: loraq_layers")
+        br, s_l = measure(clock, lambda: lowrank.loraq_layers(w_t, lqc))
+        return res, br, {"kroquant": s_k, "transform_weights": s_w, "loraq": s_l}
+
+    def total(stages: dict) -> dict:
+        return {k: round(sum(s[k] for s in stages.values()), 3) for k in ("wall_s", "compile_s", "run_s", "compiles")}
+
+    vm_results, vm_branches, loop_out = {}, {}, {}
+
+    def compare(key: str, names: list) -> None:
+        """Loop vs. vmapped on the loop's layers (one program per layer vs. stacked: equal up to rounding)."""
+        both = [n for n in names if n in loop_out and n in vm_results]
+        if both:
+            record["groups"][key]["loop_vs_vmapped_max_abs_diff"] = {
+                "transform_heldout_error": max(abs(loop_out[n][0] - vm_results[n].heldout_error) for n in both),
+                "loraq_weight_error_final": max(abs(loop_out[n][1] - float(vm_branches[n].error_final))
+                                                for n in both)}
+
+    def run_loop(key: str, names: list) -> None:
+        g = record["groups"][key]
+        per_layer = {}
+        for n in names[:args.loop_layers]:
+            if elapsed() > args.time_budget:
+                g["loop_truncated"] = "time budget"
+                break
+            r1, b1, s1 = pipeline({n: layers[n]}, cal1, lq1, f"loop {key} {n}")
+            loop_out[n] = (r1[n].heldout_error, float(b1[n].error_final))
+            per_layer[n] = {**s1, "total": total(s1)}
+            g["loop_layers"] = per_layer
+            save()
+        warm = [v for v in per_layer.values() if v["total"]["compiles"] == 0]
+        if warm:
+            mean = lambda k: float(np.mean([v[k]["wall_s"] for v in warm]))  # noqa: E731
+            g["loop_warm_layers_timed"] = len(warm)
+            g["loop_warm_seconds_per_layer"] = {k: round(mean(k), 4) for k in
+                                                ("kroquant", "transform_weights", "loraq", "total")}
+            g["loop_extrapolated_run_s"] = round(mean("total") * len(names), 2)
+            g["loop_compile_s"] = round(sum(v["total"]["compile_s"] for v in per_layer.values()), 2)
+            print(f"  loop {key}: {g['loop_warm_seconds_per_layer']} s/layer over {len(warm)} compiled-warm "
+                  f"layers, x {len(names)} = {g['loop_extrapolated_run_s']} s (extrapolated)", flush=True)
+        compare(key, names)
+        record["summary"] = summarize(record)
         save()
 
-    if time.perf_counter() - start + record["vmapped_cold_seconds"] > args.time_budget:
-        record["vmapped_warm_skipped"] = "time budget"
-    else:
-        sec, _, _ = run_engine(layers, args, per_layer_programs=False)
-        record["vmapped_warm_seconds"] = round(sec, 2)
-        print(f"vmapped engine (warm): {sec:.1f} s", flush=True)
-    vm = record.get("vmapped_warm_seconds", record["vmapped_cold_seconds"])
-    if "loop_extrapolated_seconds" in record:
-        record["speedup"] = round(record["loop_extrapolated_seconds"] / vm, 2)
-        record["speedup_note"] = ("extrapolated compiled loop / vmapped engine "
-                                  + ("warm" if "vmapped_warm_seconds" in record else "cold (compilation included)"))
-        print(f"speed-up {record['speedup']}x ({record['speedup_note']})", flush=True)
-    record["peak_bytes_in_use"] = peak_bytes()
+    def run_vmapped(key: str, names: list) -> None:
+        g = record["groups"][key]
+        res, br, stages = pipeline({n: layers[n] for n in names}, cal, lq, f"vmapped {key} ({len(names)} layers)")
+        vm_results.update(res)
+        vm_branches.update(br)
+        g["vmapped_cold"] = {**stages, "total": total(stages)}
+        g["vmapped_run_seconds_per_layer"] = {k: round(v["run_s"] / len(names), 4) for k, v in stages.items()}
+        g["memory_after_vmapped"] = memory()
+        print(f"  vmapped {key}: " + ", ".join(f"{k} {v['wall_s']} s (compile {v['compile_s']})"
+                                               for k, v in stages.items()), flush=True)
+        compare(key, names)
+        record["summary"] = summarize(record)
+        save()
+
+    # Order: the loop on the largest group (a quick check of the single-layer programs), the vmapped engine on every
+    # group (the headline number), then the loop on the other groups while the time budget lasts.
+    keys = {f"{o}x{d}": names for (o, d), names in groups.items()}
+    for (o, d), names in groups.items():
+        record["groups"][f"{o}x{d}"] = {"layers": len(names), "flops_per_layer": flops(o, d, args)}
+    first = next(iter(keys))
+    if not args.skip_loop:
+        run_loop(first, keys[first])
+    for key, names in keys.items():
+        run_vmapped(key, names)
+    if not args.skip_loop:
+        for key, names in keys.items():
+            if key != first:
+                run_loop(key, names)
+
+    # Warm rerun of the vmapped stages where time is left (a direct check of run = wall - compile).
+    for (o, d), names in groups.items():
+        key = f"{o}x{d}"
+        g = record["groups"][key]
+        if elapsed() + 1.2 * g["vmapped_cold"]["total"]["run_s"] > args.time_budget:
+            g["vmapped_warm"] = "skipped: time budget"
+            continue
+        _, _, stages = pipeline({n: layers[n] for n in names}, cal, lq, f"vmapped warm {key}")
+        g["vmapped_warm"] = {**stages, "total": total(stages)}
+        record["summary"] = summarize(record)
+        save()
+
+    record["summary"] = summarize(record)
+    record["memory"] = {**memory(), "note": (
+        "peak_bytes_in_use of device 0 since the process started (the XLA allocator's high-water mark of live buffers: "
+        "program inputs, outputs and temporaries of the largest chunk, plus anything else alive then; not the "
+        "preallocated pool). The vmapped programs are the largest, so this is their peak.")}
+    record["vmapped_quality"] = {
+        "transform_heldout_error_mean": float(np.mean([r.heldout_error for r in vm_results.values()])),
+        "hadamard_heldout_error_mean": float(np.mean([r.heldout_errors["init0"] for r in vm_results.values()])),
+        "loraq_weight_error_init_16bit_branch_mean": float(np.mean([float(b.error_init)
+                                                                    for b in vm_branches.values()])),
+        "loraq_weight_error_final_mxfp4_branch_mean": float(np.mean([float(b.error_final)
+                                                                     for b in vm_branches.values()])),
+    }
+    record["complete"] = True
     save()
-    print(json.dumps(record, indent=2))
+    print(json.dumps({k: record[k] for k in ("summary", "memory", "vmapped_quality")}, indent=2))
     return record
 
 
