@@ -329,14 +329,17 @@ def _call(a: jax.Array, kind: str, kparts: Optional[jax.Array], mode: ScaleMode,
     if poison is None:
         codes, scales = launch(body, out_type=(q_shape, s_shape))(*args)
     else:  # tests: outputs as mutable GMEM refs pre-filled with the poison, written in place (pl.core_map)
-        refs = [jax.new_ref(x, memory_space=plgpu.GMEM) for x in (*args, poison[0].reshape(q_shape.shape),
-                                                                 poison[1])]
+        @jax.jit  # refs with a memory space exist only under jit
+        def run_in_place(args, q_poison, s_poison):
+            refs = [jax.new_ref(x, memory_space=plgpu.GMEM) for x in (*args, q_poison, s_poison)]
 
-        @pl.core_map(plgpu.Mesh(grid=par_grid, grid_names=par_names), compiler_params=plgpu.CompilerParams())
-        def _():
-            body(*refs)
+            @pl.core_map(plgpu.Mesh(grid=par_grid, grid_names=par_names), compiler_params=plgpu.CompilerParams())
+            def _():
+                body(*refs)
 
-        codes, scales = jax.freeze(refs[-2]), jax.freeze(refs[-1])
+            return jax.freeze(refs[-2]), jax.freeze(refs[-1])
+
+        codes, scales = run_in_place(args, poison[0].reshape(q_shape.shape), poison[1])
     return codes.reshape(m, d // 2), scales
 
 
