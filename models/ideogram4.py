@@ -15,9 +15,10 @@ Each of the ``num_layers`` blocks: AdaLN scales/gates from the timestep (``tanh`
 with q/k RMSNorm per head, a SwiGLU feed-forward ``w2(silu(w1 x) * w3 x)``, and "sandwich" RMSNorms before and after
 each branch. The linears are the shared ``models.layers.Linear`` (kernel ``(d_in, d_out)``; the block linears
 ``to_q/to_k/to_v/to_out.0/w1/w2/w3`` are marked quantizable) and every forward takes optional ``LinearHooks`` (quantized
-overrides, activation capture). Module names follow diffusers, so a linear's dotted path is its diffusers key prefix
-(``layers.3.attention.to_q`` <- ``layers.3.attention.to_q.weight``); :data:`KEY_TABLE` is the declarative mapping
-used by :mod:`models.convert`.
+overrides, activation capture; fused q/k projection + norm and w1|w3 + SwiGLU sites for the GPU epilogue kernels
+through ``models.quantize_model.FusedLinearHooks``). Module names follow diffusers, so a linear's dotted path is its
+diffusers key prefix (``layers.3.attention.to_q`` <- ``layers.3.attention.to_q.weight``); :data:`KEY_TABLE` is the
+declarative mapping used by :mod:`models.convert`.
 
 Two layouts of the blocks:
 
@@ -234,6 +235,24 @@ def _linear(cfg: Ideogram4Config, d_in: int, d_out: int, rngs: nnx.Rngs, bias: b
     return Linear(d_in, d_out, bias=bias, quantizable=quantizable, dtype=cfg.param_dtype, rngs=rngs)
 
 
+def _project_norm(projection: Linear, norm: RMSNorm, x: jax.Array, hooks: LinearHooks | None) -> jax.Array:
+    """``norm(projection(x))`` per head, ``(B, L, hidden)`` -> ``(B, L, H, D)``; a fused ``projection_norm`` hook
+    (:class:`models.quantize_model.FusedLinearHooks`) replaces both, given the norm's weight and eps."""
+    batch, length, _ = x.shape
+    heads = (batch, length, -1, norm.scale.shape[0])
+    fused = getattr(hooks, "fused_projection_norm", None)
+    y = None if fused is None else fused(projection, x, norm.scale[...], norm.eps)  # (B, L, hidden) or None
+    if y is not None:
+        return y.reshape(heads)
+    return norm(projection(x, hooks).reshape(heads))  # (B, L, H, D)
+
+
+def _fused_swiglu(hooks: LinearHooks, gate: Linear, up: Linear, x: jax.Array) -> jax.Array | None:
+    """``SiLU(gate(x)) * up(x)`` from a fused ``swiglu`` hook, or None when the hooks have none for ``gate``."""
+    fused = getattr(hooks, "fused_swiglu", None)
+    return None if fused is None else fused(gate, up, x)
+
+
 class Ideogram4Attention(nnx.Module):
     """Self-attention: split q/k/v (no bias), q/k RMSNorm per head, MRoPE, segment mask, output projection."""
 
@@ -254,8 +273,8 @@ class Ideogram4Attention(nnx.Module):
         """``x (B, L, hidden)``, ``mask (B, 1, L, L)`` bool or None (all attend), ``cos/sin (B, L, head_dim)``."""
         batch, length, _ = x.shape
         heads = (batch, length, self.num_heads, self.head_dim)
-        query = self.norm_q(self.to_q(x, hooks).reshape(heads))  # (B, L, H, D)
-        key = self.norm_k(self.to_k(x, hooks).reshape(heads))  # (B, L, H, D)
+        query = _project_norm(self.to_q, self.norm_q, x, hooks).reshape(heads)  # (B, L, H, D)
+        key = _project_norm(self.to_k, self.norm_k, x, hooks).reshape(heads)  # (B, L, H, D)
         value = self.to_v(x, hooks).reshape(heads)  # (B, L, H, D)
         query = apply_rotary(query, cos, sin)  # (B, L, H, D)
         key = apply_rotary(key, cos, sin)  # (B, L, H, D)
@@ -273,7 +292,9 @@ class Ideogram4MLP(nnx.Module):
         self.w3 = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, rngs, bias=False, quantizable=True)
 
     def __call__(self, x: jax.Array, hooks: LinearHooks | None = None) -> jax.Array:
-        gated = jax.nn.silu(self.w1(x, hooks)) * self.w3(x, hooks)  # (B, L, intermediate)
+        gated = None if hooks is None else _fused_swiglu(hooks, self.w1, self.w3, x)  # (B, L, intermediate)
+        if gated is None:
+            gated = jax.nn.silu(self.w1(x, hooks)) * self.w3(x, hooks)  # (B, L, intermediate)
         return self.w2(gated, hooks)  # (B, L, hidden)
 
 
@@ -369,6 +390,42 @@ class Ideogram4Transformer(nnx.Module):
         self.final_layer = Ideogram4FinalLayer(cfg, rngs=rngs)
         name_linears(self)
 
+    def fused_sites(self) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+        """The sites where fused hooks may replace a linear and the op after it
+        (:class:`models.quantize_model.FusedLinearHooks`): ``({to_q / to_k path: (that path,)}, {w1 path: (w1 path,
+        w3 path)})`` (q/k projection + per-head RMSNorm; gate + up projection + SwiGLU)."""
+        blocks = [self.layers] if self.config.scan_layers else list(self.layers)
+        norm_sites, swiglu_sites = {}, {}
+        for block in blocks:
+            for projection in (block.attention.to_q, block.attention.to_k):
+                norm_sites[projection.path] = (projection.path,)
+            mlp = block.feed_forward
+            swiglu_sites[mlp.w1.path] = (mlp.w1.path, mlp.w3.path)
+        return norm_sites, swiglu_sites
+
+    def _check_hooks(self, hooks: LinearHooks | None) -> None:
+        """Scanned blocks share their linear paths: they take only stacked hooks; fused entries must name sites."""
+        from models.quantize_model import FusedLinearHooks, check_fused_sites
+
+        if hooks is None:
+            return
+        stacked = isinstance(hooks, FusedLinearHooks) and hooks.stacked
+        if self.config.scan_layers and not stacked:
+            raise ValueError("hooks need the list layout (scan_layers=False): scanned blocks share their linear paths "
+                             "(or pass FusedLinearHooks(..., stacked=True) with a leading layer axis on every entry)")
+        if stacked and not self.config.scan_layers:
+            raise ValueError("stacked hooks (FusedLinearHooks(stacked=True)) need scan_layers=True")
+        if stacked:
+            for table, entries in hooks.entries().items():
+                for name, entry in entries.items():
+                    if not name.startswith("layers."):
+                        raise ValueError(f"stacked hooks may only name block linears (layers.*): {table} {name!r}")
+                    for leaf in jax.tree_util.tree_leaves(entry):
+                        if not jnp.ndim(leaf) or jnp.shape(leaf)[0] != self.config.num_layers:
+                            raise ValueError(f"stacked {table} entry {name!r}: array of shape {jnp.shape(leaf)} has "
+                                             f"no leading num_layers={self.config.num_layers} axis")
+        check_fused_sites(hooks, *self.fused_sites())
+
     def embed_text(self, encoder_hidden_states: jax.Array | None, indicator: jax.Array) -> jax.Array:
         """Text conditioning added to the hidden stream: ``llm_cond_proj(norm(f * m)) * m``, ``m = [text token]``.
 
@@ -409,7 +466,9 @@ class Ideogram4Transformer(nnx.Module):
             indicator: ``(B, L)`` integer token roles (``LLM_TOKEN_INDICATOR``, ``OUTPUT_IMAGE_INDICATOR``, other).
             text_embeddings: ``(B, L, hidden)`` from :meth:`embed_text`; replaces ``encoder_hidden_states``.
             hooks: :class:`models.layers.LinearHooks` routing the block linears (quantized overrides, activation
-                capture); list layout only (scanned layers share one path per linear).
+                capture), list layout; or :class:`models.quantize_model.FusedLinearHooks` (also fused q/k projection
+                + RMSNorm and w1|w3 + SwiGLU sites, see :meth:`fused_sites`), with ``stacked=True`` for the scan
+                layout (entries keyed ``layers.<sub path>``, arrays with a leading ``num_layers`` axis).
         Returns:
             ``(B, L, in_channels)`` in the compute dtype.
         """
@@ -423,8 +482,7 @@ class Ideogram4Transformer(nnx.Module):
             raise ValueError(f"position_ids {position_ids.shape} must be (B, L, 3) = {(batch, length, 3)}")
         if segment_ids is not None and segment_ids.shape != (batch, length):
             raise ValueError(f"segment_ids {segment_ids.shape} must be (B, L) = {(batch, length)}")
-        if hooks is not None and cfg.scan_layers:
-            raise ValueError("hooks need the list layout (scan_layers=False): scanned blocks share their linear paths")
+        self._check_hooks(hooks)
         if timestep.shape not in ((batch,), (batch, length)):
             raise ValueError(f"timestep {timestep.shape} must be (B,) = {(batch,)} or (B, L) = {(batch, length)}")
 
@@ -452,12 +510,16 @@ class Ideogram4Transformer(nnx.Module):
 
         if cfg.scan_layers:
             block_graph, block_states = nnx.split(self.layers)
+            # Stacked hooks (FusedLinearHooks(stacked=True)): each block gets its slice of the entries' arrays.
+            entries = {} if hooks is None else hooks.entries()
 
-            def run_block(carry: jax.Array, block_state: nnx.State) -> tuple[jax.Array, None]:
+            def run_block(carry: jax.Array, xs: tuple[nnx.State, dict]) -> tuple[jax.Array, None]:
+                block_state, block_entries = xs
                 block = nnx.merge(block_graph, block_state)
-                return block(carry, mask, cos, sin, adaln_input), None  # (B, L, hidden)
+                block_hooks = None if hooks is None else type(hooks).from_entries(block_entries)
+                return block(carry, mask, cos, sin, adaln_input, block_hooks), None  # (B, L, hidden)
 
-            hidden, _ = jax.lax.scan(run_block, hidden, block_states)  # (B, L, hidden)
+            hidden, _ = jax.lax.scan(run_block, hidden, (block_states, entries))  # (B, L, hidden)
         else:
             for block in self.layers:
                 hidden = block(hidden, mask, cos, sin, adaln_input, hooks)  # (B, L, hidden)

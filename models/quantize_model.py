@@ -11,6 +11,16 @@ the W4A4 model are the same graph and the same jitted sampler, on the same seeds
 * :func:`fake_quant_overrides`: weight+activation fake quantization (RTN, no transform) of every quantizable
   linear, straight from the model (a baseline, and the tests' proof that the path works without calibration).
 * :func:`check_overrides`: every override names a linear of the model and returns its shape.
+* :class:`FusedLinearHooks`: :class:`~models.layers.LinearHooks` plus **fused sites**, where one function replaces
+  a linear together with the small op after it (the GPU's fused GEMM epilogues): ``projection_norm`` (a projection +
+  RMSNorm over each head, e.g. Ideogram 4's ``to_q`` + ``norm_q``) and ``swiglu`` (the gate and up projections +
+  ``SiLU(gate) * up``, e.g. Ideogram 4's ``w1``, ``w3``). Models that have such sites consume them (Ideogram 4); a
+  fused entry that names no site of the model raises. ``stacked=True`` hooks carry a leading layer axis on every
+  array of a block linear's entry, for models run with ``lax.scan`` over stacked blocks (``scan_layers=True``).
+* :func:`served_hooks`: ``pallas_kernels.epilogues.ServedLinear`` layers (packed W4A4 on the GPU kernels) ->
+  :class:`FusedLinearHooks`, with the q/k norm and SwiGLU in the GEMM epilogues (or, ``fused=False``, after it).
+* :func:`split_qlinear_overrides`: one ``QuantizedLinear`` of several stacked linears (e.g. ``[W1; W3]`` sharing their
+  input and transform) as per-linear overrides, each taking its rows of the fused output.
 """
 
 from __future__ import annotations
@@ -25,7 +35,8 @@ from flax import nnx
 
 from models.layers import LinearHooks, linears
 
-__all__ = ["check_overrides", "fake_quant_overrides", "qlinear_overrides", "run_with_overrides"]
+__all__ = ["FusedLinearHooks", "check_fused_sites", "check_overrides", "fake_quant_overrides", "qlinear_overrides",
+           "run_with_overrides", "served_hooks", "split_qlinear_overrides"]
 
 
 def _qlinear_simulate(layer: Any, x: jax.Array) -> jax.Array:
@@ -39,6 +50,27 @@ def qlinear_overrides(qlayers: Mapping[str, Any], forward: Callable[[Any, jax.Ar
     """``{path: QuantizedLinear}`` -> ``{path: Partial(forward, layer)}``; forward(layer, x (..., d)) -> (..., o)."""
     forward = _qlinear_simulate if forward is None else forward
     return {name: jax.tree_util.Partial(forward, layer) for name, layer in qlayers.items()}
+
+
+def _qlinear_part(layer: Any, x: jax.Array, *, part: int, parts: int,
+                  forward: Callable[[Any, jax.Array], jax.Array]) -> jax.Array:
+    y = forward(layer, x)  # (..., parts * o)
+    width = y.shape[-1] // parts
+    return y[..., part * width:(part + 1) * width]
+
+
+def split_qlinear_overrides(layer: Any, paths: list[str], forward: Callable[[Any, jax.Array], jax.Array] | None = None
+                            ) -> dict[str, jax.tree_util.Partial]:
+    """One ``QuantizedLinear`` (or ``ServedLinear`` with a matching ``forward``) of ``len(paths)`` linears stacked
+    along the outputs (``[W_1; W_2; ...]``, one shared input and transform) -> per-linear overrides
+    ``{paths[i]: x -> forward(layer, x)[..., rows of W_i]}``."""
+    forward = _qlinear_simulate if forward is None else forward
+    out_features = layer.config.out_features if hasattr(layer, "config") else layer.out_features
+    if out_features % len(paths):
+        raise ValueError(f"split_qlinear_overrides: out_features={out_features} is not a multiple of {len(paths)} "
+                         f"linears {paths}")
+    return {path: jax.tree_util.Partial(functools.partial(_qlinear_part, part=i, parts=len(paths), forward=forward),
+                                        layer) for i, path in enumerate(paths)}
 
 
 def _fake_quant_linear(kernel: jax.Array, bias: jax.Array | None, x: jax.Array, *, fmt: Any) -> jax.Array:
@@ -94,3 +126,145 @@ def run_with_overrides(model: nnx.Module, overrides: Mapping[str, Callable], *ar
     """Call ``model(*args, **kwargs)`` with the overrides in place (eager convenience; samplers take
     ``params["overrides"]`` instead)."""
     return model(*args, hooks=LinearHooks(overrides), **kwargs)
+
+
+class FusedLinearHooks(LinearHooks):
+    """:class:`~models.layers.LinearHooks` with fused sites (a linear and the op after it run by one function).
+
+    Args:
+        overrides, recorder: as :class:`~models.layers.LinearHooks` (per-linear replacements, input recorder).
+        projection_norm: ``{projection path: fn(x (..., d), scale (head_dim,), eps) -> (..., o)}``: the projection
+            followed by RMSNorm over each head of ``head_dim`` outputs with weight ``scale`` (the model passes its own
+            norm weight and eps, so the fused function never holds a stale copy). Replaces the projection and the norm.
+        swiglu: ``{gate projection path: fn(x (..., d)) -> (..., f)}``: ``SiLU(x W_gate^T) * (x W_up^T)``. Replaces the
+            gate and the up projection (the model says which linear is the up projection of a gate).
+        stacked: the entries of block linears carry a leading ``num_layers`` axis on every array (for models whose
+            blocks run under ``lax.scan``; the scan hands each block its slice). A model in list layout refuses them.
+
+    A model calls :meth:`fused_projection_norm` / :meth:`fused_swiglu` at its fused sites and runs the unfused path
+    when they return None; it checks the entries first with :func:`check_fused_sites`.
+    """
+
+    def __init__(self, overrides: Mapping[str, Callable[[jax.Array], jax.Array]] | None = None,
+                 recorder: Any = None, *, projection_norm: Mapping[str, Callable] | None = None,
+                 swiglu: Mapping[str, Callable] | None = None, stacked: bool = False):
+        super().__init__(overrides, recorder)
+        self.projection_norm = dict(projection_norm or {})
+        self.swiglu = dict(swiglu or {})
+        self.stacked = bool(stacked)
+        if stacked and recorder is not None:
+            raise ValueError("FusedLinearHooks: a recorder cannot be combined with stacked (scanned) entries")
+
+    def entries(self) -> dict[str, dict[str, Any]]:
+        """The three entry tables (a pytree: ``jax.tree_util.Partial`` entries carry their arrays as leaves)."""
+        return {"overrides": dict(self.overrides), "projection_norm": dict(self.projection_norm),
+                "swiglu": dict(self.swiglu)}
+
+    @classmethod
+    def from_entries(cls, entries: Mapping[str, Mapping[str, Callable]], stacked: bool = False) -> "FusedLinearHooks":
+        """Inverse of :meth:`entries` (e.g. one scanned block's slice of stacked entries)."""
+        return cls(entries.get("overrides"), projection_norm=entries.get("projection_norm"),
+                   swiglu=entries.get("swiglu"), stacked=stacked)
+
+    def fused_projection_norm(self, projection: Any, x: jax.Array, scale: jax.Array, eps: float
+                              ) -> jax.Array | None:
+        """The fused projection + per-head RMSNorm of ``projection`` (a Linear) on ``x``, or None (run unfused)."""
+        fn = self.projection_norm.get(projection.path)
+        if fn is None:
+            return None
+        if self.recorder is not None and self.recorder.wants(projection.path):
+            self.recorder.record(projection.path, x)
+        y = fn(x, scale, eps)
+        return _checked(y, x, projection.out_features, f"projection_norm entry {projection.path}")
+
+    def fused_swiglu(self, gate: Any, up: Any, x: jax.Array) -> jax.Array | None:
+        """``SiLU(gate(x)) * up(x)`` fused, keyed by the gate Linear's path, or None (run unfused)."""
+        fn = self.swiglu.get(gate.path)
+        if fn is None:
+            return None
+        if self.recorder is not None:
+            for linear in (gate, up):
+                if self.recorder.wants(linear.path):
+                    self.recorder.record(linear.path, x)
+        return _checked(fn(x), x, gate.out_features, f"swiglu entry {gate.path}")
+
+
+def _checked(y: jax.Array, x: jax.Array, out_features: int, what: str) -> jax.Array:
+    expected = x.shape[:-1] + (out_features,)
+    if tuple(y.shape) != expected:
+        raise ValueError(f"{what}: returned shape {tuple(y.shape)}, expected {expected}")
+    return y.astype(x.dtype)
+
+
+def check_fused_sites(hooks: Any, projection_norm_sites: Mapping[str, tuple[str, ...]],
+                      swiglu_sites: Mapping[str, tuple[str, ...]]) -> None:
+    """Raise a ValueError if a fused entry of ``hooks`` names no fused site of the model, or if a per-linear override
+    targets a linear that a fused entry already replaces.
+
+    Args:
+        hooks: :class:`FusedLinearHooks` (plain :class:`~models.layers.LinearHooks` and None pass).
+        projection_norm_sites: ``{projection path: (paths of the linears it replaces)}`` of the model.
+        swiglu_sites: ``{gate path: (gate path, up path)}``.
+    """
+    if not isinstance(hooks, FusedLinearHooks):
+        return
+    problems = []
+    for table, sites in (("projection_norm", projection_norm_sites), ("swiglu", swiglu_sites)):
+        for name in getattr(hooks, table):
+            if name not in sites:
+                examples = ", ".join(sorted(sites)[:3]) or "none"
+                problems.append(f"{table} entry {name!r} names no {table} site of the model (e.g. {examples})")
+                continue
+            clash = [p for p in sites[name] if p in hooks.overrides]
+            if clash:
+                problems.append(f"{table} entry {name!r} replaces {clash}, which also have per-linear overrides")
+    if problems:
+        raise ValueError("bad fused hooks:\n  " + "\n  ".join(problems))
+
+
+def _served(layer: Any, x: jax.Array, **options: Any) -> jax.Array:
+    from pallas_kernels.epilogues import served_linear_forward
+
+    return served_linear_forward(layer, x, **options)
+
+
+def _served_norm(layer: Any, x: jax.Array, scale: jax.Array, eps: float, **options: Any) -> jax.Array:
+    from pallas_kernels.epilogues import served_linear_forward
+
+    return served_linear_forward(layer, x, op="rmsnorm", norm_weight=scale, head_dim=scale.shape[-1], eps=eps,
+                                 **options)
+
+
+def _served_swiglu(layer: Any, x: jax.Array, **options: Any) -> jax.Array:
+    from pallas_kernels.epilogues import served_linear_forward
+
+    return served_linear_forward(layer, x, op="swiglu", **options)
+
+
+def served_hooks(linears: Mapping[str, Any] | None = None, projection_norm: Mapping[str, Any] | None = None,
+                 swiglu: Mapping[str, Any] | None = None, *, fused: bool = True, stacked: bool = False,
+                 impl: str | None = None, gemm_blocks: Any = None, norm_blocks: Any = None, swiglu_blocks: Any = None
+                 ) -> FusedLinearHooks:
+    """Hooks running ``pallas_kernels.epilogues.ServedLinear`` layers (W4A4 on the GPU kernels).
+
+    Args:
+        linears: ``{linear path: ServedLinear}``: plain per-linear overrides (transform+quantize, W4A4 GEMM, low-rank).
+        projection_norm: ``{projection path: ServedLinear}``: the projection + per-head RMSNorm (the model passes the
+            norm weight and eps at the call).
+        swiglu: ``{gate path: ServedLinear}``: the fused ``[W_gate; W_up]`` layer, prepared with
+            ``serve_qlinear(swiglu=True)``.
+        fused: the norm / SwiGLU in the GEMM epilogue (``True``) or as an XLA op after the plain W4A4 GEMM.
+        stacked: the layers carry a leading layer axis (scanned blocks).
+        impl, gemm_blocks: see ``served_linear_forward``; ``norm_blocks`` / ``swiglu_blocks``: the epilogue kernels'
+            tiles (``EpilogueBlockSizes``) for the two fused ops.
+    """
+    common = {"impl": impl, "gemm_blocks": gemm_blocks, "fused": fused}
+    partial = jax.tree_util.Partial
+    return FusedLinearHooks(
+        {p: partial(functools.partial(_served, impl=impl, gemm_blocks=gemm_blocks), layer)
+         for p, layer in (linears or {}).items()},
+        projection_norm={p: partial(functools.partial(_served_norm, epilogue_blocks=norm_blocks, **common), layer)
+                         for p, layer in (projection_norm or {}).items()},
+        swiglu={p: partial(functools.partial(_served_swiglu, epilogue_blocks=swiglu_blocks, **common), layer)
+                for p, layer in (swiglu or {}).items()},
+        stacked=stacked)

@@ -28,6 +28,13 @@ rows permuted the same way for SwiGLU), and NVFP4's per-tensor scales.
 
 References (:func:`gemm_rmsnorm_reference`, :func:`gemm_swiglu_reference`): the unfused path, the GEMM output rounded
 to the output dtype (as a separate kernel would store it), then the op in f32.
+
+**One served layer** (:class:`ServedLinear`, :func:`serve_qlinear`, :func:`served_linear_forward`): a calibrated
+``kroquant_jax.qlinear.QuantizedLinear`` prepared once for the GPU forward (paper eq. 11,
+``Q(x T) Q(W~ - L R)^T + (x T)(L R)^T + b``): the fused transform + quantize kernel, ``h = x (R T^T)^T`` with ``T``
+folded into ``R`` at preparation time (so the branch needs no ``x T``), and one W4A4 GEMM with the low-rank term (and,
+optionally, the per-head RMSNorm or the SwiGLU) in its epilogue. What the quantized DiT forward runs
+(``benchmarks/dit_forward_w4a4.py``).
 """
 
 from __future__ import annotations
@@ -40,14 +47,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kroquant_jax.formats import QuantizedArray, dequantize
-from pallas_kernels._compat import pl, triton_compiler_params
-from pallas_kernels.w4a4_gemm import (Compute, OperandSpec, _round_up, accumulate_tiles, check_operands,
-                                      gemm_inputs, lowrank_reference, lowrank_term)
+from kroquant_jax.formats import MXFP4, QuantFormat, QuantizedArray, dequantize
+from pallas_kernels import transform_quantize as tq
+from pallas_kernels._compat import on_gpu, pl, triton_compiler_params
+from pallas_kernels.w4a4_gemm import (BlockSizes, Compute, OperandSpec, _kind_of, _round_up, accumulate_tiles,
+                                      check_operands, even_odd_permutation, gemm_inputs, lowrank_reference,
+                                      lowrank_term, w4a4_matmul)
 
 __all__ = [
     "EPILOGUE_TILE",
     "EpilogueBlockSizes",
+    "ServedLinear",
     "gemm",
     "gemm_reference",
     "gemm_rmsnorm",
@@ -57,6 +67,9 @@ __all__ = [
     "pack_swiglu_weight",
     "permute_rows",
     "rmsnorm_heads",
+    "serve_qlinear",
+    "served_linear_forward",
+    "served_linear_reference",
     "swiglu",
     "swiglu_permutation",
     "unpack_swiglu_weight",
@@ -113,11 +126,19 @@ def operand_smem_bytes(kind: str, block_m: int, cols: int, block_k: int, num_sta
     return int(num_stages * (block_m + cols) * block_k * per_elem)
 
 
-def _default_blocks(m: int, k: int, *, kind: str = "bf16", cols: int = 128, block_m: int = 64,
+def _default_blocks(m: int, k: int, *, kind: str = "bf16", cols: int = 128, block_m: Optional[int] = None,
                     budget: int = SMEM_BUDGET_BYTES) -> EpilogueBlockSizes:
-    """Default tiles: ``block_m`` shrinks for small m, ``block_k`` divides k, and the pipelined operand tiles fit
-    ``budget`` bytes of shared memory (fewer stages first, then a smaller ``block_k``)."""
-    bm = block_m
+    """Default tiles: ``block_m`` (128 for packed operands, 64 for bf16) shrinks for small m, ``block_k`` divides k,
+    and the pipelined operand tiles fit ``budget`` bytes of shared memory (a smaller ``block_k`` first, down to 64,
+    keeping 3 stages; then 2 stages; then ``block_k`` down to 32).
+
+    Packed operands: on the H200 (2026-11-30, m = 4224, MXFP4, ``benchmarks/results/dit_forward_w4a4.json``) 128-row
+    tiles ran the RMSNorm-256 kernel in 1010 us instead of 2128 us and the SwiGLU kernel in 5266 us instead of
+    12174 us (64-row tiles: every W tile is decoded twice as often). bf16 operands keep 64 rows (the RMSNorm program
+    owns a whole 256-wide head); their 3-stage ``block_k = 64`` tiling was not measured against the 2-stage
+    ``block_k = 128`` one it replaces.
+    """
+    bm = block_m if block_m is not None else (64 if kind == "bf16" else 128)
     while bm > 16 and bm // 2 >= m:
         bm //= 2
     bk = 128
@@ -125,7 +146,9 @@ def _default_blocks(m: int, k: int, *, kind: str = "bf16", cols: int = 128, bloc
         bk //= 2
     stages = 3
     while operand_smem_bytes(kind, bm, cols, bk, stages) > budget:
-        if stages > 2:
+        if bk > 64:
+            bk //= 2
+        elif stages > 2:
             stages -= 1
         elif bk > 32:
             bk //= 2
@@ -381,3 +404,183 @@ def gemm_swiglu(a, w_perm, *, lowrank=None, bias=None, block_sizes: Optional[Epi
     """
     return _fused_call(a, w_perm, epilogue="swiglu", head_dim=0, norm_weight=None, eps=0.0, lowrank=lowrank, bias=bias,
                        block_sizes=block_sizes, compute=compute, out_dtype=out_dtype, out=out, interpret=interpret)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One served W4A4 layer (eq. 11), optionally with its epilogue op fused.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("transform", "weight", "right", "left", "bias"),
+                   meta_fields=("act_fmt", "swiglu_rows"))
+@dataclasses.dataclass(frozen=True)
+class ServedLinear:
+    """A ``QuantizedLinear`` prepared once for the GPU forward (a pytree; stack it for ``lax.scan``).
+
+    Attributes:
+      transform: the online ``T`` for the fused transform + quantize kernel (``pallas_kernels.transform_quantize``).
+      weight: ``Q(W~ - L R)`` ``(o, d)`` packed; rows in gate/up pairs (:func:`pack_swiglu_weight`) if ``swiglu_rows``.
+      right: ``R T^T`` ``(r, d)`` bf16 (``T`` folded in: ``(x T) R^T = x (R T^T)^T``), rows in
+        :func:`~pallas_kernels.w4a4_gemm.even_odd_permutation` order when ``left`` is packed; None without a branch.
+      left: ``L`` ``(o, r)``: packed MXFP4 (decoded in the GEMM epilogue) or bf16; rows permuted like ``weight``.
+      bias: ``(o,)`` f32 (permuted like ``weight``) or None.
+      act_fmt: the activations' format (static).
+      swiglu_rows: whether the rows are in gate/up pairs (static; only the SwiGLU epilogue takes such a layer).
+    """
+
+    transform: tq.PreparedTransform
+    weight: QuantizedArray
+    right: Optional[jax.Array]
+    left: Optional[object]
+    bias: Optional[jax.Array]
+    act_fmt: QuantFormat = MXFP4()
+    swiglu_rows: bool = False
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[-1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[-2]
+
+
+def serve_qlinear(layer, *, swiglu: bool = False, kernel: Optional[str] = None) -> ServedLinear:
+    """Prepare a ``kroquant_jax.qlinear.QuantizedLinear`` ``(o, d)`` for :func:`served_linear_forward`.
+
+    Args:
+      layer: the calibrated layer (packed weight; low-rank factors packed, 16/32-bit or absent).
+      swiglu: the layer is a fused ``[W_gate; W_up]`` ``(2f, d)``: permute its rows (and ``L``'s, the bias's) once into
+        gate/up pairs for :func:`gemm_swiglu`.
+      kernel: ``"k1"`` to run a Kronecker transform with dense blocks instead of K2.
+    """
+    from pallas_kernels.qlinear_gpu import prepare_layer_transform
+
+    cfg = layer.config
+    if swiglu and cfg.out_features % 2:
+        raise ValueError(f"serve_qlinear(swiglu=True): out_features={cfg.out_features} must be even (gate; up)")
+    transform = prepare_layer_transform(layer, kernel)
+    left = right = None
+    if layer.lowrank_left is not None:
+        left = layer.lowrank_left
+        packed = isinstance(left, QuantizedArray) and _kind_of(left) == "mxfp4" and left.shape[1] >= 32
+        if not packed:
+            left = (dequantize(left, jnp.float32) if isinstance(left, QuantizedArray) else jnp.asarray(left))
+            left = left.astype(jnp.bfloat16)
+        r_dense = _dense(layer.lowrank_right)  # (r, d) f32
+        blocks = jnp.asarray(layer.blocks, jnp.float32)  # (d/n, n, n): (x T)_b = x_b K_b
+        nb, n, _ = blocks.shape
+        rank = r_dense.shape[0]
+        # (x T) R^T = x (R T^T)^T with (R T^T)[r, b, i] = sum_j K_b[i, j] R[r, b, j]
+        right = jnp.einsum("bij,rbj->rbi", blocks, r_dense.reshape(rank, nb, n),
+                           precision=jax.lax.Precision.HIGHEST).reshape(rank, nb * n)
+        if packed:
+            right = right[even_odd_permutation(rank)]
+        right = right.astype(jnp.bfloat16)
+    weight, bias = layer.weight, (None if layer.bias is None else jnp.asarray(layer.bias, jnp.float32))
+    if swiglu:
+        perm = swiglu_permutation(cfg.out_features)
+        weight = permute_rows(weight, perm)
+        left = None if left is None else permute_rows(left, perm)
+        bias = None if bias is None else bias[perm]
+    return ServedLinear(transform=transform, weight=weight, right=right, left=left, bias=bias, act_fmt=cfg.act_fmt,
+                        swiglu_rows=swiglu)
+
+
+Op = Literal["none", "rmsnorm", "swiglu"]
+
+
+def _served_inputs(layer: ServedLinear, x: jax.Array, impl: str):
+    """``x (..., d)`` -> ``(x2 (m, d) bf16, Q(x T), lowrank (h, L) or None)``."""
+    d = layer.in_features
+    if x.shape[-1] != d:
+        raise ValueError(f"served linear ({layer.out_features}, {d}): input of shape {x.shape} has {x.shape[-1]} "
+                         f"features")
+    x2 = x.reshape(-1, d)
+    if x2.dtype not in (jnp.bfloat16, jnp.float16):
+        x2 = x2.astype(jnp.bfloat16)
+    x_q = tq.transform_quantize(x2, layer.transform, layer.act_fmt, impl=impl, round_to_input=False)
+    lowrank = None
+    if layer.left is not None:
+        h = jnp.matmul(x2, layer.right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # (m, r)
+        lowrank = (h, layer.left)
+    return x2, x_q, lowrank
+
+
+def _check_op(layer: ServedLinear, op: str, norm_weight, head_dim: Optional[int]) -> None:
+    if op not in ("none", "rmsnorm", "swiglu"):
+        raise ValueError(f"op={op!r} must be 'none', 'rmsnorm' or 'swiglu'")
+    if (op == "swiglu") != layer.swiglu_rows:
+        raise ValueError(f"op={op!r} on a layer with swiglu_rows={layer.swiglu_rows}: only the SwiGLU op takes (and "
+                         f"needs) a layer prepared with serve_qlinear(swiglu=True)")
+    if op == "rmsnorm" and (norm_weight is None or head_dim is None or norm_weight.shape != (head_dim,)
+                            or layer.out_features % head_dim):
+        raise ValueError(f"rmsnorm: norm_weight {None if norm_weight is None else norm_weight.shape} must be "
+                         f"(head_dim,) = ({head_dim},), and head_dim must divide out_features={layer.out_features}")
+
+
+def served_linear_forward(layer: ServedLinear, x: jax.Array, *, op: Op = "none", norm_weight=None,
+                          head_dim: Optional[int] = None, eps: float = 1e-6, fused: bool = True,
+                          impl: Optional[str] = None, gemm_blocks: Optional[BlockSizes] = None,
+                          epilogue_blocks: Optional[EpilogueBlockSizes] = None, out_dtype=None) -> jax.Array:
+    """Eq. 11 with the Pallas kernels, then ``op``: ``(..., d)`` -> ``(..., o)`` (``(..., o/2)`` for SwiGLU).
+
+    Args:
+      layer: from :func:`serve_qlinear`.
+      x: activations, bf16 or fp16 (others are cast to bf16).
+      op: ``"none"``, ``"rmsnorm"`` (per head of ``head_dim`` outputs, weight ``norm_weight (head_dim,)``, ``eps``)
+        or ``"swiglu"`` (a layer prepared with ``swiglu=True``).
+      fused: the op in the GEMM's epilogue (:func:`gemm_rmsnorm` / :func:`gemm_swiglu`); ``False``: the plain W4A4
+        GEMM (``w4a4_matmul``, bf16 output) then the op in XLA (the unfused baseline).
+      impl: ``None`` (kernels on a GPU, else the references), ``"pallas"``, ``"interpret"`` or ``"reference"``.
+      gemm_blocks: tiles of ``w4a4_matmul`` (``op="none"`` or unfused); epilogue_blocks: of the fused kernels.
+      out_dtype: default ``x.dtype``.
+    """
+    _check_op(layer, op, norm_weight, head_dim)
+    if impl is None:
+        impl = "pallas" if on_gpu(x) else "reference"
+    if impl not in ("pallas", "interpret", "reference"):
+        raise ValueError(f"impl={impl!r} must be None, 'pallas', 'interpret' or 'reference'")
+    if impl == "reference":
+        return served_linear_reference(layer, x, op=op, norm_weight=norm_weight, head_dim=head_dim, eps=eps,
+                                       out_dtype=out_dtype)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    lead = x.shape[:-1]
+    _, x_q, lowrank = _served_inputs(layer, x, impl)
+    interpret = impl == "interpret"
+    if op == "none" or not fused:
+        y = w4a4_matmul(x_q, layer.weight, lowrank=lowrank, bias=layer.bias, block_sizes=gemm_blocks,
+                        interpret=interpret)  # (m, o) bf16, as a separate kernel stores it
+        if op == "rmsnorm":
+            y = rmsnorm_heads(y, norm_weight, head_dim=head_dim, eps=eps)
+        elif op == "swiglu":
+            y = _swiglu_pairs(y)
+    elif op == "rmsnorm":
+        y = gemm_rmsnorm(x_q, layer.weight, norm_weight, head_dim=head_dim, eps=eps, lowrank=lowrank, bias=layer.bias,
+                         block_sizes=epilogue_blocks, interpret=interpret)
+    else:
+        y = gemm_swiglu(x_q, layer.weight, lowrank=lowrank, bias=layer.bias, block_sizes=epilogue_blocks,
+                        interpret=interpret)
+    return y.reshape(*lead, y.shape[-1]).astype(out_dtype)
+
+
+def _swiglu_pairs(c: jax.Array) -> jax.Array:
+    """``SiLU(c[:, 0::2]) * c[:, 1::2]`` in f32 (gate/up pairs adjacent), returned in ``c.dtype``."""
+    cf = c.astype(jnp.float32).reshape(c.shape[0], -1, 2)
+    return (jax.nn.silu(cf[..., 0]) * cf[..., 1]).astype(c.dtype)
+
+
+def served_linear_reference(layer: ServedLinear, x: jax.Array, *, op: Op = "none", norm_weight=None,
+                            head_dim: Optional[int] = None, eps: float = 1e-6, out_dtype=None) -> jax.Array:
+    """The jnp reference of :func:`served_linear_forward` (fused semantics: the op on the f32 GEMM output):
+    the transform + quantizer reference, the dequantized product in f32, ``h L^T``, bias, op."""
+    _check_op(layer, op, norm_weight, head_dim)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    lead = x.shape[:-1]
+    _, x_q, lowrank = _served_inputs(layer, x, "reference")
+    y = gemm_reference(x_q, layer.weight, lowrank=lowrank, bias=layer.bias)  # (m, o) f32
+    if op == "rmsnorm":
+        y = rmsnorm_heads(y, norm_weight, head_dim=head_dim, eps=eps)
+    elif op == "swiglu":
+        y = _swiglu_pairs(y)
+    return y.reshape(*lead, y.shape[-1]).astype(out_dtype)

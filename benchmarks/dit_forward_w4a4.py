@@ -1,0 +1,436 @@
+"""The whole quantized DiT forward on the H200: full-size Ideogram 4 in bf16 against W4A4 on the GPU kernels.
+
+One conditional forward of ``models.ideogram4.IDEOGRAM4`` (9.28 B parameters, random bf16 weights generated on the
+device, blocks stacked and run by ``lax.scan``), batch 1, the packed 1K layout of ``benchmarks/ideogram4_serving.py``
+(128 text + 64 x 64 image tokens = 4224 tokens, no mask, cuDNN attention), text projection included:
+
+* ``bf16``: the plain forward (XLA / cuBLAS linears).
+* ``w4a4_fused``: every quantizable linear (the 7 per block) replaced by its W4A4 layer (paper eq. 11) on the Pallas
+  kernels: the fused K2 transform + MXFP4 quantize kernel, ``h = x (R T^T)^T`` (XLA, rank 128), and one W4A4 GEMM
+  (MXFP4, bf16 tensor-core mode) with the packed-``L`` low-rank term in its epilogue; q and k with the per-head
+  RMSNorm fused into that epilogue (``projection_norm`` hooks), ``w1 | w3`` one fused ``(24576, 4608)`` layer with the
+  SwiGLU in its epilogue (``swiglu`` hook); ``to_v``, ``to_out.0``, ``w2`` plain.
+* ``w4a4_unfused``: the same layers, the norm and the SwiGLU as XLA ops after the plain W4A4 GEMM.
+* ``simulate`` (not timed): the same quantized layers through ``kroquant_jax.qlinear.qlinear_forward(path="simulate")``
+  (fake quant, f32 math): the reference the W4A4 forwards are checked against (relative error over the image tokens).
+
+The quantized layers are built on the device from the model's random bf16 weights with the real layer math
+(``build_qlinear``'s: ``W~ = W T^{-T}``, LoRaQ-style factors ``L, R`` stored in MXFP4, residual ``Q(W~ - L R)``);
+only the calibration is replaced: ``T`` is a random KroQuant (Kronecker-LU) transform near the Hadamard init, and
+``L, R`` (rank 128) come from a one-pass randomized range finder of ``W~`` (``L = Q``, ``R = Q^T W~``).
+
+Before the forwards, the epilogue kernels' tiles are chosen on the real operands (layer 0's q and w1|w3 at the forward's
+token count): the fastest of a few candidates is used for ``w4a4_fused``, and the unfused alternative is timed beside
+them. Times: medians over repeats of back-to-back calls after a warm-up (``ideogram4_serving.time_calls``), kernels
+with ``w4a4_bench.time_op`` (jitted loop over rotating operands).
+
+    python benchmarks/dit_forward_w4a4.py --out $OUT/dit_forward_w4a4.json     # the H200 (about 3 minutes)
+    python benchmarks/dit_forward_w4a4.py --preset tiny --interpret             # CPU validation (interpret mode)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from kroquant_jax import transforms  # noqa: E402
+from kroquant_jax.formats import MXFP4, dequantize, quantize  # noqa: E402
+from kroquant_jax.qlinear import QLinearConfig, QuantizedLinear, qlinear_forward  # noqa: E402
+from models import ideogram4 as ig  # noqa: E402
+from models import ideogram4_sampling as sampling  # noqa: E402
+from models.quantize_model import (FusedLinearHooks, qlinear_overrides, served_hooks,  # noqa: E402
+                                   split_qlinear_overrides)
+from pallas_kernels import epilogues as E  # noqa: E402
+from pallas_kernels import w4a4_gemm as G  # noqa: E402
+
+import ideogram4_serving as serving  # noqa: E402
+import w4a4_bench  # noqa: E402
+
+TRANSFORM = "kron_lu"
+# Block linears of the scanned model (paths of the one stacked block) and how the W4A4 forward runs them.
+PLAIN = ("layers.attention.to_v", "layers.attention.to_out.0", "layers.feed_forward.w2")
+NORMED = ("layers.attention.to_q", "layers.attention.to_k")
+GATE, UP = "layers.feed_forward.w1", "layers.feed_forward.w3"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The quantized layers, built on the device with the library's layer math.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def random_kron_params(key: jax.Array, d: int, spread: float = 0.1) -> dict:
+    """Kronecker-LU parameters near the Hadamard init (``a = b = 1/sqrt 2``, ``c = 1``), each scaled by
+    ``1 + spread * N(0, 1)``: an invertible, non-orthogonal KroQuant transform (a stand-in for a calibrated one)."""
+    base = transforms.get(TRANSFORM).init(d)
+    keys = jax.random.split(key, 3)
+    return {name: base[name] * (1.0 + spread * jax.random.normal(k, base[name].shape, jnp.float32))
+            for name, k in zip(("a", "b", "c"), keys)}
+
+
+def lowrank_factors(w_tilde: jax.Array, key: jax.Array, rank: int) -> tuple[jax.Array, jax.Array]:
+    """``(L (o, r), R (r, d))`` from a one-pass randomized range finder of ``w_tilde (o, d)``: ``L = Q``, ``R = Q^T W~``
+    with ``Q`` an orthonormal basis of ``W~ Omega`` (LoRaQ's factors come from calibration; this is a stand-in)."""
+    omega = jax.random.normal(key, (w_tilde.shape[1], rank), jnp.float32)  # (d, r)
+    basis, _ = jnp.linalg.qr(jnp.matmul(w_tilde, omega, precision="highest"))  # (o, r)
+    return basis, jnp.matmul(basis.T, w_tilde, precision="highest")
+
+
+def qlinear_from_factors(w: jax.Array, params: dict, left: jax.Array, right: jax.Array) -> QuantizedLinear:
+    """``build_qlinear(w, transform="kron_lu", transform_params=params, lowrank=(left, right))`` (LoRaQ: factors
+    stored in MXFP4, the residual computed against the stored branch), traceable (no host-side checks), so it runs
+    under ``lax.map`` on the device. ``tests/test_dit_forward.py`` checks it against ``build_qlinear`` bit for bit."""
+    p = transforms.get(TRANSFORM)
+    fmt = MXFP4()
+    o, d = w.shape
+    left_q, right_q = quantize(left, fmt), quantize(right, fmt)
+    w_t = transforms.apply_to_weights(jnp.asarray(w, jnp.float32), p.inverse_blocks(params))
+    w_t = w_t - jnp.matmul(dequantize(left_q, jnp.float32), dequantize(right_q, jnp.float32), precision="highest")
+    cfg = QLinearConfig(in_features=d, out_features=o, transform=TRANSFORM, act_fmt=fmt, rank=left.shape[1])
+    return QuantizedLinear(blocks=p.blocks(params), transform_params=params, weight=quantize(w_t, fmt),
+                           lowrank_left=left_q, lowrank_right=right_q, bias=None, config=cfg)
+
+
+def _one_layer(w: jax.Array, key: jax.Array, rank: int) -> QuantizedLinear:
+    k_t, k_lr = jax.random.split(key)
+    params = random_kron_params(k_t, w.shape[1])
+    w_tilde = transforms.apply_to_weights(w, transforms.get(TRANSFORM).inverse_blocks(params))
+    left, right = lowrank_factors(w_tilde, k_lr, rank)
+    return qlinear_from_factors(w, params, left, right)
+
+
+@functools.partial(jax.jit, static_argnames="rank")
+def build_stacked(kernels: tuple[jax.Array, ...], key: jax.Array, rank: int) -> QuantizedLinear:
+    """Stacked W4A4 layers from stacked Linear kernels ``(layers, d, o_i)``: ``W = [k_1^T; k_2^T; ...]`` per layer
+    (one kernel: the linear itself; ``(w1, w3)``: the fused gate/up layer). One layer at a time (``lax.map``)."""
+    keys = jax.random.split(key, kernels[0].shape[0])
+
+    def one(args):
+        ks, k = args
+        w = jnp.concatenate([kk.T.astype(jnp.float32) for kk in ks], axis=0)  # (o, d)
+        return _one_layer(w, k, rank)
+
+    return jax.lax.map(one, (kernels, keys))
+
+
+@functools.partial(jax.jit, static_argnames="swiglu")
+def serve_stacked(layers: QuantizedLinear, swiglu: bool = False) -> E.ServedLinear:
+    return jax.vmap(lambda layer: E.serve_qlinear(layer, swiglu=swiglu))(layers)
+
+
+def layer_at(tree: Any, i: int) -> Any:
+    return jax.tree_util.tree_map(lambda a: a[i], tree)
+
+
+def _block_until_ready(tree: Any) -> None:
+    jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, tree)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checks and timing.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def rel_err(y: jax.Array, ref: jax.Array) -> float:
+    y = np.asarray(jax.device_get(y), np.float32)
+    ref = np.asarray(jax.device_get(ref), np.float32)
+    if not np.isfinite(y).all():
+        return float("nan")
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def layer_checks(q: dict, served: dict, x: jax.Array, x_ff: jax.Array, norm_w: jax.Array, opts: dict
+                 ) -> dict[str, float]:
+    """Layer 0 of each kind, kernels vs the simulated layer (``qlinear_forward(path="simulate")``, f32) and vs the
+    jnp reference of the served layer (same quantizer, f32 GEMM: the kernels' own error)."""
+    out = {}
+    head = norm_w.shape[0]
+    sim = jax.jit(lambda layer, a: qlinear_forward(layer, a, "simulate"))
+    kernel_norm = dict(impl=opts["impl"], epilogue_blocks=opts["norm_blocks"])
+    kernel_swiglu = dict(impl=opts["impl"], epilogue_blocks=opts["swiglu_blocks"])
+    kernel_plain = dict(impl=opts["impl"], gemm_blocks=opts["gemm_blocks"])
+    cases = [
+        ("to_q+norm", NORMED[0], x, dict(op="rmsnorm", norm_weight=norm_w, head_dim=head, eps=1e-5), kernel_norm,
+         lambda y: E.rmsnorm_heads(y, norm_w, head_dim=head, eps=1e-5)),
+        ("w1|w3+swiglu", GATE, x, dict(op="swiglu"), kernel_swiglu, E.swiglu),
+        ("w2", PLAIN[2], x_ff, {}, kernel_plain, lambda y: y),
+    ]
+    for name, path, a, op, kernel_opts, after in cases:
+        layer0, served0 = layer_at(q[path], 0), layer_at(served[path], 0)
+        y = jax.jit(functools.partial(E.served_linear_forward, out_dtype=jnp.float32, **op, **kernel_opts)
+                    )(served0, a)
+        ref = jax.jit(functools.partial(E.served_linear_reference, out_dtype=jnp.float32, **op))(served0, a)
+        simulated = after(sim(layer0, a.astype(jnp.float32)))
+        out[f"{name}: kernels vs served reference"] = rel_err(y, ref)
+        out[f"{name}: kernels vs simulate"] = rel_err(y, simulated)
+    return out
+
+
+def tune_epilogues(served: dict, x: jax.Array, norm_w: jax.Array, interpret: bool, tiny: bool
+                   ) -> tuple[dict, E.EpilogueBlockSizes | None, E.EpilogueBlockSizes | None]:
+    """Time the fused epilogue kernels with candidate tiles against the unfused W4A4 GEMM + XLA op on layer 0..2's
+    operands (the forward's token count); return the table and the fastest tiles of each op."""
+    impl = "interpret" if interpret else "pallas"
+    head = norm_w.shape[0]
+    x_sets = {}
+    for path in (NORMED[0], GATE):
+        layer = served[path]
+        sets = []
+        for i in range(min(3, layer.weight.codes.shape[0])):
+            s_i = layer_at(layer, i)
+            _, x_q, lowrank = jax.jit(functools.partial(E._served_inputs, impl=impl))(s_i, x)
+            sets.append((x_q, s_i.weight, *lowrank))
+        x_sets[path] = sets
+    if tiny:
+        norm_cands = [E.EpilogueBlockSizes(block_m=16, block_n=64, block_k=32, tile=16, num_warps=4, num_stages=2)]
+        swiglu_cands = [E.EpilogueBlockSizes(block_m=16, block_n=64, block_k=32, num_warps=4, num_stages=2)]
+        gemm_bs = G.BlockSizes(16, 32, 32, 4, 2)
+    else:
+        # 64-row tiles (the packed default before this benchmark), 128-row tiles (the default since), and 128 x 64.
+        norm_cands = [E.EpilogueBlockSizes(block_m=64), E.EpilogueBlockSizes(block_m=128),
+                      E.EpilogueBlockSizes(block_m=128, block_k=64)]
+        swiglu_cands = [E.EpilogueBlockSizes(block_m=64), E.EpilogueBlockSizes(block_m=128)]
+        gemm_bs = None
+    table: dict[str, Any] = {}
+    best: dict[str, tuple[float, Any]] = {}
+    m = x.shape[0]
+    for op, path, cands in (("rmsnorm", NORMED[0], norm_cands), ("swiglu", GATE, swiglu_cands)):
+        n, k = served[path].out_features, served[path].in_features
+        flops = 2.0 * m * n * k
+
+        def fused_fn(x_q, w, h, left, bs=None, op=op):
+            if op == "rmsnorm":
+                return E.gemm_rmsnorm(x_q, w, norm_w, head_dim=head, eps=1e-5, lowrank=(h, left), block_sizes=bs,
+                                      interpret=interpret)
+            return E.gemm_swiglu(x_q, w, lowrank=(h, left), block_sizes=bs, interpret=interpret)
+
+        def unfused_fn(x_q, w, h, left, op=op):
+            y = G.w4a4_matmul(x_q, w, lowrank=(h, left), block_sizes=gemm_bs, interpret=interpret)
+            return E.rmsnorm_heads(y, norm_w, head_dim=head, eps=1e-5) if op == "rmsnorm" else E._swiglu_pairs(y)
+
+        variants = [(f"{op}_fused_{_tiles_name(bs)}", functools.partial(fused_fn, bs=bs), bs) for bs in cands]
+        variants.append((f"{op}_w4a4_gemm_then_xla_op", unfused_fn, "unfused"))
+        for name, fn, bs in variants:
+            try:
+                t, _, _ = w4a4_bench.time_op(fn, x_sets[path], n_calls=w4a4_bench._n_calls(flops, 0.02, tiny),
+                                             repeats=2 if tiny else 5)
+                table[name] = {"us": t * 1e6, "tflops": flops / t / 1e12}
+                if bs != "unfused" and (op not in best or t < best[op][0]):
+                    best[op] = (t, bs)
+            except Exception as err:  # noqa: BLE001 - recorded, the run goes on
+                table[name] = {"error": f"{type(err).__name__}: {str(err)[:400]}"}
+            print(f"  tune {name:48s} {table[name].get('us', float('nan')):10.1f} us", flush=True)
+    return table, best.get("rmsnorm", (None, norm_cands[0]))[1], best.get("swiglu", (None, swiglu_cands[0]))[1]
+
+
+def _tiles_name(bs: E.EpilogueBlockSizes | None) -> str:
+    if bs is None:
+        return "default"
+    return f"bm{bs.block_m}_bn{bs.block_n}_bk{bs.block_k}_t{bs.tile}_w{bs.num_warps}_s{bs.num_stages}"
+
+
+def _tiles_json(bs: Any) -> Any:
+    return None if bs is None else dataclasses.asdict(bs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Driver.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", choices=("full", "tiny"), default="full")
+    parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU validation)")
+    parser.add_argument("--text-tokens", type=int, default=None, help="default 128 (tiny: 3)")
+    parser.add_argument("--height", type=int, default=None, help="pixels, default 1024 (tiny: 32)")
+    parser.add_argument("--rank", type=int, default=None, help="low-rank rank (default 128; tiny: 32)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--inner", type=int, default=2)
+    parser.add_argument("--budget-s", type=float, default=180.0,
+                        help="optional stages (epilogue tile choice, the unfused W4A4 forward) start only before this")
+    parser.add_argument("--no-tune", action="store_true")
+    parser.add_argument("--out", default=None, help="JSON (default $OUT/dit_forward_w4a4.json, else /tmp)")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    tiny = args.preset == "tiny"
+    on_gpu = jax.default_backend() == "gpu"
+    impl = "interpret" if args.interpret else ("pallas" if on_gpu else "reference")
+    base = ig.tiny_config() if tiny else ig.IDEOGRAM4
+    cfg = dataclasses.replace(base, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, scan_layers=True,
+                              attention_impl="cudnn" if on_gpu else "xla")
+    rank = args.rank or (32 if tiny else 128)
+    text_tokens = args.text_tokens or (3 if tiny else 128)
+    height = args.height or (32 if tiny else 1024)
+    out_path = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "dit_forward_w4a4.json"))
+    device = jax.local_devices()[0]
+    payload: dict[str, Any] = {
+        "what": "Ideogram 4 forward, batch 1, random bf16 weights: bf16 vs W4A4 (Pallas kernels) vs simulated W4A4",
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": getattr(device, "device_kind", str(device)), "jax": jax.__version__, "preset": args.preset,
+        "impl": impl, "attention_impl": cfg.attention_impl, "rank": rank, "transform": TRANSFORM,
+        "method": f"median of {args.repeats} repeats of {args.inner} back-to-back calls after a warm-up call "
+                  "(AOT-compiled, block_until_ready per repeat)",
+        "timings_ms": {}, "compile_s": {}, "errors": {}, "checks": {}}
+
+    def save() -> None:
+        payload["elapsed_s"] = time.perf_counter() - start
+        serving.write_json_atomic(out_path, payload)
+
+    def stage(name: str, fn) -> Any:
+        try:
+            return fn()
+        except Exception as err:  # noqa: BLE001 - recorded, the run goes on
+            payload["errors"][name] = f"{type(err).__name__}: {err}"[:3000]
+            traceback.print_exc()
+            return None
+        finally:
+            save()
+            print(f"[{time.perf_counter() - start:6.1f} s] {name} done", flush=True)
+
+    # The model (random bf16 weights on the device) and its quantized layers.
+    graphdef, (state,), payload["init_s"] = serving.random_models(cfg, (0,))
+    model = nnx.merge(graphdef, state)
+    blocks = model.layers
+    linear = {"layers.attention.to_q": blocks.attention.to_q, "layers.attention.to_k": blocks.attention.to_k,
+              "layers.attention.to_v": blocks.attention.to_v, "layers.attention.to_out.0": blocks.attention.to_out[0],
+              GATE: blocks.feed_forward.w1, UP: blocks.feed_forward.w3, PLAIN[2]: blocks.feed_forward.w2}
+    t0 = time.perf_counter()
+    key = jax.random.key(123)
+    q: dict[str, QuantizedLinear] = {}
+    for i, path in enumerate((*NORMED, *PLAIN)):
+        q[path] = build_stacked((linear[path].kernel[...],), jax.random.fold_in(key, i), rank)
+    q[GATE] = build_stacked((linear[GATE].kernel[...], linear[UP].kernel[...]), jax.random.fold_in(key, 99), rank)
+    served = {path: serve_stacked(layer, swiglu=path == GATE) for path, layer in q.items()}
+    _block_until_ready((q, served))
+    payload["build_quantized_s"] = time.perf_counter() - t0
+    payload["memory_gib_after_build"] = serving.memory_stats()
+    save()
+    print(f"[{time.perf_counter() - start:6.1f} s] model + quantized layers built", flush=True)
+
+    # Inputs: one prompt, packed layout (no padding, no mask).
+    grid = sampling.grid_for(height, height)
+    layout = sampling.prepare_ids([text_tokens], grid[0], grid[1], text_tokens)
+    position_ids, segment_ids, indicator = sampling.layout_arrays(layout)
+    tokens = int(indicator.shape[1])
+    keys = jax.random.split(jax.random.key(7), 4)
+    latents = jax.random.normal(keys[0], (1, tokens, cfg.in_channels), jnp.bfloat16)
+    text = (np.asarray(layout.indicator) == ig.LLM_TOKEN_INDICATOR)[..., None]
+    features = (jax.random.normal(keys[1], (1, tokens, cfg.llm_features_dim), jnp.bfloat16) * text).astype(jnp.bfloat16)
+    timestep = jnp.full((1,), 0.5, jnp.bfloat16)
+    payload.update(tokens=tokens, text_tokens=text_tokens, image_tokens=layout.num_image_tokens,
+                   flops=serving.forward_flops(cfg, tokens, text_projection_tokens=tokens))
+    image = np.asarray(layout.indicator[0]) == ig.OUTPUT_IMAGE_INDICATOR
+
+    # Layer-level checks and the epilogue tiles, on activations of the forward's shape.
+    x = jax.random.normal(keys[2], (tokens, cfg.hidden_size), jnp.bfloat16)
+    x_ff = (jax.random.normal(keys[3], (tokens, cfg.intermediate_size), jnp.float32) * 0.3).astype(jnp.bfloat16)
+    norm_w = (1.0 + 0.1 * jax.random.normal(keys[3], (cfg.attention_head_dim,))).astype(jnp.float32)
+    tiny_gemm = G.BlockSizes(16, 32, 32, 4, 2) if tiny else None
+    opts = {"impl": impl, "gemm_blocks": tiny_gemm, "norm_blocks": None, "swiglu_blocks": None}
+    if tiny:
+        opts["norm_blocks"] = E.EpilogueBlockSizes(block_m=16, block_n=64, block_k=32, tile=16, num_warps=4,
+                                                   num_stages=2)
+        opts["swiglu_blocks"] = E.EpilogueBlockSizes(block_m=16, block_n=64, block_k=32, num_warps=4, num_stages=2)
+    if not args.no_tune and impl != "reference":
+        tuned = stage("tune_epilogues", lambda: tune_epilogues(served, x, norm_w, args.interpret, tiny))
+        if tuned is not None:
+            payload["epilogue_tiles"], opts["norm_blocks"], opts["swiglu_blocks"] = tuned
+    payload["chosen_tiles"] = {"rmsnorm": _tiles_json(opts["norm_blocks"]),
+                               "swiglu": _tiles_json(opts["swiglu_blocks"])}
+    checks = stage("layer_checks", lambda: layer_checks(q, served, x, x_ff, norm_w, opts))
+    if checks:
+        payload["checks"]["layers"] = checks
+        for name, value in checks.items():
+            print(f"  check {name:45s} rel err {value:.2e}")
+
+    # The forwards.
+    entries = {
+        "w4a4_fused": served_hooks({p: served[p] for p in PLAIN}, {p: served[p] for p in NORMED},
+                                   {GATE: served[GATE]}, fused=True, stacked=True, impl=impl,
+                                   gemm_blocks=opts["gemm_blocks"], norm_blocks=opts["norm_blocks"],
+                                   swiglu_blocks=opts["swiglu_blocks"]).entries(),
+        "w4a4_unfused": served_hooks({p: served[p] for p in PLAIN}, {p: served[p] for p in NORMED},
+                                     {GATE: served[GATE]}, fused=False, stacked=True, impl=impl,
+                                     gemm_blocks=opts["gemm_blocks"]).entries(),
+        "simulate": FusedLinearHooks({**qlinear_overrides({p: q[p] for p in (*NORMED, *PLAIN)}),
+                                      **split_qlinear_overrides(q[GATE], [GATE, UP])}, stacked=True).entries(),
+    }
+    fwd_args = (latents, timestep, features, position_ids, segment_ids, indicator)
+
+    def forward(state_, entries_, *inputs):
+        m = nnx.merge(graphdef, state_)
+        hooks = None if entries_ is None else FusedLinearHooks.from_entries(entries_, stacked=True)
+        return m(*inputs, hooks=hooks)  # (1, L, C)
+
+    outputs: dict[str, jax.Array] = {}
+
+    def run_forward(name: str, timed: bool = True) -> None:
+        t_c = time.perf_counter()
+        call_args = (state, entries.get(name), *fwd_args)
+        compiled = jax.jit(forward).lower(*call_args).compile()
+        payload["compile_s"][name] = time.perf_counter() - t_c
+        outputs[name] = jax.block_until_ready(compiled(*call_args))
+        if timed:
+            samples = serving.time_calls(lambda: compiled(*call_args), args.repeats, args.inner)
+            payload["timings_ms"][name] = serving._summary(samples)
+            print(f"  {name:14s} {payload['timings_ms'][name]['median_ms']:9.2f} ms", flush=True)
+
+    stage("forward_bf16", lambda: run_forward("bf16"))
+    stage("forward_w4a4_fused", lambda: run_forward("w4a4_fused"))
+    stage("forward_simulate", lambda: run_forward("simulate", timed=False))
+    if time.perf_counter() - start < args.budget_s:
+        stage("forward_w4a4_unfused", lambda: run_forward("w4a4_unfused"))
+    else:
+        payload["errors"]["forward_w4a4_unfused"] = f"skipped: {time.perf_counter() - start:.0f} s > --budget-s"
+
+    def img(name: str) -> jax.Array:
+        return np.asarray(jax.device_get(outputs[name][0]), np.float32)[image]  # (image tokens, C)
+
+    for a, b in (("w4a4_fused", "simulate"), ("w4a4_unfused", "simulate"), ("w4a4_fused", "w4a4_unfused"),
+                 ("bf16", "simulate"), ("w4a4_fused", "bf16")):
+        if a in outputs and b in outputs:
+            payload["checks"][f"forward {a} vs {b}"] = rel_err(img(a), img(b))
+    payload["memory_gib_final"] = serving.memory_stats()
+    save()
+    print_table(payload)
+    return payload
+
+
+def print_table(payload: dict[str, Any]) -> None:
+    print(f"\n{payload['device']} jax {payload['jax']} {payload['date_utc']} tokens={payload.get('tokens')} "
+          f"impl={payload['impl']} rank={payload['rank']}")
+    base = payload["timings_ms"].get("bf16", {}).get("median_ms")
+    for name, timing in payload["timings_ms"].items():
+        ratio = f"{base / timing['median_ms']:.2f}x" if base else ""
+        print(f"  forward {name:14s} {timing['median_ms']:9.2f} ms  (bf16 / this = {ratio}; compile "
+              f"{payload['compile_s'].get(name, float('nan')):.1f} s)")
+    for name, tile in payload.get("epilogue_tiles", {}).items():
+        print(f"  kernel {name:48s} {tile.get('us', float('nan')):10.1f} us")
+    for name, value in payload["checks"].items():
+        if isinstance(value, dict):
+            for k, v in value.items():
+                print(f"  {k:55s} rel err {v:.2e}")
+        else:
+            print(f"  {name:55s} rel err {value:.2e}")
+    for name, err in payload["errors"].items():
+        print(f"  ERROR {name}: {err[:300]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""The quantized Ideogram 4 forward on the W4A4 kernels: served layers, fused-epilogue hooks, stacked (scanned) hooks.
+
+Kernels run with ``interpret=True`` on the CPU (``impl="interpret"``); the whole-model plumbing tests use the served
+layers' jnp references (``impl="reference"``) to stay fast. The H200 numbers come from
+``benchmarks/dit_forward_w4a4.py`` (docs/w4a4.md).
+"""
+
+import dataclasses
+import functools
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kroquant_jax import transforms
+from kroquant_jax.qlinear import build_qlinear, qlinear_forward
+from models import convert
+from models import ideogram4 as ig
+from models.layers import LinearHooks
+from models.quantize_model import FusedLinearHooks, served_hooks, split_qlinear_overrides
+from pallas_kernels import epilogues as E
+from pallas_kernels import w4a4_gemm as G
+
+GEMM_BS = G.BlockSizes(16, 32, 32, 4, 2)
+NORM_BS = E.EpilogueBlockSizes(block_m=16, block_n=64, block_k=32, tile=16, num_warps=4, num_stages=2)  # 2 tiles/head
+SWIGLU_BS = E.EpilogueBlockSizes(block_m=16, block_n=64, block_k=32, num_warps=4, num_stages=2)
+KERNELS = dict(impl="interpret", gemm_blocks=GEMM_BS)
+
+
+def _bench():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "dit_forward_w4a4.py"
+    spec = importlib.util.spec_from_file_location("dit_forward_w4a4", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rel(y, ref) -> float:
+    y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(y).all()
+    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
+def _layer(seed: int, o: int, d: int, rank: int | None = 32, lowrank_quantized: bool = True):
+    """A real W4A4 layer: random KroQuant transform near the Hadamard init, LoRaQ-style factors of ``W T^{-T}``."""
+    bench = _bench()
+    kw, kt, kl = jax.random.split(jax.random.PRNGKey(seed), 3)
+    w = jax.random.normal(kw, (o, d), jnp.float32) / np.sqrt(d)
+    params = bench.random_kron_params(kt, d)
+    lowrank = None
+    if rank:
+        w_tilde = transforms.apply_to_weights(w, transforms.get("kron_lu").inverse_blocks(params))
+        lowrank = bench.lowrank_factors(w_tilde, kl, rank)
+    return build_qlinear(w, transform="kron_lu", transform_params=params, lowrank=lowrank,
+                         lowrank_quantized=lowrank_quantized)
+
+
+def _x(seed: int, m: int, d: int) -> jax.Array:
+    x = jax.random.normal(jax.random.PRNGKey(seed), (m, d), jnp.float32)
+    return x.at[:, 5].multiply(12.0).astype(jnp.bfloat16)  # an outlier channel
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The benchmark's device-side layer builder is build_qlinear's math.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_benchmark_builder_is_build_qlinear():
+    bench = _bench()
+    kw, kt, kl = jax.random.split(jax.random.PRNGKey(0), 3)
+    w = jax.random.normal(kw, (48, 64), jnp.float32) * 0.2
+    params = bench.random_kron_params(kt, 64)
+    w_tilde = transforms.apply_to_weights(w, transforms.get("kron_lu").inverse_blocks(params))
+    left, right = bench.lowrank_factors(w_tilde, kl, 32)
+    np.testing.assert_allclose(np.asarray(left.T @ left), np.eye(32), atol=1e-5)  # L = Q orthonormal, R = Q^T W~
+    mine = jax.jit(bench.qlinear_from_factors)(w, params, left, right)
+    ref = build_qlinear(w, transform="kron_lu", transform_params=params, lowrank=(left, right))
+    assert mine.config == ref.config
+    for a, b in ((mine.weight, ref.weight), (mine.lowrank_left, ref.lowrank_left),
+                 (mine.lowrank_right, ref.lowrank_right)):
+        np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
+        np.testing.assert_array_equal(np.asarray(a.scales), np.asarray(b.scales))
+    np.testing.assert_array_equal(np.asarray(mine.blocks), np.asarray(ref.blocks))
+    # Stacked on a layer axis (lax.map), from (layers, d, o) Linear kernels: the same layer per slice.
+    kernels = jnp.stack([w.T, 2.0 * w.T]).astype(jnp.bfloat16)  # (2, 64, 48)
+    stacked = bench.build_stacked((kernels,), jax.random.PRNGKey(3), rank=32)
+    assert stacked.weight.codes.shape == (2, 48, 32)
+    one = bench._one_layer(kernels[1].T.astype(jnp.float32), jax.random.split(jax.random.PRNGKey(3), 2)[1], 32)
+    np.testing.assert_array_equal(np.asarray(stacked.weight.codes[1]), np.asarray(one.weight.codes))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One served layer: kernels (interpret) == the library's packed layer.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lowrank", ["mxfp4", "bf16", "none"])
+def test_served_linear_matches_qlinear(lowrank):
+    layer = _layer(1, 64, 96, rank=None if lowrank == "none" else 32, lowrank_quantized=lowrank == "mxfp4")
+    served = E.serve_qlinear(layer)
+    assert (served.left is None) == (lowrank == "none")
+    x = _x(2, 20, 96)
+    ref = qlinear_forward(layer, x.astype(jnp.float32), "packed")  # f32 (20, 64)
+    y = E.served_linear_forward(served, x, out_dtype=jnp.float32, **KERNELS)
+    assert _rel(y, ref) < 4e-3  # bf16 output (2^-9) + bf16 low-rank input h
+    jnp_ref = E.served_linear_reference(served, x, out_dtype=jnp.float32)
+    assert _rel(y, jnp_ref) < 3e-3
+    assert E.served_linear_forward(served, x.reshape(4, 5, 96)).shape == (4, 5, 64)
+
+
+def test_served_linear_fused_ops_match_unfused():
+    x = _x(3, 20, 64)
+    layer = _layer(4, 64, 64)
+    norm_w = 1.0 + 0.2 * jax.random.normal(jax.random.PRNGKey(5), (32,))
+    norm = dict(op="rmsnorm", norm_weight=norm_w, head_dim=32, eps=1e-5, out_dtype=jnp.float32)
+    ref = E.rmsnorm_heads(qlinear_forward(layer, x.astype(jnp.float32), "packed"), norm_w, head_dim=32, eps=1e-5)
+    served = E.serve_qlinear(layer)
+    fused = E.served_linear_forward(served, x, epilogue_blocks=NORM_BS, **norm, **KERNELS)
+    unfused = E.served_linear_forward(served, x, fused=False, **norm, **KERNELS)
+    assert _rel(fused, ref) < 4e-3 and _rel(unfused, ref) < 6e-3 and _rel(fused, unfused) < 6e-3
+
+    layer13 = _layer(6, 128, 64)  # [W_gate; W_up] (2 x 64, 64), one transform and one low-rank branch
+    ref = E.swiglu(qlinear_forward(layer13, x.astype(jnp.float32), "packed"))  # (20, 64)
+    served13 = E.serve_qlinear(layer13, swiglu=True)
+    fused = E.served_linear_forward(served13, x, op="swiglu", epilogue_blocks=SWIGLU_BS, out_dtype=jnp.float32,
+                                    **KERNELS)
+    unfused = E.served_linear_forward(served13, x, op="swiglu", fused=False, out_dtype=jnp.float32, **KERNELS)
+    assert fused.shape == (20, 64)
+    assert _rel(fused, ref) < 4e-3 and _rel(unfused, ref) < 6e-3
+    with pytest.raises(ValueError, match="swiglu_rows"):
+        E.served_linear_forward(served, x, op="swiglu")
+    with pytest.raises(ValueError, match="swiglu_rows"):
+        E.served_linear_forward(served13, x)
+    with pytest.raises(ValueError, match="norm_weight"):
+        E.served_linear_forward(served, x, op="rmsnorm", norm_weight=norm_w, head_dim=48)
+    with pytest.raises(ValueError, match="has 32 features"):
+        E.served_linear_forward(served, x[:, :32])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fused hooks in the Ideogram 4 modules.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _tiny_model(dtype=jnp.bfloat16):
+    cfg = ig.tiny_config(dtype=dtype, param_dtype=dtype)
+    return cfg, ig.Ideogram4Transformer(cfg, rngs=nnx.Rngs(3))
+
+
+def _qlayer(linears, seed, rank=32):
+    """``build_qlinear`` of one or several (output-stacked) Linears of the model, random KroQuant transform."""
+    bench = _bench()
+    kernels = tuple(lin.kernel[...][None] for lin in linears)  # (1, d, o_i)
+    return jax.tree_util.tree_map(lambda a: a[0], bench.build_stacked(kernels, jax.random.PRNGKey(seed), rank))
+
+
+def test_fused_hooks_match_unfused_in_attention_and_mlp():
+    cfg, model = _tiny_model()
+    block = model.layers[0]
+    attn, mlp = block.attention, block.feed_forward
+    x = jax.random.normal(jax.random.PRNGKey(7), (1, 9, cfg.hidden_size), jnp.bfloat16)
+    position_ids = jnp.asarray(np.stack([np.arange(9)] * 3, axis=-1)[None])
+    cos, sin = (a.astype(jnp.bfloat16) for a in ig.mrope_cos_sin(position_ids, cfg.attention_head_dim,
+                                                                 cfg.rope_theta, cfg.mrope_section))
+    # Non-trivial norm weights, so a fused norm that ignored the model's weight would show.
+    attn.norm_q.scale[...] = (1.0 + 0.3 * jax.random.normal(jax.random.PRNGKey(8), (32,))).astype(jnp.bfloat16)
+    attn.norm_k.scale[...] = (1.0 - 0.3 * jax.random.normal(jax.random.PRNGKey(9), (32,))).astype(jnp.bfloat16)
+    sq, sk = E.serve_qlinear(_qlayer([attn.to_q], 10)), E.serve_qlinear(_qlayer([attn.to_k], 11))
+    q_path, k_path = attn.to_q.path, attn.to_k.path
+    fused = served_hooks(projection_norm={q_path: sq, k_path: sk}, norm_blocks=NORM_BS, **KERNELS)
+    gemm_then_op = served_hooks(projection_norm={q_path: sq, k_path: sk}, fused=False, **KERNELS)
+    per_linear = served_hooks({q_path: sq, k_path: sk}, **KERNELS)  # the model's own norm_q / norm_k after the GEMM
+    out = {name: attn(x, None, cos, sin, hooks) for name, hooks in
+           (("fused", fused), ("gemm_then_op", gemm_then_op), ("per_linear", per_linear), ("bf16", None))}
+    assert _rel(out["fused"], out["per_linear"]) < 1e-2  # bf16 tolerance (one more rounding before the norm)
+    assert _rel(out["gemm_then_op"], out["per_linear"]) < 1e-2
+    assert _rel(out["fused"], out["bf16"]) > 2e-2  # the W4A4 layers really ran (quantization error)
+
+    layer13 = _qlayer([mlp.w1, mlp.w3], 12)
+    w1, w3 = mlp.w1.path, mlp.w3.path
+    fused = served_hooks(swiglu={w1: E.serve_qlinear(layer13, swiglu=True)}, swiglu_blocks=SWIGLU_BS, **KERNELS)
+    plain13 = E.serve_qlinear(layer13)
+    forward = functools.partial(E.served_linear_forward, **KERNELS)
+    per_linear = LinearHooks(split_qlinear_overrides(plain13, [w1, w3], forward=forward))  # model: silu(w1) * w3
+    y_fused, y_split, y_bf16 = mlp(x, fused), mlp(x, per_linear), mlp(x, None)
+    assert _rel(y_fused, y_split) < 1e-2
+    assert _rel(y_fused, y_bf16) > 2e-2
+
+
+def _served_tables(model, cfg, stacked: bool):
+    """Served layers of every block linear (per path, or stacked along the layer axis for the scanned model)."""
+    if stacked:
+        blocks, prefixes = [model.layers], ["layers"]
+    else:
+        blocks, prefixes = list(model.layers), [f"layers.{i}" for i in range(cfg.num_layers)]
+    plain, norm, swiglu = {}, {}, {}
+    bench = _bench()
+    for block, prefix in zip(blocks, prefixes):
+        a, f = block.attention, block.feed_forward
+
+        def build(linears, seed):
+            kernels = tuple(lin.kernel[...] if stacked else lin.kernel[...][None] for lin in linears)
+            layers = bench.build_stacked(kernels, jax.random.PRNGKey(seed), 32)
+            return layers if stacked else jax.tree_util.tree_map(lambda t: t[0], layers)
+
+        # The same random transforms per layer in both layouts: build the stacked layers, slice them for the list.
+        for seed, (name, lin) in enumerate((("attention.to_v", a.to_v), ("attention.to_out.0", a.to_out[0]),
+                                            ("feed_forward.w2", f.w2))):
+            plain[f"{prefix}.{name}"] = build([lin], seed)
+        for seed, (name, lin) in enumerate((("attention.to_q", a.to_q), ("attention.to_k", a.to_k)), start=5):
+            norm[f"{prefix}.{name}"] = build([lin], seed)
+        swiglu[f"{prefix}.feed_forward.w1"] = build([f.w1, f.w3], 9)
+    return plain, norm, swiglu
+
+
+def test_stacked_hooks_in_scan_layout_equal_list_layout():
+    # f32 activations: the two layouts then round identically, and the quantizers see the same inputs (in bf16 a
+    # rounding difference between the two XLA programs flips FP4 codes, which the next layers amplify).
+    cfg, model = _tiny_model(jnp.float32)
+    scan_cfg = dataclasses.replace(cfg, scan_layers=True)
+    params = ig.stack_layer_params(convert.flat_state_dict(model), cfg.num_layers)
+    scan_model = convert.merge_flat_state(lambda: ig.Ideogram4Transformer(scan_cfg, rngs=nnx.Rngs(0)), params)
+    plain, norm, swiglu = _served_tables(scan_model, scan_cfg, stacked=True)
+    # The list layout gets each layer's slice of the stacked layers (same transforms, same quantized weights).
+    unstack = {}
+    for table in (plain, norm, swiglu):
+        unstack[id(table)] = {name.replace("layers.", f"layers.{i}.", 1): jax.tree_util.tree_map(lambda t: t[i], layer)
+                              for name, layer in table.items() for i in range(cfg.num_layers)}
+
+    def serve(table, swiglu_rows=False):
+        return {p: E.serve_qlinear(layer, swiglu=swiglu_rows) for p, layer in table.items()}
+
+    def serve_stacked(table, swiglu_rows=False):
+        return {p: jax.vmap(lambda layer: E.serve_qlinear(layer, swiglu=swiglu_rows))(layer)
+                for p, layer in table.items()}
+
+    opts = dict(impl="reference")
+    list_hooks = served_hooks(serve(unstack[id(plain)]), serve(unstack[id(norm)]),
+                              serve(unstack[id(swiglu)], True), **opts)
+    scan_hooks = served_hooks(serve_stacked(plain), serve_stacked(norm), serve_stacked(swiglu, True), stacked=True,
+                              **opts)
+    position_ids, segment_ids, indicator = (jnp.asarray(a) for a in _layout())
+    latents = jax.random.normal(jax.random.PRNGKey(4), (*indicator.shape, cfg.in_channels), jnp.float32)
+    args = (latents, jnp.array([0.5], jnp.float32), None, position_ids, segment_ids, indicator)
+    run = nnx.jit(lambda m, e, stacked: m(*args, hooks=FusedLinearHooks.from_entries(e, stacked)),
+                  static_argnums=2)  # the entries (pytrees of Partials) are traced arguments
+    y_list = run(model, list_hooks.entries(), False)
+    y_scan = run(scan_model, scan_hooks.entries(), True)
+    y_bf16 = model(*args)
+    image = np.asarray(indicator[0]) == ig.OUTPUT_IMAGE_INDICATOR
+    np.testing.assert_allclose(np.asarray(y_scan), np.asarray(y_list), rtol=1e-6, atol=1e-6)  # exact on the CPU
+    assert _rel(y_scan[0][image], y_bf16[0][image]) > 2e-2  # the quantized layers ran in the scan
+
+
+def _layout():
+    from models import ideogram4_sampling as sampling
+
+    layout = sampling.prepare_ids([3], 2, 3, 4)
+    return layout.position_ids, layout.segment_ids, layout.indicator
+
+
+def test_bad_fused_hooks_raise():
+    cfg = ig.tiny_config()
+    model = nnx.eval_shape(lambda: ig.Ideogram4Transformer(cfg, rngs=nnx.Rngs(0)))
+    scan_model = nnx.eval_shape(lambda: ig.Ideogram4Transformer(dataclasses.replace(cfg, scan_layers=True),
+                                                                rngs=nnx.Rngs(0)))
+    position_ids, segment_ids, indicator = (jnp.asarray(a) for a in _layout())
+    args = (jnp.zeros((*indicator.shape, cfg.in_channels)), jnp.array([0.5]), None, position_ids, segment_ids,
+            indicator)
+    norm_sites, swiglu_sites = model.fused_sites()
+    assert set(norm_sites) == {f"layers.{i}.attention.to_{p}" for i in range(2) for p in "qk"}
+    assert swiglu_sites["layers.1.feed_forward.w1"] == ("layers.1.feed_forward.w1", "layers.1.feed_forward.w3")
+    f = lambda x, *_: x  # noqa: E731
+    bad = [
+        (model, FusedLinearHooks(projection_norm={"layers.0.attention.to_v": f}), "names no projection_norm site"),
+        (model, FusedLinearHooks(projection_norm={"layers.0.attention.to_q.typo": f}), "to_q.typo"),
+        (model, FusedLinearHooks(swiglu={"layers.0.feed_forward.w3": f}), "names no swiglu site"),
+        (model, FusedLinearHooks({"layers.1.feed_forward.w3": f}, swiglu={"layers.1.feed_forward.w1": f}),
+         "also have per-linear overrides"),
+        (model, FusedLinearHooks(stacked=True), "need scan_layers=True"),
+        (scan_model, LinearHooks({}), "list layout"),
+        (scan_model, FusedLinearHooks(projection_norm={"layers.attention.to_q": jax.tree_util.Partial(
+            f, jnp.ones((3,)))}, stacked=True), "no leading num_layers=2 axis"),
+        (scan_model, FusedLinearHooks({"final_layer.linear": f}, stacked=True), "only name block linears"),
+        (scan_model, FusedLinearHooks(swiglu={"layers.feed_forward.w2": jax.tree_util.Partial(
+            f, jnp.ones((2,)))}, stacked=True), "names no swiglu site"),
+    ]
+    for target, hooks, message in bad:
+        with pytest.raises(ValueError, match=message):
+            target(*args, hooks=hooks)
+    # A fused function returning the wrong shape is named.
+    real_cfg, real = _tiny_model()
+    wrong = FusedLinearHooks(projection_norm={"layers.0.attention.to_k": lambda x, s, e: x[..., :16]})
+    with pytest.raises(ValueError, match="projection_norm entry layers.0.attention.to_k: returned shape"):
+        real(*args[:1], *args[1:], hooks=wrong)
+
+
+def test_benchmark_tiny_run(tmp_path):
+    """The H200 script end to end on the tiny config (jnp references of the served layers, no tile choice)."""
+    payload = _bench().main(["--preset", "tiny", "--repeats", "1", "--inner", "1", "--budget-s", "0",
+                             "--out", str(tmp_path / "forward.json")])
+    saved = json.loads((tmp_path / "forward.json").read_text())
+    assert set(saved["timings_ms"]) == {"bf16", "w4a4_fused"} and saved["tokens"] == payload["tokens"] == 3 + 4
+    assert list(saved["errors"]) == ["forward_w4a4_unfused"] and saved["errors"]["forward_w4a4_unfused"].startswith(
+        "skipped")
+    assert all(err < 5e-3 for err in saved["checks"]["layers"].values())
+    # The W4A4 forward is closer to the simulated one than bf16 is (the quantization error), but not equal.
+    assert 0 < saved["checks"]["forward w4a4_fused vs simulate"] < saved["checks"]["forward bf16 vs simulate"]
