@@ -58,8 +58,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_check.json")
     args = ap.parse_args()
-    from tq_cases import (NVFP4_DIVISION_CASES, exact_activations, exact_transform, nvfp4_division_stress,
-                          nvfp4_found_case_vectors, one_hot_k1)
+    from tq_cases import (NVFP4_DIVISION_CASES, exact_activations, exact_f32_scale_case, exact_transform,
+                          nvfp4_division_stress, nvfp4_found_case_vectors)
     from test_transform_quantize_gpu import _random_activations, _random_transform
 
     ref = jax.jit(lambda a, t: tq.reference_transform_quantize(a, t, MXFP4()))
@@ -75,9 +75,9 @@ def main():
     def _():
         out = {}
         cases = [(nvfp4_found_case_vectors(amax), ts) for amax, ts in NVFP4_DIVISION_CASES]
-        cases.append((nvfp4_division_stress(0.0123, nb=16), 0.0123))
+        cases.append((nvfp4_division_stress(0.0123, n_blocks=1024), 0.0123))
         for i, (v, ts) in enumerate(cases):
-            a, t = one_hot_k1(v)
+            a, t = exact_f32_scale_case(v)
             ts = jnp.float32(ts)
             q = tq.transform_quantize(a, t, NVFP4(), tensor_scale=ts, impl="pallas", round_to_input=False)
             r = tq.reference_transform_quantize(a, t, NVFP4(), tensor_scale=ts, round_to_input=False)

@@ -23,15 +23,16 @@ The only difference is inside the transform:
 
 * ``q4``, ``scale``: none (one f32 multiply), so codes and scales are bit-exact.
 * ``k1``/``k2``/``k2s``: the 32-term dot runs on tensor cores with the f32 block split into ``dot_passes`` parts of
-  ``A.dtype`` (3 by default: ``K = hi + mid + lo`` exactly for bf16, to ~2^-21 for fp16), each product exact in the f32
-  accumulator; the accumulation order (and the hardware's accumulator alignment) differ from XLA's f32 einsum. Where
+  ``A.dtype`` (by default 3 for bf16: ``K = hi + mid + lo`` exactly; 2 for fp16: ~2^-22, as faithful as 3 in the
+  measured mismatch rates), each product exact in the f32 accumulator; the accumulation order (and the hardware's accumulator alignment) differ from XLA's f32 einsum. Where
   every partial sum is exact (dyadic data, tested) the result is bit-exact; on general data ``y`` differs by a few f32
   ulps, which changes the value rounded to ``A.dtype`` rarely and a code or scale more rarely (bounded in the tests).
   ``dot_passes=1`` is the paper's numerics (block rounded to ``A.dtype``) and is faster but not faithful.
 * ``fwht``: butterflies in f32 (log2 d stages) instead of the dense matrix; exact on dyadic data, bounded otherwise.
 
 **Lowering.** The kernels use the Pallas Triton lowering (``compiler_params=pltriton.CompilerParams``), deprecated
-from jax 0.11 but still shipped; see ``docs/kernels.md`` for why (and for the Mosaic GPU status). On other backends
+from jax 0.11 but still shipped; see ``docs/kernels.md`` for why. Q4 and K1 also exist through Mosaic GPU
+(:mod:`pallas_kernels.transform_quantize_mgpu`, sharing this module's per-tile math; not the default). On other backends
 :func:`transform_quantize` runs the jnp reference; ``impl="interpret"`` runs the kernel bodies through
 ``pallas_call(interpret=True)`` (what CPU CI tests).
 
@@ -92,7 +93,8 @@ class BlockSizes:
       block_cols: the widest column tile ``BD`` (a power-of-two multiple of 32); the tile actually used is the largest
         ``32 * 2**k <= block_cols`` dividing ``d`` (so any ``d % 32 == 0`` works, ``d = 32 * odd`` with ``BD = 32``).
       num_warps, num_stages: Triton launch parameters.
-      dot_passes: 1, 2 or 3 ``A.dtype`` parts of each f32 block in the K1/K2 tensor-core product (module docstring).
+      dot_passes: 1, 2 or 3 ``A.dtype`` parts of each f32 block in the K1/K2 tensor-core product (module docstring;
+        :func:`default_block_sizes` uses 3 for bf16, 2 for fp16).
       vector_tile: ``q4``/``scale`` quantize the whole ``(BR, BD)`` tile at once (else 32 columns at a time, as K1/K2).
       fwht_rows, fwht_num_warps: tiling of the full-width FWHT (each program holds ``fwht_rows`` whole rows).
       fwht_variant: ``"axis"`` (one size-2 reduction per bit axis) or ``"shuffle"`` (constant-geometry stages).
@@ -162,7 +164,6 @@ def default_block_sizes(kind: str, m: int, d: int, dtype=None) -> BlockSizes:
     fp16 with 2 parts is 5-7% faster than 3 and differs from the f32 reference in as few codes (3.6e-7 vs 4.8e-7 of
     them at 4096x4096, 0 scales), while bf16 with 2 parts would differ in 1.0e-5 of them (docs/kernels.md).
     """
-    del m
     passes = 2 if (dtype is not None and jnp.dtype(dtype) == jnp.dtype(jnp.float16)) else 3
     if kind == "q4":
         return BlockSizes(block_rows=32, block_cols=128, num_warps=4)
@@ -170,7 +171,9 @@ def default_block_sizes(kind: str, m: int, d: int, dtype=None) -> BlockSizes:
         return BlockSizes(block_rows=64, block_cols=128, num_warps=8)
     if kind == "fwht":
         return BlockSizes(fwht_rows=1 if d >= 8192 else 2, fwht_num_warps=16)
-    if kind == "k1" and d % 256 == 0:  # 256-wide tiles walked by a pipelined loop: -11% at 4096x4096 and 4096x16384
+    if kind == "k1" and d % 256 == 0 and -(-m // 64) * (d // 256) >= 512:
+        # 256-wide tiles walked by a pipelined loop: -11% at 4096x4096 and 4096x16384; with fewer than ~512 such
+        # programs (m = 512, d <= 4096; 4096 x 1024) the grid is too small and one block per program is faster.
         return BlockSizes(block_rows=64, block_cols=256, num_warps=4, chunk_loop="fori", num_stages=3,
                           dot_passes=passes)
     return BlockSizes(block_rows=64, block_cols=32, num_warps=4, dot_passes=passes)

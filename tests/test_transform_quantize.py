@@ -333,7 +333,7 @@ def _nv_division_cases():
 
     for amax, ts in NVFP4_DIVISION_CASES:  # the found cases of tests/test_formats.py, one tensor scale each
         yield nvfp4_found_case_vectors(amax), ts
-    yield nvfp4_division_stress(0.0123, nb=8), 0.0123  # 512 blocks next to E4M3 midpoints and E2M1 thresholds
+    yield nvfp4_division_stress(0.0123, n_blocks=256), 0.0123  # next to E4M3 midpoints and E2M1 thresholds
 
 
 def test_nv_tile_divisions_correctly_rounded_under_jit():
@@ -341,7 +341,7 @@ def test_nv_tile_divisions_correctly_rounded_under_jit():
     from tq_cases import nvfp4_division_stress
 
     ts = jnp.float32(0.0123)
-    y = jnp.asarray(nvfp4_division_stress(0.0123, nb=8).reshape(-1, 32))
+    y = jnp.asarray(nvfp4_division_stress(0.0123, n_blocks=1024).reshape(-1, 32))
     ref_codes, ref_scales = F.nvfp4_quantize_blocks(y.reshape(-1, 2, 16), ts)
     ref_bytes = np.asarray(jax.lax.bitcast_convert_type(ref_scales, jnp.uint8)).reshape(-1, 2)
     packed, s = jax.jit(tq.nv_quantize_tile)(y, ts, jnp.float32(1.0) / ts)
@@ -352,10 +352,10 @@ def test_nv_tile_divisions_correctly_rounded_under_jit():
 
 
 def test_interpret_nvfp4_division_cases_exact():
-    from tq_cases import one_hot_k1
+    from tq_cases import exact_f32_scale_case
 
-    for vectors, ts in _nv_division_cases():
-        a, t = one_hot_k1(vectors)
+    for values, ts in _nv_division_cases():
+        a, t = exact_f32_scale_case(values)
         q = tq.transform_quantize(a, t, NVFP4(), tensor_scale=jnp.float32(ts), block_sizes=SMALL, impl="interpret",
                                   round_to_input=False)
         _assert_same(q, tq.reference_transform_quantize(a, t, NVFP4(), tensor_scale=jnp.float32(ts),

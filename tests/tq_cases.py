@@ -44,43 +44,41 @@ NVFP4_DIVISION_CASES = [(0.3293984532356262, 0.051670342683792114), (0.097357742
 
 
 def nvfp4_found_case_vectors(amax):
-    """``(1, 32, 32)`` f32 vectors for :func:`one_hot_k1`: every row holds ``linspace(-amax, amax, 16)`` and its
-    reverse (two NVFP4 blocks whose maximum is ``amax`` exactly)."""
-    v = np.zeros((1, 32, 32), np.float32)
-    v[0, :, :16] = np.linspace(-amax, amax, 16, dtype=np.float32)
-    v[0, :, 16:] = np.linspace(amax, -amax, 16, dtype=np.float32)
-    return v
+    """Two NVFP4 blocks ``(2, 16)`` f32: ``linspace(-amax, amax, 16)`` and its reverse (maximum ``amax`` exactly)."""
+    v = np.linspace(-amax, amax, 16, dtype=np.float32)
+    return np.stack([v, v[::-1]])
 
 
-def one_hot_k1(vectors):
-    """A K1 case whose transform output is exactly the given f32 values (``round_to_input=False``).
+def exact_f32_scale_case(values, m=16, seed=0):
+    """A Scale-kernel case whose transform output is exactly the given f32 values (``round_to_input=False``).
 
-    ``vectors float32 (nb, 32, 32)``: row ``r`` of block ``b`` becomes output row ``r``, columns ``32 b .. 32 b + 31``.
-    Returns ``(a bfloat16 (32, 32 nb), PreparedTransform k1)``: ``a[r, 32 b + r] = 1``, so ``(a K)[r, block b] =
-    K[b, r]`` exactly (a 3-part bf16 split of an f32 block is exact, and so is each product with 1).
+    ``values float32 (n, 16)`` (``n`` even): NVFP4 blocks laid side by side, ``d = 16 n``. Returns ``(a bfloat16 (m, d),
+    PreparedTransform scale)`` with ``a = ±sign(values)`` (a random sign per row and block: the magnitudes stay) and
+    the per-channel factor ``|values|``, so ``(a diag(|values|))[r] = ±values`` exactly: one f32 multiply by ±1.
+    (A K1 case built from one-hot activations is *not* exact on the GPU: the tensor cores' f32 accumulation of the
+    three bf16 parts of a block truncates, moving some values by an ulp.)
     """
-    vectors = np.asarray(vectors, np.float32)
-    nb = vectors.shape[0]
-    a = np.zeros((32, 32 * nb), np.float32)
-    for b in range(nb):
-        a[np.arange(32), 32 * b + np.arange(32)] = 1.0
-    return jnp.asarray(a, jnp.bfloat16), tq.PreparedTransform.from_blocks(jnp.asarray(vectors))
+    values = np.asarray(values, np.float32)
+    n = values.shape[0]
+    flat = values.reshape(-1)
+    flips = np.random.default_rng(seed).choice(np.float32([-1.0, 1.0]), (m, n, 1))
+    a = (np.where(flat < 0, -1.0, 1.0).astype(np.float32).reshape(1, n, 16) * flips).reshape(m, 16 * n)
+    return jnp.asarray(a, jnp.bfloat16), tq.PreparedTransform.from_inv_scale(jnp.asarray(np.abs(flat)))
 
 
-def nvfp4_division_stress(ts, nb=16, seed=0):
-    """f32 vectors ``(nb, 32, 32)`` (two NVFP4 blocks per row) whose block scales ``(amax / 6) / ts`` fall within 3 f32
-    ulps of an E4M3 rounding midpoint (either side), the other values at E2M1 decision thresholds of the scale (±1 ulp),
-    so an approximate division or a reciprocal multiply changes codes or scales. Use with :func:`one_hot_k1`."""
+def nvfp4_division_stress(ts, n_blocks=512, seed=0):
+    """NVFP4 blocks ``(n_blocks, 16)`` f32 whose block scales ``(amax / 6) / ts`` fall within 3 f32 ulps of an E4M3
+    rounding midpoint (either side), the other values at E2M1 decision thresholds of the scale (±1 ulp), so an
+    approximate division or a reciprocal multiply changes codes or scales. Use with :func:`exact_f32_scale_case`."""
     rng = np.random.default_rng(seed)
     ts = np.float32(ts)
     grid = np.array([float(v) for v in np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
                      if np.isfinite(float(v)) and 2.0**-6 <= float(v) <= 448.0])
     mids = (grid[:-1] + grid[1:]) / 2
-    n = nb * 32 * 2
+    n = n_blocks
     mid = rng.choice(mids, n)
     k = rng.integers(-3, 4, n)
-    q = np.float32(mid)
-    q = np.array([np.float32(v) for v in q])
+    q = np.array([np.float32(v) for v in mid])
     for i in range(n):  # k f32 ulps away from the midpoint
         for _ in range(abs(int(k[i]))):
             q[i] = np.nextafter(q[i], np.float32(np.inf if k[i] > 0 else 0), dtype=np.float32)
@@ -91,5 +89,4 @@ def nvfp4_division_stress(ts, nb=16, seed=0):
     vals = vals * rng.choice(np.float32([1 - 2**-23, 1.0, 1 + 2**-23]), (n, 15)).astype(np.float32)
     vals = vals * rng.choice(np.float32([-1.0, 1.0]), (n, 15))
     blocks = np.concatenate([amax[:, None] * rng.choice(np.float32([-1.0, 1.0]), (n, 1)), vals], axis=1)
-    blocks = np.clip(blocks, -amax[:, None], amax[:, None])  # the first element stays the block maximum
-    return blocks.reshape(nb, 32, 32).astype(np.float32)
+    return np.clip(blocks, -amax[:, None], amax[:, None]).astype(np.float32)  # element 0 stays the block maximum

@@ -209,15 +209,15 @@ def test_qlinear_gpu_matches_packed_forward(with_lowrank):
 
 def test_nvfp4_division_cases_exact():
     """Found (amax, tensor scale) pairs and 1024 blocks next to E4M3 midpoints / E2M1 thresholds through the NVFP4
-    kernel (K1 with one-hot activations, so the quantizer sees the f32 values exactly): the kernel's divisions must be
-    correctly rounded (Triton's own f32 division is ``div.full.f32``; the kernel uses ``div.rn.f32``)."""
-    from tq_cases import NVFP4_DIVISION_CASES, nvfp4_division_stress, nvfp4_found_case_vectors, one_hot_k1
+    kernel (Scale kind with ±1 activations, so the quantizer sees the f32 values exactly): the kernel's divisions must
+    be correctly rounded (Triton's own f32 division is ``div.full.f32``; the kernel uses ``div.rn.f32``)."""
+    from tq_cases import NVFP4_DIVISION_CASES, exact_f32_scale_case, nvfp4_division_stress, nvfp4_found_case_vectors
 
     cases = [(nvfp4_found_case_vectors(amax), ts) for amax, ts in NVFP4_DIVISION_CASES]
-    cases.append((nvfp4_division_stress(0.0123, nb=16), 0.0123))
-    cases.append((nvfp4_division_stress(0.0871, nb=16, seed=1), 0.0871))
-    for vectors, ts in cases:
-        a, t = one_hot_k1(vectors)
+    cases.append((nvfp4_division_stress(0.0123, n_blocks=1024), 0.0123))
+    cases.append((nvfp4_division_stress(0.0871, n_blocks=1024, seed=1), 0.0871))
+    for values, ts in cases:
+        a, t = exact_f32_scale_case(values)
         ts = jnp.float32(ts)
         q = tq.transform_quantize(a, t, NVFP4(), tensor_scale=ts, impl="pallas", round_to_input=False)
         r = tq.reference_transform_quantize(a, t, NVFP4(), tensor_scale=ts, round_to_input=False)
