@@ -216,8 +216,8 @@ CANDIDATES = {
            "br64_bd128_w8": BS(block_rows=64, block_cols=128, num_warps=8)},
     "scale": {"br32_bd128_w4": BS(block_rows=32, block_cols=128, num_warps=4),
               "br64_bd128_w8": BS(block_rows=64, block_cols=128, num_warps=8)},
-    "k1": {"br64_bd32_w4_split": BS(block_rows=64, block_cols=32, num_warps=4),
-           "br64_bd32_w4_nosplit": BS(block_rows=64, block_cols=32, num_warps=4, split_dot=False)},
+    "k1": {"default": None,  # default_block_sizes(kind, m, d, dtype): fori BD=256 on large grids, 2 fp16 parts
+           "br64_bd32_w4_split": BS(block_rows=64, block_cols=32, num_warps=4)},
     "fwht": {"shuffle_r1_w16": BS(fwht_rows=1, fwht_num_warps=16),
              "shuffle_r2_w16": BS(fwht_rows=2, fwht_num_warps=16)},
 }
