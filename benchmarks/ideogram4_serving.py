@@ -218,16 +218,17 @@ def run_layout(name: str, cfg: ig.Ideogram4Config, models: dict[str, Any], text_
         compiled, seconds = _compile(cfg_step, *step_args, static={"num_text_slots": text_slots})
         result["compile_s"]["cfg_step"] = seconds
         _block(compiled(*step_args))
-        state = {"latents": noise}
+        state = {"latents": noise, "branches": branches}
+        del branches, step_args  # the state dict holds the only reference, cleared below to free the memory
 
         def chained_step():  # each step consumes the previous step's latents, as in the loop
-            state["latents"] = compiled(cond_state, uncond_state, branches, state["latents"], *per_step)
+            state["latents"] = compiled(cond_state, uncond_state, state["branches"], state["latents"], *per_step)
             return state["latents"]
 
         samples = time_calls(chained_step, args.repeats, args.inner)
         result["timings"]["cfg_step"] = {**_summary(samples), **roofline(step_flops, statistics.median(samples))}
         result["loop_extrapolated_s"] = schedule.num_steps * statistics.median(samples)
-        del branches
+        state.clear()
     except Exception as err:  # noqa: BLE001
         result["errors"]["cfg_step"] = f"{type(err).__name__}: {err}"[:2000]
         traceback.print_exc()

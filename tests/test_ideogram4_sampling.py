@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from models import ideogram4 as ig
 from models import ideogram4_sampling as sampling
