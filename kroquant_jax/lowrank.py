@@ -48,7 +48,7 @@ from kroquant_jax.formats import MXFP4, QuantFormat, check_finite, fake_quant
 from kroquant_jax.layerset import progress_bar, run_stacked
 
 __all__ = ["LoRaQConfig", "LowRank", "SVDQuantConfig", "branch", "loraq_fit", "loraq_layers", "low_rank_svd",
-           "svdquant_fit", "svdquant_layers", "weight_error"]
+           "resolve_rank", "svdquant_fit", "svdquant_layers", "weight_error"]
 
 SvdMethod = Literal["exact", "randomized"]
 
@@ -158,7 +158,10 @@ class LoRaQConfig:
     """LoRaQ settings (defaults: the paper's D.3 values; see the module docstring for each choice).
 
     Attributes:
-      rank: branch rank ``r`` (a multiple of the branch format's block when ``quantize_branch``).
+      rank: branch rank ``r``: an ``int`` (the paper's 128, chosen for layers 1152 and more wide; a multiple of the
+        branch format's block when ``quantize_branch``), or a ``float`` in (0, 1]: that fraction of each layer's
+        ``min(o, d)`` (:func:`resolve_rank`; e.g. 1/9, the paper's 128 of 1152, is 128 on a 1152-wide layer, 32 on a
+        256-wide one).
       steps, learning_rate: Adam fit of ``L, R``.
       rotation_steps, rotation_lr: Cayley SGD of the rotation ``O``; ``rotation_steps=0`` skips it.
       rotation_momentum, rotation_q: Cayley SGD momentum and step-clipping constant ``q``.
@@ -171,7 +174,7 @@ class LoRaQConfig:
       max_layers_per_program, shard, progress: as in :class:`kroquant_jax.calibrate.CalibrationConfig`.
     """
 
-    rank: int = 128
+    rank: int | float = 128
     steps: int = 500
     learning_rate: float = 1e-3
     rotation_steps: int = 500
@@ -189,6 +192,21 @@ class LoRaQConfig:
     progress: bool = False
 
 
+def resolve_rank(rank: int | float, shape: tuple, block: Optional[int] = None, name: Optional[str] = None) -> int:
+    """The branch rank of a weight of ``shape (o, d)``: ``rank`` itself when it is an ``int``; for a ``float`` in
+    (0, 1], ``rank * min(o, d)`` rounded to the nearest multiple of ``block`` (halves up; at least one block, at most
+    ``min(o, d)`` rounded down to a block), or to the nearest integer >= 1 when ``block`` is ``None``."""
+    where = f"layer {name!r}: " if name is not None else ""
+    if isinstance(rank, (int, np.integer)) and not isinstance(rank, bool):
+        return int(rank)
+    if not isinstance(rank, (float, np.floating)) or not 0.0 < rank <= 1.0:
+        raise ValueError(f"{where}rank={rank!r} must be an int or a fraction of min(o, d) in (0, 1]")
+    width = min(shape[-2:])
+    if block is None:
+        return max(1, int(np.floor(rank * width + 0.5)))
+    return int(min(max(1, int(np.floor(rank * width / block + 0.5))), max(1, width // block)) * block)
+
+
 def _skew(m):
     return m - m.T
 
@@ -198,6 +216,7 @@ def loraq_fit(w: jax.Array, cfg: LoRaQConfig = LoRaQConfig()) -> LowRank:
     ``L O``, ``O^T R`` (unquantized; quantize them with ``cfg.fmt`` to store)."""
     w = w.astype(jnp.float32)
     fmt, ste = cfg.fmt, cfg.ste
+    rank = resolve_rank(cfg.rank, w.shape, fmt.block_size if cfg.quantize_branch else None)
     if cfg.init not in ("best", "svd_error", "svd_weight"):
         raise ValueError(f"LoRaQConfig.init={cfg.init!r} must be 'best', 'svd_error' or 'svd_weight'")
     fit_fmt = fmt if (cfg.quantize_branch and cfg.fit_quantized_branch) else None
@@ -208,12 +227,12 @@ def loraq_fit(w: jax.Array, cfg: LoRaQConfig = LoRaQConfig()) -> LowRank:
 
     candidates = []
     if cfg.init in ("best", "svd_error"):
-        candidates.append(low_rank_svd(w - fake_quant(w, fmt), cfg.rank, cfg.svd_method))
+        candidates.append(low_rank_svd(w - fake_quant(w, fmt), rank, cfg.svd_method))
     if cfg.init in ("best", "svd_weight"):
         # The data dependency on the first candidate serialises the two decompositions: on XLA:CPU (jax 0.10.2),
         # two independent batched (vmapped) QR/SVD custom calls in one program were seen to hang.
         dep = 0.0 * candidates[0][0][0, 0] if candidates else 0.0
-        candidates.append(low_rank_svd(w + dep, cfg.rank, cfg.svd_method))
+        candidates.append(low_rank_svd(w + dep, rank, cfg.svd_method))
     params = candidates[0]
     if len(candidates) == 2:
         use_second = fit_loss(candidates[1]) < fit_loss(candidates[0])
@@ -242,8 +261,7 @@ def loraq_fit(w: jax.Array, cfg: LoRaQConfig = LoRaQConfig()) -> LowRank:
     if not (cfg.quantize_branch and cfg.rotation_steps):
         return LowRank(left, right, jnp.sqrt(err_init), jnp.sqrt(err_fit), jnp.sqrt(err_fit_stored))
 
-    r = cfg.rank
-    eye = jnp.eye(r, dtype=jnp.float32)
+    eye = jnp.eye(rank, dtype=jnp.float32)
 
     def rot_loss(o_mat):
         lo = jnp.matmul(left, o_mat, precision=jax.lax.Precision.HIGHEST)
@@ -299,7 +317,8 @@ def loraq_layers(weights: Mapping[str, np.ndarray], cfg: LoRaQConfig = LoRaQConf
     sharded over the local devices. Returns ``{name: LowRank}`` (host numpy)."""
     for name, w in weights.items():
         check_finite(w, f"layer {name!r} transformed weight")
-        _check_rank(name, np.shape(w), cfg.rank, cfg.fmt if cfg.quantize_branch else None)
+        fmt = cfg.fmt if cfg.quantize_branch else None
+        _check_rank(name, np.shape(w), resolve_rank(cfg.rank, np.shape(w), fmt and fmt.block_size, name), fmt)
     fn = functools.partial(_loraq_stacked, cfg=cfg)
     bar = progress_bar(len(weights), cfg.progress, "LoRaQ")
     out = {}

@@ -113,3 +113,26 @@ def test_svdquant_branch_and_refinement():
     np.testing.assert_allclose(ref.left @ ref.right, np.asarray(cands[k][0] @ cands[k][1]), atol=2e-3)
     with pytest.raises(ValueError, match="needs the calibration activations"):
         lowrank.svdquant_layers({"a": w}, None, cfg)
+
+
+def test_resolve_rank_scales_with_layer_width():
+    assert lowrank.resolve_rank(128, (256, 1024), 32) == 128  # an int is kept as given
+    assert lowrank.resolve_rank(0.125, (256, 256), 32) == 32
+    assert lowrank.resolve_rank(0.125, (1024, 256), 32) == 32  # min(o, d)
+    assert lowrank.resolve_rank(0.125, (1152, 4608), 32) == 160  # 144 rounds to the nearest block multiple
+    assert lowrank.resolve_rank(0.01, (256, 256), 32) == 32  # at least one block
+    assert lowrank.resolve_rank(1.0, (96, 128), 32) == 96
+    assert lowrank.resolve_rank(0.3, (96, 128), None) == 29
+    for bad in (0.0, 1.5, -0.1, "32", True):
+        with pytest.raises(ValueError, match="layer 'q'.*rank=.*fraction of min"):
+            lowrank.resolve_rank(bad, (96, 128), 32, "q")
+
+
+def test_loraq_fractional_rank_gives_each_shape_its_own_rank():
+    ws = {**_weights(("a",), 64, 128), **_weights(("b",), 128, 128)}
+    cfg = dataclasses_replace(SMALL, rank=0.5, steps=5, rotation_steps=3)
+    res = lowrank.loraq_layers(ws, cfg)
+    assert res["a"].left.shape == (64, 32) and res["a"].right.shape == (32, 128)
+    assert res["b"].left.shape == (128, 64) and res["b"].right.shape == (64, 128)
+    fixed = lowrank.loraq_layers({"b": ws["b"]}, dataclasses_replace(cfg, rank=64))["b"]
+    np.testing.assert_allclose(res["b"].left, fixed.left, rtol=1e-5, atol=1e-6)
