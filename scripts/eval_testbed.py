@@ -1,27 +1,39 @@
 """End-to-end W4A4 evaluation of the emoji testbed DiT (or any flow-matching pixel-space PixArt checkpoint).
 
-    python -m scripts.eval_testbed --out runs/eval_testbed \
-        --methods rtn smoothquant hadamard32 kroquant rtn+loraq smoothquant+loraq hadamard32+loraq kroquant+loraq svdquant
+    python -m scripts.eval_testbed --out runs/eval_testbed            # every method (ALL_METHODS)
+    python -m scripts.eval_testbed --out runs/x --methods rtn kroquant kroquant+loraq kroquant+loraq@128 \
+        --lora-rank 0.125
 
 1. Capture: sample the calibration captions (the training records of the prompt file) with the flow-matching Euler
    sampler and CFG, recording random input rows of every quantizable linear at every step (``models.capture``'s
    ``RowSampler`` through ``models.sampling.flow_euler``; ``models.capture.capture_layer_set`` runs PixArt with
    DPM-Solver, which does not fit a velocity-predicting model).
-2. Calibrate every method on that layer set (``kroquant_jax.calibrate.quantize_layer_set``, resumable per method).
-3. Generate the evaluation captions (held-out records) with the 16-bit model and with each W4A4 model, same seeds
-   and sampler, and compare with the 16-bit images: PSNR, SSIM, chroma and saturation ratios
-   (``models.image_metrics``), plus the per-layer relative output errors on held-out rows.
+2. Calibrate every method on that layer set (``kroquant_jax.calibrate.quantize_layer_set``, resumable per method:
+   the calibrated layers are stored under ``--out``/qlayers in a folder named by the method and a hash of the capture
+   settings and the recipe, so a rerun with other settings never picks up stale layers).
+3. Generate the evaluation captions (held-out records; optionally also ``--eval-train-captions`` training records
+   that calibration did not use) with the 16-bit model and with each W4A4 model, same seeds and sampler, and compare
+   with the 16-bit images: PSNR (mean and its standard error over captions), SSIM, chroma and saturation ratios
+   (``models.image_metrics``), plus the per-layer relative output errors on held-out rows (mean, max, and the mean
+   per layer type).
 
-Writes (atomically) ``report.json``, ``table.md`` and ``grid.png`` (rows = captions, columns = 16-bit + methods) in
-``--out``. The paper's FID, ImageReward and LPIPS need Inception/BLIP/AlexNet weights from a hub: not offline here.
+LoRaQ's rank (``--lora-rank``): an int (the paper's 128, the default; meant for layers 1152 and more wide) or a
+fraction of each layer's ``min(o, d)`` (``kroquant_jax.lowrank.resolve_rank``; 0.125 gives rank 32 on the testbed's
+256-wide layers, which is also what the paper's share, 128 of 1152 = 1/9, rounds to).
+
+Writes (atomically) ``report.json``, ``table.md`` and ``grid.png`` (rows = captions, columns = 16-bit + methods;
+``grid_train.png`` for the training captions) in ``--out``. The paper's FID, ImageReward and LPIPS need
+Inception/BLIP/AlexNet weights from a hub: not offline here. Nothing here imports torch or diffusers (the checkpoint
+is read by ``models.convert``'s numpy safetensors reader), so it runs on a machine with jax alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
-import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -31,14 +43,32 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kroquant_jax.fileio import atomic_write_text
 from models import image_metrics, pixart, sampling, testbed, testbed_data
 from models.capture import CaptureConfig, capture_layer_set
 from models.layers import linears
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "emoji_pixart"
-ALL_METHODS = ["rtn", "smoothquant", "hadamard32", "kroquant", "rtn+loraq", "smoothquant+loraq", "hadamard32+loraq",
-               "kroquant+loraq", "svdquant"]
+ALL_METHODS = ["rtn", "smoothquant", "hadamard32", "kroquant", "smoothed_kroquant", "rtn+loraq", "smoothquant+loraq",
+               "hadamard32+loraq", "kroquant+loraq", "smoothed_kroquant+loraq", "svdquant"]
+
+
+def rank_arg(text: str) -> int | float:
+    """``--lora-rank``: ``"128"`` -> 128 (an absolute rank), ``"0.125"`` -> 0.125 (a fraction of min(o, d))."""
+    try:
+        value = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is neither an int nor a fraction in (0, 1]") from None
+        if not 0.0 < value <= 1.0:
+            raise argparse.ArgumentTypeError(f"{text!r}: a fractional rank must be in (0, 1]") from None
+        return value
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a rank must be >= 1")
+    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,9 +76,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="diffusers PixArt directory")
     parser.add_argument("--prompts", default=None, help="prompt .npz (default: <checkpoint>/testbed_prompts.npz)")
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--methods", nargs="+", default=ALL_METHODS, help=f"recipes (default: {ALL_METHODS})")
+    parser.add_argument("--methods", nargs="+", default=ALL_METHODS,
+                        help=f"recipes, a LoRaQ one optionally with its own rank: kroquant+loraq@128 "
+                             f"(default: {ALL_METHODS})")
     parser.add_argument("--calib-captions", type=int, default=32, help="training captions sampled for capture")
     parser.add_argument("--eval-captions", type=int, default=8, help="held-out captions generated per method")
+    parser.add_argument("--eval-train-captions", type=int, default=0,
+                        help="also generate this many training captions not used for calibration (own table/grid)")
     parser.add_argument("--steps", type=int, default=20, help="Euler steps (capture and generation)")
     parser.add_argument("--guidance", type=float, default=3.0)
     parser.add_argument("--rows-per-layer", type=int, default=1024, help="captured rows kept per layer")
@@ -56,7 +90,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--calib-heldout", type=int, default=None, help="held-out rows per layer (recipe default)")
     parser.add_argument("--calib-steps", type=int, default=None, help="KroQuant Adam steps (recipe default 100)")
     parser.add_argument("--loraq-steps", type=int, default=None, help="LoRaQ Adam and rotation steps (default 500)")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lora-rank", type=rank_arg, default=128,
+                        help="LoRaQ rank: an int (default 128, the paper's, for 1152+-wide layers) or a fraction of "
+                             "each layer's min(o, d), e.g. 0.125 (rank 32 on 256-wide layers)")
+    parser.add_argument("--batch-size", type=int, default=8, help="captions per sampling call (capture)")
+    parser.add_argument("--max-layers-per-program", type=int, default=None,
+                        help="layers calibrated together (recipe default 64; e.g. 128 puts the testbed's 80 "
+                             "256x256 linears in one program)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=None, help="quantize only the first N quantizable linears")
     return parser.parse_args(argv)
@@ -93,22 +133,75 @@ def capture_flow_layer_set(model, dataset: testbed_data.EmojiDataset, indices: n
 
 
 def recipe_for(name: str, args):
+    """The recipe of a method spec: a ``kroquant_jax.calibrate`` recipe name, for LoRaQ recipes optionally with its
+    own rank after an ``@`` (``kroquant+loraq@128``; otherwise ``--lora-rank``), with the command's settings."""
     from kroquant_jax import calibrate, lowrank
 
-    recipe = calibrate.get_recipe(name)
+    base, at, rank_text = name.partition("@")
+    recipe = calibrate.get_recipe(base)
+    if at and recipe.lowrank != "loraq":
+        raise ValueError(f"method {name!r}: a rank after '@' needs a LoRaQ recipe ('<name>+loraq@<rank>')")
+    try:
+        rank = rank_arg(rank_text) if at else args.lora_rank
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"method {name!r}: {err}") from None
     calibration = {k: v for k, v in (("steps", args.calib_steps), ("num_rows", args.calib_rows),
-                                     ("num_heldout", args.calib_heldout)) if v is not None}
-    if calibration:
-        recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, **calibration))
-    if args.loraq_steps is not None and recipe.lowrank == "loraq":
-        recipe = dataclasses.replace(recipe, loraq=lowrank.LoRaQConfig(steps=args.loraq_steps,
-                                                                       rotation_steps=args.loraq_steps))
+                                     ("num_heldout", args.calib_heldout),
+                                     ("max_layers_per_program", args.max_layers_per_program)) if v is not None}
+    recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, progress=True,
+                                                                         **calibration))
+    if recipe.lowrank == "loraq":
+        steps = {} if args.loraq_steps is None else {"steps": args.loraq_steps, "rotation_steps": args.loraq_steps}
+        recipe = dataclasses.replace(recipe, loraq=lowrank.LoRaQConfig(rank=rank, **steps))
     return recipe
 
 
+def store_folder(out: Path, method: str, recipe, capture_key: str) -> Path:
+    """Where ``method``'s calibrated layers are stored: named by the method and a hash of the capture settings and
+    the whole recipe (every stage's settings), so layers calibrated with other settings are never resumed."""
+    digest = hashlib.sha1(f"{capture_key}|{recipe!r}".encode()).hexdigest()[:12]
+    return out / "qlayers" / f"{method.replace('+', '_').replace('@', '_r')}-{digest}"
+
+
+class CompileTimer:
+    """Seconds JAX spent tracing, lowering and compiling since :meth:`reset` (``jax.monitoring`` duration events of
+    ``/jax/core/compile/*``), to tell compilation from computation in the reported times. One listener per process."""
+
+    _listening = False
+    seconds = 0.0
+
+    @classmethod
+    def reset(cls) -> None:
+        if not cls._listening:
+            jax.monitoring.register_event_duration_secs_listener(cls._record)
+            cls._listening = True
+        cls.seconds = 0.0
+
+    @classmethod
+    def _record(cls, event: str, duration: float, **_) -> None:
+        if event.startswith("/jax/core/compile/"):
+            cls.seconds += duration
+
+
+def layer_type(name: str) -> str:
+    """``transformer_blocks.3.attn1.to_q`` -> ``attn1.to_q`` (the block index dropped)."""
+    return re.sub(r"^(transformer_blocks|single_transformer_blocks|blocks)\.\d+\.", "", name)
+
+
+def image_metrics_of(quantized: np.ndarray, reference: np.ndarray) -> dict:
+    """PSNR (mean, standard error over images, per image), SSIM, colour ratios of uint8 images vs the 16-bit ones."""
+    q, ref = quantized.astype(np.float64) / 255, reference.astype(np.float64) / 255
+    psnr = np.minimum(image_metrics.psnr(q, ref), 99.0)  # (n,) identical images -> 99 dB, not inf
+    sem = float(psnr.std(ddof=1) / np.sqrt(len(psnr))) if len(psnr) > 1 else float("nan")
+    return {"psnr_db": float(psnr.mean()), "psnr_sem_db": sem, "ssim": float(np.mean(image_metrics.ssim(q, ref))),
+            **image_metrics.color_ratios(q, ref), "psnr_per_image_db": [round(float(x), 3) for x in psnr]}
+
+
 def generate(sample, state, dataset, indices, seed: int, channels: int, size: int, overrides=None) -> np.ndarray:
-    """Pixels -> uint8 images (n, s, s, 3) of the records ``indices``; the noise depends on ``seed`` only."""
-    noise = jax.random.normal(jax.random.key(seed), (len(indices), channels, size, size), jnp.float32)
+    """Pixels -> uint8 images (n, s, s, 3) of the records ``indices``; the noise of record ``k`` depends on ``seed``
+    and ``indices[k]`` only (so a record gets the same noise whatever else is generated beside it)."""
+    noise = jnp.stack([jax.random.normal(jax.random.fold_in(jax.random.key(seed), int(i)), (channels, size, size),
+                                         jnp.float32) for i in indices])  # (n, c, s, s)
     params = {"model": state, **text_params(dataset, indices)}
     if overrides is not None:
         params["overrides"] = overrides
@@ -116,42 +209,62 @@ def generate(sample, state, dataset, indices, seed: int, channels: int, size: in
     return testbed.pixels_to_images(pixels)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        temporary.write_text(text)
-        os.replace(temporary, path)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
-
-
 def markdown_table(results: dict[str, dict], settings: str) -> str:
+    """The settings line, the method table (held-out captions), the training-caption table when there is one, and
+    the mean per-layer output error per layer type."""
     lines = [settings, "",
-             "| method | PSNR (dB) ↑ | SSIM ↑ | chroma ratio | saturation ratio | layer error mean | layer error max |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| method | low-rank branch | PSNR (dB) ↑ | SSIM ↑ | chroma ratio | saturation ratio "
+             "| layer error mean | layer error max | calibration (s) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for method, r in results.items():
-        lines.append(f"| {method} | {r['psnr_db']:.2f} | {r['ssim']:.3f} | {r['chroma_ratio']:.3f} | "
-                     f"{r['saturation_ratio']:.3f} | {r['layer_error_mean']:.4f} | {r['layer_error_max']:.4f} |")
+        lines.append(f"| {method} | {r['low_rank_branch']} | {r['psnr_db']:.2f} ± {r['psnr_sem_db']:.2f} | "
+                     f"{r['ssim']:.3f} | {r['chroma_ratio']:.3f} | {r['saturation_ratio']:.3f} | "
+                     f"{r['layer_error_mean']:.4f} | {r['layer_error_max']:.4f} | {r['calibrate_s']:.0f} |")
+    train = {method: r["train"] for method, r in results.items() if "train" in r}
+    if train:
+        lines += ["", "Training captions not used for calibration:", "",
+                  "| method | PSNR (dB) ↑ | SSIM ↑ | chroma ratio | saturation ratio |",
+                  "| --- | --- | --- | --- | --- |"]
+        for method, r in train.items():
+            lines.append(f"| {method} | {r['psnr_db']:.2f} ± {r['psnr_sem_db']:.2f} | {r['ssim']:.3f} | "
+                         f"{r['chroma_ratio']:.3f} | {r['saturation_ratio']:.3f} |")
+    if results:
+        types = list(next(iter(results.values()))["layer_error_by_type"])
+        lines += ["", "Mean held-out relative output error per layer type:", "",
+                  "| method | " + " | ".join(types) + " |", "| --- |" + " --- |" * len(types)]
+        for method, r in results.items():
+            lines.append(f"| {method} | " + " | ".join(f"{r['layer_error_by_type'][t]:.4f}" for t in types) + " |")
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(out: Path, args, names, calib_indices, eval_indices, dataset, capture_s, results, images) -> str:
-    """report.json, table.md and grid.png of the methods done so far (rewritten after each method, atomically)."""
-    settings = (f"{args.checkpoint}: {len(names)} linears W4A4 (MXFP4), capture from {len(calib_indices)} training "
-                f"captions x {args.steps} Euler steps (CFG {args.guidance:g}, {args.rows_per_layer} rows/layer); "
-                f"metrics vs the 16-bit images of {len(eval_indices)} held-out captions, same seeds; "
-                f"jax {jax.__version__} on {jax.devices()[0].platform}")
-    captions = [str(c) for c in dataset.captions[eval_indices]]
-    report = {"settings": settings, "args": vars(args), "capture_s": round(capture_s, 1), "eval_captions": captions,
-              "results": results}
+def settings_line(args, names, calib_indices, eval_indices, train_indices) -> str:
+    train = f" and {len(train_indices)} training captions not used for calibration" if len(train_indices) else ""
+    return (f"{args.checkpoint}: {len(names)} linears W4A4 (MXFP4), capture from {len(calib_indices)} training "
+            f"captions x {args.steps} Euler steps (CFG {args.guidance:g}, {args.rows_per_layer} rows/layer); "
+            f"calibration rows {args.calib_rows or 'default'}, held-out rows {args.calib_heldout or 'default'}, "
+            f"KroQuant steps {args.calib_steps or 'default'}, LoRaQ steps {args.loraq_steps or 'default'}, "
+            f"--lora-rank {args.lora_rank}; metrics vs the 16-bit images of {len(eval_indices)} "
+            f"held-out captions{train}, same seeds (PSNR ± its standard error over captions); "
+            f"jax {jax.__version__} on {jax.devices()[0].platform}")
+
+
+def write_outputs(out: Path, args, settings: str, dataset, eval_indices, train_indices, capture_s, results,
+                  images) -> None:
+    """report.json, table.md, grid.png (and grid_train.png) of the methods done so far (rewritten after each method,
+    atomically). ``images[title]``: uint8 (n_heldout + n_train, s, s, 3), held-out records first."""
+    held = [str(c) for c in dataset.captions[eval_indices]]
+    train = [str(c) for c in dataset.captions[train_indices]]
+    report = {"settings": settings, "args": vars(args), "capture_s": round(capture_s, 1), "eval_captions": held,
+              "train_captions": train, "results": results}
     atomic_write_text(out / "report.json", json.dumps(report, indent=2))
     atomic_write_text(out / "table.md", markdown_table(results, settings))
     titles = list(images)
-    rows = [[images[title][k] for title in titles] for k in range(len(eval_indices))]
-    testbed.save_caption_grid(str(out / "grid.png"), captions, rows, titles,
-                              title="W4A4 (MXFP4) vs 16-bit, held-out captions")
-    return settings
+    for file, captions, offset, what in (("grid.png", held, 0, "held-out"),
+                                         ("grid_train.png", train, len(held), "training (not calibration)")):
+        if captions:
+            rows = [[images[title][offset + k] for title in titles] for k in range(len(captions))]
+            testbed.save_caption_grid(str(out / file), captions, rows, titles,
+                                      title=f"W4A4 (MXFP4) vs 16-bit, {what} captions")
 
 
 def main(argv=None) -> int:
@@ -167,12 +280,21 @@ def main(argv=None) -> int:
     if cfg.in_channels != 3 or cfg.sample_size != dataset.image_size:
         raise ValueError(f"{args.checkpoint}: expects a pixel-space model of size {dataset.image_size} "
                          f"(in_channels 3), got in_channels {cfg.in_channels}, sample_size {cfg.sample_size}")
-    calib_indices = np.flatnonzero(~dataset.heldout)[:args.calib_captions]
+    training = np.flatnonzero(~dataset.heldout)
+    calib_indices = training[:args.calib_captions]
     eval_indices = np.flatnonzero(dataset.heldout)[:args.eval_captions]
+    train_indices = training[args.calib_captions:args.calib_captions + args.eval_train_captions]
     if len(calib_indices) == 0 or len(eval_indices) == 0:
         raise ValueError(f"{prompts_path}: needs training and held-out records "
                          f"({len(calib_indices)} and {len(eval_indices)} selected)")
+    if len(train_indices) < args.eval_train_captions:
+        raise ValueError(f"{prompts_path}: --eval-train-captions {args.eval_train_captions} asks for more training "
+                         f"records than the {len(training)} - {len(calib_indices)} not used for calibration")
     names = list(linears(model, quantizable_only=True))[:args.layers]
+    try:
+        recipes = {method: recipe_for(method, args) for method in args.methods}  # bad names fail before the capture
+    except KeyError as err:
+        raise ValueError(err.args[0]) from None
 
     from kroquant_jax.layerset import load_layer_set, save_layer_set
 
@@ -192,32 +314,49 @@ def main(argv=None) -> int:
     graphdef, state = nnx.split(model)
     size, channels = cfg.sample_size, cfg.in_channels
     sample = flow_sampler(graphdef, args.steps, args.guidance, channels)
-    reference = generate(sample, state, dataset, eval_indices, args.seed + 1000, channels, size)  # (n, s, s, 3)
-    reference_float = reference.astype(np.float64) / 255
+    generated = np.concatenate([eval_indices, train_indices])  # held-out records first
+    held = slice(0, len(eval_indices))
+    reference = generate(sample, state, dataset, generated, args.seed + 1000, channels, size)  # (n, s, s, 3)
     results, images = {}, {"16-bit": reference}
-    for method in args.methods:
+    for method, recipe in recipes.items():
         began = time.perf_counter()
-        qlayers, reports = calibrate.quantize_layer_set(layer_set, recipe_for(method, args),
-                                                        store=str(out / "qlayers" / method.replace("+", "_")))
-        calibrate_s = time.perf_counter() - began
+        CompileTimer.reset()
+        qlayers, reports = calibrate.quantize_layer_set(layer_set, recipe,
+                                                        store=str(store_folder(out, method, recipe, capture_key)))
+        calibrate_s, calibrate_compile_s = time.perf_counter() - began, CompileTimer.seconds
+        ranks = "/".join(str(r) for r in sorted({qlayers[name].config.rank for name in names}))
+        branch = {"loraq": f"LoRaQ r={ranks} (MXFP4)", "svd": f"SVD r={ranks} (16-bit)"}.get(recipe.lowrank, "none")
         overrides = quantize_model.qlinear_overrides(qlayers)
         quantize_model.check_overrides(model, overrides)
-        quantized = generate(sample, state, dataset, eval_indices, args.seed + 1000, channels, size, overrides)
-        quantized_float = quantized.astype(np.float64) / 255
-        layer_errors = np.array([reports[name]["heldout_error"] for name in names])
+        began = time.perf_counter()
+        CompileTimer.reset()
+        quantized = generate(sample, state, dataset, generated, args.seed + 1000, channels, size, overrides)
+        generate_s, generate_compile_s = time.perf_counter() - began, CompileTimer.seconds
+        layer_errors = {name: float(reports[name]["heldout_error"]) for name in names}
+        by_type: dict[str, list[float]] = {}
+        for name, error in layer_errors.items():
+            by_type.setdefault(layer_type(name), []).append(error)
         results[method] = {
-            "psnr_db": float(np.mean(np.minimum(image_metrics.psnr(quantized_float, reference_float), 99.0))),
-            "ssim": float(np.mean(image_metrics.ssim(quantized_float, reference_float))),
-            **image_metrics.color_ratios(quantized_float, reference_float),
-            "layer_error_mean": float(layer_errors.mean()), "layer_error_max": float(layer_errors.max()),
-            "calibrate_s": round(calibrate_s, 1),
-            "per_layer_error": {name: float(reports[name]["heldout_error"]) for name in names},
+            "low_rank_branch": branch,
+            **image_metrics_of(quantized[held], reference[held]),
+            "layer_error_mean": float(np.mean(list(layer_errors.values()))),
+            "layer_error_max": float(np.max(list(layer_errors.values()))),
+            "layer_error_by_type": {t: float(np.mean(v)) for t, v in by_type.items()},
+            "calibrate_s": round(calibrate_s, 1), "generate_s": round(generate_s, 1),
+            "calibrate_compile_s": round(calibrate_compile_s, 1), "generate_compile_s": round(generate_compile_s, 1),
+            "per_layer_error": layer_errors,
         }
+        if len(train_indices):
+            results[method]["train"] = image_metrics_of(quantized[len(eval_indices):], reference[len(eval_indices):])
         images[method] = quantized
         print(f"{method}: PSNR {results[method]['psnr_db']:.2f} dB, SSIM {results[method]['ssim']:.3f}, "
-              f"layer error {results[method]['layer_error_mean']:.4f} ({calibrate_s:.0f} s)", flush=True)
-        write_outputs(out, args, names, calib_indices, eval_indices, dataset, capture_s, results, images)
-    settings = write_outputs(out, args, names, calib_indices, eval_indices, dataset, capture_s, results, images)
+              f"layer error {results[method]['layer_error_mean']:.4f} (calibration {calibrate_s:.0f} s, "
+              f"generation {generate_s:.0f} s; of which compilation {calibrate_compile_s:.0f} + "
+              f"{generate_compile_s:.0f} s)", flush=True)
+        settings = settings_line(args, names, calib_indices, eval_indices, train_indices)
+        write_outputs(out, args, settings, dataset, eval_indices, train_indices, capture_s, results, images)
+    settings = settings_line(args, names, calib_indices, eval_indices, train_indices)
+    write_outputs(out, args, settings, dataset, eval_indices, train_indices, capture_s, results, images)
     print(markdown_table(results, settings), flush=True)
     return 0
 

@@ -255,15 +255,55 @@ def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path):
     from scripts import eval_testbed
 
     out = tmp_path / "eval"
-    assert eval_testbed.main(["--out", str(out), "--methods", "rtn", "--calib-captions", "1", "--eval-captions", "2",
-                              "--steps", "2", "--batch-size", "1", "--rows-per-layer", "96", "--calib-rows", "64",
-                              "--calib-heldout", "32", "--layers", "3"]) == 0
+    tiny = ["--out", str(out), "--calib-captions", "1", "--eval-captions", "2", "--steps", "2", "--batch-size", "1",
+            "--rows-per-layer", "96", "--calib-rows", "64", "--calib-heldout", "32", "--layers", "3",
+            "--loraq-steps", "2"]
+    assert eval_testbed.main(tiny + ["--methods", "rtn", "rtn+loraq", "rtn+loraq@64", "--lora-rank", "0.125",
+                                     "--eval-train-captions", "1"]) == 0
     report = json.loads((out / "report.json").read_text())
-    result = report["results"]["rtn"]
+    results = report["results"]
+    result = results["rtn"]
     assert len(result["per_layer_error"]) == 3
     assert 0.0 < result["layer_error_mean"] <= result["layer_error_max"] < 1.0
     assert 10.0 < result["psnr_db"] < 99.0, "3 W4A4 linears change the images, but not beyond recognition"
-    assert 0.0 < result["ssim"] <= 1.0
-    assert "| rtn |" in (out / "table.md").read_text()
-    assert (out / "grid.png").stat().st_size > 1000
-    assert (out / "qlayers" / "rtn").is_dir(), "the calibrated layers are stored (resumable)"
+    assert 0.0 < result["ssim"] <= 1.0 and len(result["psnr_per_image_db"]) == 2
+    assert set(result["layer_error_by_type"]) == {"attn1.to_k", "attn1.to_out.0", "attn1.to_q"}
+    # --lora-rank 0.125 of the 256-wide layers is rank 32; "@64" overrides it for one method
+    assert results["rtn"]["low_rank_branch"] == "none"
+    assert results["rtn+loraq"]["low_rank_branch"] == "LoRaQ r=32 (MXFP4)"
+    assert results["rtn+loraq@64"]["low_rank_branch"] == "LoRaQ r=64 (MXFP4)"
+    errors = [results[m]["layer_error_mean"] for m in ("rtn", "rtn+loraq", "rtn+loraq@64")]
+    assert errors[0] > errors[1] > errors[2], f"a larger LoRaQ branch must lower the layer error: {errors}"
+    assert len(report["train_captions"]) == 1 and 0.0 < result["train"]["ssim"] <= 1.0
+    table = (out / "table.md").read_text()
+    assert "| rtn | none |" in table and "Training captions not used for calibration" in table
+    assert (out / "grid.png").stat().st_size > 1000 and (out / "grid_train.png").stat().st_size > 1000
+    stores = sorted(p.name.rsplit("-", 1)[0] for p in (out / "qlayers").iterdir())
+    assert stores == ["rtn", "rtn_loraq", "rtn_loraq_r64"], "the calibrated layers are stored (resumable)"
+
+    # A rerun with another rank must not resume the rank-32 layers: it calibrates anew, like the "@64" method did.
+    assert eval_testbed.main(tiny + ["--methods", "rtn+loraq", "--lora-rank", "64"]) == 0
+    rerun = json.loads((out / "report.json").read_text())["results"]["rtn+loraq"]
+    assert rerun["low_rank_branch"] == "LoRaQ r=64 (MXFP4)"
+    for name, error in rerun["per_layer_error"].items():
+        assert error == pytest.approx(results["rtn+loraq@64"]["per_layer_error"][name], rel=1e-5), name
+    assert len(list((out / "qlayers").iterdir())) == 4
+
+
+def test_eval_method_specs_and_helpers():
+    from scripts import eval_testbed
+
+    args = eval_testbed.parse_args(["--out", "x", "--lora-rank", "0.125"])
+    assert args.lora_rank == 0.125 and eval_testbed.parse_args(["--out", "x"]).lora_rank == 128
+    assert eval_testbed.recipe_for("kroquant+loraq", args).loraq.rank == 0.125
+    assert eval_testbed.recipe_for("kroquant+loraq@128", args).loraq.rank == 128
+    with pytest.raises(ValueError, match="'kroquant@64'.*LoRaQ recipe"):
+        eval_testbed.recipe_for("kroquant@64", args)
+    with pytest.raises(ValueError, match="'rtn\\+loraq@1.5'.*in \\(0, 1\\]"):
+        eval_testbed.recipe_for("rtn+loraq@1.5", args)
+    with pytest.raises(SystemExit):
+        eval_testbed.parse_args(["--out", "x", "--lora-rank", "0"])
+    assert eval_testbed.layer_type("transformer_blocks.7.attn2.to_out.0") == "attn2.to_out.0"
+    a, b = (eval_testbed.store_folder(Path("o"), "rtn+loraq", eval_testbed.recipe_for(m, args), "key")
+            for m in ("rtn+loraq", "rtn+loraq@64"))
+    assert a.parent == b.parent == Path("o/qlayers") and a != b and a.name.startswith("rtn_loraq-")
