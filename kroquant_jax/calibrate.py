@@ -12,7 +12,8 @@
 3. **Programs.** Jobs of the same shapes (``o, d``, rows, parameter tree) are stacked along a leading *layer axis*
    and optimised by one ``jax.jit`` program: ``vmap`` over the layer axis of (λ auto-scaling at the initial transform,
    then ``lax.scan`` over ``steps`` of Adam on ``L = L_out + λ_A L_A + λ_W L_W``). Large groups are cut into chunks of
-   ``max_layers_per_program`` (memory bound); every chunk of a group is padded to the same size so it compiles once.
+   ``max_layers_per_program`` (memory bound); every chunk of a group is padded to the same size so it compiles once
+   (and, with ``pad_to``, to the size of the caller's other batches).
    The layer axis is sharded over a 1-D ``jax.sharding.Mesh`` of all local devices (``shard=True``); layers are
    independent, so the program runs without communication and the result equals the single-device run.
    Fixed (non-trainable) parameterizations are evaluated, not optimised.
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import os
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
@@ -37,8 +40,33 @@ import optax
 from kroquant_jax import objectives, transforms
 from kroquant_jax.layerset import (LayerData, LayerSet, as_layer_set, make_mesh, progress_bar, run_stacked,
                                    split_rows, stack_trees, take_tree)
+from kroquant_jax.lowrank import run_stacked_padded
 
-__all__ = ["CalibrationConfig", "LayerCalibration", "calibrate_layers", "layer_rows", "make_mesh", "run_stacked"]
+__all__ = ["CalibrationConfig", "LayerCalibration", "calibrate_layers", "enable_compile_cache", "layer_rows",
+           "make_mesh", "run_stacked"]
+
+
+def enable_compile_cache(directory: str, min_compile_seconds: Optional[float] = None) -> str:
+    """Turns on JAX's persistent compilation cache in ``directory`` for this process (created if missing); returns its
+    absolute path.
+
+    Process-wide JAX configuration: the library never calls this by itself; the entry points call it for an explicit
+    ``--compile-cache DIR`` option (setting the ``JAX_COMPILATION_CACHE_DIR`` environment variable does the same for
+    any script). Call it before the programs to be cached are compiled. A later process that compiles the same
+    programs (same shapes, settings, jax version and device) loads them instead of compiling them again. Programs that
+    compile faster than ``min_compile_seconds`` are not written (``None``: JAX's setting,
+    ``jax_persistent_cache_min_compile_time_secs``, 1 s unless changed). On GPU, jax also keeps XLA's per-fusion
+    autotuning results there. Only use a folder that no untrusted user can write to (a cache entry is executable
+    code).
+    """
+    path = os.path.abspath(os.path.expanduser(directory))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"compile cache {directory!r} exists and is not a folder")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    if min_compile_seconds is not None:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
+    return path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,14 +180,21 @@ def _program(params0, a_cal, a_held, w, *, parameterization, steps, learning_rat
     evaluate = jax.vmap(lambda p, a, ww: _heldout_error(p, a, ww, parameterization=parameterization,
                                                         obj_cfg=obj_cfg))
     params, losses, lambdas = train(params0, a_cal, w)
-    return params, losses, lambdas, evaluate(params0, a_held, w), evaluate(params, a_held, w)
+    if not parameterization.trainable or steps == 0:
+        err = evaluate(params0, a_held, w)
+        return params, losses, lambdas, err, err
+    # Initial and trained transforms through one copy of the evaluation (lax.map runs it twice): a smaller program.
+    both = jax.tree.map(lambda x0, x1: jnp.stack([x0, x1]), params0, params)  # leaves (2, L, ...)
+    err = jax.lax.map(lambda p: evaluate(p, a_held, w), both)  # (2, L)
+    return params, losses, lambdas, err[0], err[1]
 
 
 _program_jit = jax.jit(_program, static_argnames=("parameterization", "steps", "learning_rate", "obj_cfg"))
 
 
 def calibrate_layers(layer_set: LayerSet, config: CalibrationConfig = CalibrationConfig(),
-                     inits: Optional[Mapping[str, Sequence[Any]]] = None) -> dict[str, LayerCalibration]:
+                     inits: Optional[Mapping[str, Sequence[Any]]] = None, *, pad_to: int = 1
+                     ) -> dict[str, LayerCalibration]:
     """Calibrates the transform of every layer of ``layer_set`` (see the module docstring).
 
     Args:
@@ -167,6 +202,9 @@ def calibrate_layers(layer_set: LayerSet, config: CalibrationConfig = Calibratio
       config: :class:`CalibrationConfig`.
       inits: optional ``{name: [params, ...]}`` initial transforms per layer (default ``[parameterization.init(d)]``);
         all initial transforms of a run must share the parameter tree structure.
+      pad_to: size every program for at least this many layers (times their initial transforms; at most
+        ``max_layers_per_program`` jobs): a caller running several batches of one shape passes its batch size, so
+        that a smaller last batch reuses the compiled program (padding jobs are computed and dropped).
 
     Returns:
       ``{name: LayerCalibration}`` in the layer set's order.
@@ -218,8 +256,10 @@ def calibrate_layers(layer_set: LayerSet, config: CalibrationConfig = Calibratio
             a_cal = np.stack([rows[n][0] for n, _, _ in group])
             a_held = np.stack([rows[n][1] for n, _, _ in group])
             w = np.stack([layers[n].weight for n, _, _ in group])
-            out = run_stacked(fn, [params0, a_cal, a_held, w], len(group),
-                              max_per_program=config.max_layers_per_program, shard=config.shard, progress=bar)
+            jobs_per_layer = len(group) / len({n for n, _, _ in group})
+            out = run_stacked_padded(fn, [params0, a_cal, a_held, w], len(group),
+                                     pad_to=math.ceil(pad_to * jobs_per_layer),
+                                     max_per_program=config.max_layers_per_program, shard=config.shard, progress=bar)
             params, losses, lambdas, err_init, err_trained = out
             for i, (name, k, p) in enumerate(group):
                 per_job[(name, k)] = (p, take_tree(params, i), losses[i], lambdas[i], float(err_init[i]),
@@ -320,8 +360,9 @@ def _relative_error(y, ref) -> float:
     return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), np.finfo(np.float32).tiny))
 
 
-def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe) -> tuple[dict, dict]:
-    """All stages for a batch of layers (any shapes). Returns ``({name: QuantizedLinear}, {name: report})``."""
+def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 1) -> tuple[dict, dict]:
+    """All stages for a batch of layers (any shapes; programs sized for ``pad_to`` layers). Returns
+    ``({name: QuantizedLinear}, {name: report})``."""
     from kroquant_jax import lowrank, qlinear, smoothquant
 
     cal = dataclasses.replace(recipe.calibration, transform=recipe.transform,
@@ -344,7 +385,7 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe) -> tuple[dict,
             else:
                 inits[n] = [transforms.get(recipe.transform).init(layers[n].weight.shape[1]),
                             transforms.smoothed_kron.init_from_scales(res.gamma)]
-    calib = calibrate_layers(layers, cal, inits=inits)
+    calib = calibrate_layers(layers, cal, inits=inits, pad_to=pad_to)
     param = transforms.get(recipe.transform)
     w_t, a_cal_t, a_held = {}, {}, {}
     for n, layer in layers.items():
@@ -359,12 +400,12 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe) -> tuple[dict,
     if recipe.lowrank == "loraq":
         lq_cfg = recipe.loraq or lowrank.LoRaQConfig()
         lq_cfg = dataclasses.replace(lq_cfg, shard=cal.shard)
-        branches = lowrank.loraq_layers(w_t, lq_cfg)
+        branches = lowrank.loraq_layers(w_t, lq_cfg, pad_to=pad_to)
         quantized_branch = lq_cfg.quantize_branch
     elif recipe.lowrank == "svd":
         sv_cfg = recipe.svdquant or lowrank.SVDQuantConfig()
         sv_cfg = dataclasses.replace(sv_cfg, shard=cal.shard)
-        branches = lowrank.svdquant_layers(w_t, a_cal_t, sv_cfg)
+        branches = lowrank.svdquant_layers(w_t, a_cal_t, sv_cfg, pad_to=pad_to)
     out = {}
     forward = jax.jit(qlinear.qlinear_forward, static_argnames="path")
     for n, layer in layers.items():
@@ -391,10 +432,11 @@ def quantize_layer_set(layer_set: LayerSet, recipe: Recipe | str = "kroquant", s
                        on_batch_done=None) -> tuple[dict, dict]:
     """Quantizes every layer with ``recipe``; resumable through ``store``.
 
-    Layers are processed in batches (same shapes first, at most ``recipe.calibration.max_layers_per_program`` per
-    batch); each finished layer is written to ``store`` (a :class:`kroquant_jax.qlinear.QLinearStore` or a folder
-    path) atomically, and layers already in the store are loaded instead of recomputed, so a run interrupted midway
-    restarts from the finished layers.
+    Layers are processed in batches of one shape: at most ``recipe.calibration.max_layers_per_program`` per batch,
+    the batches of a shape equal in size but for a smaller last one, whose programs are padded to the others' size
+    (so each shape compiles its programs once). Each finished layer is written to ``store`` (a
+    :class:`kroquant_jax.qlinear.QLinearStore` or a folder path) atomically, and layers already in the store are
+    loaded instead of recomputed, so a run interrupted midway restarts from the finished layers.
 
     Args:
       layer_set: ``{name: (W, bias, A_rows)}``.
@@ -425,12 +467,14 @@ def quantize_layer_set(layer_set: LayerSet, recipe: Recipe | str = "kroquant", s
     by_shape: dict[tuple, list[str]] = {}
     for n in todo:
         by_shape.setdefault(layers[n].weight.shape, []).append(n)
-    size = recipe.calibration.max_layers_per_program
-    batches = [names[i:i + size] for names in by_shape.values() for i in range(0, len(names), size)]
+    batches = []  # (names, layers per program)
+    for names in by_shape.values():
+        per_batch = math.ceil(len(names) / math.ceil(len(names) / recipe.calibration.max_layers_per_program))
+        batches += [(names[i:i + per_batch], per_batch) for i in range(0, len(names), per_batch)]
     bar = progress_bar(len(todo), recipe.calibration.progress, "quantize")
     try:
-        for batch in batches:
-            q, rep = _quantize_batch({n: layers[n] for n in batch}, recipe)
+        for batch, per_batch in batches:
+            q, rep = _quantize_batch({n: layers[n] for n in batch}, recipe, pad_to=per_batch)
             for n in batch:
                 rep[n]["resumed"] = False
                 if store is not None:

@@ -45,10 +45,10 @@ import numpy as np
 import optax
 
 from kroquant_jax.formats import MXFP4, QuantFormat, check_finite, fake_quant
-from kroquant_jax.layerset import progress_bar, run_stacked
+from kroquant_jax.layerset import _pad_rows, progress_bar, run_stacked
 
 __all__ = ["LoRaQConfig", "LowRank", "SVDQuantConfig", "branch", "loraq_fit", "loraq_layers", "low_rank_svd",
-           "resolve_rank", "svdquant_fit", "svdquant_layers", "weight_error"]
+           "program_config", "resolve_rank", "run_stacked_padded", "svdquant_fit", "svdquant_layers", "weight_error"]
 
 SvdMethod = Literal["exact", "randomized"]
 
@@ -79,7 +79,9 @@ def low_rank_svd(w: jax.Array, rank: int, method: SvdMethod = "randomized", over
       rank: ``r <= min(o, d)``.
       method: ``"exact"`` (full SVD) or ``"randomized"`` (Halko et al.: a Gaussian sketch of ``r + oversample``
         columns, ``power_iters`` power iterations re-orthonormalised by Cholesky-QR2, then the eigendecomposition of
-        the small ``k x k`` Gram matrix of the projection; a fixed ``seed``, so deterministic). The randomized one costs a few ``(o, d) x (d, r)`` products instead of a full SVD.
+        the small ``k x k`` Gram matrix of the projection; a fixed ``seed``, so deterministic). The randomized one
+        costs a few ``(o, d) x (d, r)`` products instead of a full SVD. The power iterations and the two
+        Cholesky-QR passes are ``fori_loop`` s, so the compiled program holds one copy of each body.
 
     Returns:
       ``L (o, r)``, ``R (r, d)`` (f32).
@@ -95,10 +97,13 @@ def low_rank_svd(w: jax.Array, rank: int, method: SvdMethod = "randomized", over
     elif method == "randomized":
         k = rank + oversample
         omega = jax.random.normal(jax.random.key(seed), (d, k), jnp.float32)
-        q = _orthonormalize(jnp.matmul(w, omega, precision=hi))
-        for _ in range(power_iters):
-            z = _orthonormalize(jnp.matmul(w.T, q, precision=hi))
-            q = _orthonormalize(jnp.matmul(w, z, precision=hi))
+        q = _orthonormalize(jnp.matmul(w, omega, precision=hi))  # (o, k)
+
+        def power_iteration(_, q):  # a loop, not unrolled: one copy of the body in the compiled program
+            z = _orthonormalize(jnp.matmul(w.T, q, precision=hi))  # (d, k)
+            return _orthonormalize(jnp.matmul(w, z, precision=hi))  # (o, k)
+
+        q = jax.lax.fori_loop(0, power_iters, power_iteration, q)
         b = jnp.matmul(q.T, w, precision=hi)  # (k, d)
         evals, evecs = jnp.linalg.eigh(jnp.matmul(b, b.T, precision=hi))  # ascending, (k,), (k, k)
         evals, evecs = evals[::-1][:rank], evecs[:, ::-1][:, :rank]
@@ -119,12 +124,14 @@ def _orthonormalize(y: jax.Array) -> jax.Array:
     ``vmap`` (XLA:CPU's and cuSOLVER's QR of tall ``(o, k)`` matrices were the slow part of the randomized SVD).
     """
     hi = jax.lax.Precision.HIGHEST
-    for _ in range(2):
+
+    def cholesky_qr(_, y):
         g = jnp.matmul(y.T, y, precision=hi)  # (k, k)
         shift = 1e-6 * jnp.trace(g) / g.shape[0] + jnp.finfo(jnp.float32).tiny
         r = jnp.linalg.cholesky(g + shift * jnp.eye(g.shape[0], dtype=g.dtype)).T  # upper, (k, k)
-        y = jax.scipy.linalg.solve_triangular(r, y.T, trans="T", lower=False).T  # y R^{-1}
-    return y
+        return jax.scipy.linalg.solve_triangular(r, y.T, trans="T", lower=False).T  # y R^{-1}, (n, k)
+
+    return jax.lax.fori_loop(0, 2, cholesky_qr, y)
 
 
 def branch(left: jax.Array, right: jax.Array, fmt: Optional[QuantFormat], ste: str = "identity") -> jax.Array:
@@ -225,19 +232,21 @@ def loraq_fit(w: jax.Array, cfg: LoRaQConfig = LoRaQConfig()) -> LowRank:
     def fit_loss(p):
         return _reconstruction_error(w, branch(p[0], p[1], fit_fmt, ste), fmt, ste)
 
-    candidates = []
-    if cfg.init in ("best", "svd_error"):
-        candidates.append(low_rank_svd(w - fake_quant(w, fmt), rank, cfg.svd_method))
-    if cfg.init in ("best", "svd_weight"):
-        # The data dependency on the first candidate serialises the two decompositions: on XLA:CPU (jax 0.10.2),
-        # two independent batched (vmapped) QR/SVD custom calls in one program were seen to hang.
-        dep = 0.0 * candidates[0][0][0, 0] if candidates else 0.0
-        candidates.append(low_rank_svd(w + dep, rank, cfg.svd_method))
-    params = candidates[0]
-    if len(candidates) == 2:
-        use_second = fit_loss(candidates[1]) < fit_loss(candidates[0])
-        params = jax.tree.map(lambda a, b: jnp.where(use_second, b, a), candidates[0], candidates[1])
-    err_init = fit_loss(params)
+    def candidate(target):  # the balanced truncated SVD of ``target (o, d)`` and its fit loss
+        left_right = low_rank_svd(target, rank, cfg.svd_method)
+        return left_right, fit_loss(left_right)
+
+    if cfg.init == "best":
+        # Both candidates through one copy of the decomposition (lax.map runs it twice, one after the other): half
+        # the compiled program of two separate decompositions. (Sequential also on purpose: on XLA:CPU, jax 0.10.2,
+        # two independent batched QR/SVD custom calls in one program were seen to hang.)
+        error = w - fake_quant(w, fmt)
+        (lefts, rights), losses = jax.lax.map(lambda k: candidate(jnp.where(k == 0, error, w)), jnp.arange(2))
+        use_second = losses[1] < losses[0]  # (2, o, r), (2, r, d), (2,): svd_error first, svd_weight second
+        params = (jnp.where(use_second, lefts[1], lefts[0]), jnp.where(use_second, rights[1], rights[0]))
+        err_init = jnp.where(use_second, losses[1], losses[0])
+    else:
+        params, err_init = candidate(w - fake_quant(w, fmt) if cfg.init == "svd_error" else w)
     if cfg.steps:
         opt = optax.adam(cfg.learning_rate)
 
@@ -251,14 +260,16 @@ def loraq_fit(w: jax.Array, cfg: LoRaQConfig = LoRaQConfig()) -> LowRank:
             return (optax.apply_updates(p, upd), state, best_p, best_l), loss
 
         carry = (params, opt.init(params), params, jnp.asarray(jnp.inf, jnp.float32))
-        (p_last, _, best_p, best_l), _ = jax.lax.scan(step, carry, None, length=cfg.steps)
-        last_l = fit_loss(p_last)
-        params = jax.tree.map(lambda a, b: jnp.where(last_l < best_l, a, b), p_last, best_p)
+        # steps + 1 evaluations: the last one scores the final iterate (its update is dropped), so the loss is
+        # compiled once, inside the loop, instead of once more after it.
+        (_, _, params, err_fit), _ = jax.lax.scan(step, carry, None, length=cfg.steps + 1)
+    else:
+        err_fit = err_init
     left, right = params
-    err_fit = fit_loss(params)
-    err_fit_stored = _reconstruction_error(w, branch(left, right, store_fmt, ste), fmt, ste)
 
     if not (cfg.quantize_branch and cfg.rotation_steps):
+        err_fit_stored = (err_fit if fit_fmt == store_fmt
+                          else _reconstruction_error(w, branch(left, right, store_fmt, ste), fmt, ste))
         return LowRank(left, right, jnp.sqrt(err_init), jnp.sqrt(err_fit), jnp.sqrt(err_fit_stored))
 
     eye = jnp.eye(rank, dtype=jnp.float32)
@@ -283,18 +294,41 @@ def loraq_fit(w: jax.Array, cfg: LoRaQConfig = LoRaQConfig()) -> LowRank:
         return (x, m, best_x, best_l), loss
 
     carry = (eye, jnp.zeros_like(eye), eye, jnp.asarray(jnp.inf, jnp.float32))
-    (x_last, _, best_x, best_l), _ = jax.lax.scan(rot_step, carry, None, length=cfg.rotation_steps)
-    last_l = rot_loss(x_last)
-    x = jnp.where(last_l < best_l, x_last, best_x)
+    # rotation_steps + 1 evaluations, as in the fit; the first scores O = I, i.e. the fitted branch as stored.
+    (_, _, x, err_final), rot_losses = jax.lax.scan(rot_step, carry, None, length=cfg.rotation_steps + 1)
+    err_fit_stored = rot_losses[0]
     left_r = jnp.matmul(left, x, precision=jax.lax.Precision.HIGHEST)
     right_r = jnp.matmul(x.T, right, precision=jax.lax.Precision.HIGHEST)
-    err_final = jnp.minimum(last_l, best_l)
     return LowRank(left_r, right_r, jnp.sqrt(err_init), jnp.sqrt(err_fit_stored), jnp.sqrt(err_final))
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def _loraq_stacked(w, cfg):
     return jax.vmap(lambda x: loraq_fit(x, cfg))(w)
+
+
+def program_config(cfg):
+    """``cfg`` with the driver-only fields (``max_layers_per_program``, ``shard``, ``progress``) set to their defaults:
+    the static argument of the compiled program, so that those fields never cause a recompilation."""
+    return dataclasses.replace(cfg, **{f: getattr(type(cfg)(), f) for f in ("max_layers_per_program", "shard",
+                                                                             "progress")})
+
+
+def run_stacked_padded(fn, stacked_inputs, num_jobs: int, *, pad_to: int, max_per_program: int, shard: bool,
+                       progress=None) -> list:
+    """:func:`kroquant_jax.layerset.run_stacked`, with programs sized for at least ``min(pad_to, max_per_program)``
+    jobs: a caller running several batches of one shape (``calibrate.quantize_layer_set``) passes its batch size, so
+    a last, smaller batch reuses the compiled program instead of compiling one for its own size. Padding jobs repeat
+    the first job and are dropped."""
+    target = min(pad_to, max_per_program)
+    if num_jobs >= target:
+        return run_stacked(fn, stacked_inputs, num_jobs, max_per_program=max_per_program, shard=shard,
+                           progress=progress)
+    padded = [_pad_rows(t, target) for t in stacked_inputs]
+    out = run_stacked(fn, padded, target, max_per_program=max_per_program, shard=shard)
+    if progress is not None:
+        progress.update(num_jobs)
+    return jax.tree.map(lambda x: x[:num_jobs], out)
 
 
 def _check_rank(name: str, shape: tuple, rank: int, fmt: Optional[QuantFormat]) -> None:
@@ -312,21 +346,23 @@ def _group_by_shape(weights: Mapping[str, np.ndarray]) -> dict[tuple, list[str]]
     return groups
 
 
-def loraq_layers(weights: Mapping[str, np.ndarray], cfg: LoRaQConfig = LoRaQConfig()) -> dict[str, LowRank]:
+def loraq_layers(weights: Mapping[str, np.ndarray], cfg: LoRaQConfig = LoRaQConfig(), *,
+                 pad_to: int = 1) -> dict[str, LowRank]:
     """LoRaQ for every transformed weight ``{name: W~ (o, d)}``: layers of one shape are stacked, ``vmap``-ed and
-    sharded over the local devices. Returns ``{name: LowRank}`` (host numpy)."""
+    sharded over the local devices; every program is sized for at least ``min(pad_to, cfg.max_layers_per_program)``
+    layers (:func:`run_stacked_padded`). Returns ``{name: LowRank}`` (host numpy)."""
     for name, w in weights.items():
         check_finite(w, f"layer {name!r} transformed weight")
         fmt = cfg.fmt if cfg.quantize_branch else None
         _check_rank(name, np.shape(w), resolve_rank(cfg.rank, np.shape(w), fmt and fmt.block_size, name), fmt)
-    fn = functools.partial(_loraq_stacked, cfg=cfg)
+    fn = functools.partial(_loraq_stacked, cfg=program_config(cfg))
     bar = progress_bar(len(weights), cfg.progress, "LoRaQ")
     out = {}
     try:
         for names in _group_by_shape(weights).values():
             stacked = np.stack([np.asarray(weights[n], np.float32) for n in names])
-            res = run_stacked(fn, [stacked], len(names), max_per_program=cfg.max_layers_per_program,
-                              shard=cfg.shard, progress=bar)
+            res = run_stacked_padded(fn, [stacked], len(names), pad_to=pad_to,
+                                     max_per_program=cfg.max_layers_per_program, shard=cfg.shard, progress=bar)
             for i, n in enumerate(names):
                 out[n] = LowRank(*(np.asarray(x[i]) for x in res))
     finally:
@@ -408,15 +444,15 @@ def _svdquant_stacked(w, a, cfg):
 
 
 def svdquant_layers(weights: Mapping[str, np.ndarray], activations: Optional[Mapping[str, np.ndarray]] = None,
-                    cfg: SVDQuantConfig = SVDQuantConfig()) -> dict[str, LowRank]:
+                    cfg: SVDQuantConfig = SVDQuantConfig(), *, pad_to: int = 1) -> dict[str, LowRank]:
     """:func:`svdquant_fit` for every smoothed weight ``{name: W_s}`` (with ``{name: A_s (m, d)}`` calibration rows
-    when refining), stacked by shape. Returns ``{name: LowRank}``."""
+    when refining), stacked by shape (programs sized as in :func:`loraq_layers`). Returns ``{name: LowRank}``."""
     for name, w in weights.items():
         check_finite(w, f"layer {name!r} smoothed weight")
         _check_rank(name, np.shape(w), cfg.rank, None)
     if cfg.refine_steps and activations is None:
         raise ValueError("svdquant_layers: refine_steps > 0 needs the calibration activations of every layer")
-    fn = functools.partial(_svdquant_stacked, cfg=cfg)
+    fn = functools.partial(_svdquant_stacked, cfg=program_config(cfg))
     bar = progress_bar(len(weights), cfg.progress, "SVDQuant")
     out = {}
     try:
@@ -428,8 +464,8 @@ def svdquant_layers(weights: Mapping[str, np.ndarray], activations: Optional[Map
             w = np.stack([np.asarray(weights[n], np.float32) for n in names])
             a = (np.stack([np.asarray(activations[n], np.float32) for n in names]) if cfg.refine_steps
                  else np.zeros((len(names), 1, w.shape[-1]), np.float32))
-            res = run_stacked(fn, [w, a], len(names), max_per_program=cfg.max_layers_per_program, shard=cfg.shard,
-                              progress=bar)
+            res = run_stacked_padded(fn, [w, a], len(names), pad_to=pad_to,
+                                     max_per_program=cfg.max_layers_per_program, shard=cfg.shard, progress=bar)
             for i, n in enumerate(names):
                 out[n] = LowRank(*(np.asarray(x[i]) for x in res))
     finally:

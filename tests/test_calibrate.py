@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from kroquant_jax import calibrate, layerset, qlinear, transforms
+from kroquant_jax import calibrate, layerset, lowrank, qlinear, transforms
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = dict(steps=20, num_rows=160, num_heldout=64)
@@ -218,3 +218,87 @@ def test_recipe_resumes_after_an_interruption(tmp_path):
         y2 = qlinear.qlinear_forward(resumed[n], x[:, :d] if d == 64 else np.tile(x, (1, 2))[:, :d])
         np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
         assert rep[n]["heldout_error"] == pytest.approx(full_rep[n]["heldout_error"], rel=1e-6)
+
+
+def test_quantize_layer_set_compiles_each_program_once_per_shape():
+    """Three layers of one shape at two per batch: the last batch (one layer) is padded to the first one's size, so the
+    calibration and LoRaQ programs compile once, and every layer gets what a single batch gives it."""
+    ls = _layer_set(shapes=((40, 64),) * 3)
+    recipe = calibrate.get_recipe("kroquant+loraq", calibration=calibrate.CalibrationConfig(
+        max_layers_per_program=2, **dict(FAST, steps=7)), loraq=lowrank.LoRaQConfig(rank=32, steps=4, rotation_steps=2))
+    compiled = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(kw.get("fun_name"))
+
+    batches = []
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        _, rep = calibrate.quantize_layer_set(ls, recipe, on_batch_done=batches.append)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert [len(b) for b in batches] == [2, 1]
+    assert compiled.count("jit(_program)") == 1 and compiled.count("jit(_loraq_stacked)") == 1, compiled
+    one_batch = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration,
+                                                                           max_layers_per_program=3))
+    _, rep1 = calibrate.quantize_layer_set(ls, one_batch)
+    for n in ls:
+        assert rep[n]["chosen"] == rep1[n]["chosen"], n
+        np.testing.assert_allclose(rep[n]["heldout_error"], rep1[n]["heldout_error"], rtol=1e-4, err_msg=n)
+
+
+def test_batches_of_one_shape_are_balanced():
+    """5 layers at (at most) 4 per batch give batches of 3 and 2 (the second padded to 3), not 4 and 1."""
+    ls = _layer_set(shapes=((32, 32),) * 5, n=120)
+    recipe = calibrate.get_recipe("rtn", calibration=calibrate.CalibrationConfig(
+        max_layers_per_program=4, **dict(FAST, num_rows=64, num_heldout=32)))
+    batches = []
+    calibrate.quantize_layer_set(ls, recipe, on_batch_done=batches.append)
+    assert [len(b) for b in batches] == [3, 2]
+
+
+def test_pad_to_does_not_change_results():
+    ls, cfg, stacked = _stacked_run()
+    padded = calibrate.calibrate_layers(ls, cfg, pad_to=5)
+    _assert_same_params(stacked, padded, rtol=1e-5, atol=1e-6)
+    for n in ls:
+        assert padded[n].heldout_errors.keys() == stacked[n].heldout_errors.keys()
+        np.testing.assert_allclose(padded[n].heldout_error, stacked[n].heldout_error, rtol=1e-5)
+
+
+def test_enable_compile_cache_is_explicit(tmp_path):
+    """The library leaves JAX's persistent cache alone; enable_compile_cache turns it on (a fresh process, so no other
+    test sees the setting) and a second process loads the calibration program from it with the same results."""
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {REPO!r})
+        import jax
+        import numpy as np
+        from kroquant_jax import calibrate
+        hits = []
+        jax.monitoring.register_event_listener(
+            lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None)
+        rng = np.random.default_rng(0)
+        ls = {{"l": ((rng.standard_normal((32, 64)) * 0.05).astype(np.float32), None,
+                    rng.standard_normal((200, 64)).astype(np.float32))}}
+        cfg = calibrate.CalibrationConfig(steps=3, num_rows=120, num_heldout=40)
+        before = jax.config.jax_compilation_cache_dir
+        calibrate.calibrate_layers(ls, cfg)
+        untouched = jax.config.jax_compilation_cache_dir
+        calibrate.enable_compile_cache(sys.argv[1], min_compile_seconds=0)
+        res = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(steps=4, num_rows=120, num_heldout=40))
+        print(json.dumps({{"before": before, "untouched": untouched, "hits": len(hits),
+                          "error": res["l"].heldout_error}}))
+        """)
+    cache = str(tmp_path / "cache")
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", script, cache], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert runs[0]["before"] is None and runs[0]["untouched"] is None
+    assert any(f.startswith("jit__program") for f in os.listdir(cache))
+    assert runs[0]["hits"] == 0 and runs[1]["hits"] >= 1
+    assert runs[1]["error"] == runs[0]["error"]

@@ -136,3 +136,61 @@ def test_loraq_fractional_rank_gives_each_shape_its_own_rank():
     assert res["b"].left.shape == (128, 64) and res["b"].right.shape == (64, 128)
     fixed = lowrank.loraq_layers({"b": ws["b"]}, dataclasses_replace(cfg, rank=64))["b"]
     np.testing.assert_allclose(res["b"].left, fixed.left, rtol=1e-5, atol=1e-6)
+
+
+def test_best_init_is_the_better_of_the_two_candidates():
+    """init="best" runs both decompositions through one lax.map: it must return the candidate with the lower fit loss,
+    exactly as the single-candidate inits compute it."""
+    for n, w in _weights(("a", "b"), 96, 128).items():
+        w = jnp.asarray(w)
+        no_train = dict(steps=0, rotation_steps=0, quantize_branch=False)
+        fit = jax.jit(lambda x, init: lowrank.loraq_fit(x, lowrank.LoRaQConfig(rank=32, init=init, **no_train)),
+                      static_argnums=1)
+        best, err, wgt = fit(w, "best"), fit(w, "svd_error"), fit(w, "svd_weight")
+        pick = err if float(err.error_init) <= float(wgt.error_init) else wgt
+        np.testing.assert_allclose(float(best.error_init), min(float(err.error_init), float(wgt.error_init)),
+                                   rtol=1e-6, err_msg=n)
+        np.testing.assert_allclose(np.asarray(best.left @ best.right), np.asarray(pick.left @ pick.right), atol=1e-5,
+                                   err_msg=n)
+        assert float(best.error_fit) == float(best.error_init) == float(best.error_final)  # no training stage
+
+
+def test_reported_errors_belong_to_the_returned_factors():
+    """The fit's best loss is tracked inside its loop (one extra evaluation scores the last iterate) and the stored
+    branch's error before the rotation is the rotation loop's first loss (O = I): both must match the factors."""
+    w = jnp.asarray(_weights(("a",))["a"])
+    fit16 = lowrank.loraq_fit(w, lowrank.LoRaQConfig(rank=32, steps=40, rotation_steps=0, quantize_branch=False))
+    np.testing.assert_allclose(float(fit16.error_fit), float(lowrank.weight_error(w, fit16.left, fit16.right)),
+                               rtol=1e-5)
+    assert float(fit16.error_fit) <= float(fit16.error_init)
+    unrotated = lowrank.loraq_fit(w, dataclasses_replace(SMALL, rotation_steps=0))
+    rotated = lowrank.loraq_fit(w, SMALL)
+    np.testing.assert_allclose(float(unrotated.error_final), float(lowrank.weight_error(
+        w, unrotated.left, unrotated.right, branch_fmt=MXFP4())), rtol=1e-5)
+    np.testing.assert_allclose(float(rotated.error_fit), float(unrotated.error_final), rtol=1e-5)
+    np.testing.assert_allclose(float(rotated.error_final), float(lowrank.weight_error(
+        w, rotated.left, rotated.right, branch_fmt=MXFP4())), rtol=1e-4)
+    assert float(rotated.error_final) <= float(rotated.error_fit)
+
+
+def test_driver_settings_and_a_smaller_batch_reuse_the_compiled_program():
+    """max_layers_per_program / shard / progress are not part of the compiled program, and pad_to sizes a smaller
+    batch's program like the full batch's: one XLA compilation for all three calls below."""
+    ws = _weights(("a", "b", "c"), 64, 96)
+    cfg = lowrank.LoRaQConfig(rank=32, steps=3, rotation_steps=2, max_layers_per_program=2)
+    compiled = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration" and "loraq" in str(kw.get("fun_name")):
+            compiled.append(kw.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        full = lowrank.loraq_layers(ws, cfg)  # chunks of 2 (the last one padded)
+        alone = lowrank.loraq_layers({"c": ws["c"]}, dataclasses_replace(cfg, shard=False, max_layers_per_program=4),
+                                     pad_to=2)
+        lowrank.loraq_layers({"b": ws["b"]}, dataclasses_replace(cfg, progress=True), pad_to=2)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiled == ["jit(_loraq_stacked)"]
+    np.testing.assert_allclose(alone["c"].left, full["c"].left, rtol=1e-5, atol=1e-6)
