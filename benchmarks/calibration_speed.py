@@ -20,16 +20,21 @@ Cayley rotation). Settings are the engine defaults (:class:`CalibrationConfig`, 
   called in a Python loop) over the first ``--loop-layers`` layers of the group; the mean time of the layers that
   compiled nothing, times the group's layer count, is the *extrapolated* loop time (said so in the record).
 
-Order: the loop on the largest group, the vmapped engine on every group, the loop on the other groups (while
-``--time-budget`` lasts), then warm vmapped reruns where time is left.
+Order: the loop on the largest group, the vmapped engine on every group (``--vmapped-groups``: only those), the loop
+on the other groups (while ``--time-budget`` lasts), then warm vmapped reruns (a second call in the same process) where
+time is left; ``--warm-first`` runs each group's warm rerun right after its cold run instead.
 
 Compilation is separated from run time by JAX's monitoring events (tracing, lowering and XLA compilation spans; their
-union within a stage is its compile time): ``run = wall - compile``. If time is left, the vmapped stages are run
+union within a stage is its compile time): ``run = wall - compile``. Each stage also lists its XLA compilations
+(``programs``: name and seconds, those over 0.1 s) and how many were loaded from the persistent compilation cache
+(``--compile-cache DIR``; a load is timed as a compilation). If time is left, the vmapped stages are run
 again (warm) as a direct check. The JSON record (``--out``) is rewritten atomically after every stage, with
 ``in_progress`` naming the stage under way, so a run stopped by a timeout keeps what it measured.
 
 Usage (CPU check):  python benchmarks/calibration_speed.py --preset tiny --out /tmp/calibration_speed.json
 Device:             python3 benchmarks/calibration_speed.py --time-budget 250 --out $OUT/calibration_speed.json
+FFN loop + warm:    python3 benchmarks/calibration_speed.py --groups 4608x1152 1152x4608 --vmapped-groups 4608x1152 \
+                        --loop-layers 3 --warm-first --time-budget 215 --out $OUT/calibration_speed_ffn.json
 """
 
 from __future__ import annotations
@@ -66,7 +71,8 @@ PRESETS = {
 
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/backend_compile_duration")
-_BACKEND_EVENT = "/jax/core/compile/backend_compile_duration"
+_BACKEND_EVENT = "/jax/core/compile/backend_compile_duration"  # an XLA compilation or a persistent-cache load
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 class CompileClock:
@@ -79,11 +85,17 @@ class CompileClock:
     def __init__(self, t_start: float, log_over: float = 1.0):
         self.spans: list[tuple[float, float]] = []
         self.backend: list[tuple[float, float, str]] = []  # (end time, duration, function name)
+        self.cache_hits: list[float] = []  # times of persistent-cache loads
         self.t_start, self.log_over = t_start, log_over
         self.use_spans = hasattr(jax.monitoring, "register_event_time_span_listener")
         if self.use_spans:
             jax.monitoring.register_event_time_span_listener(self._on_span)
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        jax.monitoring.register_event_listener(self._on_event)
+
+    def _on_event(self, event, **kw):
+        if event == _CACHE_HIT_EVENT:
+            self.cache_hits.append(time.time())
 
     def _on_span(self, event, start, end, **kw):
         if event in _COMPILE_EVENTS:
@@ -99,6 +111,15 @@ class CompileClock:
             if duration >= self.log_over:
                 print(f"    [{time.perf_counter() - self.t_start:6.1f} s] compiled {name} in {duration:.1f} s",
                       flush=True)
+
+    def programs(self, t0: float, t1: float, over: float = 0.1) -> list:
+        """``[[function name, seconds], ...]`` of the XLA compilations (or cache loads) over ``over`` s in
+        ``[t0, t1]``."""
+        return [[name, round(dur, 2)] for end, dur, name in self.backend if t0 <= end <= t1 and dur >= over]
+
+    def hits(self, t0: float, t1: float) -> int:
+        """Persistent compilation cache loads in ``[t0, t1]``."""
+        return sum(1 for t in self.cache_hits if t0 <= t <= t1)
 
     def window(self, t0: float, t1: float) -> tuple[float, int]:
         """``(compile seconds, number of XLA compilations)`` within the wall-clock window ``[t0, t1]``."""
@@ -117,14 +138,16 @@ class CompileClock:
 
 
 def measure(clock: CompileClock, fn):
-    """Runs ``fn()`` (which must return host data) and returns ``(result, {wall_s, compile_s, run_s, compiles})``."""
+    """Runs ``fn()`` (which must return host data) and returns ``(result, {wall_s, compile_s, run_s, compiles,
+    cache_hits, programs})``."""
     t0w, t0 = time.time(), time.perf_counter()
     out = fn()
     wall = time.perf_counter() - t0
-    comp, n = clock.window(t0w, time.time())
+    t1w = time.time()
+    comp, n = clock.window(t0w, t1w)
     comp = min(comp, wall)
     return out, {"wall_s": round(wall, 3), "compile_s": round(comp, 3), "run_s": round(wall - comp, 3),
-                 "compiles": n}
+                 "compiles": n, "cache_hits": clock.hits(t0w, t1w), "programs": clock.programs(t0w, t1w)}
 
 
 def memory() -> dict:
@@ -224,6 +247,13 @@ def main(argv=None):
     ap.add_argument("--precision", default=_CAL.objective.precision, choices=["highest", "high", "default"])
     ap.add_argument("--skip-loop", action="store_true")
     ap.add_argument("--groups", nargs="*", default=None, help="only these shape groups, e.g. 1152x4608")
+    ap.add_argument("--vmapped-groups", nargs="*", default=None,
+                    help="run the vmapped engine only on these of the selected groups (default: all)")
+    ap.add_argument("--warm-first", action="store_true",
+                    help="warm rerun of each vmapped group right after its cold run (default: at the end)")
+    ap.add_argument("--compile-cache", metavar="DIR", default=None,
+                    help="JAX persistent compilation cache folder (default: off; see kroquant_jax.calibrate."
+                         "enable_compile_cache)")
     ap.add_argument("--time-budget", type=float, default=250.0,
                     help="seconds from the start; loop layers and warm reruns are skipped once it is spent")
     ap.add_argument("--out", default="benchmarks/results/calibration_speed.json")
@@ -234,6 +264,8 @@ def main(argv=None):
         if getattr(args, k) is None:
             setattr(args, k, v)
 
+    if args.compile_cache:
+        calibrate.enable_compile_cache(args.compile_cache)
     faulthandler.register(signal.SIGTERM, chain=True)  # a timeout shows where the run was
     t_start = time.perf_counter()
     clock = CompileClock(t_start)
@@ -246,6 +278,7 @@ def main(argv=None):
         "jax_version": jax.__version__, "device": dev.device_kind, "platform": dev.platform,
         "num_local_devices": jax.local_device_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "compile_cache": args.compile_cache,
         "config": {k: getattr(args, k) for k in ("blocks", "d", "ffn", "text_dim", "rows", "heldout", "steps", "rank",
                                                   "loraq_steps", "rotation_steps", "loop_layers",
                                                   "max_layers_per_program", "precision")},
@@ -277,6 +310,11 @@ def main(argv=None):
             raise SystemExit(f"--groups {args.groups}: the model's shape groups are {available}")
         groups = {k: v for k, v in groups.items() if f"{k[0]}x{k[1]}" in args.groups}
         record["groups_selected"] = args.groups
+    if args.vmapped_groups is not None:
+        selected = [f"{o}x{d}" for o, d in groups]
+        if not set(args.vmapped_groups) <= set(selected):
+            raise SystemExit(f"--vmapped-groups {args.vmapped_groups}: the selected shape groups are {selected}")
+        record["vmapped_groups_selected"] = args.vmapped_groups
     record["num_layers"] = sum(len(v) for v in groups.values())
     record["layer_shapes"] = {f"{o}x{d}": len(v) for (o, d), v in groups.items()}
     print(f"{record['num_layers']} layers {record['layer_shapes']}, data {st['wall_s']} s", flush=True)
@@ -299,7 +337,8 @@ def main(argv=None):
         return res, br, {"kroquant": s_k, "transform_weights": s_w, "loraq": s_l}
 
     def total(stages: dict) -> dict:
-        return {k: round(sum(s[k] for s in stages.values()), 3) for k in ("wall_s", "compile_s", "run_s", "compiles")}
+        return {k: round(sum(s[k] for s in stages.values()), 3)
+                for k in ("wall_s", "compile_s", "run_s", "compiles", "cache_hits")}
 
     vm_results, vm_branches, loop_out = {}, {}, {}
 
@@ -352,32 +391,41 @@ def main(argv=None):
         record["summary"] = summarize(record)
         save()
 
+    def run_warm(key: str, names: list) -> None:
+        """The vmapped stages again in the same process (programs compiled): a direct check of run = wall - compile."""
+        g = record["groups"][key]
+        if elapsed() + 1.2 * g["vmapped_cold"]["total"]["run_s"] > args.time_budget:
+            g["vmapped_warm"] = "skipped: time budget"
+            save()
+            return
+        _, _, stages = pipeline({n: layers[n] for n in names}, cal, lq, f"vmapped warm {key}")
+        g["vmapped_warm"] = {**stages, "total": total(stages)}
+        print(f"  vmapped warm {key}: {g['vmapped_warm']['total']['wall_s']} s "
+              f"(cold run {g['vmapped_cold']['total']['run_s']} s)", flush=True)
+        record["summary"] = summarize(record)
+        save()
+
     # Order: the loop on the largest group (a quick check of the single-layer programs), the vmapped engine on every
-    # group (the headline number), then the loop on the other groups while the time budget lasts.
+    # vmapped group (the headline number; with --warm-first each followed by its warm rerun), then the loop on the
+    # other groups while the time budget lasts, then the warm reruns where time is left.
     keys = {f"{o}x{d}": names for (o, d), names in groups.items()}
+    vmapped_keys = [k for k in keys if args.vmapped_groups is None or k in args.vmapped_groups]
     for (o, d), names in groups.items():
         record["groups"][f"{o}x{d}"] = {"layers": len(names), "flops_per_layer": flops(o, d, args)}
     first = next(iter(keys))
     if not args.skip_loop:
         run_loop(first, keys[first])
-    for key, names in keys.items():
-        run_vmapped(key, names)
+    for key in vmapped_keys:
+        run_vmapped(key, keys[key])
+        if args.warm_first:
+            run_warm(key, keys[key])
     if not args.skip_loop:
         for key, names in keys.items():
             if key != first:
                 run_loop(key, names)
-
-    # Warm rerun of the vmapped stages where time is left (a direct check of run = wall - compile).
-    for (o, d), names in groups.items():
-        key = f"{o}x{d}"
-        g = record["groups"][key]
-        if elapsed() + 1.2 * g["vmapped_cold"]["total"]["run_s"] > args.time_budget:
-            g["vmapped_warm"] = "skipped: time budget"
-            continue
-        _, _, stages = pipeline({n: layers[n] for n in names}, cal, lq, f"vmapped warm {key}")
-        g["vmapped_warm"] = {**stages, "total": total(stages)}
-        record["summary"] = summarize(record)
-        save()
+    if not args.warm_first:
+        for key in vmapped_keys:
+            run_warm(key, keys[key])
 
     record["summary"] = summarize(record)
     record["memory"] = {**memory(), "note": (
@@ -391,7 +439,7 @@ def main(argv=None):
                                                                     for b in vm_branches.values()])),
         "loraq_weight_error_final_mxfp4_branch_mean": float(np.mean([float(b.error_final)
                                                                      for b in vm_branches.values()])),
-    }
+    } if vm_results else "no vmapped group run"
     record["complete"] = True
     save()
     print(json.dumps({k: record[k] for k in ("summary", "memory", "vmapped_quality")}, indent=2))

@@ -11,6 +11,8 @@ Examples::
     python -m scripts.calibrate_layers --layers pixart_layers.npz --methods rtn kroquant kroquant+loraq --store runs/st
     # quick CPU check
     python -m scripts.calibrate_layers --synthetic tiny --fast
+    # keep the compiled programs for the next run with the same shapes and settings (JAX's persistent cache)
+    python -m scripts.calibrate_layers --synthetic dit --compile-cache ~/.cache/kroquant-jax
 """
 
 from __future__ import annotations
@@ -117,7 +119,12 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/calibrate_layers", help="folder for table.md, results.json, plot.png")
     ap.add_argument("--plot", default=None, help="PNG path (default <out>/plot.png)")
     ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--compile-cache", metavar="DIR", default=None,
+                    help="JAX persistent compilation cache folder: a later run with the same shapes and settings loads "
+                         "the compiled programs instead of compiling them (default: off)")
     args = ap.parse_args(argv)
+    if args.compile_cache:
+        calibrate.enable_compile_cache(args.compile_cache)
     if args.fast:
         args.steps, args.loraq_steps, args.rotation_steps, args.sq_grid = 20, 30, 10, 5
         args.rank = min(args.rank, 32)

@@ -2,6 +2,7 @@
 
     kroquant quantize-checkpoint --checkpoint DIR --out OUT [--embeddings prompts.npz | --synthetic-prompts N]
         [--recipe kroquant] [--steps 20] [--guidance 4.5] [--latent-hw 128 128] [--rows-per-layer 1024]
+        [--compile-cache DIR]
 
 ``DIR`` is a diffusers transformer directory (config.json + safetensors; PixArt-Σ, SANA or FLUX.1, detected from
 ``_class_name``). Prompt embeddings come from an ``.npz`` made by ``models.diffusers_io.encode_prompts`` (torch side:
@@ -64,6 +65,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16, float16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vae", help="diffusers AutoencoderKL directory: decode the latents to PNGs (torch)")
+    parser.add_argument("--compile-cache", metavar="DIR",
+                        help="JAX persistent compilation cache folder: a later run with the same shapes and settings "
+                             "loads the compiled programs (calibration, capture, sampling) instead of compiling them")
     return parser.parse_args(argv)
 
 
@@ -141,6 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
     from flax import nnx
 
     from kroquant_jax import calibrate, qlinear
+    if args.compile_cache:
+        calibrate.enable_compile_cache(args.compile_cache)
     from kroquant_jax.layerset import load_layer_set, save_layer_set
     from models import capture, quantize_model, sampling
 

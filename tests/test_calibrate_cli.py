@@ -2,8 +2,12 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_calibrate_cli_writes_table_json_and_plot(tmp_path):
@@ -25,3 +29,15 @@ def test_calibrate_cli_writes_table_json_and_plot(tmp_path):
     table = (out / "table.md").read_text()
     assert all(name in table for name in names) and "**mean**" in table
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_calibrate_cli_compile_cache_option(tmp_path):
+    """--compile-cache DIR turns on JAX's persistent cache for the run (a subprocess: the setting is process-wide)."""
+    cache, out = tmp_path / "jax-cache", tmp_path / "cal"
+    proc = subprocess.run([sys.executable, "-m", "scripts.calibrate_layers", "--synthetic", "tiny", "--fast",
+                           "--methods", "rtn", "--out", str(out), "--compile-cache", str(cache)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "results.json").exists()
+    assert any(name.startswith("jit__program") for name in os.listdir(cache)), os.listdir(cache)
