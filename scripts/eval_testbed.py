@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kroquant_jax.fileio import atomic_write_text
+from kroquant_jax.fileio import atomic_path, atomic_write_text
 from models import image_metrics, pixart, sampling, testbed, testbed_data
 from models.capture import CaptureConfig, capture_layer_set
 from models.layers import linears
@@ -94,6 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="LoRaQ rank: an int (default 128, the paper's, for 1152+-wide layers) or a fraction of "
                              "each layer's min(o, d), e.g. 0.125 (rank 32 on 256-wide layers)")
     parser.add_argument("--batch-size", type=int, default=8, help="captions per sampling call (capture)")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="DIR",
+                        help="only merge the outputs of earlier runs (same settings, other methods; e.g. parallel "
+                             "processes) into one report/table/grid in --out")
     parser.add_argument("--max-layers-per-program", type=int, default=None,
                         help="layers calibrated together (recipe default 64; e.g. 128 puts the testbed's 80 "
                              "256x256 linears in one program)")
@@ -245,19 +248,19 @@ def settings_line(args, names, calib_indices, eval_indices, train_indices) -> st
             f"KroQuant steps {args.calib_steps or 'default'}, LoRaQ steps {args.loraq_steps or 'default'}, "
             f"--lora-rank {args.lora_rank}; metrics vs the 16-bit images of {len(eval_indices)} "
             f"held-out captions{train}, same seeds (PSNR ± its standard error over captions); "
-            f"jax {jax.__version__} on {jax.devices()[0].platform}")
+            f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind})")
 
 
-def write_outputs(out: Path, args, settings: str, dataset, eval_indices, train_indices, capture_s, results,
-                  images) -> None:
-    """report.json, table.md, grid.png (and grid_train.png) of the methods done so far (rewritten after each method,
-    atomically). ``images[title]``: uint8 (n_heldout + n_train, s, s, 3), held-out records first."""
-    held = [str(c) for c in dataset.captions[eval_indices]]
-    train = [str(c) for c in dataset.captions[train_indices]]
-    report = {"settings": settings, "args": vars(args), "capture_s": round(capture_s, 1), "eval_captions": held,
-              "train_captions": train, "results": results}
+def write_outputs(out: Path, report: dict, images: dict[str, np.ndarray]) -> None:
+    """report.json, table.md, images.npz (the generated uint8 images per column), grid.png and grid_train.png of the
+    methods done so far (rewritten after each method, atomically). ``report`` holds ``settings``, ``eval_captions``,
+    ``train_captions`` and ``results``; ``images[title]``: (n_heldout + n_train, s, s, 3), held-out records first."""
+    held, train = report["eval_captions"], report["train_captions"]
     atomic_write_text(out / "report.json", json.dumps(report, indent=2))
-    atomic_write_text(out / "table.md", markdown_table(results, settings))
+    atomic_write_text(out / "table.md", markdown_table(report["results"], report["settings"]))
+    with atomic_path(out / "images.npz", suffix=".npz") as tmp:
+        np.savez_compressed(tmp, titles=np.array(list(images)),
+                            **{f"column{k}": v for k, v in enumerate(images.values())})
     titles = list(images)
     for file, captions, offset, what in (("grid.png", held, 0, "held-out"),
                                          ("grid_train.png", train, len(held), "training (not calibration)")):
@@ -267,12 +270,51 @@ def write_outputs(out: Path, args, settings: str, dataset, eval_indices, train_i
                                       title=f"W4A4 (MXFP4) vs 16-bit, {what} captions")
 
 
+def load_outputs(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """``(report, images)`` written by :func:`write_outputs` in ``folder``."""
+    report = json.loads((folder / "report.json").read_text())
+    with np.load(folder / "images.npz") as data:
+        images = {str(t): data[f"column{k}"] for k, t in enumerate(data["titles"])}
+    return report, images
+
+
+def merge_outputs(folders: list[Path], out: Path) -> dict:
+    """One report/table/grid from runs of the same settings over different methods (e.g. parallel processes).
+
+    Every folder must have the same settings (except the wall-clock times), captions and 16-bit images (checked
+    bit for bit: the runs must have generated the same reference); methods are taken in the order given."""
+    report, images = load_outputs(folders[0])
+    report = {**report, "merged_from": [str(f) for f in folders], "results": dict(report["results"]),
+              "args": [report["args"]]}
+    for folder in folders[1:]:
+        other, other_images = load_outputs(folder)
+        report["args"].append(other["args"])
+        for key in ("settings", "eval_captions", "train_captions"):
+            if other[key] != report[key]:
+                raise ValueError(f"merge: {folder}/report.json has another {key!r} than {folders[0]}:\n"
+                                 f"  {other[key]!r}\n  {report[key]!r}")
+        if not np.array_equal(other_images["16-bit"], images["16-bit"]):
+            raise ValueError(f"merge: the 16-bit images of {folder} differ from those of {folders[0]}")
+        clash = sorted(set(other["results"]) & set(report["results"]))
+        if clash:
+            raise ValueError(f"merge: methods {clash} are in {folder} and in an earlier folder")
+        report["results"].update(other["results"])
+        images.update({t: v for t, v in other_images.items() if t != "16-bit"})
+    out.mkdir(parents=True, exist_ok=True)
+    write_outputs(out, report, images)
+    return report
+
+
 def main(argv=None) -> int:
     from kroquant_jax import calibrate
     from models import quantize_model
 
     args = parse_args(argv)
     out = Path(args.out)
+    if args.merge:
+        report = merge_outputs([Path(f) for f in args.merge], out)
+        print(markdown_table(report["results"], report["settings"]), flush=True)
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     prompts_path = args.prompts or str(Path(args.checkpoint) / "testbed_prompts.npz")
     dataset = testbed_data.load_dataset(prompts_path)
@@ -318,6 +360,10 @@ def main(argv=None) -> int:
     held = slice(0, len(eval_indices))
     reference = generate(sample, state, dataset, generated, args.seed + 1000, channels, size)  # (n, s, s, 3)
     results, images = {}, {"16-bit": reference}
+    report = {"settings": settings_line(args, names, calib_indices, eval_indices, train_indices),
+              "args": vars(args), "device": jax.devices()[0].device_kind, "capture_s": round(capture_s, 1),
+              "eval_captions": [str(c) for c in dataset.captions[eval_indices]],
+              "train_captions": [str(c) for c in dataset.captions[train_indices]], "results": results}
     for method, recipe in recipes.items():
         began = time.perf_counter()
         CompileTimer.reset()
@@ -353,11 +399,9 @@ def main(argv=None) -> int:
               f"layer error {results[method]['layer_error_mean']:.4f} (calibration {calibrate_s:.0f} s, "
               f"generation {generate_s:.0f} s; of which compilation {calibrate_compile_s:.0f} + "
               f"{generate_compile_s:.0f} s)", flush=True)
-        settings = settings_line(args, names, calib_indices, eval_indices, train_indices)
-        write_outputs(out, args, settings, dataset, eval_indices, train_indices, capture_s, results, images)
-    settings = settings_line(args, names, calib_indices, eval_indices, train_indices)
-    write_outputs(out, args, settings, dataset, eval_indices, train_indices, capture_s, results, images)
-    print(markdown_table(results, settings), flush=True)
+        write_outputs(out, report, images)
+    write_outputs(out, report, images)
+    print(markdown_table(results, report["settings"]), flush=True)
     return 0
 
 

@@ -289,6 +289,25 @@ def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path):
         assert error == pytest.approx(results["rtn+loraq@64"]["per_layer_error"][name], rel=1e-5), name
     assert len(list((out / "qlayers").iterdir())) == 4
 
+    # Runs of the same settings over other methods (parallel processes) merge into one report, table and grid.
+    other = tmp_path / "other"
+    assert eval_testbed.main(tiny[:1] + [str(other)] + tiny[2:] + ["--methods", "rtn", "--lora-rank", "64"]) == 0
+    merged = tmp_path / "merged"
+    assert eval_testbed.main(["--out", str(merged), "--merge", str(out), str(other)]) == 0
+    report = json.loads((merged / "report.json").read_text())
+    assert list(report["results"]) == ["rtn+loraq", "rtn"]
+    assert report["results"]["rtn"]["per_layer_error"] == results["rtn"]["per_layer_error"]
+    with np.load(merged / "images.npz") as data:
+        assert list(data["titles"]) == ["16-bit", "rtn+loraq", "rtn"] and data["column0"].shape == (2, 32, 32, 3)
+    assert "| rtn+loraq |" in (merged / "table.md").read_text() and (merged / "grid.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="methods \\['rtn'\\] are in"):
+        eval_testbed.merge_outputs([other, other], tmp_path / "clash")
+    changed = json.loads((other / "report.json").read_text())
+    changed["settings"] = changed["settings"].replace("--lora-rank 64", "--lora-rank 32")
+    (other / "report.json").write_text(json.dumps(changed))
+    with pytest.raises(ValueError, match="another 'settings'"):
+        eval_testbed.merge_outputs([out, other], tmp_path / "bad")
+
 
 def test_eval_method_specs_and_helpers():
     from scripts import eval_testbed
