@@ -5,6 +5,10 @@ import os
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the suite may reach a model hub
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Several test processes share one GPU: JAX's default preallocation (75% of the memory per process) makes all but
+    # the first fail with CUDA_ERROR_OUT_OF_MEMORY (seen on the H200 with `-n 14`, 2026-11-30). Set before jax loads.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def _has_gpu() -> bool:
