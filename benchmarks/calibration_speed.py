@@ -22,7 +22,8 @@ Cayley rotation). Settings are the engine defaults (:class:`CalibrationConfig`, 
 
 Order: the loop on the largest group, the vmapped engine on every group (``--vmapped-groups``: only those), the loop
 on the other groups (while ``--time-budget`` lasts), then warm vmapped reruns (a second call in the same process) where
-time is left; ``--warm-first`` runs each group's warm rerun right after its cold run instead.
+time is left; ``--loops-first`` runs the loop on every group before the vmapped engine, ``--warm-first`` each group's
+warm rerun right after its cold run.
 
 Compilation is separated from run time by JAX's monitoring events (tracing, lowering and XLA compilation spans; their
 union within a stage is its compile time): ``run = wall - compile``. Each stage also lists its XLA compilations
@@ -31,21 +32,31 @@ union within a stage is its compile time): ``run = wall - compile``. Each stage 
 again (warm) as a direct check. The JSON record (``--out``) is rewritten atomically after every stage, with
 ``in_progress`` naming the stage under way, so a run stopped by a timeout keeps what it measured.
 
+``--compile-only`` runs nothing: it lowers and compiles the KroQuant and LoRaQ programs of every selected group, as
+the vmapped engine (``--max-layers-per-program`` stacked layers, or the group's count) and as the loop (one layer) would
+compile them, from abstract shapes, and records per program the tracing+lowering and XLA compile seconds (wall, and
+the process's CPU time, less sensitive to other load on a shared machine), the StableHLO op count, and, from the
+optimized HLO, its instruction count and the kernel-level operations (fusions, dots, custom calls, while loops: a
+proxy for the per-kernel code generation and autotuning work of a GPU compile).
+
 Usage (CPU check):  python benchmarks/calibration_speed.py --preset tiny --out /tmp/calibration_speed.json
+Compile times:      python benchmarks/calibration_speed.py --compile-only --out /tmp/calibration_compile.json
 Device:             python3 benchmarks/calibration_speed.py --time-budget 250 --out $OUT/calibration_speed.json
 FFN loop + warm:    python3 benchmarks/calibration_speed.py --groups 4608x1152 1152x4608 --vmapped-groups 4608x1152 \
-                        --loop-layers 3 --warm-first --time-budget 215 --out $OUT/calibration_speed_ffn.json
+                        --loop-layers 3 --loops-first --time-budget 226 --out $OUT/calibration_speed_ffn.json
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import faulthandler
 import functools
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -159,6 +170,62 @@ def memory() -> dict:
             "bytes_limit": int(stats.get("bytes_limit", 0))}
 
 
+def hlo_counts(lowered, compiled) -> dict:
+    """Size of a program: StableHLO ops of the lowering; instructions, kernel-level operations (fusions, dots,
+    custom calls, reductions... outside fused computations), fusions, custom calls and while loops of the optimized
+    HLO."""
+    stablehlo = len(re.findall(r"= \"?stablehlo\.[a-z_]+", lowered.as_text()))
+    text = compiled.as_text()
+    kernels = fusions = 0
+    for comp in re.split(r"\n(?=\S.*\{\n)", text):
+        head = comp.split("\n", 1)[0]
+        if "fused" in head.split("(")[0] or "fused" in head.split(" ")[0]:
+            continue  # the body of a fusion is one kernel, counted at its call
+        lines = [ln for ln in comp.split("\n")[1:] if re.match(r"\s+\S+ = ", ln)]
+        kernels += sum(1 for ln in lines if re.search(r" (fusion|dot|custom-call|convolution|reduce|sort|scatter|"
+                                                      r"gather)\(", ln))
+        fusions += sum(1 for ln in lines if " fusion(" in ln)
+    return {"stablehlo_ops": stablehlo, "hlo_instructions": len(re.findall(r"^\s+\S+ = ", text, flags=re.M)),
+            "kernel_ops": kernels, "fusions": fusions, "custom_calls": text.count("custom-call("),
+            "custom_call_targets": dict(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))),
+            "while_loops": text.count(" while(")}
+
+
+def compile_only(args, record: dict, shape_groups: dict, save) -> dict:
+    """Lowers and compiles (does not run) the KroQuant and LoRaQ programs of every shape group (see the module
+    docstring); fills ``record["programs"]``."""
+    sds = jax.ShapeDtypeStruct
+    param = transforms.get("kron_lu")
+    obj = objectives.ObjectiveConfig(precision=args.precision)
+    lq = lowrank.program_config(lowrank.LoRaQConfig(rank=args.rank, steps=args.loraq_steps,
+                                                    rotation_steps=args.rotation_steps))
+    record["programs"] = {}
+    for (o, d), count in shape_groups.items():
+        for mode, n in (("vmapped", min(args.max_layers_per_program, count)), ("loop", 1)):
+            p0 = jax.tree.map(lambda x: sds((n,) + x.shape, x.dtype), param.init(d))
+            builds = {
+                "kroquant": lambda: calibrate._program_jit.lower(
+                    p0, sds((n, args.rows, d), np.float32), sds((n, args.heldout, d), np.float32),
+                    sds((n, o, d), np.float32), parameterization=param, steps=args.steps, learning_rate=1e-2,
+                    obj_cfg=obj),
+                "loraq": lambda: lowrank._loraq_stacked.lower(sds((n, o, d), np.float32), lq)}
+            for stage, build in builds.items():
+                key = f"{stage} {o}x{d} {mode} ({n} layer{'s' if n > 1 else ''})"
+                save(f"compile {key}")
+                t0 = time.perf_counter()
+                lowered = build()
+                t1, c1 = time.perf_counter(), time.process_time()
+                compiled = lowered.compile()
+                t2, c2 = time.perf_counter(), time.process_time()
+                record["programs"][key] = {"layers": n, "lower_s": round(t1 - t0, 3), "compile_s": round(t2 - t1, 3),
+                                           "compile_cpu_s": round(c2 - c1, 3), **hlo_counts(lowered, compiled)}
+                print(f"  {key}: lower {t1 - t0:.2f} s, compile {t2 - t1:.2f} s, "
+                      f"{record['programs'][key]['kernel_ops']} kernel ops", flush=True)
+    record["complete"] = True
+    save()
+    return record
+
+
 def build_layers(args) -> dict:
     block0 = synthetic.pixart_sigma_shapes(1, args.d, args.ffn, args.text_dim)
     base = synthetic.synthetic_layer_set(block0, n=args.rows + args.heldout, seed=0)
@@ -249,8 +316,12 @@ def main(argv=None):
     ap.add_argument("--groups", nargs="*", default=None, help="only these shape groups, e.g. 1152x4608")
     ap.add_argument("--vmapped-groups", nargs="*", default=None,
                     help="run the vmapped engine only on these of the selected groups (default: all)")
+    ap.add_argument("--loops-first", action="store_true",
+                    help="the loop on every group before the vmapped engine (default: the largest group's loop only)")
     ap.add_argument("--warm-first", action="store_true",
                     help="warm rerun of each vmapped group right after its cold run (default: at the end)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="lower and compile the programs without running them (compile times and program sizes)")
     ap.add_argument("--compile-cache", metavar="DIR", default=None,
                     help="JAX persistent compilation cache folder (default: off; see kroquant_jax.calibrate."
                          "enable_compile_cache)")
@@ -297,6 +368,17 @@ def main(argv=None):
             print(f"[{elapsed():6.1f} s] {stage}", flush=True)
         atomic_write_bytes(args.out, (json.dumps(record, indent=2) + "\n").encode())
 
+    if args.compile_only:
+        shapes = synthetic.pixart_sigma_shapes(args.blocks, args.d, args.ffn, args.text_dim)
+        shape_groups = collections.Counter(shapes.values())
+        if args.groups:
+            available = [f"{o}x{d}" for o, d in shape_groups]
+            if not set(args.groups) <= set(available):
+                raise SystemExit(f"--groups {args.groups}: the model's shape groups are {available}")
+            shape_groups = {k: v for k, v in shape_groups.items() if f"{k[0]}x{k[1]}" in args.groups}
+        record["method"] = ("lower (trace + StableHLO) and XLA-compile each program from abstract shapes, one after "
+                            "the other in this process; nothing is run")
+        return compile_only(args, record, shape_groups, save)
     save("data")
     layers, st = measure(clock, lambda: build_layers(args))
     record["data_seconds"] = st["wall_s"]
@@ -414,12 +496,13 @@ def main(argv=None):
         record["groups"][f"{o}x{d}"] = {"layers": len(names), "flops_per_layer": flops(o, d, args)}
     first = next(iter(keys))
     if not args.skip_loop:
-        run_loop(first, keys[first])
+        for key in (keys if args.loops_first else [first]):
+            run_loop(key, keys[key])
     for key in vmapped_keys:
         run_vmapped(key, keys[key])
         if args.warm_first:
             run_warm(key, keys[key])
-    if not args.skip_loop:
+    if not args.skip_loop and not args.loops_first:
         for key, names in keys.items():
             if key != first:
                 run_loop(key, names)
