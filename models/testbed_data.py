@@ -216,6 +216,25 @@ def is_heldout(sequence: Sequence[int], heldout_modulus: int) -> bool:
     return int.from_bytes(digest[:8], "big") % heldout_modulus == 0
 
 
+GENDER_SIGNS = (0x2640, 0x2642)  # FEMALE SIGN, MALE SIGN (appended with a ZWJ: "woman/man" variants)
+
+
+def base_sequence(sequence: Sequence[int]) -> tuple[int, ...]:
+    """The emoji a variant is built on: skin tones removed, and ZWJ + gender sign segments removed.
+
+    (1F44D, 1F3FC) "thumbs up, medium-light skin tone" -> (1F44D,); (1F3C3, 1F3FD, 200D, 2640) "runner, medium skin
+    tone, female sign" -> (1F3C3,). Records sharing a base are siblings: the same concept in another tone or gender.
+    """
+    out = [cp for cp in sequence if cp not in SKIN_TONES]
+    for sign in GENDER_SIGNS:
+        while sign in out:
+            index = out.index(sign)
+            del out[index]
+            if index > 0 and out[index - 1] == ZWJ:
+                del out[index - 1]
+    return tuple(out)
+
+
 def _is_private_use(cp: int) -> bool:
     return 0xE000 <= cp <= 0xF8FF or cp >= 0xF0000
 

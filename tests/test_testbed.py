@@ -326,3 +326,28 @@ def test_eval_method_specs_and_helpers():
     a, b = (eval_testbed.store_folder(Path("o"), "rtn+loraq", eval_testbed.recipe_for(m, args), "key")
             for m in ("rtn+loraq", "rtn+loraq@64"))
     assert a.parent == b.parent == Path("o/qlayers") and a != b and a.name.startswith("rtn_loraq-")
+
+
+def test_generalisation_script_groups_heldout_records_and_finds_nearest(tmp_path):
+    from scripts import testbed_generalisation as tg
+
+    data = testbed_data.load_dataset(str(CHECKPOINT / "testbed_prompts.npz"))
+    groups = tg.heldout_groups(data)
+    bases = [testbed_data.base_sequence(testbed_data.text_to_sequence(s)) for s in data.sequences]
+    trained = {b for b, held in zip(bases, data.heldout) if not held}
+    assert sorted(np.concatenate(list(groups.values()))) == list(np.flatnonzero(data.heldout))
+    assert all(bases[i] in trained for i in groups["sibling in training"]) and len(groups["sibling in training"])
+    assert not any(bases[i] in trained for i in groups["novel concept"])
+    pool = data.images.astype(np.float32) / 255
+    target = int(groups["novel concept"][0])
+    assert tg.nearest_outcome(data.images[target], target, data, pool, bases)[0] == "own glyph"
+    assert tg.nearest_outcome(data.images[target], target, data, pool, bases)[2] == 0.0
+
+    out = tmp_path / "gen"
+    assert tg.main(["--data", str(CHECKPOINT / "testbed_prompts.npz"), "--out", str(out), "--per-group", "1",
+                    "--steps", "2"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    for kind in tg.GROUPS:
+        assert report["groups"][kind]["records"] == 1
+        assert sum(report["groups"][kind][o] for o in tg.OUTCOMES) == 1
+    assert (out / "grid.png").stat().st_size > 1000

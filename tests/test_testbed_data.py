@@ -45,6 +45,16 @@ def test_canonical_sequences_drop_reversed_and_ill_formed_duplicates():
     assert set(td.canonical_sequences(flags)) == set(flags)
 
 
+def test_base_sequence_removes_skin_tones_and_gender_signs():
+    seq = td.text_to_sequence
+    assert td.base_sequence(seq("1F44D 1F3FC")) == seq("1F44D")  # thumbs up, medium-light skin tone
+    assert td.base_sequence(seq("1F3C3 1F3FD 200D 2640")) == seq("1F3C3")  # runner, medium skin tone, female sign
+    assert td.base_sequence(seq("1F469 200D 1F52C")) == seq("1F469 200D 1F52C")  # woman scientist: kept
+    assert td.base_sequence(seq("1F46E 1F3FB 200D 2642")) == seq("1F46E")  # police officer, light, male sign
+    assert td.base_sequence(seq("1F9D1 1F3FF 200D 1F384")) == seq("1F9D1 200D 1F384")  # mx claus, dark skin tone
+    assert td.base_sequence(seq("1F1EF 1F1F5")) == seq("1F1EF 1F1F5")  # a flag has no variants
+
+
 def test_heldout_split_is_fixed_and_about_five_percent():
     config = td.EmojiDatasetConfig()
     glyphs = td.read_font_glyphs(td.open_emoji_font(config.font_path))
