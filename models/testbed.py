@@ -235,7 +235,9 @@ def save_caption_grid(path: str, captions: list[str], rows: list[list[np.ndarray
                 axis.set_title(column_titles[column_index], fontsize=8)
     if title:
         figure.suptitle(title, fontsize=9)
-    figure.tight_layout()
+        figure.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - 0.3 / figure.get_figheight()))  # room for the title
+    else:
+        figure.tight_layout()
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f".{target.stem}.tmp-{os.getpid()}.png")

@@ -94,6 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="LoRaQ rank: an int (default 128, the paper's, for 1152+-wide layers) or a fraction of "
                              "each layer's min(o, d), e.g. 0.125 (rank 32 on 256-wide layers)")
     parser.add_argument("--batch-size", type=int, default=8, help="captions per sampling call (capture)")
+    parser.add_argument("--grid-rows", type=int, default=None, help="at most this many captions per grid (default all)")
     parser.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                         help="only merge the outputs of earlier runs (same settings, other methods; e.g. parallel "
                              "processes) into one report/table/grid in --out")
@@ -251,10 +252,11 @@ def settings_line(args, names, calib_indices, eval_indices, train_indices) -> st
             f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind})")
 
 
-def write_outputs(out: Path, report: dict, images: dict[str, np.ndarray]) -> None:
+def write_outputs(out: Path, report: dict, images: dict[str, np.ndarray], grid_rows: int | None = None) -> None:
     """report.json, table.md, images.npz (the generated uint8 images per column), grid.png and grid_train.png of the
     methods done so far (rewritten after each method, atomically). ``report`` holds ``settings``, ``eval_captions``,
-    ``train_captions`` and ``results``; ``images[title]``: (n_heldout + n_train, s, s, 3), held-out records first."""
+    ``train_captions`` and ``results``; ``images[title]``: (n_heldout + n_train, s, s, 3), held-out records first.
+    ``grid_rows``: at most this many captions per grid (all by default)."""
     held, train = report["eval_captions"], report["train_captions"]
     atomic_write_text(out / "report.json", json.dumps(report, indent=2))
     atomic_write_text(out / "table.md", markdown_table(report["results"], report["settings"]))
@@ -264,6 +266,7 @@ def write_outputs(out: Path, report: dict, images: dict[str, np.ndarray]) -> Non
     titles = list(images)
     for file, captions, offset, what in (("grid.png", held, 0, "held-out"),
                                          ("grid_train.png", train, len(held), "training (not calibration)")):
+        captions = captions[:grid_rows]
         if captions:
             rows = [[images[title][offset + k] for title in titles] for k in range(len(captions))]
             testbed.save_caption_grid(str(out / file), captions, rows, titles,
@@ -278,7 +281,7 @@ def load_outputs(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:
     return report, images
 
 
-def merge_outputs(folders: list[Path], out: Path) -> dict:
+def merge_outputs(folders: list[Path], out: Path, grid_rows: int | None = None) -> dict:
     """One report/table/grid from runs of the same settings over different methods (e.g. parallel processes).
 
     Every folder must have the same settings (except the wall-clock times), captions and 16-bit images (checked
@@ -301,7 +304,7 @@ def merge_outputs(folders: list[Path], out: Path) -> dict:
         report["results"].update(other["results"])
         images.update({t: v for t, v in other_images.items() if t != "16-bit"})
     out.mkdir(parents=True, exist_ok=True)
-    write_outputs(out, report, images)
+    write_outputs(out, report, images, grid_rows)
     return report
 
 
@@ -312,7 +315,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     if args.merge:
-        report = merge_outputs([Path(f) for f in args.merge], out)
+        report = merge_outputs([Path(f) for f in args.merge], out, args.grid_rows)
         print(markdown_table(report["results"], report["settings"]), flush=True)
         return 0
     out.mkdir(parents=True, exist_ok=True)
@@ -399,8 +402,8 @@ def main(argv=None) -> int:
               f"layer error {results[method]['layer_error_mean']:.4f} (calibration {calibrate_s:.0f} s, "
               f"generation {generate_s:.0f} s; of which compilation {calibrate_compile_s:.0f} + "
               f"{generate_compile_s:.0f} s)", flush=True)
-        write_outputs(out, report, images)
-    write_outputs(out, report, images)
+        write_outputs(out, report, images, args.grid_rows)
+    write_outputs(out, report, images, args.grid_rows)
     print(markdown_table(results, report["settings"]), flush=True)
     return 0
 
