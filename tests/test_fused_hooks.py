@@ -7,9 +7,7 @@ layers' jnp references (``impl="reference"``) to stay fast. The H200 numbers com
 
 import dataclasses
 import functools
-import importlib.util
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +24,8 @@ from models.quantize_model import FusedLinearHooks, served_hooks, split_qlinear_
 from pallas_kernels import epilogues as E
 from pallas_kernels import w4a4_gemm as G
 
+from benchmark_modules import load_benchmark  # tests/benchmark_modules.py
+
 GEMM_BS = G.BlockSizes(16, 32, 32, 4, 2)
 NORM_BS = E.EpilogueBlockSizes(block_m=16, block_n=64, block_k=32, tile=16, num_warps=4, num_stages=2)  # 2 tiles/head
 SWIGLU_BS = E.EpilogueBlockSizes(block_m=16, block_n=64, block_k=32, num_warps=4, num_stages=2)
@@ -33,11 +33,7 @@ KERNELS = dict(impl="interpret", gemm_blocks=GEMM_BS)
 
 
 def _bench():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "dit_forward_w4a4.py"
-    spec = importlib.util.spec_from_file_location("dit_forward_w4a4", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("dit_forward_w4a4")
 
 
 def _rel(y, ref) -> float:

@@ -339,14 +339,9 @@ def test_quantizable_linears_and_hooks():
 
 
 def _benchmark_module():
-    import importlib.util
-    from pathlib import Path
+    from benchmark_modules import load_benchmark
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ideogram4_serving.py"
-    spec = importlib.util.spec_from_file_location("ideogram4_serving", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("ideogram4_serving")
 
 
 def test_benchmark_torch_reference_matches_diffusers():
