@@ -51,6 +51,12 @@ permuted the same way).
 
 The activation tensors keep their natural layout; ragged ``m`` (not a multiple of ``block_m``) and ``n``/``k`` that
 are no multiple of the blocks are zero-padded by the wrapper (zero codes with scale byte 0 contribute exactly 0).
+
+Strategies (``w4a4_linear(..., strategy=)``): ``"kernel"``, this module's Pallas-Triton GEMM with the decode in its
+main loop; ``"dequant"``, :func:`w4a4_matmul_dequant`: both operands decoded to bf16 by memory-bound XLA fusions (the
+same per-tile math over whole rows, :func:`dequantize_bf16`), then one bf16 ``jnp.dot`` that XLA sends to cuBLAS, the
+low-rank pair joined along K (one GEMM); ``"mgpu"``, the Mosaic GPU kernel of ``pallas_kernels/w4a4_gemm_mgpu.py``
+(TMA + warp specialization + ``wgmma``, MXFP4). Same exactness contract.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ __all__ = [
     "choose_block_sizes",
     "decode_tile_bf16",
     "decode_tile_fp8",
+    "dequantize_bf16",
     "e2m1_to_e4m3_bits",
     "even_odd_permutation",
     "lowrank_input",
@@ -82,6 +89,7 @@ __all__ = [
     "w4a4_linear",
     "w4a4_linear_reference",
     "w4a4_matmul",
+    "w4a4_matmul_dequant",
     "w4a4_matmul_reference",
     "w4a4_matmul_tiled_reference",
 ]
@@ -539,6 +547,90 @@ def w4a4_matmul(a: QuantizedArray, w: QuantizedArray, *, lowrank: Optional[tuple
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The "dequantize + cuBLAS" strategy: decode both operands to bf16 in memory-bound XLA fusions, one bf16 GEMM.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def dequantize_bf16(q: QuantizedArray, *, order: Literal["natural", "even_odd"] = "natural") -> jax.Array:
+    """Packed ``(r, k)`` operand -> its exact bf16 values ``(r, k)`` (NVFP4: without the per-tensor scale).
+
+    The same per-tile math as the kernel (:func:`decode_tile_bf16` over whole rows), so MXFP4 gives
+    ``dequantize(q, bfloat16)`` bit for bit (every scaled E2M1 value is a bf16 value for scale bytes in ``[2, 248]``)
+    and NVFP4 gives ``e2m1 * s_blk`` (at most 6 significant bits, exact in bf16; ``tensor_scale`` is applied to the
+    GEMM's f32 result). ``order="even_odd"`` returns the columns as ``[0, 2, 4, ..., 1, 3, ...]``
+    (:func:`even_odd_permutation`): the low nibbles then the high nibbles, no interleave.
+    """
+    kind = _kind_of(q)
+    if kind == "bf16" or len(q.shape) != 2:
+        raise TypeError(f"dequantize_bf16 takes a packed 2-D QuantizedArray, got {type(q).__name__} {q.shape}")
+    codes, scales = _operand_arrays(q, kind, q.shape[0], q.shape[1])
+    lo, hi = decode_tile_bf16(codes, scales, kind)  # (r, k/2) each: elements 2i and 2i + 1
+    if order == "even_odd":
+        return jnp.concatenate([lo, hi], axis=1)
+    if order != "natural":
+        raise ValueError(f"order={order!r} must be 'natural' or 'even_odd'")
+    return jax.lax.stack([lo, hi], axis=2).reshape(q.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "materialize"))
+def w4a4_matmul_dequant(a: QuantizedArray, w: QuantizedArray, *, lowrank: Optional[tuple] = None,
+                        bias: Optional[jax.Array] = None, out_dtype=jnp.bfloat16,
+                        materialize: bool = True) -> jax.Array:
+    """``dequant(a) @ dequant(w)^T [+ h @ L^T] [+ bias]`` as "dequantize + cuBLAS": no Pallas kernel.
+
+    Both packed operands are decoded to bf16 by :func:`dequantize_bf16` (XLA loop fusions, memory-bound: per element
+    0.53 bytes read, 2 written), then one ``jnp.dot(..., preferred_element_type=float32)`` on bf16 operands, which XLA
+    sends to cuBLAS like the bf16 baseline ``A W^T``.
+
+    Args:
+      a: packed activations ``(m, k)``; w: packed weights ``(n, k)``; both MXFP4 or both NVFP4.
+      lowrank: ``(h (m, r), L (n, r))`` as for :func:`w4a4_matmul` (``L`` bf16, or packed MXFP4 with ``h``'s columns
+        in :func:`even_odd_permutation` order). MXFP4: joined to the GEMM along K (``[A | h] @ [W | L]^T``, one GEMM
+        with ``K = k + r``; the decode fusions write ``h`` and ``L`` beside the decoded operands). NVFP4: a second GEMM
+        (the per-tensor scales apply to the main product only).
+      bias: ``(n,)`` or ``None``, added in f32.
+      out_dtype: output dtype (bf16 default; f32 for exactness checks).
+      materialize: put the decoded operands behind an ``optimization_barrier`` so that XLA cannot fuse the decode
+        into its own GEMM emitter: the strategy as defined (decode, then the library GEMM). ``False`` lets XLA choose
+        (it may fuse the decode into a Triton GEMM; a benchmark variant).
+
+    Exactness: the products of the decoded values are exact in f32, so against ``fake_quant(A) fake_quant(W)^T``
+    (``+ h L^T``) the result differs only by the order of the fp32 additions: ``<= (k + r) * 2**-24 * P`` with
+    ``P = |A_hat| |W_hat|^T (+ |h| |L|^T)`` (NVFP4: ``k + 3``, the per-tensor scales applied once), plus the final
+    rounding to ``out_dtype``; the GEMM library's accumulation is fp32 (``preferred_element_type``).
+    """
+    kind, m, n, k = check_operands(a, w)
+    if kind == "bf16":
+        raise TypeError("w4a4_matmul_dequant takes packed operands; use a @ w.T for 16-bit ones")
+    a_bf, w_bf = dequantize_bf16(a), dequantize_bf16(w)
+    h = left = None
+    if lowrank is not None:
+        h, left = lowrank
+        if h.ndim != 2 or h.shape[0] != m or left.shape[0] != n or h.shape[1] != left.shape[1]:
+            raise ValueError(f"lowrank=(h {h.shape}, L {left.shape}) must be (m={m}, r), (n={n}, r)")
+        if isinstance(left, QuantizedArray):
+            if _kind_of(left) != "mxfp4":
+                raise ValueError(f"a packed low-rank factor L must be MXFP4, got {left.fmt!r}")
+            left = dequantize_bf16(left, order="even_odd")  # h comes in even/odd column order
+        h, left = h.astype(jnp.bfloat16), jnp.asarray(left).astype(jnp.bfloat16)
+        if kind == "mxfp4":  # one GEMM over K = k + r
+            a_bf, w_bf = jnp.concatenate([a_bf, h], axis=1), jnp.concatenate([w_bf, left], axis=1)
+            h = left = None
+    if materialize:
+        a_bf, w_bf = jax.lax.optimization_barrier((a_bf, w_bf))
+    y = jnp.dot(a_bf, w_bf.T, preferred_element_type=jnp.float32)  # (m, n) f32
+    if kind == "nvfp4":
+        y = y * (a.tensor_scale * w.tensor_scale).astype(jnp.float32)
+    if h is not None:
+        y = y + jnp.dot(h, left.T, preferred_element_type=jnp.float32)
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"bias {bias.shape} must be ({n},)")
+        y = y + bias.astype(jnp.float32)
+    return y.astype(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # References.
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -597,29 +689,51 @@ def w4a4_matmul_tiled_reference(a: QuantizedArray, w: QuantizedArray, *, block_k
 
 def w4a4_linear(layer, x_t: jax.Array, x_q: QuantizedArray, *, lowrank_mode: Literal["fused", "beside"] = "fused",
                 block_sizes: Optional[BlockSizes] = None, compute: Compute = "bf16", out_dtype=jnp.bfloat16,
-                interpret: bool = False) -> jax.Array:
+                interpret: bool = False, strategy: Literal["kernel", "dequant", "mgpu"] = "kernel") -> jax.Array:
     """Eq. 11 on packed operands: ``Q(x T) Q(W~ - L R)^T + (x T)(L R)^T + b``.
 
     Args:
       layer: a ``kroquant_jax.qlinear.QuantizedLinear`` (its ``weight`` packed, its low-rank factors packed or dense).
       x_t: the transformed activations ``x T`` ``(m, d)`` (bf16), input of the 16-bit low-rank branch.
       x_q: their packed quantization ``Q(x T)`` (from the fused transform+quantize kernel).
-      lowrank_mode: ``"fused"`` adds ``h L^T`` in the GEMM's epilogue, ``"beside"`` with an XLA GEMM after it.
+      lowrank_mode: ``"fused"`` adds ``h L^T`` in the GEMM's epilogue (``strategy="dequant"``: joined to the GEMM
+        along K), ``"beside"`` with an XLA GEMM after it.
+      strategy: ``"kernel"`` (the Pallas-Triton W4A4 GEMM, :func:`w4a4_matmul`), ``"dequant"`` (decode both
+        operands to bf16 in XLA, one cuBLAS GEMM: :func:`w4a4_matmul_dequant`) or ``"mgpu"`` (the Mosaic GPU kernel,
+        ``pallas_kernels.w4a4_gemm_mgpu``, MXFP4 only, its jnp mirror off the GPU; the low-rank term always beside
+        it). ``block_sizes``, ``compute`` and ``interpret`` apply to ``"kernel"`` only. Same exactness contract.
     """
     lowrank = _layer_lowrank(layer, x_t)
     bias = layer.bias
+    if lowrank_mode not in ("fused", "beside"):
+        raise ValueError(f"lowrank_mode={lowrank_mode!r} must be 'fused' or 'beside'")
+    if strategy == "dequant":
+        if lowrank_mode == "fused" or lowrank is None:
+            return w4a4_matmul_dequant(x_q, layer.weight, lowrank=lowrank, bias=bias, out_dtype=out_dtype)
+        y = w4a4_matmul_dequant(x_q, layer.weight, bias=bias, out_dtype=jnp.float32)
+        return (y + _lowrank_beside(*lowrank)).astype(out_dtype)
+    if strategy == "mgpu":
+        from pallas_kernels.w4a4_gemm_mgpu import w4a4_matmul_mgpu  # noqa: PLC0415 - it imports this module's peers
+
+        if lowrank is None:
+            return w4a4_matmul_mgpu(x_q, layer.weight, bias=bias, out_dtype=out_dtype)
+        y = w4a4_matmul_mgpu(x_q, layer.weight, bias=bias, out_dtype=jnp.float32)
+        return (y + _lowrank_beside(*lowrank)).astype(out_dtype)
+    if strategy != "kernel":
+        raise ValueError(f"strategy={strategy!r} must be 'kernel', 'dequant' or 'mgpu'")
     if lowrank_mode == "fused" or lowrank is None:
         return w4a4_matmul(x_q, layer.weight, lowrank=lowrank, bias=bias, block_sizes=block_sizes, compute=compute,
                            out_dtype=out_dtype, interpret=interpret)
-    if lowrank_mode != "beside":
-        raise ValueError(f"lowrank_mode={lowrank_mode!r} must be 'fused' or 'beside'")
     y = w4a4_matmul(x_q, layer.weight, bias=bias, block_sizes=block_sizes, compute=compute, out_dtype=jnp.float32,
                     interpret=interpret)
-    h, left = lowrank
-    if isinstance(left, QuantizedArray):  # a transient bf16 copy, columns in h's even/odd order
-        left = dequantize(left, jnp.float32)[:, even_odd_permutation(left.shape[1])].astype(jnp.bfloat16)
-    y = y + jnp.matmul(h, left.T, preferred_element_type=jnp.float32)
-    return y.astype(out_dtype)
+    return (y + _lowrank_beside(*lowrank)).astype(out_dtype)
+
+
+def _lowrank_beside(h: jax.Array, left) -> jax.Array:
+    """``h L^T`` in f32 by an XLA GEMM (a packed ``L`` decoded to a transient bf16 copy in ``h``'s even/odd order)."""
+    if isinstance(left, QuantizedArray):
+        left = dequantize_bf16(left, order="even_odd")
+    return jnp.matmul(h, left.T, preferred_element_type=jnp.float32)
 
 
 def w4a4_linear_reference(layer, x_t: jax.Array, x_q: QuantizedArray, out_dtype=jnp.float32) -> jax.Array:

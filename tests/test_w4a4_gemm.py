@@ -173,6 +173,98 @@ class TestInterpretKernel:
                           compute="fp8", interpret=True)
 
 
+class TestDequantStrategy:
+    """"Dequantize + cuBLAS" (``w4a4_matmul_dequant``): XLA decode fusions + one bf16 GEMM, same exactness contract."""
+
+    def test_dequantize_bf16_bit_exact(self):
+        a, w = _data(11, 24, 8, 256)
+        a = a.at[3, 7].set(jnp.nan)  # the E8M0 NaN byte: the whole block decodes to NaN, as dequantize does
+        for x in (a, w):
+            q = quantize(x, MXFP4())
+            ref = np.asarray(dequantize(q, jnp.bfloat16)).view(np.uint16)
+            got = np.asarray(jax.jit(g.dequantize_bf16)(q))
+            assert got.dtype == jnp.bfloat16 and got.shape == x.shape
+            np.testing.assert_array_equal(got.view(np.uint16), ref)
+            eo = np.asarray(jax.jit(g.dequantize_bf16, static_argnames="order")(q, order="even_odd"))
+            np.testing.assert_array_equal(eo.view(np.uint16), ref[:, g.even_odd_permutation(x.shape[1])])
+        q = quantize(w, NVFP4())  # e2m1 * s_blk exact in bf16; tensor_scale applied after
+        got = np.asarray(jax.jit(g.dequantize_bf16)(q)).astype(np.float32) * np.float32(q.tensor_scale)
+        np.testing.assert_allclose(got, np.asarray(dequantize(q, jnp.float32)), rtol=2**-23, atol=0)
+        with pytest.raises(ValueError, match="order"):
+            g.dequantize_bf16(q, order="odd")
+        with pytest.raises(TypeError, match="packed 2-D"):
+            g.dequantize_bf16(jnp.ones((4, 32)))
+
+    @pytest.mark.parametrize("fmt,extra", [(MXFP4(), 0), (NVFP4(), 3)])
+    def test_exact_against_fake_quant(self, fmt, extra):
+        m, n, k = 37, 40, 320  # ragged: nothing in this path needs tile multiples
+        a, w = _data(12, m, n, k)
+        qa, qw = quantize(a, fmt), quantize(w, fmt)
+        out = g.w4a4_matmul_dequant(qa, qw, out_dtype=jnp.float32)
+        ref = jnp.matmul(fake_quant(a, fmt), fake_quant(w, fmt).T, precision="highest")
+        assert bool(jnp.all(jnp.isfinite(out)))
+        assert bool(jnp.all(jnp.abs(out - ref) <= _bound(qa, qw, k, extra)))
+        # materialize=False (XLA may fuse the decode into its GEMM): the same contract
+        out2 = g.w4a4_matmul_dequant(qa, qw, out_dtype=jnp.float32, materialize=False)
+        assert bool(jnp.all(jnp.abs(out2 - ref) <= _bound(qa, qw, k, extra)))
+
+    @pytest.mark.parametrize("packed_left", [True, False])
+    def test_lowrank_joined_along_k_and_bias(self, packed_left):
+        m, n, k, r = 20, 48, 128, 32
+        a, w = _data(13, m, n, k, outliers=False)
+        qa, qw = quantize(a, MXFP4()), quantize(w, MXFP4())
+        left = 0.1 * jax.random.normal(jax.random.PRNGKey(4), (n, r))
+        h = jax.random.normal(jax.random.PRNGKey(5), (m, r)).astype(jnp.bfloat16)
+        bias = jax.random.normal(jax.random.PRNGKey(6), (n,))
+        if packed_left:
+            left = quantize(left, MXFP4())
+            h_in = h[:, g.even_odd_permutation(r)]  # the kernel's convention for a packed L
+            dense = dequantize(left, jnp.float32)
+        else:
+            left = left.astype(jnp.bfloat16)
+            h_in, dense = h, left.astype(jnp.float32)
+        out = g.w4a4_matmul_dequant(qa, qw, lowrank=(h_in, left), bias=bias, out_dtype=jnp.float32)
+        ref = (jnp.matmul(dequantize(qa, jnp.float32), dequantize(qw, jnp.float32).T, precision="highest")
+               + jnp.matmul(h.astype(jnp.float32), dense.T, precision="highest") + bias)
+        p = (jnp.matmul(jnp.abs(dequantize(qa, jnp.float32)), jnp.abs(dequantize(qw, jnp.float32)).T)
+             + jnp.matmul(jnp.abs(h.astype(jnp.float32)), jnp.abs(dense).T) + jnp.abs(bias))
+        assert bool(jnp.all(jnp.abs(out - ref) <= 2 * (k + r + 1) * 2.0**-24 * p + 1e-30))
+        # one GEMM over K = k + r, the decoded operands behind an optimization barrier
+        jaxpr = str(jax.make_jaxpr(lambda *x: g.w4a4_matmul_dequant(*x[:2], lowrank=x[2:]))(qa, qw, h_in, left))
+        assert jaxpr.count("dot_general") == 1 and "optimization_barrier" in jaxpr
+        assert f"bf16[{m},{k + r}]" in jaxpr and f"bf16[{n},{k + r}]" in jaxpr
+
+    def test_layer_strategy_dequant(self):
+        from kroquant_jax.qlinear import build_qlinear
+
+        d, o, r, m = 128, 64, 32, 16
+        kw, kl, kr, kx, kb = jax.random.split(jax.random.PRNGKey(7), 5)
+        wt = jax.random.normal(kw, (o, d)) * 0.05
+        lowrank = (jax.random.normal(kl, (o, r)) * 0.05, jax.random.normal(kr, (r, d)) * 0.05)
+        layer = build_qlinear(wt, jax.random.normal(kb, (o,)), lowrank=lowrank)
+        x = jax.random.normal(kx, (m, d)).astype(jnp.bfloat16)
+        xq = quantize(x.astype(jnp.float32), MXFP4())
+        ref = np.asarray(jax.jit(g.w4a4_linear_reference)(layer, x, xq))
+        y = g.w4a4_linear(layer, x, xq, strategy="dequant")
+        assert y.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), ref, rtol=2.0**-8, atol=1e-5)
+        y = g.w4a4_linear(layer, x, xq, strategy="dequant", lowrank_mode="beside", out_dtype=jnp.float32)
+        np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="strategy"):
+            g.w4a4_linear(layer, x, xq, strategy="cublas")
+        # strategy="mgpu" off the GPU: the Mosaic kernel's jnp mirror, low-rank beside it
+        y = g.w4a4_linear(layer, x, xq, strategy="mgpu", out_dtype=jnp.float32)
+        np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)
+
+    def test_rejects_bad_operands(self):
+        qa = quantize(jnp.ones((16, 64)), MXFP4())
+        with pytest.raises(TypeError):
+            g.w4a4_matmul_dequant(qa, quantize(jnp.ones((32, 64)), NVFP4()))
+        with pytest.raises(ValueError, match="lowrank"):
+            g.w4a4_matmul_dequant(qa, quantize(jnp.ones((32, 64)), MXFP4()),
+                                  lowrank=(jnp.ones((16, 32)), jnp.ones((30, 32))))
+
+
 @pytest.mark.gpu
 class TestGPU:
     """The compiled kernel on the H200 (run ``pytest -m gpu tests/test_w4a4_gemm.py`` there)."""
@@ -185,6 +277,17 @@ class TestGPU:
         qa, qw = quantize(a, fmt), quantize(w, fmt)
         poison = jnp.full((m, n), jnp.nan, jnp.float32)
         out = g.w4a4_matmul(qa, qw, compute=compute, out_dtype=jnp.float32, out=poison)
+        assert bool(jnp.all(jnp.isfinite(out)))
+        ref = jnp.matmul(fake_quant(a, fmt), fake_quant(w, fmt).T, precision="highest")
+        assert bool(jnp.all(jnp.abs(out - ref) <= _bound(qa, qw, k, extra)))
+
+    @pytest.mark.parametrize("fmt,extra", [(MXFP4(), 0), (NVFP4(), 3)])
+    def test_dequant_strategy_exact_on_gpu(self, fmt, extra):
+        """Decode fusions + the cuBLAS bf16 GEMM (fp32 accumulation): within the accumulation-order bound."""
+        m, n, k = 333, 384, 1152
+        a, w = _data(8, m, n, k)
+        qa, qw = quantize(a, fmt), quantize(w, fmt)
+        out = g.w4a4_matmul_dequant(qa, qw, out_dtype=jnp.float32)
         assert bool(jnp.all(jnp.isfinite(out)))
         ref = jnp.matmul(fake_quant(a, fmt), fake_quant(w, fmt).T, precision="highest")
         assert bool(jnp.all(jnp.abs(out - ref) <= _bound(qa, qw, k, extra)))
