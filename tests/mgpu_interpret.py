@@ -1,0 +1,168 @@
+"""Mosaic GPU kernels on the CPU: jax's GPU interpret mode, with ``wgmma`` extended to the operand forms it lacks.
+
+jax 0.10.2 ships a GPU interpret mode for ``plgpu.kernel`` (``interpret=InterpretGPUParams(...)``; the class is not
+public, hence the private imports here, in tests only). It simulates the CTAs, warpgroup threads, shared memory, TMA
+copies and barriers on the CPU, with a shared-memory race detector, and executes ``wgmma`` synchronously. Its
+``wgmma`` reads both operands from shared memory through index transforms only, so a kernel whose ``A`` operand is a
+register array (jax's mixed-type Hopper kernel and ``pallas_kernels/w4a4_gemm_mgpu.py``) or whose ``B`` operand is a
+``plgpu.transpose_ref`` view fails there. :func:`gpu_interpret` installs, for the duration of a ``with`` block, a
+``wgmma`` with the same semantics (``acc += a @ b`` in the accumulator's dtype) that also takes those two forms.
+
+``available()`` says whether this jax has the pieces (else the tests that need them skip, naming the reason).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import jax
+import numpy as np
+
+try:  # private, version-specific: tests only
+    from jax._src.pallas.mosaic.interpret import utils as _iutils
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as _gcb
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as _ipc
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    _WGMMA_PARAMS = set(inspect.signature(_gcb.wgmma).parameters)
+    _REASON = None
+    if not {"device_id", "thread_id", "a_allocation_key_as_array", "b_transforms"} <= _WGMMA_PARAMS:
+        _REASON = f"GPU interpret mode's wgmma callback has an unknown signature in jax {jax.__version__}"
+except ImportError as e:  # pragma: no cover - other jax versions
+    InterpretGPUParams = None
+    _REASON = f"jax {jax.__version__} has no GPU interpret mode for Mosaic GPU ({e})"
+
+
+def available() -> tuple[bool, str]:
+    return _REASON is None, _REASON or ""
+
+
+def _wgmma(*, token, device_id, grid_point_coords, thread_id, acc_allocation_key_as_array, acc_transforms,
+           acc_dtype, a_allocation_key_as_array, a_transforms, b_allocation_key_as_array, b_transforms,
+           source_info=None):
+    """``acc += a @ b`` like ``gpu_callbacks.wgmma``, where ``a`` may be a register array and ``b`` a transposed
+    shared-memory view (a trailing ``TransposeTransform`` after the index transforms)."""
+    device_id, thread_id = int(device_id), int(thread_id)
+    shared_memory = _gcb._get_shared_memory()
+    gtid = shared_memory.get_global_thread_id(device_id, thread_id)
+    info = _iutils.GPULoggingInfo(device_id=device_id, grid_point_coords=tuple(int(x) for x in grid_point_coords),
+                                  thread_id=thread_id, source_info=source_info)
+
+    def read(key, transforms):
+        transforms = jax.tree.map(int, _gcb._remove_noop_transforms(transforms))
+        perm = None
+        if transforms and type(transforms[-1]).__name__ == "TransposeTransform":
+            perm, transforms = tuple(transforms[-1].permutation), transforms[:-1]
+        x, _, _ = shared_memory.get_buffer_content(_gcb.HostAllocationKey.from_array(key),
+                                                   _iutils.to_range(transforms), gtid, logging_info=info)
+        assert x is not None
+        return x if perm is None else np.transpose(x, perm)
+
+    a_raw = np.asarray(a_allocation_key_as_array)
+    if np.issubdtype(a_raw.dtype, np.integer) and a_raw.shape == (5,):  # an allocation key: shared memory
+        a = read(a_allocation_key_as_array, a_transforms)
+    else:  # a register operand (its value)
+        a = a_raw
+    b = read(b_allocation_key_as_array, b_transforms)
+    acc_range = _iutils.to_range(jax.tree.map(int, _gcb._remove_noop_transforms(acc_transforms)))
+    acc_key = _gcb.HostAllocationKey.from_array(acc_allocation_key_as_array)
+    acc, _, _ = shared_memory.get_buffer_content(acc_key, acc_range, gtid, logging_info=info)
+    shared_memory.store_buffer_content(acc_key, acc_range, acc + np.matmul(a, b, dtype=acc_dtype), gtid,
+                                       logging_info=info)
+    return token
+
+
+@contextlib.contextmanager
+def gpu_interpret(detect_races: bool = True):
+    """Yields the ``InterpretGPUParams`` to pass as ``interpret=``, with the extended ``wgmma`` installed; on exit the
+    original callback is restored and the interpreter's state reset. ``races_found()`` after a run says whether the
+    race detector fired."""
+    ok, reason = available()
+    if not ok:
+        raise RuntimeError(reason)
+    orig = _gcb.wgmma
+    _gcb.wgmma = _wgmma
+    try:
+        yield InterpretGPUParams(detect_races=detect_races)
+    finally:
+        _gcb.wgmma = orig
+        _ipc.reset_gpu_interpret_mode_state()
+
+
+def races_found() -> bool:
+    return bool(_ipc.get_races().races_found)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Subprocess runner. The interpreter runs each simulated thread as its own XLA:CPU program; XLA:CPU's
+# concurrency-optimized thunk scheduler can then deadlock them (seen here on 2 cores: a warp-specialized pipeline
+# with two scratch buffers hung with 1-2 CPU seconds used; --xla_cpu_enable_concurrency_optimized_scheduler=false
+# fixes it). XLA flags are read once per process, so the kernel tests run in a subprocess with that flag, under a
+# timeout.
+# ---------------------------------------------------------------------------------------------------------------------
+
+XLA_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def run_in_subprocess(cases: list[dict], timeout_s: float = 600.0) -> list[dict]:
+    """Runs :func:`_run_w4a4_case` for each case in a fresh interpreter process; returns their result dicts."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + XLA_FLAG).strip()
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(cases)], env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or len(lines) != len(cases):
+        raise RuntimeError(f"interpret subprocess failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-6000:]}")
+    return [json.loads(ln[len("RESULT "):]) for ln in lines]
+
+
+def _run_w4a4_case(case: dict) -> dict:
+    """One ``w4a4_matmul_mgpu`` run in GPU interpret mode against the exact product of the fake-quantized operands:
+    the largest difference relative to the tested bound (<= 1 passes), NaN/Inf count, race detector."""
+    import jax.numpy as jnp
+
+    from kroquant_jax.formats import MXFP4, dequantize, quantize
+    from pallas_kernels import w4a4_gemm_mgpu as M
+
+    m, n, k = case["m"], case["n"], case["k"]
+    ka, kw, kb = jax.random.split(jax.random.key(case.get("seed", 0)), 3)
+    a = jax.random.normal(ka, (m, k)) * 2.0
+    a = a.at[:, 5].multiply(80.0).at[1, 40].set(-3.0e3).at[0, 0:32].set(0.0)  # outliers, huge value, zero block
+    a = a.at[min(2, m - 1), 32:64].multiply(1e-20)  # a tiny block
+    w = jax.random.normal(kw, (n, k)) * 0.05
+    bias = jax.random.normal(kb, (n,)) if case.get("bias") else None
+    qa, qw = quantize(a, MXFP4()), quantize(w, MXFP4())
+    cfg = M.MgpuGemmConfig(**case["config"])
+    ah, wh = dequantize(qa, jnp.float32), dequantize(qw, jnp.float32)
+    ref = jnp.matmul(ah, wh.T, precision="highest")
+    p = jnp.matmul(jnp.abs(ah), jnp.abs(wh).T, precision="highest")
+    if bias is not None:
+        ref, p = ref + bias, p + jnp.abs(bias)
+    w_in = M.prepare_operand(qw, rows_multiple=cfg.cta_n) if case.get("prepared") else qw
+    with gpu_interpret() as params:
+        out = M.w4a4_matmul_mgpu(qa, w_in, bias=bias, config=cfg, impl="pallas", interpret=params,
+                                 out_dtype=jnp.float32)
+        out = np.asarray(jax.block_until_ready(out))
+        races = races_found()
+    bound = np.asarray(2 * (k + 1) * 2.0**-24 * p + 1e-30)
+    err = np.abs(out - np.asarray(ref))
+    return {"shape": list(out.shape), "max_err_over_bound": float(np.max(err / bound)),
+            "max_abs_err": float(np.max(err)), "nonfinite": int(np.sum(~np.isfinite(out))), "races": races}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    for c in json.loads(sys.argv[1]):
+        print("RESULT " + json.dumps(_run_w4a4_case(c)), flush=True)
