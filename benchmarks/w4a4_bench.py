@@ -4,11 +4,18 @@ Per layer shape ``(n, k)`` of Ideogram 4, PixArt-Sigma, SANA and FLUX.1 and ``m`
 
 * ``bf16_xla``: XLA/cuBLAS ``A W^T`` on bf16 operands (bf16 output): the baseline.
 * ``w4a4_gemm_<fmt>_<compute>``: the Pallas W4A4 GEMM alone on packed operands (MXFP4 bf16 / fp8 modes, NVFP4).
+* ``w4a4_dequant_mxfp4``: "dequantize + cuBLAS" (``w4a4_gemm.w4a4_matmul_dequant``): both packed operands decoded to
+  bf16 by XLA fusions, one cuBLAS GEMM; ``..._xla_fused``: the same without the optimization barrier (XLA may fuse
+  the decode into its own GEMM). ``w4a4_mgpu_mxfp4``: the Mosaic GPU kernel (``w4a4_gemm_mgpu``; the weight in its
+  prepared layout, made once like the packing).
 * ``w4a4_layer_lr_fused``: one layer as served: fused K2 transform+quantize kernel (``transform_quantize``) + the
   low-rank input ``h = A (R T^T)^T`` (XLA; ``T`` folded into ``R`` at packing time, so the branch needs no ``A T``) +
   the W4A4 GEMM with ``h L^T`` fused in its epilogue (rank 128, ``L`` packed in MXFP4 and decoded in the epilogue).
   ``w4a4_layer_lr_beside``: the same with the low-rank product as a separate XLA GEMM + add (``L`` resident in bf16).
   ``w4a4_layer_nolr``: transform+quantize + GEMM only. ``transform_quantize_only``: the quantizer kernel alone.
+  ``w4a4_layer_dequant``: transform+quantize + ``h`` + "dequantize + cuBLAS" with ``[A | h] [W | L]^T`` as one GEMM.
+  ``w4a4_layer_mgpu``: transform+quantize + ``h`` + the Mosaic GPU GEMM + ``h L^T`` beside it (XLA; W's scales are
+  transposed per call here, a few µs).
 * Epilogues (Ideogram 4 shapes: q projection + RMSNorm over heads of 256, fused w1|w3 + SwiGLU): the fused kernel vs
   the same kernel without epilogue + the op in XLA vs XLA ``A W^T`` + the op, on bf16 and on MXFP4 operands.
 
@@ -44,6 +51,7 @@ from kroquant_jax import transforms as T  # noqa: E402
 from kroquant_jax.formats import MXFP4, NVFP4, dequantize, quantize  # noqa: E402
 from pallas_kernels import epilogues as E  # noqa: E402
 from pallas_kernels import w4a4_gemm as G  # noqa: E402
+from pallas_kernels import w4a4_gemm_mgpu as GM  # noqa: E402
 
 try:
     from pallas_kernels import transform_quantize as TQ  # noqa: E402
@@ -179,6 +187,41 @@ def gemm_variants(layers, interpret, tiny):
 
         out[f"w4a4_gemm_{fmt.name}_{compute}"] = (
             fn, sets, lambda qa, qw: jnp.matmul(dequantize(qa, jnp.float32), dequantize(qw, jnp.float32).T))
+    out.update(dequant_mgpu_variants(layers, interpret, tiny))
+    return out
+
+
+def _ref_packed(qa, qw):
+    return jnp.matmul(dequantize(qa, jnp.float32), dequantize(qw, jnp.float32).T)
+
+
+def dequant_mgpu_variants(layers, interpret=False, tiny=False, mgpu_configs=None):
+    """The "dequantize + cuBLAS" strategy (with and without the barrier) and the Mosaic GPU kernel on MXFP4 operands.
+
+    ``mgpu_configs``: ``{suffix: MgpuGemmConfig}`` for extra Mosaic GPU tilings (``w4a4_mgpu_mxfp4_<suffix>``). Off the
+    GPU the Mosaic variant is skipped unless ``interpret`` (then its jnp mirror runs: a CPU check of the plumbing).
+    """
+    q = _quantize_jit(MXFP4())
+    sets = [(q(a.astype(jnp.float32)), q(w.astype(jnp.float32))) for a, w, _, _ in layers]
+    out = {"w4a4_dequant_mxfp4": (lambda qa, qw: G.w4a4_matmul_dequant(qa, qw), sets, _ref_packed),
+           "w4a4_dequant_mxfp4_xla_fused": (lambda qa, qw: G.w4a4_matmul_dequant(qa, qw, materialize=False), sets,
+                                            _ref_packed)}
+    if jax.default_backend() != "gpu" and not interpret:
+        return out
+    impl = "pallas" if jax.default_backend() == "gpu" else "reference"
+    configs = {"": None, **(mgpu_configs or {})}
+    for suffix, cfg in configs.items():
+        m, k = layers[0][0].shape
+        n = layers[0][1].shape[0]
+        cfg = cfg or GM.default_config(m, n, k, GM._num_sms() if impl == "pallas" else 132)
+        # The weight in the kernel's layout (scales transposed, padded), prepared once like the packing itself.
+        msets = [(qa, GM.prepare_operand(qw, rows_multiple=cfg.cta_n, k_multiple=cfg.tile_k), qw) for qa, qw in sets]
+
+        def fn(qa, wp, qw, cfg=cfg):
+            del qw
+            return GM.w4a4_matmul_mgpu(qa, wp, config=cfg, impl=impl)
+
+        out["w4a4_mgpu_mxfp4" + (f"_{suffix}" if suffix else "")] = (fn, msets, lambda qa, wp, qw: _ref_packed(qa, qw))
     return out
 
 
@@ -228,8 +271,23 @@ def layer_variants(layers, interpret, tiny):
     def ref_nolr(a, qw, *_):
         return jnp.matmul(_xq(a), dequantize(qw, jnp.float32).T)
 
-    return {"w4a4_layer_lr_fused": (fused, sets, ref), "w4a4_layer_lr_beside": (beside, sets, ref),
-            "w4a4_layer_nolr": (nolr, sets, ref_nolr), "transform_quantize_only": (lambda a, *_: tq(a), sets, None)}
+    def dequant(a, qw, left_q, left, r_folded):  # decode + cuBLAS, [A | h] [W | L]^T as one GEMM
+        h = jnp.matmul(a, r_folded.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        return G.w4a4_matmul_dequant(tq(a), qw, lowrank=(h, left_q))
+
+    out = {"w4a4_layer_lr_fused": (fused, sets, ref), "w4a4_layer_lr_beside": (beside, sets, ref),
+           "w4a4_layer_nolr": (nolr, sets, ref_nolr), "transform_quantize_only": (lambda a, *_: tq(a), sets, None),
+           "w4a4_layer_dequant": (dequant, sets, ref)}
+    if jax.default_backend() == "gpu" or interpret:
+        impl = "pallas" if jax.default_backend() == "gpu" else "reference"
+
+        def mgpu(a, qw, left_q, left, r_folded):  # the Mosaic GPU GEMM, h L^T beside it
+            h = jnp.matmul(a, r_folded.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+            y = GM.w4a4_matmul_mgpu(tq(a), qw, impl=impl, out_dtype=jnp.float32)
+            return (y + jnp.matmul(h, left[:, perm].T, preferred_element_type=jnp.float32)).astype(jnp.bfloat16)
+
+        out["w4a4_layer_mgpu"] = (mgpu, sets, ref)
+    return out
 
 
 def epilogue_variants(layers, kind, interpret, tiny):
@@ -305,6 +363,7 @@ def main(argv=None):
     p.add_argument("--no-epilogues", action="store_true")
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--tables-from", default="", help="print the docs tables of an existing JSON and exit")
+    p.add_argument("--variants", default="", help="comma-separated substrings: run only variants whose name has one")
     args = p.parse_args(argv)
     if args.tables_from:
         with open(args.tables_from) as f:
@@ -354,6 +413,9 @@ def main(argv=None):
             epi = "rmsnorm" if layer == "attn.q" else ("swiglu" if layer == "ffn.w13" else None)
             if mode == "full" and epi and not args.no_epilogues:
                 variants.update(epilogue_variants(layers, epi, args.interpret, args.tiny))
+        if args.variants:
+            keep = args.variants.split(",")
+            variants = {key: v for key, v in variants.items() if any(x in key for x in keep)}
         case = {"model": model, "layer": layer, "m": m, "n": n, "k": k, "flops": flops, "mode": mode, "variants": []}
         result["cases"].append(case)
         for name, (fn, sets, ref) in variants.items():
@@ -375,7 +437,8 @@ def main(argv=None):
     return result
 
 
-LEAN = ("bf16_xla", "w4a4_gemm_mxfp4_bf16", "w4a4_gemm_mxfp4_fp8", "w4a4_layer_lr_fused")
+LEAN = ("bf16_xla", "w4a4_gemm_mxfp4_bf16", "w4a4_gemm_mxfp4_fp8", "w4a4_layer_lr_fused", "w4a4_dequant_mxfp4",
+        "w4a4_mgpu_mxfp4", "w4a4_layer_dequant")
 SWEEP = [(128, 128, 128, 8, 3, 1), (128, 128, 64, 4, 4, 1), (64, 128, 128, 4, 3, 1), (128, 256, 64, 8, 3, 1),
          (128, 128, 64, 8, 3, 2), (64, 64, 128, 4, 4, 1)]
 
@@ -407,7 +470,8 @@ def doc_tables(result) -> str:
         return v["us"], f"{v['us']:.1f}"
 
     gemm_cols = ["bf16_xla", "w4a4_gemm_mxfp4_bf16", "w4a4_gemm_mxfp4_fp8", "w4a4_gemm_nvfp4_bf16",
-                 "transform_quantize_only", "w4a4_layer_nolr", "w4a4_layer_lr_fused", "w4a4_layer_lr_beside"]
+                 "w4a4_dequant_mxfp4", "w4a4_mgpu_mxfp4", "transform_quantize_only", "w4a4_layer_nolr",
+                 "w4a4_layer_lr_fused", "w4a4_layer_lr_beside", "w4a4_layer_dequant", "w4a4_layer_mgpu"]
     out = ["| model | layer | m | n | k | " + " | ".join(gemm_cols) + " | best layer / bf16 |",
            "| --- | --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in gemm_cols) + " | ---: |"]
     for c in result["cases"]:
@@ -415,7 +479,7 @@ def doc_tables(result) -> str:
             continue
         cells = [us(c, name) for name in gemm_cols]
         base = cells[0][0]
-        layer_t = [t for t, _ in cells[6:8] if t]
+        layer_t = [t for t, _ in cells[8:] if t]
         ratio = f"{base / min(layer_t):.2f}x" if base and layer_t else "–"
         out.append(f"| {c['model']} | {c['layer']} | {c['m']} | {c['n']} | {c['k']} | "
                    + " | ".join(txt for _, txt in cells) + f" | {ratio} |")
