@@ -377,7 +377,7 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
             svd_rank = 32 if recipe.lowrank else 0
         sq_cfg = dataclasses.replace(sq_cfg, num_rows=cal.num_rows, num_heldout=cal.num_heldout, seed=cal.seed,
                                      shard=cal.shard, svd_rank=svd_rank)
-        sq = smoothquant.smoothquant_layers(layers, sq_cfg)
+        sq = smoothquant.smoothquant_layers(layers, sq_cfg, pad_to=pad_to)
         inits = {}
         for n, res in sq.items():
             reports[n].update(alpha=res.alpha, beta=res.beta)

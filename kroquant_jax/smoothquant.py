@@ -12,7 +12,8 @@ branch)::
     err(α, β) = mean (Q(A/γ) Q(Wγ - L R)^T + (A/γ)(L R)^T - A W^T)^2,    L R = SVD_32(W γ)
 
 Set ``svd_rank=0`` to search with the plain 4-bit weight. The grid is evaluated sequentially (``lax.map``) inside
-one program per group of equally-shaped layers, ``vmap``-ed and sharded across layers like the calibration engine.
+one program per group of equally-shaped layers, ``vmap``-ed and sharded across layers like the calibration engine
+(and, with ``pad_to``, sized like the caller's other batches, so a smaller last batch reuses the program).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kroquant_jax.formats import MXFP4, QuantFormat, fake_quant
-from kroquant_jax.layerset import LayerData, as_layer_set, progress_bar, run_stacked, split_rows
-from kroquant_jax.lowrank import SvdMethod, low_rank_svd
+from kroquant_jax.layerset import LayerData, as_layer_set, progress_bar, split_rows
+from kroquant_jax.lowrank import SvdMethod, low_rank_svd, program_config, run_stacked_padded
 
 __all__ = ["SmoothQuantConfig", "SmoothQuantResult", "smoothing_factors", "smoothquant_layers", "search_one"]
 
@@ -118,13 +119,18 @@ def _search_stacked(a, w, cfg):
     return jax.vmap(lambda x, y: search_one(x, y, cfg))(a, w)
 
 
-def smoothquant_layers(layer_set: Mapping[str, LayerData], cfg: SmoothQuantConfig = SmoothQuantConfig()
-                       ) -> dict[str, SmoothQuantResult]:
+def smoothquant_layers(layer_set: Mapping[str, LayerData], cfg: SmoothQuantConfig = SmoothQuantConfig(), *,
+                       pad_to: int = 1) -> dict[str, SmoothQuantResult]:
     """Runs the (α, β) search for every layer; layers of one shape are stacked and ``vmap``-ed.
 
     Args:
       layer_set: ``{name: (W, bias, A_rows)}`` (validated).
-      cfg: :class:`SmoothQuantConfig`.
+      cfg: :class:`SmoothQuantConfig`; its driver-only fields (``max_layers_per_program``, ``shard``, ``progress``)
+        are not part of the compiled program (:func:`kroquant_jax.lowrank.program_config`).
+      pad_to: size every program for at least ``min(pad_to, cfg.max_layers_per_program)`` layers
+        (:func:`kroquant_jax.lowrank.run_stacked_padded`): a caller running several batches of one shape
+        (``calibrate.quantize_layer_set``) passes its batch size, so that a smaller last batch reuses the compiled
+        program (padding layers are computed and dropped).
 
     Returns:
       ``{name: SmoothQuantResult}`` in input order.
@@ -139,7 +145,7 @@ def smoothquant_layers(layer_set: Mapping[str, LayerData], cfg: SmoothQuantConfi
             raise ValueError(f"layer {name!r}: svd_rank={cfg.svd_rank} exceeds min(o, d) of weight "
                              f"{layer.weight.shape}")
         groups.setdefault((layer.weight.shape, rows[name].shape), []).append(name)
-    fn = functools.partial(_search_stacked, cfg=cfg)
+    fn = functools.partial(_search_stacked, cfg=program_config(cfg))
     bar = progress_bar(len(layers), cfg.progress, "SmoothQuant search")
     out = {}
     n_beta = len(cfg.betas)
@@ -147,8 +153,9 @@ def smoothquant_layers(layer_set: Mapping[str, LayerData], cfg: SmoothQuantConfi
         for names in groups.values():
             a = np.stack([rows[n] for n in names])
             w = np.stack([layers[n].weight for n in names])
-            gamma, best, errors = run_stacked(fn, [a, w], len(names), max_per_program=cfg.max_layers_per_program,
-                                              shard=cfg.shard, progress=bar)
+            gamma, best, errors = run_stacked_padded(fn, [a, w], len(names), pad_to=pad_to,
+                                                     max_per_program=cfg.max_layers_per_program, shard=cfg.shard,
+                                                     progress=bar)
             for i, n in enumerate(names):
                 b = int(best[i])
                 out[n] = SmoothQuantResult(gamma=np.asarray(gamma[i]), alpha=float(cfg.alphas[b // n_beta]),

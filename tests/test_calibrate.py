@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from kroquant_jax import calibrate, layerset, lowrank, qlinear, transforms
+from kroquant_jax import calibrate, layerset, lowrank, qlinear, smoothquant, transforms
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = dict(steps=20, num_rows=160, num_heldout=64)
@@ -220,32 +220,57 @@ def test_recipe_resumes_after_an_interruption(tmp_path):
         assert rep[n]["heldout_error"] == pytest.approx(full_rep[n]["heldout_error"], rel=1e-6)
 
 
-def test_quantize_layer_set_compiles_each_program_once_per_shape():
-    """Three layers of one shape at two per batch: the last batch (one layer) is padded to the first one's size, so the
-    calibration and LoRaQ programs compile once, and every layer gets what a single batch gives it."""
+def _quantize_two_batches(recipe):
+    """Three layers of one shape through ``recipe`` at two per batch (so the last batch, one layer, is padded to the
+    first one's size) and at three per batch (one batch). Returns the names of the programs the first run compiled
+    and both runs' reports."""
     ls = _layer_set(shapes=((40, 64),) * 3)
-    recipe = calibrate.get_recipe("kroquant+loraq", calibration=calibrate.CalibrationConfig(
-        max_layers_per_program=2, **dict(FAST, steps=7)), loraq=lowrank.LoRaQConfig(rank=32, steps=4, rotation_steps=2))
-    compiled = []
+    recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, max_layers_per_program=2))
+    compiled, batches = [], []
 
     def listener(event, duration, **kw):
         if event == "/jax/core/compile/backend_compile_duration":
             compiled.append(kw.get("fun_name"))
 
-    batches = []
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         _, rep = calibrate.quantize_layer_set(ls, recipe, on_batch_done=batches.append)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert [len(b) for b in batches] == [2, 1]
-    assert compiled.count("jit(_program)") == 1 and compiled.count("jit(_loraq_stacked)") == 1, compiled
     one_batch = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration,
                                                                            max_layers_per_program=3))
     _, rep1 = calibrate.quantize_layer_set(ls, one_batch)
-    for n in ls:
+    assert rep.keys() == rep1.keys() == ls.keys()
+    return compiled, rep, rep1
+
+
+def test_quantize_layer_set_compiles_each_program_once_per_shape():
+    """The last batch (one layer) is padded to the first one's size, so the calibration and LoRaQ programs compile
+    once, and every layer gets what a single batch gives it."""
+    recipe = calibrate.get_recipe("kroquant+loraq", calibration=calibrate.CalibrationConfig(**dict(FAST, steps=7)),
+                                  loraq=lowrank.LoRaQConfig(rank=32, steps=4, rotation_steps=2))
+    compiled, rep, rep1 = _quantize_two_batches(recipe)
+    assert compiled.count("jit(_program)") == 1 and compiled.count("jit(_loraq_stacked)") == 1, compiled
+    for n in rep:
         assert rep[n]["chosen"] == rep1[n]["chosen"], n
         np.testing.assert_allclose(rep[n]["heldout_error"], rep1[n]["heldout_error"], rtol=1e-4, err_msg=n)
+
+
+def test_smoothquant_recipes_compile_each_program_once_per_shape():
+    """SVDQuant (SmoothQuant search, then the searched diagonal transform, then the 16-bit SVD branch): the last
+    batch's SmoothQuant search is padded like its other programs, so every program compiles once, and every layer
+    gets what a single batch gives it."""
+    recipe = calibrate.get_recipe(
+        "svdquant", calibration=calibrate.CalibrationConfig(**FAST), smooth_svd_rank=8,
+        smoothquant=smoothquant.SmoothQuantConfig(alphas=(0.0, 0.5, 1.0), betas=(0.0, 0.5, 1.0), svd_method="exact"),
+        svdquant=lowrank.SVDQuantConfig(rank=8, svd_method="exact"))
+    compiled, rep, rep1 = _quantize_two_batches(recipe)
+    for program in ("jit(_search_stacked)", "jit(_program)", "jit(_svdquant_stacked)"):
+        assert compiled.count(program) == 1, (program, compiled)
+    for n in rep:
+        assert (rep[n]["alpha"], rep[n]["beta"]) == (rep1[n]["alpha"], rep1[n]["beta"]), n
+        np.testing.assert_allclose(rep[n]["heldout_error"], rep1[n]["heldout_error"], rtol=1e-5, err_msg=n)
 
 
 def test_batches_of_one_shape_are_balanced():

@@ -1,4 +1,7 @@
-"""SmoothQuant (α, β) search: γ definition, the searched error against numpy, vmapped == per-layer."""
+"""SmoothQuant (α, β) search: γ definition, the searched error against numpy, vmapped == per-layer, padded
+programs."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -62,3 +65,37 @@ def test_vmapped_equals_per_layer():
         np.testing.assert_allclose(stacked[n].errors, single.errors, rtol=1e-5)
         np.testing.assert_allclose(stacked[n].gamma, single.gamma, rtol=1e-6)
     assert jax.tree.structure(stacked["x"]) == jax.tree.structure(single)
+
+
+def test_pad_to_keeps_results_and_a_smaller_batch_reuses_the_program():
+    """``pad_to`` sizes a smaller batch's program like the full batch's (one XLA compilation for the three calls
+    below; the driver settings are not part of the program either), and the padding layers (copies of the first
+    layer) are dropped: every layer gets exactly what an unpadded per-layer run gives it."""
+    ls = _layers(("x", "y", "z"))
+    cfg = _cfg(alphas=(0.0, 0.25, 0.75), betas=(0.0, 0.5), max_layers_per_program=2)  # a grid no other test compiles
+    compiled = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration" and "_search_stacked" in str(kw.get("fun_name")):
+            compiled.append(kw.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        full = smoothquant.smoothquant_layers(ls, cfg)  # chunks of 2 (the last one padded)
+        alone = smoothquant.smoothquant_layers({"z": ls["z"]}, dataclasses.replace(cfg, shard=False,
+                                                                                   max_layers_per_program=4), pad_to=2)
+        pair = smoothquant.smoothquant_layers({"y": ls["y"], "x": ls["x"]}, dataclasses.replace(cfg, progress=True),
+                                              pad_to=2)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiled == ["jit(_search_stacked)"], compiled
+    assert list(full) == ["x", "y", "z"] and list(alone) == ["z"] and list(pair) == ["y", "x"]
+    for n in ls:
+        single = smoothquant.smoothquant_layers({n: ls[n]}, cfg)[n]  # a one-layer program, no padding
+        for got in (full[n], (alone if n == "z" else pair)[n]):
+            np.testing.assert_array_equal(got.errors, single.errors, err_msg=n)
+            np.testing.assert_array_equal(got.gamma, single.gamma, err_msg=n)
+            assert (got.alpha, got.beta) == (single.alpha, single.beta), n
+    # The layers differ, so a result taken from the padding (a copy of the first layer) would show above.
+    assert not np.array_equal(full["z"].errors, full["x"].errors)
+    assert not np.array_equal(pair["x"].errors, pair["y"].errors)
