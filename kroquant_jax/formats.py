@@ -61,6 +61,7 @@ __all__ = [
     "ScaleMode",
     "check_finite",
     "dequantize",
+    "divide_rn",
     "e2m1_decode",
     "e2m1_encode",
     "fake_quant",
@@ -282,15 +283,64 @@ def _e4m3_round(x: jax.Array) -> jax.Array:
     return x.astype(jnp.float8_e4m3fn)
 
 
-def _divide(x: jax.Array, divisor) -> jax.Array:
-    """``x / divisor`` (a scalar), correctly rounded under jit and vmap too.
+def divide_rn(x: jax.Array, y) -> jax.Array:
+    """Correctly rounded IEEE f32 ``x / y`` (round to nearest even) on every backend, under jit and vmap.
 
-    XLA rewrites a division by a broadcast scalar into a multiplication by its (inexact) reciprocal, which changes
-    the last bit. The divisor is therefore materialised with ``x``'s shape (``where(x == x, d, 2 d)`` cannot be
-    folded back into a broadcast; NaN stays NaN either way) behind an optimization barrier.
+    ``x``, ``y``: float32 arrays (or scalars) that broadcast together; returns float32 of the broadcast shape, bit for
+    bit ``numpy.float32(x) / numpy.float32(y)``, subnormal inputs and results included (no flush), signed zeros,
+    infinities and NaN as IEEE 754 defines them.
+
+    Why not ``x / y``: XLA:GPU's f32 division is not correctly rounded (measured on the H200, jax 0.11.2: 30% of 2^20
+    random quotients off by one ulp, the same results as Triton's ``div.full.f32``), and XLA rewrites a division by a
+    broadcast scalar into a multiplication by its reciprocal on every backend. NVFP4's block scales sit next to E4M3
+    rounding midpoints, so one ulp changes a scale byte. This is an integer restoring division of the 24-bit
+    significands (25 quotient bits, a sticky bit, then the rounding), so XLA cannot rewrite it and every backend gives
+    the same bits. Cost: about 25 x 5 integer operations per element; NVFP4 uses it per block of 16, not per element.
     """
-    divisor = jnp.asarray(divisor, jnp.float32)
-    return x / jax.lax.optimization_barrier(jnp.where(x == x, divisor, 2 * divisor))
+    x, y = jnp.broadcast_arrays(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
+    bx = jax.lax.bitcast_convert_type(x, jnp.int32)
+    by = jax.lax.bitcast_convert_type(y, jnp.int32)
+    sign = (bx ^ by) & jnp.int32(-(2**31))  # the sign bit of the quotient
+    ax, ay = bx & 0x7FFFFFFF, by & 0x7FFFFFFF  # |x|, |y| bits
+
+    def significand(a):
+        """(significand in [2^23, 2^24), biased exponent; subnormals normalised to an exponent below 1)."""
+        exp_field, frac = a >> 23, a & 0x7FFFFF
+        shift = jnp.maximum(jax.lax.clz(frac) - 8, 0)  # subnormal: bring the leading 1 to bit 23
+        sub = exp_field == 0
+        return (jnp.where(sub, frac << shift, frac | 0x800000),
+                jnp.where(sub, 1 - shift, exp_field))
+
+    x_zero, y_zero = ax == 0, ay == 0
+    x_inf, y_inf = ax == 0x7F800000, ay == 0x7F800000
+    nan = (ax > 0x7F800000) | (ay > 0x7F800000) | (x_zero & y_zero) | (x_inf & y_inf)
+    regular = ~(nan | x_zero | y_zero | x_inf | y_inf)
+    one = jnp.int32(0x800000)
+    mx, ex = significand(jnp.where(regular, ax, one))
+    my, ey = significand(jnp.where(regular, ay, one))
+    low = mx < my
+    rem = jnp.where(low, mx << 1, mx)  # rem / my in [1, 2)
+    exp = ex - ey + 127 - low.astype(jnp.int32)  # biased exponent of the quotient
+    q = jnp.zeros_like(rem)
+    for _ in range(25):  # 24 significand bits + the rounding bit; rem < 2 my < 2^25 throughout
+        bit = rem >= my
+        q = (q << 1) | bit.astype(jnp.int32)
+        rem = jnp.where(bit, rem - my, rem) << 1
+    sticky = rem != 0
+    # Normal results drop 1 bit of q; subnormal ones (exp <= 0) drop 2 - exp bits (value = q 2^(exp - 151)).
+    drop = jnp.where(exp >= 1, 1, jnp.minimum(2 - exp, 26))
+    kept = q >> drop
+    dropped = q & ((jnp.int32(1) << drop) - 1)
+    half = jnp.int32(1) << (drop - 1)
+    round_up = (dropped > half) | ((dropped == half) & (sticky | ((kept & 1) == 1)))
+    kept = kept + round_up.astype(jnp.int32)
+    # Normal: (exp - 1) << 23 plus the 24-bit significand (its implicit bit carries into the exponent, also when the
+    # rounding overflows the significand); subnormal: the significand is the bit pattern. Overflow saturates to inf.
+    magnitude = jnp.where(exp >= 1, ((exp - 1) << 23) + kept, kept)
+    magnitude = jnp.minimum(jnp.where(exp >= 255, 0x7F800000, magnitude), 0x7F800000)
+    magnitude = jnp.where(x_inf | y_zero, 0x7F800000, jnp.where(x_zero | y_inf, 0, magnitude))
+    bits = jnp.where(nan, 0x7FC00000, sign | magnitude)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def nvfp4_tensor_scale(x: jax.Array) -> jax.Array:
@@ -298,7 +348,7 @@ def nvfp4_tensor_scale(x: jax.Array) -> jax.Array:
     xf = flush_subnormals(x.astype(jnp.float32))
     amax = jnp.max(jnp.abs(jnp.where(jnp.isfinite(xf), xf, 0.0)))  # non-finite blocks become NaN on their own
     ok = amax > 0
-    return jnp.where(ok, _divide(amax, E4M3_MAX * E2M1_MAX), jnp.float32(1.0))
+    return jnp.where(ok, divide_rn(amax, E4M3_MAX * E2M1_MAX), jnp.float32(1.0))
 
 
 def nvfp4_quantize_blocks(x_blocks: jax.Array, tensor_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -316,14 +366,13 @@ def nvfp4_quantize_blocks(x_blocks: jax.Array, tensor_scale: jax.Array) -> tuple
     x = flush_subnormals(x_blocks.astype(jnp.float32))
     nonfinite = jnp.any(~jnp.isfinite(x), axis=-1)
     amax = jnp.max(jnp.abs(jnp.where(jnp.isfinite(x), x, 0.0)), axis=-1)
-    # Under jit XLA rewrites (a / b) / c into a / (b * c) and a / scalar into a * (1 / scalar); either changes the
-    # last bit and, near E4M3 midpoints, the block scale. `_divide` and the barrier keep torchao's two roundings, so
-    # jit == eager == numpy (tested).
-    block_over_max = jax.lax.optimization_barrier(_divide(amax, E2M1_MAX))  # (...)
-    s_blk = _e4m3_round(jnp.clip(_divide(block_over_max, tensor_scale), E4M3_TINY, E4M3_MAX))  # (...)
+    # torchao's two roundings, (amax / 6) / tensor_scale, each correctly rounded (divide_rn: XLA:GPU's own f32
+    # division is not, and XLA rewrites divisions by scalars), so jit == eager == numpy on every backend (tested).
+    block_over_max = divide_rn(amax, E2M1_MAX)  # (...)
+    s_blk = _e4m3_round(jnp.clip(divide_rn(block_over_max, tensor_scale), E4M3_TINY, E4M3_MAX))  # (...)
     # One multiply per element by the reciprocal of the combined scale, the numerics of torchao's nvfp4_quantize.
-    inv_tensor_scale = jax.lax.optimization_barrier(jnp.float32(1.0) / tensor_scale)
-    reciprocal = inv_tensor_scale / s_blk.astype(jnp.float32)  # (...)
+    inv_tensor_scale = divide_rn(jnp.float32(1.0), tensor_scale)
+    reciprocal = divide_rn(inv_tensor_scale, s_blk.astype(jnp.float32))  # (...)
     v = flush_subnormals(x * reciprocal[..., None])
     codes = e2m1_encode(jnp.clip(v, -E2M1_MAX, E2M1_MAX))
     codes = jnp.where(nonfinite[..., None], jnp.uint8(0), codes)

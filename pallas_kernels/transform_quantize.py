@@ -415,7 +415,7 @@ def _div_rn_ptx(x: jax.Array, y: jax.Array) -> jax.Array:
     """Correctly rounded f32 ``x / y`` inside a Pallas Triton kernel on the GPU: ``div.rn.f32`` as inline PTX.
 
     Triton lowers an f32 ``arith.divf`` to ``div.full.f32`` (approximate, up to 2 ulp), which moves NVFP4 block scales
-    that sit next to an E4M3 rounding midpoint; the reference divides exactly (``formats._divide``).
+    that sit next to an E4M3 rounding midpoint; the reference divides exactly (``formats.divide_rn``).
     """
     x, y = jnp.broadcast_arrays(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
     (q,) = pltriton.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[x, y], constraints="=r,r,r", pack=1,
@@ -430,8 +430,8 @@ def nv_quantize_tile(y: jax.Array, tensor_scale: jax.Array, inv_tensor_scale: ja
     ``inv_tensor_scale`` must be ``float32(1) / tensor_scale`` (as ``nvfp4_quantize_blocks`` computes it). Bit-identical
     to ``nvfp4_quantize_blocks`` (tested); the E4M3 rounding is done on the integer bits. The three f32 divisions
     (``amax / 6``, ``/ tensor_scale``, ``inv_tensor_scale / s``) go through ``divide(x, y)``, which must round
-    correctly: ``formats._divide`` by default (correct under jit: XLA would otherwise multiply by the reciprocal of a
-    broadcast scalar), :func:`_div_rn_ptx` in the GPU kernel (Triton's own f32 division is approximate).
+    correctly: ``formats.divide_rn`` by default (integer arithmetic: XLA:GPU's f32 division is approximate and XLA
+    rewrites divisions by scalars), :func:`_div_rn_ptx` in the GPU kernel (Triton's own f32 division is approximate).
     """
     r, w = y.shape
     nvb = NVFP4().block_size
@@ -439,7 +439,7 @@ def nv_quantize_tile(y: jax.Array, tensor_scale: jax.Array, inv_tensor_scale: ja
     nf = _nonfinite(x)
     nonfinite = jnp.max(nf.astype(jnp.int32), axis=-1) > 0
     amax = jnp.max(jnp.abs(jnp.where(nf, 0.0, x)), axis=-1)
-    div = F._divide if divide is None else divide
+    div = F.divide_rn if divide is None else divide
     # Two roundings, as formats.nvfp4_quantize_blocks (and torchao): (amax / 6) / ts, each division correctly rounded
     # (the max() keeps XLA's algebraic simplifier from fusing the two divisions when this runs jitted).
     s = jnp.clip(div(jnp.maximum(div(amax, jnp.float32(F.E2M1_MAX)), 0.0), tensor_scale), F.E4M3_TINY, F.E4M3_MAX)
@@ -573,7 +573,7 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes,
 
     if fmt_kind == "nvfp4" and not amax_only:
         ts, inv_ts = ts_ref[0, 0], ts_ref[0, 1]
-    exact_div = None if interpret else _div_rn_ptx  # interpret mode (XLA:CPU): formats._divide
+    exact_div = None if interpret else _div_rn_ptx  # interpret mode: formats.divide_rn
     block = 16 if fmt_kind == "nvfp4" else BLOCK
     use_wide = bool(wide) and kind in ("k1", "k2", "k2s") and fmt_kind == "mxfp4" and not amax_only
     use_pair = (split_dot and kind in ("k1", "k2", "k2s") and fmt_kind == "mxfp4" and not amax_only
@@ -875,10 +875,10 @@ def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), 
             (row_max,) = _pallas_call(a2, transform, fmt, None, bs, interpret, amax_only=True,
                                       round_y=round_to_input)
             amax = jnp.max(row_max)
-            ts = jnp.where(amax > 0, F._divide(amax, F.E4M3_MAX * F.E2M1_MAX), jnp.float32(1.0))
+            ts = jnp.where(amax > 0, F.divide_rn(amax, F.E4M3_MAX * F.E2M1_MAX), jnp.float32(1.0))
         else:
             ts = jnp.asarray(tensor_scale, jnp.float32)
-        ts_pair = jnp.stack([ts, jnp.float32(1.0) / ts])
+        ts_pair = jnp.stack([ts, F.divide_rn(jnp.float32(1.0), ts)])
     codes, scales = _pallas_call(a2, transform, fmt, ts_pair, bs, interpret, poison=_poison, round_y=round_to_input)
     codes = codes.reshape(*lead, d // 2)
     scales = scales.reshape(*lead, scales.shape[-1])

@@ -318,3 +318,24 @@ def test_nvfp4_tensor_scale_correctly_rounded_under_jit():
     x = jnp.asarray(amax[:, None] * np.array([1.0, -0.5], np.float32))  # (4096, 2): one tensor per row
     got = np.asarray(jax.jit(jax.vmap(F.nvfp4_tensor_scale))(x))
     np.testing.assert_array_equal(got, amax / np.float32(448.0 * 6.0))
+
+
+def test_divide_rn_matches_numpy_bit_for_bit():
+    """``divide_rn`` is IEEE f32 division (round to nearest even, subnormals, specials), jitted and vmapped."""
+    from tq_cases import assert_division_exact, division_operands
+
+    for tag, (x, y) in division_operands(1 << 16).items():
+        assert_division_exact(np.asarray(jax.jit(F.divide_rn)(x, y)), x, y, tag)
+    x, y = division_operands(4096, seed=1)["wide"]
+    got = jax.jit(jax.vmap(F.divide_rn, in_axes=(0, None)))(x.reshape(64, 64), y[0])  # a broadcast scalar divisor
+    assert_division_exact(np.asarray(got).ravel(), x, np.full_like(x, y[0]), "scalar divisor under vmap")
+
+
+def test_divide_rn_catches_a_one_ulp_error():
+    """The comparison has teeth: a quotient one ulp off fails it."""
+    from tq_cases import assert_division_exact
+
+    x, y = np.float32([1.0, 2.0]), np.float32([3.0, 7.0])
+    got = np.asarray(F.divide_rn(x, y))
+    with pytest.raises(AssertionError, match="1 of 2 quotients differ"):
+        assert_division_exact(got.copy() + np.float32([0.0, 1.0]) * np.spacing(got[1]), x, y, "planted")

@@ -90,3 +90,33 @@ def nvfp4_division_stress(ts, n_blocks=512, seed=0):
     vals = vals * rng.choice(np.float32([-1.0, 1.0]), (n, 15))
     blocks = np.concatenate([amax[:, None] * rng.choice(np.float32([-1.0, 1.0]), (n, 1)), vals], axis=1)
     return np.clip(blocks, -amax[:, None], amax[:, None]).astype(np.float32)  # element 0 stays the block maximum
+
+
+def division_operands(n: int, seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """float32 ``(x, y)`` pairs for ``formats.divide_rn`` against numpy's (correctly rounded) ``x / y``: wide
+    magnitudes, arbitrary bit patterns (NaN payloads, infinities, subnormals), subnormal operands, the NVFP4 divisors
+    (6, 448 * 6) and every pair of special values."""
+    rng = np.random.default_rng(seed)
+
+    def bits(size):
+        return rng.integers(0, 2**32, size, dtype=np.uint64).astype(np.uint32).view(np.float32)
+
+    wide = lambda: (rng.standard_normal(n) * np.exp(rng.uniform(-40, 40, n))).astype(np.float32)  # noqa: E731
+    subnormal = rng.integers(1, 2**23, n).astype(np.uint32).view(np.float32)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0, 1e-45, 3.4e38, 1.2e-38, 6.0], np.float32)
+    sx, sy = np.meshgrid(specials, specials)
+    amax = rng.uniform(0, 1e3, n).astype(np.float32)
+    return {"wide": (wide(), wide()), "bit_patterns": (bits(n), bits(n)), "subnormal_x": (subnormal, bits(n)),
+            "subnormal_y": (bits(n), subnormal), "subnormal_both": (subnormal, subnormal[::-1].copy()),
+            "by_6": (amax, np.full(n, 6.0, np.float32)), "by_2688": (amax, np.full(n, 2688.0, np.float32)),
+            "specials": (sx.ravel(), sy.ravel())}
+
+
+def assert_division_exact(got: np.ndarray, x: np.ndarray, y: np.ndarray, tag: str) -> None:
+    """``got`` equals numpy's ``x / y`` bit for bit (any NaN for a NaN)."""
+    with np.errstate(all="ignore"):
+        want = x / y
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+    bad = np.nonzero(~same)[0]
+    assert bad.size == 0, (f"{tag}: {bad.size} of {x.size} quotients differ, e.g. x={x[bad[:3]]} y={y[bad[:3]]} "
+                           f"got={got[bad[:3]]} want={want[bad[:3]]}")
