@@ -11,8 +11,9 @@ saturation ratios against the 16-bit images, mean held-out per-layer output erro
 
 This is ``scripts/eval_testbed.py`` with fast defaults; every option of that command is accepted and overrides the
 defaults, e.g. ``kroquant demo --checkpoint DIR --prompts PROMPTS.npz`` for your own pixel-space flow-matching
-PixArt checkpoint, ``--methods rtn kroquant`` or ``--calib-steps 100`` (the paper's setting). For the full
-evaluation use ``kroquant evaluate``.
+PixArt checkpoint, ``--methods rtn kroquant``, ``--calib-steps 100`` (the paper's setting) or ``--compile-cache DIR``
+(JAX's persistent compilation cache: a second run with the same settings loads its compiled programs instead of
+compiling them). For the full evaluation use ``kroquant evaluate``.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ LoRaQ's rank (``--lora-rank``): an int (the paper's 128, the default; meant for 
 fraction of each layer's ``min(o, d)`` (``kroquant_jax.lowrank.resolve_rank``; 0.125 gives rank 32 on the testbed's
 256-wide layers, which is also what the paper's share, 128 of 1152 = 1/9, rounds to).
 
+``--compile-cache DIR`` turns on JAX's persistent compilation cache in ``DIR``
+(:func:`kroquant_jax.calibrate.enable_compile_cache`), so that a later run with the same shapes and settings loads
+its compiled programs instead of compiling them.
+
 Writes (atomically) ``report.json``, ``table.md`` and ``grid.png`` (rows = captions, columns = 16-bit + methods;
 ``grid_train.png`` for the training captions) in ``--out``. The paper's FID, ImageReward and LPIPS need
 Inception/BLIP/AlexNet weights from a hub: not offline here. Nothing here imports torch or diffusers (the checkpoint
@@ -103,6 +107,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "256x256 linears in one program)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=None, help="quantize only the first N quantizable linears")
+    parser.add_argument("--compile-cache", metavar="DIR", default=None,
+                        help="JAX persistent compilation cache folder: a later run with the same shapes and settings "
+                             "loads the compiled programs (capture, calibration, sampling) instead of compiling them "
+                             "(default: off; the reported compile seconds then include the loads)")
     return parser.parse_args(argv)
 
 
@@ -313,6 +321,8 @@ def main(argv=None) -> int:
     from models import quantize_model
 
     args = parse_args(argv)
+    if args.compile_cache:
+        calibrate.enable_compile_cache(args.compile_cache)  # before anything compiles
     out = Path(args.out)
     if args.merge:
         report = merge_outputs([Path(f) for f in args.merge], out, args.grid_rows)
