@@ -285,12 +285,16 @@ def loraq_fit(w: jax.Array, cfg: LoRaQConfig = LoRaQConfig()) -> LowRank:
         better = loss < best_l
         best_x = jnp.where(better, x, best_x)
         best_l = jnp.minimum(loss, best_l)
-        m = cfg.rotation_momentum * m - g
-        w_hat = m @ x.T - 0.5 * x @ (x.T @ m @ x.T)
+        m = cfg.rotation_momentum * m - g  # (r, r)
+        # Explicit HIGHEST: f32 matmuls at the default precision may run as TF32 on NVIDIA GPUs.
+        hi = jax.lax.Precision.HIGHEST
+        w_hat = (jnp.matmul(m, x.T, precision=hi)
+                 - jnp.matmul(0.5 * x, jnp.matmul(jnp.matmul(x.T, m, precision=hi), x.T, precision=hi),
+                              precision=hi))  # M X^T - X (X^T M X^T) / 2, (r, r)
         skew = _skew(w_hat)
-        m = skew @ x
+        m = jnp.matmul(skew, x, precision=hi)
         alpha = jnp.minimum(cfg.rotation_lr, 2.0 * cfg.rotation_q / (jnp.linalg.norm(skew) + 1e-8))
-        x = jnp.linalg.solve(eye - 0.5 * alpha * skew, (eye + 0.5 * alpha * skew) @ x)
+        x = jnp.linalg.solve(eye - 0.5 * alpha * skew, jnp.matmul(eye + 0.5 * alpha * skew, x, precision=hi))
         return (x, m, best_x, best_l), loss
 
     carry = (eye, jnp.zeros_like(eye), eye, jnp.asarray(jnp.inf, jnp.float32))

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from kroquant_jax import calibrate, layerset, lowrank, qlinear, smoothquant, transforms
+from kroquant_jax import calibrate, layerset, lowrank, objectives, qlinear, smoothquant, transforms
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = dict(steps=20, num_rows=160, num_heldout=64)
@@ -290,6 +290,28 @@ def test_pad_to_does_not_change_results():
     for n in ls:
         assert padded[n].heldout_errors.keys() == stacked[n].heldout_errors.keys()
         np.testing.assert_allclose(padded[n].heldout_error, stacked[n].heldout_error, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(transforms.REGISTRY))
+def test_every_calibration_matmul_asks_for_highest_precision(name):
+    """With the default ObjectiveConfig (precision "highest"), every matmul of the calibration program (the transform's
+    blocks and inverse blocks, the loss, its gradient, Adam, the held-out evaluation) asks for Precision.HIGHEST,
+    in the jaxpr and in the lowered program: f32 matmuls at the default precision may run as TF32 on NVIDIA GPUs."""
+    from jaxpr_checks import assert_every_dot_highest  # tests/jaxpr_checks.py (here: the subprocesses import this file)
+
+    par = transforms.get(name)
+    params0 = jax.tree.map(lambda x: np.stack([np.asarray(x)] * 2), par.init(64))
+    a, w = np.ones((2, 40, 64), np.float32), np.ones((2, 32, 64), np.float32)
+
+    def program(p, a_cal, a_held, ww):
+        return calibrate._program(p, a_cal, a_held, ww, parameterization=par, steps=2 if par.trainable else 0,
+                                  learning_rate=1e-2, obj_cfg=objectives.ObjectiveConfig())
+
+    assert objectives.ObjectiveConfig().precision == "highest"
+    assert_every_dot_highest(program, params0, a, a, w)
+    p0 = par.init(64)  # what the recipes and QuantizedLinear build from the chosen parameters
+    assert_every_dot_highest(lambda p: (transforms.apply_to_activations(a[0], par.blocks(p)),
+                                        transforms.apply_to_weights(w[0], par.inverse_blocks(p))), p0, min_dots=2)
 
 
 def test_enable_compile_cache_is_explicit(tmp_path):

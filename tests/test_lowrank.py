@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpr_checks import assert_every_dot_highest  # tests/jaxpr_checks.py
 from kroquant_jax import lowrank, synthetic
 from kroquant_jax.formats import MXFP4, fake_quant
 
@@ -194,3 +195,18 @@ def test_driver_settings_and_a_smaller_batch_reuse_the_compiled_program():
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiled == ["jit(_loraq_stacked)"]
     np.testing.assert_allclose(alone["c"].left, full["c"].left, rtol=1e-5, atol=1e-6)
+
+
+def test_every_loraq_and_svdquant_matmul_asks_for_highest_precision():
+    """f32 matmuls left at the default precision may run as TF32 on NVIDIA GPUs (10-bit mantissa): every matmul of
+    LoRaQ (SVD init, Adam fit and the Cayley-SGD rotation step, gradients included) and of SVDQuant's refinement asks
+    for Precision.HIGHEST, in the jaxpr and in the lowered program."""
+    w = jnp.asarray(_weights(("a",), 64, 96)["a"])
+    cfg = lowrank.LoRaQConfig(rank=32, steps=2, rotation_steps=2)
+    dots = assert_every_dot_highest(lambda x: lowrank.loraq_fit(x, cfg), w, must_include="loraq_fit.<locals>.rot_step")
+    # The Cayley step itself: W^ = M X^T - X (X^T M X^T) / 2, M = skew(W^) X, (I + a/2 S) X: 6 products, besides the
+    # loss gradient's.
+    assert sum("(loraq_fit.<locals>.rot_step)" in where for _, where in dots) >= 6, dots
+    a = jnp.asarray(np.random.default_rng(1).standard_normal((80, 96)), jnp.float32)
+    assert_every_dot_highest(lambda x, y: lowrank.svdquant_fit(x, y, lowrank.SVDQuantConfig(rank=8, refine_steps=2)),
+                             w, a, must_include="svdquant_fit")

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpr_checks import assert_every_dot_highest  # tests/jaxpr_checks.py
 from kroquant_jax import layerset, smoothquant, synthetic
 from kroquant_jax.formats import fake_quant
 
@@ -99,3 +100,12 @@ def test_pad_to_keeps_results_and_a_smaller_batch_reuses_the_program():
     # The layers differ, so a result taken from the padding (a copy of the first layer) would show above.
     assert not np.array_equal(full["z"].errors, full["x"].errors)
     assert not np.array_equal(pair["x"].errors, pair["y"].errors)
+
+
+def test_every_search_matmul_asks_for_highest_precision():
+    """Every matmul of the search (randomized and exact SVD branch, candidate errors) asks for Precision.HIGHEST."""
+    layer = _layers(("x",))["x"]
+    a, w = jnp.asarray(layer.activations[:100]), jnp.asarray(layer.weight)
+    for method in ("randomized", "exact"):
+        assert_every_dot_highest(lambda x, y: smoothquant.search_one(x, y, _cfg(svd_method=method)), a, w,
+                                 must_include="_candidate_error")

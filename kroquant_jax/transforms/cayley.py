@@ -25,7 +25,7 @@ def blocks(params: dict) -> jax.Array:
     eye = jnp.eye(BLOCK, dtype=jnp.float32)
     q = jnp.linalg.solve(eye - s, eye + s)  # (nb, 32, 32) orthogonal
     h = jnp.asarray(normalized_hadamard(BLOCK), jnp.float32)
-    return jnp.einsum("ij,bjk->bik", h, q)
+    return jnp.einsum("ij,bjk->bik", h, q, precision=jax.lax.Precision.HIGHEST)  # (nb, 32, 32)
 
 
 def inverse_blocks(params: dict) -> jax.Array:

@@ -44,7 +44,9 @@ def kron_chain(factors: jax.Array) -> jax.Array:
     for i in range(1, factors.shape[-3]):
         g = factors[..., i, :, :]  # (..., 2, 2)
         n = out.shape[-1]
-        out = jnp.einsum("...ij,...kl->...ikjl", out, g).reshape(*out.shape[:-2], 2 * n, 2 * n)
+        # An outer product; explicit HIGHEST: at the default precision an f32 dot may run as TF32 on NVIDIA GPUs.
+        out = jnp.einsum("...ij,...kl->...ikjl", out, g,
+                         precision=jax.lax.Precision.HIGHEST).reshape(*out.shape[:-2], 2 * n, 2 * n)
     return out
 
 

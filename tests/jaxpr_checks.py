@@ -1,0 +1,62 @@
+"""Checks on what a traced program computes, for the tests: every matmul (``dot_general``) of a function, nested
+jaxprs included (scan, while, cond, pjit, custom_jvp/vjp, custom_linear_solve), and the precision it asks for."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+from jax.extend import core as jex_core
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _equations(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        stack = list(eqn.params.values())
+        while stack:
+            value = stack.pop()
+            if isinstance(value, jex_core.ClosedJaxpr):
+                yield from _equations(value.jaxpr)
+            elif isinstance(value, jex_core.Jaxpr):
+                yield from _equations(value)
+            elif isinstance(value, (tuple, list)):
+                stack.extend(value)
+
+
+def _where(eqn) -> str:
+    """``file:line (function)`` of the innermost project frame that made ``eqn``, and its operand shapes."""
+    frames = getattr(getattr(eqn.source_info, "traceback", None), "frames", None) or []
+    here = next((f"{f.file_name.rsplit('/', 2)[-2]}/{f.file_name.rsplit('/', 1)[-1]}:{f.line_num} ({f.function_name})"
+                 for f in frames if "/kroquant_jax/" in f.file_name), "?")
+    return f"{here} {[v.aval.str_short() for v in eqn.invars]}"
+
+
+def dot_generals(fn, *args) -> list[tuple[tuple, str]]:
+    """``[(precision per operand, where), ...]`` of every ``dot_general`` in ``jax.make_jaxpr(fn)(*args)``;
+    ``precision`` is ``(None, None)`` where the default was left to XLA (TF32 on NVIDIA GPUs for f32)."""
+    out = []
+    for eqn in _equations(jax.make_jaxpr(fn)(*args).jaxpr):
+        if eqn.primitive.name == "dot_general":
+            p = eqn.params["precision"]
+            out.append((tuple(p) if isinstance(p, (tuple, list)) else (p, p), _where(eqn)))
+    return out
+
+
+def assert_every_dot_highest(fn, *args, min_dots: int = 1, must_include: str | None = None) -> list:
+    """Asserts that every ``dot_general`` of ``fn(*args)`` asks for ``Precision.HIGHEST`` on both operands, in the
+    jaxpr and in the lowered StableHLO (``precision = [HIGHEST, HIGHEST]`` on every ``stablehlo.dot_general``); that
+    there are at least ``min_dots`` of them; and, if given, that ``must_include`` (a function name) made some of them
+    (so the check cannot pass by tracing something else). Returns the jaxpr's list (see :func:`dot_generals`)."""
+    dots = dot_generals(fn, *args)
+    assert len(dots) >= min_dots, f"{len(dots)} dot_generals found, expected >= {min_dots}"
+    if must_include is not None:
+        assert any(f"({must_include}" in w for _, w in dots), f"no dot_general made by {must_include}: {dots}"
+    bad = [(p, w) for p, w in dots if p != (HIGHEST, HIGHEST)]
+    assert not bad, f"{len(bad)} of {len(dots)} dot_generals without Precision.HIGHEST: {bad}"
+    hlo = [line for line in jax.jit(fn).lower(*args).as_text().splitlines() if "stablehlo.dot_general" in line]
+    assert hlo, "no stablehlo.dot_general in the lowered program"
+    bad_hlo = [line.strip() for line in hlo if not re.search(r"precision = \[HIGHEST, HIGHEST\]", line)]
+    assert not bad_hlo, f"{len(bad_hlo)} of {len(hlo)} StableHLO dot_generals without HIGHEST: {bad_hlo[:5]}"
+    return dots
