@@ -359,6 +359,8 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new cases after this many seconds")
     p.add_argument("--target-s", type=float, default=0.02, help="approximate seconds of work per timed loop")
     p.add_argument("--only", default="", help="comma-separated models to run (default: all, in priority order)")
+    p.add_argument("--layers", default="",
+                   help="comma-separated layers to run, 'model.layer' or 'layer' (e.g. ideogram4.ffn.w2,ff.down)")
     p.add_argument("--no-layer", action="store_true")
     p.add_argument("--no-epilogues", action="store_true")
     p.add_argument("--no-sweep", action="store_true")
@@ -377,6 +379,9 @@ def main(argv=None):
     if args.only:
         keep = set(args.only.split(","))
         shapes = [s for s in shapes if s[0] in keep]
+    if args.layers:
+        keep = set(args.layers.split(","))
+        shapes = [s for s in shapes if f"{s[0]}.{s[1]}" in keep or s[1] in keep]
     dev = jax.devices()[0]
     result = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "jax": jax.__version__,
               "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
