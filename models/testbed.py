@@ -232,7 +232,8 @@ def save_caption_grid(path: str, captions: list[str], rows: list[list[np.ndarray
             axis.set_xticks([])
             axis.set_yticks([])
             if row_index == 0:
-                axis.set_title(column_titles[column_index], fontsize=8)
+                # Long method names ("smoothed_kroquant+loraq") would run into their neighbours: break at '+'.
+                axis.set_title(column_titles[column_index].replace("+", "\n+"), fontsize=7)
     if title:
         figure.suptitle(title, fontsize=9)
         figure.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - 0.3 / figure.get_figheight()))  # room for the title
