@@ -161,9 +161,9 @@ def layer_checks(q: dict, served: dict, x: jax.Array, x_ff: jax.Array, norm_w: j
     out = {}
     head = norm_w.shape[0]
     sim = jax.jit(lambda layer, a: qlinear_forward(layer, a, "simulate"))
-    kernel_norm = dict(impl=opts["impl"], epilogue_blocks=opts["norm_blocks"])
-    kernel_swiglu = dict(impl=opts["impl"], epilogue_blocks=opts["swiglu_blocks"])
-    kernel_plain = dict(impl=opts["impl"], gemm_blocks=opts["gemm_blocks"])
+    kernel_norm = dict(impl=opts["impl"], strategy="kernel", epilogue_blocks=opts["norm_blocks"])
+    kernel_swiglu = dict(impl=opts["impl"], strategy="kernel", epilogue_blocks=opts["swiglu_blocks"])
+    kernel_plain = dict(impl=opts["impl"], strategy="kernel", gemm_blocks=opts["gemm_blocks"])
     cases = [
         ("to_q+norm", NORMED[0], x, dict(op="rmsnorm", norm_weight=norm_w, head_dim=head, eps=1e-5), kernel_norm,
          lambda y: E.rmsnorm_heads(y, norm_w, head_dim=head, eps=1e-5)),
@@ -362,11 +362,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # The forwards.
     entries = {
         "w4a4_fused": served_hooks({p: served[p] for p in PLAIN}, {p: served[p] for p in NORMED},
-                                   {GATE: served[GATE]}, fused=True, stacked=True, impl=impl,
+                                   {GATE: served[GATE]}, strategy="kernel", fused=True, stacked=True, impl=impl,
                                    gemm_blocks=opts["gemm_blocks"], norm_blocks=opts["norm_blocks"],
                                    swiglu_blocks=opts["swiglu_blocks"]).entries(),
         "w4a4_unfused": served_hooks({p: served[p] for p in PLAIN}, {p: served[p] for p in NORMED},
-                                     {GATE: served[GATE]}, fused=False, stacked=True, impl=impl,
+                                     {GATE: served[GATE]}, strategy="kernel", fused=False, stacked=True, impl=impl,
                                      gemm_blocks=opts["gemm_blocks"]).entries(),
         "simulate": FusedLinearHooks({**qlinear_overrides({p: q[p] for p in (*NORMED, *PLAIN)}),
                                       **split_qlinear_overrides(q[GATE], [GATE, UP])}, stacked=True).entries(),

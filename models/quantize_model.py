@@ -17,8 +17,10 @@ the W4A4 model are the same graph and the same jitted sampler, on the same seeds
   ``SiLU(gate) * up``, e.g. Ideogram 4's ``w1``, ``w3``). Models that have such sites consume them (Ideogram 4); a
   fused entry that names no site of the model raises. ``stacked=True`` hooks carry a leading layer axis on every
   array of a block linear's entry, for models run with ``lax.scan`` over stacked blocks (``scan_layers=True``).
-* :func:`served_hooks`: ``pallas_kernels.epilogues.ServedLinear`` layers (packed W4A4 on the GPU kernels) ->
-  :class:`FusedLinearHooks`, with the q/k norm and SwiGLU in the GEMM epilogues (or, ``fused=False``, after it).
+* :func:`served_hooks`: ``pallas_kernels.epilogues.ServedLinear`` layers (packed W4A4 on the GPU) ->
+  :class:`FusedLinearHooks`; ``strategy="dequant"`` (default: decode + one cuBLAS GEMM, the q/k norm and SwiGLU as
+  XLA ops after it) or ``"kernel"`` (the Pallas-Triton W4A4 kernels, the ops in their epilogues or, ``fused=False``,
+  after them).
 * :func:`split_qlinear_overrides`: one ``QuantizedLinear`` of several stacked linears (e.g. ``[W1; W3]`` sharing their
   input and transform) as per-linear overrides, each taking its rows of the fused output.
 """
@@ -242,10 +244,10 @@ def _served_swiglu(layer: Any, x: jax.Array, **options: Any) -> jax.Array:
 
 
 def served_hooks(linears: Mapping[str, Any] | None = None, projection_norm: Mapping[str, Any] | None = None,
-                 swiglu: Mapping[str, Any] | None = None, *, fused: bool = True, stacked: bool = False,
-                 impl: str | None = None, gemm_blocks: Any = None, norm_blocks: Any = None, swiglu_blocks: Any = None
-                 ) -> FusedLinearHooks:
-    """Hooks running ``pallas_kernels.epilogues.ServedLinear`` layers (W4A4 on the GPU kernels).
+                 swiglu: Mapping[str, Any] | None = None, *, strategy: str | None = None, fused: bool | None = None,
+                 stacked: bool = False, impl: str | None = None, gemm_blocks: Any = None, norm_blocks: Any = None,
+                 swiglu_blocks: Any = None) -> FusedLinearHooks:
+    """Hooks running ``pallas_kernels.epilogues.ServedLinear`` layers (packed W4A4 on the GPU).
 
     Args:
         linears: ``{linear path: ServedLinear}``: plain per-linear overrides (transform+quantize, W4A4 GEMM, low-rank).
@@ -253,18 +255,29 @@ def served_hooks(linears: Mapping[str, Any] | None = None, projection_norm: Mapp
             norm weight and eps at the call).
         swiglu: ``{gate path: ServedLinear}``: the fused ``[W_gate; W_up]`` layer, prepared with
             ``serve_qlinear(swiglu=True)``.
-        fused: the norm / SwiGLU in the GEMM epilogue (``True``) or as an XLA op after the plain W4A4 GEMM.
+        strategy: how every entry runs its GEMM (``served_linear_forward``): ``None`` = ``epilogues.DEFAULT_STRATEGY``
+            (``"dequant"``: decode + one cuBLAS GEMM with the low-rank pair joined along K, the norm / SwiGLU as XLA
+            ops after it; the faster strategy at every shape measured on the H200, see ``served_linear_forward``), or
+            ``"kernel"`` (the Pallas-Triton W4A4 kernels).
+        fused: ``strategy="kernel"`` only: the norm / SwiGLU in the GEMM epilogue (``None`` / ``True``) or as an XLA
+            op after the plain W4A4 GEMM (``False``).
         stacked: the layers carry a leading layer axis (scanned blocks).
         impl, gemm_blocks: see ``served_linear_forward``; ``norm_blocks`` / ``swiglu_blocks``: the epilogue kernels'
-            tiles (``EpilogueBlockSizes``) for the two fused ops.
+            tiles (``EpilogueBlockSizes``) for the two fused ops. The tiles and ``fused=True`` are options of the
+            ``"kernel"`` strategy: with ``"dequant"`` they raise (here, not at the first call).
     """
-    common = {"impl": impl, "gemm_blocks": gemm_blocks, "fused": fused}
+    from pallas_kernels.epilogues import DEFAULT_STRATEGY, check_strategy
+
+    strategy = DEFAULT_STRATEGY if strategy is None else strategy
+    check_strategy(strategy, where="served_hooks", fused=fused, gemm_blocks=gemm_blocks, norm_blocks=norm_blocks,
+                   swiglu_blocks=swiglu_blocks)
+    common = {"impl": impl, "gemm_blocks": gemm_blocks, "strategy": strategy}
+    op_common = {**common, "fused": fused}
     partial = jax.tree_util.Partial
     return FusedLinearHooks(
-        {p: partial(functools.partial(_served, impl=impl, gemm_blocks=gemm_blocks), layer)
-         for p, layer in (linears or {}).items()},
-        projection_norm={p: partial(functools.partial(_served_norm, epilogue_blocks=norm_blocks, **common), layer)
+        {p: partial(functools.partial(_served, **common), layer) for p, layer in (linears or {}).items()},
+        projection_norm={p: partial(functools.partial(_served_norm, epilogue_blocks=norm_blocks, **op_common), layer)
                          for p, layer in (projection_norm or {}).items()},
-        swiglu={p: partial(functools.partial(_served_swiglu, epilogue_blocks=swiglu_blocks, **common), layer)
+        swiglu={p: partial(functools.partial(_served_swiglu, epilogue_blocks=swiglu_blocks, **op_common), layer)
                 for p, layer in (swiglu or {}).items()},
         stacked=stacked)

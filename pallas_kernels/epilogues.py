@@ -33,8 +33,11 @@ to the output dtype (as a separate kernel would store it), then the op in f32.
 ``kroquant_jax.qlinear.QuantizedLinear`` prepared once for the GPU forward (paper eq. 11,
 ``Q(x T) Q(W~ - L R)^T + (x T)(L R)^T + b``): the fused transform + quantize kernel, ``h = x (R T^T)^T`` with ``T``
 folded into ``R`` at preparation time (so the branch needs no ``x T``), and one W4A4 GEMM with the low-rank term (and,
-optionally, the per-head RMSNorm or the SwiGLU) in its epilogue. What the quantized DiT forward runs
-(``benchmarks/dit_forward_w4a4.py``).
+optionally, the per-head RMSNorm or the SwiGLU) in its epilogue (``strategy="kernel"``), or, the default
+(``strategy="dequant"``), both packed operands decoded to bf16 and one cuBLAS GEMM with the low-rank pair joined
+along K (:func:`~pallas_kernels.w4a4_gemm.w4a4_matmul_dequant`), then the op as XLA ops on its bf16 output: on the
+H200 that is 1.4-4.8x faster than the Triton W4A4 kernels at every measured shape (see :func:`served_linear_forward`).
+What the quantized DiT forward runs (``benchmarks/dit_forward_w4a4.py``).
 """
 
 from __future__ import annotations
@@ -52,12 +55,15 @@ from pallas_kernels import transform_quantize as tq
 from pallas_kernels._compat import on_gpu, pl, triton_compiler_params
 from pallas_kernels.w4a4_gemm import (BlockSizes, Compute, OperandSpec, _kind_of, _round_up, accumulate_tiles,
                                       check_operands, even_odd_permutation, gemm_inputs, lowrank_reference,
-                                      lowrank_term, w4a4_matmul)
+                                      lowrank_term, w4a4_matmul, w4a4_matmul_dequant)
 
 __all__ = [
+    "DEFAULT_STRATEGY",
     "EPILOGUE_TILE",
     "EpilogueBlockSizes",
+    "STRATEGIES",
     "ServedLinear",
+    "check_strategy",
     "gemm",
     "gemm_reference",
     "gemm_rmsnorm",
@@ -459,6 +465,11 @@ def serve_qlinear(layer, *, swiglu: bool = False, kernel: Optional[str] = None) 
     cfg = layer.config
     if swiglu and cfg.out_features % 2:
         raise ValueError(f"serve_qlinear(swiglu=True): out_features={cfg.out_features} must be even (gate; up)")
+    wfmt = getattr(layer.weight, "fmt", None)
+    if type(cfg.act_fmt) is not type(wfmt) or cfg.act_fmt.block_size != wfmt.block_size:
+        raise ValueError(f"serve_qlinear: activations {cfg.act_fmt!r} and weight {wfmt!r} of layer "
+                         f"({cfg.out_features}, {cfg.in_features}) must share one FP4 format (the W4A4 GEMM takes "
+                         f"both operands packed alike)")
     transform = prepare_layer_transform(layer, kernel)
     left = right = None
     if layer.lowrank_left is not None:
@@ -488,6 +499,31 @@ def serve_qlinear(layer, *, swiglu: bool = False, kernel: Optional[str] = None) 
 
 
 Op = Literal["none", "rmsnorm", "swiglu"]
+Strategy = Literal["dequant", "kernel"]
+
+#: How a served layer runs its GEMM (:func:`served_linear_forward`).
+STRATEGIES = ("dequant", "kernel")
+#: The default: "dequantize + cuBLAS", the faster strategy at every shape measured on the H200 (jax 0.11.2,
+#: 2026-11-30): the W4A4 layer 1.6-4.8x faster than on the Pallas-Triton kernels (0.43-0.84x bf16 against 0.12-0.30x
+#: at m = 4096; FLUX.1, PixArt-Sigma, SANA, Ideogram 4 w2, ``benchmarks/results/w4a4_models.json``), the GEMM alone
+#: 1.4-3.0x (CUPTI, Ideogram 4 q and w1|w3 at m = 4096 / 512, ``w4a4_device.json``: q at m = 4096 330 us vs 881 us,
+#: w1|w3 1474 us vs 4393 us, w1|w3 at m = 512 446 us vs 615 us).
+DEFAULT_STRATEGY: Strategy = "dequant"
+
+
+def check_strategy(strategy: str, *, where: str = "served_linear_forward", **kernel_options) -> None:
+    """Raise a ValueError if ``strategy`` is unknown, or if an option of the Pallas-Triton kernels (``kernel_options``
+    such as ``fused=True``, ``gemm_blocks=...``, ``epilogue_blocks=...``; None or False count as not given) comes
+    with ``strategy="dequant"``, which would ignore it."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"{where}: strategy={strategy!r} must be 'dequant' (the default: decode + one cuBLAS GEMM) "
+                         f"or 'kernel' (the Pallas-Triton W4A4 kernels)")
+    given = [name + ("=True" if value is True else "") for name, value in kernel_options.items()
+             if value is not None and value is not False]
+    if strategy == "dequant" and given:
+        raise ValueError(f"{where}: {', '.join(given)} apply to strategy='kernel' only (the Pallas-Triton kernels and "
+                         f"their fused epilogues); strategy='dequant' runs one cuBLAS GEMM and the op in XLA. Pass "
+                         f"strategy='kernel' to use them")
 
 
 def _served_inputs(layer: ServedLinear, x: jax.Array, impl: str):
@@ -519,23 +555,61 @@ def _check_op(layer: ServedLinear, op: str, norm_weight, head_dim: Optional[int]
                          f"(head_dim,) = ({head_dim},), and head_dim must divide out_features={layer.out_features}")
 
 
+def _apply_op(y: jax.Array, op: str, norm_weight, head_dim: Optional[int], eps: float) -> jax.Array:
+    """The op on a GEMM output ``y (m, o)`` (f32 math, ``y.dtype`` out): per-head RMSNorm, or SwiGLU on gate/up
+    pairs (the rows of a ``swiglu_rows`` layer are in :func:`pack_swiglu_weight`'s order, so its columns are)."""
+    if op == "rmsnorm":
+        return rmsnorm_heads(y, norm_weight, head_dim=head_dim, eps=eps)
+    if op == "swiglu":
+        return _swiglu_pairs(y)
+    return y
+
+
 def served_linear_forward(layer: ServedLinear, x: jax.Array, *, op: Op = "none", norm_weight=None,
-                          head_dim: Optional[int] = None, eps: float = 1e-6, fused: bool = True,
-                          impl: Optional[str] = None, gemm_blocks: Optional[BlockSizes] = None,
+                          head_dim: Optional[int] = None, eps: float = 1e-6, strategy: Strategy = DEFAULT_STRATEGY,
+                          fused: Optional[bool] = None, impl: Optional[str] = None,
+                          gemm_blocks: Optional[BlockSizes] = None,
                           epilogue_blocks: Optional[EpilogueBlockSizes] = None, out_dtype=None) -> jax.Array:
-    """Eq. 11 with the Pallas kernels, then ``op``: ``(..., d)`` -> ``(..., o)`` (``(..., o/2)`` for SwiGLU).
+    """Eq. 11 on the packed operands, then ``op``: ``(..., d)`` -> ``(..., o)`` (``(..., o/2)`` for SwiGLU).
+
+    Both strategies start with the fused transform + quantize kernel (``Q(x T)``) and ``h = x (R T^T)^T``, and work
+    on the same :class:`ServedLinear` (packed weight, packed or bf16 ``L``, SwiGLU rows in gate/up pairs):
+
+    * ``strategy="dequant"`` (the default): "dequantize + cuBLAS",
+      :func:`~pallas_kernels.w4a4_gemm.w4a4_matmul_dequant`: ``Q(x T)`` and the weight decoded to bf16 by XLA
+      fusions (exact), one bf16 GEMM with the low-rank pair joined along K (``[A | h] [W | L]^T``, ``K = d + r``;
+      NVFP4: a second GEMM for ``h L^T``, the per-tensor scales apply to the main product only), bias in f32, the
+      output stored in bf16, then the op as XLA ops (f32 math). The default because it is the faster path at every
+      shape measured on the H200 (jax 0.11.2, 2026-11-30, ``benchmarks/results/w4a4_models.json``,
+      ``w4a4_device.json``): the W4A4 layer at 0.43-0.84x bf16 at m = 4096 against 0.12-0.30x on the Triton kernels
+      (1.6-4.8x faster; the GEMM alone 1.4-3.0x). The fused epilogues it gives up save one HBM round trip of the
+      output, about 2% of a Triton W4A4 GEMM (and measured 1.4-3% *slower* than that GEMM + the XLA op), far less
+      than the decode in the Triton main loop costs.
+    * ``strategy="kernel"``: the Pallas-Triton W4A4 GEMM (:func:`~pallas_kernels.w4a4_gemm.w4a4_matmul`) with the
+      low-rank term (packed ``L`` decoded) in its epilogue, and with ``fused`` (default True) the RMSNorm or SwiGLU
+      in that epilogue too (:func:`gemm_rmsnorm` / :func:`gemm_swiglu`).
+
+    Both equal :func:`served_linear_reference` up to the order of the fp32 additions and the bf16 output rounding
+    (the unfused ones: plus the rounding of the GEMM output before the op).
 
     Args:
       layer: from :func:`serve_qlinear`.
       x: activations, bf16 or fp16 (others are cast to bf16).
       op: ``"none"``, ``"rmsnorm"`` (per head of ``head_dim`` outputs, weight ``norm_weight (head_dim,)``, ``eps``)
         or ``"swiglu"`` (a layer prepared with ``swiglu=True``).
-      fused: the op in the GEMM's epilogue (:func:`gemm_rmsnorm` / :func:`gemm_swiglu`); ``False``: the plain W4A4
-        GEMM (``w4a4_matmul``, bf16 output) then the op in XLA (the unfused baseline).
-      impl: ``None`` (kernels on a GPU, else the references), ``"pallas"``, ``"interpret"`` or ``"reference"``.
-      gemm_blocks: tiles of ``w4a4_matmul`` (``op="none"`` or unfused); epilogue_blocks: of the fused kernels.
+      strategy: ``"dequant"`` or ``"kernel"`` (above). An unknown name, or kernel-only options with ``"dequant"``,
+        raise a ValueError (never silently ignored).
+      fused: ``strategy="kernel"`` only: the op in the GEMM's epilogue (``None`` / ``True``), or ``False``: the plain
+        W4A4 GEMM (``w4a4_matmul``, bf16 output) then the op in XLA (the unfused baseline). ``"dequant"`` accepts
+        ``None`` or ``False`` (its op always runs after the GEMM).
+      impl: ``None`` (kernels on a GPU, else the references), ``"pallas"``, ``"interpret"`` (the Pallas kernels in
+        interpret mode: the transform + quantize kernel, and for ``"kernel"`` the GEMMs; the ``"dequant"`` GEMM is
+        XLA on every backend) or ``"reference"`` (:func:`served_linear_reference`, either strategy).
+      gemm_blocks: tiles of ``w4a4_matmul`` (``op="none"`` or unfused); epilogue_blocks: of the fused kernels
+        (``strategy="kernel"`` only).
       out_dtype: default ``x.dtype``.
     """
+    check_strategy(strategy, fused=fused, gemm_blocks=gemm_blocks, epilogue_blocks=epilogue_blocks)
     _check_op(layer, op, norm_weight, head_dim)
     if impl is None:
         impl = "pallas" if on_gpu(x) else "reference"
@@ -548,13 +622,13 @@ def served_linear_forward(layer: ServedLinear, x: jax.Array, *, op: Op = "none",
     lead = x.shape[:-1]
     _, x_q, lowrank = _served_inputs(layer, x, impl)
     interpret = impl == "interpret"
-    if op == "none" or not fused:
+    if strategy == "dequant":
+        y = w4a4_matmul_dequant(x_q, layer.weight, lowrank=lowrank, bias=layer.bias)  # (m, o) bf16
+        y = _apply_op(y, op, norm_weight, head_dim, eps)
+    elif op == "none" or fused is False:
         y = w4a4_matmul(x_q, layer.weight, lowrank=lowrank, bias=layer.bias, block_sizes=gemm_blocks,
                         interpret=interpret)  # (m, o) bf16, as a separate kernel stores it
-        if op == "rmsnorm":
-            y = rmsnorm_heads(y, norm_weight, head_dim=head_dim, eps=eps)
-        elif op == "swiglu":
-            y = _swiglu_pairs(y)
+        y = _apply_op(y, op, norm_weight, head_dim, eps)
     elif op == "rmsnorm":
         y = gemm_rmsnorm(x_q, layer.weight, norm_weight, head_dim=head_dim, eps=eps, lowrank=lowrank, bias=layer.bias,
                          block_sizes=epilogue_blocks, interpret=interpret)
@@ -579,8 +653,5 @@ def served_linear_reference(layer: ServedLinear, x: jax.Array, *, op: Op = "none
     lead = x.shape[:-1]
     _, x_q, lowrank = _served_inputs(layer, x, "reference")
     y = gemm_reference(x_q, layer.weight, lowrank=lowrank, bias=layer.bias)  # (m, o) f32
-    if op == "rmsnorm":
-        y = rmsnorm_heads(y, norm_weight, head_dim=head_dim, eps=eps)
-    elif op == "swiglu":
-        y = _swiglu_pairs(y)
+    y = _apply_op(y, op, norm_weight, head_dim, eps)
     return y.reshape(*lead, y.shape[-1]).astype(out_dtype)

@@ -7,7 +7,9 @@ layers' jnp references (``impl="reference"``) to stay fast. The H200 numbers com
 
 import dataclasses
 import functools
+import inspect
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,7 @@ import pytest
 from flax import nnx
 
 from kroquant_jax import transforms
+from kroquant_jax.formats import MXFP4, NVFP4
 from kroquant_jax.qlinear import build_qlinear, qlinear_forward
 from models import convert
 from models import ideogram4 as ig
@@ -29,7 +32,8 @@ from benchmark_modules import load_benchmark  # tests/benchmark_modules.py
 GEMM_BS = G.BlockSizes(16, 32, 32, 4, 2)
 NORM_BS = E.EpilogueBlockSizes(block_m=16, block_n=64, block_k=32, tile=16, num_warps=4, num_stages=2)  # 2 tiles/head
 SWIGLU_BS = E.EpilogueBlockSizes(block_m=16, block_n=64, block_k=32, num_warps=4, num_stages=2)
-KERNELS = dict(impl="interpret", gemm_blocks=GEMM_BS)
+KERNELS = dict(impl="interpret", gemm_blocks=GEMM_BS, strategy="kernel")  # the Pallas-Triton kernels, interpreted
+DEQUANT = dict(impl="interpret")  # the default strategy: transform + quantize kernel interpreted, then XLA (any backend)
 
 
 def _bench():
@@ -42,8 +46,10 @@ def _rel(y, ref) -> float:
     return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
 
 
-def _layer(seed: int, o: int, d: int, rank: int | None = 32, lowrank_quantized: bool = True):
-    """A real W4A4 layer: random KroQuant transform near the Hadamard init, LoRaQ-style factors of ``W T^{-T}``."""
+def _layer(seed: int, o: int, d: int, rank: int | None = 32, lowrank_quantized: bool = True, bias: bool = False,
+           fmt=MXFP4()):
+    """A real W4A4 layer: random KroQuant transform near the Hadamard init, LoRaQ-style factors of ``W T^{-T}``
+    (weight and activations in ``fmt``; ``L``, ``R`` stored in MXFP4 when ``lowrank_quantized``)."""
     bench = _bench()
     kw, kt, kl = jax.random.split(jax.random.PRNGKey(seed), 3)
     w = jax.random.normal(kw, (o, d), jnp.float32) / np.sqrt(d)
@@ -52,8 +58,9 @@ def _layer(seed: int, o: int, d: int, rank: int | None = 32, lowrank_quantized: 
     if rank:
         w_tilde = transforms.apply_to_weights(w, transforms.get("kron_lu").inverse_blocks(params))
         lowrank = bench.lowrank_factors(w_tilde, kl, rank)
-    return build_qlinear(w, transform="kron_lu", transform_params=params, lowrank=lowrank,
-                         lowrank_quantized=lowrank_quantized)
+    b = 0.3 * jax.random.normal(jax.random.fold_in(kw, 1), (o,)) if bias else None
+    return build_qlinear(w, b, transform="kron_lu", transform_params=params, lowrank=lowrank,
+                         lowrank_quantized=lowrank_quantized, weight_fmt=fmt, act_fmt=fmt)
 
 
 def _x(seed: int, m: int, d: int) -> jax.Array:
@@ -139,6 +146,93 @@ def test_served_linear_fused_ops_match_unfused():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The "dequant" strategy (decode + one cuBLAS GEMM, the op in XLA): the served layers' default.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["mxfp4", "mxfp4_bf16_lowrank", "nvfp4"])
+def test_served_dequant_strategy_matches_reference(case):
+    fmt = NVFP4() if case == "nvfp4" else MXFP4()
+    quantized_lr = case != "mxfp4_bf16_lowrank"  # NVFP4: L packed in MXFP4 (build_qlinear's lowrank_fmt)
+    x = _x(21, 20, 64)
+    served = E.serve_qlinear(_layer(22, 64, 64, bias=True, fmt=fmt, lowrank_quantized=quantized_lr))
+    assert served.bias is not None and served.weight.fmt == fmt
+    assert (type(served.left).__name__ == "QuantizedArray") == quantized_lr  # packed L decoded in even/odd order
+    y = E.served_linear_forward(served, x, **DEQUANT)  # the default strategy
+    assert y.dtype == jnp.bfloat16 and y.shape == (20, 64)
+    assert _rel(y, E.served_linear_reference(served, x, out_dtype=jnp.float32)) < 3e-3
+
+    norm_w = 1.0 + 0.2 * jax.random.normal(jax.random.PRNGKey(23), (32,))
+    norm = dict(op="rmsnorm", norm_weight=norm_w, head_dim=32, eps=1e-5)
+    y = E.served_linear_forward(served, x, **norm, **DEQUANT)
+    assert _rel(y, E.served_linear_reference(served, x, out_dtype=jnp.float32, **norm)) < 6e-3  # + GEMM rounding
+
+    layer13 = _layer(24, 128, 64, bias=True, fmt=fmt, lowrank_quantized=quantized_lr)  # [W_gate; W_up]
+    served13 = E.serve_qlinear(layer13, swiglu=True)  # rows, L and bias in gate/up pairs
+    y = E.served_linear_forward(served13, x.reshape(4, 5, 64), op="swiglu", **DEQUANT)
+    assert y.shape == (4, 5, 64)
+    y = y.reshape(20, 64)
+    assert _rel(y, E.served_linear_reference(served13, x, op="swiglu", out_dtype=jnp.float32)) < 6e-3
+    # against the library's layer on the unpermuted weight: the gate/up pairing is honoured
+    assert _rel(y, E.swiglu(qlinear_forward(layer13, x.astype(jnp.float32), "packed"))) < 8e-3
+
+
+def test_served_strategy_default_structure_and_errors(monkeypatch):
+    assert E.DEFAULT_STRATEGY == "dequant" and E.STRATEGIES == ("dequant", "kernel")
+    assert inspect.signature(E.served_linear_forward).parameters["strategy"].default == "dequant"
+    m, d, o, r = 20, 64, 64, 32
+    served, x = E.serve_qlinear(_layer(4, o, d)), _x(3, m, d)
+    norm_w = jnp.ones((32,))
+
+    def jaxpr(**options):
+        return str(jax.make_jaxpr(lambda s, a: E.served_linear_forward(s, a, impl="interpret", **options))(served, x))
+
+    # dequant: one transform + quantize kernel, the joined GEMM [Q(xT) | h] [W | L]^T over K = d + r, no W4A4 kernel
+    text = jaxpr(op="rmsnorm", norm_weight=norm_w, head_dim=32)
+    assert text.count("pallas_call") == 1 and "name=w4a4_matmul_dequant" in text
+    assert f"bf16[{m},{d + r}]" in text and f"bf16[{o},{d + r}]" in text and "gemm_rmsnorm" not in text
+    text = jaxpr(op="rmsnorm", norm_weight=norm_w, head_dim=32, strategy="kernel", epilogue_blocks=NORM_BS)
+    assert text.count("pallas_call") == 2 and "name=gemm_rmsnorm_mxfp4" in text and "w4a4_matmul_dequant" not in text
+
+    # served_hooks: the default reaches every entry; an explicit choice is kept
+    calls = []
+
+    def spy(name, fn):
+        return lambda *a, **k: calls.append(name) or fn(*a, **k)
+
+    for name in ("w4a4_matmul_dequant", "w4a4_matmul", "gemm_rmsnorm", "gemm_swiglu"):
+        monkeypatch.setattr(E, name, spy(name, getattr(E, name)))
+    served13 = E.serve_qlinear(_layer(6, 128, d), swiglu=True)
+    for strategy, options, expected in ((None, {}, ["w4a4_matmul_dequant"] * 3),
+                                        ("kernel", {"norm_blocks": NORM_BS, "swiglu_blocks": SWIGLU_BS},
+                                         ["w4a4_matmul", "gemm_rmsnorm", "gemm_swiglu"]),
+                                        ("kernel", {"fused": False}, ["w4a4_matmul"] * 3)):
+        calls.clear()
+        hooks = served_hooks({"a": served}, {"b": served}, {"c": served13}, strategy=strategy, impl="interpret",
+                             **options)
+        jax.eval_shape(hooks.overrides["a"], x)
+        jax.eval_shape(lambda a: hooks.projection_norm["b"](a, norm_w, 1e-5), x)  # eps static, as the model calls
+        jax.eval_shape(hooks.swiglu["c"], x)
+        assert calls == expected, (strategy, options)
+
+    # bad names and kernel-only options with the dequant strategy raise, naming them
+    with pytest.raises(ValueError, match="strategy='cublas' must be 'dequant'"):
+        E.served_linear_forward(served, x, strategy="cublas")
+    with pytest.raises(ValueError, match="served_hooks: strategy='triton'"):
+        served_hooks({"a": served}, strategy="triton")
+    for options, message in (({"epilogue_blocks": NORM_BS}, "epilogue_blocks apply to strategy='kernel' only"),
+                             ({"fused": True}, "fused=True apply to strategy='kernel' only"),
+                             ({"gemm_blocks": GEMM_BS}, "gemm_blocks apply")):
+        with pytest.raises(ValueError, match=message):
+            E.served_linear_forward(served, x, **options)
+    with pytest.raises(ValueError, match="served_hooks: norm_blocks, swiglu_blocks apply to strategy='kernel'"):
+        served_hooks(projection_norm={"b": served}, norm_blocks=NORM_BS, swiglu_blocks=SWIGLU_BS)
+    with pytest.raises(ValueError, match="must share one FP4 format"):
+        E.serve_qlinear(dataclasses.replace(_layer(4, o, d), config=dataclasses.replace(
+            _layer(4, o, d).config, act_fmt=NVFP4())))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Fused hooks in the Ideogram 4 modules.
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -173,8 +267,10 @@ def test_fused_hooks_match_unfused_in_attention_and_mlp():
     per_linear = served_hooks({q_path: sq, k_path: sk}, **KERNELS)  # the model's own norm_q / norm_k after the GEMM
     out = {name: attn(x, None, cos, sin, hooks) for name, hooks in
            (("fused", fused), ("gemm_then_op", gemm_then_op), ("per_linear", per_linear), ("bf16", None))}
+    out["dequant"] = attn(x, None, cos, sin, served_hooks(projection_norm={q_path: sq, k_path: sk}, **DEQUANT))
     assert _rel(out["fused"], out["per_linear"]) < 1e-2  # bf16 tolerance (one more rounding before the norm)
     assert _rel(out["gemm_then_op"], out["per_linear"]) < 1e-2
+    assert _rel(out["dequant"], out["per_linear"]) < 1e-2  # the default strategy, the model's norm weights
     assert _rel(out["fused"], out["bf16"]) > 2e-2  # the W4A4 layers really ran (quantization error)
 
     layer13 = _qlayer([mlp.w1, mlp.w3], 12)
@@ -184,7 +280,9 @@ def test_fused_hooks_match_unfused_in_attention_and_mlp():
     forward = functools.partial(E.served_linear_forward, **KERNELS)
     per_linear = LinearHooks(split_qlinear_overrides(plain13, [w1, w3], forward=forward))  # model: silu(w1) * w3
     y_fused, y_split, y_bf16 = mlp(x, fused), mlp(x, per_linear), mlp(x, None)
+    y_dequant = mlp(x, served_hooks(swiglu={w1: E.serve_qlinear(layer13, swiglu=True)}, **DEQUANT))
     assert _rel(y_fused, y_split) < 1e-2
+    assert _rel(y_dequant, y_split) < 1e-2
     assert _rel(y_fused, y_bf16) > 2e-2
 
 
@@ -251,6 +349,27 @@ def test_stacked_hooks_in_scan_layout_equal_list_layout():
     image = np.asarray(indicator[0]) == ig.OUTPUT_IMAGE_INDICATOR
     np.testing.assert_allclose(np.asarray(y_scan), np.asarray(y_list), rtol=1e-6, atol=1e-6)  # exact on the CPU
     assert _rel(y_scan[0][image], y_bf16[0][image]) > 2e-2  # the quantized layers ran in the scan
+
+    # The stacked hooks route through the chosen strategy inside the scanned block (traced, not run): the default
+    # runs every served layer (q, k, v, out, w1|w3, w2) as the transform + quantize kernel and one dequant GEMM with
+    # K = d + rank; "kernel" as that kernel and a Pallas-Triton W4A4 GEMM (the norm / SwiGLU fused).
+    graphdef, state = nnx.split(scan_model)
+    tables = (serve_stacked(plain), serve_stacked(norm), serve_stacked(swiglu, True))
+    m, d, f = indicator.shape[1], cfg.hidden_size, cfg.intermediate_size
+    for options in ({}, {"strategy": "kernel", "gemm_blocks": GEMM_BS, "norm_blocks": NORM_BS,
+                         "swiglu_blocks": SWIGLU_BS}):
+        entries = served_hooks(*tables, stacked=True, impl="interpret", **options).entries()
+        text = str(jax.make_jaxpr(lambda st, e: nnx.merge(graphdef, st)(
+            *args, hooks=FusedLinearHooks.from_entries(e, True)))(state, entries))
+        # call sites of the jitted GEMM wrappers (identical sub-jaxprs are printed once, their call sites each time)
+        calls = [len(re.findall(rf"name={name}\b", text)) for name in
+                 ("w4a4_matmul_dequant", "w4a4_matmul", "gemm_rmsnorm", "gemm_swiglu")]
+        if options:
+            assert calls == [0, 3, 2, 1]  # v, out, w2 plain; q, k with the norm; w1|w3 with the SwiGLU
+        else:
+            assert calls == [6, 0, 0, 0]
+            for k in (d, f):  # [Q(xT) | h] over K = d + 32 (q, k, v, out, w1|w3) and K = f + 32 (w2)
+                assert f"bf16[{m},{k + 32}]" in text
 
 
 def _layout():
