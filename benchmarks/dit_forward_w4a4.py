@@ -1,31 +1,47 @@
-"""The whole quantized DiT forward on the H200: full-size Ideogram 4 in bf16 against W4A4 on the GPU kernels.
+"""The whole quantized DiT forward on the H200: full-size Ideogram 4 in bf16 against W4A4 on the GPU.
 
 One conditional forward of ``models.ideogram4.IDEOGRAM4`` (9.28 B parameters, random bf16 weights generated on the
 device, blocks stacked and run by ``lax.scan``), batch 1, the packed 1K layout of ``benchmarks/ideogram4_serving.py``
-(128 text + 64 x 64 image tokens = 4224 tokens, no mask, cuDNN attention), text projection included:
+(128 text + 64 x 64 image tokens = 4224 tokens, no mask, cuDNN attention), text projection included. Variants
+(``--variants``, default all four; ``w4a4_unfused`` only while within ``--budget-s``):
 
 * ``bf16``: the plain forward (XLA / cuBLAS linears).
-* ``w4a4_fused``: every quantizable linear (the 7 per block) replaced by its W4A4 layer (paper eq. 11) on the Pallas
-  kernels: the fused K2 transform + MXFP4 quantize kernel, ``h = x (R T^T)^T`` (XLA, rank 128), and one W4A4 GEMM
-  (MXFP4, bf16 tensor-core mode) with the packed-``L`` low-rank term in its epilogue; q and k with the per-head
-  RMSNorm fused into that epilogue (``projection_norm`` hooks), ``w1 | w3`` one fused ``(24576, 4608)`` layer with the
-  SwiGLU in its epilogue (``swiglu`` hook); ``to_v``, ``to_out.0``, ``w2`` plain.
-* ``w4a4_unfused``: the same layers, the norm and the SwiGLU as XLA ops after the plain W4A4 GEMM.
-* ``simulate`` (not timed): the same quantized layers through ``kroquant_jax.qlinear.qlinear_forward(path="simulate")``
-  (fake quant, f32 math): the reference the W4A4 forwards are checked against (relative error over the image tokens).
+* ``w4a4_dequant``: every quantizable linear (the 7 per block) replaced by its W4A4 layer (paper eq. 11) on the
+  served layers' default strategy, "dequantize + cuBLAS" (``epilogues.served_linear_forward(strategy="dequant")``):
+  the fused K2 transform + MXFP4 quantize kernel, ``h = x (R T^T)^T`` (XLA, rank 128), both packed operands decoded
+  to bf16 by XLA fusions and one cuBLAS GEMM ``[Q(xT) | h] [W | L]^T`` over ``K = d + 128``; the q/k RMSNorm and the
+  SwiGLU of the fused ``w1 | w3`` layer (gate/up row pairs) as XLA ops on its bf16 output.
+* ``w4a4_fused``: the same layers on the Pallas-Triton kernels (``strategy="kernel"``): one W4A4 GEMM (MXFP4, bf16
+  tensor-core mode) with the packed-``L`` low-rank term in its epilogue; q and k with the per-head RMSNorm fused into
+  that epilogue (``projection_norm`` hooks), ``w1 | w3`` one fused ``(24576, 4608)`` layer with the SwiGLU in its
+  epilogue (``swiglu`` hook); ``to_v``, ``to_out.0``, ``w2`` plain.
+* ``w4a4_unfused``: the Triton kernels, the norm and the SwiGLU as XLA ops after the plain W4A4 GEMM.
+
+``--blocks N`` builds the model with the real config but only ``N`` of its 34 blocks (random weights either way):
+the blocks are identical in shape and work, so block time scales with ``N``; the text projection, embeddings and
+final layer (bf16 in every variant) run once, so at small ``N`` they weigh more and the bf16 / W4A4 ratio lies
+closer to 1 than the full model's. The JSON and the printout name ``N`` of the real block count.
+
+Checks: the relative error of each forward's output (image tokens) against the others (all must be finite: the W4A4
+forwards run the same quantized layers, so they differ by rounding, amplified through the blocks, not by the
+quantization error they both have against bf16), and layer 0's served layers (``to_q`` + norm, ``w1 | w3`` +
+SwiGLU, ``w2``) on each W4A4 strategy against the served layer's jnp reference. ``--check`` adds the expensive part:
+the ``simulate`` forward (the same quantized layers through ``qlinear_forward(path="simulate")``, fake quant, f32
+math) and the layers against it.
 
 The quantized layers are built on the device from the model's random bf16 weights with the real layer math
 (``build_qlinear``'s: ``W~ = W T^{-T}``, LoRaQ-style factors ``L, R`` stored in MXFP4, residual ``Q(W~ - L R)``);
 only the calibration is replaced: ``T`` is a random KroQuant (Kronecker-LU) transform near the Hadamard init, and
 ``L, R`` (rank 128) come from a one-pass randomized range finder of ``W~`` (``L = Q``, ``R = Q^T W~``).
 
-Before the forwards, the epilogue kernels' tiles are chosen on the real operands (layer 0's q and w1|w3 at the forward's
-token count): the fastest of a few candidates is used for ``w4a4_fused``, and the unfused alternative is timed beside
-them. Times: medians over repeats of back-to-back calls after a warm-up (``ideogram4_serving.time_calls``), kernels
-with ``w4a4_bench.time_op`` (jitted loop over rotating operands).
+Before the ``w4a4_fused`` forward (unless ``--no-tune``), the epilogue kernels' tiles are chosen on the real operands
+(layer 0's q and w1|w3 at the forward's token count): the fastest of a few candidates is used, and the unfused
+alternative is timed beside them. Times: medians over repeats of back-to-back calls after a warm-up
+(``ideogram4_serving.time_calls``), kernels with ``w4a4_bench.time_op`` (jitted loop over rotating operands).
 
-    python benchmarks/dit_forward_w4a4.py --out $OUT/dit_forward_w4a4.json     # the H200 (about 3 minutes)
-    python benchmarks/dit_forward_w4a4.py --preset tiny --interpret             # CPU validation (interpret mode)
+    python benchmarks/dit_forward_w4a4.py --out $OUT/dit_forward_w4a4.json          # the H200 (about 3 minutes)
+    python benchmarks/dit_forward_w4a4.py --variants bf16,w4a4_dequant,w4a4_fused --blocks 8 --no-tune
+    python benchmarks/dit_forward_w4a4.py --preset tiny --interpret --check          # CPU validation (interpret mode)
 """
 
 from __future__ import annotations
@@ -63,6 +79,8 @@ import ideogram4_serving as serving  # noqa: E402
 import w4a4_bench  # noqa: E402
 
 TRANSFORM = "kron_lu"
+#: Timed forwards, in the order they run (``--variants`` picks a subset; ``w4a4_unfused`` is optional).
+VARIANTS = ("bf16", "w4a4_dequant", "w4a4_fused", "w4a4_unfused")
 # Block linears of the scanned model (paths of the one stacked block) and how the W4A4 forward runs them.
 PLAIN = ("layers.attention.to_v", "layers.attention.to_out.0", "layers.feed_forward.w2")
 NORMED = ("layers.attention.to_q", "layers.attention.to_k")
@@ -94,7 +112,7 @@ def lowrank_factors(w_tilde: jax.Array, key: jax.Array, rank: int) -> tuple[jax.
 def qlinear_from_factors(w: jax.Array, params: dict, left: jax.Array, right: jax.Array) -> QuantizedLinear:
     """``build_qlinear(w, transform="kron_lu", transform_params=params, lowrank=(left, right))`` (LoRaQ: factors
     stored in MXFP4, the residual computed against the stored branch), traceable (no host-side checks), so it runs
-    under ``lax.map`` on the device. ``tests/test_dit_forward.py`` checks it against ``build_qlinear`` bit for bit."""
+    under ``lax.map`` on the device. ``tests/test_fused_hooks.py`` checks it against ``build_qlinear`` bit for bit."""
     p = transforms.get(TRANSFORM)
     fmt = MXFP4()
     o, d = w.shape
@@ -154,30 +172,36 @@ def rel_err(y: jax.Array, ref: jax.Array) -> float:
     return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def layer_checks(q: dict, served: dict, x: jax.Array, x_ff: jax.Array, norm_w: jax.Array, opts: dict
-                 ) -> dict[str, float]:
-    """Layer 0 of each kind, kernels vs the simulated layer (``qlinear_forward(path="simulate")``, f32) and vs the
-    jnp reference of the served layer (same quantizer, f32 GEMM: the kernels' own error)."""
+def layer_checks(q: dict, served: dict, x: jax.Array, x_ff: jax.Array, norm_w: jax.Array, opts: dict,
+                 strategies: tuple[str, ...], simulate: bool) -> dict[str, float]:
+    """Layer 0 of each kind on each strategy (``"dequant"``, ``"kernel"``: the Pallas-Triton kernels with the fused
+    epilogues) against the jnp reference of the served layer (same quantizer, f32 GEMM: the strategy's own error),
+    and with ``simulate`` also against the simulated layer (``qlinear_forward(path="simulate")``, f32)."""
     out = {}
     head = norm_w.shape[0]
     sim = jax.jit(lambda layer, a: qlinear_forward(layer, a, "simulate"))
-    kernel_norm = dict(impl=opts["impl"], strategy="kernel", epilogue_blocks=opts["norm_blocks"])
-    kernel_swiglu = dict(impl=opts["impl"], strategy="kernel", epilogue_blocks=opts["swiglu_blocks"])
-    kernel_plain = dict(impl=opts["impl"], strategy="kernel", gemm_blocks=opts["gemm_blocks"])
+    options = {
+        "dequant": ({"strategy": "dequant"},) * 3,
+        "kernel": ({"strategy": "kernel", "epilogue_blocks": opts["norm_blocks"]},
+                   {"strategy": "kernel", "epilogue_blocks": opts["swiglu_blocks"]},
+                   {"strategy": "kernel", "gemm_blocks": opts["gemm_blocks"]}),
+    }
     cases = [
-        ("to_q+norm", NORMED[0], x, dict(op="rmsnorm", norm_weight=norm_w, head_dim=head, eps=1e-5), kernel_norm,
+        ("to_q+norm", NORMED[0], x, dict(op="rmsnorm", norm_weight=norm_w, head_dim=head, eps=1e-5),
          lambda y: E.rmsnorm_heads(y, norm_w, head_dim=head, eps=1e-5)),
-        ("w1|w3+swiglu", GATE, x, dict(op="swiglu"), kernel_swiglu, E.swiglu),
-        ("w2", PLAIN[2], x_ff, {}, kernel_plain, lambda y: y),
+        ("w1|w3+swiglu", GATE, x, dict(op="swiglu"), E.swiglu),
+        ("w2", PLAIN[2], x_ff, {}, lambda y: y),
     ]
-    for name, path, a, op, kernel_opts, after in cases:
+    for i, (name, path, a, op, after) in enumerate(cases):
         layer0, served0 = layer_at(q[path], 0), layer_at(served[path], 0)
-        y = jax.jit(functools.partial(E.served_linear_forward, out_dtype=jnp.float32, **op, **kernel_opts)
-                    )(served0, a)
         ref = jax.jit(functools.partial(E.served_linear_reference, out_dtype=jnp.float32, **op))(served0, a)
-        simulated = after(sim(layer0, a.astype(jnp.float32)))
-        out[f"{name}: kernels vs served reference"] = rel_err(y, ref)
-        out[f"{name}: kernels vs simulate"] = rel_err(y, simulated)
+        simulated = after(sim(layer0, a.astype(jnp.float32))) if simulate else None
+        for strategy in strategies:
+            y = jax.jit(functools.partial(E.served_linear_forward, out_dtype=jnp.float32, impl=opts["impl"], **op,
+                                          **options[strategy][i]))(served0, a)
+            out[f"{name}: {strategy} vs served reference"] = rel_err(y, ref)
+            if simulate:
+                out[f"{name}: {strategy} vs simulate"] = rel_err(y, simulated)
     return out
 
 
@@ -253,17 +277,32 @@ def _tiles_json(bs: Any) -> Any:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def _variants(text: str) -> tuple[str, ...]:
+    names = tuple(v.strip() for v in text.split(",") if v.strip())
+    bad = [v for v in names if v not in VARIANTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)}")
+    return tuple(v for v in VARIANTS if v in names)  # the run order
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", choices=("full", "tiny"), default="full")
     parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU validation)")
+    parser.add_argument("--variants", type=_variants, default=VARIANTS,
+                        help=f"comma-separated subset of {','.join(VARIANTS)} (run in that order; default all)")
+    parser.add_argument("--blocks", type=int, default=None,
+                        help="build only this many of the model's transformer blocks (default all: 34; tiny: 2)")
+    parser.add_argument("--check", action="store_true",
+                        help="also the simulated (fake-quant, f32) forward and the layers against it (expensive)")
     parser.add_argument("--text-tokens", type=int, default=None, help="default 128 (tiny: 3)")
     parser.add_argument("--height", type=int, default=None, help="pixels, default 1024 (tiny: 32)")
     parser.add_argument("--rank", type=int, default=None, help="low-rank rank (default 128; tiny: 32)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--inner", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=180.0,
-                        help="optional stages (epilogue tile choice, the unfused W4A4 forward) start only before this")
+                        help="optional stages (epilogue tile choice, layer checks, the --check simulation, the "
+                             "unfused W4A4 forward) start only before this many seconds")
     parser.add_argument("--no-tune", action="store_true")
     parser.add_argument("--out", default=None, help="JSON (default $OUT/dit_forward_w4a4.json, else /tmp)")
     args = parser.parse_args(argv)
@@ -272,21 +311,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     on_gpu = jax.default_backend() == "gpu"
     impl = "interpret" if args.interpret else ("pallas" if on_gpu else "reference")
     base = ig.tiny_config() if tiny else ig.IDEOGRAM4
+    blocks_n = base.num_layers if args.blocks is None else args.blocks
+    if not 1 <= blocks_n <= base.num_layers:
+        parser.error(f"--blocks {args.blocks}: the {args.preset} model has {base.num_layers} blocks")
     cfg = dataclasses.replace(base, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, scan_layers=True,
-                              attention_impl="cudnn" if on_gpu else "xla")
+                              num_layers=blocks_n, attention_impl="cudnn" if on_gpu else "xla")
     rank = args.rank or (32 if tiny else 128)
     text_tokens = args.text_tokens or (3 if tiny else 128)
     height = args.height or (32 if tiny else 1024)
     out_path = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "dit_forward_w4a4.json"))
     device = jax.local_devices()[0]
+    partial_model = blocks_n < base.num_layers
     payload: dict[str, Any] = {
-        "what": "Ideogram 4 forward, batch 1, random bf16 weights: bf16 vs W4A4 (Pallas kernels) vs simulated W4A4",
+        "what": ("Ideogram 4 forward, batch 1, random bf16 weights: bf16 vs W4A4 (served layers on the dequant + "
+                 "cuBLAS strategy and on the Pallas-Triton kernels)"
+                 + (f"; ONLY {blocks_n} OF THE REAL {base.num_layers} TRANSFORMER BLOCKS (time scales with the block "
+                    f"count; compare ratios, not times)" if partial_model else "")),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": getattr(device, "device_kind", str(device)), "jax": jax.__version__, "preset": args.preset,
+        "blocks": blocks_n, "model_blocks": base.num_layers, "variants": list(args.variants),
         "impl": impl, "attention_impl": cfg.attention_impl, "rank": rank, "transform": TRANSFORM,
         "method": f"median of {args.repeats} repeats of {args.inner} back-to-back calls after a warm-up call "
                   "(AOT-compiled, block_until_ready per repeat)",
-        "timings_ms": {}, "compile_s": {}, "errors": {}, "checks": {}}
+        "command_args": list(sys.argv[1:] if argv is None else argv),
+        "timings_ms": {}, "bf16_over": {}, "compile_s": {}, "errors": {}, "checks": {}, "finite": {}}
 
     def save() -> None:
         payload["elapsed_s"] = time.perf_counter() - start
@@ -302,6 +350,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         finally:
             save()
             print(f"[{time.perf_counter() - start:6.1f} s] {name} done", flush=True)
+
+    def within_budget(name: str) -> bool:
+        if time.perf_counter() - start < args.budget_s:
+            return True
+        payload["errors"][name] = f"skipped: {time.perf_counter() - start:.0f} s > --budget-s {args.budget_s:g}"
+        return False
 
     # The model (random bf16 weights on the device) and its quantized layers.
     graphdef, (state,), payload["init_s"] = serving.random_models(cfg, (0,))
@@ -321,7 +375,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload["build_quantized_s"] = time.perf_counter() - t0
     payload["memory_gib_after_build"] = serving.memory_stats()
     save()
-    print(f"[{time.perf_counter() - start:6.1f} s] model + quantized layers built", flush=True)
+    print(f"[{time.perf_counter() - start:6.1f} s] model ({blocks_n} of {base.num_layers} blocks) + quantized layers "
+          f"built", flush=True)
 
     # Inputs: one prompt, packed layout (no padding, no mask).
     grid = sampling.grid_for(height, height)
@@ -337,7 +392,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    flops=serving.forward_flops(cfg, tokens, text_projection_tokens=tokens))
     image = np.asarray(layout.indicator[0]) == ig.OUTPUT_IMAGE_INDICATOR
 
-    # Layer-level checks and the epilogue tiles, on activations of the forward's shape.
+    # Activations of the forward's shape for the layer checks and the epilogue tiles.
     x = jax.random.normal(keys[2], (tokens, cfg.hidden_size), jnp.bfloat16)
     x_ff = (jax.random.normal(keys[3], (tokens, cfg.intermediate_size), jnp.float32) * 0.3).astype(jnp.bfloat16)
     norm_w = (1.0 + 0.1 * jax.random.normal(keys[3], (cfg.attention_head_dim,))).astype(jnp.float32)
@@ -347,27 +402,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         opts["norm_blocks"] = E.EpilogueBlockSizes(block_m=16, block_n=64, block_k=32, tile=16, num_warps=4,
                                                    num_stages=2)
         opts["swiglu_blocks"] = E.EpilogueBlockSizes(block_m=16, block_n=64, block_k=32, num_warps=4, num_stages=2)
-    if not args.no_tune and impl != "reference":
+    if ("w4a4_fused" in args.variants and not args.no_tune and impl != "reference"
+            and within_budget("tune_epilogues")):
         tuned = stage("tune_epilogues", lambda: tune_epilogues(served, x, norm_w, args.interpret, tiny))
         if tuned is not None:
             payload["epilogue_tiles"], opts["norm_blocks"], opts["swiglu_blocks"] = tuned
     payload["chosen_tiles"] = {"rmsnorm": _tiles_json(opts["norm_blocks"]),
                                "swiglu": _tiles_json(opts["swiglu_blocks"])}
-    checks = stage("layer_checks", lambda: layer_checks(q, served, x, x_ff, norm_w, opts))
-    if checks:
-        payload["checks"]["layers"] = checks
-        for name, value in checks.items():
-            print(f"  check {name:45s} rel err {value:.2e}")
 
-    # The forwards.
+    # The forwards: the served layers as hooks of the scanned model (stacked entries).
+    tables = ({p: served[p] for p in PLAIN}, {p: served[p] for p in NORMED}, {GATE: served[GATE]})
+    kernel_tiles = dict(gemm_blocks=opts["gemm_blocks"], impl=impl)
     entries = {
-        "w4a4_fused": served_hooks({p: served[p] for p in PLAIN}, {p: served[p] for p in NORMED},
-                                   {GATE: served[GATE]}, strategy="kernel", fused=True, stacked=True, impl=impl,
-                                   gemm_blocks=opts["gemm_blocks"], norm_blocks=opts["norm_blocks"],
-                                   swiglu_blocks=opts["swiglu_blocks"]).entries(),
-        "w4a4_unfused": served_hooks({p: served[p] for p in PLAIN}, {p: served[p] for p in NORMED},
-                                     {GATE: served[GATE]}, strategy="kernel", fused=False, stacked=True, impl=impl,
-                                     gemm_blocks=opts["gemm_blocks"]).entries(),
+        "w4a4_dequant": served_hooks(*tables, strategy="dequant", stacked=True, impl=impl).entries(),
+        "w4a4_fused": served_hooks(*tables, strategy="kernel", fused=True, stacked=True, norm_blocks=opts["norm_blocks"],
+                                   swiglu_blocks=opts["swiglu_blocks"], **kernel_tiles).entries(),
+        "w4a4_unfused": served_hooks(*tables, strategy="kernel", fused=False, stacked=True, **kernel_tiles).entries(),
         "simulate": FusedLinearHooks({**qlinear_overrides({p: q[p] for p in (*NORMED, *PLAIN)}),
                                       **split_qlinear_overrides(q[GATE], [GATE, UP])}, stacked=True).entries(),
     }
@@ -386,26 +436,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         compiled = jax.jit(forward).lower(*call_args).compile()
         payload["compile_s"][name] = time.perf_counter() - t_c
         outputs[name] = jax.block_until_ready(compiled(*call_args))
+        payload["finite"][name] = bool(jnp.all(jnp.isfinite(outputs[name])))
         if timed:
             samples = serving.time_calls(lambda: compiled(*call_args), args.repeats, args.inner)
             payload["timings_ms"][name] = serving._summary(samples)
-            print(f"  {name:14s} {payload['timings_ms'][name]['median_ms']:9.2f} ms", flush=True)
+            if "bf16" in payload["timings_ms"]:
+                payload["bf16_over"][name] = (payload["timings_ms"]["bf16"]["median_ms"]
+                                              / payload["timings_ms"][name]["median_ms"])
+            print(f"  {name:14s} {payload['timings_ms'][name]['median_ms']:9.2f} ms  ({blocks_n} of "
+                  f"{base.num_layers} blocks)", flush=True)
 
-    stage("forward_bf16", lambda: run_forward("bf16"))
-    stage("forward_w4a4_fused", lambda: run_forward("w4a4_fused"))
-    stage("forward_simulate", lambda: run_forward("simulate", timed=False))
-    if time.perf_counter() - start < args.budget_s:
-        stage("forward_w4a4_unfused", lambda: run_forward("w4a4_unfused"))
-    else:
-        payload["errors"]["forward_w4a4_unfused"] = f"skipped: {time.perf_counter() - start:.0f} s > --budget-s"
+    for name in args.variants:
+        if name != "w4a4_unfused":
+            stage(f"forward_{name}", functools.partial(run_forward, name))
 
     def img(name: str) -> jax.Array:
         return np.asarray(jax.device_get(outputs[name][0]), np.float32)[image]  # (image tokens, C)
 
-    for a, b in (("w4a4_fused", "simulate"), ("w4a4_unfused", "simulate"), ("w4a4_fused", "w4a4_unfused"),
-                 ("bf16", "simulate"), ("w4a4_fused", "bf16")):
-        if a in outputs and b in outputs:
-            payload["checks"][f"forward {a} vs {b}"] = rel_err(img(a), img(b))
+    def compare() -> None:
+        for a, b in (("w4a4_dequant", "w4a4_fused"), ("w4a4_dequant", "w4a4_unfused"), ("w4a4_fused", "w4a4_unfused"),
+                     ("w4a4_dequant", "simulate"), ("w4a4_fused", "simulate"), ("w4a4_unfused", "simulate"),
+                     ("bf16", "simulate"), ("w4a4_dequant", "bf16"), ("w4a4_fused", "bf16")):
+            if a in outputs and b in outputs:
+                payload["checks"][f"forward {a} vs {b}"] = rel_err(img(a), img(b))
+        save()
+
+    compare()
+    # The dequant strategy's layers always (cheap: XLA), the Triton kernels' with --check (they were checked before).
+    strategies = (("dequant",) if "w4a4_dequant" in args.variants else ()) + (
+        ("kernel",) if args.check and {"w4a4_fused", "w4a4_unfused"} & set(args.variants) else ())
+    if strategies and within_budget("layer_checks"):
+        checks = stage("layer_checks", lambda: layer_checks(q, served, x, x_ff, norm_w, opts, strategies,
+                                                            simulate=args.check))
+        if checks:
+            payload["checks"]["layers"] = checks
+            for name, value in checks.items():
+                print(f"  check {name:45s} rel err {value:.2e}")
+    if args.check and within_budget("forward_simulate"):
+        stage("forward_simulate", lambda: run_forward("simulate", timed=False))
+    if "w4a4_unfused" in args.variants and within_budget("forward_w4a4_unfused"):
+        stage("forward_w4a4_unfused", lambda: run_forward("w4a4_unfused"))
+    compare()
     payload["memory_gib_final"] = serving.memory_stats()
     save()
     print_table(payload)
@@ -415,13 +486,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def print_table(payload: dict[str, Any]) -> None:
     print(f"\n{payload['device']} jax {payload['jax']} {payload['date_utc']} tokens={payload.get('tokens')} "
           f"impl={payload['impl']} rank={payload['rank']}")
-    base = payload["timings_ms"].get("bf16", {}).get("median_ms")
+    print(f"  blocks: {payload['blocks']} of the model's {payload['model_blocks']}"
+          + (" (NOT the whole model: times scale with the block count; the ratios are what compare)"
+             if payload["blocks"] < payload["model_blocks"] else ""))
     for name, timing in payload["timings_ms"].items():
-        ratio = f"{base / timing['median_ms']:.2f}x" if base else ""
-        print(f"  forward {name:14s} {timing['median_ms']:9.2f} ms  (bf16 / this = {ratio}; compile "
-              f"{payload['compile_s'].get(name, float('nan')):.1f} s)")
+        ratio = payload["bf16_over"].get(name)
+        print(f"  forward {name:14s} {timing['median_ms']:9.2f} ms  (bf16 / this = "
+              f"{'' if ratio is None else f'{ratio:.2f}x'}; compile {payload['compile_s'].get(name, float('nan')):.1f}"
+              f" s)")
     for name, tile in payload.get("epilogue_tiles", {}).items():
         print(f"  kernel {name:48s} {tile.get('us', float('nan')):10.1f} us")
+    print(f"  finite outputs: {payload['finite']}")
     for name, value in payload["checks"].items():
         if isinstance(value, dict):
             for k, v in value.items():

@@ -415,14 +415,25 @@ def test_bad_fused_hooks_raise():
         real(*args[:1], *args[1:], hooks=wrong)
 
 
-def test_benchmark_tiny_run(tmp_path):
-    """The H200 script end to end on the tiny config (jnp references of the served layers, no tile choice)."""
-    payload = _bench().main(["--preset", "tiny", "--repeats", "1", "--inner", "1", "--budget-s", "0",
-                             "--out", str(tmp_path / "forward.json")])
+def test_benchmark_tiny_run(tmp_path, capsys):
+    """The H200 script end to end on the tiny config: the dequant forward on one of the 2 blocks, the transform +
+    quantize kernel interpreted, with the --check simulation."""
+    bench = _bench()
+    payload = bench.main(["--preset", "tiny", "--interpret", "--variants", "w4a4_dequant,bf16", "--blocks", "1",
+                          "--check", "--repeats", "1", "--inner", "1", "--out", str(tmp_path / "forward.json")])
     saved = json.loads((tmp_path / "forward.json").read_text())
-    assert set(saved["timings_ms"]) == {"bf16", "w4a4_fused"} and saved["tokens"] == payload["tokens"] == 3 + 4
-    assert list(saved["errors"]) == ["forward_w4a4_unfused"] and saved["errors"]["forward_w4a4_unfused"].startswith(
-        "skipped")
-    assert all(err < 5e-3 for err in saved["checks"]["layers"].values())
+    assert saved["variants"] == ["bf16", "w4a4_dequant"] and set(saved["timings_ms"]) == {"bf16", "w4a4_dequant"}
+    assert saved["blocks"] == 1 and saved["model_blocks"] == 2 and "ONLY 1 OF THE REAL 2" in saved["what"]
+    assert "1 of the model's 2 (NOT the whole model" in capsys.readouterr().out
+    assert saved["tokens"] == payload["tokens"] == 3 + 4 and saved["errors"] == {}
+    assert saved["finite"] == {"bf16": True, "w4a4_dequant": True, "simulate": True}
+    ratio = saved["timings_ms"]["bf16"]["median_ms"] / saved["timings_ms"]["w4a4_dequant"]["median_ms"]
+    assert saved["bf16_over"]["w4a4_dequant"] == pytest.approx(ratio)
+    layers = saved["checks"]["layers"]
+    assert len(layers) == 6 and all(err < 5e-3 for err in layers.values())  # 3 layers vs reference and simulate
     # The W4A4 forward is closer to the simulated one than bf16 is (the quantization error), but not equal.
-    assert 0 < saved["checks"]["forward w4a4_fused vs simulate"] < saved["checks"]["forward bf16 vs simulate"]
+    assert 0 < saved["checks"]["forward w4a4_dequant vs simulate"] < saved["checks"]["forward bf16 vs simulate"]
+    for argv, message in ((["--variants", "bf16,cublas"], "unknown variant"), (["--blocks", "3"], "has 2 blocks")):
+        with pytest.raises(SystemExit):
+            bench.main(["--preset", "tiny", *argv])
+        assert message in capsys.readouterr().err
