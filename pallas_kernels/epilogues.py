@@ -582,9 +582,10 @@ def served_linear_forward(layer: ServedLinear, x: jax.Array, *, op: Op = "none",
       output stored in bf16, then the op as XLA ops (f32 math). The default because it is the faster path at every
       shape measured on the H200 (jax 0.11.2, 2026-11-30, ``benchmarks/results/w4a4_models.json``,
       ``w4a4_device.json``): the W4A4 layer at 0.43-0.84x bf16 at m = 4096 against 0.12-0.30x on the Triton kernels
-      (1.6-4.8x faster; the GEMM alone 1.4-3.0x). The fused epilogues it gives up save one HBM round trip of the
-      output, about 2% of a Triton W4A4 GEMM (and measured 1.4-3% *slower* than that GEMM + the XLA op), far less
-      than the decode in the Triton main loop costs.
+      (1.6-4.8x faster; the GEMM alone 1.4-3.0x); the whole Ideogram 4 forward (17 of its 34 blocks, 4224 tokens,
+      ``benchmarks/results/dit_forward_w4a4_dequant.json``) at 0.87x bf16 against 0.34x. The fused epilogues it
+      gives up save one HBM round trip of the output, about 2% of a Triton W4A4 GEMM (and measured 1.4-3% *slower*
+      than that GEMM + the XLA op), far less than the decode in the Triton main loop costs.
     * ``strategy="kernel"``: the Pallas-Triton W4A4 GEMM (:func:`~pallas_kernels.w4a4_gemm.w4a4_matmul`) with the
       low-rank term (packed ``L`` decoded) in its epilogue, and with ``fused`` (default True) the RMSNorm or SwiGLU
       in that epilogue too (:func:`gemm_rmsnorm` / :func:`gemm_swiglu`).
