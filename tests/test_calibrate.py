@@ -226,17 +226,11 @@ def _quantize_two_batches(recipe):
     and both runs' reports."""
     ls = _layer_set(shapes=((40, 64),) * 3)
     recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, max_layers_per_program=2))
-    compiled, batches = [], []
+    from compile_events import recorded_compilations  # tests/compile_events.py (the subprocesses import this file)
 
-    def listener(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiled.append(kw.get("fun_name"))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    batches = []
+    with recorded_compilations() as compiled:
         _, rep = calibrate.quantize_layer_set(ls, recipe, on_batch_done=batches.append)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert [len(b) for b in batches] == [2, 1]
     one_batch = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration,
                                                                            max_layers_per_program=3))

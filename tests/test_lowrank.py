@@ -8,6 +8,7 @@ import pytest
 from jaxpr_checks import assert_every_dot_highest  # tests/jaxpr_checks.py
 from kroquant_jax import lowrank, synthetic
 from kroquant_jax.formats import MXFP4, fake_quant
+from compile_events import recorded_compilations
 
 
 def _weights(names=("a", "b"), o=96, d=128):
@@ -179,20 +180,11 @@ def test_driver_settings_and_a_smaller_batch_reuse_the_compiled_program():
     batch's program like the full batch's: one XLA compilation for all three calls below."""
     ws = _weights(("a", "b", "c"), 64, 96)
     cfg = lowrank.LoRaQConfig(rank=32, steps=3, rotation_steps=2, max_layers_per_program=2)
-    compiled = []
-
-    def listener(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration" and "loraq" in str(kw.get("fun_name")):
-            compiled.append(kw.get("fun_name"))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with recorded_compilations("loraq") as compiled:
         full = lowrank.loraq_layers(ws, cfg)  # chunks of 2 (the last one padded)
         alone = lowrank.loraq_layers({"c": ws["c"]}, dataclasses_replace(cfg, shard=False, max_layers_per_program=4),
                                      pad_to=2)
         lowrank.loraq_layers({"b": ws["b"]}, dataclasses_replace(cfg, progress=True), pad_to=2)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiled == ["jit(_loraq_stacked)"]
     np.testing.assert_allclose(alone["c"].left, full["c"].left, rtol=1e-5, atol=1e-6)
 

@@ -10,6 +10,7 @@ import numpy as np
 from jaxpr_checks import assert_every_dot_highest  # tests/jaxpr_checks.py
 from kroquant_jax import layerset, smoothquant, synthetic
 from kroquant_jax.formats import fake_quant
+from compile_events import recorded_compilations
 
 GRID = (0.0, 0.5, 1.0)
 
@@ -74,21 +75,12 @@ def test_pad_to_keeps_results_and_a_smaller_batch_reuses_the_program():
     layer) are dropped: every layer gets exactly what an unpadded per-layer run gives it."""
     ls = _layers(("x", "y", "z"))
     cfg = _cfg(alphas=(0.0, 0.25, 0.75), betas=(0.0, 0.5), max_layers_per_program=2)  # a grid no other test compiles
-    compiled = []
-
-    def listener(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration" and "_search_stacked" in str(kw.get("fun_name")):
-            compiled.append(kw.get("fun_name"))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with recorded_compilations("_search_stacked") as compiled:
         full = smoothquant.smoothquant_layers(ls, cfg)  # chunks of 2 (the last one padded)
         alone = smoothquant.smoothquant_layers({"z": ls["z"]}, dataclasses.replace(cfg, shard=False,
                                                                                    max_layers_per_program=4), pad_to=2)
         pair = smoothquant.smoothquant_layers({"y": ls["y"], "x": ls["x"]}, dataclasses.replace(cfg, progress=True),
                                               pad_to=2)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiled == ["jit(_search_stacked)"], compiled
     assert list(full) == ["x", "y", "z"] and list(alone) == ["z"] and list(pair) == ["y", "x"]
     for n in ls:
