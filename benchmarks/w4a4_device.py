@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -40,6 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from kroquant_jax.fileio import atomic_write_json  # noqa: E402
 from kroquant_jax.formats import MXFP4, dequantize, quantize  # noqa: E402
 from pallas_kernels import w4a4_gemm as G  # noqa: E402
 from pallas_kernels import w4a4_gemm_mgpu as GM  # noqa: E402
@@ -145,11 +145,7 @@ def main(argv=None):
               "iters": args.iters, "cases": [], "stopped_early": False}
 
     def save():
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(tmp, args.out)
+        atomic_write_json(args.out, result, indent=1, sort_keys=False)
 
     cases = SMALL_CASES if args.small else CASES
     data, recs = {}, {}

