@@ -177,6 +177,28 @@ def test_served_dequant_strategy_matches_reference(case):
     assert _rel(y, E.swiglu(qlinear_forward(layer13, x.astype(jnp.float32), "packed"))) < 8e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt_name", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("strategy", ["dequant", "kernel"])
+def test_served_layers_on_gpu(strategy, fmt_name):
+    """On the H200: both strategies of a served layer (none / rmsnorm over heads of 256 / swiglu, bias, packed L)
+    against the served jnp reference, at a ragged m and the 256-wide heads the kernels' epilogues are built for."""
+    fmt = NVFP4() if fmt_name == "nvfp4" else MXFP4()
+    x = _x(31, 300, 512)
+    served = E.serve_qlinear(_layer(32, 512, 512, bias=True, fmt=fmt))
+    y = E.served_linear_forward(served, x, strategy=strategy)
+    assert y.dtype == jnp.bfloat16 and y.shape == (300, 512)
+    assert _rel(y, E.served_linear_reference(served, x, out_dtype=jnp.float32)) < 3e-3
+    norm_w = 1.0 + 0.2 * jax.random.normal(jax.random.PRNGKey(33), (256,))
+    norm = dict(op="rmsnorm", norm_weight=norm_w, head_dim=256, eps=1e-6)
+    y = E.served_linear_forward(served, x, strategy=strategy, **norm)
+    assert _rel(y, E.served_linear_reference(served, x, out_dtype=jnp.float32, **norm)) < 6e-3
+    served13 = E.serve_qlinear(_layer(34, 1024, 512, bias=True, fmt=fmt), swiglu=True)
+    y = E.served_linear_forward(served13, x, op="swiglu", strategy=strategy)
+    assert y.shape == (300, 512)
+    assert _rel(y, E.served_linear_reference(served13, x, op="swiglu", out_dtype=jnp.float32)) < 6e-3
+
+
 def test_served_strategy_default_structure_and_errors(monkeypatch):
     assert E.DEFAULT_STRATEGY == "dequant" and E.STRATEGIES == ("dequant", "kernel")
     assert inspect.signature(E.served_linear_forward).parameters["strategy"].default == "dequant"
