@@ -85,8 +85,28 @@ def _gpu_kernel_events(trace_dir):
     return events
 
 
-def time_device(fn, inputs, n_iter=60, warmup=3):
-    """Median device time (µs) of one call of ``fn`` over rotating ``inputs``; returns (µs, method, kernel names)."""
+def per_call_breakdown(events, n_iter: int) -> dict[str, float]:
+    """``{kernel name: median µs per call}`` from the sorted CUPTI ``events`` ``(start_ns, duration_ns, name)`` of
+    ``n_iter`` identical calls (each call launches ``len(events) / n_iter`` kernels; a kernel launched several times
+    in one call is summed). Empty when the events do not split evenly into calls."""
+    if not events or len(events) % n_iter:
+        return {}
+    per = len(events) // n_iter
+    calls = []
+    for i in range(n_iter):
+        sums: dict[str, float] = {}
+        for _, duration_ns, name in events[i * per:(i + 1) * per]:
+            sums[name[:80]] = sums.get(name[:80], 0.0) + duration_ns / 1e3
+        calls.append(sums)
+    names = sorted(set().union(*calls))
+    return {n: statistics.median(c.get(n, 0.0) for c in calls) for n in names}
+
+
+def time_device(fn, inputs, n_iter=60, warmup=3, breakdown: dict | None = None):
+    """Median device time (µs) of one call of ``fn`` over rotating ``inputs``; returns (µs, method, kernel names).
+
+    ``breakdown``: a dict filled with :func:`per_call_breakdown` (median µs per call of each kernel), when the
+    profiler's events split evenly into calls."""
     for i in range(warmup):
         jax.block_until_ready(fn(inputs[i % len(inputs)]))
     trace_dir = tempfile.mkdtemp(prefix="tqbench_")
@@ -100,6 +120,8 @@ def time_device(fn, inputs, n_iter=60, warmup=3):
     except Exception as e:  # noqa: BLE001 - fall back to wall clock
         print(f"  profiler failed: {e!r}")
         events = []
+    if breakdown is not None:
+        breakdown.update(per_call_breakdown(events, n_iter))
     if events and len(events) % n_iter == 0:
         per = len(events) // n_iter
         sums = [sum(ev[1] for ev in events[i * per:(i + 1) * per]) / 1e3 for i in range(n_iter)]

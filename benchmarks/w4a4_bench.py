@@ -21,8 +21,10 @@ Per layer shape ``(n, k)`` of Ideogram 4, PixArt-Sigma, SANA and FLUX.1 and ``m`
 
 Timing (device time): one jitted ``fori_loop`` of ``N`` calls over ``R = 3`` rotating input sets (operands of
 different layers, more bytes than the 60 MB L2 for the large shapes), an ``optimization_barrier`` on the loop carry
-so nothing is hoisted, ``block_until_ready``; the median over repeats of (wall time / N) after warm-up. Before timing
-each variant's output is checked against an f32 reference (relative error and NaN check, stored in the JSON).
+so nothing is hoisted, ``block_until_ready``; the median over repeats of (wall time / N) after warm-up. With
+``--timer cupti``: the CUPTI kernel durations of each call summed (``transform_quantize_bench.time_device``), median
+of 30 calls, and each kernel's median time per call in ``kernels_us`` (which kernels a variant runs, and where its time
+goes). Each variant's output is checked against an f32 reference (relative error and NaN check, stored in the JSON).
 
     python benchmarks/w4a4_bench.py --out $OUT/w4a4.json                # on the H200 (default set, --budget-s)
     python benchmarks/w4a4_bench.py --tiny --interpret --out /tmp/w.json  # CPU validation (interpret mode)
@@ -46,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # transform_quantize_bench (the CUPTI timer)
 
 from kroquant_jax import transforms as T  # noqa: E402
 from kroquant_jax.formats import MXFP4, NVFP4, dequantize, quantize  # noqa: E402
@@ -337,11 +340,23 @@ def epilogue_variants(layers, kind, interpret, tiny):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def run_case(name, fn, sets, ref, *, flops, target_s, tiny, validate=True):
+def run_case(name, fn, sets, ref, *, flops, target_s, tiny, validate=True, timer="loop"):
+    """One variant: timed (``timer="loop"``: :func:`time_op`; ``"cupti"``: the summed CUPTI kernel time of each call,
+    median of 30 calls, with the median time of every kernel in ``kernels_us``), then checked against ``ref``."""
     rec = {"variant": name}
     try:
-        t, ts, y0 = time_op(fn, sets, n_calls=_n_calls(flops, target_s, tiny), repeats=2 if tiny else 5)
-        rec.update(us=t * 1e6, us_all=[x * 1e6 for x in ts], tflops=flops / t / 1e12)
+        if timer == "cupti":
+            from transform_quantize_bench import time_device  # noqa: PLC0415 - the shared CUPTI timer
+
+            jitted = jax.jit(fn)
+            y0 = jax.block_until_ready(jitted(*sets[0]))
+            breakdown = {}
+            us, method, _ = time_device(lambda s: jitted(*s), sets, n_iter=N_SETS if tiny else 30, warmup=2,
+                                        breakdown=breakdown)
+            rec.update(us=us, timing=method, kernels_us=breakdown, tflops=flops / us / 1e6)
+        else:
+            t, ts, y0 = time_op(fn, sets, n_calls=_n_calls(flops, target_s, tiny), repeats=2 if tiny else 5)
+            rec.update(us=t * 1e6, us_all=[x * 1e6 for x in ts], tflops=flops / t / 1e12, timing="loop")
         if validate and ref is not None:
             err, nan = _rel_err(y0, jax.jit(ref)(*sets[0]))
             rec.update(rel_err=err, nan=nan)
@@ -366,6 +381,9 @@ def main(argv=None):
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--tables-from", default="", help="print the docs tables of an existing JSON and exit")
     p.add_argument("--variants", default="", help="comma-separated substrings: run only variants whose name has one")
+    p.add_argument("--timer", choices=("loop", "cupti"), default="loop",
+                   help="loop: wall time of a jitted fori_loop per call (default); cupti: summed CUPTI kernel time per "
+                        "call with a per-kernel breakdown (falls back to wall clock where the profiler sees no GPU)")
     args = p.parse_args(argv)
     if args.tables_from:
         with open(args.tables_from) as f:
@@ -386,7 +404,11 @@ def main(argv=None):
     result = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "jax": jax.__version__,
               "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "interpret": args.interpret, "tiny": args.tiny, "rank": RANK, "n_sets": N_SETS,
-              "method": "median over repeats of wall(jitted fori_loop of N calls on rotating inputs)/N",
+              "method": ("median over repeats of wall(jitted fori_loop of N calls on rotating inputs)/N"
+                         if args.timer == "loop" else
+                         "CUPTI kernel time per call (summed), median of 30 calls on rotating inputs; kernels_us: "
+                         "median per kernel"),
+              "timer": args.timer,
               "cases": [], "stopped_early": False}
 
     def save():
@@ -427,7 +449,7 @@ def main(argv=None):
             if time.time() - t_start > args.budget_s:
                 result["stopped_early"] = True
                 break
-            rec = run_case(name, fn, sets, ref, flops=flops, target_s=args.target_s, tiny=args.tiny)
+            rec = run_case(name, fn, sets, ref, flops=flops, target_s=args.target_s, tiny=args.tiny, timer=args.timer)
             case["variants"].append(rec)
             msg = f"{rec['us']:9.1f} us" if "us" in rec else rec.get("error", "?")[:110]
             print(f"{model[:9]:9s} {layer[:12]:12s} m={m:4d} n={n:5d} k={k:5d} {name:34s} {msg}"
