@@ -441,8 +441,8 @@ def nv_quantize_tile(y: jax.Array, tensor_scale: jax.Array, inv_tensor_scale: ja
     amax = jnp.max(jnp.abs(jnp.where(nf, 0.0, x)), axis=-1)
     div = F.divide_rn if divide is None else divide
     # Two roundings, as formats.nvfp4_quantize_blocks (and torchao): (amax / 6) / ts, each division correctly rounded
-    # (the max() keeps XLA's algebraic simplifier from fusing the two divisions when this runs jitted).
-    s = jnp.clip(div(jnp.maximum(div(amax, jnp.float32(F.E2M1_MAX)), 0.0), tensor_scale), F.E4M3_TINY, F.E4M3_MAX)
+    # (neither divide_rn's integer ops nor the kernel's inline PTX can be fused into one division by XLA).
+    s = jnp.clip(div(div(amax, jnp.float32(F.E2M1_MAX)), tensor_scale), F.E4M3_TINY, F.E4M3_MAX)
     s, byte = _e4m3_round(s)
     reciprocal = div(inv_tensor_scale, s)
     v = F.flush_subnormals(x * reciprocal[..., None])

@@ -19,15 +19,10 @@ pytestmark = pytest.mark.gpu
 def test_divide_rn_exact_on_gpu():
     for tag, (x, y) in division_operands(1 << 20).items():
         assert_division_exact(np.asarray(jax.jit(F.divide_rn)(x, y)), x, y, tag)
-
-
-def test_xla_gpu_division_reported():
-    """Not a requirement, a record: how many quotients XLA:GPU's own ``/`` gets wrong (printed with ``-s``)."""
+    # For the record (printed with -s, not a requirement): how many of the same quotients XLA:GPU's own '/' misses.
     x, y = division_operands(1 << 20)["wide"]
-    plain = np.asarray(jax.jit(jnp.divide)(x, y))
-    wrong = int(np.sum(plain.view(np.uint32) != (x / y).view(np.uint32)))
+    wrong = int(np.sum(np.asarray(jax.jit(jnp.divide)(x, y)).view(np.uint32) != (x / y).view(np.uint32)))
     print(f"\n[xla:gpu f32 division] {wrong} of {x.size} quotients not correctly rounded")
-    assert 0 <= wrong <= x.size
 
 
 def test_nvfp4_reference_same_bits_as_numpy_on_gpu():
