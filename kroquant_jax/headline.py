@@ -1,0 +1,210 @@
+"""Headline figures: the project's measured numbers in one machine-readable file, and the README tables made from it.
+
+``benchmarks/results/headline.json`` is one JSON object: key = figure name, value = a :class:`Figure` record::
+
+    {"w4a4_layer_dequant_vs_bf16_min_m4096": {"value": 0.43, "unit": "x", "higher_is_better": true,
+      "device": "NVIDIA H200", "jax": "0.11.2", "date_utc": "2026-11-30", "command": "python3 benchmarks/...",
+      "source": "benchmarks/results/w4a4_models.json"}, ...}
+
+Benchmarks and evaluations write their keys with :func:`update` (atomic; other keys untouched). The README holds
+blocks between ``<!-- headline:NAME -->`` and ``<!-- /headline:NAME -->`` markers; :func:`render_readme` regenerates
+every block from the figures with the templates of :data:`TABLES`, and a test fails when the README differs from what
+the JSON renders, so no measured number is ever typed into the README by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import string
+from pathlib import Path
+from typing import Mapping
+
+from kroquant_jax.fileio import atomic_write_json
+
+__all__ = ["Figure", "TABLES", "load", "update", "render_block", "render_readme", "HeadlineError"]
+
+
+class HeadlineError(ValueError):
+    """A malformed headline file, a missing key, or a README whose markers do not match."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+    """One measured figure and where it came from.
+
+    Attributes:
+      value: the number (finite).
+      unit: its unit ("us", "ms", "s", "x", "dB", "fraction", ...).
+      higher_is_better: the direction of improvement.
+      device: what it ran on ("NVIDIA H200", "cpu (2 cores)").
+      jax: the jax version of the run.
+      date_utc: when it was measured (ISO date, optionally with a time).
+      command: the command that produced it.
+      source: the results file it was read from, relative to the repository root.
+    """
+
+    value: float
+    unit: str
+    higher_is_better: bool
+    device: str
+    jax: str
+    date_utc: str
+    command: str
+    source: str
+
+    def __post_init__(self):
+        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not math.isfinite(self.value):
+            raise HeadlineError(f"value={self.value!r} must be a finite number")
+        if not isinstance(self.higher_is_better, bool):
+            raise HeadlineError(f"higher_is_better={self.higher_is_better!r} must be true or false")
+        for name in ("unit", "device", "jax", "date_utc", "command", "source"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise HeadlineError(f"{name}={getattr(self, name)!r} must be a non-empty string")
+        if not self.source.startswith("benchmarks/results/"):
+            raise HeadlineError(f"source={self.source!r} must be a file under benchmarks/results/")
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Figure))
+
+
+def _figure(key: str, record) -> Figure:
+    if not isinstance(record, dict):
+        raise HeadlineError(f"headline key {key!r}: expected an object, got {type(record).__name__}")
+    missing = [f for f in _FIELDS if f not in record]
+    unknown = sorted(set(record) - set(_FIELDS))
+    if missing or unknown:
+        raise HeadlineError(f"headline key {key!r}: missing fields {missing}, unknown fields {unknown}")
+    try:
+        return Figure(**record)
+    except HeadlineError as e:
+        raise HeadlineError(f"headline key {key!r}: {e}") from None
+
+
+def load(path: str | Path) -> dict[str, Figure]:
+    """Reads and validates a headline file; raises :class:`HeadlineError` naming the file and key at fault."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HeadlineError(f"{path}: no headline file") from None
+    except json.JSONDecodeError as e:
+        raise HeadlineError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise HeadlineError(f"{path}: expected one JSON object of figures")
+    try:
+        return {key: _figure(key, record) for key, record in raw.items()}
+    except HeadlineError as e:
+        raise HeadlineError(f"{path}: {e}") from None
+
+
+def update(path: str | Path, figures: Mapping[str, Figure]) -> dict[str, Figure]:
+    """Sets ``figures`` in the headline file at ``path`` (created if absent), keeping every other key; atomic."""
+    path = Path(path)
+    current = load(path) if path.exists() else {}
+    for key, fig in figures.items():
+        if not isinstance(fig, Figure):
+            raise HeadlineError(f"headline key {key!r}: expected a Figure, got {type(fig).__name__}")
+        current[key] = fig
+    atomic_write_json(path, {k: dataclasses.asdict(current[k]) for k in sorted(current)})
+    return current
+
+
+# The README's tables. Each cell is a str.format template over figure values, e.g. "{key:.0f} µs"; a row's
+# "keys" are the figures it shows (their devices and dates go in the table's last column).
+TABLES: dict[str, dict] = {
+    "gpu": {
+        "header": ["what", "measured", "goal", "page"],
+        "rows": [
+            ["fused transform + MXFP4 quantize, K1 (dense 32x32 blocks) at 4096 x 16384, fp16",
+             "{tq_k1_us_4096x16384_fp16:.0f} µs, {tq_k1_frac_copy_bw_4096x16384_fp16:.0%} of copy bandwidth; "
+             "Scale/K1 {tq_scale_over_k1_4096x16384_fp16:.2f}; {tq_xla_over_k1_4096x16384_fp16:.1f}x faster than XLA",
+             "within 15% of the copy floor; K1 ≥ Scale", "[kernels](docs/kernels.md)"],
+            ["W4A4 GEMM, Ideogram 4 q (4096 x 4608 x 4608), CUPTI",
+             "dequantize + cuBLAS {w4a4_gemm_ideogram4_q_m4096_dequant_us:.0f} µs, Mosaic GPU kernel "
+             "{w4a4_gemm_ideogram4_q_m4096_mgpu_us:.0f} µs, Triton kernel {w4a4_gemm_ideogram4_q_m4096_triton_us:.0f} µs "
+             "vs bf16 cuBLAS {w4a4_gemm_ideogram4_q_m4096_bf16_us:.0f} µs",
+             "≥ 1x", "[w4a4](docs/w4a4.md)"],
+            ["W4A4 layer (transform + quantize + low-rank + GEMM), 10 layer shapes of FLUX.1 / PixArt-Σ / SANA / "
+             "Ideogram 4 w2",
+             "best strategy (dequantize + cuBLAS) {w4a4_layer_dequant_vs_bf16_min_m4096:.2f}–"
+             "{w4a4_layer_dequant_vs_bf16_max_m4096:.2f}x bf16 at m = 4096, {w4a4_layer_dequant_vs_bf16_min_m512:.2f}–"
+             "{w4a4_layer_dequant_vs_bf16_max_m512:.2f}x at m = 512",
+             "≥ 1x at 4096, > 1x at 512", "[w4a4](docs/w4a4.md)"],
+            ["Ideogram 4 forward (4224 tokens), every linear W4A4, served layers on dequantize + cuBLAS",
+             "{ideogram4_forward_dequant_ms_17blocks:.1f} ms vs bf16 {ideogram4_forward_bf16_ms_17blocks:.1f} ms on 17 "
+             "of the 34 blocks ({ideogram4_forward_dequant_speedup_vs_bf16_17blocks:.2f}x)",
+             "faster than bf16", "[w4a4](docs/w4a4.md)"],
+            ["calibrate all 280 linears of a PixArt-Σ-shaped model (KroQuant 100 steps + LoRaQ rank 128)",
+             "{calibration_cold_pixart_h200_s:.0f} s cold ({calibration_compile_pixart_h200_s:.0f} s XLA compile), "
+             "{calibration_run_pixart_h200_s:.0f} s run",
+             "≤ 3 min cold", "[calibration](docs/calibration.md)"],
+            ["Ideogram 4 bf16 forward, 6144 padded tokens",
+             "{ideogram4_bf16_forward_padded_ms:.1f} ms", "1.2x the bf16 roofline", "[ideogram4](docs/ideogram4.md)"],
+        ],
+    },
+    "testbed": {
+        "header": ["method", "PSNR (dB) ↑, held-out captions", "SSIM ↑"],
+        "rows": [[name, f"{{testbed_eval_psnr_db_{key}:.2f}} ± {{testbed_eval_psnr_sem_db_{key}:.2f}}",
+                  f"{{testbed_eval_ssim_{key}:.3f}}"]
+                 for name, key in [("RTN", "rtn"), ("SmoothQuant", "smoothquant"), ("Hadamard-32", "hadamard32"),
+                                   ("KroQuant", "kroquant"), ("smoothed KroQuant", "smoothed_kroquant"),
+                                   ("RTN + LoRaQ", "rtn_loraq"), ("SmoothQuant + LoRaQ", "smoothquant_loraq"),
+                                   ("Hadamard-32 + LoRaQ", "hadamard32_loraq"), ("KroQuant + LoRaQ", "kroquant_loraq"),
+                                   ("smoothed KroQuant + LoRaQ", "smoothed_kroquant_loraq"),
+                                   ("SVDQuant", "svdquant")]],
+    },
+}
+
+
+def _keys_of(template: str) -> list[str]:
+    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
+
+
+def render_block(name: str, figures: Mapping[str, Figure]) -> str:
+    """The markdown of README block ``name``: the table of :data:`TABLES` filled in, then one line per distinct
+    (device, jax, date) naming what was measured where. Raises naming the first missing key."""
+    if name not in TABLES:
+        raise HeadlineError(f"unknown README block {name!r}; known: {sorted(TABLES)}")
+    table = TABLES[name]
+    values = {}
+    used: list[str] = []
+    for row in table["rows"]:
+        for cell in row:
+            for key in _keys_of(cell):
+                if key not in figures:
+                    raise HeadlineError(f"README block {name!r} needs headline key {key!r}, which is missing")
+                values[key] = figures[key].value
+                if key not in used:
+                    used.append(key)
+    lines = ["| " + " | ".join(table["header"]) + " |", "|" + "---|" * len(table["header"])]
+    lines += ["| " + " | ".join(cell.format_map(values) for cell in row) + " |" for row in table["rows"]]
+    provenance: dict[tuple, list[str]] = {}
+    for key in used:
+        f = figures[key]
+        provenance.setdefault((f.device, f.jax, f.date_utc[:10]), [])
+        if f.source not in provenance[(f.device, f.jax, f.date_utc[:10])]:
+            provenance[(f.device, f.jax, f.date_utc[:10])].append(f.source)
+    lines.append("")
+    for (device, jax_version, date), sources in sorted(provenance.items()):
+        lines.append(f"Measured on {device}, jax {jax_version}, {date}: "
+                     + ", ".join(f"`{s}`" for s in sources) + ".")
+    return "\n".join(lines)
+
+
+_BLOCK = re.compile(r"<!-- headline:(?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /headline:(?P=name) -->", re.S)
+
+
+def render_readme(text: str, figures: Mapping[str, Figure]) -> str:
+    """``text`` with every headline block regenerated from ``figures``. Raises if a marker is unmatched."""
+    opened = re.findall(r"<!-- headline:([\w-]+) -->", text)
+    closed = re.findall(r"<!-- /headline:([\w-]+) -->", text)
+    if sorted(opened) != sorted(closed):
+        raise HeadlineError(f"README headline markers do not match: opened {opened}, closed {closed}")
+    def block(m: re.Match) -> str:
+        name = m.group("name")
+        return f"<!-- headline:{name} -->\n{render_block(name, figures)}\n<!-- /headline:{name} -->"
+
+    return _BLOCK.sub(block, text)

@@ -1,0 +1,95 @@
+"""benchmarks/results/headline.json: validation, atomic update, and the README tables rendered from it."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from kroquant_jax import headline
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADLINE = ROOT / "benchmarks/results/headline.json"
+
+
+def _figure(**changes):
+    base = dict(value=1.5, unit="x", higher_is_better=True, device="NVIDIA H200", jax="0.11.2",
+                date_utc="2026-11-30", command="python3 benchmarks/x.py", source="benchmarks/results/x.json")
+    base.update(changes)
+    return base
+
+
+def test_readme_tables_match_headline_json():
+    figures = headline.load(HEADLINE)
+    text = (ROOT / "README.md").read_text()
+    assert "<!-- headline:gpu -->" in text
+    assert headline.render_readme(text, figures) == text, "README is stale: run python benchmarks/render_readme.py"
+
+
+def test_every_figure_traces_to_an_existing_results_file():
+    for key, fig in headline.load(HEADLINE).items():
+        assert (ROOT / fig.source).is_file(), f"{key}: source {fig.source} does not exist"
+
+
+def test_every_table_key_is_present():
+    figures = headline.load(HEADLINE)
+    for name in headline.TABLES:
+        headline.render_block(name, figures)  # raises naming the first missing key
+
+
+def test_a_changed_figure_changes_the_readme():
+    figures = headline.load(HEADLINE)
+    text = (ROOT / "README.md").read_text()
+    key = "tq_k1_us_4096x16384_fp16"
+    changed = dict(figures, **{key: dataclasses.replace(figures[key], value=figures[key].value + 100)})
+    assert headline.render_readme(text, changed) != text
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(value=float("nan")), "finite"),
+    (dict(value="3"), "finite"),
+    (dict(higher_is_better="yes"), "higher_is_better"),
+    (dict(unit=""), "unit"),
+    (dict(source="/tmp/x.json"), "benchmarks/results"),
+])
+def test_malformed_records_are_refused_naming_the_key(tmp_path, changes, message):
+    path = tmp_path / "headline.json"
+    path.write_text(json.dumps({"my_key": _figure(**changes)}))
+    with pytest.raises(headline.HeadlineError, match=f"my_key.*{message}"):
+        headline.load(path)
+
+
+def test_missing_and_unknown_fields_are_named(tmp_path):
+    record = _figure()
+    del record["device"]
+    record["colour"] = "red"
+    path = tmp_path / "headline.json"
+    path.write_text(json.dumps({"k": record}))
+    with pytest.raises(headline.HeadlineError, match=r"missing fields \['device'\].*unknown fields \['colour'\]"):
+        headline.load(path)
+
+
+def test_truncated_file_is_named(tmp_path):
+    path = tmp_path / "headline.json"
+    path.write_text('{"k": {"value": 1')
+    with pytest.raises(headline.HeadlineError, match="not valid JSON"):
+        headline.load(path)
+
+
+def test_update_keeps_other_keys(tmp_path):
+    path = tmp_path / "headline.json"
+    headline.update(path, {"a": headline.Figure(**_figure(value=1.0))})
+    headline.update(path, {"b": headline.Figure(**_figure(value=2.0))})
+    figures = headline.load(path)
+    assert {k: f.value for k, f in figures.items()} == {"a": 1.0, "b": 2.0}
+    assert not list(tmp_path.glob("*.tmp*")), "no temporary file left behind"
+
+
+def test_unmatched_marker_is_an_error():
+    with pytest.raises(headline.HeadlineError, match="markers do not match"):
+        headline.render_readme("<!-- headline:gpu -->\nx\n", {})
+
+
+def test_missing_key_is_named():
+    with pytest.raises(headline.HeadlineError, match="needs headline key 'tq_k1_us_4096x16384_fp16'"):
+        headline.render_block("gpu", {})
