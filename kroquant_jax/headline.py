@@ -3,7 +3,7 @@
 ``benchmarks/results/headline.json`` is one JSON object: key = figure name, value = a :class:`Figure` record::
 
     {"w4a4_layer_dequant_vs_bf16_min_m4096": {"value": 0.43, "unit": "x", "higher_is_better": true,
-      "device": "NVIDIA H200", "jax": "0.11.2", "date_utc": "2026-11-30", "command": "python3 benchmarks/...",
+      "device": "<device>", "jax": "<version>", "date_utc": "<ISO date>", "command": "python3 benchmarks/...",
       "source": "benchmarks/results/w4a4_models.json"}, ...}
 
 Benchmarks and evaluations write their keys with :func:`update` (atomic; other keys untouched). The README holds
@@ -39,7 +39,7 @@ class Figure:
       value: the number (finite).
       unit: its unit ("us", "ms", "s", "x", "dB", "fraction", ...).
       higher_is_better: the direction of improvement.
-      device: what it ran on ("NVIDIA H200", "cpu (2 cores)").
+      device: what it ran on (the GPU name, or "cpu (2 cores)").
       jax: the jax version of the run.
       date_utc: when it was measured (ISO date, optionally with a time).
       command: the command that produced it.
