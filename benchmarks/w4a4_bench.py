@@ -22,7 +22,7 @@ Per layer shape ``(n, k)`` of Ideogram 4, PixArt-Sigma, SANA and FLUX.1 and ``m`
 Timing (device time): one jitted ``fori_loop`` of ``N`` calls over ``R = 3`` rotating input sets (operands of
 different layers, more bytes than the 60 MB L2 for the large shapes), an ``optimization_barrier`` on the loop carry
 so nothing is hoisted, ``block_until_ready``; the median over repeats of (wall time / N) after warm-up. With
-``--timer cupti``: the CUPTI kernel durations of each call summed (``transform_quantize_bench.time_device``), median
+``--timer cupti``: the CUPTI kernel durations of each call summed (``kroquant_jax.timing.device_time``), median
 of 30 calls, and each kernel's median time per call in ``kernels_us`` (which kernels a variant runs, and where its time
 goes). Each variant's output is checked against an f32 reference (relative error and NaN check, stored in the JSON).
 
@@ -38,7 +38,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -48,8 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # transform_quantize_bench (the CUPTI timer)
 
+from kroquant_jax import timing  # noqa: E402
 from kroquant_jax import transforms as T  # noqa: E402
 from kroquant_jax.formats import MXFP4, NVFP4, dequantize, quantize  # noqa: E402
 from pallas_kernels import epilogues as E  # noqa: E402
@@ -88,54 +87,9 @@ TINY_SHAPES = [("tiny", "attn.q", 512, 256), ("tiny", "ffn.w13", 256, 128)]
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _first_leaf(y):
-    leaf = jax.tree_util.tree_leaves(y)[0]
-    return leaf.reshape(-1)[0].astype(jnp.float32)
-
-
-def time_op(fn, input_sets, *, n_calls, repeats=5, warmup=1):
-    """Median seconds per call of ``fn(*inputs)`` over rotating ``input_sets`` inside one jitted fori_loop.
-
-    Returns ``(median_s, all_s, y0)``, ``y0`` the output for ``input_sets[0]`` from the timed loop itself (checked
-    against the reference, so each variant compiles once).
-    """
-    r_sets = len(input_sets)
-    n_iter = max(1, n_calls // r_sets)
-    xs = tuple(tuple(s) for s in input_sets)
-    y_shape = jax.eval_shape(fn, *xs[0])
-
-    def body(_, carry):
-        acc, y0, xs = carry
-        xs, acc = jax.lax.optimization_barrier((xs, acc))
-        for r in range(r_sets):
-            y = fn(*xs[r])
-            if r == 0:
-                y0 = y
-            acc = acc + _first_leaf(y)
-        return acc, y0, xs
-
-    def run(xs):
-        y_init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), y_shape)
-        acc, y0, _ = jax.lax.fori_loop(0, n_iter, body, (jnp.float32(0.0), y_init, xs))
-        return acc, y0
-
-    loop = jax.jit(run)
-    y0 = None
-    for _ in range(warmup):
-        _, y0 = jax.block_until_ready(loop(xs))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(loop(xs))
-        times.append((time.perf_counter() - t0) / (n_iter * r_sets))
-    return statistics.median(times), times, y0
-
-
-def _n_calls(flops, target_s, tiny):
-    if tiny:
-        return N_SETS
-    est = flops / 400e12 + 5e-6
-    return int(min(300, max(N_SETS * 2, target_s / est)))
+def n_calls_for(flops, target_s, tiny):
+    """Calls per timed loop: about ``target_s`` seconds (at least two rounds of the input sets; tiny: one round)."""
+    return N_SETS if tiny else timing.calls_for(flops, target_s, minimum=N_SETS * 2)
 
 
 def _rel_err(y, ref):
@@ -341,22 +295,21 @@ def epilogue_variants(layers, kind, interpret, tiny):
 
 
 def run_case(name, fn, sets, ref, *, flops, target_s, tiny, validate=True, timer="loop"):
-    """One variant: timed (``timer="loop"``: :func:`time_op`; ``"cupti"``: the summed CUPTI kernel time of each call,
-    median of 30 calls, with the median time of every kernel in ``kernels_us``), then checked against ``ref``."""
+    """One variant: timed (``timer="loop"``: ``timing.loop_time``; ``"cupti"``: ``timing.device_time``, the summed
+    CUPTI kernel time of each call, median of 30 calls, with the median time of every kernel in ``kernels_us``), then
+    checked against ``ref``."""
     rec = {"variant": name}
     try:
         if timer == "cupti":
-            from transform_quantize_bench import time_device  # noqa: PLC0415 - the shared CUPTI timer
-
             jitted = jax.jit(fn)
             y0 = jax.block_until_ready(jitted(*sets[0]))
-            breakdown = {}
-            us, method, _ = time_device(lambda s: jitted(*s), sets, n_iter=N_SETS if tiny else 30, warmup=2,
-                                        breakdown=breakdown)
-            rec.update(us=us, timing=method, kernels_us=breakdown, tflops=flops / us / 1e6)
+            t = timing.device_time(lambda s: jitted(*s), sets, n_iter=N_SETS if tiny else 30, warmup=2)
+            rec.update(us=t.us, timing=t.method, kernels_us=t.kernels_us, tflops=flops / t.us / 1e6)
         else:
-            t, ts, y0 = time_op(fn, sets, n_calls=_n_calls(flops, target_s, tiny), repeats=2 if tiny else 5)
-            rec.update(us=t * 1e6, us_all=[x * 1e6 for x in ts], tflops=flops / t / 1e12, timing="loop")
+            t = timing.loop_time(fn, sets, n_calls=n_calls_for(flops, target_s, tiny), repeats=2 if tiny else 5)
+            y0 = t.y0
+            rec.update(us=t.median_s * 1e6, us_all=[x * 1e6 for x in t.samples_s], tflops=flops / t.median_s / 1e12,
+                       timing="loop")
         if validate and ref is not None:
             err, nan = _rel_err(y0, jax.jit(ref)(*sets[0]))
             rec.update(rel_err=err, nan=nan)
