@@ -170,7 +170,8 @@ def dequant_mgpu_variants(layers, interpret=False, tiny=False, mgpu_configs=None
     for suffix, cfg in configs.items():
         m, k = layers[0][0].shape
         n = layers[0][1].shape[0]
-        cfg = cfg or GM.default_config(m, n, k, GM._num_sms() if impl == "pallas" else 132)
+        num_sms = int(getattr(jax.devices()[0], "core_count", 0) or 132) if impl == "pallas" else 132
+        cfg = cfg or GM.default_config(m, n, k, num_sms)
         # The weight in the kernel's layout (scales transposed, padded), prepared once like the packing itself.
         msets = [(qa, GM.prepare_operand(qw, rows_multiple=cfg.cta_n, k_multiple=cfg.tile_k), qw) for qa, qw in sets]
 

@@ -23,6 +23,9 @@ the W4A4 model are the same graph and the same jitted sampler, on the same seeds
   their epilogues or, ``fused=False``, after them).
 * :func:`split_qlinear_overrides`: one ``QuantizedLinear`` of several stacked linears (e.g. ``[W1; W3]`` sharing their
   input and transform) as per-linear overrides, each taking its rows of the fused output.
+* :func:`build_stacked_qlinears`, :func:`serve_stacked`, :func:`layer_at`: stacked (one per block) W4A4 layers of a
+  scanned model built on the device from its Linear kernels (``kroquant_jax.qlinear.random_qlinear``: the real layer
+  math with stand-in calibration), their served form, and one layer of a stack.
 """
 
 from __future__ import annotations
