@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     tiny = args.preset == "tiny"
     on_gpu = jax.default_backend() == "gpu"
-    impl = "interpret" if args.interpret else ("pallas" if on_gpu else "reference")
+    impl = S.resolve_impl("interpret" if args.interpret else None)
     base = ig.tiny_config() if tiny else ig.IDEOGRAM4
     blocks_n = base.num_layers if args.blocks is None else args.blocks
     if not 1 <= blocks_n <= base.num_layers:

@@ -30,7 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kroquant_jax import timing  # noqa: E402
 from kroquant_jax.fileio import atomic_write_text  # noqa: E402
-from kroquant_jax import transforms as T  # noqa: E402
 from kroquant_jax.formats import MXFP4  # noqa: E402
 from pallas_kernels import bench_inputs  # noqa: E402
 from pallas_kernels import transform_quantize as tq  # noqa: E402

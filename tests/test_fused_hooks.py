@@ -429,7 +429,8 @@ def test_benchmark_tiny_run(tmp_path):
     """The H200 script end to end on the tiny config (a subprocess): the dequant forward on one of the 2 blocks, the
     transform + quantize kernel interpreted, with the --check simulation."""
     run = _run_benchmark("--preset", "tiny", "--interpret", "--variants", "w4a4_dequant,bf16", "--blocks", "1",
-                         "--check", "--repeats", "1", "--inner", "1", "--out", str(tmp_path / "forward.json"))
+                         "--check", "--repeats", "1", "--inner", "1", "--budget-s", "3000",  # no stage skipped
+                         "--out", str(tmp_path / "forward.json"))
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads((tmp_path / "forward.json").read_text())
     assert saved["variants"] == ["bf16", "w4a4_dequant"] and set(saved["timings_ms"]) == {"bf16", "w4a4_dequant"}
