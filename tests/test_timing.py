@@ -82,3 +82,11 @@ def test_recorded_compilations_watch_and_measure_see_real_compilations():
     out, record = timing.measure(lambda: np.asarray(f(jnp.ones(7))))  # a new shape compiles once more
     assert out.shape == (7,) and record["compiles"] >= 1 and 0 < record["compile_s"] <= record["wall_s"]
     assert timing.compile_clock() is timing.compile_clock()
+
+
+def test_calls_for_sizes_a_loop_within_its_bounds():
+    assert timing.calls_for(400e12 * 1e-3, 0.1, minimum=6) == 99  # 1 ms + 5 µs per call: 99 calls in 0.1 s
+    assert timing.calls_for(400e12, 0.1, minimum=6) == 6  # one call alone is longer than the target
+    assert timing.calls_for(1.0, 10.0, minimum=6) == 300  # tiny calls: capped
+    stats = timing.device_memory_gib()
+    assert set(stats) <= {"bytes_in_use", "peak_bytes_in_use", "bytes_limit"} and all(v >= 0 for v in stats.values())
