@@ -66,7 +66,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kroquant_jax import calibrate, lowrank, objectives, synthetic, transforms  # noqa: E402
+from kroquant_jax import calibrate, lowrank, objectives, synthetic, timing, transforms  # noqa: E402
 from kroquant_jax.layerset import atomic_write_bytes  # noqa: E402
 
 _CAL = calibrate.CalibrationConfig()
@@ -80,85 +80,12 @@ PRESETS = {
                  loop_layers=3, max_layers_per_program=16),
 }
 
-_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                   "/jax/core/compile/backend_compile_duration")
-_BACKEND_EVENT = "/jax/core/compile/backend_compile_duration"  # an XLA compilation or a persistent-cache load
-_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
-
-
-class CompileClock:
-    """Collects JAX's compile-event spans (wall-clock ``time.time()`` intervals) to separate compilation from run time.
-
-    Nested spans (a jit traced inside another's trace) are merged: the compile time of a window is the length of the
-    union of the spans inside it.
-    """
-
-    def __init__(self, t_start: float, log_over: float = 1.0):
-        self.spans: list[tuple[float, float]] = []
-        self.backend: list[tuple[float, float, str]] = []  # (end time, duration, function name)
-        self.cache_hits: list[float] = []  # times of persistent-cache loads
-        self.t_start, self.log_over = t_start, log_over
-        self.use_spans = hasattr(jax.monitoring, "register_event_time_span_listener")
-        if self.use_spans:
-            jax.monitoring.register_event_time_span_listener(self._on_span)
-        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
-        jax.monitoring.register_event_listener(self._on_event)
-
-    def _on_event(self, event, **kw):
-        if event == _CACHE_HIT_EVENT:
-            self.cache_hits.append(time.time())
-
-    def _on_span(self, event, start, end, **kw):
-        if event in _COMPILE_EVENTS:
-            self.spans.append((start, end))
-
-    def _on_duration(self, event, duration, **kw):
-        now = time.time()
-        if not self.use_spans and event in _COMPILE_EVENTS:
-            self.spans.append((now - duration, now))
-        if event == _BACKEND_EVENT:
-            name = str(kw.get("fun_name", "?"))
-            self.backend.append((now, duration, name))
-            if duration >= self.log_over:
-                print(f"    [{time.perf_counter() - self.t_start:6.1f} s] compiled {name} in {duration:.1f} s",
-                      flush=True)
-
-    def programs(self, t0: float, t1: float, over: float = 0.1) -> list:
-        """``[[function name, seconds], ...]`` of the XLA compilations (or cache loads) over ``over`` s in
-        ``[t0, t1]``."""
-        return [[name, round(dur, 2)] for end, dur, name in self.backend if t0 <= end <= t1 and dur >= over]
-
-    def hits(self, t0: float, t1: float) -> int:
-        """Persistent compilation cache loads in ``[t0, t1]``."""
-        return sum(1 for t in self.cache_hits if t0 <= t <= t1)
-
-    def window(self, t0: float, t1: float) -> tuple[float, int]:
-        """``(compile seconds, number of XLA compilations)`` within the wall-clock window ``[t0, t1]``."""
-        spans = sorted((max(a, t0), min(b, t1)) for a, b in self.spans if b > t0 and a < t1)
-        total, cur_a, cur_b = 0.0, None, None
-        for a, b in spans:
-            if cur_b is None or a > cur_b:
-                if cur_b is not None:
-                    total += cur_b - cur_a
-                cur_a, cur_b = a, b
-            else:
-                cur_b = max(cur_b, b)
-        if cur_b is not None:
-            total += cur_b - cur_a
-        return total, sum(1 for end, _, _ in self.backend if t0 <= end <= t1)
-
-
-def measure(clock: CompileClock, fn):
-    """Runs ``fn()`` (which must return host data) and returns ``(result, {wall_s, compile_s, run_s, compiles,
-    cache_hits, programs})``."""
-    t0w, t0 = time.time(), time.perf_counter()
-    out = fn()
-    wall = time.perf_counter() - t0
-    t1w = time.time()
-    comp, n = clock.window(t0w, t1w)
-    comp = min(comp, wall)
-    return out, {"wall_s": round(wall, 3), "compile_s": round(comp, 3), "run_s": round(wall - comp, 3),
-                 "compiles": n, "cache_hits": clock.hits(t0w, t1w), "programs": clock.programs(t0w, t1w)}
+def _log_compile(t_start: float, over: float = 1.0):
+    """``CompileClock.on_compile``: print the XLA compilations that take ``over`` seconds or more."""
+    def log(name: str, seconds: float) -> None:
+        if seconds >= over:
+            print(f"    [{time.perf_counter() - t_start:6.1f} s] compiled {name} in {seconds:.1f} s", flush=True)
+    return log
 
 
 def memory() -> dict:
@@ -339,7 +266,8 @@ def main(argv=None):
         calibrate.enable_compile_cache(args.compile_cache)
     faulthandler.register(signal.SIGTERM, chain=True)  # a timeout shows where the run was
     t_start = time.perf_counter()
-    clock = CompileClock(t_start)
+    clock = timing.compile_clock()
+    clock.on_compile = _log_compile(t_start)
     elapsed = lambda: time.perf_counter() - t_start  # noqa: E731
 
     dev = jax.local_devices()[0]
@@ -380,7 +308,7 @@ def main(argv=None):
                             "the other in this process; nothing is run")
         return compile_only(args, record, shape_groups, save)
     save("data")
-    layers, st = measure(clock, lambda: build_layers(args))
+    layers, st = timing.measure(lambda: build_layers(args), clock)
     record["data_seconds"] = st["wall_s"]
     groups: dict[tuple, list[str]] = {}
     for n, layer in layers.items():
@@ -411,11 +339,11 @@ def main(argv=None):
 
     def pipeline(sub: dict, c, lqc, tag: str) -> tuple[dict, dict, dict]:
         save(f"{tag}: calibrate_layers")
-        res, s_k = measure(clock, lambda: calibrate.calibrate_layers(sub, c))
+        res, s_k = timing.measure(lambda: calibrate.calibrate_layers(sub, c), clock)
         save(f"{tag}: transformed weights")
-        w_t, s_w = measure(clock, lambda: transformed_weights(sub, res))
+        w_t, s_w = timing.measure(lambda: transformed_weights(sub, res), clock)
         save(f"{tag}: loraq_layers")
-        br, s_l = measure(clock, lambda: lowrank.loraq_layers(w_t, lqc))
+        br, s_l = timing.measure(lambda: lowrank.loraq_layers(w_t, lqc), clock)
         return res, br, {"kroquant": s_k, "transform_weights": s_w, "loraq": s_l}
 
     def total(stages: dict) -> dict:

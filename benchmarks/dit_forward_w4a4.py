@@ -7,7 +7,7 @@ device, blocks stacked and run by ``lax.scan``), batch 1, the packed 1K layout o
 
 * ``bf16``: the plain forward (XLA / cuBLAS linears).
 * ``w4a4_dequant``: every quantizable linear (the 7 per block) replaced by its W4A4 layer (paper eq. 11) on the
-  served layers' default strategy, "dequantize + cuBLAS" (``epilogues.served_linear_forward(strategy="dequant")``):
+  served layers' default strategy, "dequantize + cuBLAS" (``pallas_kernels.served``, ``ServeOptions()``):
   the fused K2 transform + MXFP4 quantize kernel, ``h = x (R T^T)^T`` (XLA, rank 128), both packed operands decoded
   to bf16 by XLA fusions and one cuBLAS GEMM ``[Q(xT) | h] [W | L]^T`` over ``K = d + 128``; the q/k RMSNorm and the
   SwiGLU of the fused ``w1 | w3`` layer (gate/up row pairs) as XLA ops on its bf16 output.
@@ -37,7 +37,7 @@ only the calibration is replaced: ``T`` is a random KroQuant (Kronecker-LU) tran
 Before the ``w4a4_fused`` forward (unless ``--no-tune``), the epilogue kernels' tiles are chosen on the real operands
 (layer 0's q and w1|w3 at the forward's token count): the fastest of a few candidates is used, and the unfused
 alternative is timed beside them. Times: medians over repeats of back-to-back calls after a warm-up
-(``ideogram4_serving.time_calls``), kernels with ``w4a4_bench.time_op`` (jitted loop over rotating operands).
+(``kroquant_jax.timing.wall_times``), kernels with ``timing.loop_time`` (jitted loop over rotating operands).
 
     python benchmarks/dit_forward_w4a4.py --out $OUT/dit_forward_w4a4.json          # the H200 (about 3 minutes)
     python benchmarks/dit_forward_w4a4.py --variants bf16,w4a4_dequant,w4a4_fused --blocks 8 --no-tune
@@ -58,25 +58,23 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from kroquant_jax import transforms  # noqa: E402
-from kroquant_jax.formats import MXFP4, dequantize, quantize  # noqa: E402
-from kroquant_jax.qlinear import QLinearConfig, QuantizedLinear, qlinear_forward  # noqa: E402
+from kroquant_jax import timing  # noqa: E402
+from kroquant_jax.fileio import atomic_write_json  # noqa: E402
+from kroquant_jax.qlinear import QuantizedLinear, qlinear_forward  # noqa: E402
 from models import ideogram4 as ig  # noqa: E402
 from models import ideogram4_sampling as sampling  # noqa: E402
-from models.quantize_model import (FusedLinearHooks, qlinear_overrides, served_hooks,  # noqa: E402
-                                   split_qlinear_overrides)
+from models import ideogram4_serving as serving  # noqa: E402
+from models.quantize_model import (FusedLinearHooks, build_stacked_qlinears, layer_at, qlinear_overrides,  # noqa: E402
+                                   serve_stacked, served_hooks, split_qlinear_overrides)
 from pallas_kernels import epilogues as E  # noqa: E402
+from pallas_kernels import served as S  # noqa: E402
 from pallas_kernels import w4a4_gemm as G  # noqa: E402
-
-import ideogram4_serving as serving  # noqa: E402
-import w4a4_bench  # noqa: E402
 
 TRANSFORM = "kron_lu"
 #: Timed forwards, in the order they run (``--variants`` picks a subset; ``w4a4_unfused`` is optional).
@@ -85,78 +83,6 @@ VARIANTS = ("bf16", "w4a4_dequant", "w4a4_fused", "w4a4_unfused")
 PLAIN = ("layers.attention.to_v", "layers.attention.to_out.0", "layers.feed_forward.w2")
 NORMED = ("layers.attention.to_q", "layers.attention.to_k")
 GATE, UP = "layers.feed_forward.w1", "layers.feed_forward.w3"
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The quantized layers, built on the device with the library's layer math.
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def random_kron_params(key: jax.Array, d: int, spread: float = 0.1) -> dict:
-    """Kronecker-LU parameters near the Hadamard init (``a = b = 1/sqrt 2``, ``c = 1``), each scaled by
-    ``1 + spread * N(0, 1)``: an invertible, non-orthogonal KroQuant transform (a stand-in for a calibrated one)."""
-    base = transforms.get(TRANSFORM).init(d)
-    keys = jax.random.split(key, 3)
-    return {name: base[name] * (1.0 + spread * jax.random.normal(k, base[name].shape, jnp.float32))
-            for name, k in zip(("a", "b", "c"), keys)}
-
-
-def lowrank_factors(w_tilde: jax.Array, key: jax.Array, rank: int) -> tuple[jax.Array, jax.Array]:
-    """``(L (o, r), R (r, d))`` from a one-pass randomized range finder of ``w_tilde (o, d)``: ``L = Q``, ``R = Q^T W~``
-    with ``Q`` an orthonormal basis of ``W~ Omega`` (LoRaQ's factors come from calibration; this is a stand-in)."""
-    omega = jax.random.normal(key, (w_tilde.shape[1], rank), jnp.float32)  # (d, r)
-    basis, _ = jnp.linalg.qr(jnp.matmul(w_tilde, omega, precision="highest"))  # (o, r)
-    return basis, jnp.matmul(basis.T, w_tilde, precision="highest")
-
-
-def qlinear_from_factors(w: jax.Array, params: dict, left: jax.Array, right: jax.Array) -> QuantizedLinear:
-    """``build_qlinear(w, transform="kron_lu", transform_params=params, lowrank=(left, right))`` (LoRaQ: factors
-    stored in MXFP4, the residual computed against the stored branch), traceable (no host-side checks), so it runs
-    under ``lax.map`` on the device. ``tests/test_fused_hooks.py`` checks it against ``build_qlinear`` bit for bit."""
-    p = transforms.get(TRANSFORM)
-    fmt = MXFP4()
-    o, d = w.shape
-    left_q, right_q = quantize(left, fmt), quantize(right, fmt)
-    w_t = transforms.apply_to_weights(jnp.asarray(w, jnp.float32), p.inverse_blocks(params))
-    w_t = w_t - jnp.matmul(dequantize(left_q, jnp.float32), dequantize(right_q, jnp.float32), precision="highest")
-    cfg = QLinearConfig(in_features=d, out_features=o, transform=TRANSFORM, act_fmt=fmt, rank=left.shape[1])
-    return QuantizedLinear(blocks=p.blocks(params), transform_params=params, weight=quantize(w_t, fmt),
-                           lowrank_left=left_q, lowrank_right=right_q, bias=None, config=cfg)
-
-
-def _one_layer(w: jax.Array, key: jax.Array, rank: int) -> QuantizedLinear:
-    k_t, k_lr = jax.random.split(key)
-    params = random_kron_params(k_t, w.shape[1])
-    w_tilde = transforms.apply_to_weights(w, transforms.get(TRANSFORM).inverse_blocks(params))
-    left, right = lowrank_factors(w_tilde, k_lr, rank)
-    return qlinear_from_factors(w, params, left, right)
-
-
-@functools.partial(jax.jit, static_argnames="rank")
-def build_stacked(kernels: tuple[jax.Array, ...], key: jax.Array, rank: int) -> QuantizedLinear:
-    """Stacked W4A4 layers from stacked Linear kernels ``(layers, d, o_i)``: ``W = [k_1^T; k_2^T; ...]`` per layer
-    (one kernel: the linear itself; ``(w1, w3)``: the fused gate/up layer). One layer at a time (``lax.map``)."""
-    keys = jax.random.split(key, kernels[0].shape[0])
-
-    def one(args):
-        ks, k = args
-        w = jnp.concatenate([kk.T.astype(jnp.float32) for kk in ks], axis=0)  # (o, d)
-        return _one_layer(w, k, rank)
-
-    return jax.lax.map(one, (kernels, keys))
-
-
-@functools.partial(jax.jit, static_argnames="swiglu")
-def serve_stacked(layers: QuantizedLinear, swiglu: bool = False) -> E.ServedLinear:
-    return jax.vmap(lambda layer: E.serve_qlinear(layer, swiglu=swiglu))(layers)
-
-
-def layer_at(tree: Any, i: int) -> Any:
-    return jax.tree_util.tree_map(lambda a: a[i], tree)
-
-
-def _block_until_ready(tree: Any) -> None:
-    jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, tree)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -181,10 +107,9 @@ def layer_checks(q: dict, served: dict, x: jax.Array, x_ff: jax.Array, norm_w: j
     head = norm_w.shape[0]
     sim = jax.jit(lambda layer, a: qlinear_forward(layer, a, "simulate"))
     options = {
-        "dequant": ({"strategy": "dequant"},) * 3,
-        "kernel": ({"strategy": "kernel", "epilogue_blocks": opts["norm_blocks"]},
-                   {"strategy": "kernel", "epilogue_blocks": opts["swiglu_blocks"]},
-                   {"strategy": "kernel", "gemm_blocks": opts["gemm_blocks"]}),
+        "dequant": S.ServeOptions(impl=opts["impl"]),
+        "kernel": S.ServeOptions(strategy="kernel", impl=opts["impl"], gemm_blocks=opts["gemm_blocks"],
+                                 norm_blocks=opts["norm_blocks"], swiglu_blocks=opts["swiglu_blocks"]),
     }
     cases = [
         ("to_q+norm", NORMED[0], x, dict(op="rmsnorm", norm_weight=norm_w, head_dim=head, eps=1e-5),
@@ -192,13 +117,13 @@ def layer_checks(q: dict, served: dict, x: jax.Array, x_ff: jax.Array, norm_w: j
         ("w1|w3+swiglu", GATE, x, dict(op="swiglu"), E.swiglu),
         ("w2", PLAIN[2], x_ff, {}, lambda y: y),
     ]
-    for i, (name, path, a, op, after) in enumerate(cases):
+    for name, path, a, op, after in cases:
         layer0, served0 = layer_at(q[path], 0), layer_at(served[path], 0)
-        ref = jax.jit(functools.partial(E.served_linear_reference, out_dtype=jnp.float32, **op))(served0, a)
+        ref = jax.jit(functools.partial(S.reference, out_dtype=jnp.float32, **op))(served0, a)
         simulated = after(sim(layer0, a.astype(jnp.float32))) if simulate else None
         for strategy in strategies:
-            y = jax.jit(functools.partial(E.served_linear_forward, out_dtype=jnp.float32, impl=opts["impl"], **op,
-                                          **options[strategy][i]))(served0, a)
+            y = jax.jit(functools.partial(S.forward, out_dtype=jnp.float32, options=options[strategy], **op))(
+                served0, a)
             out[f"{name}: {strategy} vs served reference"] = rel_err(y, ref)
             if simulate:
                 out[f"{name}: {strategy} vs simulate"] = rel_err(y, simulated)
@@ -217,7 +142,7 @@ def tune_epilogues(served: dict, x: jax.Array, norm_w: jax.Array, interpret: boo
         sets = []
         for i in range(min(3, layer.weight.codes.shape[0])):
             s_i = layer_at(layer, i)
-            _, x_q, lowrank = jax.jit(functools.partial(E._served_inputs, impl=impl))(s_i, x)
+            x_q, lowrank = jax.jit(functools.partial(S.quantized_inputs, impl=impl))(s_i, x)
             sets.append((x_q, s_i.weight, *lowrank))
         x_sets[path] = sets
     if tiny:
@@ -245,14 +170,16 @@ def tune_epilogues(served: dict, x: jax.Array, norm_w: jax.Array, interpret: boo
 
         def unfused_fn(x_q, w, h, left, op=op):
             y = G.w4a4_matmul(x_q, w, lowrank=(h, left), block_sizes=gemm_bs, interpret=interpret)
-            return E.rmsnorm_heads(y, norm_w, head_dim=head, eps=1e-5) if op == "rmsnorm" else E._swiglu_pairs(y)
+            if op == "rmsnorm":
+                return S.apply_op(y, S.OpCall("rmsnorm", norm_w, head, 1e-5))
+            return S.apply_op(y, S.OpCall("swiglu"))
 
         variants = [(f"{op}_fused_{_tiles_name(bs)}", functools.partial(fused_fn, bs=bs), bs) for bs in cands]
         variants.append((f"{op}_w4a4_gemm_then_xla_op", unfused_fn, "unfused"))
         for name, fn, bs in variants:
             try:
-                t, _, _ = w4a4_bench.time_op(fn, x_sets[path], n_calls=w4a4_bench._n_calls(flops, 0.02, tiny),
-                                             repeats=2 if tiny else 5)
+                n_calls = len(x_sets[path]) if tiny else timing.calls_for(flops, 0.02, minimum=2 * len(x_sets[path]))
+                t = timing.loop_time(fn, x_sets[path], n_calls=n_calls, repeats=2 if tiny else 5).median_s
                 table[name] = {"us": t * 1e6, "tflops": flops / t / 1e12}
                 if bs != "unfused" and (op not in best or t < best[op][0]):
                     best[op] = (t, bs)
@@ -309,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     tiny = args.preset == "tiny"
     on_gpu = jax.default_backend() == "gpu"
-    impl = "interpret" if args.interpret else ("pallas" if on_gpu else "reference")
+    impl = S.resolve_impl("interpret" if args.interpret else None)
     base = ig.tiny_config() if tiny else ig.IDEOGRAM4
     blocks_n = base.num_layers if args.blocks is None else args.blocks
     if not 1 <= blocks_n <= base.num_layers:
@@ -338,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     def save() -> None:
         payload["elapsed_s"] = time.perf_counter() - start
-        serving.write_json_atomic(out_path, payload)
+        atomic_write_json(out_path, payload)
 
     def stage(name: str, fn) -> Any:
         try:
@@ -358,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return False
 
     # The model (random bf16 weights on the device) and its quantized layers.
-    graphdef, (state,), payload["init_s"] = serving.random_models(cfg, (0,))
+    graphdef, (state,), payload["init_s"] = serving.random_states(cfg, (0,))
     model = nnx.merge(graphdef, state)
     blocks = model.layers
     linear = {"layers.attention.to_q": blocks.attention.to_q, "layers.attention.to_k": blocks.attention.to_k,
@@ -368,12 +295,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     key = jax.random.key(123)
     q: dict[str, QuantizedLinear] = {}
     for i, path in enumerate((*NORMED, *PLAIN)):
-        q[path] = build_stacked((linear[path].kernel[...],), jax.random.fold_in(key, i), rank)
-    q[GATE] = build_stacked((linear[GATE].kernel[...], linear[UP].kernel[...]), jax.random.fold_in(key, 99), rank)
+        q[path] = build_stacked_qlinears((linear[path].kernel[...],), jax.random.fold_in(key, i), rank)
+    q[GATE] = build_stacked_qlinears((linear[GATE].kernel[...], linear[UP].kernel[...]), jax.random.fold_in(key, 99), rank)
     served = {path: serve_stacked(layer, swiglu=path == GATE) for path, layer in q.items()}
-    _block_until_ready((q, served))
+    timing.block((q, served))
     payload["build_quantized_s"] = time.perf_counter() - t0
-    payload["memory_gib_after_build"] = serving.memory_stats()
+    payload["memory_gib_after_build"] = timing.device_memory_gib()
     save()
     print(f"[{time.perf_counter() - start:6.1f} s] model ({blocks_n} of {base.num_layers} blocks) + quantized layers "
           f"built", flush=True)
@@ -412,12 +339,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # The forwards: the served layers as hooks of the scanned model (stacked entries).
     tables = ({p: served[p] for p in PLAIN}, {p: served[p] for p in NORMED}, {GATE: served[GATE]})
-    kernel_tiles = dict(gemm_blocks=opts["gemm_blocks"], impl=impl)
+    kernel = S.ServeOptions(strategy="kernel", impl=impl, gemm_blocks=opts["gemm_blocks"])
     entries = {
-        "w4a4_dequant": served_hooks(*tables, strategy="dequant", stacked=True, impl=impl).entries(),
-        "w4a4_fused": served_hooks(*tables, strategy="kernel", fused=True, stacked=True, norm_blocks=opts["norm_blocks"],
-                                   swiglu_blocks=opts["swiglu_blocks"], **kernel_tiles).entries(),
-        "w4a4_unfused": served_hooks(*tables, strategy="kernel", fused=False, stacked=True, **kernel_tiles).entries(),
+        "w4a4_dequant": served_hooks(*tables, options=S.ServeOptions(impl=impl), stacked=True).entries(),
+        "w4a4_fused": served_hooks(*tables, options=dataclasses.replace(
+            kernel, fused=True, norm_blocks=opts["norm_blocks"], swiglu_blocks=opts["swiglu_blocks"]),
+            stacked=True).entries(),
+        "w4a4_unfused": served_hooks(*tables, options=dataclasses.replace(kernel, fused=False), stacked=True).entries(),
         "simulate": FusedLinearHooks({**qlinear_overrides({p: q[p] for p in (*NORMED, *PLAIN)}),
                                       **split_qlinear_overrides(q[GATE], [GATE, UP])}, stacked=True).entries(),
     }
@@ -438,8 +366,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         outputs[name] = jax.block_until_ready(compiled(*call_args))
         payload["finite"][name] = bool(jnp.all(jnp.isfinite(outputs[name])))
         if timed:
-            samples = serving.time_calls(lambda: compiled(*call_args), args.repeats, args.inner)
-            payload["timings_ms"][name] = serving._summary(samples)
+            samples = timing.wall_times(lambda: compiled(*call_args), repeats=args.repeats, inner=args.inner)
+            payload["timings_ms"][name] = timing.summary_ms(samples)
             if "bf16" in payload["timings_ms"]:
                 payload["bf16_over"][name] = (payload["timings_ms"]["bf16"]["median_ms"]
                                               / payload["timings_ms"][name]["median_ms"])
@@ -477,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "w4a4_unfused" in args.variants and within_budget("forward_w4a4_unfused"):
         stage("forward_w4a4_unfused", lambda: run_forward("w4a4_unfused"))
     compare()
-    payload["memory_gib_final"] = serving.memory_stats()
+    payload["memory_gib_final"] = timing.device_memory_gib()
     save()
     print_table(payload)
     return payload

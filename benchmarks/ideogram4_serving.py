@@ -23,8 +23,10 @@ Usage::
     python benchmarks/ideogram4_serving.py --preset full --torch-baseline --torch-compile   # PyTorch, same shapes
 
 The JAX part imports neither torch nor diffusers. ``--torch-baseline`` (run it as its own process: JAX and PyTorch
-would compete for the GPU memory) times a plain-PyTorch copy of diffusers' forward (the device has torch but no
-diffusers), eager and ``torch.compile``, on the same shapes.
+would compete for the GPU memory) times diffusers' own ``Ideogram4Transformer2DModel`` (on the GPU machine, which has
+torch but no diffusers, install the carried wheel first:
+``pip install --no-index --no-deps --target /tmp/site .whl/diffusers-*.whl`` and put ``/tmp/site`` on
+``PYTHONPATH``), eager and ``torch.compile``, on the same shapes.
 """
 
 from __future__ import annotations
@@ -49,61 +51,19 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from kroquant_jax import timing  # noqa: E402
 from kroquant_jax.fileio import atomic_write_json  # noqa: E402
 from models import ideogram4 as ig  # noqa: E402
 from models import ideogram4_sampling as sampling  # noqa: E402
+from models import ideogram4_serving as serving  # noqa: E402
 
 NOMINAL_BF16_TFLOPS = 780.0  # the issue's H200 bf16 rate for its roofline
 ISSUE_TORCH_MS = {"eager": 369.0, "torch.compile": 263.0}  # the issue's numbers (H200, diffusers, padded 6144)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# FLOP count
+# the measured matmul rate (the roofline's second denominator)
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def forward_flops(cfg: ig.Ideogram4Config, tokens: int, text_projection_tokens: int) -> dict[str, float]:
-    """Matmul FLOPs of one forward over ``tokens`` tokens (batch 1), the 53248-wide text projection run over
-    ``text_projection_tokens`` tokens (diffusers: all tokens; the cached sampler: none)."""
-    hidden, inner, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    block_linear = 4 * hidden * hidden + 3 * hidden * inner  # q, k, v, out; w1, w2, w3
-    linears = 2.0 * tokens * (layers * block_linear + 2 * cfg.in_channels * hidden)  # + input_proj, final linear
-    text = 2.0 * text_projection_tokens * cfg.llm_features_dim * hidden
-    attention = 4.0 * tokens * tokens * hidden * layers  # QK^T and PV, dense
-    return {"linears": linears, "text_projection": text, "attention": attention,
-            "total": linears + text + attention}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# timing helpers
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _block(tree: Any) -> None:
-    jax.tree_util.tree_map(lambda x: x.block_until_ready() if hasattr(x, "block_until_ready") else x, tree)
-
-
-def time_calls(call: Callable[[], Any], repeats: int, inner: int) -> list[float]:
-    """Seconds per call of ``call``: ``repeats`` samples, each ``inner`` back-to-back calls then one block."""
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = None
-        for _ in range(inner):
-            out = call()
-        _block(out)
-        samples.append((time.perf_counter() - start) / inner)
-    return samples
-
-
-def _summary(samples: list[float]) -> dict[str, Any]:
-    return {"median_ms": 1e3 * statistics.median(samples), "min_ms": 1e3 * min(samples),
-            "max_ms": 1e3 * max(samples), "samples_ms": [1e3 * s for s in samples]}
-
-
-def memory_stats() -> dict[str, float]:
-    stats = jax.local_devices()[0].memory_stats() or {}
-    return {key: stats[key] / 2**30 for key in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if key in stats}
 
 
 def matmul_tflops(size: int, repeats: int) -> float:
@@ -112,27 +72,14 @@ def matmul_tflops(size: int, repeats: int) -> float:
     a = jax.random.normal(keys[0], (size, size), jnp.bfloat16)
     b = jax.random.normal(keys[1], (size, size), jnp.bfloat16)
     matmul = jax.jit(lambda x, y: x @ y)
-    _block(matmul(a, b))
-    seconds = statistics.median(time_calls(lambda: matmul(a, b), repeats, 5))
+    timing.block(matmul(a, b))
+    seconds = statistics.median(timing.wall_times(lambda: matmul(a, b), repeats=repeats, inner=5))
     return 2.0 * size**3 / seconds / 1e12
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the model on the device
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def random_models(cfg: ig.Ideogram4Config, seeds: tuple[int, ...]) -> tuple[nnx.GraphDef, list[nnx.State], float]:
-    """``(graphdef, [state per seed], seconds)``: random weights generated on the default device by ONE jitted
-    initialiser (compiled once, run per seed); nothing is transferred from the host."""
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: ig.Ideogram4Transformer(cfg, rngs=nnx.Rngs(0))))
-    init = jax.jit(lambda key: nnx.state(ig.Ideogram4Transformer(cfg, rngs=nnx.Rngs(params=key))))
-    start = time.perf_counter()
-    states = []
-    for seed in seeds:
-        states.append(init(jax.random.key(seed)))
-        _block(states[-1])
-    return graphdef, states, time.perf_counter() - start
 
 
 def _compile(fn: Callable, *args: Any, static: dict[str, Any] | None = None) -> tuple[Callable, float]:
@@ -161,9 +108,9 @@ def run_layout(name: str, cfg: ig.Ideogram4Config, models: dict[str, Any], text_
                               "image_tokens": num_image, "attention_mask": arrays[1] is not None,
                               "timings": {}, "compile_s": {}, "errors": {}}
 
-    cond_flops = forward_flops(cfg, tokens, text_projection_tokens=tokens)
-    cached_cond = forward_flops(cfg, tokens, text_projection_tokens=0)
-    uncond_flops = forward_flops(cfg, num_image, text_projection_tokens=0)
+    cond_flops = serving.forward_flops(cfg, tokens, text_projection_tokens=tokens)
+    cached_cond = serving.forward_flops(cfg, tokens, text_projection_tokens=0)
+    uncond_flops = serving.forward_flops(cfg, num_image, text_projection_tokens=0)
     step_flops = cached_cond["total"] + uncond_flops["total"]
     loop_flops = schedule.num_steps * step_flops + 2.0 * text_slots * cfg.llm_features_dim * cfg.hidden_size
     result["flops"] = {"forward": cond_flops, "cfg_step": step_flops, "loop": loop_flops}
@@ -189,9 +136,9 @@ def run_layout(name: str, cfg: ig.Ideogram4Config, models: dict[str, Any], text_
         fwd_args = (cond_state, latents_full, t, features_full, *arrays)
         compiled, seconds = _compile(forward, *fwd_args)
         result["compile_s"]["forward"] = seconds
-        _block(compiled(*fwd_args))
-        samples = time_calls(lambda: compiled(*fwd_args), args.repeats, args.inner)
-        result["timings"]["forward"] = {**_summary(samples),
+        timing.block(compiled(*fwd_args))
+        samples = timing.wall_times(lambda: compiled(*fwd_args), repeats=args.repeats, inner=args.inner)
+        result["timings"]["forward"] = {**timing.summary_ms(samples),
                                         **roofline(cond_flops["total"], statistics.median(samples))}
         del features_full
     except Exception as err:  # noqa: BLE001 (record and go on: one failure must not lose the other numbers)
@@ -217,7 +164,7 @@ def run_layout(name: str, cfg: ig.Ideogram4Config, models: dict[str, Any], text_
         step_args = (cond_state, uncond_state, branches, noise, *per_step)
         compiled, seconds = _compile(cfg_step, *step_args, static={"num_text_slots": text_slots})
         result["compile_s"]["cfg_step"] = seconds
-        _block(compiled(*step_args))
+        timing.block(compiled(*step_args))
         state = {"latents": noise, "branches": branches}
         del branches, step_args  # the state dict holds the only reference, cleared below to free the memory
 
@@ -225,8 +172,8 @@ def run_layout(name: str, cfg: ig.Ideogram4Config, models: dict[str, Any], text_
             state["latents"] = compiled(cond_state, uncond_state, state["branches"], state["latents"], *per_step)
             return state["latents"]
 
-        samples = time_calls(chained_step, args.repeats, args.inner)
-        result["timings"]["cfg_step"] = {**_summary(samples), **roofline(step_flops, statistics.median(samples))}
+        samples = timing.wall_times(chained_step, repeats=args.repeats, inner=args.inner)
+        result["timings"]["cfg_step"] = {**timing.summary_ms(samples), **roofline(step_flops, statistics.median(samples))}
         result["loop_extrapolated_s"] = schedule.num_steps * statistics.median(samples)
         state.clear()
     except Exception as err:  # noqa: BLE001
@@ -246,157 +193,32 @@ def run_layout(name: str, cfg: ig.Ideogram4Config, models: dict[str, Any], text_
                          jnp.asarray(schedule.model_times), jnp.asarray(schedule.guidance))
             compiled, seconds = _compile(loop, *loop_args, static={"num_text_slots": text_slots})
             result["compile_s"]["loop"] = seconds
-            samples = []
-            for _ in range(args.loop_runs):  # no separate warm-up: compiled ahead of time, weights already resident
-                start = time.perf_counter()
-                latents = compiled(*loop_args)
-                _block(latents)
-                samples.append(time.perf_counter() - start)
-            result["timings"]["loop"] = {**_summary(samples), **roofline(loop_flops, statistics.median(samples)),
+            outputs = []
+            # no separate warm-up: compiled ahead of time, weights already resident
+            samples = timing.wall_times(lambda: outputs.append(compiled(*loop_args)) or outputs[-1],
+                                        repeats=args.loop_runs, inner=1)
+            latents = outputs[-1]
+            result["timings"]["loop"] = {**timing.summary_ms(samples),
+                                         **roofline(loop_flops, statistics.median(samples)),
                                          "steps": schedule.num_steps, "runs": args.loop_runs,
                                          "finite": bool(jnp.all(jnp.isfinite(latents)))}
         except Exception as err:  # noqa: BLE001
             result["errors"]["loop"] = f"{type(err).__name__}: {err}"[:2000]
             traceback.print_exc()
-    result["memory_gib_after"] = memory_stats()
+    result["memory_gib_after"] = timing.device_memory_gib()
     return result
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the PyTorch baseline (a separate process: `--torch-baseline`; the device has torch but no diffusers)
+# the PyTorch baseline: diffusers' own Ideogram4Transformer2DModel (a separate process: `--torch-baseline`)
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def build_torch_reference(cfg: ig.Ideogram4Config):
-    """A plain-PyTorch copy of diffusers' ``Ideogram4Transformer2DModel`` forward (same module names and state-dict
-    keys, same ops: SDPA with the boolean segment mask, fp32 MRoPE), for timing where diffusers is not installed.
-    tests/test_ideogram4.py checks it against diffusers on the CPU."""
-    import torch  # noqa: PLC0415
-    from torch import nn  # noqa: PLC0415
-    from torch.nn import functional as F  # noqa: PLC0415
-
-    hidden, head_dim, heads = cfg.hidden_size, cfg.attention_head_dim, cfg.num_attention_heads
-
-    class RMSNorm(nn.Module):
-        def __init__(self, dim: int, eps: float):
-            super().__init__()
-            self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
-
-        def forward(self, x):
-            x = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-            return (x.to(self.weight.dtype) if self.weight.dtype != torch.float32 else x) * self.weight
-
-    def rotate_half(x):
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-    class Attention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.to_q, self.to_k, self.to_v = (nn.Linear(hidden, hidden, bias=False) for _ in range(3))
-            self.norm_q, self.norm_k = RMSNorm(head_dim, 1e-5), RMSNorm(head_dim, 1e-5)
-            self.to_out = nn.ModuleList([nn.Linear(hidden, hidden, bias=False)])
-
-        def forward(self, x, mask, cos, sin):
-            q, k, v = (proj(x).unflatten(-1, (heads, head_dim)) for proj in (self.to_q, self.to_k, self.to_v))
-            q, k = self.norm_q(q), self.norm_k(k)
-            q = q * cos.unsqueeze(2) + rotate_half(q) * sin.unsqueeze(2)
-            k = k * cos.unsqueeze(2) + rotate_half(k) * sin.unsqueeze(2)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 attn_mask=mask)
-            return self.to_out[0](out.transpose(1, 2).flatten(2, 3))
-
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w1 = nn.Linear(hidden, cfg.intermediate_size, bias=False)
-            self.w2 = nn.Linear(cfg.intermediate_size, hidden, bias=False)
-            self.w3 = nn.Linear(hidden, cfg.intermediate_size, bias=False)
-
-        def forward(self, x):
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attention, self.feed_forward = Attention(), MLP()
-            for name in ("attention_norm1", "ffn_norm1", "attention_norm2", "ffn_norm2"):
-                setattr(self, name, RMSNorm(hidden, cfg.norm_eps))
-            self.adaln_modulation = nn.Linear(cfg.adaln_dim, 4 * hidden)
-
-        def forward(self, h, mask, cos, sin, adaln_input):
-            scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaln_modulation(adaln_input).chunk(4, dim=-1)
-            attn = self.attention(self.attention_norm1(h) * (1.0 + scale_msa), mask, cos, sin)
-            h = h + torch.tanh(gate_msa) * self.attention_norm2(attn)
-            ffn = self.feed_forward(self.ffn_norm1(h) * (1.0 + scale_mlp))
-            return h + torch.tanh(gate_mlp) * self.ffn_norm2(ffn)
-
-    class EmbedScalar(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mlp_in, self.mlp_out = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
-
-        def forward(self, t):
-            half = hidden // 2
-            freq = torch.exp(torch.arange(half, dtype=torch.float32, device=t.device) * -(math.log(1e4) / (half - 1)))
-            angles = (1e4 * t.float()).unsqueeze(-1) * freq
-            emb = torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1).to(t.dtype)
-            return self.mlp_out(F.silu(self.mlp_in(emb)))
-
-    class FinalLayer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = nn.Linear(hidden, cfg.in_channels)
-            self.adaln_modulation = nn.Linear(cfg.adaln_dim, hidden)
-
-        def forward(self, h, c):
-            scale = 1.0 + self.adaln_modulation(F.silu(c))
-            return self.linear(F.layer_norm(h, (hidden,), eps=1e-6) * scale)
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.input_proj = nn.Linear(cfg.in_channels, hidden)
-            self.llm_cond_norm = RMSNorm(cfg.llm_features_dim, 1e-6)
-            self.llm_cond_proj = nn.Linear(cfg.llm_features_dim, hidden)
-            self.t_embedding = EmbedScalar()
-            self.adaln_proj = nn.Linear(hidden, cfg.adaln_dim)
-            self.embed_image_indicator = nn.Embedding(2, hidden)
-            self.layers = nn.ModuleList([Block() for _ in range(cfg.num_layers)])
-            self.final_layer = FinalLayer()
-            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-            self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-        def rope(self, position_ids):
-            freqs = position_ids.permute(2, 0, 1).float()[..., None] * self.inv_freq.float()  # (3, B, L, F)
-            angles = freqs[0].clone()
-            for axis in (1, 2):
-                index = torch.arange(axis, cfg.mrope_section[axis] * 3, 3, device=angles.device)
-                angles[..., index] = freqs[axis][..., index]
-            emb = torch.cat((angles, angles), dim=-1)
-            return emb.cos(), emb.sin()
-
-        def forward(self, hidden_states, timestep, encoder_hidden_states, position_ids, segment_ids, indicator):
-            dtype = hidden_states.dtype
-            text_mask = (indicator == ig.LLM_TOKEN_INDICATOR).to(dtype).unsqueeze(-1)
-            image_mask = (indicator == ig.OUTPUT_IMAGE_INDICATOR).to(dtype).unsqueeze(-1)
-            h = self.input_proj(hidden_states * image_mask) * image_mask
-            adaln_input = F.silu(self.adaln_proj(self.t_embedding(timestep).unsqueeze(1)))
-            text = self.llm_cond_proj(self.llm_cond_norm(encoder_hidden_states * text_mask)) * text_mask
-            h = h + text + self.embed_image_indicator((indicator == ig.OUTPUT_IMAGE_INDICATOR).long())
-            cos, sin = self.rope(position_ids)
-            cos, sin = cos.to(dtype), sin.to(dtype)
-            mask = (segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)).unsqueeze(1)
-            for block in self.layers:
-                h = block(h, mask, cos, sin, adaln_input)
-            return self.final_layer(h, adaln_input)
-
-    return Model()
-
-
 def run_torch_baseline(args: argparse.Namespace, out_path: Path) -> dict[str, Any]:
-    """Time the PyTorch copy of diffusers' forward (eager, then torch.compile) on the same shapes."""
+    """Time diffusers' ``Ideogram4Transformer2DModel`` (eager, then torch.compile) on the same shapes, random bf16
+    weights (uniform in ``+-1/sqrt(fan_in)``), built on the device from ``cfg.to_diffusers_config()``."""
     import torch  # noqa: PLC0415
+    from diffusers import Ideogram4Transformer2DModel  # noqa: PLC0415 - only this process needs torch / diffusers
 
     tiny = args.preset == "tiny"
     cfg = ig.tiny_config() if tiny else ig.IDEOGRAM4
@@ -404,16 +226,16 @@ def run_torch_baseline(args: argparse.Namespace, out_path: Path) -> dict[str, An
     height, width = args.height or (64 if tiny else 1024), args.width or (64 if tiny else 1024)
     text_tokens, text_slots = args.text_tokens or (6 if tiny else 128), args.text_slots or (16 if tiny else 2048)
     grid = sampling.grid_for(height, width)
-    with torch.device("meta"):
-        model = build_torch_reference(cfg)
-    model = model.to_empty(device=device).to(torch.bfloat16)
-    model.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.attention_head_dim, 2, dtype=torch.float32,
-                                                             device=device) / cfg.attention_head_dim)))
+    with torch.device(device):
+        model = Ideogram4Transformer2DModel(**cfg.to_diffusers_config()).to(torch.bfloat16).eval()
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for param in model.parameters():
             param.uniform_(-1.0, 1.0, generator=generator).mul_(1.0 / math.sqrt(param.shape[-1]))
-    payload: dict[str, Any] = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda"
+    import diffusers  # noqa: PLC0415
+
+    payload: dict[str, Any] = {"torch": torch.__version__, "diffusers": diffusers.__version__,
+                               "model": "diffusers.Ideogram4Transformer2DModel", "device": torch.cuda.get_device_name() if device == "cuda"
                                else "cpu", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
                                    timespec="seconds"), "timings_ms": {}, "errors": {}}
 
@@ -425,14 +247,9 @@ def run_torch_baseline(args: argparse.Namespace, out_path: Path) -> dict[str, An
         with torch.no_grad():
             fn(**inputs)
             synchronize()
-            samples = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                for _ in range(args.inner):
-                    fn(**inputs)
-                synchronize()
-                samples.append((time.perf_counter() - start) / args.inner)
-        return _summary(samples)
+            samples = timing.wall_times(lambda: fn(**inputs), repeats=args.repeats, inner=args.inner,
+                                        sync=lambda _: synchronize())
+        return timing.summary_ms(samples)
 
     def inputs_for(slots: int) -> dict[str, Any]:
         layout = sampling.prepare_ids([text_tokens], grid[0], grid[1], slots)
@@ -463,16 +280,12 @@ def run_torch_baseline(args: argparse.Namespace, out_path: Path) -> dict[str, An
         except Exception as err:  # noqa: BLE001
             payload["errors"][key] = f"{type(err).__name__}: {err}"[:2000]
             traceback.print_exc()
-        write_json_atomic(out_path, payload)
+        atomic_write_json(out_path, payload)
         print(key, payload["timings_ms"].get(key, {}).get("median_ms"), flush=True)
     if device == "cuda":
         payload["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    write_json_atomic(out_path, payload)
+    atomic_write_json(out_path, payload)
     return payload
-
-
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    atomic_write_json(path, payload)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -492,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--list-layers", action="store_true",
                         help="unrolled list of blocks instead of lax.scan over stacked blocks (34x the compile time)")
     parser.add_argument("--torch-baseline", action="store_true",
-                        help="time the plain-PyTorch copy of diffusers' forward instead (its own process)")
+                        help="time diffusers' Ideogram4Transformer2DModel instead (its own process)")
     parser.add_argument("--torch-compile", action="store_true", help="with --torch-baseline: also torch.compile")
     parser.add_argument("--out", default=None, help="JSON path (default $OUT/ideogram4_serving.json, else "
                         "benchmarks/results/ideogram4_serving[_tiny].json)")
@@ -538,10 +351,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     payload["matmul_bf16_tflops"] = matmul_tflops(args.matmul_size or (512 if tiny else 8192), 5 if tiny else 10)
     peak = payload["matmul_bf16_tflops"]
-    graphdef, (cond_state, uncond_state), payload["init_s_both"] = random_models(cfg, (0, 1))
+    graphdef, (cond_state, uncond_state), payload["init_s_both"] = serving.random_states(cfg, (0, 1))
     models = {"cond": (graphdef, cond_state), "uncond": (graphdef, uncond_state)}
-    payload["memory_gib_weights"] = memory_stats()
-    write_json_atomic(out_path, payload)
+    payload["memory_gib_weights"] = timing.device_memory_gib()
+    atomic_write_json(out_path, payload)
 
     layouts = {"packed": text_tokens, "padded": text_slots}
     for name in args.layouts.split(","):
@@ -549,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise ValueError(f"unknown layout {name!r}; known: {sorted(layouts)}")
         payload["layouts"][name] = run_layout(name, cfg, models, text_tokens, layouts[name], grid, schedule, args,
                                               peak)
-        write_json_atomic(out_path, payload)  # partial results survive a later failure
+        atomic_write_json(out_path, payload)  # partial results survive a later failure
         if attention == "cudnn" and "forward" in payload["layouts"][name]["errors"]:
             # cuDNN refused this layout (e.g. its mask): measure it with XLA attention instead, and say so.
             xla_cfg = dataclasses.replace(cfg, attention_impl="xla")
@@ -557,10 +370,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             xla_models = {"cond": (xla_graph, cond_state), "uncond": (xla_graph, uncond_state)}
             payload["layouts"][f"{name}_xla_attention"] = run_layout(name, xla_cfg, xla_models, text_tokens,
                                                                      layouts[name], grid, schedule, args, peak)
-            write_json_atomic(out_path, payload)
+            atomic_write_json(out_path, payload)
 
-    payload["memory_gib_final"] = memory_stats()
-    write_json_atomic(out_path, payload)
+    payload["memory_gib_final"] = timing.device_memory_gib()
+    atomic_write_json(out_path, payload)
     print_table(payload)
     return payload
 

@@ -16,13 +16,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import glob
 import json
 import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
@@ -30,8 +28,10 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kroquant_jax import transforms as T  # noqa: E402
+from kroquant_jax import timing  # noqa: E402
+from kroquant_jax.fileio import atomic_write_text  # noqa: E402
 from kroquant_jax.formats import MXFP4  # noqa: E402
+from pallas_kernels import bench_inputs  # noqa: E402
 from pallas_kernels import transform_quantize as tq  # noqa: E402
 from pallas_kernels import transform_quantize_mgpu as tqm  # noqa: E402
 
@@ -52,7 +52,6 @@ TABLE4 = {  # (m, d): Q4, Scale, K1, K2
     (4096, 12288): (59.64, 59.12, 59.92, 62.80),
 }
 SHAPES = list(TABLE3) + [s for s in TABLE4 if s not in TABLE3]
-L2_BYTES = 60 * 2**20
 SWEEP_SHAPES = [(4096, 4096), (4096, 16384), (512, 3072)]
 
 
@@ -64,117 +63,8 @@ def paper_row(m, d):
     return {}
 
 
-def _gpu_kernel_events(trace_dir):
-    from jax.profiler import ProfileData
-
-    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    events = []
-    for path in paths:
-        pd = ProfileData.from_file(path)
-        for plane in pd.planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            for line in plane.lines:
-                if "stream" not in line.name.lower():
-                    continue
-                for ev in line.events:
-                    if ev.name.lower().startswith(("memcpy", "memset")):
-                        continue
-                    events.append((ev.start_ns, ev.duration_ns, ev.name))
-    events.sort()
-    return events
-
-
-def per_call_breakdown(events, n_iter: int) -> dict[str, float]:
-    """``{kernel name: median µs per call}`` from the sorted CUPTI ``events`` ``(start_ns, duration_ns, name)`` of
-    ``n_iter`` identical calls (each call launches ``len(events) / n_iter`` kernels; a kernel launched several times
-    in one call is summed). Empty when the events do not split evenly into calls."""
-    if not events or len(events) % n_iter:
-        return {}
-    per = len(events) // n_iter
-    calls = []
-    for i in range(n_iter):
-        sums: dict[str, float] = {}
-        for _, duration_ns, name in events[i * per:(i + 1) * per]:
-            sums[name[:80]] = sums.get(name[:80], 0.0) + duration_ns / 1e3
-        calls.append(sums)
-    names = sorted(set().union(*calls))
-    return {n: statistics.median(c.get(n, 0.0) for c in calls) for n in names}
-
-
-def time_device(fn, inputs, n_iter=60, warmup=3, breakdown: dict | None = None):
-    """Median device time (µs) of one call of ``fn`` over rotating ``inputs``; returns (µs, method, kernel names).
-
-    ``breakdown``: a dict filled with :func:`per_call_breakdown` (median µs per call of each kernel), when the
-    profiler's events split evenly into calls."""
-    for i in range(warmup):
-        jax.block_until_ready(fn(inputs[i % len(inputs)]))
-    trace_dir = tempfile.mkdtemp(prefix="tqbench_")
-    try:
-        with jax.profiler.trace(trace_dir):
-            outs = None
-            for i in range(n_iter):
-                outs = fn(inputs[i % len(inputs)])
-            jax.block_until_ready(outs)
-        events = _gpu_kernel_events(trace_dir)
-    except Exception as e:  # noqa: BLE001 - fall back to wall clock
-        print(f"  profiler failed: {e!r}")
-        events = []
-    if breakdown is not None:
-        breakdown.update(per_call_breakdown(events, n_iter))
-    if events and len(events) % n_iter == 0:
-        per = len(events) // n_iter
-        sums = [sum(ev[1] for ev in events[i * per:(i + 1) * per]) / 1e3 for i in range(n_iter)]
-        names = sorted({ev[2][:60] for ev in events[:per]})
-        return statistics.median(sums), f"cupti({per} kernels/call)", names
-    if events:
-        print(f"  {len(events)} kernel events for {n_iter} calls: using total/n")
-        return sum(ev[1] for ev in events) / 1e3 / n_iter, "cupti(total/n)", sorted({e[2][:60] for e in events})[:4]
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for i in range(n_iter):
-            outs = fn(inputs[i % len(inputs)])
-        jax.block_until_ready(outs)
-        times.append((time.perf_counter() - t0) / n_iter * 1e6)
-    return statistics.median(times), "wallclock", []
-
-
-def make_inputs(m, d, dtype, n_buf, seed=0):
-    key = jax.random.key(seed)
-    bufs = []
-    for i in range(n_buf):
-        k1, k2, key = jax.random.split(key, 3)
-        x = jax.random.normal(k1, (m, d), jnp.float32)
-        x = x * jnp.where(jax.random.bernoulli(k2, 0.02, (1, d)), 30.0, 1.0)
-        bufs.append(x.astype(dtype))
-    jax.block_until_ready(bufs)
-    return bufs
-
-
-def transforms_for(d, key=jax.random.key(1)):
-    params = jax.tree.map(lambda x: x * (1 + 0.2 * jax.random.normal(key, x.shape)), T.KRON_LU.init(d))
-    out = {
-        "q4": tq.PreparedTransform.identity(d),
-        "scale": tq.prepare("diagonal", {"log_gamma": 0.5 * jax.random.normal(key, (d,))}),
-        "k1": tq.prepare("kron_lu", params, kernel="k1"),
-        "k2": tq.prepare("kron_lu", params),
-    }
-    if d & (d - 1) == 0:
-        out["fwht"] = tq.PreparedTransform.fwht(d)
-    return out
-
-
 def extra_bytes(t):
     return sum(int(x.size) * x.dtype.itemsize for x in (t.inv_scale, t.blocks, t.kparams) if x is not None)
-
-
-def kernel_fn(t, bs, fmt=MXFP4()):
-    @jax.jit
-    def f(a):
-        q = tq.transform_quantize(a, t, fmt, block_sizes=bs, impl="pallas")
-        return q.codes, q.scales
-    return f
 
 
 def mgpu_kernel_fn(t, bs, dtype, fmt=MXFP4()):
@@ -194,14 +84,6 @@ def xla_fn(t, fmt=MXFP4()):
     def f(a):
         q = tq.reference_transform_quantize(a, t, fmt)
         return q.codes, q.scales
-    return f
-
-
-def copy_fn():
-    @jax.jit
-    def f(a):  # one read and one write of the same bytes: XLA's elementwise copy
-        bits = jax.lax.bitcast_convert_type(a, jnp.uint16)
-        return jax.lax.bitcast_convert_type(bits ^ jnp.uint16(0x8000), a.dtype)
     return f
 
 
@@ -266,13 +148,14 @@ XLA_ALL_SHAPES = {(4096, 4096), (4096, 16384)}
 def bench_shape(m, d, dtype, kinds, bs, n_iter, with_xla=True):
     itemsize = jnp.dtype(dtype).itemsize
     in_bytes = m * d * itemsize
-    n_buf = max(2, min(32, math.ceil(4 * L2_BYTES / in_bytes)))
-    bufs = make_inputs(m, d, dtype, n_buf)
-    ts = transforms_for(d)
+    n_buf = max(2, min(32, math.ceil(4 * bench_inputs.L2_BYTES / in_bytes)))
+    bufs = bench_inputs.activation_sets(m, d, dtype, n_buf)
+    ts = bench_inputs.prepared_transforms(d)
     io_bytes = in_bytes + m * d // 2 + m * d // 32
     row = {"m": m, "d": d, "dtype": jnp.dtype(dtype).name, "io_bytes": io_bytes, "n_buffers": n_buf, "us": {},
            "method": {}, "kernels": {}}
-    t_copy, meth, _ = time_device(copy_fn(), bufs, n_iter)
+    _t = timing.device_time(bench_inputs.copy_fn(), bufs, n_iter=n_iter)
+    t_copy, meth = _t.us, _t.method
     row["us"]["copy"] = t_copy
     row["copy_GBps"] = 2 * in_bytes / (t_copy * 1e-6) / 1e9
     for kind in kinds:
@@ -288,8 +171,9 @@ def bench_shape(m, d, dtype, kinds, bs, n_iter, with_xla=True):
             if kind.startswith("mgpu_") and not tqm.supports(base, (m, d), dtype, cbs):
                 continue
             try:
-                fn = mgpu_kernel_fn(t, cbs, dtype) if kind.startswith("mgpu_") else kernel_fn(t, cbs)
-                us, meth, names = time_device(fn, bufs, n_iter)
+                fn = mgpu_kernel_fn(t, cbs, dtype) if kind.startswith("mgpu_") else bench_inputs.quantize_fn(t, cbs)
+                _t = timing.device_time(fn, bufs, n_iter=n_iter)
+                us, meth, names = _t.us, _t.method, list(_t.kernels)
             except Exception as e:  # noqa: BLE001 - record and go on
                 row.setdefault("errors", {})[f"{kind}/{vname}"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(f"  {kind}/{vname}: ERROR {type(e).__name__}: {str(e)[:300]}")
@@ -311,7 +195,8 @@ def bench_shape(m, d, dtype, kinds, bs, n_iter, with_xla=True):
             if kind not in ts:
                 continue
             try:
-                us, meth, names = time_device(xla_fn(ts[kind]), bufs, max(10, n_iter // 4))
+                _t = timing.device_time(xla_fn(ts[kind]), bufs, n_iter=max(10, n_iter // 4))
+                us, meth, names = _t.us, _t.method, list(_t.kernels)
                 row["us"][f"xla_{kind}"] = us
                 row["method"][f"xla_{kind}"] = meth
             except Exception as e:  # noqa: BLE001
@@ -390,9 +275,9 @@ def sweep(dtype, n_iter):
     results = []
     for m, d in SWEEP_SHAPES:
         in_bytes = m * d * jnp.dtype(dtype).itemsize
-        bufs = make_inputs(m, d, dtype, max(2, min(32, math.ceil(4 * L2_BYTES / in_bytes))))
-        ts = transforms_for(d)
-        t_copy, _, _ = time_device(copy_fn(), bufs, n_iter)
+        bufs = bench_inputs.activation_sets(m, d, dtype, max(2, min(32, math.ceil(4 * bench_inputs.L2_BYTES / in_bytes))))
+        ts = bench_inputs.prepared_transforms(d)
+        t_copy = timing.device_time(bench_inputs.copy_fn(), bufs, n_iter=n_iter).us
         print(f"sweep ({m}, {d}) copy {t_copy:.2f} us")
         for kind in ("q4", "scale", "k1", "k2"):
             for vname, bs in variants.items():
@@ -401,7 +286,7 @@ def sweep(dtype, n_iter):
                 if kind in ("q4", "scale") and vname.endswith("_p1"):
                     continue
                 try:
-                    us, _, _ = time_device(kernel_fn(ts[kind], bs), bufs, n_iter)
+                    us = timing.device_time(bench_inputs.quantize_fn(ts[kind], bs), bufs, n_iter=n_iter).us
                 except Exception as e:  # noqa: BLE001
                     print(f"  {kind:5s} {vname:22s} ERROR {type(e).__name__}: {str(e)[:200]}")
                     continue
@@ -410,7 +295,7 @@ def sweep(dtype, n_iter):
         if "fwht" in ts:
             for vname, bs in fwht_variants.items():
                 try:
-                    us, _, _ = time_device(kernel_fn(ts["fwht"], bs), bufs, n_iter)
+                    us = timing.device_time(bench_inputs.quantize_fn(ts["fwht"], bs), bufs, n_iter=n_iter).us
                 except Exception as e:  # noqa: BLE001
                     print(f"  fwht  {vname:22s} ERROR {type(e).__name__}: {str(e)[:200]}")
                     continue
@@ -451,9 +336,10 @@ def main(argv=None):
         shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x")) for s in
                                                       args.shapes.split(",")]
         rows_big = max(1, int(8192 * args.copy_gib))
-        big = make_inputs(rows_big, 65536, jnp.float16, 2) if dev.platform == "gpu" else make_inputs(256, 1024,
+        big = bench_inputs.activation_sets(rows_big, 65536, jnp.float16, 2) if dev.platform == "gpu" else bench_inputs.activation_sets(256, 1024,
                                                                                                      jnp.float16, 2)
-        copy_us, copy_method, _ = time_device(copy_fn(), big, 30)
+        _t = timing.device_time(bench_inputs.copy_fn(), big, n_iter=30)
+        copy_us, copy_method = _t.us, _t.method
         copy_bw = 2 * big[0].size * 2 / (copy_us * 1e-6) / 1e9
         del big
         meta.update(copy_GBps_xla=copy_bw, copy_method=copy_method, copy_GBps_torch=torch_copy_bandwidth())
@@ -477,15 +363,10 @@ def main(argv=None):
             rows.append(row)
             print(f"({m}, {d}) done in {time.time() - t0:.1f}s: " +
                   " ".join(f"{k}={v:.2f}" for k, v in row["us"].items() if v))
-            _write(args.out, out)  # after every shape, so that a cut-off run keeps what it measured
+            # after every shape, so that a cut-off run keeps what it measured
+            atomic_write_text(args.out, json.dumps(out, indent=1, default=str) + "\n")
         print(fmt_table(rows))
-    _write(args.out, out)
-
-
-def _write(path, out):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump(out, fh, indent=1, default=str)
+    atomic_write_text(args.out, json.dumps(out, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":

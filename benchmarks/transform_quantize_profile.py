@@ -35,12 +35,13 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from kroquant_jax import timing  # noqa: E402
+from kroquant_jax.fileio import atomic_write_text  # noqa: E402
 from kroquant_jax.formats import MXFP4  # noqa: E402
+from pallas_kernels import bench_inputs  # noqa: E402
 from pallas_kernels import transform_quantize as tq  # noqa: E402
 from pallas_kernels import transform_quantize_mgpu as tqm  # noqa: E402
-import transform_quantize_bench as tqb  # noqa: E402
 
 BS = tq.BlockSizes
 MB = tqm.MgpuBlockSizes
@@ -177,7 +178,7 @@ def division_probe(n=1 << 20):
 def mismatch_rates(m, d, dtype):
     """Fraction of codes / scale bytes that differ from the jitted f32 reference, per kind and dot_passes."""
     a = general_inputs(jax.random.key(11), m, d, dtype)
-    ts = tqb.transforms_for(d)
+    ts = bench_inputs.prepared_transforms(d)
     out = {}
     for kind in ("k1", "k2"):
         ref = jax.jit(lambda a, t: tq.reference_transform_quantize(a, t, MXFP4()))(a, ts[kind])
@@ -227,7 +228,7 @@ def main(argv=None):
     out = {"meta": meta, "shapes": [], "errors": {}}
 
     def save():
-        tqb._write(args.out, out)
+        atomic_write_text(args.out, json.dumps(out, indent=1, default=str) + "\n")
 
     def late():
         return time.time() - t_start > args.deadline
@@ -237,8 +238,8 @@ def main(argv=None):
         out["division_probe"] = division_probe()
         print("division probe:", json.dumps(out["division_probe"]), flush=True)
         save()
-    big = tqb.make_inputs(*((64, 512) if args.interpret else (8192, 65536)), jnp.float16, 2)
-    copy_us, _, _ = tqb.time_device(tqb.copy_fn(), big, 20)
+    big = bench_inputs.activation_sets(*((64, 512) if args.interpret else (8192, 65536)), jnp.float16, 2)
+    copy_us = timing.device_time(bench_inputs.copy_fn(), big, n_iter=20).us
     copy_bw = 2 * big[0].size * 2 / (copy_us * 1e-6) / 1e9
     meta["copy_GBps_xla"] = copy_bw
     del big
@@ -246,8 +247,8 @@ def main(argv=None):
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     for si, (m, d) in enumerate(shapes):
         in_bytes = m * d * 2
-        bufs = tqb.make_inputs(m, d, jnp.float16, max(2, min(32, math.ceil(4 * tqb.L2_BYTES / in_bytes))))
-        ts = tqb.transforms_for(d)
+        bufs = bench_inputs.activation_sets(m, d, jnp.float16, max(2, min(32, math.ceil(4 * bench_inputs.L2_BYTES / in_bytes))))
+        ts = bench_inputs.prepared_transforms(d)
         row = {"m": m, "d": d, "us": {}, "GBps": {}, "frac_of_copy_bw": {}}
         out["shapes"].append(row)
         names = [n for n in TRITON_VARIANTS if si == 0 or n in BIG_SHAPE_VARIANTS]
@@ -267,7 +268,8 @@ def main(argv=None):
                     parts = (tqm.prepare_k1_blocks(ts["k1"].blocks, jnp.float16, bs.dot_passes)
                              if kind == "k1" else None)
                     fn = mgpu_fn(ts[kind], bs, parts)
-                us, method, kernels = tqb.time_device(fn, bufs, args.iters)
+                timed = timing.device_time(fn, bufs, n_iter=args.iters)
+                us, method, kernels = timed.us, timed.method, list(timed.kernels)
             except Exception as e:  # noqa: BLE001 - record the compiler's message and go on
                 msg = f"{type(e).__name__}: {e}"
                 out["errors"][f"{name}@{m}x{d}"] = msg[:6000] + "\n" + traceback.format_exc()[-3000:]

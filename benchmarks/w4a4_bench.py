@@ -8,21 +8,23 @@ Per layer shape ``(n, k)`` of Ideogram 4, PixArt-Sigma, SANA and FLUX.1 and ``m`
   bf16 by XLA fusions, one cuBLAS GEMM; ``..._xla_fused``: the same without the optimization barrier (XLA may fuse
   the decode into its own GEMM). ``w4a4_mgpu_mxfp4``: the Mosaic GPU kernel (``w4a4_gemm_mgpu``; the weight in its
   prepared layout, made once like the packing).
-* ``w4a4_layer_lr_fused``: one layer as served: fused K2 transform+quantize kernel (``transform_quantize``) + the
-  low-rank input ``h = A (R T^T)^T`` (XLA; ``T`` folded into ``R`` at packing time, so the branch needs no ``A T``) +
-  the W4A4 GEMM with ``h L^T`` fused in its epilogue (rank 128, ``L`` packed in MXFP4 and decoded in the epilogue).
-  ``w4a4_layer_lr_beside``: the same with the low-rank product as a separate XLA GEMM + add (``L`` resident in bf16).
+* ``w4a4_layer_lr_fused``: one layer as served (``pallas_kernels.served.forward``, ``strategy="kernel"``): fused K2
+  transform+quantize kernel (``transform_quantize``) + the low-rank input ``h = A (R T^T)^T`` (XLA; ``T`` folded
+  into ``R`` at packing time, so the branch needs no ``A T``) + the W4A4 GEMM with ``h L^T`` fused in its epilogue
+  (rank 128, ``L`` packed in MXFP4 and decoded in the epilogue). ``w4a4_layer_lr_beside``: the same with the
+  low-rank product as a separate XLA GEMM + add (``lowrank="beside"``, ``L`` resident in bf16).
   ``w4a4_layer_nolr``: transform+quantize + GEMM only. ``transform_quantize_only``: the quantizer kernel alone.
-  ``w4a4_layer_dequant``: transform+quantize + ``h`` + "dequantize + cuBLAS" with ``[A | h] [W | L]^T`` as one GEMM.
-  ``w4a4_layer_mgpu``: transform+quantize + ``h`` + the Mosaic GPU GEMM + ``h L^T`` beside it (XLA; W's scales are
-  transposed per call here, a few µs).
+  ``w4a4_layer_dequant``: the default strategy, transform+quantize + ``h`` + "dequantize + cuBLAS" with
+  ``[A | h] [W | L]^T`` as one GEMM. ``w4a4_layer_mgpu``: ``strategy="mgpu"``, transform+quantize + ``h`` + the
+  Mosaic GPU GEMM + ``h L^T`` beside it (XLA, ``L`` resident in bf16; W's scales are transposed per call here, a few
+  µs). References: ``served.reference`` of the same layer.
 * Epilogues (Ideogram 4 shapes: q projection + RMSNorm over heads of 256, fused w1|w3 + SwiGLU): the fused kernel vs
   the same kernel without epilogue + the op in XLA vs XLA ``A W^T`` + the op, on bf16 and on MXFP4 operands.
 
 Timing (device time): one jitted ``fori_loop`` of ``N`` calls over ``R = 3`` rotating input sets (operands of
 different layers, more bytes than the 60 MB L2 for the large shapes), an ``optimization_barrier`` on the loop carry
 so nothing is hoisted, ``block_until_ready``; the median over repeats of (wall time / N) after warm-up. With
-``--timer cupti``: the CUPTI kernel durations of each call summed (``transform_quantize_bench.time_device``), median
+``--timer cupti``: the CUPTI kernel durations of each call summed (``kroquant_jax.timing.device_time``), median
 of 30 calls, and each kernel's median time per call in ``kernels_us`` (which kernels a variant runs, and where its time
 goes). Each variant's output is checked against an f32 reference (relative error and NaN check, stored in the JSON).
 
@@ -35,10 +37,10 @@ A variant that fails to compile or run is recorded with its error and the run go
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -48,11 +50,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # transform_quantize_bench (the CUPTI timer)
 
+from kroquant_jax import timing  # noqa: E402
 from kroquant_jax import transforms as T  # noqa: E402
 from kroquant_jax.formats import MXFP4, NVFP4, dequantize, quantize  # noqa: E402
 from pallas_kernels import epilogues as E  # noqa: E402
+from pallas_kernels import served as S  # noqa: E402
 from pallas_kernels import w4a4_gemm as G  # noqa: E402
 from pallas_kernels import w4a4_gemm_mgpu as GM  # noqa: E402
 
@@ -88,54 +91,9 @@ TINY_SHAPES = [("tiny", "attn.q", 512, 256), ("tiny", "ffn.w13", 256, 128)]
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _first_leaf(y):
-    leaf = jax.tree_util.tree_leaves(y)[0]
-    return leaf.reshape(-1)[0].astype(jnp.float32)
-
-
-def time_op(fn, input_sets, *, n_calls, repeats=5, warmup=1):
-    """Median seconds per call of ``fn(*inputs)`` over rotating ``input_sets`` inside one jitted fori_loop.
-
-    Returns ``(median_s, all_s, y0)``, ``y0`` the output for ``input_sets[0]`` from the timed loop itself (checked
-    against the reference, so each variant compiles once).
-    """
-    r_sets = len(input_sets)
-    n_iter = max(1, n_calls // r_sets)
-    xs = tuple(tuple(s) for s in input_sets)
-    y_shape = jax.eval_shape(fn, *xs[0])
-
-    def body(_, carry):
-        acc, y0, xs = carry
-        xs, acc = jax.lax.optimization_barrier((xs, acc))
-        for r in range(r_sets):
-            y = fn(*xs[r])
-            if r == 0:
-                y0 = y
-            acc = acc + _first_leaf(y)
-        return acc, y0, xs
-
-    def run(xs):
-        y_init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), y_shape)
-        acc, y0, _ = jax.lax.fori_loop(0, n_iter, body, (jnp.float32(0.0), y_init, xs))
-        return acc, y0
-
-    loop = jax.jit(run)
-    y0 = None
-    for _ in range(warmup):
-        _, y0 = jax.block_until_ready(loop(xs))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(loop(xs))
-        times.append((time.perf_counter() - t0) / (n_iter * r_sets))
-    return statistics.median(times), times, y0
-
-
-def _n_calls(flops, target_s, tiny):
-    if tiny:
-        return N_SETS
-    est = flops / 400e12 + 5e-6
-    return int(min(300, max(N_SETS * 2, target_s / est)))
+def n_calls_for(flops, target_s, tiny):
+    """Calls per timed loop: about ``target_s`` seconds (at least two rounds of the input sets; tiny: one round)."""
+    return N_SETS if tiny else timing.calls_for(flops, target_s, minimum=N_SETS * 2)
 
 
 def _rel_err(y, ref):
@@ -211,12 +169,13 @@ def dequant_mgpu_variants(layers, interpret=False, tiny=False, mgpu_configs=None
                                             _ref_packed)}
     if jax.default_backend() != "gpu" and not interpret:
         return out
-    impl = "pallas" if jax.default_backend() == "gpu" else "reference"
+    impl = S.resolve_impl(None)  # the Mosaic GPU kernel, or its jnp mirror off the GPU
     configs = {"": None, **(mgpu_configs or {})}
     for suffix, cfg in configs.items():
         m, k = layers[0][0].shape
         n = layers[0][1].shape[0]
-        cfg = cfg or GM.default_config(m, n, k, GM._num_sms() if impl == "pallas" else 132)
+        num_sms = int(getattr(jax.devices()[0], "core_count", 0) or 132) if impl == "pallas" else 132
+        cfg = cfg or GM.default_config(m, n, k, num_sms)
         # The weight in the kernel's layout (scales transposed, padded), prepared once like the packing itself.
         msets = [(qa, GM.prepare_operand(qw, rows_multiple=cfg.cta_n, k_multiple=cfg.tile_k), qw) for qa, qw in sets]
 
@@ -229,67 +188,54 @@ def dequant_mgpu_variants(layers, interpret=False, tiny=False, mgpu_configs=None
 
 
 def layer_variants(layers, interpret, tiny):
-    """The whole W4A4 layer: transform+quantize kernel + low-rank input + GEMM (+ fused / beside low-rank)."""
+    """The whole served W4A4 layer (``pallas_kernels.served.forward``): transform+quantize kernel + low-rank input +
+    GEMM strategy (+ fused / beside low-rank), on :class:`~pallas_kernels.served.ServedLinear` layers built from the
+    random factors (``T`` folded into ``R``, as ``served.serve`` does)."""
     if TQ is None:
         return {}
     k = layers[0][0].shape[1]
     params = T.get("kron_lu").init(k)
     prepared = TQ.prepare("kron_lu", params, d=k)
     blocks = T.get("kron_lu").blocks(params)  # (k/32, 32, 32): A T = blockdiag(A_j K_j)
-    impl = "interpret" if interpret else None
     q = _quantize_jit(MXFP4())
-    bs = G.BlockSizes(16, 32, 64, 4, 2) if tiny else None
-    sets = []
     perm = G.even_odd_permutation(RANK)
+    sets = []
     for a, w, left, right in layers:
         # T folded into R at packing time: (A T) R^T = A (R T^T)^T; R's rows in the even/odd order of packed L.
         r_folded = jnp.einsum("rjc,jkc->rjk", right.astype(jnp.float32).reshape(RANK, -1, 32),
-                              blocks).reshape(RANK, k)[perm].astype(jnp.bfloat16)
+                              blocks).reshape(RANK, k).astype(jnp.bfloat16)
         left_q = q(left.astype(jnp.float32))
-        sets.append((a, q(w.astype(jnp.float32)), left_q, dequantize(left_q, jnp.bfloat16), r_folded))
+        packed = S.ServedLinear(transform=prepared, weight=q(w.astype(jnp.float32)), right=r_folded[perm],
+                                left=left_q, bias=None)  # L packed (MXFP4), decoded in the GEMM epilogue
+        resident = S.ServedLinear(transform=prepared, weight=packed.weight, right=r_folded,
+                                  left=dequantize(left_q, jnp.bfloat16), bias=None)  # L resident in bf16
+        nolr = S.ServedLinear(transform=prepared, weight=packed.weight, right=None, left=None, bias=None)
+        sets.append((a, packed, resident, nolr))
+    impl = "interpret" if interpret else None
+    kernel = S.ServeOptions(strategy="kernel", impl=impl, gemm_blocks=G.BlockSizes(16, 32, 64, 4, 2) if tiny else None)
 
-    def tq(a):
-        return TQ.transform_quantize(a, prepared, MXFP4(), impl=impl)
+    def served(which, options):
+        def fn(a, packed, resident, nolr):
+            return S.forward({"packed": packed, "resident": resident, "nolr": nolr}[which], a, options=options)
+        return fn
 
-    def fused(a, qw, left_q, left, r_folded):  # L packed (MXFP4), decoded in the GEMM epilogue
-        h = jnp.matmul(a, r_folded.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-        return G.w4a4_matmul(tq(a), qw, lowrank=(h, left_q), block_sizes=bs, interpret=interpret)
+    def ref(which):
+        def fn(a, packed, resident, nolr):
+            return S.reference({"packed": packed, "resident": resident, "nolr": nolr}[which], a, out_dtype=jnp.float32)
+        return fn
 
-    def beside(a, qw, left_q, left, r_folded):  # L resident in bf16, a separate XLA GEMM + add
-        h = jnp.matmul(a, r_folded.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-        y = G.w4a4_matmul(tq(a), qw, block_sizes=bs, out_dtype=jnp.float32, interpret=interpret)
-        return (y + jnp.matmul(h, left[:, perm].T, preferred_element_type=jnp.float32)).astype(jnp.bfloat16)
+    def tq(a, packed, *_):
+        return S.quantized_inputs(packed, a, S.resolve_impl(impl))[0]
 
-    def nolr(a, qw, *_):
-        return G.w4a4_matmul(tq(a), qw, block_sizes=bs, interpret=interpret)
-
-    def _xq(a):
-        at = T.apply_to_activations(a.astype(jnp.float32), blocks).astype(jnp.bfloat16)
-        return dequantize(quantize(at.astype(jnp.float32), MXFP4()), jnp.float32)
-
-    def ref(a, qw, left_q, left, r_folded):
-        h = jnp.matmul(a.astype(jnp.float32), r_folded.astype(jnp.float32).T).astype(jnp.bfloat16)
-        return jnp.matmul(_xq(a), dequantize(qw, jnp.float32).T) + G.lowrank_reference(h, left_q)
-
-    def ref_nolr(a, qw, *_):
-        return jnp.matmul(_xq(a), dequantize(qw, jnp.float32).T)
-
-    def dequant(a, qw, left_q, left, r_folded):  # decode + cuBLAS, [A | h] [W | L]^T as one GEMM
-        h = jnp.matmul(a, r_folded.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-        return G.w4a4_matmul_dequant(tq(a), qw, lowrank=(h, left_q))
-
-    out = {"w4a4_layer_lr_fused": (fused, sets, ref), "w4a4_layer_lr_beside": (beside, sets, ref),
-           "w4a4_layer_nolr": (nolr, sets, ref_nolr), "transform_quantize_only": (lambda a, *_: tq(a), sets, None),
-           "w4a4_layer_dequant": (dequant, sets, ref)}
-    if jax.default_backend() == "gpu" or interpret:
-        impl = "pallas" if jax.default_backend() == "gpu" else "reference"
-
-        def mgpu(a, qw, left_q, left, r_folded):  # the Mosaic GPU GEMM, h L^T beside it
-            h = jnp.matmul(a, r_folded.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-            y = GM.w4a4_matmul_mgpu(tq(a), qw, impl=impl, out_dtype=jnp.float32)
-            return (y + jnp.matmul(h, left[:, perm].T, preferred_element_type=jnp.float32)).astype(jnp.bfloat16)
-
-        out["w4a4_layer_mgpu"] = (mgpu, sets, ref)
+    out = {"w4a4_layer_lr_fused": (served("packed", kernel), sets, ref("packed")),
+           "w4a4_layer_lr_beside": (served("resident", dataclasses.replace(kernel, lowrank="beside")), sets,
+                                    ref("resident")),
+           "w4a4_layer_nolr": (served("nolr", kernel), sets, ref("nolr")),
+           "transform_quantize_only": (tq, sets, None),
+           "w4a4_layer_dequant": (served("packed", S.ServeOptions(impl=impl)), sets, ref("packed"))}
+    if jax.default_backend() == "gpu" or interpret:  # the Mosaic GPU GEMM (its jnp mirror off the GPU), h L^T beside
+        out["w4a4_layer_mgpu"] = (served("resident", S.ServeOptions(strategy="mgpu", impl=impl)), sets,
+                                  ref("resident"))
     return out
 
 
@@ -341,22 +287,21 @@ def epilogue_variants(layers, kind, interpret, tiny):
 
 
 def run_case(name, fn, sets, ref, *, flops, target_s, tiny, validate=True, timer="loop"):
-    """One variant: timed (``timer="loop"``: :func:`time_op`; ``"cupti"``: the summed CUPTI kernel time of each call,
-    median of 30 calls, with the median time of every kernel in ``kernels_us``), then checked against ``ref``."""
+    """One variant: timed (``timer="loop"``: ``timing.loop_time``; ``"cupti"``: ``timing.device_time``, the summed
+    CUPTI kernel time of each call, median of 30 calls, with the median time of every kernel in ``kernels_us``), then
+    checked against ``ref``."""
     rec = {"variant": name}
     try:
         if timer == "cupti":
-            from transform_quantize_bench import time_device  # noqa: PLC0415 - the shared CUPTI timer
-
             jitted = jax.jit(fn)
             y0 = jax.block_until_ready(jitted(*sets[0]))
-            breakdown = {}
-            us, method, _ = time_device(lambda s: jitted(*s), sets, n_iter=N_SETS if tiny else 30, warmup=2,
-                                        breakdown=breakdown)
-            rec.update(us=us, timing=method, kernels_us=breakdown, tflops=flops / us / 1e6)
+            t = timing.device_time(lambda s: jitted(*s), sets, n_iter=N_SETS if tiny else 30, warmup=2)
+            rec.update(us=t.us, timing=t.method, kernels_us=t.kernels_us, tflops=flops / t.us / 1e6)
         else:
-            t, ts, y0 = time_op(fn, sets, n_calls=_n_calls(flops, target_s, tiny), repeats=2 if tiny else 5)
-            rec.update(us=t * 1e6, us_all=[x * 1e6 for x in ts], tflops=flops / t / 1e12, timing="loop")
+            t = timing.loop_time(fn, sets, n_calls=n_calls_for(flops, target_s, tiny), repeats=2 if tiny else 5)
+            y0 = t.y0
+            rec.update(us=t.median_s * 1e6, us_all=[x * 1e6 for x in t.samples_s], tflops=flops / t.median_s / 1e12,
+                       timing="loop")
         if validate and ref is not None:
             err, nan = _rel_err(y0, jax.jit(ref)(*sets[0]))
             rec.update(rel_err=err, nan=nan)

@@ -14,7 +14,7 @@ tilings. Phase order: bf16/triton/dequant over all cases, then mgpu over all cas
 failing or hanging Mosaic kernel cannot cost the rest; the JSON is rewritten after every variant.
 
 Device time: the CUPTI kernel durations of each call summed (``jax.profiler`` trace read back with ``ProfileData``,
-``benchmarks/transform_quantize_bench.time_device``), median over ``--iters`` calls on 3 rotating input sets (more
+``kroquant_jax.timing.device_time``), median over ``--iters`` calls on 3 rotating input sets (more
 bytes than the L2 for the large shapes) after warm-up. Before timing, each variant's output on set 0 is checked
 against the f32 product of the fake-quantized operands: relative L2 error and the largest error relative to the
 accumulation-order bound plus the bf16 output rounding (``err_over_bound`` <= 1 passes).
@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from kroquant_jax import timing  # noqa: E402
 from kroquant_jax.fileio import atomic_write_json  # noqa: E402
 from kroquant_jax.formats import MXFP4, dequantize, quantize  # noqa: E402
 from pallas_kernels import w4a4_gemm as G  # noqa: E402
@@ -110,8 +110,6 @@ def check(y, s, bf16_input: bool):
 
 
 def run_variant(name, sets, *, iters, on_gpu):
-    from transform_quantize_bench import time_device  # noqa: PLC0415 - the shared CUPTI timer
-
     rec = {"variant": name}
     t0 = time.time()
     try:
@@ -120,8 +118,8 @@ def run_variant(name, sets, *, iters, on_gpu):
         rec["compile_and_first_s"] = time.time() - t0
         rec.update(check(y, sets[0], bf16_input=name == "bf16_xla"))
         if on_gpu:
-            us, method, kernels = time_device(lambda s: fn(*s), sets, n_iter=iters, warmup=2)
-            rec.update(us=us, timing=method, kernels=kernels)
+            timed = timing.device_time(lambda s: fn(*s), sets, n_iter=iters, warmup=2)
+            rec.update(us=timed.us, timing=timed.method, kernels=list(timed.kernels), kernels_us=timed.kernels_us)
     except Exception as e:  # noqa: BLE001 - recorded, the run goes on
         rec.update(error=f"{type(e).__name__}: {str(e)[:600]}", trace=traceback.format_exc()[-1500:])
     rec["wall_s"] = time.time() - t0

@@ -44,7 +44,8 @@ from kroquant_jax.formats import (MXFP4, NVFP4, QuantFormat, QuantizedArray, Sca
 from kroquant_jax.fileio import atomic_write_bytes
 
 __all__ = ["QLinearConfig", "QuantizedLinear", "QLinearStore", "build_qlinear", "effective_weight", "load_qlinear",
-           "qlinear_forward", "restore_orbax", "save_orbax", "save_qlinear"]
+           "lowrank_factors", "qlinear_forward", "qlinear_from_factors", "random_kron_params", "random_qlinear",
+           "restore_orbax", "save_orbax", "save_qlinear"]
 
 Path = Literal["simulate", "packed"]
 
@@ -202,6 +203,55 @@ def _forward(layer: QuantizedLinear, x: jax.Array, path: Path) -> jax.Array:
     if layer.bias is not None:
         y = y + layer.bias
     return y.astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Traceable layers from given factors (device-side stand-ins for calibrated layers: benchmarks, tests).
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def random_kron_params(key: jax.Array, d: int, spread: float = 0.1) -> dict:
+    """Kronecker-LU parameters near the Hadamard init (``a = b = 1/sqrt 2``, ``c = 1``), each scaled by
+    ``1 + spread * N(0, 1)``: an invertible, non-orthogonal KroQuant transform of ``d`` channels (a stand-in for a
+    calibrated one)."""
+    base = transforms.get("kron_lu").init(d)
+    keys = jax.random.split(key, 3)
+    return {name: base[name] * (1.0 + spread * jax.random.normal(k, base[name].shape, jnp.float32))
+            for name, k in zip(("a", "b", "c"), keys)}
+
+
+def lowrank_factors(w_tilde: jax.Array, key: jax.Array, rank: int) -> tuple[jax.Array, jax.Array]:
+    """``(L (o, r), R (r, d))`` from a one-pass randomized range finder of ``w_tilde (o, d)``: ``L = Q``, ``R = Q^T W~``
+    with ``Q`` an orthonormal basis of ``W~ Omega`` (LoRaQ's factors come from calibration; this is a stand-in)."""
+    omega = jax.random.normal(key, (w_tilde.shape[1], rank), jnp.float32)  # (d, r)
+    basis, _ = jnp.linalg.qr(jnp.matmul(w_tilde, omega, precision="highest"))  # (o, r)
+    return basis, jnp.matmul(basis.T, w_tilde, precision="highest")
+
+
+def qlinear_from_factors(w: jax.Array, params: dict, left: jax.Array, right: jax.Array) -> QuantizedLinear:
+    """``build_qlinear(w, transform="kron_lu", transform_params=params, lowrank=(left, right))`` (LoRaQ: factors
+    stored in MXFP4, the residual computed against the stored branch), bit for bit, but traceable (no host-side
+    checks), so it runs under ``jit`` / ``lax.map`` on the device. ``w (o, d)``, ``left (o, r)``, ``right (r, d)``."""
+    p = transforms.get("kron_lu")
+    fmt = MXFP4()
+    o, d = w.shape
+    left_q, right_q = quantize(left, fmt), quantize(right, fmt)
+    w_t = transforms.apply_to_weights(jnp.asarray(w, jnp.float32), p.inverse_blocks(params))
+    w_t = w_t - jnp.matmul(dequantize(left_q, jnp.float32), dequantize(right_q, jnp.float32), precision="highest")
+    cfg = QLinearConfig(in_features=d, out_features=o, transform="kron_lu", act_fmt=fmt, rank=left.shape[1])
+    return QuantizedLinear(blocks=p.blocks(params), transform_params=params, weight=quantize(w_t, fmt),
+                           lowrank_left=left_q, lowrank_right=right_q, bias=None, config=cfg)
+
+
+def random_qlinear(w: jax.Array, key: jax.Array, rank: int) -> QuantizedLinear:
+    """A W4A4 layer of ``w (o, d)`` with the real layer math and stand-in calibration (traceable): a random KroQuant
+    transform (:func:`random_kron_params`), rank-``rank`` factors of ``W~ = W T^{-T}`` (:func:`lowrank_factors`),
+    :func:`qlinear_from_factors`."""
+    k_t, k_lr = jax.random.split(key)
+    params = random_kron_params(k_t, w.shape[1])
+    w_tilde = transforms.apply_to_weights(w, transforms.get("kron_lu").inverse_blocks(params))
+    left, right = lowrank_factors(w_tilde, k_lr, rank)
+    return qlinear_from_factors(w, params, left, right)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -17,12 +17,15 @@ the W4A4 model are the same graph and the same jitted sampler, on the same seeds
   ``SiLU(gate) * up``, e.g. Ideogram 4's ``w1``, ``w3``). Models that have such sites consume them (Ideogram 4); a
   fused entry that names no site of the model raises. ``stacked=True`` hooks carry a leading layer axis on every
   array of a block linear's entry, for models run with ``lax.scan`` over stacked blocks (``scan_layers=True``).
-* :func:`served_hooks`: ``pallas_kernels.epilogues.ServedLinear`` layers (packed W4A4 on the GPU) ->
-  :class:`FusedLinearHooks`; ``strategy="dequant"`` (default: decode + one cuBLAS GEMM, the q/k norm and SwiGLU as
-  XLA ops after it) or ``"kernel"`` (the Pallas-Triton W4A4 kernels, the ops in their epilogues or, ``fused=False``,
-  after them).
+* :func:`served_hooks`: ``pallas_kernels.served.ServedLinear`` layers (packed W4A4 on the GPU) ->
+  :class:`FusedLinearHooks`, all run with one ``served.ServeOptions`` (default strategy ``"dequant"``: decode + one
+  cuBLAS GEMM, the q/k norm and SwiGLU as XLA ops after it; ``"kernel"``: the Pallas-Triton W4A4 kernels, the ops in
+  their epilogues or, ``fused=False``, after them).
 * :func:`split_qlinear_overrides`: one ``QuantizedLinear`` of several stacked linears (e.g. ``[W1; W3]`` sharing their
   input and transform) as per-linear overrides, each taking its rows of the fused output.
+* :func:`build_stacked_qlinears`, :func:`serve_stacked`, :func:`layer_at`: stacked (one per block) W4A4 layers of a
+  scanned model built on the device from its Linear kernels (``kroquant_jax.qlinear.random_qlinear``: the real layer
+  math with stand-in calibration), their served form, and one layer of a stack.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ from flax import nnx
 
 from models.layers import LinearHooks, linears
 
-__all__ = ["FusedLinearHooks", "check_fused_sites", "check_overrides", "fake_quant_overrides", "qlinear_overrides",
-           "run_with_overrides", "served_hooks", "split_qlinear_overrides"]
+__all__ = ["FusedLinearHooks", "build_stacked_qlinears", "check_fused_sites", "check_overrides", "fake_quant_overrides",
+           "layer_at", "qlinear_overrides", "run_with_overrides", "serve_stacked", "served_hooks",
+           "split_qlinear_overrides"]
 
 
 def _qlinear_simulate(layer: Any, x: jax.Array) -> jax.Array:
@@ -224,60 +228,85 @@ def check_fused_sites(hooks: Any, projection_norm_sites: Mapping[str, tuple[str,
         raise ValueError("bad fused hooks:\n  " + "\n  ".join(problems))
 
 
-def _served(layer: Any, x: jax.Array, **options: Any) -> jax.Array:
-    from pallas_kernels.epilogues import served_linear_forward
+def _served(layer: Any, x: jax.Array, *, options: Any) -> jax.Array:
+    from pallas_kernels import served
 
-    return served_linear_forward(layer, x, **options)
-
-
-def _served_norm(layer: Any, x: jax.Array, scale: jax.Array, eps: float, **options: Any) -> jax.Array:
-    from pallas_kernels.epilogues import served_linear_forward
-
-    return served_linear_forward(layer, x, op="rmsnorm", norm_weight=scale, head_dim=scale.shape[-1], eps=eps,
-                                 **options)
+    return served.forward(layer, x, options=options)
 
 
-def _served_swiglu(layer: Any, x: jax.Array, **options: Any) -> jax.Array:
-    from pallas_kernels.epilogues import served_linear_forward
+def _served_norm(layer: Any, x: jax.Array, scale: jax.Array, eps: float, *, options: Any) -> jax.Array:
+    from pallas_kernels import served
 
-    return served_linear_forward(layer, x, op="swiglu", **options)
+    return served.forward(layer, x, op="rmsnorm", norm_weight=scale, head_dim=scale.shape[-1], eps=eps,
+                          options=options)
+
+
+def _served_swiglu(layer: Any, x: jax.Array, *, options: Any) -> jax.Array:
+    from pallas_kernels import served
+
+    return served.forward(layer, x, op="swiglu", options=options)
 
 
 def served_hooks(linears: Mapping[str, Any] | None = None, projection_norm: Mapping[str, Any] | None = None,
-                 swiglu: Mapping[str, Any] | None = None, *, strategy: str | None = None, fused: bool | None = None,
-                 stacked: bool = False, impl: str | None = None, gemm_blocks: Any = None, norm_blocks: Any = None,
-                 swiglu_blocks: Any = None) -> FusedLinearHooks:
-    """Hooks running ``pallas_kernels.epilogues.ServedLinear`` layers (packed W4A4 on the GPU).
+                 swiglu: Mapping[str, Any] | None = None, *, options: Any = None,
+                 stacked: bool = False) -> FusedLinearHooks:
+    """Hooks running ``pallas_kernels.served.ServedLinear`` layers (packed W4A4 on the GPU).
 
     Args:
         linears: ``{linear path: ServedLinear}``: plain per-linear overrides (transform+quantize, W4A4 GEMM, low-rank).
         projection_norm: ``{projection path: ServedLinear}``: the projection + per-head RMSNorm (the model passes the
             norm weight and eps at the call).
         swiglu: ``{gate path: ServedLinear}``: the fused ``[W_gate; W_up]`` layer, prepared with
-            ``serve_qlinear(swiglu=True)``.
-        strategy: how every entry runs its GEMM (``served_linear_forward``): ``None`` = ``epilogues.DEFAULT_STRATEGY``
-            (``"dequant"``: decode + one cuBLAS GEMM with the low-rank pair joined along K, the norm / SwiGLU as XLA
-            ops after it; the faster strategy at every shape measured on the H200, see ``served_linear_forward``), or
-            ``"kernel"`` (the Pallas-Triton W4A4 kernels).
-        fused: ``strategy="kernel"`` only: the norm / SwiGLU in the GEMM epilogue (``None`` / ``True``) or as an XLA
-            op after the plain W4A4 GEMM (``False``).
+            ``served.serve(layer, swiglu=True)``.
+        options: one ``pallas_kernels.served.ServeOptions`` for every entry (``None``: the defaults, strategy
+            ``"dequant"``); it validates itself, so a bad combination raises here, not at the first call.
         stacked: the layers carry a leading layer axis (scanned blocks).
-        impl, gemm_blocks: see ``served_linear_forward``; ``norm_blocks`` / ``swiglu_blocks``: the epilogue kernels'
-            tiles (``EpilogueBlockSizes``) for the two fused ops. The tiles and ``fused=True`` are options of the
-            ``"kernel"`` strategy: with ``"dequant"`` they raise (here, not at the first call).
     """
-    from pallas_kernels.epilogues import DEFAULT_STRATEGY, check_strategy
+    from pallas_kernels import served
 
-    strategy = DEFAULT_STRATEGY if strategy is None else strategy
-    check_strategy(strategy, where="served_hooks", fused=fused, gemm_blocks=gemm_blocks, norm_blocks=norm_blocks,
-                   swiglu_blocks=swiglu_blocks)
-    common = {"impl": impl, "gemm_blocks": gemm_blocks, "strategy": strategy}
-    op_common = {**common, "fused": fused}
+    options = served.ServeOptions() if options is None else options
+    if not isinstance(options, served.ServeOptions):
+        raise TypeError(f"served_hooks: options must be a pallas_kernels.served.ServeOptions, got {options!r}")
     partial = jax.tree_util.Partial
-    return FusedLinearHooks(
-        {p: partial(functools.partial(_served, **common), layer) for p, layer in (linears or {}).items()},
-        projection_norm={p: partial(functools.partial(_served_norm, epilogue_blocks=norm_blocks, **op_common), layer)
-                         for p, layer in (projection_norm or {}).items()},
-        swiglu={p: partial(functools.partial(_served_swiglu, epilogue_blocks=swiglu_blocks, **op_common), layer)
-                for p, layer in (swiglu or {}).items()},
-        stacked=stacked)
+
+    def entries(fn, table):
+        return {p: partial(functools.partial(fn, options=options), layer) for p, layer in (table or {}).items()}
+
+    return FusedLinearHooks(entries(_served, linears), projection_norm=entries(_served_norm, projection_norm),
+                            swiglu=entries(_served_swiglu, swiglu), stacked=stacked)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Stacked (per-block) W4A4 layers for scanned models.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames="rank")
+def build_stacked_qlinears(kernels: tuple[jax.Array, ...], key: jax.Array, rank: int) -> Any:
+    """Stacked W4A4 layers (``kroquant_jax.qlinear.random_qlinear``: real layer math, stand-in calibration) from
+    stacked Linear kernels ``(layers, d, o_i)``: ``W = [k_1^T; k_2^T; ...]`` ``(sum o_i, d)`` per layer (one kernel:
+    the linear itself; ``(w1, w3)``: the fused gate/up layer). One layer at a time (``lax.map``), on the device."""
+    from kroquant_jax.qlinear import random_qlinear
+
+    keys = jax.random.split(key, kernels[0].shape[0])
+
+    def one(args):
+        ks, k = args
+        w = jnp.concatenate([kk.T.astype(jnp.float32) for kk in ks], axis=0)  # (o, d)
+        return random_qlinear(w, k, rank)
+
+    return jax.lax.map(one, (kernels, keys))
+
+
+@functools.partial(jax.jit, static_argnames="swiglu")
+def serve_stacked(layers: Any, swiglu: bool = False) -> Any:
+    """``pallas_kernels.served.serve`` of every layer of a stacked ``QuantizedLinear`` (leading layer axis) ->
+    a stacked ``ServedLinear``."""
+    from pallas_kernels import served
+
+    return jax.vmap(lambda layer: served.serve(layer, swiglu=swiglu))(layers)
+
+
+def layer_at(tree: Any, i: int) -> Any:
+    """Layer ``i`` of a stacked pytree (every leaf indexed along its leading axis)."""
+    return jax.tree_util.tree_map(lambda a: a[i], tree)

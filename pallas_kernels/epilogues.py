@@ -29,15 +29,8 @@ rows permuted the same way for SwiGLU), and NVFP4's per-tensor scales.
 References (:func:`gemm_rmsnorm_reference`, :func:`gemm_swiglu_reference`): the unfused path, the GEMM output rounded
 to the output dtype (as a separate kernel would store it), then the op in f32.
 
-**One served layer** (:class:`ServedLinear`, :func:`serve_qlinear`, :func:`served_linear_forward`): a calibrated
-``kroquant_jax.qlinear.QuantizedLinear`` prepared once for the GPU forward (paper eq. 11,
-``Q(x T) Q(W~ - L R)^T + (x T)(L R)^T + b``): the fused transform + quantize kernel, ``h = x (R T^T)^T`` with ``T``
-folded into ``R`` at preparation time (so the branch needs no ``x T``), and one W4A4 GEMM with the low-rank term (and,
-optionally, the per-head RMSNorm or the SwiGLU) in its epilogue (``strategy="kernel"``), or, the default
-(``strategy="dequant"``), both packed operands decoded to bf16 and one cuBLAS GEMM with the low-rank pair joined
-along K (:func:`~pallas_kernels.w4a4_gemm.w4a4_matmul_dequant`), then the op as XLA ops on its bf16 output: on the
-H200 that is 1.4-4.8x faster than the Triton W4A4 kernels at every measured shape (see :func:`served_linear_forward`).
-What the quantized DiT forward runs (``benchmarks/dit_forward_w4a4.py``).
+The served W4A4 layer that runs these kernels (``strategy="kernel"``) or the "dequantize + cuBLAS" GEMM (the
+default) lives in :mod:`pallas_kernels.served`.
 """
 
 from __future__ import annotations
@@ -50,20 +43,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kroquant_jax.formats import MXFP4, QuantFormat, QuantizedArray, dequantize
-from pallas_kernels import transform_quantize as tq
-from pallas_kernels._compat import on_gpu, pl, triton_compiler_params
-from pallas_kernels.w4a4_gemm import (BlockSizes, Compute, OperandSpec, _kind_of, _round_up, accumulate_tiles,
-                                      check_operands, even_odd_permutation, gemm_inputs, lowrank_reference,
-                                      lowrank_term, w4a4_matmul, w4a4_matmul_dequant)
+from kroquant_jax.formats import QuantizedArray, dequantize
+from pallas_kernels._compat import pl, triton_compiler_params
+from pallas_kernels.w4a4_gemm import (Compute, OperandSpec, _round_up, accumulate_tiles, check_operands, gemm_inputs,
+                                      lowrank_reference, lowrank_term)
 
 __all__ = [
-    "DEFAULT_STRATEGY",
     "EPILOGUE_TILE",
     "EpilogueBlockSizes",
-    "STRATEGIES",
-    "ServedLinear",
-    "check_strategy",
     "gemm",
     "gemm_reference",
     "gemm_rmsnorm",
@@ -73,9 +60,6 @@ __all__ = [
     "pack_swiglu_weight",
     "permute_rows",
     "rmsnorm_heads",
-    "serve_qlinear",
-    "served_linear_forward",
-    "served_linear_reference",
     "swiglu",
     "swiglu_permutation",
     "unpack_swiglu_weight",
@@ -410,249 +394,3 @@ def gemm_swiglu(a, w_perm, *, lowrank=None, bias=None, block_sizes: Optional[Epi
     """
     return _fused_call(a, w_perm, epilogue="swiglu", head_dim=0, norm_weight=None, eps=0.0, lowrank=lowrank, bias=bias,
                        block_sizes=block_sizes, compute=compute, out_dtype=out_dtype, out=out, interpret=interpret)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# One served W4A4 layer (eq. 11), optionally with its epilogue op fused.
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("transform", "weight", "right", "left", "bias"),
-                   meta_fields=("act_fmt", "swiglu_rows"))
-@dataclasses.dataclass(frozen=True)
-class ServedLinear:
-    """A ``QuantizedLinear`` prepared once for the GPU forward (a pytree; stack it for ``lax.scan``).
-
-    Attributes:
-      transform: the online ``T`` for the fused transform + quantize kernel (``pallas_kernels.transform_quantize``).
-      weight: ``Q(W~ - L R)`` ``(o, d)`` packed; rows in gate/up pairs (:func:`pack_swiglu_weight`) if ``swiglu_rows``.
-      right: ``R T^T`` ``(r, d)`` bf16 (``T`` folded in: ``(x T) R^T = x (R T^T)^T``), rows in
-        :func:`~pallas_kernels.w4a4_gemm.even_odd_permutation` order when ``left`` is packed; None without a branch.
-      left: ``L`` ``(o, r)``: packed MXFP4 (decoded in the GEMM epilogue) or bf16; rows permuted like ``weight``.
-      bias: ``(o,)`` f32 (permuted like ``weight``) or None.
-      act_fmt: the activations' format (static).
-      swiglu_rows: whether the rows are in gate/up pairs (static; only the SwiGLU epilogue takes such a layer).
-    """
-
-    transform: tq.PreparedTransform
-    weight: QuantizedArray
-    right: Optional[jax.Array]
-    left: Optional[object]
-    bias: Optional[jax.Array]
-    act_fmt: QuantFormat = MXFP4()
-    swiglu_rows: bool = False
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[-1]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[-2]
-
-
-def serve_qlinear(layer, *, swiglu: bool = False, kernel: Optional[str] = None) -> ServedLinear:
-    """Prepare a ``kroquant_jax.qlinear.QuantizedLinear`` ``(o, d)`` for :func:`served_linear_forward`.
-
-    Args:
-      layer: the calibrated layer (packed weight; low-rank factors packed, 16/32-bit or absent).
-      swiglu: the layer is a fused ``[W_gate; W_up]`` ``(2f, d)``: permute its rows (and ``L``'s, the bias's) once into
-        gate/up pairs for :func:`gemm_swiglu`.
-      kernel: ``"k1"`` to run a Kronecker transform with dense blocks instead of K2.
-    """
-    from pallas_kernels.qlinear_gpu import prepare_layer_transform
-
-    cfg = layer.config
-    if swiglu and cfg.out_features % 2:
-        raise ValueError(f"serve_qlinear(swiglu=True): out_features={cfg.out_features} must be even (gate; up)")
-    wfmt = getattr(layer.weight, "fmt", None)
-    if type(cfg.act_fmt) is not type(wfmt) or cfg.act_fmt.block_size != wfmt.block_size:
-        raise ValueError(f"serve_qlinear: activations {cfg.act_fmt!r} and weight {wfmt!r} of layer "
-                         f"({cfg.out_features}, {cfg.in_features}) must share one FP4 format (the W4A4 GEMM takes "
-                         f"both operands packed alike)")
-    transform = prepare_layer_transform(layer, kernel)
-    left = right = None
-    if layer.lowrank_left is not None:
-        left = layer.lowrank_left
-        packed = isinstance(left, QuantizedArray) and _kind_of(left) == "mxfp4" and left.shape[1] >= 32
-        if not packed:
-            left = (dequantize(left, jnp.float32) if isinstance(left, QuantizedArray) else jnp.asarray(left))
-            left = left.astype(jnp.bfloat16)
-        r_dense = _dense(layer.lowrank_right)  # (r, d) f32
-        blocks = jnp.asarray(layer.blocks, jnp.float32)  # (d/n, n, n): (x T)_b = x_b K_b
-        nb, n, _ = blocks.shape
-        rank = r_dense.shape[0]
-        # (x T) R^T = x (R T^T)^T with (R T^T)[r, b, i] = sum_j K_b[i, j] R[r, b, j]
-        right = jnp.einsum("bij,rbj->rbi", blocks, r_dense.reshape(rank, nb, n),
-                           precision=jax.lax.Precision.HIGHEST).reshape(rank, nb * n)
-        if packed:
-            right = right[even_odd_permutation(rank)]
-        right = right.astype(jnp.bfloat16)
-    weight, bias = layer.weight, (None if layer.bias is None else jnp.asarray(layer.bias, jnp.float32))
-    if swiglu:
-        perm = swiglu_permutation(cfg.out_features)
-        weight = permute_rows(weight, perm)
-        left = None if left is None else permute_rows(left, perm)
-        bias = None if bias is None else bias[perm]
-    return ServedLinear(transform=transform, weight=weight, right=right, left=left, bias=bias, act_fmt=cfg.act_fmt,
-                        swiglu_rows=swiglu)
-
-
-Op = Literal["none", "rmsnorm", "swiglu"]
-Strategy = Literal["dequant", "kernel"]
-
-#: How a served layer runs its GEMM (:func:`served_linear_forward`).
-STRATEGIES = ("dequant", "kernel")
-#: The default: "dequantize + cuBLAS", the faster strategy at every shape measured on the H200 (jax 0.11.2,
-#: 2026-11-30): the W4A4 layer 1.6-4.8x faster than on the Pallas-Triton kernels (0.43-0.84x bf16 against 0.12-0.30x
-#: at m = 4096; FLUX.1, PixArt-Sigma, SANA, Ideogram 4 w2, ``benchmarks/results/w4a4_models.json``), the GEMM alone
-#: 1.4-3.0x (CUPTI, Ideogram 4 q and w1|w3 at m = 4096 / 512, ``w4a4_device.json``: q at m = 4096 330 us vs 881 us,
-#: w1|w3 1474 us vs 4393 us, w1|w3 at m = 512 446 us vs 615 us).
-DEFAULT_STRATEGY: Strategy = "dequant"
-
-
-def check_strategy(strategy: str, *, where: str = "served_linear_forward", **kernel_options) -> None:
-    """Raise a ValueError if ``strategy`` is unknown, or if an option of the Pallas-Triton kernels (``kernel_options``
-    such as ``fused=True``, ``gemm_blocks=...``, ``epilogue_blocks=...``; None or False count as not given) comes
-    with ``strategy="dequant"``, which would ignore it."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"{where}: strategy={strategy!r} must be 'dequant' (the default: decode + one cuBLAS GEMM) "
-                         f"or 'kernel' (the Pallas-Triton W4A4 kernels)")
-    given = [name + ("=True" if value is True else "") for name, value in kernel_options.items()
-             if value is not None and value is not False]
-    if strategy == "dequant" and given:
-        raise ValueError(f"{where}: {', '.join(given)} apply to strategy='kernel' only (the Pallas-Triton kernels and "
-                         f"their fused epilogues); strategy='dequant' runs one cuBLAS GEMM and the op in XLA. Pass "
-                         f"strategy='kernel' to use them")
-
-
-def _served_inputs(layer: ServedLinear, x: jax.Array, impl: str):
-    """``x (..., d)`` -> ``(x2 (m, d) bf16, Q(x T), lowrank (h, L) or None)``."""
-    d = layer.in_features
-    if x.shape[-1] != d:
-        raise ValueError(f"served linear ({layer.out_features}, {d}): input of shape {x.shape} has {x.shape[-1]} "
-                         f"features")
-    x2 = x.reshape(-1, d)
-    if x2.dtype not in (jnp.bfloat16, jnp.float16):
-        x2 = x2.astype(jnp.bfloat16)
-    x_q = tq.transform_quantize(x2, layer.transform, layer.act_fmt, impl=impl, round_to_input=False)
-    lowrank = None
-    if layer.left is not None:
-        h = jnp.matmul(x2, layer.right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # (m, r)
-        lowrank = (h, layer.left)
-    return x2, x_q, lowrank
-
-
-def _check_op(layer: ServedLinear, op: str, norm_weight, head_dim: Optional[int]) -> None:
-    if op not in ("none", "rmsnorm", "swiglu"):
-        raise ValueError(f"op={op!r} must be 'none', 'rmsnorm' or 'swiglu'")
-    if (op == "swiglu") != layer.swiglu_rows:
-        raise ValueError(f"op={op!r} on a layer with swiglu_rows={layer.swiglu_rows}: only the SwiGLU op takes (and "
-                         f"needs) a layer prepared with serve_qlinear(swiglu=True)")
-    if op == "rmsnorm" and (norm_weight is None or head_dim is None or norm_weight.shape != (head_dim,)
-                            or layer.out_features % head_dim):
-        raise ValueError(f"rmsnorm: norm_weight {None if norm_weight is None else norm_weight.shape} must be "
-                         f"(head_dim,) = ({head_dim},), and head_dim must divide out_features={layer.out_features}")
-
-
-def _apply_op(y: jax.Array, op: str, norm_weight, head_dim: Optional[int], eps: float) -> jax.Array:
-    """The op on a GEMM output ``y (m, o)`` (f32 math, ``y.dtype`` out): per-head RMSNorm, or SwiGLU on gate/up
-    pairs (the rows of a ``swiglu_rows`` layer are in :func:`pack_swiglu_weight`'s order, so its columns are)."""
-    if op == "rmsnorm":
-        return rmsnorm_heads(y, norm_weight, head_dim=head_dim, eps=eps)
-    if op == "swiglu":
-        return _swiglu_pairs(y)
-    return y
-
-
-def served_linear_forward(layer: ServedLinear, x: jax.Array, *, op: Op = "none", norm_weight=None,
-                          head_dim: Optional[int] = None, eps: float = 1e-6, strategy: Strategy = DEFAULT_STRATEGY,
-                          fused: Optional[bool] = None, impl: Optional[str] = None,
-                          gemm_blocks: Optional[BlockSizes] = None,
-                          epilogue_blocks: Optional[EpilogueBlockSizes] = None, out_dtype=None) -> jax.Array:
-    """Eq. 11 on the packed operands, then ``op``: ``(..., d)`` -> ``(..., o)`` (``(..., o/2)`` for SwiGLU).
-
-    Both strategies start with the fused transform + quantize kernel (``Q(x T)``) and ``h = x (R T^T)^T``, and work
-    on the same :class:`ServedLinear` (packed weight, packed or bf16 ``L``, SwiGLU rows in gate/up pairs):
-
-    * ``strategy="dequant"`` (the default): "dequantize + cuBLAS",
-      :func:`~pallas_kernels.w4a4_gemm.w4a4_matmul_dequant`: ``Q(x T)`` and the weight decoded to bf16 by XLA
-      fusions (exact), one bf16 GEMM with the low-rank pair joined along K (``[A | h] [W | L]^T``, ``K = d + r``;
-      NVFP4: a second GEMM for ``h L^T``, the per-tensor scales apply to the main product only), bias in f32, the
-      output stored in bf16, then the op as XLA ops (f32 math). The default because it is the faster path at every
-      shape measured on the H200 (jax 0.11.2, 2026-11-30, ``benchmarks/results/w4a4_models.json``,
-      ``w4a4_device.json``): the W4A4 layer at 0.43-0.84x bf16 at m = 4096 against 0.12-0.30x on the Triton kernels
-      (1.6-4.8x faster; the GEMM alone 1.4-3.0x); the whole Ideogram 4 forward (17 of its 34 blocks, 4224 tokens,
-      ``benchmarks/results/dit_forward_w4a4_dequant.json``) at 0.87x bf16 against 0.34x. The fused epilogues it
-      gives up save one HBM round trip of the output, about 2% of a Triton W4A4 GEMM (and measured 1.4-3% *slower*
-      than that GEMM + the XLA op), far less than the decode in the Triton main loop costs.
-    * ``strategy="kernel"``: the Pallas-Triton W4A4 GEMM (:func:`~pallas_kernels.w4a4_gemm.w4a4_matmul`) with the
-      low-rank term (packed ``L`` decoded) in its epilogue, and with ``fused`` (default True) the RMSNorm or SwiGLU
-      in that epilogue too (:func:`gemm_rmsnorm` / :func:`gemm_swiglu`).
-
-    Both equal :func:`served_linear_reference` up to the order of the fp32 additions and the bf16 output rounding
-    (the unfused ones: plus the rounding of the GEMM output before the op).
-
-    Args:
-      layer: from :func:`serve_qlinear`.
-      x: activations, bf16 or fp16 (others are cast to bf16).
-      op: ``"none"``, ``"rmsnorm"`` (per head of ``head_dim`` outputs, weight ``norm_weight (head_dim,)``, ``eps``)
-        or ``"swiglu"`` (a layer prepared with ``swiglu=True``).
-      strategy: ``"dequant"`` or ``"kernel"`` (above). An unknown name, or kernel-only options with ``"dequant"``,
-        raise a ValueError (never silently ignored).
-      fused: ``strategy="kernel"`` only: the op in the GEMM's epilogue (``None`` / ``True``), or ``False``: the plain
-        W4A4 GEMM (``w4a4_matmul``, bf16 output) then the op in XLA (the unfused baseline). ``"dequant"`` accepts
-        ``None`` or ``False`` (its op always runs after the GEMM).
-      impl: ``None`` (kernels on a GPU, else the references), ``"pallas"``, ``"interpret"`` (the Pallas kernels in
-        interpret mode: the transform + quantize kernel, and for ``"kernel"`` the GEMMs; the ``"dequant"`` GEMM is
-        XLA on every backend) or ``"reference"`` (:func:`served_linear_reference`, either strategy).
-      gemm_blocks: tiles of ``w4a4_matmul`` (``op="none"`` or unfused); epilogue_blocks: of the fused kernels
-        (``strategy="kernel"`` only).
-      out_dtype: default ``x.dtype``.
-    """
-    check_strategy(strategy, fused=fused, gemm_blocks=gemm_blocks, epilogue_blocks=epilogue_blocks)
-    _check_op(layer, op, norm_weight, head_dim)
-    if impl is None:
-        impl = "pallas" if on_gpu(x) else "reference"
-    if impl not in ("pallas", "interpret", "reference"):
-        raise ValueError(f"impl={impl!r} must be None, 'pallas', 'interpret' or 'reference'")
-    if impl == "reference":
-        return served_linear_reference(layer, x, op=op, norm_weight=norm_weight, head_dim=head_dim, eps=eps,
-                                       out_dtype=out_dtype)
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    lead = x.shape[:-1]
-    _, x_q, lowrank = _served_inputs(layer, x, impl)
-    interpret = impl == "interpret"
-    if strategy == "dequant":
-        y = w4a4_matmul_dequant(x_q, layer.weight, lowrank=lowrank, bias=layer.bias)  # (m, o) bf16
-        y = _apply_op(y, op, norm_weight, head_dim, eps)
-    elif op == "none" or fused is False:
-        y = w4a4_matmul(x_q, layer.weight, lowrank=lowrank, bias=layer.bias, block_sizes=gemm_blocks,
-                        interpret=interpret)  # (m, o) bf16, as a separate kernel stores it
-        y = _apply_op(y, op, norm_weight, head_dim, eps)
-    elif op == "rmsnorm":
-        y = gemm_rmsnorm(x_q, layer.weight, norm_weight, head_dim=head_dim, eps=eps, lowrank=lowrank, bias=layer.bias,
-                         block_sizes=epilogue_blocks, interpret=interpret)
-    else:
-        y = gemm_swiglu(x_q, layer.weight, lowrank=lowrank, bias=layer.bias, block_sizes=epilogue_blocks,
-                        interpret=interpret)
-    return y.reshape(*lead, y.shape[-1]).astype(out_dtype)
-
-
-def _swiglu_pairs(c: jax.Array) -> jax.Array:
-    """``SiLU(c[:, 0::2]) * c[:, 1::2]`` in f32 (gate/up pairs adjacent), returned in ``c.dtype``."""
-    cf = c.astype(jnp.float32).reshape(c.shape[0], -1, 2)
-    return (jax.nn.silu(cf[..., 0]) * cf[..., 1]).astype(c.dtype)
-
-
-def served_linear_reference(layer: ServedLinear, x: jax.Array, *, op: Op = "none", norm_weight=None,
-                            head_dim: Optional[int] = None, eps: float = 1e-6, out_dtype=None) -> jax.Array:
-    """The jnp reference of :func:`served_linear_forward` (fused semantics: the op on the f32 GEMM output):
-    the transform + quantizer reference, the dequantized product in f32, ``h L^T``, bias, op."""
-    _check_op(layer, op, norm_weight, head_dim)
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    lead = x.shape[:-1]
-    _, x_q, lowrank = _served_inputs(layer, x, "reference")
-    y = gemm_reference(x_q, layer.weight, lowrank=lowrank, bias=layer.bias)  # (m, o) f32
-    y = _apply_op(y, op, norm_weight, head_dim, eps)
-    return y.reshape(*lead, y.shape[-1]).astype(out_dtype)

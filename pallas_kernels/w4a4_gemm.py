@@ -44,19 +44,19 @@ Bounds (tested in ``tests/test_w4a4_gemm.py``), with ``x_hat = fake_quant(x)`` i
 Low-rank branch (eq. 11, ``(A T)(L R)^T``): the caller computes ``h = (A T) R^T`` ``(m, r)`` (a small GEMM,
 :func:`lowrank_input`; or ``h = A (R T^T)^T`` with ``T`` folded into ``R`` at packing time, which needs no ``A T``)
 and the kernel adds ``h L^T`` in its epilogue (``lowrank=(h, L)``), one more K=r dot per output tile (fused), or
-:func:`w4a4_linear` does it beside the kernel with XLA (``lowrank_mode="beside"``). ``L (n, r)`` is bf16 or stays
-packed in MXFP4 as LoRaQ stores it (decoded in the epilogue like a W tile: its low nibbles hold the even ``r``, its
+the served layer does it beside the kernel with XLA (``pallas_kernels.served``, ``lowrank="beside"``). ``L (n, r)``
+is bf16 or stays packed in MXFP4 as LoRaQ stores it (decoded in the epilogue like a W tile: its low nibbles hold the even ``r``, its
 high nibbles the odd ``r``, so ``h`` comes with its columns in :func:`even_odd_permutation` order, ``R``'s rows
 permuted the same way).
 
 The activation tensors keep their natural layout; ragged ``m`` (not a multiple of ``block_m``) and ``n``/``k`` that
 are no multiple of the blocks are zero-padded by the wrapper (zero codes with scale byte 0 contribute exactly 0).
 
-Strategies (``w4a4_linear(..., strategy=)``): ``"kernel"``, this module's Pallas-Triton GEMM with the decode in its
-main loop; ``"dequant"``, :func:`w4a4_matmul_dequant`: both operands decoded to bf16 by memory-bound XLA fusions (the
-same per-tile math over whole rows, :func:`dequantize_bf16`), then one bf16 ``jnp.dot`` that XLA sends to cuBLAS, the
-low-rank pair joined along K (one GEMM); ``"mgpu"``, the Mosaic GPU kernel of ``pallas_kernels/w4a4_gemm_mgpu.py``
-(TMA + warp specialization + ``wgmma``, MXFP4). Same exactness contract.
+The served layer (``pallas_kernels.served``) runs this module's GEMMs as strategies: ``"kernel"``, the
+Pallas-Triton GEMM with the decode in its main loop; ``"dequant"``, :func:`w4a4_matmul_dequant`: both operands decoded
+to bf16 by memory-bound XLA fusions (the same per-tile math over whole rows, :func:`dequantize_bf16`), then one bf16
+``jnp.dot`` that XLA sends to cuBLAS, the low-rank pair joined along K (one GEMM); ``"mgpu"``, the Mosaic GPU kernel of
+``pallas_kernels/w4a4_gemm_mgpu.py`` (TMA + warp specialization + ``wgmma``, MXFP4). Same exactness contract.
 """
 
 from __future__ import annotations
@@ -86,8 +86,6 @@ __all__ = [
     "lowrank_input",
     "lowrank_reference",
     "scale_multiplier",
-    "w4a4_linear",
-    "w4a4_linear_reference",
     "w4a4_matmul",
     "w4a4_matmul_dequant",
     "w4a4_matmul_reference",
@@ -680,77 +678,3 @@ def w4a4_matmul_tiled_reference(a: QuantizedArray, w: QuantizedArray, *, block_k
     if kind == "nvfp4":
         acc = acc * (a.tensor_scale * w.tensor_scale)
     return acc
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# One quantized linear layer on packed operands (eq. 11), for kroquant_jax.qlinear.QuantizedLinear.
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def w4a4_linear(layer, x_t: jax.Array, x_q: QuantizedArray, *, lowrank_mode: Literal["fused", "beside"] = "fused",
-                block_sizes: Optional[BlockSizes] = None, compute: Compute = "bf16", out_dtype=jnp.bfloat16,
-                interpret: bool = False, strategy: Literal["kernel", "dequant", "mgpu"] = "kernel") -> jax.Array:
-    """Eq. 11 on packed operands: ``Q(x T) Q(W~ - L R)^T + (x T)(L R)^T + b``.
-
-    Args:
-      layer: a ``kroquant_jax.qlinear.QuantizedLinear`` (its ``weight`` packed, its low-rank factors packed or dense).
-      x_t: the transformed activations ``x T`` ``(m, d)`` (bf16), input of the 16-bit low-rank branch.
-      x_q: their packed quantization ``Q(x T)`` (from the fused transform+quantize kernel).
-      lowrank_mode: ``"fused"`` adds ``h L^T`` in the GEMM's epilogue (``strategy="dequant"``: joined to the GEMM
-        along K), ``"beside"`` with an XLA GEMM after it.
-      strategy: ``"kernel"`` (the Pallas-Triton W4A4 GEMM, :func:`w4a4_matmul`), ``"dequant"`` (decode both
-        operands to bf16 in XLA, one cuBLAS GEMM: :func:`w4a4_matmul_dequant`) or ``"mgpu"`` (the Mosaic GPU kernel,
-        ``pallas_kernels.w4a4_gemm_mgpu``, MXFP4 only, its jnp mirror off the GPU; the low-rank term always beside
-        it). ``block_sizes``, ``compute`` and ``interpret`` apply to ``"kernel"`` only. Same exactness contract.
-    """
-    lowrank = _layer_lowrank(layer, x_t)
-    bias = layer.bias
-    if lowrank_mode not in ("fused", "beside"):
-        raise ValueError(f"lowrank_mode={lowrank_mode!r} must be 'fused' or 'beside'")
-    if strategy == "dequant":
-        if lowrank_mode == "fused" or lowrank is None:
-            return w4a4_matmul_dequant(x_q, layer.weight, lowrank=lowrank, bias=bias, out_dtype=out_dtype)
-        y = w4a4_matmul_dequant(x_q, layer.weight, bias=bias, out_dtype=jnp.float32)
-        return (y + _lowrank_beside(*lowrank)).astype(out_dtype)
-    if strategy == "mgpu":
-        from pallas_kernels.w4a4_gemm_mgpu import w4a4_matmul_mgpu  # noqa: PLC0415 - it imports this module's peers
-
-        if lowrank is None:
-            return w4a4_matmul_mgpu(x_q, layer.weight, bias=bias, out_dtype=out_dtype)
-        y = w4a4_matmul_mgpu(x_q, layer.weight, bias=bias, out_dtype=jnp.float32)
-        return (y + _lowrank_beside(*lowrank)).astype(out_dtype)
-    if strategy != "kernel":
-        raise ValueError(f"strategy={strategy!r} must be 'kernel', 'dequant' or 'mgpu'")
-    if lowrank_mode == "fused" or lowrank is None:
-        return w4a4_matmul(x_q, layer.weight, lowrank=lowrank, bias=bias, block_sizes=block_sizes, compute=compute,
-                           out_dtype=out_dtype, interpret=interpret)
-    y = w4a4_matmul(x_q, layer.weight, bias=bias, block_sizes=block_sizes, compute=compute, out_dtype=jnp.float32,
-                    interpret=interpret)
-    return (y + _lowrank_beside(*lowrank)).astype(out_dtype)
-
-
-def _lowrank_beside(h: jax.Array, left) -> jax.Array:
-    """``h L^T`` in f32 by an XLA GEMM (a packed ``L`` decoded to a transient bf16 copy in ``h``'s even/odd order)."""
-    if isinstance(left, QuantizedArray):
-        left = dequantize_bf16(left, order="even_odd")
-    return jnp.matmul(h, left.T, preferred_element_type=jnp.float32)
-
-
-def w4a4_linear_reference(layer, x_t: jax.Array, x_q: QuantizedArray, out_dtype=jnp.float32) -> jax.Array:
-    """f32 reference of :func:`w4a4_linear` (the low-rank input ``h`` rounded to bf16 as the kernel path does)."""
-    return w4a4_matmul_reference(x_q, layer.weight, lowrank=_layer_lowrank(layer, x_t), bias=layer.bias,
-                                 out_dtype=out_dtype)
-
-
-def _layer_lowrank(layer, x_t: jax.Array) -> Optional[tuple]:
-    """``(h, L)`` of a layer's low-rank branch: ``L`` stays packed if it is (decoded in the kernel), else bf16."""
-    if layer.lowrank_left is None:
-        return None
-    left = layer.lowrank_left
-    packed = isinstance(left, QuantizedArray) and _kind_of(left) == "mxfp4" and left.shape[1] >= 32
-    if not packed:
-        left = (dequantize(left, jnp.float32) if isinstance(left, QuantizedArray) else jnp.asarray(left))
-        left = left.astype(jnp.bfloat16)
-    return lowrank_input(x_t, layer.lowrank_right, packed_left=packed), left
-
-

@@ -48,6 +48,7 @@ import numpy as np
 from flax import nnx
 
 from kroquant_jax.fileio import atomic_path, atomic_write_text
+from kroquant_jax.timing import CompileWatch
 from models import image_metrics, pixart, sampling, testbed, testbed_data
 from models.capture import CaptureConfig, capture_layer_set
 from models.layers import linears
@@ -173,26 +174,6 @@ def store_folder(out: Path, method: str, recipe, capture_key: str) -> Path:
     the whole recipe (every stage's settings), so layers calibrated with other settings are never resumed."""
     digest = hashlib.sha1(f"{capture_key}|{recipe!r}".encode()).hexdigest()[:12]
     return out / "qlayers" / f"{method.replace('+', '_').replace('@', '_r')}-{digest}"
-
-
-class CompileTimer:
-    """Seconds JAX spent tracing, lowering and compiling since :meth:`reset` (``jax.monitoring`` duration events of
-    ``/jax/core/compile/*``), to tell compilation from computation in the reported times. One listener per process."""
-
-    _listening = False
-    seconds = 0.0
-
-    @classmethod
-    def reset(cls) -> None:
-        if not cls._listening:
-            jax.monitoring.register_event_duration_secs_listener(cls._record)
-            cls._listening = True
-        cls.seconds = 0.0
-
-    @classmethod
-    def _record(cls, event: str, duration: float, **_) -> None:
-        if event.startswith("/jax/core/compile/"):
-            cls.seconds += duration
 
 
 def layer_type(name: str) -> str:
@@ -379,18 +360,18 @@ def main(argv=None) -> int:
               "train_captions": [str(c) for c in dataset.captions[train_indices]], "results": results}
     for method, recipe in recipes.items():
         began = time.perf_counter()
-        CompileTimer.reset()
+        compile_watch = CompileWatch()
         qlayers, reports = calibrate.quantize_layer_set(layer_set, recipe,
                                                         store=str(store_folder(out, method, recipe, capture_key)))
-        calibrate_s, calibrate_compile_s = time.perf_counter() - began, CompileTimer.seconds
+        calibrate_s, calibrate_compile_s = time.perf_counter() - began, compile_watch.seconds()
         ranks = "/".join(str(r) for r in sorted({qlayers[name].config.rank for name in names}))
         branch = {"loraq": f"LoRaQ r={ranks} (MXFP4)", "svd": f"SVD r={ranks} (16-bit)"}.get(recipe.lowrank, "none")
         overrides = quantize_model.qlinear_overrides(qlayers)
         quantize_model.check_overrides(model, overrides)
         began = time.perf_counter()
-        CompileTimer.reset()
+        compile_watch = CompileWatch()
         quantized = generate(sample, state, dataset, generated, args.seed + 1000, channels, size, overrides)
-        generate_s, generate_compile_s = time.perf_counter() - began, CompileTimer.seconds
+        generate_s, generate_compile_s = time.perf_counter() - began, compile_watch.seconds()
         layer_errors = {name: float(reports[name]["heldout_error"]) for name in names}
         by_type: dict[str, list[float]] = {}
         for name, error in layer_errors.items():

@@ -226,7 +226,7 @@ def _quantize_two_batches(recipe):
     and both runs' reports."""
     ls = _layer_set(shapes=((40, 64),) * 3)
     recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, max_layers_per_program=2))
-    from compile_events import recorded_compilations  # tests/compile_events.py (the subprocesses import this file)
+    from kroquant_jax.timing import recorded_compilations
 
     batches = []
     with recorded_compilations() as compiled:

@@ -7,9 +7,12 @@ layers' jnp references (``impl="reference"``) to stay fast. The H200 numbers com
 
 import dataclasses
 import functools
-import inspect
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,25 +22,26 @@ from flax import nnx
 
 from kroquant_jax import transforms
 from kroquant_jax.formats import MXFP4, NVFP4
-from kroquant_jax.qlinear import build_qlinear, qlinear_forward
+from kroquant_jax.qlinear import build_qlinear, lowrank_factors, qlinear_forward, random_kron_params, random_qlinear
 from models import convert
 from models import ideogram4 as ig
 from models.layers import LinearHooks
-from models.quantize_model import FusedLinearHooks, served_hooks, split_qlinear_overrides
+from models.quantize_model import (FusedLinearHooks, build_stacked_qlinears, layer_at, serve_stacked, served_hooks,
+                                   split_qlinear_overrides)
 from pallas_kernels import epilogues as E
+from pallas_kernels import served as S
 from pallas_kernels import w4a4_gemm as G
-
-from benchmark_modules import load_benchmark  # tests/benchmark_modules.py
 
 GEMM_BS = G.BlockSizes(16, 32, 32, 4, 2)
 NORM_BS = E.EpilogueBlockSizes(block_m=16, block_n=64, block_k=32, tile=16, num_warps=4, num_stages=2)  # 2 tiles/head
 SWIGLU_BS = E.EpilogueBlockSizes(block_m=16, block_n=64, block_k=32, num_warps=4, num_stages=2)
-KERNELS = dict(impl="interpret", gemm_blocks=GEMM_BS, strategy="kernel")  # the Pallas-Triton kernels, interpreted
-DEQUANT = dict(impl="interpret")  # the default strategy: transform + quantize kernel interpreted, then XLA (any backend)
-
-
-def _bench():
-    return load_benchmark("dit_forward_w4a4")
+# the Pallas-Triton kernels, interpreted
+KERNELS = S.ServeOptions(strategy="kernel", impl="interpret", gemm_blocks=GEMM_BS, norm_blocks=NORM_BS,
+                         swiglu_blocks=SWIGLU_BS)
+UNFUSED = dataclasses.replace(KERNELS, fused=False)
+# the default strategy: transform + quantize kernel interpreted, then XLA (any backend)
+DEQUANT = S.ServeOptions(impl="interpret")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _rel(y, ref) -> float:
@@ -50,14 +54,13 @@ def _layer(seed: int, o: int, d: int, rank: int | None = 32, lowrank_quantized: 
            fmt=MXFP4()):
     """A real W4A4 layer: random KroQuant transform near the Hadamard init, LoRaQ-style factors of ``W T^{-T}``
     (weight and activations in ``fmt``; ``L``, ``R`` stored in MXFP4 when ``lowrank_quantized``)."""
-    bench = _bench()
     kw, kt, kl = jax.random.split(jax.random.PRNGKey(seed), 3)
     w = jax.random.normal(kw, (o, d), jnp.float32) / np.sqrt(d)
-    params = bench.random_kron_params(kt, d)
+    params = random_kron_params(kt, d)
     lowrank = None
     if rank:
         w_tilde = transforms.apply_to_weights(w, transforms.get("kron_lu").inverse_blocks(params))
-        lowrank = bench.lowrank_factors(w_tilde, kl, rank)
+        lowrank = lowrank_factors(w_tilde, kl, rank)
     b = 0.3 * jax.random.normal(jax.random.fold_in(kw, 1), (o,)) if bias else None
     return build_qlinear(w, b, transform="kron_lu", transform_params=params, lowrank=lowrank,
                          lowrank_quantized=lowrank_quantized, weight_fmt=fmt, act_fmt=fmt)
@@ -69,32 +72,25 @@ def _x(seed: int, m: int, d: int) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The benchmark's device-side layer builder is build_qlinear's math.
+# The stacked device-side layer builders (models.quantize_model).
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_benchmark_builder_is_build_qlinear():
-    bench = _bench()
-    kw, kt, kl = jax.random.split(jax.random.PRNGKey(0), 3)
-    w = jax.random.normal(kw, (48, 64), jnp.float32) * 0.2
-    params = bench.random_kron_params(kt, 64)
-    w_tilde = transforms.apply_to_weights(w, transforms.get("kron_lu").inverse_blocks(params))
-    left, right = bench.lowrank_factors(w_tilde, kl, 32)
-    np.testing.assert_allclose(np.asarray(left.T @ left), np.eye(32), atol=1e-5)  # L = Q orthonormal, R = Q^T W~
-    mine = jax.jit(bench.qlinear_from_factors)(w, params, left, right)
-    ref = build_qlinear(w, transform="kron_lu", transform_params=params, lowrank=(left, right))
-    assert mine.config == ref.config
-    for a, b in ((mine.weight, ref.weight), (mine.lowrank_left, ref.lowrank_left),
-                 (mine.lowrank_right, ref.lowrank_right)):
-        np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
-        np.testing.assert_array_equal(np.asarray(a.scales), np.asarray(b.scales))
-    np.testing.assert_array_equal(np.asarray(mine.blocks), np.asarray(ref.blocks))
+def test_stacked_builders_slice_to_the_single_layer_builders():
+    w = jax.random.normal(jax.random.PRNGKey(0), (48, 64), jnp.float32) * 0.2
     # Stacked on a layer axis (lax.map), from (layers, d, o) Linear kernels: the same layer per slice.
     kernels = jnp.stack([w.T, 2.0 * w.T]).astype(jnp.bfloat16)  # (2, 64, 48)
-    stacked = bench.build_stacked((kernels,), jax.random.PRNGKey(3), rank=32)
+    stacked = build_stacked_qlinears((kernels,), jax.random.PRNGKey(3), rank=32)
     assert stacked.weight.codes.shape == (2, 48, 32)
-    one = bench._one_layer(kernels[1].T.astype(jnp.float32), jax.random.split(jax.random.PRNGKey(3), 2)[1], 32)
-    np.testing.assert_array_equal(np.asarray(stacked.weight.codes[1]), np.asarray(one.weight.codes))
+    one = random_qlinear(kernels[1].T.astype(jnp.float32), jax.random.split(jax.random.PRNGKey(3), 2)[1], 32)
+    np.testing.assert_array_equal(np.asarray(layer_at(stacked, 1).weight.codes), np.asarray(one.weight.codes))
+    # Two kernels: the fused [k_1^T; k_2^T] layer.
+    fused = build_stacked_qlinears((kernels, kernels[:, :, :16]), jax.random.PRNGKey(3), rank=32)
+    assert fused.weight.codes.shape == (2, 64, 32) and fused.config.out_features == 64
+    # serve_stacked == serve per layer.
+    s_stacked, s_one = serve_stacked(stacked, swiglu=False), S.serve(layer_at(stacked, 1))
+    for a, b in zip(jax.tree_util.tree_leaves(layer_at(s_stacked, 1)), jax.tree_util.tree_leaves(s_one)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -105,15 +101,15 @@ def test_benchmark_builder_is_build_qlinear():
 @pytest.mark.parametrize("lowrank", ["mxfp4", "bf16", "none"])
 def test_served_linear_matches_qlinear(lowrank):
     layer = _layer(1, 64, 96, rank=None if lowrank == "none" else 32, lowrank_quantized=lowrank == "mxfp4")
-    served = E.serve_qlinear(layer)
+    served = S.serve(layer)
     assert (served.left is None) == (lowrank == "none")
     x = _x(2, 20, 96)
     ref = qlinear_forward(layer, x.astype(jnp.float32), "packed")  # f32 (20, 64)
-    y = E.served_linear_forward(served, x, out_dtype=jnp.float32, **KERNELS)
+    y = S.forward(served, x, out_dtype=jnp.float32, options=KERNELS)
     assert _rel(y, ref) < 4e-3  # bf16 output (2^-9) + bf16 low-rank input h
-    jnp_ref = E.served_linear_reference(served, x, out_dtype=jnp.float32)
+    jnp_ref = S.reference(served, x, out_dtype=jnp.float32)
     assert _rel(y, jnp_ref) < 3e-3
-    assert E.served_linear_forward(served, x.reshape(4, 5, 96)).shape == (4, 5, 64)
+    assert S.forward(served, x.reshape(4, 5, 96)).shape == (4, 5, 64)
 
 
 def test_served_linear_fused_ops_match_unfused():
@@ -122,27 +118,26 @@ def test_served_linear_fused_ops_match_unfused():
     norm_w = 1.0 + 0.2 * jax.random.normal(jax.random.PRNGKey(5), (32,))
     norm = dict(op="rmsnorm", norm_weight=norm_w, head_dim=32, eps=1e-5, out_dtype=jnp.float32)
     ref = E.rmsnorm_heads(qlinear_forward(layer, x.astype(jnp.float32), "packed"), norm_w, head_dim=32, eps=1e-5)
-    served = E.serve_qlinear(layer)
-    fused = E.served_linear_forward(served, x, epilogue_blocks=NORM_BS, **norm, **KERNELS)
-    unfused = E.served_linear_forward(served, x, fused=False, **norm, **KERNELS)
+    served = S.serve(layer)
+    fused = S.forward(served, x, options=KERNELS, **norm)
+    unfused = S.forward(served, x, options=UNFUSED, **norm)
     assert _rel(fused, ref) < 4e-3 and _rel(unfused, ref) < 6e-3 and _rel(fused, unfused) < 6e-3
 
     layer13 = _layer(6, 128, 64)  # [W_gate; W_up] (2 x 64, 64), one transform and one low-rank branch
     ref = E.swiglu(qlinear_forward(layer13, x.astype(jnp.float32), "packed"))  # (20, 64)
-    served13 = E.serve_qlinear(layer13, swiglu=True)
-    fused = E.served_linear_forward(served13, x, op="swiglu", epilogue_blocks=SWIGLU_BS, out_dtype=jnp.float32,
-                                    **KERNELS)
-    unfused = E.served_linear_forward(served13, x, op="swiglu", fused=False, out_dtype=jnp.float32, **KERNELS)
+    served13 = S.serve(layer13, swiglu=True)
+    fused = S.forward(served13, x, op="swiglu", out_dtype=jnp.float32, options=KERNELS)
+    unfused = S.forward(served13, x, op="swiglu", out_dtype=jnp.float32, options=UNFUSED)
     assert fused.shape == (20, 64)
     assert _rel(fused, ref) < 4e-3 and _rel(unfused, ref) < 6e-3
     with pytest.raises(ValueError, match="swiglu_rows"):
-        E.served_linear_forward(served, x, op="swiglu")
+        S.forward(served, x, op="swiglu")
     with pytest.raises(ValueError, match="swiglu_rows"):
-        E.served_linear_forward(served13, x)
+        S.forward(served13, x)
     with pytest.raises(ValueError, match="norm_weight"):
-        E.served_linear_forward(served, x, op="rmsnorm", norm_weight=norm_w, head_dim=48)
+        S.forward(served, x, op="rmsnorm", norm_weight=norm_w, head_dim=48)
     with pytest.raises(ValueError, match="has 32 features"):
-        E.served_linear_forward(served, x[:, :32])
+        S.forward(served, x[:, :32])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -155,24 +150,24 @@ def test_served_dequant_strategy_matches_reference(case):
     fmt = NVFP4() if case == "nvfp4" else MXFP4()
     quantized_lr = case != "mxfp4_bf16_lowrank"  # NVFP4: L packed in MXFP4 (build_qlinear's lowrank_fmt)
     x = _x(21, 20, 64)
-    served = E.serve_qlinear(_layer(22, 64, 64, bias=True, fmt=fmt, lowrank_quantized=quantized_lr))
+    served = S.serve(_layer(22, 64, 64, bias=True, fmt=fmt, lowrank_quantized=quantized_lr))
     assert served.bias is not None and served.weight.fmt == fmt
     assert (type(served.left).__name__ == "QuantizedArray") == quantized_lr  # packed L decoded in even/odd order
-    y = E.served_linear_forward(served, x, **DEQUANT)  # the default strategy
+    y = S.forward(served, x, options=DEQUANT)  # the default strategy
     assert y.dtype == jnp.bfloat16 and y.shape == (20, 64)
-    assert _rel(y, E.served_linear_reference(served, x, out_dtype=jnp.float32)) < 3e-3
+    assert _rel(y, S.reference(served, x, out_dtype=jnp.float32)) < 3e-3
 
     norm_w = 1.0 + 0.2 * jax.random.normal(jax.random.PRNGKey(23), (32,))
     norm = dict(op="rmsnorm", norm_weight=norm_w, head_dim=32, eps=1e-5)
-    y = E.served_linear_forward(served, x, **norm, **DEQUANT)
-    assert _rel(y, E.served_linear_reference(served, x, out_dtype=jnp.float32, **norm)) < 6e-3  # + GEMM rounding
+    y = S.forward(served, x, options=DEQUANT, **norm)
+    assert _rel(y, S.reference(served, x, out_dtype=jnp.float32, **norm)) < 6e-3  # + GEMM rounding
 
     layer13 = _layer(24, 128, 64, bias=True, fmt=fmt, lowrank_quantized=quantized_lr)  # [W_gate; W_up]
-    served13 = E.serve_qlinear(layer13, swiglu=True)  # rows, L and bias in gate/up pairs
-    y = E.served_linear_forward(served13, x.reshape(4, 5, 64), op="swiglu", **DEQUANT)
+    served13 = S.serve(layer13, swiglu=True)  # rows, L and bias in gate/up pairs
+    y = S.forward(served13, x.reshape(4, 5, 64), op="swiglu", options=DEQUANT)
     assert y.shape == (4, 5, 64)
     y = y.reshape(20, 64)
-    assert _rel(y, E.served_linear_reference(served13, x, op="swiglu", out_dtype=jnp.float32)) < 6e-3
+    assert _rel(y, S.reference(served13, x, op="swiglu", out_dtype=jnp.float32)) < 6e-3
     # against the library's layer on the unpermuted weight: the gate/up pairing is honoured
     assert _rel(y, E.swiglu(qlinear_forward(layer13, x.astype(jnp.float32), "packed"))) < 8e-3
 
@@ -184,36 +179,40 @@ def test_served_layers_on_gpu(strategy, fmt_name):
     """On the H200: both strategies of a served layer (none / rmsnorm over heads of 256 / swiglu, bias, packed L)
     against the served jnp reference, at a ragged m and the 256-wide heads the kernels' epilogues are built for."""
     fmt = NVFP4() if fmt_name == "nvfp4" else MXFP4()
+    options = S.ServeOptions(strategy=strategy)
+    assert S.resolve_impl(options.impl, jnp.zeros(())) == "pallas"  # the compiled kernels on the GPU
     x = _x(31, 300, 512)
-    served = E.serve_qlinear(_layer(32, 512, 512, bias=True, fmt=fmt))
-    y = E.served_linear_forward(served, x, strategy=strategy)
+    served = S.serve(_layer(32, 512, 512, bias=True, fmt=fmt))
+    y = S.forward(served, x, options=options)
     assert y.dtype == jnp.bfloat16 and y.shape == (300, 512)
-    assert _rel(y, E.served_linear_reference(served, x, out_dtype=jnp.float32)) < 3e-3
+    assert _rel(y, S.reference(served, x, out_dtype=jnp.float32)) < 3e-3
     norm_w = 1.0 + 0.2 * jax.random.normal(jax.random.PRNGKey(33), (256,))
     norm = dict(op="rmsnorm", norm_weight=norm_w, head_dim=256, eps=1e-6)
-    y = E.served_linear_forward(served, x, strategy=strategy, **norm)
-    assert _rel(y, E.served_linear_reference(served, x, out_dtype=jnp.float32, **norm)) < 6e-3
-    served13 = E.serve_qlinear(_layer(34, 1024, 512, bias=True, fmt=fmt), swiglu=True)
-    y = E.served_linear_forward(served13, x, op="swiglu", strategy=strategy)
+    y = S.forward(served, x, options=options, **norm)
+    assert _rel(y, S.reference(served, x, out_dtype=jnp.float32, **norm)) < 6e-3
+    served13 = S.serve(_layer(34, 1024, 512, bias=True, fmt=fmt), swiglu=True)
+    y = S.forward(served13, x, op="swiglu", options=options)
     assert y.shape == (300, 512)
-    assert _rel(y, E.served_linear_reference(served13, x, op="swiglu", out_dtype=jnp.float32)) < 6e-3
+    assert _rel(y, S.reference(served13, x, op="swiglu", out_dtype=jnp.float32)) < 6e-3
 
 
 def test_served_strategy_default_structure_and_errors(monkeypatch):
-    assert E.DEFAULT_STRATEGY == "dequant" and E.STRATEGIES == ("dequant", "kernel")
-    assert inspect.signature(E.served_linear_forward).parameters["strategy"].default == "dequant"
+    assert S.DEFAULT_STRATEGY == "dequant" and S.ServeOptions().strategy == "dequant"
+    assert S.strategy_names()[:3] == ("dequant", "kernel", "mgpu")
     m, d, o, r = 20, 64, 64, 32
-    served, x = E.serve_qlinear(_layer(4, o, d)), _x(3, m, d)
+    served, x = S.serve(_layer(4, o, d)), _x(3, m, d)
     norm_w = jnp.ones((32,))
 
     def jaxpr(**options):
-        return str(jax.make_jaxpr(lambda s, a: E.served_linear_forward(s, a, impl="interpret", **options))(served, x))
+        opts = S.ServeOptions(impl="interpret", **options)
+        return str(jax.make_jaxpr(lambda s, a: S.forward(s, a, options=opts, op="rmsnorm", norm_weight=norm_w,
+                                                         head_dim=32))(served, x))
 
     # dequant: one transform + quantize kernel, the joined GEMM [Q(xT) | h] [W | L]^T over K = d + r, no W4A4 kernel
-    text = jaxpr(op="rmsnorm", norm_weight=norm_w, head_dim=32)
+    text = jaxpr()
     assert text.count("pallas_call") == 1 and "name=w4a4_matmul_dequant" in text
     assert f"bf16[{m},{d + r}]" in text and f"bf16[{o},{d + r}]" in text and "gemm_rmsnorm" not in text
-    text = jaxpr(op="rmsnorm", norm_weight=norm_w, head_dim=32, strategy="kernel", epilogue_blocks=NORM_BS)
+    text = jaxpr(strategy="kernel", norm_blocks=NORM_BS)
     assert text.count("pallas_call") == 2 and "name=gemm_rmsnorm_mxfp4" in text and "w4a4_matmul_dequant" not in text
 
     # served_hooks: the default reaches every entry; an explicit choice is kept
@@ -223,34 +222,21 @@ def test_served_strategy_default_structure_and_errors(monkeypatch):
         return lambda *a, **k: calls.append(name) or fn(*a, **k)
 
     for name in ("w4a4_matmul_dequant", "w4a4_matmul", "gemm_rmsnorm", "gemm_swiglu"):
-        monkeypatch.setattr(E, name, spy(name, getattr(E, name)))
-    served13 = E.serve_qlinear(_layer(6, 128, d), swiglu=True)
-    for strategy, options, expected in ((None, {}, ["w4a4_matmul_dequant"] * 3),
-                                        ("kernel", {"norm_blocks": NORM_BS, "swiglu_blocks": SWIGLU_BS},
-                                         ["w4a4_matmul", "gemm_rmsnorm", "gemm_swiglu"]),
-                                        ("kernel", {"fused": False}, ["w4a4_matmul"] * 3)):
+        monkeypatch.setattr(S, name, spy(name, getattr(S, name)))
+    served13 = S.serve(_layer(6, 128, d), swiglu=True)
+    for options, expected in ((S.ServeOptions(impl="interpret"), ["w4a4_matmul_dequant"] * 3),
+                              (KERNELS, ["w4a4_matmul", "gemm_rmsnorm", "gemm_swiglu"]),
+                              (UNFUSED, ["w4a4_matmul"] * 3)):
         calls.clear()
-        hooks = served_hooks({"a": served}, {"b": served}, {"c": served13}, strategy=strategy, impl="interpret",
-                             **options)
+        hooks = served_hooks({"a": served}, {"b": served}, {"c": served13}, options=options)
         jax.eval_shape(hooks.overrides["a"], x)
         jax.eval_shape(lambda a: hooks.projection_norm["b"](a, norm_w, 1e-5), x)  # eps static, as the model calls
         jax.eval_shape(hooks.swiglu["c"], x)
-        assert calls == expected, (strategy, options)
-
-    # bad names and kernel-only options with the dequant strategy raise, naming them
-    with pytest.raises(ValueError, match="strategy='cublas' must be 'dequant'"):
-        E.served_linear_forward(served, x, strategy="cublas")
-    with pytest.raises(ValueError, match="served_hooks: strategy='triton'"):
-        served_hooks({"a": served}, strategy="triton")
-    for options, message in (({"epilogue_blocks": NORM_BS}, "epilogue_blocks apply to strategy='kernel' only"),
-                             ({"fused": True}, "fused=True apply to strategy='kernel' only"),
-                             ({"gemm_blocks": GEMM_BS}, "gemm_blocks apply")):
-        with pytest.raises(ValueError, match=message):
-            E.served_linear_forward(served, x, **options)
-    with pytest.raises(ValueError, match="served_hooks: norm_blocks, swiglu_blocks apply to strategy='kernel'"):
-        served_hooks(projection_norm={"b": served}, norm_blocks=NORM_BS, swiglu_blocks=SWIGLU_BS)
+        assert calls == expected, options
+    with pytest.raises(TypeError, match="served_hooks: options must be a pallas_kernels.served.ServeOptions"):
+        served_hooks({"a": served}, options={"strategy": "kernel"})
     with pytest.raises(ValueError, match="must share one FP4 format"):
-        E.serve_qlinear(dataclasses.replace(_layer(4, o, d), config=dataclasses.replace(
+        S.serve(dataclasses.replace(_layer(4, o, d), config=dataclasses.replace(
             _layer(4, o, d).config, act_fmt=NVFP4())))
 
 
@@ -266,9 +252,8 @@ def _tiny_model(dtype=jnp.bfloat16):
 
 def _qlayer(linears, seed, rank=32):
     """``build_qlinear`` of one or several (output-stacked) Linears of the model, random KroQuant transform."""
-    bench = _bench()
     kernels = tuple(lin.kernel[...][None] for lin in linears)  # (1, d, o_i)
-    return jax.tree_util.tree_map(lambda a: a[0], bench.build_stacked(kernels, jax.random.PRNGKey(seed), rank))
+    return layer_at(build_stacked_qlinears(kernels, jax.random.PRNGKey(seed), rank), 0)
 
 
 def test_fused_hooks_match_unfused_in_attention_and_mlp():
@@ -282,14 +267,14 @@ def test_fused_hooks_match_unfused_in_attention_and_mlp():
     # Non-trivial norm weights, so a fused norm that ignored the model's weight would show.
     attn.norm_q.scale[...] = (1.0 + 0.3 * jax.random.normal(jax.random.PRNGKey(8), (32,))).astype(jnp.bfloat16)
     attn.norm_k.scale[...] = (1.0 - 0.3 * jax.random.normal(jax.random.PRNGKey(9), (32,))).astype(jnp.bfloat16)
-    sq, sk = E.serve_qlinear(_qlayer([attn.to_q], 10)), E.serve_qlinear(_qlayer([attn.to_k], 11))
+    sq, sk = S.serve(_qlayer([attn.to_q], 10)), S.serve(_qlayer([attn.to_k], 11))
     q_path, k_path = attn.to_q.path, attn.to_k.path
-    fused = served_hooks(projection_norm={q_path: sq, k_path: sk}, norm_blocks=NORM_BS, **KERNELS)
-    gemm_then_op = served_hooks(projection_norm={q_path: sq, k_path: sk}, fused=False, **KERNELS)
-    per_linear = served_hooks({q_path: sq, k_path: sk}, **KERNELS)  # the model's own norm_q / norm_k after the GEMM
+    fused = served_hooks(projection_norm={q_path: sq, k_path: sk}, options=KERNELS)
+    gemm_then_op = served_hooks(projection_norm={q_path: sq, k_path: sk}, options=UNFUSED)
+    per_linear = served_hooks({q_path: sq, k_path: sk}, options=KERNELS)  # the model's own norm_q / norm_k after it
     out = {name: attn(x, None, cos, sin, hooks) for name, hooks in
            (("fused", fused), ("gemm_then_op", gemm_then_op), ("per_linear", per_linear), ("bf16", None))}
-    out["dequant"] = attn(x, None, cos, sin, served_hooks(projection_norm={q_path: sq, k_path: sk}, **DEQUANT))
+    out["dequant"] = attn(x, None, cos, sin, served_hooks(projection_norm={q_path: sq, k_path: sk}, options=DEQUANT))
     assert _rel(out["fused"], out["per_linear"]) < 1e-2  # bf16 tolerance (one more rounding before the norm)
     assert _rel(out["gemm_then_op"], out["per_linear"]) < 1e-2
     assert _rel(out["dequant"], out["per_linear"]) < 1e-2  # the default strategy, the model's norm weights
@@ -297,12 +282,12 @@ def test_fused_hooks_match_unfused_in_attention_and_mlp():
 
     layer13 = _qlayer([mlp.w1, mlp.w3], 12)
     w1, w3 = mlp.w1.path, mlp.w3.path
-    fused = served_hooks(swiglu={w1: E.serve_qlinear(layer13, swiglu=True)}, swiglu_blocks=SWIGLU_BS, **KERNELS)
-    plain13 = E.serve_qlinear(layer13)
-    forward = functools.partial(E.served_linear_forward, **KERNELS)
+    fused = served_hooks(swiglu={w1: S.serve(layer13, swiglu=True)}, options=KERNELS)
+    plain13 = S.serve(layer13)
+    forward = functools.partial(S.forward, options=KERNELS)
     per_linear = LinearHooks(split_qlinear_overrides(plain13, [w1, w3], forward=forward))  # model: silu(w1) * w3
     y_fused, y_split, y_bf16 = mlp(x, fused), mlp(x, per_linear), mlp(x, None)
-    y_dequant = mlp(x, served_hooks(swiglu={w1: E.serve_qlinear(layer13, swiglu=True)}, **DEQUANT))
+    y_dequant = mlp(x, served_hooks(swiglu={w1: S.serve(layer13, swiglu=True)}, options=DEQUANT))
     assert _rel(y_fused, y_split) < 1e-2
     assert _rel(y_dequant, y_split) < 1e-2
     assert _rel(y_fused, y_bf16) > 2e-2
@@ -315,14 +300,13 @@ def _served_tables(model, cfg, stacked: bool):
     else:
         blocks, prefixes = list(model.layers), [f"layers.{i}" for i in range(cfg.num_layers)]
     plain, norm, swiglu = {}, {}, {}
-    bench = _bench()
     for block, prefix in zip(blocks, prefixes):
         a, f = block.attention, block.feed_forward
 
         def build(linears, seed):
             kernels = tuple(lin.kernel[...] if stacked else lin.kernel[...][None] for lin in linears)
-            layers = bench.build_stacked(kernels, jax.random.PRNGKey(seed), 32)
-            return layers if stacked else jax.tree_util.tree_map(lambda t: t[0], layers)
+            layers = build_stacked_qlinears(kernels, jax.random.PRNGKey(seed), 32)
+            return layers if stacked else layer_at(layers, 0)
 
         # The same random transforms per layer in both layouts: build the stacked layers, slice them for the list.
         for seed, (name, lin) in enumerate((("attention.to_v", a.to_v), ("attention.to_out.0", a.to_out[0]),
@@ -349,17 +333,16 @@ def test_stacked_hooks_in_scan_layout_equal_list_layout():
                               for name, layer in table.items() for i in range(cfg.num_layers)}
 
     def serve(table, swiglu_rows=False):
-        return {p: E.serve_qlinear(layer, swiglu=swiglu_rows) for p, layer in table.items()}
+        return {p: S.serve(layer, swiglu=swiglu_rows) for p, layer in table.items()}
 
-    def serve_stacked(table, swiglu_rows=False):
-        return {p: jax.vmap(lambda layer: E.serve_qlinear(layer, swiglu=swiglu_rows))(layer)
-                for p, layer in table.items()}
+    def serve_table(table, swiglu_rows=False):
+        return {p: serve_stacked(layer, swiglu=swiglu_rows) for p, layer in table.items()}
 
-    opts = dict(impl="reference")
+    opts = S.ServeOptions(impl="reference")
     list_hooks = served_hooks(serve(unstack[id(plain)]), serve(unstack[id(norm)]),
-                              serve(unstack[id(swiglu)], True), **opts)
-    scan_hooks = served_hooks(serve_stacked(plain), serve_stacked(norm), serve_stacked(swiglu, True), stacked=True,
-                              **opts)
+                              serve(unstack[id(swiglu)], True), options=opts)
+    scan_hooks = served_hooks(serve_table(plain), serve_table(norm), serve_table(swiglu, True), stacked=True,
+                              options=opts)
     position_ids, segment_ids, indicator = (jnp.asarray(a) for a in _layout())
     latents = jax.random.normal(jax.random.PRNGKey(4), (*indicator.shape, cfg.in_channels), jnp.float32)
     args = (latents, jnp.array([0.5], jnp.float32), None, position_ids, segment_ids, indicator)
@@ -376,17 +359,16 @@ def test_stacked_hooks_in_scan_layout_equal_list_layout():
     # runs every served layer (q, k, v, out, w1|w3, w2) as the transform + quantize kernel and one dequant GEMM with
     # K = d + rank; "kernel" as that kernel and a Pallas-Triton W4A4 GEMM (the norm / SwiGLU fused).
     graphdef, state = nnx.split(scan_model)
-    tables = (serve_stacked(plain), serve_stacked(norm), serve_stacked(swiglu, True))
+    tables = (serve_table(plain), serve_table(norm), serve_table(swiglu, True))
     m, d, f = indicator.shape[1], cfg.hidden_size, cfg.intermediate_size
-    for options in ({}, {"strategy": "kernel", "gemm_blocks": GEMM_BS, "norm_blocks": NORM_BS,
-                         "swiglu_blocks": SWIGLU_BS}):
-        entries = served_hooks(*tables, stacked=True, impl="interpret", **options).entries()
+    for options in (DEQUANT, KERNELS):
+        entries = served_hooks(*tables, stacked=True, options=options).entries()
         text = str(jax.make_jaxpr(lambda st, e: nnx.merge(graphdef, st)(
             *args, hooks=FusedLinearHooks.from_entries(e, True)))(state, entries))
         # call sites of the jitted GEMM wrappers (identical sub-jaxprs are printed once, their call sites each time)
         calls = [len(re.findall(rf"name={name}\b", text)) for name in
                  ("w4a4_matmul_dequant", "w4a4_matmul", "gemm_rmsnorm", "gemm_swiglu")]
-        if options:
+        if options.strategy == "kernel":
             assert calls == [0, 3, 2, 1]  # v, out, w2 plain; q, k with the norm; w1|w3 with the SwiGLU
         else:
             assert calls == [6, 0, 0, 0]
@@ -437,17 +419,24 @@ def test_bad_fused_hooks_raise():
         real(*args[:1], *args[1:], hooks=wrong)
 
 
-def test_benchmark_tiny_run(tmp_path, capsys):
-    """The H200 script end to end on the tiny config: the dequant forward on one of the 2 blocks, the transform +
-    quantize kernel interpreted, with the --check simulation."""
-    bench = _bench()
-    payload = bench.main(["--preset", "tiny", "--interpret", "--variants", "w4a4_dequant,bf16", "--blocks", "1",
-                          "--check", "--repeats", "1", "--inner", "1", "--out", str(tmp_path / "forward.json")])
+def _run_benchmark(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "dit_forward_w4a4.py"), *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_benchmark_tiny_run(tmp_path):
+    """The H200 script end to end on the tiny config (a subprocess): the dequant forward on one of the 2 blocks, the
+    transform + quantize kernel interpreted, with the --check simulation."""
+    run = _run_benchmark("--preset", "tiny", "--interpret", "--variants", "w4a4_dequant,bf16", "--blocks", "1",
+                         "--check", "--repeats", "1", "--inner", "1", "--budget-s", "3000",  # no stage skipped
+                         "--out", str(tmp_path / "forward.json"))
+    assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads((tmp_path / "forward.json").read_text())
     assert saved["variants"] == ["bf16", "w4a4_dequant"] and set(saved["timings_ms"]) == {"bf16", "w4a4_dequant"}
     assert saved["blocks"] == 1 and saved["model_blocks"] == 2 and "ONLY 1 OF THE REAL 2" in saved["what"]
-    assert "1 of the model's 2 (NOT the whole model" in capsys.readouterr().out
-    assert saved["tokens"] == payload["tokens"] == 3 + 4 and saved["errors"] == {}
+    assert "1 of the model's 2 (NOT the whole model" in run.stdout
+    assert saved["tokens"] == 3 + 4 and saved["errors"] == {}
     assert saved["finite"] == {"bf16": True, "w4a4_dequant": True, "simulate": True}
     ratio = saved["timings_ms"]["bf16"]["median_ms"] / saved["timings_ms"]["w4a4_dequant"]["median_ms"]
     assert saved["bf16_over"]["w4a4_dequant"] == pytest.approx(ratio)
@@ -456,6 +445,5 @@ def test_benchmark_tiny_run(tmp_path, capsys):
     # The W4A4 forward is closer to the simulated one than bf16 is (the quantization error), but not equal.
     assert 0 < saved["checks"]["forward w4a4_dequant vs simulate"] < saved["checks"]["forward bf16 vs simulate"]
     for argv, message in ((["--variants", "bf16,cublas"], "unknown variant"), (["--blocks", "3"], "has 2 blocks")):
-        with pytest.raises(SystemExit):
-            bench.main(["--preset", "tiny", *argv])
-        assert message in capsys.readouterr().err
+        run = _run_benchmark("--preset", "tiny", *argv)
+        assert run.returncode == 2 and message in run.stderr

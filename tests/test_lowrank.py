@@ -8,7 +8,7 @@ import pytest
 from jaxpr_checks import assert_every_dot_highest  # tests/jaxpr_checks.py
 from kroquant_jax import lowrank, synthetic
 from kroquant_jax.formats import MXFP4, fake_quant
-from compile_events import recorded_compilations
+from kroquant_jax.timing import recorded_compilations
 
 
 def _weights(names=("a", "b"), o=96, d=128):

@@ -134,3 +134,37 @@ def test_effective_weight_absorbs_branch_quantization():
     plain = np.linalg.norm(np.asarray(jax.jit(fake_quant)(w_t) - w_t)) / np.linalg.norm(np.asarray(w_t))
     assert err < 1.5 * plain
     assert layer.lowrank_left.shape == (48, 32) and layer.lowrank_right.shape == (32, 128)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Traceable layers from given factors (the device-side builders of the benchmarks).
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_qlinear_from_factors_is_build_qlinear_bit_for_bit():
+    kw, kt, kl = jax.random.split(jax.random.PRNGKey(0), 3)
+    w = jax.random.normal(kw, (48, 64), jnp.float32) * 0.2
+    params = qlinear.random_kron_params(kt, 64)
+    base = transforms.get("kron_lu").init(64)
+    for name in ("a", "b", "c"):  # near the Hadamard init, not on it
+        rel = np.abs(np.asarray(params[name]) / np.asarray(base[name]) - 1.0)
+        assert 0 < rel.max() < 0.6 and rel.mean() < 0.15
+    w_tilde = transforms.apply_to_weights(w, transforms.get("kron_lu").inverse_blocks(params))
+    left, right = qlinear.lowrank_factors(w_tilde, kl, 32)
+    np.testing.assert_allclose(np.asarray(left.T @ left), np.eye(32), atol=1e-5)  # L = Q orthonormal, R = Q^T W~
+    np.testing.assert_allclose(np.asarray(right), np.asarray(left.T @ w_tilde), rtol=1e-5, atol=1e-6)
+    mine = jax.jit(qlinear.qlinear_from_factors)(w, params, left, right)
+    ref = qlinear.build_qlinear(w, transform="kron_lu", transform_params=params, lowrank=(left, right))
+    assert mine.config == ref.config
+    for a, b in ((mine.weight, ref.weight), (mine.lowrank_left, ref.lowrank_left),
+                 (mine.lowrank_right, ref.lowrank_right)):
+        np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
+        np.testing.assert_array_equal(np.asarray(a.scales), np.asarray(b.scales))
+    np.testing.assert_array_equal(np.asarray(mine.blocks), np.asarray(ref.blocks))
+    # random_qlinear: the same three steps from one key
+    k_t, k_lr = jax.random.split(kt)
+    one = qlinear.random_qlinear(w, kt, 32)
+    params2 = qlinear.random_kron_params(k_t, 64)
+    w_tilde2 = transforms.apply_to_weights(w, transforms.get("kron_lu").inverse_blocks(params2))
+    two = qlinear.qlinear_from_factors(w, params2, *qlinear.lowrank_factors(w_tilde2, k_lr, 32))
+    np.testing.assert_array_equal(np.asarray(one.weight.codes), np.asarray(two.weight.codes))

@@ -10,7 +10,7 @@ import numpy as np
 from jaxpr_checks import assert_every_dot_highest  # tests/jaxpr_checks.py
 from kroquant_jax import layerset, smoothquant, synthetic
 from kroquant_jax.formats import fake_quant
-from compile_events import recorded_compilations
+from kroquant_jax.timing import recorded_compilations
 
 GRID = (0.0, 0.5, 1.0)
 

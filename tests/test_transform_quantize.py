@@ -284,35 +284,6 @@ class TestDispatch:
         assert not np.any(np.asarray(g0))
 
 
-class TestQLinearGPU:
-    """``pallas_kernels.qlinear_gpu``: eq. 11 from the two kernels equals ``qlinear_forward(path="packed")``."""
-
-    @pytest.mark.parametrize("impl", ["reference", "interpret"])
-    @pytest.mark.parametrize("with_lowrank", [False, True])
-    def test_matches_packed_forward(self, impl, with_lowrank):
-        from kroquant_jax import qlinear
-        from pallas_kernels import qlinear_gpu
-
-        o, d, r = 32, 64, 32
-        w = jax.random.normal(jax.random.key(40), (o, d))
-        lowrank = None
-        if with_lowrank:
-            lowrank = (0.1 * jax.random.normal(jax.random.key(41), (o, r)),
-                       0.1 * jax.random.normal(jax.random.key(42), (r, d)))
-        layer = qlinear.build_qlinear(w, jnp.ones((o,)), transform="kron_lu",
-                                      transform_params=_learned_kron(d, jax.random.key(43)), lowrank=lowrank)
-        x = jax.random.normal(jax.random.key(44), (2, 8, d)).astype(jnp.bfloat16)
-        ref = np.asarray(qlinear.qlinear_forward(layer, x, path="packed"), np.float32)
-        y = np.asarray(qlinear_gpu.qlinear_forward_gpu(layer, x, impl=impl), np.float32)
-        assert y.shape == (2, 8, o)
-        if not with_lowrank:
-            np.testing.assert_array_equal(y, ref)
-        else:  # the low-rank input h is rounded to bf16 in the GEMM path
-            np.testing.assert_allclose(y, ref, atol=3e-3 * np.abs(ref).max())
-        assert qlinear_gpu.prepare_layer_transform(layer).kind == "k2"
-        assert qlinear_gpu.prepare_layer_transform(layer, kernel="k1").kind == "k1"
-
-
 @pytest.mark.parametrize("kind", ["q4", "k2"])
 def test_interpret_fori_tiles_exact(kind):
     """Wide tiles walked by ``lax.fori_loop`` (``chunk_loop="fori"``), dynamic column offsets."""

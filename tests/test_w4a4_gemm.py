@@ -1,4 +1,5 @@
-"""W4A4 GEMM (pallas_kernels/w4a4_gemm.py): per-tile math, the Pallas kernel in interpret mode, the layer path.
+"""W4A4 GEMM (pallas_kernels/w4a4_gemm.py): per-tile math, the Pallas kernel in interpret mode (the served layer's
+strategies over these GEMMs: tests/test_served.py).
 
 Exactness contract (module docstring): against the exact product of ``fake_quant(A)`` and ``fake_quant(W)`` the
 kernel differs only by its fp32 additions: ``<= k * 2**-24 * (|A_hat| @ |W_hat|^T)`` (MXFP4), ``(k + 3) * ...``
@@ -118,30 +119,6 @@ class TestInterpretKernel:
         ref = jnp.matmul(fake_quant(a, fmt), fake_quant(w, fmt).T, precision="highest")
         assert bool(jnp.all(jnp.abs(out - ref) <= _bound(qa, qw, k, extra)))
 
-    def test_layer_fused_and_beside(self):
-        from kroquant_jax.qlinear import build_qlinear, qlinear_forward
-
-        d, o, r, m = 128, 64, 32, 16
-        kw, kl, kr, kx, kb = jax.random.split(jax.random.PRNGKey(7), 5)
-        wt = jax.random.normal(kw, (o, d)) * 0.05
-        lowrank = (jax.random.normal(kl, (o, r)) * 0.05, jax.random.normal(kr, (r, d)) * 0.05)
-        layer = build_qlinear(wt, jax.random.normal(kb, (o,)), lowrank=lowrank)  # L, R packed in MXFP4 (LoRaQ)
-        assert layer.lowrank_quantized
-        x = jax.random.normal(kx, (m, d)).astype(jnp.bfloat16)  # identity transform: x T = x
-        xq = quantize(x.astype(jnp.float32), MXFP4())
-        ref = jax.jit(g.w4a4_linear_reference)(layer, x, xq)
-        # fused low-rank + bias epilogue, bf16 output: within the final bf16 rounding
-        y = g.w4a4_linear(layer, x, xq, lowrank_mode="fused", block_sizes=self.BS, interpret=True)
-        assert y.dtype == jnp.bfloat16
-        np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), np.asarray(ref), rtol=2.0**-8, atol=1e-5)
-        # low-rank branch beside the kernel (XLA), f32 output
-        y = g.w4a4_linear(layer, x, xq, lowrank_mode="beside", block_sizes=self.BS, out_dtype=jnp.float32,
-                          interpret=True)
-        np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-4)
-        # and against the library's own packed forward (which keeps h in f32): bf16 rounding of h only
-        lib = jax.jit(qlinear_forward, static_argnames="path")(layer, x.astype(jnp.float32), path="packed")
-        np.testing.assert_allclose(np.asarray(ref), np.asarray(lib), rtol=2e-2, atol=2e-2)
-
     def test_packed_lowrank_factor_matches_dense(self):
         """L packed in MXFP4 and decoded in the epilogue == the same L dequantized to bf16 (h permuted to match).
 
@@ -233,28 +210,6 @@ class TestDequantStrategy:
         jaxpr = str(jax.make_jaxpr(lambda *x: g.w4a4_matmul_dequant(*x[:2], lowrank=x[2:]))(qa, qw, h_in, left))
         assert jaxpr.count("dot_general") == 1 and "optimization_barrier" in jaxpr
         assert f"bf16[{m},{k + r}]" in jaxpr and f"bf16[{n},{k + r}]" in jaxpr
-
-    def test_layer_strategy_dequant(self):
-        from kroquant_jax.qlinear import build_qlinear
-
-        d, o, r, m = 128, 64, 32, 16
-        kw, kl, kr, kx, kb = jax.random.split(jax.random.PRNGKey(7), 5)
-        wt = jax.random.normal(kw, (o, d)) * 0.05
-        lowrank = (jax.random.normal(kl, (o, r)) * 0.05, jax.random.normal(kr, (r, d)) * 0.05)
-        layer = build_qlinear(wt, jax.random.normal(kb, (o,)), lowrank=lowrank)
-        x = jax.random.normal(kx, (m, d)).astype(jnp.bfloat16)
-        xq = quantize(x.astype(jnp.float32), MXFP4())
-        ref = np.asarray(jax.jit(g.w4a4_linear_reference)(layer, x, xq))
-        y = g.w4a4_linear(layer, x, xq, strategy="dequant")
-        assert y.dtype == jnp.bfloat16
-        np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), ref, rtol=2.0**-8, atol=1e-5)
-        y = g.w4a4_linear(layer, x, xq, strategy="dequant", lowrank_mode="beside", out_dtype=jnp.float32)
-        np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)
-        with pytest.raises(ValueError, match="strategy"):
-            g.w4a4_linear(layer, x, xq, strategy="cublas")
-        # strategy="mgpu" off the GPU: the Mosaic kernel's jnp mirror, low-rank beside it
-        y = g.w4a4_linear(layer, x, xq, strategy="mgpu", out_dtype=jnp.float32)
-        np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)
 
     def test_rejects_bad_operands(self):
         qa = quantize(jnp.ones((16, 64)), MXFP4())

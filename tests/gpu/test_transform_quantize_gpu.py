@@ -184,9 +184,9 @@ def test_fori_tiles_exact(kind):
 
 
 @pytest.mark.parametrize("with_lowrank", [False, True])
-def test_qlinear_gpu_matches_packed_forward(with_lowrank):
+def test_served_layer_matches_packed_forward(with_lowrank):
     from kroquant_jax import qlinear
-    from pallas_kernels import qlinear_gpu
+    from pallas_kernels import served
 
     o, d, r = 256, 1152, 128
     w = jax.random.normal(jax.random.key(14), (o, d))
@@ -199,8 +199,10 @@ def test_qlinear_gpu_matches_packed_forward(with_lowrank):
     layer = qlinear.build_qlinear(w, jnp.ones((o,)), transform="kron_lu", transform_params=params, lowrank=lowrank)
     x = _random_activations(jax.random.key(18), 300, d, jnp.bfloat16)
     ref = np.asarray(qlinear.qlinear_forward(layer, x, path="packed"), np.float32)
-    y = np.asarray(qlinear_gpu.qlinear_forward_gpu(layer, x), np.float32)  # kernels (GPU)
-    y_ref_impl = np.asarray(qlinear_gpu.qlinear_forward_gpu(layer, x, impl="reference"), np.float32)
+    s = served.serve(layer)
+    kernel = served.ServeOptions(strategy="kernel")
+    y = np.asarray(served.forward(s, x, options=kernel), np.float32)  # kernels (GPU)
+    y_ref_impl = np.asarray(served.reference(s, x), np.float32)
     scale = np.abs(ref).max()
     # bf16 output; the K2 block entries may differ from kron_lu.blocks by ~1 ulp (FMA), flipping rare codes
     assert np.mean(np.abs(y - ref) > 2e-2 * scale) < 1e-3
