@@ -366,8 +366,8 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
     ``({name: QuantizedLinear}, {name: report})``."""
     from kroquant_jax import lowrank, qlinear, smoothquant
 
-    cal = dataclasses.replace(recipe.calibration, transform=recipe.transform,
-                              steps=recipe.calibration.steps if recipe.train else 0)
+    cal = dataclasses.replace(recipe.calibration, transform=recipe.transform,  # one bar: quantize_layer_set's
+                              steps=recipe.calibration.steps if recipe.train else 0, progress=False)
     reports = {n: {"transform": recipe.transform} for n in layers}
     inits = None
     if recipe.smooth_init:

@@ -3,13 +3,21 @@
     kroquant demo                  # the main job (see README)
     kroquant norm-table            # paper appendix C: which normalisations commute with a rotation
     kroquant <verb> --help         # each verb's own options
+    kroquant --version
 
 Each verb is a thin wrapper around a module's ``main(argv)`` in ``scripts/`` or ``benchmarks/``.
+
+Errors: a mistake in the input (a bad flag value, a missing or broken file, a stale result folder: ``ValueError``,
+``KeyError``, ``OSError``, :class:`scripts.common_args.UserError`) ends in one line ``kroquant <verb>: error: ...`` and
+exit status 1; any other exception in one line ``kroquant <verb>: internal error: ...``, also status 1. ``--debug``
+anywhere on the command line (or ``KROQUANT_DEBUG=1``) lets the traceback through instead. Output piped into a
+program that stops reading (``| head``) ends quietly.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 VERBS: dict[str, tuple[str, str]] = {
@@ -25,19 +33,33 @@ VERBS: dict[str, tuple[str, str]] = {
 
 def _usage() -> str:
     width = max(map(len, VERBS))
-    lines = ["usage: kroquant <verb> [options]", "", "verbs:"]
+    lines = ["usage: kroquant [--version] [--debug] <verb> [options]", "", "verbs:"]
     lines += [f"  {verb:<{width}}  {help_}" for verb, (_, help_) in VERBS.items()]
+    lines += ["", "`kroquant <verb> --help` lists a verb's options; --debug shows the traceback of an error."]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
-        return
-    verb, rest = argv[0], argv[1:]
-    if verb not in VERBS:
-        sys.exit(f"kroquant: unknown verb {verb!r}\n\n{_usage()}")
+def _version() -> str:
+    import kroquant_jax
+
+    return f"kroquant {kroquant_jax.__version__}"
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from scripts.common_args import UserError
+
+    return (UserError, ValueError, KeyError, OSError)
+
+
+def _message(error: BaseException) -> str:
+    if isinstance(error, KeyError) and len(error.args) == 1 and isinstance(error.args[0], str):
+        text = error.args[0]  # str(KeyError) quotes its message
+    else:
+        text = str(error) or type(error).__name__
+    return " ".join(text.split("\n")[0].split()) if text.strip() else type(error).__name__
+
+
+def _run(verb: str, rest: list[str], debug: bool) -> int:
     module_name = VERBS[verb][0]
     try:
         module = importlib.import_module(module_name)
@@ -45,8 +67,47 @@ def main(argv: list[str] | None = None) -> None:
         if e.name == module_name:
             sys.exit(f"kroquant: verb {verb!r} is not available in this checkout ({module_name} is missing)")
         raise
-    module.main(rest)
+    if debug:
+        result = module.main(rest)
+    else:
+        try:
+            result = module.main(rest)
+        except BrokenPipeError:
+            raise
+        except _user_errors() as error:
+            print(f"kroquant {verb}: error: {_message(error)}", file=sys.stderr)
+            return 1
+        except Exception as error:  # one line; --debug shows where
+            print(f"kroquant {verb}: internal error: {type(error).__name__}: {_message(error)} "
+                  f"(rerun with --debug for the traceback)", file=sys.stderr)
+            return 1
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv or os.environ.get("KROQUANT_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        if not argv or argv[0] in ("-h", "--help"):
+            print(_usage())
+            return 0
+        if argv[0] == "--version":
+            print(_version())
+            return 0
+        verb, rest = argv[0], argv[1:]
+        if verb not in VERBS:
+            print(f"kroquant: unknown verb {verb!r}\n\n{_usage()}", file=sys.stderr)
+            return 2
+        code = _run(verb, rest, debug)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # the reader (e.g. `| head`) stopped: silence the flush at exit, as the Python docs advise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Shared command-line pieces of the ``kroquant`` verbs: the parser every verb builds, argument types, user errors.
+
+Every verb builds its parser with :func:`verb_parser`, so ``--help`` says ``usage: kroquant <verb>``, shows each
+option's default, and ends with examples written as ``kroquant <verb> ...``. Counts use :func:`positive_int`: ``--steps 0``
+is an argparse error naming the flag instead of a ``ZeroDivisionError`` deep in the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+__all__ = ["HelpFormatter", "UserError", "add_quiet", "nonnegative_int", "positive_int", "verb_parser"]
+
+
+class UserError(Exception):
+    """A mistake in the user's input (a flag, a file, a folder): ``kroquant`` prints its message as one line and exits
+    with status 1 (``--debug`` shows the traceback)."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the description's line breaks and appends ``(default: ...)`` to every option's help."""
+
+
+def verb_parser(verb: str, doc: str | None, examples: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser of ``kroquant <verb>``: ``doc``'s first paragraph as the description, ``examples`` (each a command
+    line after ``kroquant <verb>``) as the epilog."""
+    description = (doc or "").strip().split("\n\n")[0]
+    epilog = None
+    if examples:
+        epilog = "examples:\n" + "\n".join(f"  kroquant {verb} {example}" for example in examples)
+    return argparse.ArgumentParser(prog=f"kroquant {verb}", description=description, epilog=epilog,
+                                   formatter_class=HelpFormatter)
+
+
+def positive_int(text: str) -> int:
+    """An ``int >= 1`` (argparse ``type=``; the error names the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An ``int >= 0`` (argparse ``type=``; the error names the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_quiet(parser: argparse.ArgumentParser) -> None:
+    """``--quiet``: no progress bars (the last summary line and errors are still printed)."""
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
