@@ -19,13 +19,19 @@ class UserError(Exception):
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keeps the description's line breaks and appends ``(default: ...)`` to every option's help."""
+    """Keeps the description's line breaks and appends ``(default: ...)`` to every option's help that has a default
+    value (not for ``None``, where the help says what happens without the option, nor for a switch that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def verb_parser(verb: str, doc: str | None, examples: Sequence[str] = ()) -> argparse.ArgumentParser:
-    """The parser of ``kroquant <verb>``: ``doc``'s first paragraph as the description, ``examples`` (each a command
+    """The parser of ``kroquant <verb>``: ``doc`` as the description, ``examples`` (each a command
     line after ``kroquant <verb>``) as the epilog."""
-    description = (doc or "").strip().split("\n\n")[0]
+    description = (doc or "").strip()
     epilog = None
     if examples:
         epilog = "examples:\n" + "\n".join(f"  kroquant {verb} {example}" for example in examples)
