@@ -84,29 +84,37 @@ def _run(verb: str, rest: list[str], debug: bool) -> int:
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _dispatch(argv: list[str], debug: bool) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if argv[0] == "--version":
+        print(_version())
+        return 0
+    verb, rest = argv[0], argv[1:]
+    if verb not in VERBS:
+        print(f"kroquant: unknown verb {verb!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    return _run(verb, rest, debug)
+
+
+def main(argv: list[str] | None = None) -> int | str | None:
+    """Runs ``kroquant ARGV``; returns the exit status (``sys.exit`` takes it: an ``int``, or a message for status 1)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv or os.environ.get("KROQUANT_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
     try:
-        if not argv or argv[0] in ("-h", "--help"):
-            print(_usage())
-            return 0
-        if argv[0] == "--version":
-            print(_version())
-            return 0
-        verb, rest = argv[0], argv[1:]
-        if verb not in VERBS:
-            print(f"kroquant: unknown verb {verb!r}\n\n{_usage()}", file=sys.stderr)
-            return 2
-        code = _run(verb, rest, debug)
+        try:
+            code = _dispatch(argv, debug)
+        except SystemExit as exit_:  # argparse (--help, usage errors) and verbs that exit with a message
+            code = exit_.code
         sys.stdout.flush()
-        return code
     except BrokenPipeError:
         # the reader (e.g. `| head`) stopped: silence the flush at exit, as the Python docs advise
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1
+    return code
 
 
 if __name__ == "__main__":

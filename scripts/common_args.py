@@ -1,8 +1,8 @@
 """Shared command-line pieces of the ``kroquant`` verbs: the parser every verb builds, argument types, user errors.
 
 Every verb builds its parser with :func:`verb_parser`, so ``--help`` says ``usage: kroquant <verb>``, shows each
-option's default, and ends with examples written as ``kroquant <verb> ...``. Counts use :func:`positive_int`: ``--steps 0``
-is an argparse error naming the flag instead of a ``ZeroDivisionError`` deep in the run.
+option's default, and ends with examples written as ``kroquant <verb> ...``. Counts use :func:`positive_int`:
+``--steps 0`` is an argparse error naming the flag instead of a ``ZeroDivisionError`` deep in the run.
 """
 
 from __future__ import annotations

@@ -98,10 +98,14 @@ def parse_args(argv=None, verb: str = "evaluate", description: str | None = None
     parser.add_argument("--steps", type=positive_int, default=20, help="Euler steps (capture and generation)")
     parser.add_argument("--guidance", type=float, default=3.0, help="CFG scale")
     parser.add_argument("--rows-per-layer", type=positive_int, default=1024, help="captured rows kept per layer")
-    parser.add_argument("--calib-rows", type=positive_int, default=None, help="calibration rows per layer (recipe default)")
-    parser.add_argument("--calib-heldout", type=positive_int, default=None, help="held-out rows per layer (recipe default)")
-    parser.add_argument("--calib-steps", type=nonnegative_int, default=None, help="KroQuant Adam steps (recipe default 100)")
-    parser.add_argument("--loraq-steps", type=nonnegative_int, default=None, help="LoRaQ Adam and rotation steps (default 500)")
+    parser.add_argument("--calib-rows", type=positive_int, default=None,
+                        help="calibration rows per layer (recipe default)")
+    parser.add_argument("--calib-heldout", type=positive_int, default=None,
+                        help="held-out rows per layer (recipe default)")
+    parser.add_argument("--calib-steps", type=nonnegative_int, default=None,
+                        help="KroQuant Adam steps (recipe default 100)")
+    parser.add_argument("--loraq-steps", type=nonnegative_int, default=None,
+                        help="LoRaQ Adam and rotation steps (default 500)")
     parser.add_argument("--lora-rank", type=rank_arg, default=128,
                         help="LoRaQ rank: an int (128 is the paper's, for 1152+-wide layers) or a fraction of "
                              "each layer's min(o, d), e.g. 0.125 (rank 32 on 256-wide layers)")
@@ -115,7 +119,8 @@ def parse_args(argv=None, verb: str = "evaluate", description: str | None = None
                         help="layers calibrated together (recipe default 64; e.g. 128 puts the testbed's 80 "
                              "256x256 linears in one program)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the noise and the row draws")
-    parser.add_argument("--layers", type=positive_int, default=None, help="quantize only the first N quantizable linears")
+    parser.add_argument("--layers", type=positive_int, default=None,
+                        help="quantize only the first N quantizable linears")
     parser.add_argument("--compile-cache", metavar="DIR", default=None,
                         help="JAX persistent compilation cache folder: a later run with the same shapes and settings "
                              "loads the compiled programs (capture, calibration, sampling) instead of compiling them "

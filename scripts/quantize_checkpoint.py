@@ -150,7 +150,7 @@ def build_recipe(args):
                                                                        **calib_overrides))
 
 
-def plan_layers(model, recipe) -> tuple[dict[str, tuple[np.ndarray, np.ndarray | None]], dict[str, str]]:
+def plan_layers(model, recipe, recipe_name: str) -> tuple[dict[str, tuple[np.ndarray, np.ndarray | None]], dict[str, str]]:
     """Which quantizable linears the recipe quantizes, checked from the model before any capture.
 
     Returns ``({name: (W (o, d) float32, bias (o,) | None)}`` of the layers to quantize, ``{name: reason}`` of those
@@ -177,7 +177,7 @@ def plan_layers(model, recipe) -> tuple[dict[str, tuple[np.ndarray, np.ndarray |
                 rank = lowrank.resolve_rank(cfg.rank, weight.shape, fmt and fmt.block_size, name)
                 lowrank.check_rank(name, weight.shape, rank, fmt)
             except ValueError as err:
-                raise UserError(f"--recipe {recipe.lowrank}: {err}") from None
+                raise UserError(f"--recipe {recipe_name}: {err}") from None
         quantized[name] = (weight, None if layer.bias is None else np.asarray(layer.bias[...], np.float32))
     if not quantized:
         raise UserError(f"no quantizable linear has an input width that is a multiple of {block} "
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
     arrays = _prompt_arrays(args, family, cfg)
     dtype = model.proj_out.kernel[...].dtype
     count = arrays["context"].shape[0]
-    weights, left_16bit = plan_layers(model, recipe)
+    weights, left_16bit = plan_layers(model, recipe, args.recipe)
     names = list(weights)
     eval_count = min(args.eval_prompts, count)
     capture_indices = list(range(count - eval_count)) if count > eval_count else list(range(count))
@@ -331,7 +331,8 @@ def main(argv: list[str] | None = None) -> dict:
     stored_settings = json.loads(cached_key.read_text()) if cached_key.exists() else None
     if not args.overwrite:
         try:
-            stored = store.verify({n: provenance.layer_fingerprint(w, b, None, recipe) for n, (w, b) in weights.items()})
+            partial = {n: provenance.layer_fingerprint(w, b, None, recipe) for n, (w, b) in weights.items()}
+            stored = store.verify(partial)
             if stored and not args.layer_set and stored_settings is not None and stored_settings != settings:
                 raise provenance.StaleResultError(
                     next(n for n in names if n in store), _settings_changes(stored_settings, settings), str(store_dir))

@@ -55,7 +55,7 @@ def test_matching_rerun_resumes_every_layer(tmp_path):
 
 
 @pytest.mark.parametrize("change, expected", [
-    ("weights", "'block0.attn' was computed from other inputs (weight, bias, activations; 1 more stored layer(s) differ"),
+    ("weights", "'block0.attn' was computed from other inputs (weight, bias, activations; 1 more stored layer(s)"),
     ("recipe", "(recipe setting calibration.num_heldout: 8 -> 6; 1 more stored layer(s) differ too)"),
     ("activations", "'block1.attn' was computed from other inputs (activations)"),
 ])
