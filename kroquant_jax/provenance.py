@@ -18,7 +18,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 __all__ = ["EXECUTION_SETTINGS", "NUMERICS_VERSION", "StaleResultError", "array_digest", "describe_changes",
-           "layer_fingerprint", "recipe_settings"]
+           "layer_fingerprint", "layer_set_mismatch", "recipe_settings"]
 
 #: Bump whenever a change to the library alters the numbers a recipe produces for the same inputs (quantizer rounding,
 #: transform parameterization, optimiser, row draw): results stored under another version are then refused.
@@ -118,3 +118,23 @@ def describe_changes(stored: Optional[Mapping[str, Any]], current: Mapping[str, 
                 changes.append(f"recipe setting {key}: {_short(old.get(key, '<unset>'))} -> "
                                f"{_short(new.get(key, '<unset>'))}")
     return changes
+
+
+def layer_set_mismatch(layer_set: Mapping[str, Any],
+                       weights: Mapping[str, tuple[np.ndarray, Optional[np.ndarray]]]) -> Optional[str]:
+    """Why ``layer_set`` (``{name: (W, bias, A)}``) was not captured from a model with these ``weights``
+    (``{name: (W (o, d), bias (o,) | None)}``, e.g. a layer set saved from another checkpoint of the same shapes);
+    ``None`` if every layer of ``weights`` is in it with the same weight and bias."""
+    missing = [n for n in weights if n not in layer_set]
+    if missing:
+        return f"lacks layer {missing[0]!r} ({len(missing)} missing)"
+    for name, (weight, bias) in weights.items():
+        stored_weight, stored_bias = layer_set[name][0], layer_set[name][1]
+        if np.shape(stored_weight) != np.shape(weight) or not np.array_equal(np.asarray(stored_weight, np.float32),
+                                                                             np.asarray(weight, np.float32)):
+            return f"layer {name!r} has other weights"
+        if (stored_bias is None) != (bias is None) or (
+                bias is not None and not np.array_equal(np.asarray(stored_bias, np.float32),
+                                                        np.asarray(bias, np.float32))):
+            return f"layer {name!r} has another bias"
+    return None

@@ -99,7 +99,7 @@ def _dispatch(argv: list[str], debug: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int | str | None:
-    """Runs ``kroquant ARGV``; returns the exit status (``sys.exit`` takes it: an ``int``, or a message for status 1)."""
+    """Runs ``kroquant ARGV``; returns the exit status for ``sys.exit`` (an ``int``, or a message: status 1)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv or os.environ.get("KROQUANT_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]

@@ -121,6 +121,9 @@ def parse_args(argv=None, verb: str = "evaluate", description: str | None = None
     parser.add_argument("--seed", type=int, default=0, help="seed of the noise and the row draws")
     parser.add_argument("--layers", type=positive_int, default=None,
                         help="quantize only the first N quantizable linears")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="capture and calibrate again instead of reusing --out's results (which are refused when "
+                             "they were made from other inputs)")
     parser.add_argument("--compile-cache", metavar="DIR", default=None,
                         help="JAX persistent compilation cache folder: a later run with the same shapes and settings "
                              "loads the compiled programs (capture, calibration, sampling) instead of compiling them "
@@ -319,7 +322,7 @@ def merge_outputs(folders: list[Path], out: Path, grid_rows: int | None = None) 
 def main(argv=None, verb: str = "evaluate", description: str | None = None, preset: Sequence[str] = (),
          examples: Sequence[str] = EXAMPLES) -> int:
     """``kroquant evaluate`` (``verb``, ``description``, ``preset``, ``examples``: see :func:`parse_args`)."""
-    from kroquant_jax import calibrate
+    from kroquant_jax import calibrate, provenance
     from models import quantize_model
 
     args = parse_args(argv, verb, description, preset, examples)
@@ -360,9 +363,16 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
                    f"{args.guidance}|{args.rows_per_layer}|{args.seed}|{names}")
     cache = out / "layer_set.safetensors"
     cache_key_path = out / "layer_set.key"
-    if cache.exists() and cache_key_path.exists() and cache_key_path.read_text() == capture_key:
+    layer_set = None
+    if not args.overwrite and cache.exists() and cache_key_path.exists() and cache_key_path.read_text() == capture_key:
         layer_set = load_layer_set(str(cache))  # the same capture settings: reuse (methods resume from their stores)
-    else:
+        model_linears = linears(model)
+        weights = {n: (np.asarray(model_linears[n].kernel[...], np.float32).T,
+                       None if model_linears[n].bias is None else np.asarray(model_linears[n].bias[...], np.float32))
+                   for n in names}
+        if provenance.layer_set_mismatch(layer_set, weights) is not None:
+            layer_set = None  # the checkpoint at this path changed since: capture again
+    if layer_set is None:
         layer_set = capture_flow_layer_set(model, dataset, calib_indices, args, names)
         save_layer_set(str(cache), layer_set)
         atomic_write_text(cache_key_path, capture_key)
@@ -382,8 +392,16 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
     for method, recipe in recipes.items():
         began = time.perf_counter()
         compile_watch = CompileWatch()
-        qlayers, reports = calibrate.quantize_layer_set(layer_set, recipe,
-                                                        store=str(store_folder(out, method, recipe, capture_key)))
+        store = store_folder(out, method, recipe, capture_key)
+        try:
+            qlayers, reports = calibrate.quantize_layer_set(layer_set, recipe, store=str(store),
+                                                            overwrite=args.overwrite)
+        except provenance.StaleResultError as err:
+            raise ValueError(f"{err}; rerun with --overwrite to recompute, or choose another --out") from None
+        resumed = sum(bool(r.get("resumed")) for r in reports.values())
+        if resumed:
+            print(f"{method}: resumed {resumed} of {len(reports)} layers from {store} (their inputs and settings "
+                  f"match)", file=sys.stderr)
         calibrate_s, calibrate_compile_s = time.perf_counter() - began, compile_watch.seconds()
         ranks = "/".join(str(r) for r in sorted({qlayers[name].config.rank for name in names}))
         branch = {"loraq": f"LoRaQ r={ranks} (MXFP4)", "svd": f"SVD r={ranks} (16-bit)"}.get(recipe.lowrank, "none")

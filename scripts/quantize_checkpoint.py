@@ -150,7 +150,8 @@ def build_recipe(args):
                                                                        **calib_overrides))
 
 
-def plan_layers(model, recipe, recipe_name: str) -> tuple[dict[str, tuple[np.ndarray, np.ndarray | None]], dict[str, str]]:
+def plan_layers(model, recipe, recipe_name: str) -> tuple[dict[str, tuple[np.ndarray, np.ndarray | None]],
+                                                          dict[str, str]]:
     """Which quantizable linears the recipe quantizes, checked from the model before any capture.
 
     Returns ``({name: (W (o, d) float32, bias (o,) | None)}`` of the layers to quantize, ``{name: reason}`` of those
@@ -187,17 +188,12 @@ def plan_layers(model, recipe, recipe_name: str) -> tuple[dict[str, tuple[np.nda
 
 def check_layer_set(layer_set: dict, weights: dict, source: str, checkpoint: str) -> None:
     """Refuses a layer set that was not captured from ``checkpoint``: another set of layers, or other weights."""
-    missing = [n for n in weights if n not in layer_set]
-    if missing:
-        raise UserError(f"{source}: lacks layer {missing[0]!r} of --checkpoint {checkpoint} ({len(missing)} missing; "
-                        f"captured from another model?)")
-    for name, (weight, bias) in weights.items():
-        stored = layer_set[name]
-        if stored.weight.shape != weight.shape or not np.array_equal(stored.weight, weight):
-            raise UserError(f"{source}: layer {name!r} has other weights than --checkpoint {checkpoint} (captured "
-                            f"from another checkpoint or --dtype); capture again without --layer-set")
-        if (stored.bias is None) != (bias is None) or (bias is not None and not np.array_equal(stored.bias, bias)):
-            raise UserError(f"{source}: layer {name!r} has another bias than --checkpoint {checkpoint}")
+    from kroquant_jax.provenance import layer_set_mismatch
+
+    why = layer_set_mismatch(layer_set, weights)
+    if why is not None:
+        raise UserError(f"{source}: {why}: not captured from --checkpoint {checkpoint} (another checkpoint or "
+                        f"--dtype?); capture again without --layer-set")
 
 
 def capture_settings(args, arrays: dict, capture_indices: list[int], names: list[str]) -> dict:
