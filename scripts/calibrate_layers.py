@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kroquant_jax import calibrate, layerset, lowrank, objectives, smoothquant, synthetic  # noqa: E402
+from kroquant_jax import calibrate, layerset, lowrank, objectives, provenance, smoothquant, synthetic  # noqa: E402
 from kroquant_jax.fileio import atomic_path, atomic_write_bytes  # noqa: E402
 from scripts.common_args import nonnegative_int, positive_int, verb_parser  # noqa: E402
 
@@ -178,7 +178,11 @@ def main(argv=None):
     for m in args.methods:
         t0 = time.perf_counter()
         store = os.path.join(args.store, m.replace("+", "_")) if args.store else None
-        _, rep = calibrate.quantize_layer_set(layers, build_recipe(m, args), store=store, overwrite=args.overwrite)
+        try:
+            _, rep = calibrate.quantize_layer_set(layers, build_recipe(m, args), store=store,
+                                                  overwrite=args.overwrite)
+        except provenance.StaleResultError as err:
+            raise ValueError(f"{err}; rerun with --overwrite to recompute, or choose another --store") from None
         resumed = sum(bool(r.get("resumed")) for r in rep.values())
         if resumed:
             print(f"{m}: resumed {resumed} of {len(rep)} layers from {store} (their inputs and settings match)",
