@@ -20,8 +20,9 @@ with the same settings reuses it; ``--layer-set`` reuses another one, refused un
 ``--checkpoint``'s), ``qlayers-RECIPE/`` (the resumable per-layer store of ``kroquant_jax.calibrate``, each layer
 with the fingerprint of its inputs: a rerun resumes the layers whose weight, activations and recipe settings match
 and refuses the folder, naming the layer and what changed, when they do not, unless ``--overwrite``),
-``quantized-RECIPE/`` (orbax
-checkpoint of ``{name: QuantizedLinear}``), ``samples-RECIPE.npz`` (16-bit and W4A4 latents of the evaluation
+``quantized-RECIPE/`` (the
+self-contained quantized checkpoint of ``models.quantized_checkpoint``: config, 16-bit weights, packed W4A4 layers;
+``kroquant generate --checkpoint OUT/quantized-RECIPE`` runs it), ``samples-RECIPE.npz`` (16-bit and W4A4 latents of the evaluation
 prompts, same seeds) and ``report-RECIPE.json`` (latent PSNR / relative error of W4A4 vs 16-bit per prompt,
 per-layer held-out errors).
 The last ``--eval-prompts`` prompts are only generated, never captured (unless there are no more prompts than that).
@@ -33,8 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -224,7 +223,9 @@ def _load(checkpoint: str, dtype: str):
     return family, cfg, model
 
 
-def _prompt_arrays(args, family: str, cfg) -> dict[str, np.ndarray]:
+def prompt_arrays(args, family: str, cfg) -> dict[str, np.ndarray]:
+    """The family's text inputs from ``args.embeddings`` (first ``args.max_prompts``) or ``args.synthetic_prompts``
+    random ones, checked against the model's widths (a :class:`UserError` names the file, key and shape)."""
     if args.embeddings:
         with np.load(args.embeddings) as data:
             arrays = {k: data[k] for k in data.files}
@@ -261,7 +262,8 @@ def _prompt_arrays(args, family: str, cfg) -> dict[str, np.ndarray]:
     return {k: np.asarray(arrays[k], np.float32) for k in needed}
 
 
-def _batches(arrays: dict[str, np.ndarray], indices: list[int], batch_size: int, dtype) -> list[dict]:
+def prompt_batches(arrays: dict[str, np.ndarray], indices: list[int], batch_size: int, dtype) -> list[dict]:
+    """The prompts ``indices`` in batches of ``batch_size`` (the unconditional inputs broadcast to each batch)."""
     out = []
     for start in range(0, len(indices), batch_size):
         chosen = indices[start:start + batch_size]
@@ -311,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     family, cfg, model = _load(args.checkpoint, args.dtype)
     solver, shift = sampling.resolve_sampler(family, args.solver, args.shift)
-    arrays = _prompt_arrays(args, family, cfg)
+    arrays = prompt_arrays(args, family, cfg)
     dtype = model.proj_out.kernel[...].dtype
     count = arrays["context"].shape[0]
     weights, left_16bit = plan_layers(model, recipe, args.recipe)
@@ -349,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                latent_hw=tuple(args.latent_hw), rows_per_layer=args.rows_per_layer,
                                                seed=args.seed, shift=args.shift, solver=args.solver,
                                                layers=tuple(names), progress=not args.quiet)
-        batches = _batches(arrays, capture_indices, args.batch_size, dtype)
+        batches = prompt_batches(arrays, capture_indices, args.batch_size, dtype)
         layer_set = capture.capture_layer_set(family, model, batches, capture_config)
         save_layer_set(str(cached), layer_set)
         atomic_write_json(cached_key, settings)
@@ -363,13 +365,11 @@ def main(argv: list[str] | None = None) -> dict:
     if resumed:
         print(f"resumed {resumed} of {len(reports)} layers from {store_dir} (their inputs and settings match)",
               file=sys.stderr)
-    quantized_dir = out / f"quantized-{tag}"
-    tmp = Path(tempfile.mkdtemp(prefix=".quantized.", dir=out))
-    shutil.rmtree(tmp)
-    qlinear.save_orbax(str(tmp), qlayers)
-    if quantized_dir.exists():
-        shutil.rmtree(quantized_dir)
-    os.replace(tmp, quantized_dir)
+    from models.quantized_checkpoint import save_quantized_checkpoint
+    save_quantized_checkpoint(out / f"quantized-{tag}", model, qlayers, recipe_name=args.recipe, recipe=recipe,
+                              reports=reports, left_16bit=left_16bit,
+                              extra={"solver": solver, "shift": shift, "steps": args.steps, "guidance": args.guidance,
+                                     "latent_hw": list(args.latent_hw), "source_checkpoint": str(args.checkpoint)})
     overrides = quantize_model.qlinear_overrides(qlayers)
     quantize_model.check_overrides(model, overrides)
 
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
                                            shift=args.shift, solver=args.solver))
     eval_indices = list(range(count - eval_count, count))
     full, w4a4, per_prompt = [], [], []
-    batches = zip(eval_indices, _batches(arrays, eval_indices, 1, dtype))
+    batches = zip(eval_indices, prompt_batches(arrays, eval_indices, 1, dtype))
     for index, batch in tqdm(batches, total=len(eval_indices), desc="generate", unit="prompt", disable=args.quiet):
         key = jax.random.key(args.seed + 1000 + index)
         reference, _ = sample({"model": state, **batch}, key)

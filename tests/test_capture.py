@@ -142,7 +142,7 @@ def test_quantize_checkpoint_script_end_to_end(tmp_path):
     torch = pytest.importorskip("torch")
     diffusers = pytest.importorskip("diffusers")
     from kroquant_jax.layerset import load_layer_set
-    from kroquant_jax.qlinear import restore_orbax
+    from models.quantized_checkpoint import load_quantized_checkpoint
     from scripts import quantize_checkpoint
 
     pixart.to_diffusers(pixart.build(PIXART, seed=4), tmp_path / "ckpt")
@@ -163,7 +163,7 @@ def test_quantize_checkpoint_script_end_to_end(tmp_path):
     assert set(report["heldout_error"]) == set(linears(pixart.build(PIXART), quantizable_only=True))
     layer_set = load_layer_set(str(out / "layer_set.safetensors"))
     assert layer_set["transformer_blocks.1.ff.net.2"].activations.shape == (24, 128)
-    assert sorted(restore_orbax(str(out / "quantized-hadamard32"))) == sorted(layer_set)
+    assert sorted(load_quantized_checkpoint(out / "quantized-hadamard32").qlayers) == sorted(layer_set)
     with np.load(out / "samples-hadamard32.npz") as samples:
         assert samples["latents_16bit"].shape == samples["latents_w4a4"].shape == (1, 4, 8, 8)
     assert sorted(p.name for p in (out / "images-hadamard32").iterdir()) == ["16bit_0000.png", "w4a4_0000.png"]

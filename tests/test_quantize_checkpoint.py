@@ -155,3 +155,32 @@ def test_unaligned_linears_stay_16bit_and_are_listed(tmp_path):
         "transformer_blocks.0.ff.conv_point": "input width 80 is not a multiple of the block 32"}
     assert "transformer_blocks.0.ff.conv_point" not in report["heldout_error"] and report["layers"] >= 1
     assert report["solver"] == "flow_euler" and report["shift"] == 3.0
+
+
+def test_generate_runs_the_quantized_folder_alone(runs, tmp_path):
+    """quantize-checkpoint's folder, moved away from its source checkpoint, generates (`kroquant generate`, a
+    subprocess) the same W4A4 latents as quantize-checkpoint's own evaluation of the same prompt and seed."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    prompts = tmp_path / "prompts.npz"
+    np.savez(prompts, context=rng.standard_normal((2, 4, 8)), mask=np.ones((2, 4)),
+             uncond_context=np.zeros((1, 4, 8)), uncond_mask=np.ones((1, 4)))
+    source = tmp_path / "source"
+    shutil.copytree(runs / "a", source)
+    out = tmp_path / "out"
+    quantize_checkpoint.main(["--checkpoint", str(source), "--out", str(out), "--embeddings", str(prompts),
+                              *TINY[4:]])
+    shutil.rmtree(source)  # the quantized folder stands alone
+    folder = tmp_path / "moved"
+    shutil.move(out / "quantized-rtn", folder)
+    proc = subprocess.run([sys.executable, "-m", "scripts.cli", "generate", "--checkpoint", str(folder), "--prompts",
+                           str(prompts), "--out", str(tmp_path / "g"), "--quiet"], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "2 prompt(s) generated with the W4A4 model (rtn, 10 quantized layers; dpm_solver_pp_2m, 2 steps)" in \
+        proc.stderr
+    with np.load(tmp_path / "g" / "latents.npz") as generated, np.load(out / "samples-rtn.npz") as evaluated:
+        assert generated["latents"].shape == (2, 4, 8, 8)
+        assert generated["seeds"][1] == evaluated["seeds"][0]
+        np.testing.assert_array_equal(generated["latents"][1], evaluated["latents_w4a4"][0])
