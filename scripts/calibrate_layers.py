@@ -32,9 +32,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kroquant_jax import calibrate, layerset, lowrank, objectives, provenance, smoothquant, synthetic  # noqa: E402
+from kroquant_jax import calibrate, layerset, lowrank, objectives, smoothquant, synthetic  # noqa: E402
 from kroquant_jax.fileio import atomic_path, atomic_write_bytes  # noqa: E402
-from scripts.common_args import nonnegative_int, positive_int, verb_parser  # noqa: E402
+from scripts.common_args import nonnegative_int, positive_int, quantize_with_store, verb_parser  # noqa: E402
 
 EXAMPLES = ("--synthetic dit --out runs/calib_synthetic",
             "--layers pixart_layers.npz --methods rtn kroquant kroquant+loraq --store runs/st",
@@ -178,15 +178,7 @@ def main(argv=None):
     for m in args.methods:
         t0 = time.perf_counter()
         store = os.path.join(args.store, m.replace("+", "_")) if args.store else None
-        try:
-            _, rep = calibrate.quantize_layer_set(layers, build_recipe(m, args), store=store,
-                                                  overwrite=args.overwrite)
-        except provenance.StaleResultError as err:
-            raise ValueError(f"{err}; rerun with --overwrite to recompute, or choose another --store") from None
-        resumed = sum(bool(r.get("resumed")) for r in rep.values())
-        if resumed:
-            print(f"{m}: resumed {resumed} of {len(rep)} layers from {store} (their inputs and settings match)",
-                  file=sys.stderr)
+        _, rep = quantize_with_store(layers, build_recipe(m, args), store, args.overwrite, "--store", label=m)
         seconds[m] = round(time.perf_counter() - t0, 2)
         errors[m] = {n: rep[n]["heldout_error"] for n in names}
         reports[m] = rep

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-__all__ = ["HelpFormatter", "UserError", "add_quiet", "nonnegative_int", "positive_int", "verb_parser"]
+__all__ = ["HelpFormatter", "UserError", "add_quiet", "nonnegative_int", "positive_int", "quantize_with_store",
+           "verb_parser"]
 
 
 class UserError(Exception):
@@ -39,26 +40,44 @@ def verb_parser(verb: str, doc: str | None, examples: Sequence[str] = ()) -> arg
                                    formatter_class=HelpFormatter)
 
 
-def positive_int(text: str) -> int:
-    """An ``int >= 1`` (argparse ``type=``; the error names the flag)."""
+def _int_at_least(text: str, minimum: int, requirement: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be {requirement}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An ``int >= 1`` (argparse ``type=``; the error names the flag)."""
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def nonnegative_int(text: str) -> int:
     """An ``int >= 0`` (argparse ``type=``; the error names the flag)."""
+    return _int_at_least(text, 0, ">= 0")
+
+
+def quantize_with_store(layer_set, recipe, store, overwrite: bool, flag: str, label: str = ""):
+    """``kroquant_jax.calibrate.quantize_layer_set`` for a verb: a stale ``store`` becomes a :class:`UserError`
+    that says how to proceed (``--overwrite`` or another ``flag`` folder), and resumed layers are announced on
+    stderr (``LABEL: resumed N of M layers from STORE ...``). Returns ``(qlayers, reports)``."""
+    import sys
+
+    from kroquant_jax import calibrate, provenance
+
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+        qlayers, reports = calibrate.quantize_layer_set(layer_set, recipe, store=store, overwrite=overwrite)
+    except provenance.StaleResultError as err:
+        raise UserError(f"{err}; rerun with --overwrite to recompute, or choose another {flag}") from None
+    resumed = sum(bool(r.get("resumed")) for r in reports.values())
+    if resumed:
+        where = store.directory if hasattr(store, "directory") else store
+        print(f"{label + ': ' if label else ''}resumed {resumed} of {len(reports)} layers from {where} (their inputs "
+              f"and settings match)", file=sys.stderr)
+    return qlayers, reports
 
 
 def add_quiet(parser: argparse.ArgumentParser) -> None:

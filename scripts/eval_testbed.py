@@ -52,7 +52,7 @@ from kroquant_jax.timing import CompileWatch
 from models import image_metrics, pixart, sampling, testbed, testbed_data
 from models.capture import CaptureConfig, capture_layer_set
 from models.layers import linears
-from scripts.common_args import nonnegative_int, positive_int, verb_parser
+from scripts.common_args import nonnegative_int, positive_int, quantize_with_store, verb_parser
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "emoji_pixart"
@@ -393,15 +393,7 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
         began = time.perf_counter()
         compile_watch = CompileWatch()
         store = store_folder(out, method, recipe, capture_key)
-        try:
-            qlayers, reports = calibrate.quantize_layer_set(layer_set, recipe, store=str(store),
-                                                            overwrite=args.overwrite)
-        except provenance.StaleResultError as err:
-            raise ValueError(f"{err}; rerun with --overwrite to recompute, or choose another --out") from None
-        resumed = sum(bool(r.get("resumed")) for r in reports.values())
-        if resumed:
-            print(f"{method}: resumed {resumed} of {len(reports)} layers from {store} (their inputs and settings "
-                  f"match)", file=sys.stderr)
+        qlayers, reports = quantize_with_store(layer_set, recipe, str(store), args.overwrite, "--out", label=method)
         calibrate_s, calibrate_compile_s = time.perf_counter() - began, compile_watch.seconds()
         ranks = "/".join(str(r) for r in sorted({qlayers[name].config.rank for name in names}))
         branch = {"loraq": f"LoRaQ r={ranks} (MXFP4)", "svd": f"SVD r={ranks} (16-bit)"}.get(recipe.lowrank, "none")

@@ -20,11 +20,10 @@ with the same settings reuses it; ``--layer-set`` reuses another one, refused un
 ``--checkpoint``'s), ``qlayers-RECIPE/`` (the resumable per-layer store of ``kroquant_jax.calibrate``, each layer
 with the fingerprint of its inputs: a rerun resumes the layers whose weight, activations and recipe settings match
 and refuses the folder, naming the layer and what changed, when they do not, unless ``--overwrite``),
-``quantized-RECIPE/`` (the
-self-contained quantized checkpoint of ``models.quantized_checkpoint``: config, 16-bit weights, packed W4A4 layers;
-``kroquant generate --checkpoint OUT/quantized-RECIPE`` runs it), ``samples-RECIPE.npz`` (16-bit and W4A4 latents of the evaluation
-prompts, same seeds) and ``report-RECIPE.json`` (latent PSNR / relative error of W4A4 vs 16-bit per prompt,
-per-layer held-out errors).
+``quantized-RECIPE/`` (the self-contained quantized checkpoint of ``models.quantized_checkpoint``: config, 16-bit
+weights, packed W4A4 layers; ``kroquant generate --checkpoint OUT/quantized-RECIPE`` runs it), ``samples-RECIPE.npz``
+(16-bit and W4A4 latents of the evaluation prompts, same seeds) and ``report-RECIPE.json`` (latent PSNR / relative
+error of W4A4 vs 16-bit per prompt, per-layer held-out errors, ``left_16bit``, the sampler used).
 The last ``--eval-prompts`` prompts are only generated, never captured (unless there are no more prompts than that).
 With ``--vae DIR`` (a diffusers AutoencoderKL directory, torch side) the latents are also decoded to PNGs.
 """
@@ -42,7 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scripts.common_args import UserError, add_quiet, nonnegative_int, positive_int, verb_parser
+from scripts.common_args import (UserError, add_quiet, nonnegative_int, positive_int, quantize_with_store,
+                                 verb_parser)
 
 FAMILIES = {"PixArtTransformer2DModel": "pixart", "SanaTransformer2DModel": "sana", "FluxTransformer2DModel": "flux"}
 
@@ -357,14 +357,8 @@ def main(argv: list[str] | None = None) -> dict:
         atomic_write_json(cached_key, settings)
 
     # 2. calibrate (resumable store), 3. save the quantized layers
-    try:
-        qlayers, reports = calibrate.quantize_layer_set(layer_set, recipe, store=store, overwrite=args.overwrite)
-    except provenance.StaleResultError as err:
-        raise UserError(f"{err}; rerun with --overwrite to recompute, or choose another --out") from None
+    qlayers, reports = quantize_with_store(layer_set, recipe, store, args.overwrite, "--out")
     resumed = sum(bool(r.get("resumed")) for r in reports.values())
-    if resumed:
-        print(f"resumed {resumed} of {len(reports)} layers from {store_dir} (their inputs and settings match)",
-              file=sys.stderr)
     from models.quantized_checkpoint import save_quantized_checkpoint
     save_quantized_checkpoint(out / f"quantized-{tag}", model, qlayers, recipe_name=args.recipe, recipe=recipe,
                               reports=reports, left_16bit=left_16bit,

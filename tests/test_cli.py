@@ -119,3 +119,18 @@ def test_internal_error_is_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err == ("kroquant norm-table: internal error: TypeError: unexpected (rerun with --debug for the "
                    "traceback)\n")
+
+
+def test_generate_refuses_what_is_not_a_quantized_folder(tmp_path, capsys):
+    prompts = tmp_path / "p.npz"
+    prompts.write_bytes(b"")
+    assert cli.main(["generate", "--checkpoint", str(tmp_path / "none"), "--prompts", str(prompts), "--out",
+                     str(tmp_path / "o")]) == 1
+    assert capsys.readouterr().err == f"kroquant generate: error: --checkpoint {tmp_path / 'none'}: no such file or " \
+                                      f"folder\n"
+    (tmp_path / "q").mkdir()
+    (tmp_path / "q" / "config.json").write_text("{}")
+    assert cli.main(["generate", "--checkpoint", str(tmp_path / "q"), "--prompts", str(prompts), "--out",
+                     str(tmp_path / "o")]) == 1
+    assert capsys.readouterr().err == (f"kroquant generate: error: {tmp_path / 'q'}: no model.safetensors (not a "
+                                       f"quantized checkpoint folder written by kroquant)\n")
