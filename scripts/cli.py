@@ -25,6 +25,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "norm-table": ("scripts.norm_commutation", "paper appendix C table (normalisation vs rotation)"),
     "calibrate": ("scripts.calibrate_layers", "calibrate a layer set with every method; per-layer table + plot"),
     "quantize-checkpoint": ("scripts.quantize_checkpoint", "diffusers dir -> capture -> calibrate -> generate"),
+    "encode-prompts": ("scripts.encode_prompts", "prompts -> embeddings .npz with a local diffusers pipeline"),
     "generate": ("scripts.generate", "generate with a quantized checkpoint folder (simulated W4A4 path)"),
     "build-emoji-dataset": ("scripts.build_emoji_dataset", "build the emoji testbed dataset from the Noto font"),
     "train-testbed": ("scripts.train_testbed", "train the emoji testbed DiT"),
