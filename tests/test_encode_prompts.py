@@ -6,34 +6,17 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from scripts import cli
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _tiny_pixart_pipeline(folder):
-    torch = pytest.importorskip("torch")
-    diffusers = pytest.importorskip("diffusers")
-    tokenizers = pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(w, -1.0) for w in "a cat dog red blue on the".split()]
-    backend = tokenizers.Tokenizer(tokenizers.models.Unigram(vocab, unk_id=2))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
-    tokenizer = transformers.T5TokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>",
-                                             unk_token="<unk>", extra_ids=0)
-    torch.manual_seed(0)
-    encoder = transformers.T5EncoderModel(transformers.T5Config(vocab_size=len(vocab), d_model=16, d_kv=4, d_ff=32,
-                                                                num_layers=1, num_heads=2)).eval()
-    diffusers.PixArtSigmaPipeline(tokenizer=tokenizer, text_encoder=encoder, vae=None, transformer=None,
-                                  scheduler=diffusers.DPMSolverMultistepScheduler()).save_pretrained(folder)
-
-
 def test_encode_prompts_writes_the_prompt_file(tmp_path):
     from models import diffusers_io
+    from tiny_pipelines import tiny_pixart_pipeline  # tests/tiny_pipelines.py
 
-    _tiny_pixart_pipeline(tmp_path / "pipe")
+    tiny_pixart_pipeline(tmp_path / "pipe")
     (tmp_path / "prompts.txt").write_text("a red cat\n\nblue dog\n")
     out = tmp_path / "prompts.npz"
     proc = subprocess.run([sys.executable, "-m", "scripts.cli", "encode-prompts", "--pipeline", str(tmp_path / "pipe"),
