@@ -366,8 +366,8 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
     ``({name: QuantizedLinear}, {name: report})``."""
     from kroquant_jax import lowrank, qlinear, smoothquant
 
-    cal = dataclasses.replace(recipe.calibration, transform=recipe.transform,
-                              steps=recipe.calibration.steps if recipe.train else 0)
+    cal = dataclasses.replace(recipe.calibration, transform=recipe.transform,  # one bar: quantize_layer_set's
+                              steps=recipe.calibration.steps if recipe.train else 0, progress=False)
     reports = {n: {"transform": recipe.transform} for n in layers}
     inits = None
     if recipe.smooth_init:
@@ -430,38 +430,50 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
 
 
 def quantize_layer_set(layer_set: LayerSet, recipe: Recipe | str = "kroquant", store=None,
-                       on_batch_done=None) -> tuple[dict, dict]:
+                       on_batch_done=None, overwrite: bool = False) -> tuple[dict, dict]:
     """Quantizes every layer with ``recipe``; resumable through ``store``.
 
     Layers are processed in batches of one shape: at most ``recipe.calibration.max_layers_per_program`` per batch,
     the batches of a shape equal in size but for a smaller last one, whose programs are padded to the others' size
     (so each shape compiles its programs once). Each finished layer is written to ``store`` (a
-    :class:`kroquant_jax.qlinear.QLinearStore` or a folder path) atomically, and layers already in the store are
-    loaded instead of recomputed, so a run interrupted midway restarts from the finished layers.
+    :class:`kroquant_jax.qlinear.QLinearStore` or a folder path) atomically with the fingerprint of its inputs
+    (:func:`kroquant_jax.provenance.layer_fingerprint`: weight, bias, activation rows, recipe settings, numerics
+    version). Layers already in the store are loaded instead of recomputed when their fingerprint matches, so a run
+    interrupted midway restarts from the finished layers; a stored layer computed from other inputs raises (before
+    any computation) unless ``overwrite``.
 
     Args:
       layer_set: ``{name: (W, bias, A_rows)}``.
       recipe: a :class:`Recipe` or a name for :func:`get_recipe`.
       store: ``None``, a folder path, or a ``QLinearStore``.
       on_batch_done: optional ``callback(list_of_names)`` after each batch is stored (progress hooks, tests).
+      overwrite: recompute every layer and replace what the store holds.
 
     Returns:
       ``({name: QuantizedLinear}, {name: report dict})``; a report holds ``heldout_error`` (relative output error
       of the final layer on the held-out rows), ``transform_heldout_error``, ``chosen``, ``candidates`` and, where
       they apply, ``alpha``/``beta`` and the weight errors; ``resumed`` is ``True`` for layers loaded from the store.
+
+    Raises:
+      kroquant_jax.provenance.StaleResultError: a stored layer's fingerprint differs (names the layer and what
+        changed: weight, bias, activations, ``recipe setting X: old -> new``, numerics version).
     """
-    from kroquant_jax import qlinear
+    from kroquant_jax import provenance, qlinear
 
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     layers = as_layer_set(layer_set)
     if isinstance(store, str):
         store = qlinear.QLinearStore(store)
+    fingerprints = {n: provenance.layer_fingerprint(layer.weight, layer.bias, layer.activations, recipe)
+                    for n, layer in layers.items()} if store is not None else {}
+    if store is not None and not overwrite:
+        store.verify(fingerprints)  # every stale layer is refused before any work
     done_layers, reports = {}, {}
     todo = []
     for n in layers:
-        if store is not None and n in store:
+        if store is not None and not overwrite and n in store:
             done_layers[n], rep = store.load(n)
-            reports[n] = {k: v for k, v in rep.items() if k != "name"}
+            reports[n] = {k: v for k, v in rep.items() if k not in ("name", "fingerprint")}
             reports[n]["resumed"] = True
         else:
             todo.append(n)
@@ -479,7 +491,8 @@ def quantize_layer_set(layer_set: LayerSet, recipe: Recipe | str = "kroquant", s
             for n in batch:
                 rep[n]["resumed"] = False
                 if store is not None:
-                    store.save(n, q[n], {k: v for k, v in rep[n].items() if k != "resumed"})
+                    store.save(n, q[n], {k: v for k, v in rep[n].items() if k != "resumed"},
+                               fingerprint=fingerprints[n])
             done_layers.update(q)
             reports.update(rep)
             if bar is not None:

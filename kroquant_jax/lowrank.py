@@ -47,8 +47,9 @@ import optax
 from kroquant_jax.formats import MXFP4, QuantFormat, check_finite, fake_quant
 from kroquant_jax.layerset import _pad_rows, progress_bar, run_stacked
 
-__all__ = ["LoRaQConfig", "LowRank", "SVDQuantConfig", "branch", "loraq_fit", "loraq_layers", "low_rank_svd",
-           "program_config", "resolve_rank", "run_stacked_padded", "svdquant_fit", "svdquant_layers", "weight_error"]
+__all__ = ["LoRaQConfig", "LowRank", "SVDQuantConfig", "branch", "check_rank", "loraq_fit", "loraq_layers",
+           "low_rank_svd", "program_config", "resolve_rank", "run_stacked_padded", "svdquant_fit", "svdquant_layers",
+           "weight_error"]
 
 SvdMethod = Literal["exact", "randomized"]
 
@@ -335,7 +336,9 @@ def run_stacked_padded(fn, stacked_inputs, num_jobs: int, *, pad_to: int, max_pe
     return jax.tree.map(lambda x: x[:num_jobs], out)
 
 
-def _check_rank(name: str, shape: tuple, rank: int, fmt: Optional[QuantFormat]) -> None:
+def check_rank(name: str, shape: tuple, rank: int, fmt: Optional[QuantFormat]) -> None:
+    """Raises a ``ValueError`` naming layer ``name`` if a branch of ``rank`` does not fit a weight of ``shape (o, d)``
+    (``rank > min(o, d)``, or not a multiple of the block of ``fmt``, the branch's storage format, if given)."""
     if rank > min(shape):
         raise ValueError(f"layer {name!r}: rank={rank} exceeds min(o, d) of the weight {shape}")
     if fmt is not None and rank % fmt.block_size:
@@ -358,7 +361,7 @@ def loraq_layers(weights: Mapping[str, np.ndarray], cfg: LoRaQConfig = LoRaQConf
     for name, w in weights.items():
         check_finite(w, f"layer {name!r} transformed weight")
         fmt = cfg.fmt if cfg.quantize_branch else None
-        _check_rank(name, np.shape(w), resolve_rank(cfg.rank, np.shape(w), fmt and fmt.block_size, name), fmt)
+        check_rank(name, np.shape(w), resolve_rank(cfg.rank, np.shape(w), fmt and fmt.block_size, name), fmt)
     fn = functools.partial(_loraq_stacked, cfg=program_config(cfg))
     bar = progress_bar(len(weights), cfg.progress, "LoRaQ")
     out = {}
@@ -453,7 +456,7 @@ def svdquant_layers(weights: Mapping[str, np.ndarray], activations: Optional[Map
     when refining), stacked by shape (programs sized as in :func:`loraq_layers`). Returns ``{name: LowRank}``."""
     for name, w in weights.items():
         check_finite(w, f"layer {name!r} smoothed weight")
-        _check_rank(name, np.shape(w), cfg.rank, None)
+        check_rank(name, np.shape(w), cfg.rank, None)
     if cfg.refine_steps and activations is None:
         raise ValueError("svdquant_layers: refine_steps > 0 needs the calibration activations of every layer")
     fn = functools.partial(_svdquant_stacked, cfg=program_config(cfg))

@@ -21,7 +21,8 @@ STE (differentiable, any device); ``path="packed"`` quantizes ``x T`` to codes +
 codes of both operands (the reference of the GPU kernels, which plug in from ``pallas_kernels``). Both agree.
 
 Storage: :class:`QLinearStore` keeps one ``.safetensors`` file per layer in a folder, each written atomically (temp
-file + rename), so a calibration interrupted midway restarts from the layers already stored.
+file + rename) with the fingerprint of its inputs, so a calibration interrupted midway restarts from the layers
+already stored, and a stored layer computed from other inputs is refused instead of reused.
 :func:`save_orbax` / :func:`restore_orbax` save a whole ``{name: QuantizedLinear}`` with orbax.
 """
 
@@ -375,12 +376,18 @@ def hash_name(name: str) -> int:
 
 
 class QLinearStore:
-    """A folder of calibrated layers, one atomic ``.safetensors`` file each (resume = skip the stored names).
+    """A folder of calibrated layers, one atomic ``.safetensors`` file each, each with the fingerprint of its inputs.
+
+    Resuming (skip the layers already stored) is only safe when a stored layer was computed from the same inputs:
+    :meth:`save` stores a fingerprint (:func:`kroquant_jax.provenance.layer_fingerprint`: hashes of the weight, bias,
+    activation rows, the recipe's settings, the numerics version) beside the layer and :meth:`load` / :meth:`verify`
+    refuse a stored layer whose fingerprint differs from the current one with a
+    :class:`~kroquant_jax.provenance.StaleResultError` that names the layer and what changed.
 
     >>> store = QLinearStore("runs/pixart_kroquant")
-    >>> todo = [n for n in names if n not in store]
-    >>> store.save(name, layer, {"heldout_error": 0.12})
-    >>> layers = store.load_all()
+    >>> fp = provenance.layer_fingerprint(w, b, a, recipe)
+    >>> store.save(name, layer, {"heldout_error": 0.12}, fingerprint=fp)
+    >>> layer, extra = store.load(name, fingerprint=fp)   # raises StaleResultError if the inputs changed
     """
 
     def __init__(self, directory: str):
@@ -393,18 +400,63 @@ class QLinearStore:
     def __contains__(self, name: str) -> bool:
         return os.path.exists(self.path(name))
 
-    def save(self, name: str, layer: QuantizedLinear, extra_metadata: Optional[dict] = None) -> None:
-        save_qlinear(self.path(name), layer, {"name": name, **(extra_metadata or {})})
+    def save(self, name: str, layer: QuantizedLinear, extra_metadata: Optional[dict] = None,
+             fingerprint: Optional[dict] = None) -> None:
+        """Stores ``layer`` (replacing a stored one) with ``extra_metadata`` and its inputs' ``fingerprint``."""
+        extra = {"name": name, **(extra_metadata or {})}
+        if fingerprint is not None:
+            extra["fingerprint"] = fingerprint
+        save_qlinear(self.path(name), layer, extra)
 
-    def load(self, name: str) -> tuple[QuantizedLinear, dict]:
+    def changes(self, name: str, fingerprint: Mapping[str, Any]) -> list[str]:
+        """What differs between the stored layer's fingerprint and ``fingerprint`` (only the keys it has; a partial
+        fingerprint without ``activations`` checks the weight and recipe before a capture); ``[]`` if they match."""
+        from safetensors import safe_open
+
+        from kroquant_jax import provenance
+
+        with safe_open(self.path(name), framework="numpy") as f:
+            extra = json.loads(f.metadata()["qlinear"]).get("extra", {})
+        return provenance.describe_changes(extra.get("fingerprint"), fingerprint)
+
+    def verify(self, fingerprints: Mapping[str, Mapping[str, Any]]) -> int:
+        """Checks every stored layer named in ``fingerprints``; returns how many are stored (and match).
+
+        Raises:
+          StaleResultError: for the first stored layer whose fingerprint differs (the message counts the others).
+        """
+        from kroquant_jax import provenance
+
+        stale, stored = [], 0
+        for name, fingerprint in fingerprints.items():
+            if name in self:
+                stored += 1
+                changes = self.changes(name, fingerprint)
+                if changes:
+                    stale.append((name, changes))
+        if stale:
+            name, changes = stale[0]
+            others = f"; {len(stale) - 1} more stored layer(s) differ too" if len(stale) > 1 else ""
+            raise provenance.StaleResultError(name, [", ".join(changes) + others], self.directory)
+        return stored
+
+    def load(self, name: str, fingerprint: Optional[Mapping[str, Any]] = None) -> tuple[QuantizedLinear, dict]:
+        """The stored layer and its extra metadata; with ``fingerprint``, refuses a layer computed from other inputs.
+
+        Raises:
+          KeyError: ``name`` is not stored.
+          StaleResultError: its stored fingerprint differs from ``fingerprint``.
+        """
         if name not in self:
             raise KeyError(f"layer {name!r} is not in the store {self.directory!r}")
+        if fingerprint is not None:
+            self.verify({name: fingerprint})
         return load_qlinear(self.path(name))
 
     def names(self) -> list[str]:
         out = []
         for f in sorted(os.listdir(self.directory)):
-            if f.endswith(".safetensors") and not f.startswith(".tmp-"):
+            if f.endswith(".safetensors") and not f.startswith(".tmp-") and not f.startswith("."):
                 _, extra = load_qlinear(os.path.join(self.directory, f))
                 out.append(extra["name"])
         return out

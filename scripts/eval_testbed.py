@@ -1,8 +1,7 @@
 """End-to-end W4A4 evaluation of the emoji testbed DiT (or any flow-matching pixel-space PixArt checkpoint).
 
-    python -m scripts.eval_testbed --out runs/eval_testbed            # every method (ALL_METHODS)
-    python -m scripts.eval_testbed --out runs/x --methods rtn kroquant kroquant+loraq kroquant+loraq@128 \
-        --lora-rank 0.125
+    kroquant evaluate --out runs/eval_testbed            # every method (ALL_METHODS)
+    kroquant evaluate --out runs/x --methods rtn kroquant kroquant+loraq kroquant+loraq@128 --lora-rank 0.125
 
 1. Capture: sample the calibration captions (the training records of the prompt file) with the flow-matching Euler
    sampler and CFG, recording random input rows of every quantizable linear at every step (``models.capture``'s
@@ -41,6 +40,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,7 @@ from kroquant_jax.timing import CompileWatch
 from models import image_metrics, pixart, sampling, testbed, testbed_data
 from models.capture import CaptureConfig, capture_layer_set
 from models.layers import linears
+from scripts.common_args import nonnegative_int, positive_int, quantize_with_store, verb_parser
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "emoji_pixart"
@@ -76,42 +77,63 @@ def rank_arg(text: str) -> int | float:
     return value
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+EXAMPLES = ("--out runs/eval_testbed", "--out runs/x --methods rtn kroquant kroquant+loraq --lora-rank 0.125",
+            "--checkpoint DIR --prompts PROMPTS.npz --out runs/mine --methods rtn kroquant")
+
+
+def parse_args(argv=None, verb: str = "evaluate", description: str | None = None, preset: Sequence[str] = (),
+               examples: Sequence[str] = EXAMPLES) -> argparse.Namespace:
+    """The options of ``kroquant <verb>``; ``preset`` (a command line, e.g. the demo's fast settings) becomes the
+    defaults, so ``--help`` shows them and the user's options override them."""
+    parser = verb_parser(verb, __doc__ if description is None else description, examples)
     parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="diffusers PixArt directory")
     parser.add_argument("--prompts", default=None, help="prompt .npz (default: <checkpoint>/testbed_prompts.npz)")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--methods", nargs="+", default=ALL_METHODS,
-                        help=f"recipes, a LoRaQ one optionally with its own rank: kroquant+loraq@128 "
-                             f"(default: {ALL_METHODS})")
-    parser.add_argument("--calib-captions", type=int, default=32, help="training captions sampled for capture")
-    parser.add_argument("--eval-captions", type=int, default=8, help="held-out captions generated per method")
-    parser.add_argument("--eval-train-captions", type=int, default=0,
+                        help="recipes, a LoRaQ one optionally with its own rank: kroquant+loraq@128")
+    parser.add_argument("--calib-captions", type=positive_int, default=32, help="training captions sampled for capture")
+    parser.add_argument("--eval-captions", type=positive_int, default=8, help="held-out captions generated per method")
+    parser.add_argument("--eval-train-captions", type=nonnegative_int, default=0,
                         help="also generate this many training captions not used for calibration (own table/grid)")
-    parser.add_argument("--steps", type=int, default=20, help="Euler steps (capture and generation)")
-    parser.add_argument("--guidance", type=float, default=3.0)
-    parser.add_argument("--rows-per-layer", type=int, default=1024, help="captured rows kept per layer")
-    parser.add_argument("--calib-rows", type=int, default=None, help="calibration rows per layer (recipe default)")
-    parser.add_argument("--calib-heldout", type=int, default=None, help="held-out rows per layer (recipe default)")
-    parser.add_argument("--calib-steps", type=int, default=None, help="KroQuant Adam steps (recipe default 100)")
-    parser.add_argument("--loraq-steps", type=int, default=None, help="LoRaQ Adam and rotation steps (default 500)")
+    parser.add_argument("--steps", type=positive_int, default=20, help="Euler steps (capture and generation)")
+    parser.add_argument("--guidance", type=float, default=3.0, help="CFG scale")
+    parser.add_argument("--rows-per-layer", type=positive_int, default=1024, help="captured rows kept per layer")
+    parser.add_argument("--calib-rows", type=positive_int, default=None,
+                        help="calibration rows per layer (recipe default)")
+    parser.add_argument("--calib-heldout", type=positive_int, default=None,
+                        help="held-out rows per layer (recipe default)")
+    parser.add_argument("--calib-steps", type=nonnegative_int, default=None,
+                        help="KroQuant Adam steps (recipe default 100)")
+    parser.add_argument("--loraq-steps", type=nonnegative_int, default=None,
+                        help="LoRaQ Adam and rotation steps (default 500)")
     parser.add_argument("--lora-rank", type=rank_arg, default=128,
-                        help="LoRaQ rank: an int (default 128, the paper's, for 1152+-wide layers) or a fraction of "
+                        help="LoRaQ rank: an int (128 is the paper's, for 1152+-wide layers) or a fraction of "
                              "each layer's min(o, d), e.g. 0.125 (rank 32 on 256-wide layers)")
-    parser.add_argument("--batch-size", type=int, default=8, help="captions per sampling call (capture)")
-    parser.add_argument("--grid-rows", type=int, default=None, help="at most this many captions per grid (default all)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="captions per sampling call (capture)")
+    parser.add_argument("--grid-rows", type=positive_int, default=None,
+                        help="at most this many captions per grid (default all)")
     parser.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                         help="only merge the outputs of earlier runs (same settings, other methods; e.g. parallel "
                              "processes) into one report/table/grid in --out")
-    parser.add_argument("--max-layers-per-program", type=int, default=None,
+    parser.add_argument("--max-layers-per-program", type=positive_int, default=None,
                         help="layers calibrated together (recipe default 64; e.g. 128 puts the testbed's 80 "
                              "256x256 linears in one program)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--layers", type=int, default=None, help="quantize only the first N quantizable linears")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the noise and the row draws")
+    parser.add_argument("--layers", type=positive_int, default=None,
+                        help="quantize only the first N quantizable linears")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="capture and calibrate again instead of reusing --out's results (which are refused when "
+                             "they were made from other inputs)")
     parser.add_argument("--compile-cache", metavar="DIR", default=None,
                         help="JAX persistent compilation cache folder: a later run with the same shapes and settings "
                              "loads the compiled programs (capture, calibration, sampling) instead of compiling them "
-                             "(default: off; the reported compile seconds then include the loads)")
+                             "(the reported compile seconds then include the loads)")
+    if preset:
+        base = vars(parser.parse_args(list(preset)))
+        parser.set_defaults(**base)
+        for action in parser._actions:
+            if base.get(action.dest) is not None:
+                action.required = False
     return parser.parse_args(argv)
 
 
@@ -297,11 +319,13 @@ def merge_outputs(folders: list[Path], out: Path, grid_rows: int | None = None) 
     return report
 
 
-def main(argv=None) -> int:
-    from kroquant_jax import calibrate
+def main(argv=None, verb: str = "evaluate", description: str | None = None, preset: Sequence[str] = (),
+         examples: Sequence[str] = EXAMPLES) -> int:
+    """``kroquant evaluate`` (``verb``, ``description``, ``preset``, ``examples``: see :func:`parse_args`)."""
+    from kroquant_jax import calibrate, provenance
     from models import quantize_model
 
-    args = parse_args(argv)
+    args = parse_args(argv, verb, description, preset, examples)
     if args.compile_cache:
         calibrate.enable_compile_cache(args.compile_cache)  # before anything compiles
     out = Path(args.out)
@@ -339,9 +363,16 @@ def main(argv=None) -> int:
                    f"{args.guidance}|{args.rows_per_layer}|{args.seed}|{names}")
     cache = out / "layer_set.safetensors"
     cache_key_path = out / "layer_set.key"
-    if cache.exists() and cache_key_path.exists() and cache_key_path.read_text() == capture_key:
+    layer_set = None
+    if not args.overwrite and cache.exists() and cache_key_path.exists() and cache_key_path.read_text() == capture_key:
         layer_set = load_layer_set(str(cache))  # the same capture settings: reuse (methods resume from their stores)
-    else:
+        model_linears = linears(model)
+        weights = {n: (np.asarray(model_linears[n].kernel[...], np.float32).T,
+                       None if model_linears[n].bias is None else np.asarray(model_linears[n].bias[...], np.float32))
+                   for n in names}
+        if provenance.layer_set_mismatch(layer_set, weights) is not None:
+            layer_set = None  # the checkpoint at this path changed since: capture again
+    if layer_set is None:
         layer_set = capture_flow_layer_set(model, dataset, calib_indices, args, names)
         save_layer_set(str(cache), layer_set)
         atomic_write_text(cache_key_path, capture_key)
@@ -361,8 +392,8 @@ def main(argv=None) -> int:
     for method, recipe in recipes.items():
         began = time.perf_counter()
         compile_watch = CompileWatch()
-        qlayers, reports = calibrate.quantize_layer_set(layer_set, recipe,
-                                                        store=str(store_folder(out, method, recipe, capture_key)))
+        store = store_folder(out, method, recipe, capture_key)
+        qlayers, reports = quantize_with_store(layer_set, recipe, str(store), args.overwrite, "--out", label=method)
         calibrate_s, calibrate_compile_s = time.perf_counter() - began, compile_watch.seconds()
         ranks = "/".join(str(r) for r in sorted({qlayers[name].config.rank for name in names}))
         branch = {"loraq": f"LoRaQ r={ranks} (MXFP4)", "svd": f"SVD r={ranks} (16-bit)"}.get(recipe.lowrank, "none")

@@ -9,12 +9,21 @@
 PixArt/SANA ``context (P, t, c)``, ``mask (P, t)``, ``uncond_context (1, t, c)``, ``uncond_mask (1, t)``; FLUX
 ``context (P, t, 4096)``, ``pooled (P, 768)``) or, for smoke tests, from random embeddings (``--synthetic-prompts``).
 
+Everything that can be checked from the arguments and the model's config is checked before the capture (recipe name,
+low-rank rank vs ``min(o, d)``, a writable ``--out``, the prompt file, counts >= 1). Linears whose input width is not
+a multiple of the format's block (SANA's ``mlp_ratio 2.5`` gives d = 80 in some layers) stay 16-bit and are listed in
+the report (``left_16bit``).
+
 Outputs in OUT (each file written atomically; RECIPE is the recipe name with ``+`` -> ``_``):
-``layer_set.safetensors`` (the captured layer set; ``--layer-set`` reuses one instead of capturing again),
-``qlayers-RECIPE/`` (the resumable per-layer store of ``kroquant_jax.calibrate``), ``quantized-RECIPE/`` (orbax
-checkpoint of ``{name: QuantizedLinear}``), ``samples-RECIPE.npz`` (16-bit and W4A4 latents of the evaluation
-prompts, same seeds) and ``report-RECIPE.json`` (latent PSNR / relative error of W4A4 vs 16-bit per prompt,
-per-layer held-out errors).
+``layer_set.safetensors`` + ``layer_set.json`` (the captured layer set and the capture settings it came from; a rerun
+with the same settings reuses it; ``--layer-set`` reuses another one, refused unless its weights are
+``--checkpoint``'s), ``qlayers-RECIPE/`` (the resumable per-layer store of ``kroquant_jax.calibrate``, each layer
+with the fingerprint of its inputs: a rerun resumes the layers whose weight, activations and recipe settings match
+and refuses the folder, naming the layer and what changed, when they do not, unless ``--overwrite``),
+``quantized-RECIPE/`` (the self-contained quantized checkpoint of ``models.quantized_checkpoint``: config, 16-bit
+weights, packed W4A4 layers; ``kroquant generate --checkpoint OUT/quantized-RECIPE`` runs it), ``samples-RECIPE.npz``
+(16-bit and W4A4 latents of the evaluation prompts, same seeds) and ``report-RECIPE.json`` (latent PSNR / relative
+error of W4A4 vs 16-bit per prompt, per-layer held-out errors, ``left_16bit``, the sampler used).
 The last ``--eval-prompts`` prompts are only generated, never captured (unless there are no more prompts than that).
 With ``--vae DIR`` (a diffusers AutoencoderKL directory, torch side) the latents are also decoded to PNGs.
 """
@@ -22,9 +31,8 @@ With ``--vae DIR`` (a diffusers AutoencoderKL directory, torch side) the latents
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -33,42 +41,174 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scripts.common_args import (UserError, add_quiet, nonnegative_int, positive_int, quantize_with_store,
+                                 verb_parser)
+
 FAMILIES = {"PixArtTransformer2DModel": "pixart", "SanaTransformer2DModel": "sana", "FluxTransformer2DModel": "flux"}
 
 
+EXAMPLES = (
+    "--checkpoint pixart-sigma/transformer --embeddings prompts.npz --out runs/pixart",
+    "--checkpoint checkpoints/emoji_pixart --embeddings checkpoints/emoji_pixart/testbed_prompts.npz "
+    "--solver flow_euler --latent-hw 32 32 --recipe kroquant+loraq --out runs/emoji",
+    "--checkpoint tiny/transformer --synthetic-prompts 4 --steps 2 --latent-hw 8 8 --out /tmp/smoke --quiet",
+)
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="kroquant quantize-checkpoint", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="diffusers transformer directory")
-    parser.add_argument("--out", required=True, help="output directory")
+    parser = verb_parser("quantize-checkpoint", __doc__, EXAMPLES)
+    parser.add_argument("--checkpoint", required=True,
+                        help="diffusers transformer directory (the pipeline's transformer/ folder)")
+    parser.add_argument("--out", required=True, help="output directory (created; resumed when its results match)")
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--embeddings", help=".npz of precomputed prompt embeddings (see module doc)")
-    prompts.add_argument("--synthetic-prompts", type=int, help="use N random prompt embeddings (smoke tests)")
-    parser.add_argument("--synthetic-tokens", type=int, default=8, help="tokens per synthetic prompt")
+    prompts.add_argument("--synthetic-prompts", type=positive_int, help="use N random prompt embeddings (smoke tests)")
+    parser.add_argument("--synthetic-tokens", type=positive_int, default=8, help="tokens per synthetic prompt")
     parser.add_argument("--recipe", default="kroquant", help="kroquant_jax.calibrate recipe name (e.g. rtn, "
                         "smoothquant, hadamard32, kroquant, svdquant, kroquant+loraq)")
-    parser.add_argument("--calib-steps", type=int, help="override the recipe's optimisation steps")
-    parser.add_argument("--calib-rows", type=int, help="calibration rows per layer (default: the recipe's)")
-    parser.add_argument("--calib-heldout", type=int, help="held-out rows per layer (default: the recipe's)")
+    parser.add_argument("--calib-steps", type=nonnegative_int, help="override the recipe's optimisation steps")
+    parser.add_argument("--calib-rows", type=positive_int, help="calibration rows per layer (default: the recipe's)")
+    parser.add_argument("--calib-heldout", type=positive_int, help="held-out rows per layer (default: the recipe's)")
     parser.add_argument("--solver", choices=("dpm_solver_pp_2m", "flow_euler"),
                         help="default: DPM-Solver++ 2M for PixArt, flow Euler for SANA/FLUX; flow_euler for "
                         "flow-matching PixArt-architecture models (the emoji testbed)")
     parser.add_argument("--shift", type=float, help="flow-matching sigma shift (default: the family's)")
-    parser.add_argument("--max-prompts", type=int, help="use only the first N prompts of --embeddings")
-    parser.add_argument("--steps", type=int, default=20, help="denoising steps (capture and generation)")
+    parser.add_argument("--max-prompts", type=positive_int, help="use only the first N prompts of --embeddings")
+    parser.add_argument("--steps", type=positive_int, default=20, help="denoising steps (capture and generation)")
     parser.add_argument("--guidance", type=float, default=4.5, help="CFG scale (PixArt/SANA)")
-    parser.add_argument("--latent-hw", type=int, nargs=2, default=(128, 128), metavar=("H", "W"))
-    parser.add_argument("--rows-per-layer", type=int, default=1024, help="captured rows kept per layer")
-    parser.add_argument("--layer-set", help="reuse a captured layer set (.safetensors/.npz) instead of capturing")
-    parser.add_argument("--batch-size", type=int, default=1, help="prompts per sampling run")
-    parser.add_argument("--eval-prompts", type=int, default=4, help="the LAST N prompts are generated with both "
-                        "models and not captured (unless there are no more than N prompts)")
-    parser.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16, float16")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--latent-hw", type=positive_int, nargs=2, default=(128, 128), metavar=("H", "W"),
+                        help="latent height and width")
+    parser.add_argument("--rows-per-layer", type=positive_int, default=1024, help="captured rows kept per layer")
+    parser.add_argument("--layer-set", help="reuse a captured layer set (.safetensors/.npz) instead of capturing; "
+                        "its weights must be --checkpoint's")
+    parser.add_argument("--batch-size", type=positive_int, default=1, help="prompts per sampling run")
+    parser.add_argument("--eval-prompts", type=positive_int, default=4, help="the LAST N prompts are generated with "
+                        "both models and not captured (unless there are no more than N prompts)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the noise and the row draws")
+    parser.add_argument("--unaligned", default="keep-16bit", choices=("keep-16bit",),
+                        help="linears whose input width is not a multiple of the format's block (32): keep-16bit "
+                        "leaves them unquantized and lists them in the report")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="recompute everything in --out instead of refusing results made from other inputs")
     parser.add_argument("--vae", help="diffusers AutoencoderKL directory: decode the latents to PNGs (torch)")
     parser.add_argument("--compile-cache", metavar="DIR",
                         help="JAX persistent compilation cache folder: a later run with the same shapes and settings "
                              "loads the compiled programs (calibration, capture, sampling) instead of compiling them")
+    add_quiet(parser)
     return parser.parse_args(argv)
+
+
+def check_checkpoint_dir(checkpoint: str) -> dict:
+    """The parsed ``config.json`` of a diffusers transformer folder, or a :class:`UserError` naming the problem: a
+    missing folder, a pipeline root passed instead of its ``transformer/``, a missing or broken ``config.json``, an
+    unknown ``_class_name``."""
+    folder = Path(checkpoint)
+    if not folder.is_dir():
+        raise UserError(f"--checkpoint {checkpoint}: no such folder")
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        if (folder / "model_index.json").exists() or (folder / "transformer" / "config.json").exists():
+            raise UserError(f"--checkpoint {checkpoint} is a diffusers pipeline folder; pass its transformer "
+                            f"folder: --checkpoint {folder / 'transformer'}")
+        raise UserError(f"--checkpoint {checkpoint}: no config.json (expected a diffusers transformer folder)")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{config_path}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+    if config.get("_class_name") not in FAMILIES:
+        raise UserError(f"{config_path}: _class_name {config.get('_class_name')!r} is not one of {sorted(FAMILIES)}")
+    return config
+
+
+def check_out_dir(out: Path) -> None:
+    """Creates ``out`` and checks that it is a writable folder (before any expensive work)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-check."):
+            pass
+    except OSError as err:
+        raise UserError(f"--out {out}: not writable ({err.strerror or err})") from None
+
+
+def build_recipe(args):
+    """The recipe of ``--recipe`` with the ``--calib-*`` overrides and the progress bar of ``--quiet``."""
+    from kroquant_jax import calibrate
+
+    try:
+        recipe = calibrate.get_recipe(args.recipe)
+    except KeyError as err:
+        raise UserError(f"--recipe: {err.args[0]}") from None
+    calib_overrides = {k: v for k, v in (("steps", args.calib_steps), ("num_rows", args.calib_rows),
+                                         ("num_heldout", args.calib_heldout)) if v is not None}
+    return dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, progress=not args.quiet,
+                                                                       **calib_overrides))
+
+
+def plan_layers(model, recipe, recipe_name: str) -> tuple[dict[str, tuple[np.ndarray, np.ndarray | None]],
+                                                          dict[str, str]]:
+    """Which quantizable linears the recipe quantizes, checked from the model before any capture.
+
+    Returns ``({name: (W (o, d) float32, bias (o,) | None)}`` of the layers to quantize, ``{name: reason}`` of those
+    left 16-bit: an input width ``d`` that is not a multiple of the format's block). Raises a :class:`UserError`
+    naming the layer if the recipe's low-rank branch does not fit it (``rank > min(o, d)``, or a LoRaQ rank that is
+    not a multiple of the block).
+    """
+    from kroquant_jax import lowrank
+    from models.layers import linears
+
+    block = recipe.calibration.objective.fmt.block_size
+    quantized, left = {}, {}
+    for name, layer in linears(model, quantizable_only=True).items():
+        weight = np.asarray(layer.kernel[...], np.float32).T  # (o, d)
+        o, d = weight.shape
+        if d % block:
+            left[name] = f"input width {d} is not a multiple of the block {block}"
+            continue
+        if recipe.lowrank is not None:
+            cfg = (recipe.loraq or lowrank.LoRaQConfig()) if recipe.lowrank == "loraq" else (
+                recipe.svdquant or lowrank.SVDQuantConfig())
+            fmt = cfg.fmt if recipe.lowrank == "loraq" and cfg.quantize_branch else None
+            try:
+                rank = lowrank.resolve_rank(cfg.rank, weight.shape, fmt and fmt.block_size, name)
+                lowrank.check_rank(name, weight.shape, rank, fmt)
+            except ValueError as err:
+                raise UserError(f"--recipe {recipe_name}: {err}") from None
+        quantized[name] = (weight, None if layer.bias is None else np.asarray(layer.bias[...], np.float32))
+    if not quantized:
+        raise UserError(f"no quantizable linear has an input width that is a multiple of {block} "
+                        f"({len(left)} left 16-bit)")
+    return quantized, left
+
+
+def check_layer_set(layer_set: dict, weights: dict, source: str, checkpoint: str) -> None:
+    """Refuses a layer set that was not captured from ``checkpoint``: another set of layers, or other weights."""
+    from kroquant_jax.provenance import layer_set_mismatch
+
+    why = layer_set_mismatch(layer_set, weights)
+    if why is not None:
+        raise UserError(f"{source}: {why}: not captured from --checkpoint {checkpoint} (another checkpoint or "
+                        f"--dtype?); capture again without --layer-set")
+
+
+def capture_settings(args, arrays: dict, capture_indices: list[int], names: list[str]) -> dict:
+    """What a captured layer set depends on besides the weights (stored beside it as ``layer_set.json``)."""
+    from kroquant_jax.provenance import NUMERICS_VERSION, array_digest
+
+    prompts = {k: array_digest(v if k.startswith("uncond_") else v[capture_indices]) for k, v in arrays.items()}
+    return {"numerics_version": NUMERICS_VERSION, "steps": args.steps, "guidance": args.guidance,
+            "latent_hw": list(args.latent_hw), "rows_per_layer": args.rows_per_layer, "seed": args.seed,
+            "shift": args.shift, "solver": args.solver, "batch_size": args.batch_size, "dtype": args.dtype,
+            "prompts": prompts, "layers": names}
+
+
+def _settings_changes(stored: dict, current: dict) -> list[str]:
+    return [f"capture setting {k}: {stored.get(k)!r} -> {current.get(k)!r}" if k not in ("prompts", "layers")
+            else f"capture {k}" for k in sorted(set(stored) | set(current)) if stored.get(k) != current.get(k)]
 
 
 def _load(checkpoint: str, dtype: str):
@@ -83,7 +223,9 @@ def _load(checkpoint: str, dtype: str):
     return family, cfg, model
 
 
-def _prompt_arrays(args, family: str, cfg) -> dict[str, np.ndarray]:
+def prompt_arrays(args, family: str, cfg) -> dict[str, np.ndarray]:
+    """The family's text inputs from ``args.embeddings`` (first ``args.max_prompts``) or ``args.synthetic_prompts``
+    random ones, checked against the model's widths (a :class:`UserError` names the file, key and shape)."""
     if args.embeddings:
         with np.load(args.embeddings) as data:
             arrays = {k: data[k] for k in data.files}
@@ -107,11 +249,21 @@ def _prompt_arrays(args, family: str, cfg) -> dict[str, np.ndarray]:
     needed = ("context", "pooled") if family == "flux" else ("context", "mask", "uncond_context", "uncond_mask")
     missing = [k for k in needed if k not in arrays]
     if missing:
-        raise SystemExit(f"prompt embeddings lack {missing} (a {family} model needs {list(needed)})")
+        source = f"--embeddings {args.embeddings}" if args.embeddings else "prompt embeddings"
+        raise UserError(f"{source}: lacks {missing} (a {family} model needs {list(needed)})")
+    width = cfg.joint_attention_dim if family == "flux" else (
+        cfg.caption_channels if cfg.caption_channels is not None else cfg.cross_attention_dim)
+    for key in ("context", "uncond_context") if family != "flux" else ("context",):
+        if arrays[key].ndim != 3 or arrays[key].shape[-1] != width:
+            raise UserError(f"--embeddings {args.embeddings}: {key!r} has shape {arrays[key].shape}, the model "
+                            f"needs (prompts, tokens, {width})")
+    if arrays["context"].shape[0] == 0:
+        raise UserError(f"--embeddings {args.embeddings}: no prompts")
     return {k: np.asarray(arrays[k], np.float32) for k in needed}
 
 
-def _batches(arrays: dict[str, np.ndarray], indices: list[int], batch_size: int, dtype) -> list[dict]:
+def prompt_batches(arrays: dict[str, np.ndarray], indices: list[int], batch_size: int, dtype) -> list[dict]:
+    """The prompts ``indices`` in batches of ``batch_size`` (the unconditional inputs broadcast to each batch)."""
     out = []
     for start in range(0, len(indices), batch_size):
         chosen = indices[start:start + batch_size]
@@ -141,49 +293,77 @@ def _psnr(reference: np.ndarray, test: np.ndarray) -> float:
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    # validate everything that can be checked from the arguments and the config before the capture
+    check_checkpoint_dir(args.checkpoint)
+    recipe = build_recipe(args)
+    for flag, path in (("--embeddings", args.embeddings), ("--layer-set", args.layer_set), ("--vae", args.vae)):
+        if path is not None and not Path(path).exists():
+            raise UserError(f"{flag} {path}: no such file or folder")
+    check_out_dir(out)
+    tag = args.recipe.replace("+", "_")
     from flax import nnx
+    from tqdm.auto import tqdm
 
-    from kroquant_jax import calibrate, qlinear
+    from kroquant_jax import calibrate, provenance, qlinear
     if args.compile_cache:
         calibrate.enable_compile_cache(args.compile_cache)
+    from kroquant_jax.fileio import atomic_write_json
     from kroquant_jax.layerset import load_layer_set, save_layer_set
     from models import capture, quantize_model, sampling
 
     family, cfg, model = _load(args.checkpoint, args.dtype)
-    arrays = _prompt_arrays(args, family, cfg)
+    solver, shift = sampling.resolve_sampler(family, args.solver, args.shift)
+    arrays = prompt_arrays(args, family, cfg)
     dtype = model.proj_out.kernel[...].dtype
     count = arrays["context"].shape[0]
-
-    # 1. capture
-    capture_config = capture.CaptureConfig(num_steps=args.steps, guidance_scale=args.guidance,
-                                           latent_hw=tuple(args.latent_hw), rows_per_layer=args.rows_per_layer,
-                                           seed=args.seed, shift=args.shift, solver=args.solver)
+    weights, left_16bit = plan_layers(model, recipe, args.recipe)
+    names = list(weights)
     eval_count = min(args.eval_prompts, count)
     capture_indices = list(range(count - eval_count)) if count > eval_count else list(range(count))
+
+    # a result folder made from other inputs is refused now, not after the capture
+    store_dir = out / f"qlayers-{tag}"  # one resumable store per recipe
+    store = qlinear.QLinearStore(str(store_dir))
+    settings = capture_settings(args, arrays, capture_indices, names)
+    cached, cached_key = out / "layer_set.safetensors", out / "layer_set.json"
+    stored_settings = json.loads(cached_key.read_text()) if cached_key.exists() else None
+    if not args.overwrite:
+        try:
+            partial = {n: provenance.layer_fingerprint(w, b, None, recipe) for n, (w, b) in weights.items()}
+            stored = store.verify(partial)
+            if stored and not args.layer_set and stored_settings is not None and stored_settings != settings:
+                raise provenance.StaleResultError(
+                    next(n for n in names if n in store), _settings_changes(stored_settings, settings), str(store_dir))
+        except provenance.StaleResultError as err:
+            raise UserError(f"{err}; rerun with --overwrite to recompute, or choose another --out") from None
+
+    # 1. capture (or reuse the layer set captured with the same settings)
     if args.layer_set:
         layer_set = load_layer_set(args.layer_set)
+        check_layer_set(layer_set, weights, f"--layer-set {args.layer_set}", args.checkpoint)
+        layer_set = {n: layer_set[n] for n in names}
+    elif not args.overwrite and cached.exists() and stored_settings == settings:
+        layer_set = load_layer_set(str(cached))
+        check_layer_set(layer_set, weights, str(cached), args.checkpoint)
+        print(f"reused the layer set captured with the same settings: {cached}", file=sys.stderr)
     else:
-        batches = _batches(arrays, capture_indices, args.batch_size, dtype)
+        capture_config = capture.CaptureConfig(num_steps=args.steps, guidance_scale=args.guidance,
+                                               latent_hw=tuple(args.latent_hw), rows_per_layer=args.rows_per_layer,
+                                               seed=args.seed, shift=args.shift, solver=args.solver,
+                                               layers=tuple(names), progress=not args.quiet)
+        batches = prompt_batches(arrays, capture_indices, args.batch_size, dtype)
         layer_set = capture.capture_layer_set(family, model, batches, capture_config)
-        save_layer_set(str(out / "layer_set.safetensors"), layer_set)
+        save_layer_set(str(cached), layer_set)
+        atomic_write_json(cached_key, settings)
 
     # 2. calibrate (resumable store), 3. save the quantized layers
-    recipe = calibrate.get_recipe(args.recipe)
-    calib_overrides = {k: v for k, v in (("steps", args.calib_steps), ("num_rows", args.calib_rows),
-                                         ("num_heldout", args.calib_heldout)) if v is not None}
-    if calib_overrides:
-        import dataclasses
-        recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, **calib_overrides))
-    store = out / f"qlayers-{args.recipe.replace('+', '_')}"  # one resumable store per recipe
-    qlayers, reports = calibrate.quantize_layer_set(layer_set, recipe, store=str(store))
-    quantized_dir = out / f"quantized-{args.recipe.replace('+', '_')}"
-    tmp = Path(tempfile.mkdtemp(prefix=".quantized.", dir=out))
-    shutil.rmtree(tmp)
-    qlinear.save_orbax(str(tmp), qlayers)
-    if quantized_dir.exists():
-        shutil.rmtree(quantized_dir)
-    os.replace(tmp, quantized_dir)
+    qlayers, reports = quantize_with_store(layer_set, recipe, store, args.overwrite, "--out")
+    resumed = sum(bool(r.get("resumed")) for r in reports.values())
+    from models.quantized_checkpoint import save_quantized_checkpoint
+    save_quantized_checkpoint(out / f"quantized-{tag}", model, qlayers, recipe_name=args.recipe, recipe=recipe,
+                              reports=reports, left_16bit=left_16bit,
+                              extra={"solver": solver, "shift": shift, "steps": args.steps, "guidance": args.guidance,
+                                     "latent_hw": list(args.latent_hw), "source_checkpoint": str(args.checkpoint)})
     overrides = quantize_model.qlinear_overrides(qlayers)
     quantize_model.check_overrides(model, overrides)
 
@@ -194,7 +374,8 @@ def main(argv: list[str] | None = None) -> dict:
                                            shift=args.shift, solver=args.solver))
     eval_indices = list(range(count - eval_count, count))
     full, w4a4, per_prompt = [], [], []
-    for index, batch in zip(eval_indices, _batches(arrays, eval_indices, 1, dtype)):
+    batches = zip(eval_indices, prompt_batches(arrays, eval_indices, 1, dtype))
+    for index, batch in tqdm(batches, total=len(eval_indices), desc="generate", unit="prompt", disable=args.quiet):
         key = jax.random.key(args.seed + 1000 + index)
         reference, _ = sample({"model": state, **batch}, key)
         quantized, _ = sample({"model": state, **batch, "overrides": overrides}, key)
@@ -209,23 +390,25 @@ def main(argv: list[str] | None = None) -> dict:
     buffer = io.BytesIO()
     np.savez(buffer, latents_16bit=np.stack(full), latents_w4a4=np.stack(w4a4),
              seeds=np.array([p["seed"] for p in per_prompt]))
-    _atomic_write(out / f"samples-{args.recipe.replace('+', '_')}.npz", buffer.getvalue())
+    _atomic_write(out / f"samples-{tag}.npz", buffer.getvalue())
     if args.vae:
         from models import diffusers_io
         for name, latents in (("16bit", np.stack(full)), ("w4a4", np.stack(w4a4))):
             images = diffusers_io.decode_latents(args.vae, latents, family)
-            diffusers_io.save_pngs(images, out / f"images-{args.recipe.replace('+', '_')}", f"{name}_")
+            diffusers_io.save_pngs(images, out / f"images-{tag}", f"{name}_")
 
     heldout = {n: r.get("heldout_error") for n, r in reports.items()}
     report = {"family": family, "checkpoint": str(args.checkpoint), "recipe": args.recipe, "steps": args.steps,
-              "solver": args.solver, "shift": args.shift,
+              "solver": solver, "shift": shift,
               "guidance": args.guidance, "latent_hw": list(args.latent_hw), "layers": len(qlayers),
+              "layers_resumed": resumed, "left_16bit": left_16bit,
               "prompts_captured": len(capture_indices), "per_prompt": per_prompt,
               "mean_latent_psnr_db": float(np.mean([p["latent_psnr_db"] for p in per_prompt])),
               "heldout_error": heldout}
-    report_path = out / f"report-{args.recipe.replace('+', '_')}.json"
+    report_path = out / f"report-{tag}.json"
     _atomic_write(report_path, json.dumps(report, indent=2, default=float).encode("utf-8"))
-    print(f"{family}: {len(qlayers)} layers quantized with {args.recipe}; mean latent PSNR W4A4 vs 16-bit "
+    left = f"; {len(left_16bit)} left 16-bit (see the report)" if left_16bit else ""
+    print(f"{family}: {len(qlayers)} layers quantized with {args.recipe}{left}; mean latent PSNR W4A4 vs 16-bit "
           f"{report['mean_latent_psnr_db']:.2f} dB over {eval_count} prompt(s); outputs in {out}", file=sys.stderr)
     return report
 

@@ -1,7 +1,7 @@
 """Train the emoji testbed DiT (pixel-space PixArt-Σ, flow matching) in JAX and export a diffusers checkpoint.
 
-    python -m scripts.build_emoji_dataset --out data/emoji32.npz
-    python -m scripts.train_testbed --data data/emoji32.npz --run runs/testbed --export checkpoints/emoji_pixart \
+    kroquant build-emoji-dataset --out data/emoji32.npz
+    kroquant train-testbed --data data/emoji32.npz --run runs/testbed --export checkpoints/emoji_pixart \
         --steps 20000 --time-budget 330
 
 Objective, sampler and model: see ``models/testbed.py`` and docs/testbed.md. Parameters are fp32 (AdamW with warmup,
@@ -31,35 +31,41 @@ from tqdm import tqdm
 
 from kroquant_jax.fileio import atomic_path
 from models import convert, pixart, testbed, testbed_data
+from scripts.common_args import nonnegative_int, positive_int, verb_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = verb_parser("train-testbed", __doc__, (
+        "--data data/emoji32.npz --run runs/testbed --export checkpoints/emoji_pixart --steps 20000",
+        "--data data/emoji32.npz --sample-from checkpoints/emoji_pixart --sample-grid grid.png"))
     parser.add_argument("--data", required=True, help="dataset .npz from scripts.build_emoji_dataset")
     parser.add_argument("--run", default=None, help="folder for the training state and the log (resumed if present)")
     parser.add_argument("--export", default=None, help="write the EMA model here as a diffusers directory")
-    parser.add_argument("--steps", type=int, default=20000, help="total optimizer steps (default 20000)")
+    parser.add_argument("--steps", type=positive_int, default=20000, help="total optimizer steps")
     parser.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds of training")
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=3e-4, help="peak AdamW learning rate (default 3e-4)")
-    parser.add_argument("--warmup", type=int, default=500, help="linear warm-up steps (default 500)")
-    parser.add_argument("--weight-decay", type=float, default=0.0)
-    parser.add_argument("--ema-decay", type=float, default=0.9995)
-    parser.add_argument("--caption-dropout", type=float, default=0.1, help="CFG dropout probability (default 0.1)")
-    parser.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    parser.add_argument("--chunk", type=int, default=50, help="optimizer steps per jitted call (default 50)")
-    parser.add_argument("--save-every", type=int, default=2000, help="save the training state every N steps")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-layers", type=int, default=None, help="override the block count (smoke tests)")
-    parser.add_argument("--export-dtype", choices=("float16", "float32"), default="float16")
+    parser.add_argument("--batch-size", type=positive_int, default=256, help="training batch size")
+    parser.add_argument("--lr", type=float, default=3e-4, help="peak AdamW learning rate")
+    parser.add_argument("--warmup", type=nonnegative_int, default=500, help="linear warm-up steps")
+    parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    parser.add_argument("--ema-decay", type=float, default=0.9995, help="decay of the exported parameter EMA")
+    parser.add_argument("--caption-dropout", type=float, default=0.1, help="CFG dropout probability")
+    parser.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="dtype of the forward/backward pass")
+    parser.add_argument("--chunk", type=positive_int, default=50, help="optimizer steps per jitted call")
+    parser.add_argument("--save-every", type=positive_int, default=2000, help="save the training state every N steps")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the batches")
+    parser.add_argument("--num-layers", type=positive_int, default=None, help="override the block count (smoke tests)")
+    parser.add_argument("--export-dtype", choices=("float16", "float32"), default="float16",
+                        help="dtype of the exported safetensors")
     parser.add_argument("--sample-grid", default=None, help="write a PNG of held-out captions sampled at the end")
-    parser.add_argument("--sample-steps", type=int, default=30)
-    parser.add_argument("--guidance", type=float, default=3.0)
+    parser.add_argument("--sample-steps", type=positive_int, default=30, help="Euler steps of the sample grid")
+    parser.add_argument("--guidance", type=float, default=3.0, help="CFG scale of the sample grid")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bar (plain log lines instead)")
     parser.add_argument("--sample-from", default=None,
                         help="no training: load this diffusers checkpoint and write --sample-grid with captions")
-    parser.add_argument("--sample-split", choices=("heldout", "train"), default="heldout")
-    parser.add_argument("--sample-count", type=int, default=16, help="captions in the --sample-from grid")
+    parser.add_argument("--sample-split", choices=("heldout", "train"), default="heldout",
+                        help="captions of the --sample-from grid")
+    parser.add_argument("--sample-count", type=positive_int, default=16, help="captions in the --sample-from grid")
     parser.add_argument("--sample-seeds", type=int, nargs="+", default=[0, 1, 2], help="one column per seed")
     return parser.parse_args(argv)
 

@@ -142,7 +142,7 @@ def test_quantize_checkpoint_script_end_to_end(tmp_path):
     torch = pytest.importorskip("torch")
     diffusers = pytest.importorskip("diffusers")
     from kroquant_jax.layerset import load_layer_set
-    from kroquant_jax.qlinear import restore_orbax
+    from models.quantized_checkpoint import load_quantized_checkpoint
     from scripts import quantize_checkpoint
 
     pixart.to_diffusers(pixart.build(PIXART, seed=4), tmp_path / "ckpt")
@@ -163,7 +163,7 @@ def test_quantize_checkpoint_script_end_to_end(tmp_path):
     assert set(report["heldout_error"]) == set(linears(pixart.build(PIXART), quantizable_only=True))
     layer_set = load_layer_set(str(out / "layer_set.safetensors"))
     assert layer_set["transformer_blocks.1.ff.net.2"].activations.shape == (24, 128)
-    assert sorted(restore_orbax(str(out / "quantized-hadamard32"))) == sorted(layer_set)
+    assert sorted(load_quantized_checkpoint(out / "quantized-hadamard32").qlayers) == sorted(layer_set)
     with np.load(out / "samples-hadamard32.npz") as samples:
         assert samples["latents_16bit"].shape == samples["latents_w4a4"].shape == (1, 4, 8, 8)
     assert sorted(p.name for p in (out / "images-hadamard32").iterdir()) == ["16bit_0000.png", "w4a4_0000.png"]
@@ -173,21 +173,10 @@ def test_quantize_checkpoint_script_end_to_end(tmp_path):
 
 def test_diffusers_io_encodes_prompts_with_a_local_pipeline(tmp_path):
     torch = pytest.importorskip("torch")
-    diffusers = pytest.importorskip("diffusers")
-    tokenizers = pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
     from models import diffusers_io
+    from tiny_pipelines import tiny_pixart_pipeline  # tests/tiny_pipelines.py
 
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(w, -1.0) for w in "a cat dog red blue on the".split()]
-    backend = tokenizers.Tokenizer(tokenizers.models.Unigram(vocab, unk_id=2))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
-    tokenizer = transformers.T5TokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>",
-                                             unk_token="<unk>", extra_ids=0)
-    torch.manual_seed(0)
-    encoder = transformers.T5EncoderModel(transformers.T5Config(vocab_size=len(vocab), d_model=16, d_kv=4, d_ff=32,
-                                                                num_layers=1, num_heads=2)).eval()
-    diffusers.PixArtSigmaPipeline(tokenizer=tokenizer, text_encoder=encoder, vae=None, transformer=None,
-                                  scheduler=diffusers.DPMSolverMultistepScheduler()).save_pretrained(tmp_path)
+    tokenizer, encoder = tiny_pixart_pipeline(tmp_path)
     out = diffusers_io.encode_prompts(str(tmp_path), ["a red cat", "blue dog"], "pixart", max_sequence_length=8)
     assert out["context"].shape == (2, 8, 16) and out["uncond_context"].shape == (1, 8, 16)
     tokens = tokenizer(["a red cat", ""], padding="max_length", max_length=8, return_tensors="pt")

@@ -1,0 +1,184 @@
+"""A self-contained quantized checkpoint folder: everything needed to run the W4A4 model, nothing else.
+
+Layout of a folder written by :func:`save_quantized_checkpoint` (format version :data:`FORMAT_VERSION`):
+
+* ``config.json``: the model's diffusers config (``_class_name`` picks the family: PixArt-Σ, SANA, FLUX.1).
+* ``model.safetensors``: every parameter of the model *except* the quantized linears' ``kernel`` and ``bias``, keyed
+  by its Flax NNX dotted path (``pos_embed.proj.kernel``, ``transformer_blocks.0.norm1...``; the path of a linear is
+  its diffusers key prefix), in the model's dtype, Flax layout (a linear's ``kernel`` is ``(in, out)``).
+* ``quantized.safetensors``: for every quantized linear ``NAME``, the arrays of
+  :func:`kroquant_jax.qlinear.to_state` under ``NAME/KEY``: ``NAME/blocks`` (the transform's blocks ``(d/n, n, n)``),
+  ``NAME/transform_params.I`` (the parameterization's leaves), ``NAME/weight.codes`` ``uint8 (o, d/2)`` and
+  ``NAME/weight.scales`` (the packed MXFP4 / NVFP4 residual and its block scales; NVFP4 adds its per-tensor scale),
+  ``NAME/lowrank_left*`` / ``NAME/lowrank_right*`` (the low-rank branch, packed for LoRaQ, float32 for SVDQuant) and
+  ``NAME/bias``.
+* ``quantization_config.json``: ``format_version``, ``numerics_version`` (:data:`kroquant_jax.provenance
+  .NUMERICS_VERSION`), ``class_name``, ``weight_format``, ``recipe`` (name) and ``settings`` (every recipe setting,
+  dotted), ``layers`` (``{NAME: {"meta": to_state's metadata, "heldout_error": float}}``), ``left_16bit``
+  (``{NAME: reason}``) and ``extra`` (the writer's notes, e.g. the sampler of its evaluation).
+
+:func:`load_quantized_checkpoint` rebuilds the model (the quantized linears' 16-bit kernels are zeros: they are never
+used, the W4A4 layers replace them through :meth:`QuantizedCheckpoint.overrides`) and the ``{name: QuantizedLinear}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+__all__ = ["FORMAT_VERSION", "QuantizedCheckpoint", "family_module", "load_quantized_checkpoint",
+           "save_quantized_checkpoint"]
+
+FORMAT_VERSION = 1
+_FAMILIES = {"PixArtTransformer2DModel": "pixart", "SanaTransformer2DModel": "sana",
+             "FluxTransformer2DModel": "flux"}
+_CONFIGS = {"pixart": "PixArtConfig", "sana": "SanaConfig", "flux": "FluxConfig"}
+
+
+def family_module(class_name: str):
+    """``(family name, module)`` of a diffusers ``_class_name`` (``models.pixart`` / ``sana`` / ``flux``)."""
+    import importlib
+
+    if class_name not in _FAMILIES:
+        raise ValueError(f"_class_name {class_name!r} is not one of {sorted(_FAMILIES)}")
+    family = _FAMILIES[class_name]
+    return family, importlib.import_module(f"models.{family}")
+
+
+@dataclasses.dataclass
+class QuantizedCheckpoint:
+    """A loaded quantized checkpoint.
+
+    Attributes:
+      family: ``"pixart"``, ``"sana"`` or ``"flux"``.
+      cfg: the family's config dataclass.
+      model: the NNX model (quantized linears' kernels are zero placeholders).
+      qlayers: ``{name: QuantizedLinear}``.
+      config: the parsed ``quantization_config.json``.
+    """
+
+    family: str
+    cfg: Any
+    model: Any
+    qlayers: dict
+    config: dict
+
+    def overrides(self, forward=None) -> dict:
+        """The linear overrides that run the W4A4 layers (``models.quantize_model.qlinear_overrides``)."""
+        from models import quantize_model
+
+        return quantize_model.qlinear_overrides(self.qlayers, forward)
+
+
+def _quantized_params(names) -> set[str]:
+    return {f"{n}.{p}" for n in names for p in ("kernel", "bias")}
+
+
+def save_quantized_checkpoint(directory: str | os.PathLike, model: Any, qlayers: Mapping[str, Any], *,
+                              recipe_name: str, recipe: Any, reports: Mapping[str, Mapping] | None = None,
+                              left_16bit: Mapping[str, str] | None = None, extra: Mapping | None = None) -> None:
+    """Writes ``model`` with its ``qlayers`` as a self-contained folder (layout: module doc), atomically (a temporary
+    folder renamed onto ``directory``, replacing an older one).
+
+    Args:
+      directory: the folder to write.
+      model: the 16-bit NNX model (``model.cfg`` is its config).
+      qlayers: ``{linear path: QuantizedLinear}``; every name must be a linear of ``model``.
+      recipe_name, recipe: the recipe's name and object (its settings are recorded).
+      reports: optional per-layer reports (``heldout_error`` is recorded).
+      left_16bit: ``{name: reason}`` of the linears left unquantized.
+      extra: JSON-able notes stored under ``extra``.
+    """
+    from kroquant_jax import provenance, qlinear
+    from kroquant_jax.fileio import atomic_write_json, publishable
+    from models import convert
+    from models.layers import linears
+
+    available = linears(model)
+    unknown = [n for n in qlayers if n not in available]
+    if unknown:
+        raise ValueError(f"quantized layer {unknown[0]!r} is not a linear of the model (e.g. {sorted(available)[:3]})")
+    skip = _quantized_params(qlayers)
+    params = {k: np.ascontiguousarray(np.asarray(v)) for k, v in convert.flat_state_dict(model).items()
+              if k not in skip}
+    arrays, layers = {}, {}
+    for name, layer in qlayers.items():
+        state, meta = qlinear.to_state(layer)
+        arrays.update({f"{name}/{k}": np.ascontiguousarray(v) for k, v in state.items()})
+        layers[name] = {"meta": meta}
+        if reports and name in reports and reports[name].get("heldout_error") is not None:
+            layers[name]["heldout_error"] = float(reports[name]["heldout_error"])
+    first = next(iter(qlayers.values()), None)
+    config = {"format_version": FORMAT_VERSION, "numerics_version": provenance.NUMERICS_VERSION,
+              "class_name": model.cfg.to_diffusers_config()["_class_name"],
+              "weight_format": None if first is None else type(first.weight.fmt).__name__,
+              "recipe": recipe_name, "settings": provenance.recipe_settings(recipe), "layers": layers,
+              "left_16bit": dict(left_16bit or {}), "extra": dict(extra or {})}
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        atomic_write_json(tmp / "config.json", model.cfg.to_diffusers_config())
+        convert.write_safetensors(tmp / "model.safetensors", params, metadata={"format": "kroquant-flax-params"})
+        convert.write_safetensors(tmp / "quantized.safetensors", arrays, metadata={"format": "kroquant-qlinears"})
+        atomic_write_json(tmp / "quantization_config.json", json.loads(json.dumps(config, default=float)))
+        publishable(tmp)
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def load_quantized_checkpoint(directory: str | os.PathLike, dtype: Any = None) -> QuantizedCheckpoint:
+    """Loads a folder written by :func:`save_quantized_checkpoint`.
+
+    Args:
+      directory: the folder.
+      dtype: the model's dtype (default: the stored parameters' dtype).
+
+    Raises:
+      ValueError: a missing file, another format version, or parameters that do not fit the config (named).
+    """
+    from kroquant_jax import qlinear
+    from models import convert
+
+    directory = Path(directory)
+    for name in ("config.json", "model.safetensors", "quantized.safetensors", "quantization_config.json"):
+        if not (directory / name).exists():
+            raise ValueError(f"{directory}: no {name} (not a quantized checkpoint folder written by kroquant)")
+    qconfig = json.loads((directory / "quantization_config.json").read_text())
+    if qconfig.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{directory / 'quantization_config.json'}: format_version {qconfig.get('format_version')!r}"
+                         f", this library reads {FORMAT_VERSION}")
+    config = json.loads((directory / "config.json").read_text())
+    family, module = family_module(config.get("_class_name"))
+    cfg = getattr(module, _CONFIGS[family]).from_diffusers_config(config)
+    params = convert.read_safetensors(directory / "model.safetensors")
+    stored_dtype = next((v.dtype for v in params.values() if np.issubdtype(v.dtype, np.floating)), np.float32)
+    np_dtype = convert.resolve_dtype(dtype) if dtype is not None else stored_dtype
+    build = lambda: module.construct(cfg, np_dtype)  # noqa: E731
+    shapes = convert.abstract_shapes(build)
+    names = list(qconfig["layers"])
+    for key in sorted(_quantized_params(names)):
+        if key in shapes:
+            params[key] = np.zeros(shapes[key], np_dtype)  # placeholder: the W4A4 layer replaces this linear
+    params = {k: v.astype(np_dtype) if np.issubdtype(v.dtype, np.floating) else v for k, v in params.items()}
+    model = convert.merge_flat_state(build, params)
+    qlayers = {}
+    arrays = convert.read_safetensors(directory / "quantized.safetensors")
+    for name in names:
+        prefix = f"{name}/"
+        state = {k[len(prefix):]: np.asarray(v) for k, v in arrays.items() if k.startswith(prefix)}
+        if not state:
+            raise ValueError(f"{directory / 'quantized.safetensors'}: no arrays for layer {name!r}")
+        qlayers[name] = qlinear.from_state(state, qconfig["layers"][name]["meta"])
+    return QuantizedCheckpoint(family=family, cfg=cfg, model=model, qlayers=qlayers, config=qconfig)

@@ -1,0 +1,85 @@
+"""Shared command-line pieces of the ``kroquant`` verbs: the parser every verb builds, argument types, user errors.
+
+Every verb builds its parser with :func:`verb_parser`, so ``--help`` says ``usage: kroquant <verb>``, shows each
+option's default, and ends with examples written as ``kroquant <verb> ...``. Counts use :func:`positive_int`:
+``--steps 0`` is an argparse error naming the flag instead of a ``ZeroDivisionError`` deep in the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+__all__ = ["HelpFormatter", "UserError", "add_quiet", "nonnegative_int", "positive_int", "quantize_with_store",
+           "verb_parser"]
+
+
+class UserError(Exception):
+    """A mistake in the user's input (a flag, a file, a folder): ``kroquant`` prints its message as one line and exits
+    with status 1 (``--debug`` shows the traceback)."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the description's line breaks and appends ``(default: ...)`` to every option's help that has a default
+    value (not for ``None``, where the help says what happens without the option, nor for a switch that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def verb_parser(verb: str, doc: str | None, examples: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser of ``kroquant <verb>``: ``doc`` as the description, ``examples`` (each a command
+    line after ``kroquant <verb>``) as the epilog."""
+    description = (doc or "").strip()
+    epilog = None
+    if examples:
+        epilog = "examples:\n" + "\n".join(f"  kroquant {verb} {example}" for example in examples)
+    return argparse.ArgumentParser(prog=f"kroquant {verb}", description=description, epilog=epilog,
+                                   formatter_class=HelpFormatter)
+
+
+def _int_at_least(text: str, minimum: int, requirement: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be {requirement}, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An ``int >= 1`` (argparse ``type=``; the error names the flag)."""
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def nonnegative_int(text: str) -> int:
+    """An ``int >= 0`` (argparse ``type=``; the error names the flag)."""
+    return _int_at_least(text, 0, ">= 0")
+
+
+def quantize_with_store(layer_set, recipe, store, overwrite: bool, flag: str, label: str = ""):
+    """``kroquant_jax.calibrate.quantize_layer_set`` for a verb: a stale ``store`` becomes a :class:`UserError`
+    that says how to proceed (``--overwrite`` or another ``flag`` folder), and resumed layers are announced on
+    stderr (``LABEL: resumed N of M layers from STORE ...``). Returns ``(qlayers, reports)``."""
+    import sys
+
+    from kroquant_jax import calibrate, provenance
+
+    try:
+        qlayers, reports = calibrate.quantize_layer_set(layer_set, recipe, store=store, overwrite=overwrite)
+    except provenance.StaleResultError as err:
+        raise UserError(f"{err}; rerun with --overwrite to recompute, or choose another {flag}") from None
+    resumed = sum(bool(r.get("resumed")) for r in reports.values())
+    if resumed:
+        where = store.directory if hasattr(store, "directory") else store
+        print(f"{label + ': ' if label else ''}resumed {resumed} of {len(reports)} layers from {where} (their inputs "
+              f"and settings match)", file=sys.stderr)
+    return qlayers, reports
+
+
+def add_quiet(parser: argparse.ArgumentParser) -> None:
+    """``--quiet``: no progress bars (the last summary line and errors are still printed)."""
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")

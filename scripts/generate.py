@@ -1,0 +1,107 @@
+"""Generate with a quantized checkpoint folder written by `kroquant quantize-checkpoint` (no original checkpoint).
+
+    kroquant generate --checkpoint OUT/quantized-RECIPE --prompts prompts.npz --out runs/samples
+
+Loads the self-contained folder (``models.quantized_checkpoint``: config, 16-bit weights, packed W4A4 layers), runs
+the family's sampler (by default the one recorded when the folder was written) with the W4A4 layers through their
+simulated path (``kroquant_jax.qlinear.qlinear_forward(path="simulate")``: the fake-quantized eq. 11, any device) and
+writes ``latents.npz`` (``latents (P, c, H, W)``, ``seeds (P,)``) to ``--out``; with ``--vae DIR`` (a diffusers
+AutoencoderKL folder, torch side) also ``images/w4a4_XXXX.png``. The prompt file has the layout of
+``kroquant quantize-checkpoint --embeddings`` (``models.diffusers_io.encode_prompts``).
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from scripts.common_args import UserError, add_quiet, positive_int, verb_parser
+
+EXAMPLES = ("--checkpoint runs/pixart/quantized-kroquant --prompts prompts.npz --out runs/samples",
+            "--checkpoint runs/emoji/quantized-kroquant_loraq --prompts prompts.npz --steps 20 --latent-hw 32 32 "
+            "--out runs/emoji_samples --vae sd-vae")
+
+
+def _parse(argv):
+    parser = verb_parser("generate", __doc__, EXAMPLES)
+    parser.add_argument("--checkpoint", required=True, help="quantized checkpoint folder (quantize-checkpoint's "
+                        "OUT/quantized-RECIPE)")
+    parser.add_argument("--prompts", required=True, dest="embeddings", help=".npz of prompt embeddings")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--max-prompts", type=positive_int, help="only the first N prompts (default: all)")
+    parser.add_argument("--steps", type=positive_int, help="denoising steps (default: the ones the folder was "
+                        "evaluated with, else 20)")
+    parser.add_argument("--guidance", type=float, help="CFG scale (default: the folder's, else 4.5)")
+    parser.add_argument("--solver", choices=("dpm_solver_pp_2m", "flow_euler"),
+                        help="sampler (default: the folder's, else the family's)")
+    parser.add_argument("--shift", type=float, help="flow-matching sigma shift (default: the folder's, else the "
+                        "family's)")
+    parser.add_argument("--latent-hw", type=positive_int, nargs=2, metavar=("H", "W"),
+                        help="latent height and width (default: the folder's, else the model's sample_size)")
+    parser.add_argument("--seed", type=int, default=0, help="prompt i uses the noise of seed + 1000 + i (the seeds "
+                        "of quantize-checkpoint's evaluation)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="model dtype (default: the stored one)")
+    parser.add_argument("--vae", help="diffusers AutoencoderKL directory: decode the latents to PNGs (torch)")
+    add_quiet(parser)
+    args = parser.parse_args(argv)
+    args.synthetic_prompts, args.synthetic_tokens = None, None  # prompt_arrays' other source
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parse(argv)
+    for flag, path in (("--checkpoint", args.checkpoint), ("--prompts", args.embeddings), ("--vae", args.vae)):
+        if path is not None and not Path(path).exists():
+            raise UserError(f"{flag} {path}: no such file or folder")
+    import jax
+    from flax import nnx
+    from tqdm.auto import tqdm
+
+    from kroquant_jax.fileio import atomic_write_bytes
+    from models import sampling
+    from models.quantized_checkpoint import load_quantized_checkpoint
+    from scripts.quantize_checkpoint import prompt_arrays, prompt_batches
+
+    loaded = load_quantized_checkpoint(args.checkpoint, args.dtype)
+    recorded = loaded.config.get("extra", {})
+    steps = args.steps or recorded.get("steps") or 20
+    guidance = args.guidance if args.guidance is not None else recorded.get("guidance", 4.5)
+    solver = args.solver or recorded.get("solver")
+    shift = args.shift if args.shift is not None else recorded.get("shift")
+    solver, shift = sampling.resolve_sampler(loaded.family, solver, shift)
+    size = getattr(loaded.cfg, "sample_size", None) or 128
+    latent_hw = tuple(args.latent_hw or recorded.get("latent_hw") or (size, size))
+    arrays = prompt_arrays(args, loaded.family, loaded.cfg)
+    dtype = loaded.model.proj_out.kernel[...].dtype
+    graphdef, state = nnx.split(loaded.model)
+    sample = jax.jit(sampling.make_sampler(loaded.family, graphdef, loaded.cfg, num_steps=steps,
+                                           guidance_scale=guidance, latent_hw=latent_hw, shift=shift, solver=solver))
+    overrides = loaded.overrides()
+    indices = list(range(arrays["context"].shape[0]))
+    latents, seeds = [], []
+    for index, batch in tqdm(zip(indices, prompt_batches(arrays, indices, 1, dtype)), total=len(indices),
+                             desc="generate", unit="prompt", disable=args.quiet):
+        seed = args.seed + 1000 + index
+        result, _ = sample({"model": state, **batch, "overrides": overrides}, jax.random.key(seed))
+        latents.append(np.asarray(result, np.float32)[0])
+        seeds.append(seed)
+    out = Path(args.out)
+    buffer = io.BytesIO()
+    np.savez(buffer, latents=np.stack(latents), seeds=np.array(seeds))
+    atomic_write_bytes(out / "latents.npz", buffer.getvalue())
+    if args.vae:
+        from models import diffusers_io
+        images = diffusers_io.decode_latents(args.vae, np.stack(latents), loaded.family)
+        diffusers_io.save_pngs(images, out / "images", "w4a4_")
+    print(f"{loaded.family}: {len(latents)} prompt(s) generated with the W4A4 model ({loaded.config['recipe']}, "
+          f"{len(loaded.qlayers)} quantized layers; {solver}, {steps} steps); outputs in {out}", file=sys.stderr)
+    return {"family": loaded.family, "solver": solver, "shift": shift, "steps": steps, "latent_hw": list(latent_hw),
+            "prompts": len(latents), "out": str(out)}
+
+
+if __name__ == "__main__":
+    main()

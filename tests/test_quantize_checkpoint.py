@@ -1,0 +1,186 @@
+"""`kroquant quantize-checkpoint` on tiny random checkpoints: stale results are refused (naming the layer and what
+changed), --overwrite recomputes, a matching rerun resumes and says so; everything checkable is checked before the
+capture; linears whose width is not a multiple of 32 stay 16-bit and are listed."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+from models import pixart, sana
+from scripts import cli, quantize_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+PIXART = pixart.PixArtConfig(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8,
+                             num_layers=1, cross_attention_dim=32, sample_size=8, patch_size=2, caption_channels=8,
+                             use_additional_conditions=False)
+TINY = ["--synthetic-prompts", "2", "--synthetic-tokens", "4", "--steps", "2", "--latent-hw", "8", "8",
+        "--rows-per-layer", "24", "--recipe", "rtn", "--calib-rows", "16", "--calib-heldout", "8", "--eval-prompts",
+        "1", "--quiet"]
+LAYERS = 10  # quantizable linears of the one-block PixArt
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two checkpoints of the same shapes (``a``, ``b``) and a finished run of ``a`` (``out_a``)."""
+    root = tmp_path_factory.mktemp("qc")
+    pixart.to_diffusers(pixart.build(PIXART, seed=4), root / "a")
+    pixart.to_diffusers(pixart.build(PIXART, seed=5), root / "b")
+    report = quantize_checkpoint.main(["--checkpoint", str(root / "a"), "--out", str(root / "out_a"), *TINY])
+    assert report["layers"] == LAYERS and report["layers_resumed"] == 0
+    return root
+
+
+def _copy(runs, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(runs / "out_a", out)
+    return out
+
+
+def _kroquant(*args):
+    return subprocess.run([sys.executable, "-m", "scripts.cli", "quantize-checkpoint", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env=ENV)
+
+
+def _store_state(out):
+    return {p.name: p.stat().st_mtime_ns for p in (out / "qlayers-rtn").iterdir()}
+
+
+def test_report_records_the_sampler_actually_used(runs):
+    report = json.loads((runs / "out_a" / "report-rtn.json").read_text())
+    assert report["solver"] == "dpm_solver_pp_2m" and report["shift"] is None and report["left_16bit"] == {}
+    assert json.loads((runs / "out_a" / "layer_set.json").read_text())["steps"] == 2
+
+
+def test_matching_rerun_reuses_and_says_so(runs, tmp_path, capsys):
+    out = _copy(runs, tmp_path)
+    report = quantize_checkpoint.main(["--checkpoint", str(runs / "a"), "--out", str(out), *TINY])
+    err = capsys.readouterr().err
+    assert report["layers_resumed"] == LAYERS
+    assert f"resumed {LAYERS} of {LAYERS} layers from {out / 'qlayers-rtn'}" in err
+    assert "reused the layer set captured with the same settings" in err
+
+
+@pytest.mark.parametrize("change, expected", [
+    (["--checkpoint", "b"], "was computed from other inputs (weight; 9 more stored layer(s) differ too)"),
+    (["--calib-rows", "12"], "(recipe setting calibration.num_rows: 16 -> 12; 9 more stored layer(s) differ too)"),
+    (["--steps", "3"], "(capture setting steps: 2 -> 3)"),
+    (["--synthetic-prompts", "3"], "(capture prompts)"),
+])
+def test_rerun_with_other_inputs_is_refused_before_the_capture(runs, tmp_path, change, expected):
+    out = _copy(runs, tmp_path)
+    argv = ["--checkpoint", str(runs / "a"), "--out", str(out), *TINY, *change]
+    if change[0] == "--checkpoint":
+        argv = ["--checkpoint", str(runs / "b"), "--out", str(out), *TINY]
+    before = _store_state(out), (out / "layer_set.safetensors").stat().st_mtime_ns
+    proc = _kroquant(*argv)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"kroquant quantize-checkpoint: error: {out / 'qlayers-rtn'}: stored layer ")
+    assert expected in lines[0] and lines[0].endswith("rerun with --overwrite to recompute, or choose another --out")
+    assert (_store_state(out), (out / "layer_set.safetensors").stat().st_mtime_ns) == before  # nothing recomputed
+
+
+def test_overwrite_recomputes(runs, tmp_path, capsys):
+    out = _copy(runs, tmp_path)
+    report = quantize_checkpoint.main(["--checkpoint", str(runs / "b"), "--out", str(out), *TINY, "--overwrite"])
+    assert report["layers_resumed"] == 0 and "resumed" not in capsys.readouterr().err
+    again = quantize_checkpoint.main(["--checkpoint", str(runs / "b"), "--out", str(out), *TINY])
+    assert again["layers_resumed"] == LAYERS
+    assert again["heldout_error"] == report["heldout_error"]
+
+
+def test_layer_set_of_another_checkpoint_is_refused(runs, tmp_path, capsys):
+    code = cli.main(["quantize-checkpoint", "--checkpoint", str(runs / "b"), "--out", str(tmp_path / "o"), *TINY,
+                     "--layer-set", str(runs / "out_a" / "layer_set.safetensors")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1
+    assert f"layer_set.safetensors: layer 'transformer_blocks.0.attn1.to_k' has other weights: not captured from " \
+           f"--checkpoint {runs / 'b'} (another checkpoint or --dtype?); capture again without --layer-set" in err
+
+
+def _error(argv, capsys) -> str:
+    assert cli.main(["quantize-checkpoint", *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err.strip().removeprefix("kroquant quantize-checkpoint: error: ")
+
+
+def test_bad_input_is_refused_before_any_work(runs, tmp_path, capsys):
+    a, out = str(runs / "a"), str(tmp_path / "o")
+    assert _error(["--checkpoint", a, "--out", out, *TINY, "--recipe", "nope"], capsys).startswith(
+        "--recipe: unknown recipe 'nope'; available: ['hadamard32', 'kroquant', 'rtn',")
+    # a pipeline root instead of its transformer folder
+    pipeline = tmp_path / "pipe"
+    shutil.copytree(runs / "a", pipeline / "transformer")
+    (pipeline / "model_index.json").write_text("{}")
+    assert _error(["--checkpoint", str(pipeline), "--out", out, *TINY], capsys) == (
+        f"--checkpoint {pipeline} is a diffusers pipeline folder; pass its transformer folder: "
+        f"--checkpoint {pipeline / 'transformer'}")
+    broken = tmp_path / "broken"
+    shutil.copytree(runs / "a", broken)
+    (broken / "config.json").write_text('{"_class_name": "PixArtTransformer2DModel",')
+    assert _error(["--checkpoint", str(broken), "--out", out, *TINY], capsys).startswith(
+        f"{broken / 'config.json'}: not valid JSON (")
+    (broken / "config.json").write_text('{"_class_name": "UNet2DModel"}')
+    assert _error(["--checkpoint", str(broken), "--out", out, *TINY], capsys).startswith(
+        f"{broken / 'config.json'}: _class_name 'UNet2DModel' is not one of")
+    (tmp_path / "file").write_text("")
+    assert _error(["--checkpoint", a, "--out", str(tmp_path / "file"), *TINY], capsys) == (
+        f"--out {tmp_path / 'file'}: exists and is not a folder")
+    # LoRaQ's default rank 128 does not fit the 32-wide layers
+    assert _error(["--checkpoint", a, "--out", out, *TINY, "--recipe", "rtn+loraq"], capsys).startswith(
+        "--recipe rtn+loraq: layer 'transformer_blocks.0.attn1.to_k': rank=128 exceeds min(o, d) of the weight "
+        "(32, 32)")
+    assert _error(["--checkpoint", a, "--out", out, *TINY[4:], "--embeddings", str(tmp_path / "none.npz")],
+                  capsys) == f"--embeddings {tmp_path / 'none.npz'}: no such file or folder"
+    assert not (tmp_path / "o" / "layer_set.safetensors").exists()  # nothing was captured
+
+
+def test_unaligned_linears_stay_16bit_and_are_listed(tmp_path):
+    cfg = sana.SanaConfig(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
+                          num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32,
+                          caption_channels=8, mlp_ratio=2.5, sample_size=8)  # GLUMBConv hidden 80: d = 80
+    sana.to_diffusers(sana.build(cfg, seed=0), tmp_path / "sana")
+    report = quantize_checkpoint.main(["--checkpoint", str(tmp_path / "sana"), "--out", str(tmp_path / "o"), *TINY])
+    assert report["left_16bit"] == {
+        "transformer_blocks.0.ff.conv_point": "input width 80 is not a multiple of the block 32"}
+    assert "transformer_blocks.0.ff.conv_point" not in report["heldout_error"] and report["layers"] >= 1
+    assert report["solver"] == "flow_euler" and report["shift"] == 3.0
+
+
+def test_generate_runs_the_quantized_folder_alone(runs, tmp_path):
+    """quantize-checkpoint's folder, moved away from its source checkpoint, generates (`kroquant generate`, a
+    subprocess) the same W4A4 latents as quantize-checkpoint's own evaluation of the same prompt and seed."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    prompts = tmp_path / "prompts.npz"
+    np.savez(prompts, context=rng.standard_normal((2, 4, 8)), mask=np.ones((2, 4)),
+             uncond_context=np.zeros((1, 4, 8)), uncond_mask=np.ones((1, 4)))
+    source = tmp_path / "source"
+    shutil.copytree(runs / "a", source)
+    out = tmp_path / "out"
+    quantize_checkpoint.main(["--checkpoint", str(source), "--out", str(out), "--embeddings", str(prompts),
+                              *TINY[4:]])
+    shutil.rmtree(source)  # the quantized folder stands alone
+    folder = tmp_path / "moved"
+    shutil.move(out / "quantized-rtn", folder)
+    proc = subprocess.run([sys.executable, "-m", "scripts.cli", "generate", "--checkpoint", str(folder), "--prompts",
+                           str(prompts), "--out", str(tmp_path / "g"), "--quiet"], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "2 prompt(s) generated with the W4A4 model (rtn, 10 quantized layers; dpm_solver_pp_2m, 2 steps)" in \
+        proc.stderr
+    with np.load(tmp_path / "g" / "latents.npz") as generated, np.load(out / "samples-rtn.npz") as evaluated:
+        assert generated["latents"].shape == (2, 4, 8, 8)
+        assert generated["seeds"][1] == evaluated["seeds"][0]
+        np.testing.assert_array_equal(generated["latents"][1], evaluated["latents_w4a4"][0])

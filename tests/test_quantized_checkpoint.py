@@ -1,0 +1,84 @@
+"""The self-contained quantized checkpoint folder round-trips on tiny random PixArt-Σ, SANA and FLUX.1 models: the
+loaded model with its W4A4 layers samples exactly what the original model with the same layers samples."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kroquant_jax import calibrate
+from models import flux, pixart, quantize_model, sampling, sana
+from models.layers import linears
+from models.quantized_checkpoint import load_quantized_checkpoint, save_quantized_checkpoint
+
+pytestmark = pytest.mark.slow
+
+MODELS = {
+    "pixart": (pixart, pixart.PixArtConfig(num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                                           out_channels=8, num_layers=1, cross_attention_dim=32, sample_size=8,
+                                           patch_size=2, caption_channels=8, use_additional_conditions=False)),
+    "sana": (sana, sana.SanaConfig(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16,
+                                   num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=16,
+                                   cross_attention_dim=32, caption_channels=8, mlp_ratio=2.0, sample_size=8)),
+    "flux": (flux, flux.FluxConfig(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                                   num_attention_heads=2, joint_attention_dim=8, pooled_projection_dim=4,
+                                   axes_dims_rope=(4, 4, 8))),
+}
+RECIPE = calibrate.get_recipe("hadamard32", calibration=calibrate.CalibrationConfig(num_rows=24, num_heldout=8))
+
+
+def _prompts(family):
+    if family == "flux":
+        return {"context": jnp.ones((1, 3, 8)) * 0.3, "pooled": jnp.ones((1, 4)) * 0.2}
+    return {"context": jnp.linspace(-1, 1, 24).reshape(1, 3, 8), "mask": jnp.ones((1, 3)),
+            "uncond_context": jnp.zeros((1, 3, 8)), "uncond_mask": jnp.ones((1, 3))}
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_round_trip_samples_the_same(family, tmp_path):
+    module, cfg = MODELS[family]
+    model = module.build(cfg, seed=1)
+    rng = np.random.default_rng(0)
+    layer_set = {}
+    for name, layer in linears(model, quantizable_only=True).items():
+        w = np.asarray(layer.kernel[...], np.float32).T
+        b = None if layer.bias is None else np.asarray(layer.bias[...], np.float32)
+        layer_set[name] = (w, b, rng.standard_normal((40, w.shape[1])).astype(np.float32))
+    qlayers, reports = calibrate.quantize_layer_set(layer_set, RECIPE)
+    folder = tmp_path / "q"
+    save_quantized_checkpoint(folder, model, qlayers, recipe_name="hadamard32", recipe=RECIPE, reports=reports,
+                              left_16bit={"x": "test"}, extra={"solver": "flow_euler"})
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors",
+                                                        "quantization_config.json", "quantized.safetensors"]
+    qconfig = json.loads((folder / "quantization_config.json").read_text())
+    assert qconfig["recipe"] == "hadamard32" and qconfig["weight_format"] == "MXFP4"
+    assert qconfig["settings"]["transform"] == "hadamard32" and qconfig["left_16bit"] == {"x": "test"}
+    assert set(qconfig["layers"]) == set(qlayers)
+    assert all(qconfig["layers"][n]["heldout_error"] == pytest.approx(reports[n]["heldout_error"]) for n in qlayers)
+
+    loaded = load_quantized_checkpoint(folder)
+    assert loaded.family == family and loaded.cfg == cfg and sorted(loaded.qlayers) == sorted(qlayers)
+    for name, layer in qlayers.items():
+        back = loaded.qlayers[name]
+        np.testing.assert_array_equal(np.asarray(back.weight.codes), np.asarray(layer.weight.codes))
+        np.testing.assert_array_equal(np.asarray(back.weight.scales), np.asarray(layer.weight.scales))
+        np.testing.assert_array_equal(np.asarray(back.blocks), np.asarray(layer.blocks))
+        assert float(jnp.abs(linears(loaded.model)[name].kernel[...]).max()) == 0.0  # a placeholder, never used
+    outputs = []
+    for m, overrides in ((model, quantize_model.qlinear_overrides(qlayers)), (loaded.model, loaded.overrides())):
+        graphdef, state = nnx.split(m)
+        sample = jax.jit(sampling.make_sampler(family, graphdef, m.cfg, num_steps=1, guidance_scale=3.0,
+                                               latent_hw=(8, 8)))
+        outputs.append(np.asarray(sample({"model": state, **_prompts(family), "overrides": overrides},
+                                         jax.random.key(0))[0]))
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+    assert np.isfinite(outputs[0]).all() and np.abs(outputs[0]).max() > 0
+
+
+def test_load_names_what_is_missing(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no model.safetensors \\(not a quantized checkpoint folder"):
+        load_quantized_checkpoint(tmp_path)
