@@ -27,8 +27,9 @@ from their MXFP4 value, and :func:`row_spans` gives each row's span.
 bytes and makes its row's scale NaN, so the row dequantizes to NaN and every GEMM output it touches is NaN (as the
 dequantized product's is); it does not count towards the span or ``inexact``. Elements whose MXFP4 value is an f32
 subnormal (scale byte 0: codes 0.5, 1, 1.5; byte 1: code 0.5), which :func:`~kroquant_jax.formats.dequantize` flushes to
-zero, are encoded as zero. All-zero rows get ``e_ref = 0``. ``e_ref`` is clamped to ``[-126, 127]`` so that the row
-scale ``2**e_ref`` is a normal f32 (this only lowers offsets, never clips).
+zero, are encoded as zero. ``e_ref`` is taken from the E8M0 bytes alone (the largest non-NaN byte; an all-zero block has
+byte 0) and clamped to ``[-126, 127]`` so that the row scale ``2**e_ref`` is a normal f32 (this only lowers offsets,
+never clips).
 
 **W4A8 activations** (:func:`per_token_e4m3`): no MXFP4 step; per row ``scale = amax / 448`` (f32, correctly rounded),
 ``values = e4m3(x * (448 / amax))`` (round to nearest even, saturated at 448). Rows holding NaN or Inf get a NaN scale.
@@ -53,7 +54,9 @@ __all__ = [
     "Fp8Rows",
     "block_exponents",
     "dequantize_rows",
+    "even_odd_columns",
     "mxfp4_to_e4m3",
+    "natural_columns",
     "per_token_e4m3",
     "row_reference_exponent",
     "row_spans",
@@ -71,7 +74,8 @@ _NAN_BYTE = 0x7F  # float8_e4m3fn NaN
 _E2M1_FLOOR_LOG2 = np.array([127, -1, 0, 0, 1, 1, 2, 2], np.int32)  # magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("values", "scale", "inexact"), meta_fields=())
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("values", "scale", "inexact"),
+                   meta_fields=("order",))
 @dataclasses.dataclass(frozen=True)
 class Fp8Rows:
     """FP8 rows with one f32 factor per row: ``x[..., j] = f32(values[..., j]) * scale[...]``.
@@ -81,12 +85,16 @@ class Fp8Rows:
       scale: ``float32 (...)``: ``2**e_ref`` exactly for re-encoded MXFP4 rows (:func:`mxfp4_to_e4m3`), ``amax / 448``
         for per-token activations (:func:`per_token_e4m3`); NaN for rows that hold a non-finite value.
       inexact: ``int32 ()``: elements whose E4M3 value differs from the value they encode (MXFP4: 0 when every row's
-        span is ``<= 14``; per-token: always 0, the rounding is the format's own).
+        span is ``<= 14``; per-token: always 0, the rounding is the format's own); -1 when not counted.
+      order: the column order of ``values`` (static): ``"natural"``, or ``"even_odd"``: the even elements
+        ``0, 2, 4, ...`` then the odd ones (the low nibbles of the packed codes, then the high ones: no interleave).
+        A GEMM sums over K, so operands in the same order give the same product.
     """
 
     values: jax.Array
     scale: jax.Array
     inexact: jax.Array
+    order: str = "natural"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -133,21 +141,30 @@ def block_exponents(q: QuantizedArray) -> tuple[jax.Array, jax.Array, jax.Array]
     return q.scales.astype(jnp.int32) - F.E8M0_BIAS, live, q.scales == F.E8M0_NAN
 
 
+def _max_exponent(q: QuantizedArray) -> jax.Array:
+    """Largest block exponent of each row over its non-NaN blocks (``int32 (...)``; -127 for all-zero rows), from the
+    E8M0 bytes alone. An all-zero block has byte 0, the smallest, and a block of quantized data with a larger byte
+    holds a nonzero code (FLOOR/EVEN: its amax code is 4 or 6), so this is the largest live block of quantizer output;
+    for other arrays a larger all-zero block only lowers the others' offsets (counted by the policy, never silent)."""
+    b = q.scales.astype(jnp.int32)
+    return jnp.max(jnp.where(b == F.E8M0_NAN, 0, b), axis=-1) - F.E8M0_BIAS
+
+
 def row_reference_exponent(q: QuantizedArray) -> jax.Array:
-    """``e_ref int32 (...)``: the largest live block exponent of each row minus 6, clamped to ``[-126, 127]``; 0 for a
-    row with no live block."""
-    e, live, _ = block_exponents(q)
-    e_max = jnp.max(jnp.where(live, e, _NO_BLOCK), axis=-1)
-    return jnp.where(e_max == _NO_BLOCK, 0, jnp.clip(e_max - E4M3_TOP_OFFSET, -126, 127)).astype(jnp.int32)
+    """``e_ref int32 (...)``: each row's largest non-NaN block exponent minus 6, clamped to ``[-126, 127]`` (so an
+    all-zero row gets -126)."""
+    _check_mxfp4(q, "row_reference_exponent")
+    return jnp.clip(_max_exponent(q) - E4M3_TOP_OFFSET, -126, 127).astype(jnp.int32)
 
 
 def row_spans(q: QuantizedArray) -> jax.Array:
-    """``int32 (...)``: largest minus smallest live block exponent per row (0 for rows with at most one live block).
-    A row is re-encoded exactly iff its span is ``<= E4M3_SPAN`` (14)."""
+    """``int32 (...)``: the row's largest block exponent (:func:`row_reference_exponent`'s) minus its smallest live
+    block exponent (0 for rows without live blocks). A row is re-encoded exactly iff its span is ``<= E4M3_SPAN``
+    (14)."""
     e, live, _ = block_exponents(q)
-    e_max = jnp.max(jnp.where(live, e, _NO_BLOCK), axis=-1)
+    e_max = _max_exponent(q)
     e_min = jnp.min(jnp.where(live, e, -_NO_BLOCK), axis=-1)
-    return jnp.where(e_max == _NO_BLOCK, 0, e_max - e_min).astype(jnp.int32)
+    return jnp.where(jnp.any(live, axis=-1), e_max - e_min, 0).astype(jnp.int32)
 
 
 def _pow2(e: jax.Array) -> jax.Array:
@@ -155,42 +172,88 @@ def _pow2(e: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type((e + 127).astype(jnp.int32) << 23, jnp.float32)
 
 
-def mxfp4_to_e4m3(q: QuantizedArray) -> Fp8Rows:
+ORDERS = ("natural", "even_odd")
+
+
+def _check_order(order: str) -> None:
+    if order not in ORDERS:
+        raise ValueError(f"order={order!r} must be one of {ORDERS}")
+
+
+def _encode_nibbles(nib: jax.Array, byte: jax.Array, offset: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per element: E2M1 code ``nib`` (int32, low 4 bits), its block's E8M0 byte and offset -> (E4M3 value, exact f32
+    value in units of ``2**e_ref``). Elements that ``formats.dequantize`` flushes (f32 subnormals) and NaN blocks give
+    0 here (NaN blocks are marked by the caller)."""
+    floor_log2 = jnp.asarray(_E2M1_FLOOR_LOG2)[nib & 7]
+    dead = (floor_log2 + byte - F.E8M0_BIAS < -126) | (byte == F.E8M0_NAN)
+    exact = jnp.where(dead, 0.0, F.e2m1_decode(nib) * _pow2(offset))  # <= 2 significant bits, exponent >= -31: exact
+    return exact.astype(jnp.float8_e4m3fn), exact  # round to nearest even; exact where the offset is in [-8, 6]
+
+
+def mxfp4_to_e4m3(q: QuantizedArray, *, order: str = "natural", count_inexact: bool = True) -> Fp8Rows:
     """Re-encode MXFP4 rows ``(..., d)`` as E4M3 bytes ``(..., d)`` and one power of two per row.
 
     ``value[..., j] = e2m1(code) * 2**(e_blk - e_ref)`` rounded to E4M3 (exact for block offsets in ``[-8, 6]``; the
-    out-of-range policy of the module docstring otherwise), ``scale = 2**e_ref``; ``inexact`` counts the elements the
-    rounding changed. Any MXFP4 block size; pure jnp (one XLA fusion per operand on a GPU).
+    out-of-range policy of the module docstring otherwise), ``scale = 2**e_ref``. ``order="even_odd"`` writes the low
+    nibbles then the high nibbles (no interleave; see :class:`Fp8Rows`). ``count_inexact``: count the elements the
+    rounding changed (one more reduction over the row; ``inexact = -1`` without). Any MXFP4 block size; pure jnp
+    (elementwise over the packed bytes plus a reduction over the row's scale bytes).
     """
     _check_mxfp4(q, "mxfp4_to_e4m3")
-    codes = _live_codes(q)  # (..., nb, block)
-    e, live, nan_blk = block_exponents(q)
+    _check_order(order)
+    per_block = q.fmt.block_size // 2  # bytes per block
     e_ref = row_reference_exponent(q)  # (...)
+    b = q.scales.astype(jnp.int32)  # (..., nb)
     # Offsets below -30 round every E2M1 value to zero (6 * 2**-30 < 2**-10): clip so that 2**o is a normal f32.
-    offset = jnp.clip(e - e_ref[..., None], -30, 127)  # (..., nb)
-    exact_value = F.e2m1_decode(codes) * _pow2(offset)[..., None]  # exact f32 (<= 2 bits, exponent >= -31)
-    exact_value = jnp.where(live[..., None], exact_value, jnp.zeros_like(exact_value))
-    values = exact_value.astype(jnp.float8_e4m3fn)  # round to nearest even; exact where the offset is in range
-    inexact = jnp.sum((values.astype(jnp.float32) != exact_value).astype(jnp.int32))
-    nan_bits = jax.lax.bitcast_convert_type(jnp.full(values.shape, _NAN_BYTE, jnp.uint8), jnp.float8_e4m3fn)
-    values = jnp.where(nan_blk[..., None], nan_bits, values)
-    values = values.reshape(*values.shape[:-2], -1)
-    scale = jnp.where(jnp.any(nan_blk, axis=-1), jnp.nan, _pow2(e_ref))
-    return Fp8Rows(values=values, scale=scale, inexact=inexact)
+    offset = jnp.clip(b - F.E8M0_BIAS - e_ref[..., None], -30, 127)
+    byte_b, byte_o = jnp.repeat(b, per_block, axis=-1), jnp.repeat(offset, per_block, axis=-1)  # (..., d/2)
+    codes = q.codes.astype(jnp.int32)
+    lo, lo_exact = _encode_nibbles(codes & 15, byte_b, byte_o)  # elements 2i
+    hi, hi_exact = _encode_nibbles(codes >> 4, byte_b, byte_o)  # elements 2i + 1
+    nan_byte = byte_b == F.E8M0_NAN
+    nan_bits = jax.lax.bitcast_convert_type(jnp.full(lo.shape, _NAN_BYTE, jnp.uint8), jnp.float8_e4m3fn)
+    lo, hi = jnp.where(nan_byte, nan_bits, lo), jnp.where(nan_byte, nan_bits, hi)
+    if order == "even_odd":
+        values = jnp.concatenate([lo, hi], axis=-1)
+    else:
+        values = jax.lax.stack([lo, hi], axis=lo.ndim).reshape(*lo.shape[:-1], -1) if lo.ndim else lo
+    inexact = jnp.int32(-1)
+    if count_inexact:
+        inexact = sum(jnp.sum(((v.astype(jnp.float32) != x) & ~nan_byte).astype(jnp.int32))
+                      for v, x in ((lo, lo_exact), (hi, hi_exact)))
+    scale = jnp.where(jnp.any(b == F.E8M0_NAN, axis=-1), jnp.nan, _pow2(e_ref))
+    return Fp8Rows(values=values, scale=scale, inexact=inexact, order=order)
+
+
+def natural_columns(values: jax.Array, order: str) -> jax.Array:
+    """``values (..., d)`` in ``order`` -> natural column order."""
+    _check_order(order)
+    if order == "natural":
+        return values
+    half = values.shape[-1] // 2
+    return jax.lax.stack([values[..., :half], values[..., half:]], axis=values.ndim).reshape(values.shape)
+
+
+def even_odd_columns(x: jax.Array) -> jax.Array:
+    """``x (..., d)`` -> ``[x[..., 0::2] | x[..., 1::2]]`` (the ``"even_odd"`` order)."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
 def dequantize_rows(rows: Fp8Rows, dtype=jnp.float32) -> jax.Array:
-    """``f32(values) * scale[..., None]`` in ``dtype`` (exact in f32 for re-encoded MXFP4 rows unless the product
-    is an f32 subnormal)."""
-    return (rows.values.astype(jnp.float32) * rows.scale[..., None]).astype(dtype)
+    """``f32(values) * scale[..., None]`` in ``dtype``, columns in natural order (exact in f32 for re-encoded MXFP4
+    rows unless the product is an f32 subnormal)."""
+    values = natural_columns(rows.values, rows.order).astype(jnp.float32)
+    return (values * rows.scale[..., None]).astype(dtype)
 
 
-def per_token_e4m3(x: jax.Array) -> Fp8Rows:
+def per_token_e4m3(x: jax.Array, *, order: str = "natural") -> Fp8Rows:
     """W4A8 activations: ``x (..., d)`` -> E4M3 ``(..., d)`` with ``scale = amax_row / 448`` (f32 ``(...)``).
 
     ``values = e4m3(clip(x * (448 / amax), +-448))``; all-zero rows get scale 1; rows with NaN/Inf a NaN scale (and
-    their finite elements encoded against the finite amax), so the row is visibly NaN downstream.
+    their finite elements encoded against the finite amax), so the row is visibly NaN downstream. ``order``: the
+    column order of the values (see :class:`Fp8Rows`).
     """
+    _check_order(order)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"per_token_e4m3: expected a floating dtype (float32/bfloat16/float16), got {x.dtype}")
     if x.ndim < 1 or x.shape[-1] == 0:
@@ -204,7 +267,9 @@ def per_token_e4m3(x: jax.Array) -> Fp8Rows:
     inv = jnp.where(ok, F.divide_rn(jnp.float32(F.E4M3_MAX), safe), 1.0)
     v = jnp.clip(jnp.where(finite, xf, 0.0) * inv[..., None], -F.E4M3_MAX, F.E4M3_MAX)
     scale = jnp.where(jnp.all(finite, axis=-1), scale, jnp.nan)
-    return Fp8Rows(values=v.astype(jnp.float8_e4m3fn), scale=scale, inexact=jnp.int32(0))
+    if order == "even_odd":
+        v = even_odd_columns(v)
+    return Fp8Rows(values=v.astype(jnp.float8_e4m3fn), scale=scale, inexact=jnp.int32(0), order=order)
 
 
 def span_stats(q: QuantizedArray) -> dict:

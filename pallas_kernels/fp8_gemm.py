@@ -48,6 +48,7 @@ __all__ = [
     "fp8_linear_reference",
     "fp8_matmul",
     "fp8_matmul_reference",
+    "operand_order",
     "prepare_fp8_layer",
     "prepare_weight",
     "weight_nbytes",
@@ -73,22 +74,33 @@ def _algorithm(accumulation: str):
     raise ValueError(f"accumulation={accumulation!r} must be one of {ACCUMULATIONS}")
 
 
-def _as_rows(x: Operand, what: str) -> Fp8Rows:
+def _as_rows(x: Operand, what: str, order: str, count: bool) -> Fp8Rows:
     if isinstance(x, Fp8Rows):
+        if x.order != order:
+            raise ValueError(f"fp8_matmul: {what} is in column order {x.order!r}, the other operand in {order!r}; both "
+                             f"operands of the GEMM must share one K order")
         return x
     if isinstance(x, QuantizedArray):
-        return FE.mxfp4_to_e4m3(x)  # raises for NVFP4
+        return FE.mxfp4_to_e4m3(x, order=order, count_inexact=count)  # raises for NVFP4
     raise TypeError(f"fp8_matmul: {what} must be an MXFP4 QuantizedArray or Fp8Rows, got {type(x).__name__}")
 
 
-def prepare_weight(w: QuantizedArray, *, storage: Literal["e4m3", "mxfp4"] = "e4m3") -> Operand:
+def operand_order(w: Operand) -> str:
+    """The K order a GEMM with weight ``w`` runs in: a re-encoded weight's own, ``"even_odd"`` for a packed one (the
+    cheaper re-encode: no nibble interleave)."""
+    return w.order if isinstance(w, Fp8Rows) else "even_odd"
+
+
+def prepare_weight(w: QuantizedArray, *, storage: Literal["e4m3", "mxfp4"] = "e4m3",
+                   order: str = "even_odd") -> Operand:
     """A packed MXFP4 weight ``(o, d)`` for :func:`fp8_matmul`: re-encoded once (``"e4m3"``: :class:`Fp8Rows`,
-    ``o (d + 4)`` bytes) or kept packed (``"mxfp4"``: ``o d (1/2 + 1/32)`` bytes, re-encoded in every call)."""
+    ``o (d + 4)`` bytes, in K order ``order``) or kept packed (``"mxfp4"``: ``o d (1/2 + 1/32)`` bytes, re-encoded in
+    every call)."""
     if not isinstance(w, QuantizedArray) or not isinstance(w.fmt, MXFP4) or len(w.shape) != 2:
         raise TypeError(f"prepare_weight: needs a 2-D MXFP4 QuantizedArray, got {getattr(w, 'fmt', type(w).__name__)!r}"
                         f" of shape {getattr(w, 'shape', None)}")
     if storage == "e4m3":
-        return FE.mxfp4_to_e4m3(w)
+        return FE.mxfp4_to_e4m3(w, order=order)
     if storage == "mxfp4":
         return w
     raise ValueError(f"storage={storage!r} must be 'e4m3' or 'mxfp4'")
@@ -123,12 +135,14 @@ def fp8_matmul(a: Operand, w: Operand, *, lowrank: Optional[tuple] = None, bias:
       gemm_dtype: the FP8 GEMM's output dtype: f32 (default: one rounding, the exactness contract above) or bf16
         (the GEMM writes half the bytes; one more rounding before the epilogue: ``2**-9 |out|``).
       k_split: sum ``d / k_split`` chunks of K in f32 outside the GEMM (promotes partial sums); ``d % k_split == 0``.
-      return_inexact: also return the number of operand elements the out-of-range policy rounded (``int32 ()``).
+      return_inexact: also return the number of operand elements the out-of-range policy rounded (``int32 ()``; -1
+        if an operand came re-encoded without its count). Without it the activations' count is not computed.
 
     Returns:
       ``(m, n)`` in ``out_dtype`` (and the count).
     """
-    ar, wr = _as_rows(a, "a"), _as_rows(w, "w")
+    order = operand_order(w) if not isinstance(w, QuantizedArray) or not isinstance(a, Fp8Rows) else a.order
+    ar, wr = _as_rows(a, "a", order, return_inexact), _as_rows(w, "w", order, return_inexact)
     if ar.values.ndim != 2 or wr.values.ndim != 2 or ar.shape[1] != wr.shape[1]:
         raise ValueError(f"fp8_matmul: a {ar.shape} and w {wr.shape} must be (m, d) and (n, d)")
     (m, d), n = ar.shape, wr.shape[0]
@@ -159,7 +173,8 @@ def fp8_matmul(a: Operand, w: Operand, *, lowrank: Optional[tuple] = None, bias:
         y = y + bias.astype(jnp.float32)
     y = y.astype(out_dtype)
     if return_inexact:
-        return y, ar.inexact + wr.inexact
+        counted = (ar.inexact >= 0) & (wr.inexact >= 0)
+        return y, jnp.where(counted, ar.inexact + wr.inexact, -1)
     return y
 
 
@@ -169,7 +184,7 @@ def fp8_matmul_reference(a: Operand, w: Operand, *, lowrank: Optional[tuple] = N
     ``values * scale``) multiplied and summed in float64, ``+ h L^T + bias``. ``(m, n)`` float64."""
     def dense(x):
         if isinstance(x, Fp8Rows):
-            return (np.asarray(x.values.astype(jnp.float32), np.float64)
+            return (np.asarray(FE.natural_columns(x.values, x.order).astype(jnp.float32), np.float64)
                     * np.asarray(x.scale, np.float64)[..., None])
         if isinstance(x, QuantizedArray):
             return np.asarray(dequantize(x, jnp.float32), np.float64)
@@ -263,7 +278,7 @@ def _check_op(layer: Fp8Linear, op: str, norm_weight, head_dim) -> None:
 def _activations(layer: Fp8Linear, x2: jax.Array, impl: str) -> Operand:
     if layer.act == "fp8":
         xt = tq.reference_apply(x2.astype(jnp.float32), layer.transform)  # (m, d) f32, XLA
-        return FE.per_token_e4m3(xt)
+        return FE.per_token_e4m3(xt, order=operand_order(layer.weight))
     return tq.transform_quantize(x2, layer.transform, MXFP4(), impl=impl, round_to_input=False)
 
 
@@ -300,8 +315,9 @@ def fp8_linear_forward(layer: Fp8Linear, x: jax.Array, *, op: str = "none", norm
         h = jnp.matmul(x2, layer.right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # (m, r)
         lowrank = (h, layer.left)
     # f32 through the epilogue and the op (XLA fuses them), one rounding to out_dtype at the end
-    y, inexact = fp8_matmul(a, layer.weight, lowrank=lowrank, bias=layer.bias, out_dtype=jnp.float32,
-                            accumulation=accumulation, gemm_dtype=gemm_dtype, k_split=k_split, return_inexact=True)
+    y = fp8_matmul(a, layer.weight, lowrank=lowrank, bias=layer.bias, out_dtype=jnp.float32,
+                   accumulation=accumulation, gemm_dtype=gemm_dtype, k_split=k_split, return_inexact=return_inexact)
+    y, inexact = y if return_inexact else (y, None)
     if op == "rmsnorm":
         y = rmsnorm_heads(y, norm_weight, head_dim=head_dim, eps=eps)
     elif op == "swiglu":

@@ -126,8 +126,24 @@ def test_zero_rows_and_leading_dims():
     r = E.mxfp4_to_e4m3(q)
     assert r.values.shape == (2, 3, 64) and r.scale.shape == (2, 3) and r.values.dtype == jnp.float8_e4m3fn
     np.testing.assert_array_equal(_decode_f64(r), _exact_f64(q))
-    assert float(r.scale[0, 0]) == 1.0  # all-zero row: e_ref = 0
+    assert float(r.scale[0, 0]) == 2.0 ** -126  # all-zero row: every byte 0, e_ref clamped to -126
     assert r.nbytes == 2 * 3 * 64 + 2 * 3 * 4
+
+
+def test_even_odd_order():
+    x = jax.random.normal(jax.random.PRNGKey(5), (6, 128)) * 4.0
+    q = F.quantize(x)
+    nat, eo = E.mxfp4_to_e4m3(q), E.mxfp4_to_e4m3(q, order="even_odd")
+    assert eo.order == "even_odd" and nat.order == "natural"
+    np.testing.assert_array_equal(np.asarray(eo.values.astype(jnp.float32)),
+                                  np.asarray(E.even_odd_columns(nat.values.astype(jnp.float32))))
+    np.testing.assert_array_equal(np.asarray(E.dequantize_rows(eo)), np.asarray(E.dequantize_rows(nat)))
+    np.testing.assert_array_equal(_decode_f64(nat), _exact_f64(q))
+    assert int(E.mxfp4_to_e4m3(q, count_inexact=False).inexact) == -1
+    p_eo = E.per_token_e4m3(x, order="even_odd")
+    np.testing.assert_array_equal(np.asarray(E.dequantize_rows(p_eo)), np.asarray(E.dequantize_rows(E.per_token_e4m3(x))))
+    with pytest.raises(ValueError, match="order"):
+        E.mxfp4_to_e4m3(q, order="odd")
 
 
 def test_under_jit_and_vmap_identical():

@@ -47,8 +47,9 @@ def test_bit_exact_where_every_partial_sum_is_exact():
                               tensor_scale=jnp.float32(1.0), fmt=MXFP4(), dtype=np.dtype(np.float32))
 
     a, w = qa(codes_a, bytes_a), qa(codes_w, bytes_w)
-    y = G8.fp8_matmul(a, G8.prepare_weight(w), out_dtype=jnp.float32)
-    np.testing.assert_array_equal(np.asarray(y, np.float64), G8.fp8_matmul_reference(a, w))
+    for order in ("even_odd", "natural"):
+        y = G8.fp8_matmul(a, G8.prepare_weight(w, order=order), out_dtype=jnp.float32)
+        np.testing.assert_array_equal(np.asarray(y, np.float64), G8.fp8_matmul_reference(a, w))
     assert float(jnp.max(jnp.abs(y))) > 0
 
 
@@ -130,7 +131,9 @@ def test_w4a8_per_token_activations():
     m, n, k = 16, 32, 256
     x = jax.random.normal(jax.random.PRNGKey(6), (m, k)) * 3.0
     _, w = _operands(7, m, n, k)
-    a8 = FE.per_token_e4m3(x)
+    a8 = FE.per_token_e4m3(x, order="even_odd")  # the weight's K order (prepare_weight's default)
+    with pytest.raises(ValueError, match="order"):
+        G8.fp8_matmul(FE.per_token_e4m3(x), G8.prepare_weight(w))
     y = G8.fp8_matmul(a8, G8.prepare_weight(w), out_dtype=jnp.float32)
     ref = G8.fp8_matmul_reference(a8, w)
     a_abs = np.abs(np.asarray(FE.dequantize_rows(a8), np.float64))
