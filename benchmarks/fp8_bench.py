@@ -250,7 +250,7 @@ def run_case(model, layer, n, k, m, *, impl, n_calls, check_rows, do_accuracy, k
     for i in range(N_SETS):
         s = make_set(jax.random.PRNGKey(1000 * i + m + n), m, n, k)
         xq = TQ.transform_quantize(s["x"], s["transform"], MXFP4(), impl=impl, round_to_input=False)
-        s["a8"] = FE.mxfp4_to_e4m3(xq)  # pre-encoded activations for fp8_gemm_only
+        s["a8"] = FE.mxfp4_to_e4m3(xq, order=G8.operand_order(s["layer8"].weight))  # for fp8_gemm_only
         sets.append(s)
     jax.block_until_ready([s["layer8"] for s in sets])
     case = {"model": model, "layer": layer, "m": m, "n": n, "k": k, "flops": 2.0 * m * n * k, "variants": {}}
