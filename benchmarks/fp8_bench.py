@@ -10,10 +10,11 @@ transform near the Hadamard init:
 * ``fp8_w4a4``: the quantize kernel, the E4M3 re-encode (XLA), ``h``, one FP8 GEMM (f32 output), the epilogue
   fusion (row/column powers of two, ``h L^T``, output bf16) (``fp8_gemm.fp8_linear_forward``), the weight
   re-encoded once beforehand. ``fp8_w4a4_bf16gemm``: the FP8 GEMM writes bf16 (half the bytes, one more rounding).
+* ``fp8_w4a4_precise``: the same with ``accumulation="precise"`` (partial sums promoted to fp32; GPU only).
 * ``fp8_w4a8``: ``x T`` in f32 (XLA) and per-token E4M3 activations, the same FP8 GEMM and epilogue.
 * ``fp8_gemm_only``: the FP8 GEMM alone on E4M3 operands, bf16 output: the floor of the FP8 strategies.
 
-Timing: device time from the profiler (CUPTI kernel durations read from the ``jax.profiler`` trace): per case all
+Timing: device time from the profiler (CUPTI kernel durations, ``kroquant_jax.timing.gpu_kernel_events``): per case all
 variants run inside one trace, each as 20 calls after warm-up, separated by a host pause; the device events are split
 into variants at those pauses, and per variant the kernels of each call are summed (median over calls) and listed per
 kernel (median µs per call: the quantizer's share). Wall time of the same calls is recorded too (fallback).
@@ -32,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import glob
 import os
 import statistics
 import sys
@@ -47,6 +47,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kroquant_jax import fp8_encoding as FE  # noqa: E402
+from kroquant_jax import timing  # noqa: E402
 from kroquant_jax import transforms as T  # noqa: E402
 from kroquant_jax.fileio import atomic_write_json  # noqa: E402
 from kroquant_jax.formats import MXFP4, dequantize, quantize  # noqa: E402
@@ -77,20 +78,6 @@ HEADLINE_MODELS = ("ideogram4", "flux1")
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _device_events(trace_dir: str) -> list[tuple[int, int, str]]:
-    """``(start_ns, duration_ns, name)`` of every GPU kernel in the trace, sorted (memcpy / memset left out)."""
-    from jax.profiler import ProfileData
-
-    out = []
-    for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
-        for plane in ProfileData.from_file(path).planes:
-            if plane.name.startswith("/device:GPU"):
-                out += [(ev.start_ns, ev.duration_ns, ev.name) for line in plane.lines
-                        if "stream" in line.name.lower() for ev in line.events
-                        if not ev.name.lower().startswith(("memcpy", "memset"))]
-    return sorted(out)
-
-
 def _per_call(events, n_calls: int) -> dict:
     """``us`` (median over calls of the summed kernel time) and ``kernels_us`` (median per call of each kernel)."""
     if not events:
@@ -99,10 +86,8 @@ def _per_call(events, n_calls: int) -> dict:
         return {"us": sum(e[1] for e in events) / 1e3 / n_calls, "timing": "cupti(total/n)", "kernels_us": {}}
     per = len(events) // n_calls
     calls = [events[i * per:(i + 1) * per] for i in range(n_calls)]
-    names = sorted({e[2][:90] for e in events})
-    kernels = {nm: statistics.median(sum(e[1] for e in c if e[2][:90] == nm) / 1e3 for c in calls) for nm in names}
     return {"us": statistics.median(sum(e[1] for e in c) / 1e3 for c in calls), "timing": f"cupti({per} kernels/call)",
-            "kernels_us": kernels}
+            "kernels_us": timing.per_call_breakdown(events, n_calls)}
 
 
 def time_variants(fns: dict, sets: list, n_calls: int, pause_s: float = 0.05) -> dict:
@@ -122,7 +107,7 @@ def time_variants(fns: dict, sets: list, n_calls: int, pause_s: float = 0.05) ->
             jax.block_until_ready(y)
             out[name]["wall_us"] = (time.perf_counter() - t0) / n_calls * 1e6
     try:
-        events = _device_events(trace_dir)
+        events = timing.gpu_kernel_events(trace_dir)
     except Exception as e:  # noqa: BLE001 - recorded, wall time used
         events = []
         print(f"  profiler read failed: {e!r}")
@@ -200,6 +185,7 @@ def variants(impl: str) -> dict:
         "dequant_layer": lambda s: G.w4a4_matmul_dequant(tq(s), s["qw"], lowrank=(h_of(s), s["left_q"])),
         "fp8_w4a4": lambda s: G8.fp8_linear_forward(s["layer8"], s["x"], impl=impl),
         "fp8_w4a4_bf16gemm": lambda s: G8.fp8_linear_forward(s["layer8"], s["x"], impl=impl, gemm_dtype=jnp.bfloat16),
+        "fp8_w4a4_precise": lambda s: G8.fp8_linear_forward(s["layer8"], s["x"], impl=impl, accumulation="precise"),
         "fp8_w4a8": w4a8,
         "fp8_gemm_only": lambda s: G8.fp8_matmul(s["a8"], s["layer8"].weight),
     }

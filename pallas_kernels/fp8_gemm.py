@@ -36,6 +36,7 @@ import numpy as np
 from kroquant_jax import fp8_encoding as FE
 from kroquant_jax.formats import MXFP4, QuantizedArray, dequantize
 from kroquant_jax.fp8_encoding import Fp8Rows
+from pallas_kernels import served
 from pallas_kernels import transform_quantize as tq
 from pallas_kernels.epilogues import rmsnorm_heads, swiglu
 from pallas_kernels.w4a4_gemm import dequantize_bf16
@@ -44,6 +45,8 @@ __all__ = [
     "ACCUMULATIONS",
     "ACTIVATIONS",
     "Fp8Linear",
+    "Fp8Strategy",
+    "Fp8W4A8Strategy",
     "fp8_linear_forward",
     "fp8_linear_reference",
     "fp8_matmul",
@@ -240,7 +243,7 @@ class Fp8Linear:
 
 def prepare_fp8_layer(served, *, act: Literal["mxfp4", "fp8"] = "mxfp4",
                       weight_storage: Literal["e4m3", "mxfp4"] = "e4m3") -> Fp8Linear:
-    """An :class:`Fp8Linear` from a served layer (``pallas_kernels.epilogues.serve_qlinear``'s result: ``transform``,
+    """An :class:`Fp8Linear` from a served layer (``pallas_kernels.served.serve``'s result: ``transform``,
     ``weight`` packed MXFP4, ``right``, ``left``, ``bias``, ``act_fmt``, ``swiglu_rows``), once, at load time."""
     if act not in ACTIVATIONS:
         raise ValueError(f"prepare_fp8_layer: act={act!r} must be one of {ACTIVATIONS}")
@@ -275,17 +278,18 @@ def _check_op(layer: Fp8Linear, op: str, norm_weight, head_dim) -> None:
                          f"(head_dim,) = ({head_dim},), and head_dim must divide out_features={layer.out_features}")
 
 
-def _activations(layer: Fp8Linear, x2: jax.Array, impl: str) -> Operand:
+def _activations(layer: Fp8Linear, x2: jax.Array, impl: str, quant_blocks=None) -> Operand:
     if layer.act == "fp8":
         xt = tq.reference_apply(x2.astype(jnp.float32), layer.transform)  # (m, d) f32, XLA
         return FE.per_token_e4m3(xt, order=operand_order(layer.weight))
-    return tq.transform_quantize(x2, layer.transform, MXFP4(), impl=impl, round_to_input=False)
+    return tq.transform_quantize(x2, layer.transform, MXFP4(), block_sizes=quant_blocks, impl=impl,
+                                 round_to_input=False)
 
 
 def fp8_linear_forward(layer: Fp8Linear, x: jax.Array, *, op: str = "none", norm_weight=None,
                        head_dim: Optional[int] = None, eps: float = 1e-6, impl: Optional[str] = None,
                        accumulation: Accumulation = "default", gemm_dtype=jnp.float32, k_split: Optional[int] = None,
-                       out_dtype=None, return_inexact: bool = False):
+                       out_dtype=None, return_inexact: bool = False, quant_blocks=None):
     """Eq. 11 on the FP8 tensor cores, then ``op``: ``x (..., d)`` -> ``(..., o)`` (``(..., o/2)`` for SwiGLU).
 
     W4A4: the fused transform + MXFP4 quantize kernel (``impl``: ``None`` = the kernel on a GPU, the reference
@@ -309,7 +313,7 @@ def fp8_linear_forward(layer: Fp8Linear, x: jax.Array, *, op: str = "none", norm
     x2 = x.reshape(-1, d)
     if x2.dtype not in (jnp.bfloat16, jnp.float16):
         x2 = x2.astype(jnp.bfloat16)
-    a = _activations(layer, x2, impl)
+    a = _activations(layer, x2, impl, quant_blocks)
     lowrank = None
     if layer.left is not None:
         h = jnp.matmul(x2, layer.right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # (m, r)
@@ -346,3 +350,52 @@ def fp8_linear_reference(layer: Fp8Linear, x: jax.Array, *, op: str = "none", no
     elif op == "swiglu":
         y = np.asarray(_swiglu_pairs(jnp.asarray(y, jnp.float32)), np.float64)
     return y
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The served-layer strategies ("fp8": W4A4, "fp8_w4a8"), registered on import.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class Fp8Strategy(served.Strategy):
+    """W4A4 on the FP8 tensor cores: ``served.serve(layer, strategy="fp8")`` prepares an :class:`Fp8Linear` (weight
+    re-encoded once), ``served.forward(..., options=ServeOptions(strategy="fp8"))`` runs :func:`fp8_linear_forward`
+    (the op as XLA ops on its f32 result). MXFP4 layers only (NVFP4 raises at preparation)."""
+
+    name = "fp8"
+    options = frozenset()
+    act = "mxfp4"
+
+    def prepare(self, layer, *, swiglu: bool = False, transform_kernel: Optional[str] = None) -> Fp8Linear:
+        return prepare_fp8_layer(served.serve_layer(layer, swiglu=swiglu, transform_kernel=transform_kernel),
+                                 act=self.act)
+
+    def forward(self, layer, x2, op, options, impl):
+        return fp8_linear_forward(layer, x2, op=op.name, norm_weight=op.norm_weight, head_dim=op.head_dim, eps=op.eps,
+                                  impl=impl, quant_blocks=options.quant_blocks, out_dtype=jnp.float32)
+
+    def reference(self, layer, x2, op):
+        """jnp: the reference quantizer, the operands' exact values in f32, the product at HIGHEST precision."""
+        a = _activations(layer, x2, "reference")
+        a = FE.dequantize_rows(a) if isinstance(a, Fp8Rows) else dequantize(a, jnp.float32)
+        w = layer.weight
+        w = FE.dequantize_rows(w) if isinstance(w, Fp8Rows) else dequantize(w, jnp.float32)
+        y = jnp.matmul(a, w.T, precision="highest")
+        if layer.left is not None:
+            h = jnp.matmul(x2, layer.right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+            y = y + jnp.matmul(h.astype(jnp.float32), layer.left.astype(jnp.float32).T, precision="highest")
+        if layer.bias is not None:
+            y = y + layer.bias.astype(jnp.float32)
+        return served.apply_op(y, op)
+
+
+class Fp8W4A8Strategy(Fp8Strategy):
+    """W4A8: MXFP4 weights re-encoded in E4M3, per-token E4M3 activations (``x T`` in f32, no MXFP4 step)."""
+
+    name = "fp8_w4a8"
+    act = "fp8"
+
+
+for _strategy in (Fp8Strategy(), Fp8W4A8Strategy()):
+    if _strategy.name not in served.strategy_names():
+        served.register_strategy(_strategy)

@@ -10,8 +10,8 @@ from kroquant_jax import formats as F
 from kroquant_jax import transforms
 from kroquant_jax.formats import MXFP4, NVFP4, QuantizedArray
 from kroquant_jax.qlinear import build_qlinear
-from pallas_kernels import epilogues as E
 from pallas_kernels import fp8_gemm as G8
+from pallas_kernels import served
 
 
 def _acc_bound(a_abs: np.ndarray, w_abs: np.ndarray, k: int) -> np.ndarray:
@@ -181,7 +181,11 @@ def _served(seed, o, d, rank=32, bias=True, swiglu=False):
     lowrank = (jax.random.normal(kl, (o, rank)) * 0.05, jax.random.normal(kr, (rank, d)) * 0.05) if rank else None
     b = 0.3 * jax.random.normal(kb, (o,)) if bias else None
     layer = build_qlinear(w, b, transform="kron_lu", transform_params=params, lowrank=lowrank)
-    return E.serve_qlinear(layer, swiglu=swiglu)
+    return served.serve(layer, swiglu=swiglu)
+
+
+def _dequant(s, x, impl=None, **kw):
+    return served.forward(s, x, options=served.ServeOptions(impl=impl), **kw)
 
 
 def _x(seed, m, d):
@@ -191,8 +195,8 @@ def _x(seed, m, d):
 
 @pytest.mark.parametrize("impl", ["reference", "interpret"])
 def test_layer_w4a4_equals_float64_reference(impl):
-    served = _served(10, 64, 128)
-    layer = G8.prepare_fp8_layer(served)
+    s_layer = _served(10, 64, 128)
+    layer = G8.prepare_fp8_layer(s_layer)
     assert isinstance(layer.weight, FE.Fp8Rows) and layer.left.dtype == jnp.bfloat16
     x = _x(11, 2 * 10, 128).reshape(2, 10, 128)
     y, inexact = G8.fp8_linear_forward(layer, x, impl=impl, out_dtype=jnp.float32, return_inexact=True)
@@ -201,55 +205,77 @@ def test_layer_w4a4_equals_float64_reference(impl):
     rel = np.linalg.norm(np.asarray(y, np.float64).reshape(20, 64) - ref) / np.linalg.norm(ref)
     assert rel < 1e-6  # f32 accumulation order only (the quantized activations are the same codes)
     # the same layer on the dequant strategy (bf16 output) agrees to the bf16 rounding
-    yd = E.served_linear_forward(served, x, impl=impl, out_dtype=jnp.float32)
+    yd = _dequant(s_layer, x, impl=impl, out_dtype=jnp.float32)
     yf = G8.fp8_linear_forward(layer, x, impl=impl)
     assert yf.dtype == jnp.bfloat16
     assert np.linalg.norm(np.asarray(yf, np.float64) - np.asarray(yd, np.float64)) <= 4e-3 * np.linalg.norm(ref)
 
 
 def test_layer_ops_and_w4a8():
-    served = _served(12, 64, 64)
+    s_layer = _served(12, 64, 64)
     x = _x(13, 12, 64)
-    layer = G8.prepare_fp8_layer(served)
+    layer = G8.prepare_fp8_layer(s_layer)
     nw = 1.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(14), (32,))
     norm = dict(op="rmsnorm", norm_weight=nw, head_dim=32, eps=1e-5)
     y = G8.fp8_linear_forward(layer, x, **norm)
     ref = G8.fp8_linear_reference(layer, x, **norm)
     assert np.linalg.norm(np.asarray(y, np.float64) - ref) <= 6e-3 * np.linalg.norm(ref)
-    yd = E.served_linear_forward(served, x, **norm, out_dtype=jnp.float32)
+    yd = _dequant(s_layer, x, **norm, out_dtype=jnp.float32)
     assert np.linalg.norm(np.asarray(y, np.float64) - np.asarray(yd, np.float64)) <= 6e-3 * np.linalg.norm(ref)
 
     served13 = _served(15, 128, 64, swiglu=True)
     l13 = G8.prepare_fp8_layer(served13)
     y = G8.fp8_linear_forward(l13, x, op="swiglu")
     assert y.shape == (12, 64)
-    yd = E.served_linear_forward(served13, x, op="swiglu", out_dtype=jnp.float32)
+    yd = _dequant(served13, x, op="swiglu", out_dtype=jnp.float32)
     assert np.linalg.norm(np.asarray(y, np.float64) - np.asarray(yd, np.float64)) <= 8e-3 * np.linalg.norm(yd)
     with pytest.raises(ValueError, match="swiglu"):
         G8.fp8_linear_forward(l13, x)
 
     # W4A8: closer to the unquantized-activation layer than W4A4
-    l8 = G8.prepare_fp8_layer(served, act="fp8")
+    l8 = G8.prepare_fp8_layer(s_layer, act="fp8")
     y8 = np.asarray(G8.fp8_linear_forward(l8, x, out_dtype=jnp.float32), np.float64)
     y4 = np.asarray(G8.fp8_linear_forward(layer, x, out_dtype=jnp.float32), np.float64)
-    xt = np.asarray(tq_apply(served, x), np.float64)
-    exact = xt @ _dense(served.weight).T + G8.fp8_matmul_reference(
+    xt = np.asarray(tq_apply(s_layer, x), np.float64)
+    exact = xt @ _dense(s_layer.weight).T + G8.fp8_matmul_reference(
         jnp.zeros((12, 64), jnp.float32), jnp.zeros((64, 64), jnp.float32),
-        lowrank=(jnp.matmul(x, served.right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16), l8.left),
-        bias=served.bias)
+        lowrank=(jnp.matmul(x, s_layer.right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16), l8.left),
+        bias=s_layer.bias)
     assert np.linalg.norm(y8 - exact) < 0.5 * np.linalg.norm(y4 - exact)
 
 
-def tq_apply(served, x):
+def tq_apply(s_layer, x):
     from pallas_kernels import transform_quantize as tq
-    return tq.reference_apply(x.astype(jnp.float32), served.transform)
+    return tq.reference_apply(x.astype(jnp.float32), s_layer.transform)
+
+
+def test_served_strategy_registered():
+    kw, kt = jax.random.split(jax.random.PRNGKey(17))
+    d = 64
+    p = transforms.get("kron_lu")
+    params = jax.tree.map(lambda v: v + 0.05 * jax.random.normal(kt, v.shape), p.init(d))
+    qlayer = build_qlinear(jax.random.normal(kw, (32, d)) / 8.0, transform="kron_lu", transform_params=params,
+                           lowrank=(jax.random.normal(kw, (32, 32)) * 0.05, jax.random.normal(kt, (32, d)) * 0.05))
+    assert {"fp8", "fp8_w4a8"} <= set(served.strategy_names())
+    x = _x(18, 10, d)
+    for name in ("fp8", "fp8_w4a8"):
+        layer = served.serve(qlayer, strategy=name)
+        assert isinstance(layer, G8.Fp8Linear) and layer.act == ("fp8" if name == "fp8_w4a8" else "mxfp4")
+        opts = served.ServeOptions(strategy=name, impl="interpret")
+        y = served.forward(layer, x, options=opts, out_dtype=jnp.float32)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(G8.fp8_linear_forward(layer, x, impl="interpret",
+                                                                                      out_dtype=jnp.float32)))
+        ref = served.reference(layer, x, strategy=name, out_dtype=jnp.float32)
+        assert np.linalg.norm(np.asarray(y) - np.asarray(ref)) <= 1e-5 * np.linalg.norm(np.asarray(ref))
+    with pytest.raises(ValueError, match="not read"):
+        served.ServeOptions(strategy="fp8", fused=True)
 
 
 def test_prepare_errors():
-    served = _served(16, 32, 64, rank=0, bias=False)
+    s_layer = _served(16, 32, 64, rank=0, bias=False)
     with pytest.raises(ValueError, match="act"):
-        G8.prepare_fp8_layer(served, act="int8")
-    layer = G8.prepare_fp8_layer(served, weight_storage="mxfp4")
+        G8.prepare_fp8_layer(s_layer, act="int8")
+    layer = G8.prepare_fp8_layer(s_layer, weight_storage="mxfp4")
     assert isinstance(layer.weight, QuantizedArray) and layer.left is None
     with pytest.raises(ValueError, match="features"):
         G8.fp8_linear_forward(layer, jnp.ones((4, 32), jnp.bfloat16))
