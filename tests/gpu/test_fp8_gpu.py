@@ -1,0 +1,100 @@
+"""GPU tests of the FP8 W4A4 / W4A8 strategy (marker ``gpu``; run on the H200): XLA's FP8 GEMM on the tensor cores
+against the exact float64 eq. 11 product, the accumulation modes at long K, NaN propagation, the layer with the
+quantizer kernel."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kroquant_jax import fp8_encoding as FE
+from kroquant_jax import formats as F
+from kroquant_jax import transforms as T
+from kroquant_jax.formats import MXFP4, QuantizedArray
+from pallas_kernels import fp8_gemm as G8
+from pallas_kernels import transform_quantize as TQ
+from pallas_kernels import w4a4_gemm as G
+
+pytestmark = pytest.mark.gpu
+
+
+def _operands(seed, m, n, k):
+    ka, kw = jax.random.split(jax.random.PRNGKey(seed))
+    a = jax.random.normal(ka, (m, k)) * jnp.where(jnp.arange(k) % 97 == 0, 20.0, 1.0)
+    w = jax.random.normal(kw, (n, k)) / np.sqrt(k)
+    return F.quantize(a, MXFP4()), F.quantize(w, MXFP4())
+
+
+def _dense(q):
+    return np.asarray(F.dequantize(q, jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("k", [4608, 12288])
+def test_fp8_gemm_error_vs_exact_and_dequant(k):
+    """Against float64: the FP8 GEMM (each accumulation mode, f32 output) next to the dequant GEMM (f32 output, fp32
+    accumulation). The precise mode and split-K must stay within the fp32 accumulation bound; every mode is printed."""
+    m, n = 256, 512
+    a, w = _operands(1, m, n, k)
+    ref = G8.fp8_matmul_reference(a, w)
+    bound = (k + 1) * 2.0 ** -24 * (np.abs(_dense(a)) @ np.abs(_dense(w)).T) + 2.0 ** -24 * np.abs(ref)
+    w8 = G8.prepare_weight(w)
+    errs = {"dequant": np.asarray(G.w4a4_matmul_dequant(a, w, out_dtype=jnp.float32), np.float64)}
+    for name, kw in {"default": {}, "precise": {"accumulation": "precise"}, "fast": {"accumulation": "fast"},
+                     "split512": {"k_split": 512}}.items():
+        errs[name] = np.asarray(G8.fp8_matmul(a, w8, out_dtype=jnp.float32, **kw), np.float64)
+    rel = {name: float(np.linalg.norm(y - ref) / np.linalg.norm(ref)) for name, y in errs.items()}
+    over = {name: float(np.max(np.abs(y - ref) / bound)) for name, y in errs.items()}
+    print(f"\n[fp8 gemm k={k}] rel err {rel}\n  max |err| / fp32 accumulation bound {over}")
+    assert over["dequant"] <= 1.0
+    assert over["precise"] <= 1.0 and over["split512"] <= 1.0
+    assert all(np.isfinite(v) for v in rel.values())
+
+
+def test_fp8_gemm_bit_exact_small_k_on_gpu():
+    """Offsets within 3 binades and K = 64: every partial sum exact, so the tensor cores give the float64 bits."""
+    rng = np.random.default_rng(0)
+    m, n, k = 128, 128, 64
+    ca, cw = rng.integers(0, 16, (m, k)), rng.integers(0, 16, (n, k))
+    ca[:, 0] = cw[:, 0] = 7
+
+    def qa(c, top):
+        b = np.stack([np.full(c.shape[0], top), top - rng.integers(0, 4, c.shape[0])], 1)
+        return QuantizedArray(codes=F.pack_nibbles(jnp.asarray(c, jnp.uint8)), scales=jnp.asarray(b, jnp.uint8),
+                              tensor_scale=jnp.float32(1.0), fmt=MXFP4(), dtype=np.dtype(np.float32))
+
+    a, w = qa(ca, 130), qa(cw, 118)
+    for acc in ("default", "precise", "fast"):
+        y = G8.fp8_matmul(a, G8.prepare_weight(w), out_dtype=jnp.float32, accumulation=acc)
+        np.testing.assert_array_equal(np.asarray(y, np.float64), G8.fp8_matmul_reference(a, w), err_msg=acc)
+
+
+def test_nan_rows_and_columns_on_gpu():
+    a, w = _operands(2, 128, 128, 256)
+    sa, sw = np.asarray(a.scales).copy(), np.asarray(w.scales).copy()
+    sa[5, 2], sw[9, 0] = F.E8M0_NAN, F.E8M0_NAN
+    a = QuantizedArray(a.codes, jnp.asarray(sa), a.tensor_scale, a.fmt, a.dtype)
+    w = QuantizedArray(w.codes, jnp.asarray(sw), w.tensor_scale, w.fmt, w.dtype)
+    y = np.asarray(G8.fp8_matmul(a, G8.prepare_weight(w), out_dtype=jnp.float32))
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(G8.fp8_matmul_reference(a, w)))
+    assert np.isnan(y[5]).all() and np.isnan(y[:, 9]).all() and np.isnan(y).sum() == 128 + 127
+
+
+def test_layer_with_quantizer_kernel_on_gpu():
+    m, n, k, r = 300, 512, 1024, 32
+    kx, kw, kl, kr, kt = jax.random.split(jax.random.PRNGKey(3), 5)
+    x = (jax.random.normal(kx, (m, k)) * 2.0).astype(jnp.bfloat16)
+    params = jax.tree.map(lambda v: v * (1.0 + 0.1 * jax.random.normal(kt, v.shape)), T.get("kron_lu").init(k))
+    transform = TQ.prepare("kron_lu", params, d=k)
+    qw = F.quantize(jax.random.normal(kw, (n, k)) / np.sqrt(k), MXFP4())
+    left = (jax.random.normal(kl, (n, r)) * 0.05).astype(jnp.bfloat16)
+    right = (jax.random.normal(kr, (r, k)) * 0.05).astype(jnp.bfloat16)
+    bias = jax.random.normal(kt, (n,))
+    for act in ("mxfp4", "fp8"):
+        layer = G8.Fp8Linear(transform, G8.prepare_weight(qw), right, left, bias, act=act)
+        y, inexact = jax.jit(lambda lay, x: G8.fp8_linear_forward(lay, x, out_dtype=jnp.float32,
+                                                                  return_inexact=True))(layer, x)
+        ref = G8.fp8_linear_reference(layer, x)  # the same quantized activations (the kernel == the reference)
+        rel = float(np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref))
+        print(f"\n[fp8 layer {act}] rel err vs float64 {rel:.2e}, inexact {int(inexact)}")
+        assert rel < 1e-3 and int(inexact) == 0
+        assert int(jnp.max(FE.row_spans(qw))) <= FE.E4M3_SPAN
