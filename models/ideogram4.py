@@ -16,7 +16,7 @@ with q/k RMSNorm per head, a SwiGLU feed-forward ``w2(silu(w1 x) * w3 x)``, and 
 each branch. The linears are the shared ``models.layers.Linear`` (kernel ``(d_in, d_out)``; the block linears
 ``to_q/to_k/to_v/to_out.0/w1/w2/w3`` are marked quantizable) and every forward takes optional ``LinearHooks`` (quantized
 overrides, activation capture; fused q/k projection + norm and w1|w3 + SwiGLU sites for the GPU epilogue kernels
-through ``models.quantize_model.FusedLinearHooks``). Module names follow diffusers, so a linear's dotted path is its
+through ``models.layers.FusedLinearHooks``). Module names follow diffusers, so a linear's dotted path is its
 diffusers key prefix (``layers.3.attention.to_q`` <- ``layers.3.attention.to_q.weight``); :data:`KEY_TABLE` is the
 declarative mapping used by :mod:`models.convert`.
 
@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from models import convert
-from models.layers import Linear, LinearHooks, name_linears
+from models.layers import FusedLinearHooks, Linear, LinearHooks, check_fused_sites, name_linears, with_token_mask
 
 # Per-token role indicators of the packed sequence (diffusers' constants).
 SEQUENCE_PADDING_INDICATOR = -1
@@ -237,7 +237,7 @@ def _linear(cfg: Ideogram4Config, d_in: int, d_out: int, rngs: nnx.Rngs, bias: b
 
 def _project_norm(projection: Linear, norm: RMSNorm, x: jax.Array, hooks: LinearHooks | None) -> jax.Array:
     """``norm(projection(x))`` per head, ``(B, L, hidden)`` -> ``(B, L, H, D)``; a fused ``projection_norm`` hook
-    (:class:`models.quantize_model.FusedLinearHooks`) replaces both, given the norm's weight and eps."""
+    (:class:`models.layers.FusedLinearHooks`) replaces both, given the norm's weight and eps."""
     batch, length, _ = x.shape
     heads = (batch, length, -1, norm.scale.shape[0])
     fused = getattr(hooks, "fused_projection_norm", None)
@@ -392,7 +392,7 @@ class Ideogram4Transformer(nnx.Module):
 
     def fused_sites(self) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
         """The sites where fused hooks may replace a linear and the op after it
-        (:class:`models.quantize_model.FusedLinearHooks`): ``({to_q / to_k path: (that path,)}, {w1 path: (w1 path,
+        (:class:`models.layers.FusedLinearHooks`): ``({to_q / to_k path: (that path,)}, {w1 path: (w1 path,
         w3 path)})`` (q/k projection + per-head RMSNorm; gate + up projection + SwiGLU)."""
         blocks = [self.layers] if self.config.scan_layers else list(self.layers)
         norm_sites, swiglu_sites = {}, {}
@@ -405,8 +405,6 @@ class Ideogram4Transformer(nnx.Module):
 
     def _check_hooks(self, hooks: LinearHooks | None) -> None:
         """Scanned blocks share their linear paths: they take only stacked hooks; fused entries must name sites."""
-        from models.quantize_model import FusedLinearHooks, check_fused_sites
-
         if hooks is None:
             return
         stacked = isinstance(hooks, FusedLinearHooks) and hooks.stacked
@@ -466,7 +464,7 @@ class Ideogram4Transformer(nnx.Module):
             indicator: ``(B, L)`` integer token roles (``LLM_TOKEN_INDICATOR``, ``OUTPUT_IMAGE_INDICATOR``, other).
             text_embeddings: ``(B, L, hidden)`` from :meth:`embed_text`; replaces ``encoder_hidden_states``.
             hooks: :class:`models.layers.LinearHooks` routing the block linears (quantized overrides, activation
-                capture), list layout; or :class:`models.quantize_model.FusedLinearHooks` (also fused q/k projection
+                capture), list layout; or :class:`models.layers.FusedLinearHooks` (also fused q/k projection
                 + RMSNorm and w1|w3 + SwiGLU sites, see :meth:`fused_sites`), with ``stacked=True`` for the scan
                 layout (entries keyed ``layers.<sub path>``, arrays with a leading ``num_layers`` axis).
         Returns:
@@ -507,6 +505,8 @@ class Ideogram4Transformer(nnx.Module):
         cos, sin = mrope_cos_sin(position_ids, cfg.attention_head_dim, cfg.rope_theta, cfg.mrope_section)
         cos, sin = cos.astype(cfg.dtype), sin.astype(cfg.dtype)  # (B, L, head_dim) each
         mask = None if segment_ids is None else segment_mask(segment_ids)  # (B, 1, L, L) or None
+        # The padding segment never reaches a real token: a recorder keeps only the rows of real tokens.
+        hooks = with_token_mask(hooks, None if segment_ids is None else segment_ids != SEQUENCE_PADDING_INDICATOR)
 
         if cfg.scan_layers:
             block_graph, block_states = nnx.split(self.layers)

@@ -24,7 +24,7 @@ from models import convert
 from models.convert import linear_rules, param_rules, rule
 from models.layers import (Attention, FeedForward, InitKeys, LayerNorm, Linear, LinearHooks, PatchEmbed,
                            TextProjection, TimestepEmbedding, host_init, layer_norm, mask_to_bias, name_linears,
-                           timestep_embedding, unpatchify)
+                           timestep_embedding, unpatchify, with_token_mask)
 
 __all__ = ["PIXART_SIGMA_XL_2_1024_MS", "PixArtConfig", "PixArtTransformer2DModel", "KEY_TABLE", "from_diffusers",
            "to_diffusers"]
@@ -168,15 +168,17 @@ class PixArtBlock(nnx.Module):
         self.scale_shift_table = nnx.Param(jax.random.normal(rngs.params(), (6, dim), dtype) / dim ** 0.5)
 
     def __call__(self, x: jax.Array, context: jax.Array | None, context_bias: jax.Array | None,
-                 timestep6: jax.Array, hooks: LinearHooks | None) -> jax.Array:
-        """x (b, n, dim), context (b, t, c), context_bias (b, 1, 1, t), timestep6 (b, 6 dim) -> (b, n, dim)."""
+                 timestep6: jax.Array, hooks: LinearHooks | None, context_mask: jax.Array | None = None
+                 ) -> jax.Array:
+        """x (b, n, dim), context (b, t, c), context_bias (b, 1, 1, t), timestep6 (b, 6 dim), context_mask (b, t)
+        -> (b, n, dim)."""
         b, _, dim = x.shape
         mod = self.scale_shift_table[...][None] + timestep6.reshape(b, 6, dim)  # (b, 6, dim)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(mod, 6, axis=1)  # (b, 1, dim)
         h = self.norm1(x) * (1 + scale_msa) + shift_msa  # (b, n, dim)
         x = x + gate_msa * self.attn1(h, hooks=hooks)  # (b, n, dim)
         if self.attn2 is not None:
-            x = x + self.attn2(x, context, context_bias, hooks=hooks)  # (b, n, dim)
+            x = x + self.attn2(x, context, context_bias, hooks=hooks, context_mask=context_mask)  # (b, n, dim)
         h = self.norm2(x) * (1 + scale_mlp) + shift_mlp  # (b, n, dim)
         return x + gate_mlp * self.ff(h, hooks)  # (b, n, dim)
 
@@ -221,10 +223,10 @@ class PixArtTransformer2DModel(nnx.Module):
         timestep6, embedded = self.adaln_single(timestep, resolution, aspect_ratio, dtype, hooks)  # (b, 6d), (b, d)
         context = encoder_hidden_states.astype(dtype)  # (b, t, c)
         if self.caption_projection is not None:
-            context = self.caption_projection(context, hooks)  # (b, t, dim)
+            context = self.caption_projection(context, with_token_mask(hooks, encoder_attention_mask))  # (b, t, dim)
         context_bias = mask_to_bias(encoder_attention_mask)  # (b, 1, 1, t) or None
         for block in self.transformer_blocks:
-            x = block(x, context, context_bias, timestep6, hooks)  # (b, n, dim)
+            x = block(x, context, context_bias, timestep6, hooks, encoder_attention_mask)  # (b, n, dim)
         shift, scale = jnp.split(self.scale_shift_table[...][None] + embedded[:, None], 2, axis=1)  # (b, 1, dim)
         x = layer_norm(x, 1e-6) * (1 + scale) + shift  # (b, n, dim)
         x = self.proj_out(x, hooks)  # (b, n, p p out)

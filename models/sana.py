@@ -26,7 +26,7 @@ from models import convert
 from models.convert import linear_rules, param_rules, rule
 from models.layers import (Attention, ConvWeights, InitKeys, LayerNorm, Linear, LinearHooks, PatchEmbed, RMSNorm,
                            TextProjection, TimestepEmbedding, host_init, layer_norm, mask_to_bias, name_linears,
-                           timestep_embedding, unpatchify)
+                           timestep_embedding, unpatchify, with_token_mask)
 from models.pixart import AdaLayerNormSingle
 
 __all__ = ["SANA_1600M_1024PX", "SanaConfig", "SanaTransformer2DModel", "KEY_TABLE", "from_diffusers",
@@ -155,14 +155,16 @@ class SanaBlock(nnx.Module):
         self.scale_shift_table = nnx.Param(jax.random.normal(rngs.params(), (6, dim), dtype) / dim ** 0.5)
 
     def __call__(self, x: jax.Array, context: jax.Array, context_bias: jax.Array | None, timestep6: jax.Array,
-                 grid_h: int, grid_w: int, hooks: LinearHooks | None) -> jax.Array:
-        """x (b, n, dim), context (b, t, dim), context_bias (b, 1, 1, t), timestep6 (b, 6 dim) -> (b, n, dim)."""
+                 grid_h: int, grid_w: int, hooks: LinearHooks | None, context_mask: jax.Array | None = None
+                 ) -> jax.Array:
+        """x (b, n, dim), context (b, t, dim), context_bias (b, 1, 1, t), timestep6 (b, 6 dim), context_mask (b, t)
+        -> (b, n, dim)."""
         b, _, dim = x.shape
         mod = self.scale_shift_table[...][None] + timestep6.reshape(b, 6, dim)  # (b, 6, dim)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(mod, 6, axis=1)  # (b, 1, dim)
         h = (self.norm1(x) * (1 + scale_msa) + shift_msa).astype(x.dtype)  # (b, n, dim)
         x = x + gate_msa * self.attn1(h, hooks=hooks)  # (b, n, dim)
-        x = x + self.attn2(x, context, context_bias, hooks=hooks)  # (b, n, dim)
+        x = x + self.attn2(x, context, context_bias, hooks=hooks, context_mask=context_mask)  # (b, n, dim)
         h = self.norm2(x) * (1 + scale_mlp) + shift_mlp  # (b, n, dim)
         return x + gate_mlp * self.ff(h, grid_h, grid_w, hooks)  # (b, n, dim)
 
@@ -215,11 +217,13 @@ class SanaTransformer2DModel(nnx.Module):
             timestep6, embedded = self.time_embed(timestep, jnp.broadcast_to(guidance, (b,)), dtype, hooks)
         else:
             timestep6, embedded = self.time_embed(timestep, None, None, dtype, hooks)  # (b, 6 dim), (b, dim)
-        context = self.caption_projection(encoder_hidden_states.astype(dtype), hooks)  # (b, t, dim)
+        context = self.caption_projection(encoder_hidden_states.astype(dtype),
+                                          with_token_mask(hooks, encoder_attention_mask))  # (b, t, dim)
         context = self.caption_norm(context)  # (b, t, dim)
         context_bias = mask_to_bias(encoder_attention_mask)  # (b, 1, 1, t) or None
         for block in self.transformer_blocks:
-            x = block(x, context, context_bias, timestep6, height // p, width // p, hooks)  # (b, n, dim)
+            x = block(x, context, context_bias, timestep6, height // p, width // p, hooks,
+                      encoder_attention_mask)  # (b, n, dim)
         shift, scale = jnp.split(self.scale_shift_table[...][None] + embedded[:, None], 2, axis=1)  # (b, 1, dim)
         x = layer_norm(x, 1e-6) * (1 + scale) + shift  # (b, n, dim)
         x = self.proj_out(x, hooks)  # (b, n, p p out)
