@@ -1,8 +1,8 @@
 """Calibration data: record the inputs of the quantizable linears while sampling, subsampled on the device.
 
-:func:`capture_layer_set` runs the family's jitted sampler (``models.sampling.make_sampler``) once per batch of prompt
-embeddings. At every denoising step, every wanted linear's input ``x (..., d)`` is flattened to rows and a fixed
-number of rows is drawn without replacement *on the device* (:class:`RowSampler`); the drawn rows leave the scan as
+:func:`capture_layer_set` runs the family's jitted sampler (``models.families``: ``Family.make_sampler``) once per
+batch of prompt embeddings. At every denoising step, every wanted linear's input ``x (..., d)`` is flattened to rows
+and a fixed number of rows is drawn without replacement *on the device* (:class:`RowSampler`); the drawn rows leave the scan as
 its per-step output, so memory is ``steps x rows_per_step x d`` per layer and batch, whatever the image size (FLUX at
 1024 px has 4096 + 512 tokens per image: nothing of that size is kept). The host concatenates the batches and keeps
 at most ``rows_per_layer`` rows per layer (a seeded random subset).
@@ -34,8 +34,8 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from models import families
 from models.layers import LinearHooks, linears
-from models.sampling import make_sampler
 
 __all__ = ["CaptureConfig", "RowSampler", "capture_layer_set", "distinct_rows"]
 
@@ -134,20 +134,21 @@ class CaptureConfig:
     progress: bool = False
 
 
-def capture_layer_set(family: str, model: nnx.Module, prompt_batches: Sequence[Mapping[str, Any]],
+def capture_layer_set(family: str | families.Family, model: nnx.Module, prompt_batches: Sequence[Mapping[str, Any]],
                       config: CaptureConfig = CaptureConfig()) -> dict[str, tuple[np.ndarray, Any, np.ndarray]]:
     """Sample once per prompt batch and return the layer set of the recorded linears.
 
     Args:
-        family: ``"pixart"``, ``"sana"`` or ``"flux"``.
+        family: a ``models.families`` name (``"pixart"``, ``"sana"``, ``"flux"``, ``"ideogram4"``) or Family.
         model: the converted 16-bit model.
         prompt_batches: each a dict of the family's text inputs (``models.sampling`` denoisers: e.g. PixArt
-            ``context (b, t, c)``, ``mask (b, t)``, ``uncond_context``, ``uncond_mask``); all batches the same shapes
-            (one compilation).
+            ``context (b, t, c)``, ``mask (b, t)``, ``uncond_context``, ``uncond_mask``; ``Family.prompt_inputs``);
+            all batches the same shapes (one compilation).
         config: see :class:`CaptureConfig`.
     Returns:
         ``{name: (W (o, d) float32, bias (o,) float32 or None, A_rows (n, d) float32)}``, n <= rows_per_layer.
     """
+    family = families.get(family) if isinstance(family, str) else family
     if not prompt_batches:
         raise ValueError("capture_layer_set needs at least one prompt batch")
     available = linears(model)
@@ -163,9 +164,9 @@ def capture_layer_set(family: str, model: nnx.Module, prompt_batches: Sequence[M
         return LinearHooks(params.get("overrides"), RowSampler(names, rows_per_step, key, row_dtype))
 
     graphdef, state = nnx.split(model)
-    sample = jax.jit(make_sampler(family, graphdef, model.cfg, num_steps=config.num_steps,
-                                  guidance_scale=config.guidance_scale, latent_hw=tuple(config.latent_hw),
-                                  shift=config.shift, solver=config.solver, hooks_factory=hooks_factory))
+    sample = jax.jit(family.make_sampler(graphdef, family.config_of(model), num_steps=config.num_steps,
+                                         guidance_scale=config.guidance_scale, latent_hw=tuple(config.latent_hw),
+                                         shift=config.shift, solver=config.solver, hooks_factory=hooks_factory))
     base = jax.random.key(config.seed)
     collected: dict[str, list[np.ndarray]] = {name: [] for name in names}
     for index, batch in enumerate(tqdm(prompt_batches, desc="capture", unit="batch", disable=not config.progress)):

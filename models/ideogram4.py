@@ -53,6 +53,8 @@ IMAGE_POSITION_OFFSET = 65536
 
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 
+CLASS_NAME = "Ideogram4Transformer2DModel"
+
 
 @dataclasses.dataclass(frozen=True)
 class Ideogram4Config:
@@ -125,7 +127,7 @@ class Ideogram4Config:
         """The diffusers ``config.json`` dict of this architecture."""
         config = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[:10]}
         config["mrope_section"] = list(self.mrope_section)
-        config["_class_name"] = "Ideogram4Transformer2DModel"
+        config["_class_name"] = CLASS_NAME
         return config
 
 
@@ -534,7 +536,7 @@ class Ideogram4Transformer(nnx.Module):
 
 def count_params(cfg: Ideogram4Config) -> int:
     """Number of parameters of the model of ``cfg``, from shapes only (``nnx.eval_shape``: nothing is allocated)."""
-    shapes = convert.abstract_shapes(lambda: Ideogram4Transformer(cfg, rngs=nnx.Rngs(0)))
+    shapes = convert.abstract_shapes(lambda: new_model(cfg))
     return int(sum(math.prod(shape) for shape in shapes.values()))
 
 
@@ -609,56 +611,13 @@ def unstack_layer_params(params: Mapping[str, Any], num_layers: int) -> dict[str
     return flat
 
 
-def _build(cfg: Ideogram4Config):
-    return lambda: Ideogram4Transformer(cfg, rngs=nnx.Rngs(0))
-
-
-def from_diffusers_state(state: Mapping[str, np.ndarray], cfg: Ideogram4Config) -> Ideogram4Transformer:
-    """Build the model of ``cfg`` from a diffusers state dict ``{key: np.ndarray}`` (torch layout).
-
-    Parameters are cast to ``cfg.param_dtype``. Raises :class:`models.convert.ConversionError` listing every missing,
-    unexpected or mis-shaped key.
-    """
-    list_cfg = dataclasses.replace(cfg, scan_layers=False)
-    expected = convert.abstract_shapes(_build(list_cfg))
-    params = KEY_TABLE.to_flax(state, expected, dtype=np.dtype(jnp.dtype(cfg.param_dtype)))
-    if cfg.scan_layers:
-        params = stack_layer_params(params, cfg.num_layers)
-    return convert.merge_flat_state(_build(cfg), params)
-
-
-def load_diffusers_transformer(directory: str, **config_overrides: Any) -> Ideogram4Transformer:
-    """Load one ``Ideogram4Transformer2DModel`` directory (``config.json`` + safetensors, single or sharded).
-
-    ``config_overrides`` set the JAX-side fields (``dtype``, ``param_dtype``, ``attention_impl``, ``scan_layers``).
-    """
-    config, state = convert.read_diffusers_dir(directory)
-    cfg = Ideogram4Config.from_diffusers_config(config, **config_overrides)
-    return from_diffusers_state(state, cfg)
-
-
-def load_diffusers_pipeline_transformers(pipeline_dir: str, **config_overrides: Any
-                                         ) -> tuple[Ideogram4Transformer, Ideogram4Transformer]:
-    """``(transformer, unconditional_transformer)`` from a local ``Ideogram4Pipeline`` directory."""
-    import os
-
-    return (load_diffusers_transformer(os.path.join(pipeline_dir, "transformer"), **config_overrides),
-            load_diffusers_transformer(os.path.join(pipeline_dir, "unconditional_transformer"), **config_overrides))
-
-
-def to_diffusers_state(model: Ideogram4Transformer, dtype: Any = None) -> dict[str, np.ndarray]:
-    """The diffusers state dict of ``model`` (either layer layout); the exact inverse of the conversion."""
-    params = {k: np.asarray(v) for k, v in convert.flat_state_dict(model).items()}
-    if model.config.scan_layers:
-        params = unstack_layer_params(params, model.config.num_layers)
-    return KEY_TABLE.to_diffusers(params, dtype=dtype)
-
-
-def export_diffusers_dir(model: Ideogram4Transformer, directory: str, dtype: Any = None,
-                         max_shard_bytes: int | None = None) -> None:
-    """Write ``model`` as a diffusers ``Ideogram4Transformer2DModel`` directory (safetensors + config.json)."""
-    convert.write_diffusers_dir(directory, model.config.to_diffusers_config(), to_diffusers_state(model, dtype),
-                                max_shard_bytes=max_shard_bytes)
+def new_model(cfg: Ideogram4Config, dtype: Any = None) -> Ideogram4Transformer:
+    """The plain constructor (jax.random init); ``dtype`` (None: ``cfg.param_dtype``) sets the parameter dtype, the
+    compute dtype stays ``cfg.dtype``. Run under ``nnx.eval_shape`` for shapes without memory. Loading and exporting
+    diffusers checkpoints: ``models.families.IDEOGRAM4``."""
+    if dtype is not None:
+        cfg = dataclasses.replace(cfg, param_dtype=jnp.dtype(dtype))
+    return Ideogram4Transformer(cfg, rngs=nnx.Rngs(0))
 
 
 def _jax_fields(cfg: Ideogram4Config) -> dict[str, Any]:
@@ -687,4 +646,4 @@ def load(directory: str, **config_overrides: Any) -> Ideogram4Transformer:
     elif cfg.scan_layers and not saved_scan:
         params = stack_layer_params(params, cfg.num_layers)
     params = {k: np.asarray(v).astype(jnp.dtype(cfg.param_dtype)) for k, v in params.items()}
-    return convert.merge_flat_state(_build(cfg), params)
+    return convert.merge_flat_state(lambda: new_model(cfg), params)

@@ -526,7 +526,8 @@ def host_init(constructor: Callable[[], nnx.Module], seed: int = 0) -> nnx.Modul
     """Build ``constructor()`` abstractly and fill its parameters on the host with numpy (fast: no per-op compiles).
 
     Init: ``*.kernel`` uniform(±1/sqrt(fan_in)) with fan_in = prod(shape[:-1]) (torch's Linear/Conv default for
-    the weight), biases 0, norm weights 1, ``*scale_shift_table`` normal / sqrt(dim) (diffusers' init).
+    the weight), biases 0, norm weights (``weight``, ``scale``) 1, ``*scale_shift_table`` and embedding tables
+    normal / sqrt(dim).
     """
     abstract = nnx.eval_shape(constructor)
     graphdef, state = nnx.split(abstract)
@@ -540,8 +541,10 @@ def host_init(constructor: Callable[[], nnx.Module], seed: int = 0) -> nnx.Modul
             array = rng.uniform(-bound, bound, shape)
         elif name == "scale_shift_table":
             array = rng.standard_normal(shape) / math.sqrt(shape[-1])
-        elif name == "weight":
+        elif name in ("weight", "scale"):
             array = np.ones(shape)
+        elif name == "embedding":
+            array = rng.standard_normal(shape) / math.sqrt(shape[-1])
         elif name == "bias":
             array = np.zeros(shape)
         else:

@@ -13,7 +13,6 @@ ff.net.0.proj, ff.net.2). Embeddings, caption projection, adaln_single and proj_
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import jax
@@ -22,8 +21,8 @@ from flax import nnx
 
 from models import convert
 from models.convert import linear_rules, param_rules, rule
-from models.layers import (Attention, FeedForward, InitKeys, LayerNorm, Linear, LinearHooks, PatchEmbed,
-                           TextProjection, TimestepEmbedding, host_init, layer_norm, mask_to_bias, name_linears,
+from models.layers import (Attention, FeedForward, LayerNorm, Linear, LinearHooks, PatchEmbed,
+                           TextProjection, TimestepEmbedding, layer_norm, mask_to_bias, name_linears,
                            timestep_embedding, unpatchify, with_token_mask)
 
 __all__ = ["PIXART_SIGMA_XL_2_1024_MS", "PixArtConfig", "PixArtTransformer2DModel", "KEY_TABLE", "from_diffusers",
@@ -258,33 +257,3 @@ KEY_TABLE = convert.KeyTable([
     *linear_rules("caption_projection.linear_1"),
     *linear_rules("caption_projection.linear_2"),
 ], name="PixArtTransformer2DModel")
-
-
-def construct(cfg: PixArtConfig, dtype: Any = jnp.float32) -> PixArtTransformer2DModel:
-    """The plain constructor (jax.random init, eager); use under ``nnx.eval_shape`` for shapes without memory."""
-    return PixArtTransformer2DModel(cfg, dtype=convert.resolve_dtype(dtype), rngs=InitKeys(0))
-
-
-def build(cfg: PixArtConfig, dtype: Any = jnp.float32, seed: int = 0) -> PixArtTransformer2DModel:
-    """A randomly initialised model (host init, see :func:`models.layers.host_init`; for tests and training)."""
-    return host_init(lambda: construct(cfg, dtype), seed)
-
-
-def from_diffusers(directory: str | os.PathLike, dtype: Any = "float32"
-                   ) -> tuple[PixArtConfig, PixArtTransformer2DModel]:
-    """Load a diffusers PixArtTransformer2DModel directory (config.json + safetensors, single or sharded).
-
-    Raises:
-        convert.CheckpointError: unreadable files (named). convert.ConversionError: every bad key at once.
-    """
-    config, state = convert.read_diffusers_dir(directory)
-    cfg = PixArtConfig.from_diffusers_config(config)
-    np_dtype = convert.resolve_dtype(dtype)
-    model = convert.convert_to_nnx(state, KEY_TABLE, lambda: construct(cfg, np_dtype), np_dtype)
-    return cfg, model
-
-
-def to_diffusers(model: PixArtTransformer2DModel, directory: str | os.PathLike, dtype: Any = None,
-                 max_shard_bytes: int | None = None) -> None:
-    """Write ``model`` as a diffusers directory (loadable by ``PixArtTransformer2DModel.from_pretrained``)."""
-    convert.export_nnx(model, KEY_TABLE, directory, model.cfg.to_diffusers_config(), dtype, max_shard_bytes)

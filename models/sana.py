@@ -15,7 +15,6 @@ The depthwise 3x3 conv, embeddings, caption projection and proj_out stay 16-bit.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import jax
@@ -24,8 +23,8 @@ from flax import nnx
 
 from models import convert
 from models.convert import linear_rules, param_rules, rule
-from models.layers import (Attention, ConvWeights, InitKeys, LayerNorm, Linear, LinearHooks, PatchEmbed, RMSNorm,
-                           TextProjection, TimestepEmbedding, host_init, layer_norm, mask_to_bias, name_linears,
+from models.layers import (Attention, ConvWeights, LayerNorm, Linear, LinearHooks, PatchEmbed, RMSNorm,
+                           TextProjection, TimestepEmbedding, layer_norm, mask_to_bias, name_linears,
                            timestep_embedding, unpatchify, with_token_mask)
 from models.pixart import AdaLayerNormSingle
 
@@ -259,27 +258,3 @@ KEY_TABLE = convert.KeyTable([
     *_block_rules(),
     *linear_rules("proj_out"),
 ], name="SanaTransformer2DModel")
-
-
-def construct(cfg: SanaConfig, dtype: Any = jnp.float32) -> SanaTransformer2DModel:
-    """The plain constructor (jax.random init, eager); use under ``nnx.eval_shape`` for shapes without memory."""
-    return SanaTransformer2DModel(cfg, dtype=convert.resolve_dtype(dtype), rngs=InitKeys(0))
-
-
-def build(cfg: SanaConfig, dtype: Any = jnp.float32, seed: int = 0) -> SanaTransformer2DModel:
-    """A randomly initialised model (host init, see :func:`models.layers.host_init`)."""
-    return host_init(lambda: construct(cfg, dtype), seed)
-
-
-def from_diffusers(directory: str | os.PathLike, dtype: Any = "float32") -> tuple[SanaConfig, SanaTransformer2DModel]:
-    """Load a diffusers SanaTransformer2DModel directory (raises naming every bad file or key)."""
-    config, state = convert.read_diffusers_dir(directory)
-    cfg = SanaConfig.from_diffusers_config(config)
-    np_dtype = convert.resolve_dtype(dtype)
-    return cfg, convert.convert_to_nnx(state, KEY_TABLE, lambda: construct(cfg, np_dtype), np_dtype)
-
-
-def to_diffusers(model: SanaTransformer2DModel, directory: str | os.PathLike, dtype: Any = None,
-                 max_shard_bytes: int | None = None) -> None:
-    """Write ``model`` as a diffusers directory."""
-    convert.export_nnx(model, KEY_TABLE, directory, model.cfg.to_diffusers_config(), dtype, max_shard_bytes)

@@ -49,7 +49,7 @@ from flax import nnx
 
 from kroquant_jax.fileio import atomic_path, atomic_write_text
 from kroquant_jax.timing import CompileWatch
-from models import image_metrics, pixart, sampling, testbed, testbed_data
+from models import families, image_metrics, pixart, sampling, testbed, testbed_data
 from models.capture import CaptureConfig, capture_layer_set
 from models.layers import linears
 
@@ -312,7 +312,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     prompts_path = args.prompts or str(Path(args.checkpoint) / "testbed_prompts.npz")
     dataset = testbed_data.load_dataset(prompts_path)
-    cfg, model = pixart.from_diffusers(args.checkpoint, "float32")
+    cfg, model = families.PIXART.from_diffusers(args.checkpoint, "float32")
     if cfg.in_channels != 3 or cfg.sample_size != dataset.image_size:
         raise ValueError(f"{args.checkpoint}: expects a pixel-space model of size {dataset.image_size} "
                          f"(in_channels 3), got in_channels {cfg.in_channels}, sample_size {cfg.sample_size}")

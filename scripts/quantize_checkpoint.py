@@ -4,10 +4,12 @@
         [--recipe kroquant] [--steps 20] [--guidance 4.5] [--latent-hw 128 128] [--rows-per-layer 1024]
         [--compile-cache DIR]
 
-``DIR`` is a diffusers transformer directory (config.json + safetensors; PixArt-Σ, SANA or FLUX.1, detected from
-``_class_name``). Prompt embeddings come from an ``.npz`` made by ``models.diffusers_io.encode_prompts`` (torch side:
-PixArt/SANA ``context (P, t, c)``, ``mask (P, t)``, ``uncond_context (1, t, c)``, ``uncond_mask (1, t)``; FLUX
-``context (P, t, 4096)``, ``pooled (P, 768)``) or, for smoke tests, from random embeddings (``--synthetic-prompts``).
+``DIR`` is a diffusers transformer directory (config.json + safetensors; PixArt-Σ, SANA, FLUX.1 or Ideogram 4,
+detected from ``_class_name`` by ``models.families``). Prompt embeddings come from an ``.npz`` made by
+``models.diffusers_io.encode_prompts`` (torch side: PixArt/SANA ``context (P, t, c)``, ``mask (P, t)``,
+``uncond_context (1, t, c)``, ``uncond_mask (1, t)``; FLUX ``context (P, t, 4096)``, ``pooled (P, 768)``; Ideogram 4
+``context (P, t, 53248)``, ``mask (P, t)``, sampled with ``--guidance 1`` and ``--latent-hw`` the image-token grid)
+or, for smoke tests, from random embeddings (``--synthetic-prompts``).
 
 Outputs in OUT (each file written atomically; RECIPE is the recipe name with ``+`` -> ``_``):
 ``layer_set.safetensors`` (the captured layer set; ``--layer-set`` reuses one instead of capturing again),
@@ -33,7 +35,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FAMILIES = {"PixArtTransformer2DModel": "pixart", "SanaTransformer2DModel": "sana", "FluxTransformer2DModel": "flux"}
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -72,18 +73,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _load(checkpoint: str, dtype: str):
-    config = json.loads((Path(checkpoint) / "config.json").read_text())
-    family = FAMILIES.get(config.get("_class_name"))
-    if family is None:
-        raise SystemExit(f"{checkpoint}: _class_name {config.get('_class_name')!r} is not one of {sorted(FAMILIES)}")
-    from models import flux, pixart, sana
+    """``(Family, cfg, model)``: the family recognised from config.json's ``_class_name`` (``models.families``)."""
+    from models import families
 
-    module = {"pixart": pixart, "sana": sana, "flux": flux}[family]
-    cfg, model = module.from_diffusers(checkpoint, dtype=dtype)
-    return family, cfg, model
+    try:
+        return families.load_diffusers(checkpoint, dtype)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
 
 
-def _prompt_arrays(args, family: str, cfg) -> dict[str, np.ndarray]:
+def _prompt_arrays(args, family, cfg) -> dict[str, np.ndarray]:
     if args.embeddings:
         with np.load(args.embeddings) as data:
             arrays = {k: data[k] for k in data.files}
@@ -97,17 +96,20 @@ def _prompt_arrays(args, family: str, cfg) -> dict[str, np.ndarray]:
     else:
         rng = np.random.default_rng(args.seed)
         count, tokens = args.synthetic_prompts, args.synthetic_tokens
-        if family == "flux":
-            arrays = {"context": rng.standard_normal((count, tokens, cfg.joint_attention_dim)),
-                      "pooled": rng.standard_normal((count, cfg.pooled_projection_dim))}
-        else:
-            width = cfg.caption_channels if cfg.caption_channels is not None else cfg.cross_attention_dim
-            arrays = {"context": rng.standard_normal((count, tokens, width)), "mask": np.ones((count, tokens)),
-                      "uncond_context": np.zeros((1, tokens, width)), "uncond_mask": np.ones((1, tokens))}
-    needed = ("context", "pooled") if family == "flux" else ("context", "mask", "uncond_context", "uncond_mask")
+        widths, arrays = family.prompt_widths(cfg), {}
+        for key in family.prompt_inputs:  # random features, an all-zero unconditional caption, masks keep every token
+            rows = 1 if key.startswith("uncond_") else count
+            if key not in widths:
+                arrays[key] = np.ones((rows, tokens))
+            elif key == "pooled":
+                arrays[key] = rng.standard_normal((rows, widths[key]))
+            else:
+                draw = np.zeros if key.startswith("uncond_") else rng.standard_normal
+                arrays[key] = draw((rows, tokens, widths[key]))
+    needed = family.prompt_inputs
     missing = [k for k in needed if k not in arrays]
     if missing:
-        raise SystemExit(f"prompt embeddings lack {missing} (a {family} model needs {list(needed)})")
+        raise SystemExit(f"prompt embeddings lack {missing} (a {family.name} model needs {list(needed)})")
     return {k: np.asarray(arrays[k], np.float32) for k in needed}
 
 
@@ -148,11 +150,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.compile_cache:
         calibrate.enable_compile_cache(args.compile_cache)
     from kroquant_jax.layerset import load_layer_set, save_layer_set
-    from models import capture, quantize_model, sampling
+    from models import capture, quantize_model
 
     family, cfg, model = _load(args.checkpoint, args.dtype)
     arrays = _prompt_arrays(args, family, cfg)
-    dtype = model.proj_out.kernel[...].dtype
+    dtype = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))[0].dtype
     count = arrays["context"].shape[0]
 
     # 1. capture
@@ -189,9 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 4. generate with both models, same seeds, same jitted sampler
     graphdef, state = nnx.split(model)
-    sample = jax.jit(sampling.make_sampler(family, graphdef, cfg, num_steps=args.steps,
-                                           guidance_scale=args.guidance, latent_hw=tuple(args.latent_hw),
-                                           shift=args.shift, solver=args.solver))
+    sample = jax.jit(family.make_sampler(graphdef, cfg, num_steps=args.steps, guidance_scale=args.guidance,
+                                         latent_hw=tuple(args.latent_hw), shift=args.shift, solver=args.solver))
     eval_indices = list(range(count - eval_count, count))
     full, w4a4, per_prompt = [], [], []
     for index, batch in zip(eval_indices, _batches(arrays, eval_indices, 1, dtype)):
@@ -213,11 +214,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.vae:
         from models import diffusers_io
         for name, latents in (("16bit", np.stack(full)), ("w4a4", np.stack(w4a4))):
-            images = diffusers_io.decode_latents(args.vae, latents, family)
+            images = diffusers_io.decode_latents(args.vae, latents, family.name)
             diffusers_io.save_pngs(images, out / f"images-{args.recipe.replace('+', '_')}", f"{name}_")
 
     heldout = {n: r.get("heldout_error") for n, r in reports.items()}
-    report = {"family": family, "checkpoint": str(args.checkpoint), "recipe": args.recipe, "steps": args.steps,
+    report = {"family": family.name, "checkpoint": str(args.checkpoint), "recipe": args.recipe, "steps": args.steps,
               "solver": args.solver, "shift": args.shift,
               "guidance": args.guidance, "latent_hw": list(args.latent_hw), "layers": len(qlayers),
               "prompts_captured": len(capture_indices), "per_prompt": per_prompt,
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
               "heldout_error": heldout}
     report_path = out / f"report-{args.recipe.replace('+', '_')}.json"
     _atomic_write(report_path, json.dumps(report, indent=2, default=float).encode("utf-8"))
-    print(f"{family}: {len(qlayers)} layers quantized with {args.recipe}; mean latent PSNR W4A4 vs 16-bit "
+    print(f"{family.name}: {len(qlayers)} layers quantized with {args.recipe}; mean latent PSNR W4A4 vs 16-bit "
           f"{report['mean_latent_psnr_db']:.2f} dB over {eval_count} prompt(s); outputs in {out}", file=sys.stderr)
     return report
 

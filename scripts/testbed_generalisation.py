@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from kroquant_jax.fileio import atomic_write_text
-from models import pixart, testbed, testbed_data
+from models import families, pixart, testbed, testbed_data
 from scripts.eval_testbed import DEFAULT_CHECKPOINT, flow_sampler, generate
 
 GROUPS = ("sibling in training", "novel concept")
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     dataset = testbed_data.load_dataset(args.data)
     groups = {kind: indices[:args.per_group] for kind, indices in heldout_groups(dataset).items()}
-    cfg, model = pixart.from_diffusers(args.checkpoint, "float32")
+    cfg, model = families.PIXART.from_diffusers(args.checkpoint, "float32")
     graphdef, state = nnx.split(model)
     sample = flow_sampler(graphdef, args.steps, args.guidance, cfg.in_channels)
     pool = dataset.images.astype(np.float32) / 255  # (n, s, s, 3)

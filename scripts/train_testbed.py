@@ -30,7 +30,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from kroquant_jax.fileio import atomic_path
-from models import convert, pixart, testbed, testbed_data
+from models import convert, families, pixart, testbed, testbed_data
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -104,7 +104,7 @@ def load_train_state(path: Path, template):
 
 def build_model(cfg: pixart.PixArtConfig, seed: int) -> nnx.Module:
     """The PixArt port with the DiT/PixArt training initialisation (fp32 parameters)."""
-    build = lambda: pixart.build(cfg, jnp.float32, seed)  # noqa: E731
+    build = lambda: families.PIXART.build(cfg, jnp.float32, seed)  # noqa: E731
     initial = testbed.init_for_training(convert.flat_state_dict(build()), seed)
     return convert.merge_flat_state(build, initial)
 
@@ -169,7 +169,7 @@ def sample_checkpoint_grid(args: argparse.Namespace) -> None:
     """--sample-from: the first ``--sample-count`` captions of a split, the dataset image, one sample per seed."""
     if not args.sample_grid:
         raise ValueError("--sample-from needs --sample-grid PATH")
-    cfg, model = pixart.from_diffusers(args.sample_from, "float32")
+    cfg, model = families.PIXART.from_diffusers(args.sample_from, "float32")
     dataset = testbed_data.load_dataset(args.data).split(heldout=args.sample_split == "heldout")
     if cfg.sample_size != dataset.image_size:
         raise ValueError(f"{args.sample_from}: sample_size {cfg.sample_size} != dataset image size "
@@ -267,7 +267,7 @@ def main(argv=None) -> int:
 
     ema_model = nnx.merge(graphdef, state["ema"])
     if args.export:
-        pixart.to_diffusers(ema_model, args.export, dtype=args.export_dtype)
+        families.PIXART.to_diffusers(ema_model, args.export, dtype=args.export_dtype)
         print(f"exported {args.export}", flush=True)
     if args.sample_grid:
         held = dataset.split(heldout=True)

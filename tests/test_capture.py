@@ -8,12 +8,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import capture, flux, pixart, quantize_model, sana, sampling
+from models import capture, families, flux, pixart, quantize_model, sampling, sana
 from models.layers import LinearHooks, linears
 
 PIXART = pixart.PixArtConfig(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8,
                              num_layers=2, cross_attention_dim=32, sample_size=8, patch_size=2, caption_channels=8,
                              use_additional_conditions=False)
+
+SANA = sana.SanaConfig(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
+                       num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32,
+                       caption_channels=8, mlp_ratio=2.0, sample_size=8)
 
 
 def _pixart_prompts(count, seed=0, batch=1, tokens=5):
@@ -35,7 +39,7 @@ class _ListRecorder:
 
 
 def test_pixart_layer_set_rows_are_real_layer_inputs(tmp_path):
-    model = pixart.build(PIXART, seed=1)
+    model = families.PIXART.build(PIXART, seed=1)
     config = capture.CaptureConfig(num_steps=3, guidance_scale=4.5, latent_hw=(8, 8), rows_per_layer=40, seed=0)
     layer_set = capture.capture_layer_set("pixart", model, _pixart_prompts(2), config)
     quantizable = linears(model, quantizable_only=True)
@@ -111,12 +115,9 @@ def _real_context_rows(model, prompts, name, channels):
 @pytest.mark.parametrize("family", ["pixart", "sana"])
 def test_capture_drops_masked_tokens_and_repeated_rows(family):
     if family == "pixart":
-        model = pixart.build(PIXART, seed=5)
+        model = families.PIXART.build(PIXART, seed=5)
     else:
-        model = sana.build(sana.SanaConfig(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16,
-                                           num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=16,
-                                           cross_attention_dim=32, caption_channels=8, mlp_ratio=2.0, sample_size=8),
-                           seed=5)
+        model = families.SANA.build(SANA, seed=5)
     prompts = _padded_prompts(2)
     names = ("transformer_blocks.0.attn2.to_k", "transformer_blocks.0.attn2.to_v", "caption_projection.linear_1")
     config = capture.CaptureConfig(num_steps=3, latent_hw=(8, 8), rows_per_layer=60, layers=names, seed=1,
@@ -142,7 +143,7 @@ def test_flux_capture_keeps_every_text_token_and_drops_repeats():
     prompts = [{"context": jnp.asarray(rng.standard_normal((1, 3, 8)), jnp.float32), "pooled": jnp.ones((1, 4))}]
     config = capture.CaptureConfig(num_steps=3, latent_hw=(8, 8), rows_per_layer=300,
                                    layers=("context_embedder", "transformer_blocks.0.attn.add_k_proj"))
-    layer_set = capture.capture_layer_set("flux", flux.build(flux_cfg), prompts, config)
+    layer_set = capture.capture_layer_set("flux", families.FLUX.build(flux_cfg), prompts, config)
     # the context embedder reads the same 3 text tokens at every step: kept once each
     np.testing.assert_array_equal(np.unique(layer_set["context_embedder"][2], axis=0),
                                   np.unique(np.asarray(prompts[0]["context"][0]), axis=0))
@@ -194,13 +195,11 @@ def test_unmasked_draw_is_the_permutation_draw():
 
 
 def test_capture_selected_layers_sana_and_flux():
-    sana_cfg = sana.SanaConfig(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16,
-                               num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=16,
-                               cross_attention_dim=32, caption_channels=8, mlp_ratio=2.0, sample_size=8)
+    sana_cfg = SANA
     config = capture.CaptureConfig(num_steps=2, latent_hw=(8, 8), rows_per_layer=16,
                                    layers=("transformer_blocks.0.ff.conv_inverted",
                                            "transformer_blocks.0.ff.conv_point"))
-    layer_set = capture.capture_layer_set("sana", sana.build(sana_cfg), _pixart_prompts(1), config)
+    layer_set = capture.capture_layer_set("sana", families.SANA.build(sana_cfg), _pixart_prompts(1), config)
     weight, bias, rows = layer_set["transformer_blocks.0.ff.conv_point"]
     assert weight.shape == (32, 64) and bias is None and rows.shape == (16, 64)
 
@@ -211,17 +210,17 @@ def test_capture_selected_layers_sana_and_flux():
     config = capture.CaptureConfig(num_steps=2, latent_hw=(8, 8), rows_per_layer=8,
                                    layers=("single_transformer_blocks.0.proj_out",
                                            "transformer_blocks.0.attn.to_add_out"))
-    layer_set = capture.capture_layer_set("flux", flux.build(flux_cfg), prompts, config)
+    layer_set = capture.capture_layer_set("flux", families.FLUX.build(flux_cfg), prompts, config)
     assert layer_set["single_transformer_blocks.0.proj_out"][2].shape == (8, 32 + 128)
     assert layer_set["transformer_blocks.0.attn.to_add_out"][0].shape == (32, 32)
 
     with pytest.raises(ValueError, match="no Linear at"):
-        capture.capture_layer_set("flux", flux.build(flux_cfg), prompts,
+        capture.capture_layer_set("flux", families.FLUX.build(flux_cfg), prompts,
                                   capture.CaptureConfig(num_steps=1, latent_hw=(8, 8), layers=("proj_in",)))
 
 
 def test_overrides_replace_exactly_the_named_linears():
-    model = pixart.build(PIXART, seed=2)
+    model = families.PIXART.build(PIXART, seed=2)
     x, context, t = jnp.ones((1, 4, 8, 8)), jnp.ones((1, 5, 8)), jnp.array([300.0])
     reference = model(x, context, t)
     layers = linears(model, quantizable_only=True)
@@ -243,7 +242,7 @@ def test_overrides_replace_exactly_the_named_linears():
 
 
 def test_fake_quant_w4a4_sampling_same_graph_same_seed():
-    model = pixart.build(PIXART, seed=3)
+    model = families.PIXART.build(PIXART, seed=3)
     graphdef, state = nnx.split(model)
     sample = jax.jit(sampling.make_sampler("pixart", graphdef, PIXART, num_steps=3, guidance_scale=4.5,
                                            latent_hw=(8, 8)))
@@ -267,7 +266,7 @@ def test_quantize_checkpoint_script_end_to_end(tmp_path):
     from kroquant_jax.qlinear import restore_orbax
     from scripts import quantize_checkpoint
 
-    pixart.to_diffusers(pixart.build(PIXART, seed=4), tmp_path / "ckpt")
+    families.PIXART.to_diffusers(families.PIXART.build(PIXART, seed=4), tmp_path / "ckpt")
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,),
                                   down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
@@ -282,7 +281,7 @@ def test_quantize_checkpoint_script_end_to_end(tmp_path):
     assert report["family"] == "pixart" and report["layers"] == 20
     psnr = report["per_prompt"][0]["latent_psnr_db"]
     assert np.isfinite(psnr) and 0 < psnr < 200  # W4A4 differs from 16-bit, but not wildly
-    assert set(report["heldout_error"]) == set(linears(pixart.build(PIXART), quantizable_only=True))
+    assert set(report["heldout_error"]) == set(linears(families.PIXART.build(PIXART), quantizable_only=True))
     layer_set = load_layer_set(str(out / "layer_set.safetensors"))
     assert layer_set["transformer_blocks.1.ff.net.2"].activations.shape == (24, 128)
     assert sorted(restore_orbax(str(out / "quantized-hadamard32"))) == sorted(layer_set)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import pixart, testbed, testbed_data
+from models import families, pixart, testbed, testbed_data
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKPOINT = REPO / "checkpoints" / "emoji_pixart"
@@ -24,7 +24,7 @@ def prompts() -> testbed_data.EmojiDataset:
 
 @pytest.fixture(scope="module")
 def jax_model():
-    return pixart.from_diffusers(CHECKPOINT, "float32")
+    return families.PIXART.from_diffusers(CHECKPOINT, "float32")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ def test_train_script_runs_resumes_and_exports(tmp_path):
     assert int(second["['step']"]) == 3
     changed = [key for key in first.files if "params" in key and not np.array_equal(first[key], second[key])]
     assert changed, "the resumed step must update the parameters"
-    config, model = pixart.from_diffusers(tmp_path / "export", "float32")
+    config, model = families.PIXART.from_diffusers(tmp_path / "export", "float32")
     assert config.num_layers == 1 and config.caption_channels == 384
     import torch
     from diffusers import PixArtTransformer2DModel
