@@ -26,7 +26,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -122,12 +121,13 @@ class Family:
             params = self.stack(params, cfg)
         return convert.merge_flat_state(functools.partial(self.construct, cfg, dtype), params)
 
-    def from_diffusers(self, directory: str | os.PathLike, dtype: Any = None, **config_overrides: Any
-                       ) -> tuple[Any, nnx.Module]:
+    def from_diffusers(self, directory: str | os.PathLike, dtype: Any = None,
+                       config_overrides: Mapping[str, Any] | None = None) -> tuple[Any, nnx.Module]:
         """``(cfg, model)`` of a diffusers transformer directory (config.json + safetensors, single or sharded).
 
-        ``config_overrides`` replace fields of the config read from the file (e.g. Ideogram 4's JAX-side
-        ``scan_layers``, ``dtype``, ``attention_impl``).
+        ``dtype``: the parameter dtype (None: the family's default). ``config_overrides`` replace fields of the
+        config read from the file (e.g. Ideogram 4's JAX-side ``scan_layers``, ``attention_impl`` and its compute
+        ``dtype``).
 
         Raises:
             convert.CheckpointError: unreadable files (named). ValueError: a config of another family (naming the
@@ -140,7 +140,7 @@ class Family:
                              f"{self.class_name}")
         cfg = self.config_from_diffusers(config)
         if config_overrides:
-            cfg = dataclasses.replace(cfg, **config_overrides)
+            cfg = dataclasses.replace(cfg, **dict(config_overrides))
         return cfg, self.from_diffusers_state(state, cfg, dtype)
 
     def to_diffusers_state(self, model: nnx.Module, dtype: Any = None) -> dict[str, np.ndarray]:
@@ -244,17 +244,18 @@ def detect_dir(directory: str | os.PathLike) -> tuple[Family, dict[str, Any]]:
     return detect(config, source=str(Path(directory) / convert.CONFIG_NAME)), config
 
 
-def load_diffusers(directory: str | os.PathLike, dtype: Any = None, **config_overrides: Any
+def load_diffusers(directory: str | os.PathLike, dtype: Any = None, config_overrides: Mapping[str, Any] | None = None
                    ) -> tuple[Family, Any, nnx.Module]:
-    """``(family, cfg, model)`` of a diffusers transformer directory of any registered family."""
+    """``(family, cfg, model)`` of a diffusers transformer directory of any registered family (arguments as
+    :meth:`Family.from_diffusers`)."""
     family, _ = detect_dir(directory)
-    cfg, model = family.from_diffusers(directory, dtype, **config_overrides)
+    cfg, model = family.from_diffusers(directory, dtype, config_overrides)
     return family, cfg, model
 
 
 def load_pipeline_transformers(pipeline_dir: str | os.PathLike, *subfolders: str, dtype: Any = None,
-                               **config_overrides: Any) -> list[nnx.Module]:
+                               config_overrides: Mapping[str, Any] | None = None) -> list[nnx.Module]:
     """The transformers of a local diffusers pipeline directory, one per subfolder (default ``transformer``), e.g.
     Ideogram 4's ``"transformer", "unconditional_transformer"``; each family detected from its config.json."""
-    return [load_diffusers(Path(pipeline_dir) / sub, dtype, **config_overrides)[2]
+    return [load_diffusers(Path(pipeline_dir) / sub, dtype, config_overrides)[2]
             for sub in (subfolders or ("transformer",))]

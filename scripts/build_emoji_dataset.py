@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from models import testbed_data
+from models.testbed import data as testbed_data
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -81,7 +81,7 @@ def test_ideogram4_scan_layout_through_the_family(tmp_path):
     family = families.IDEOGRAM4
     model = family.build(TINY["ideogram4"], seed=1)
     family.to_diffusers(model, tmp_path / "ckpt")
-    _, scanned = family.from_diffusers(tmp_path / "ckpt", scan_layers=True)
+    _, scanned = family.from_diffusers(tmp_path / "ckpt", config_overrides={"scan_layers": True})
     assert scanned.config.scan_layers
     exported = family.to_diffusers_state(scanned)
     for key, value in family.to_diffusers_state(model).items():
