@@ -179,26 +179,22 @@ def _caption_widths(cfg: Any) -> dict[str, int]:
 
 _CAPTION_INPUTS = ("context", "mask", "uncond_context", "uncond_mask")
 
-PIXART = Family(
-    name="pixart", class_name=pixart.CLASS_NAME, config_type=pixart.PixArtConfig,
-    new_model=_dit_model(pixart.PixArtTransformer2DModel), key_table=pixart.KEY_TABLE,
-    presets={"PixArt-Sigma-XL-2-1024-MS": pixart.PIXART_SIGMA_XL_2_1024_MS},
-    sampler=functools.partial(sampling.make_sampler, "pixart"), prompt_inputs=_CAPTION_INPUTS,
-    prompt_widths=_caption_widths)
+def _dit_family(module: Any, config_type: type, model_type: type, presets: Mapping[str, Any],
+                prompt_inputs: tuple[str, ...], prompt_widths: Callable[[Any], dict[str, int]]) -> Family:
+    """A PixArt / SANA / FLUX family: its module's CLASS_NAME and KEY_TABLE, ``models.sampling.make_sampler``."""
+    name = module.__name__.rsplit(".", 1)[-1]
+    return Family(name=name, class_name=module.CLASS_NAME, config_type=config_type, new_model=_dit_model(model_type),
+                  key_table=module.KEY_TABLE, presets=presets, sampler=functools.partial(sampling.make_sampler, name),
+                  prompt_inputs=prompt_inputs, prompt_widths=prompt_widths)
 
-SANA = Family(
-    name="sana", class_name=sana.CLASS_NAME, config_type=sana.SanaConfig,
-    new_model=_dit_model(sana.SanaTransformer2DModel), key_table=sana.KEY_TABLE,
-    presets={"Sana_1600M_1024px": sana.SANA_1600M_1024PX},
-    sampler=functools.partial(sampling.make_sampler, "sana"), prompt_inputs=_CAPTION_INPUTS,
-    prompt_widths=_caption_widths)
 
-FLUX = Family(
-    name="flux", class_name=flux.CLASS_NAME, config_type=flux.FluxConfig,
-    new_model=_dit_model(flux.FluxTransformer2DModel), key_table=flux.KEY_TABLE,
-    presets={"FLUX.1-schnell": flux.FLUX1_SCHNELL},
-    sampler=functools.partial(sampling.make_sampler, "flux"), prompt_inputs=("context", "pooled"),
-    prompt_widths=lambda cfg: {"context": cfg.joint_attention_dim, "pooled": cfg.pooled_projection_dim})
+PIXART = _dit_family(pixart, pixart.PixArtConfig, pixart.PixArtTransformer2DModel,
+                     {"PixArt-Sigma-XL-2-1024-MS": pixart.PIXART_SIGMA_XL_2_1024_MS}, _CAPTION_INPUTS, _caption_widths)
+SANA = _dit_family(sana, sana.SanaConfig, sana.SanaTransformer2DModel,
+                   {"Sana_1600M_1024px": sana.SANA_1600M_1024PX}, _CAPTION_INPUTS, _caption_widths)
+FLUX = _dit_family(flux, flux.FluxConfig, flux.FluxTransformer2DModel, {"FLUX.1-schnell": flux.FLUX1_SCHNELL},
+                   ("context", "pooled"),
+                   lambda cfg: {"context": cfg.joint_attention_dim, "pooled": cfg.pooled_projection_dim})
 
 IDEOGRAM4 = Family(
     name="ideogram4", class_name=ideogram4.CLASS_NAME, config_type=ideogram4.Ideogram4Config,

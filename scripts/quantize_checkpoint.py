@@ -36,7 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 
 
-
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kroquant quantize-checkpoint", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="diffusers transformer directory")
