@@ -78,6 +78,7 @@ __all__ = [
     "linear_rules",
     "load_flax_state",
     "merge_flat_state",
+    "read_diffusers_config",
     "read_diffusers_dir",
     "read_safetensors",
     "register_transform",
@@ -214,6 +215,24 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
                 handle.write(array.tobytes())
 
 
+def read_diffusers_config(directory: str | os.PathLike) -> dict[str, Any]:
+    """The ``config.json`` dict of a diffusers model directory.
+
+    Raises:
+        CheckpointError: naming the directory without a config, or the corrupt file.
+    """
+    config_path = Path(directory) / CONFIG_NAME
+    if not config_path.is_file():
+        raise CheckpointError(f"{directory}: no {CONFIG_NAME}")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_path}: corrupt JSON ({err})") from err
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path}: not a JSON object")
+    return config
+
+
 def read_diffusers_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Read ``config.json`` and the (possibly sharded) safetensors weights of a diffusers model directory.
 
@@ -223,13 +242,7 @@ def read_diffusers_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], di
         CheckpointError: naming the file at fault (no config, no weights, truncated shard, bad index).
     """
     directory = Path(directory)
-    config_path = directory / CONFIG_NAME
-    if not config_path.is_file():
-        raise CheckpointError(f"{directory}: no {CONFIG_NAME}")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{config_path}: corrupt JSON ({err})") from err
+    config = read_diffusers_config(directory)
     index_path = directory / WEIGHTS_INDEX_NAME
     if (directory / WEIGHTS_NAME).is_file():
         return config, read_safetensors(directory / WEIGHTS_NAME)

@@ -18,7 +18,6 @@ Inputs are packed latents (see :func:`pack_latents`): (b, (H/2)(W/2), 4c) tokens
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import jax
@@ -28,12 +27,12 @@ from flax import nnx
 
 from models import convert
 from models.convert import linear_rules, param_rules
-from models.layers import (FeedForward, InitKeys, Linear, LinearHooks, RMSNorm, TextProjection, TimestepEmbedding,
-                           apply_rope, dot_product_attention, host_init, layer_norm, name_linears, rope_frequencies,
+from models.layers import (FeedForward, Linear, LinearHooks, RMSNorm, TextProjection, TimestepEmbedding,
+                           apply_rope, dot_product_attention, layer_norm, name_linears, rope_frequencies,
                            timestep_embedding)
 
-__all__ = ["FLUX1_SCHNELL", "FluxConfig", "FluxTransformer2DModel", "KEY_TABLE", "from_diffusers", "image_ids",
-           "pack_latents", "to_diffusers", "unpack_latents"]
+__all__ = ["FLUX1_SCHNELL", "FluxConfig", "FluxTransformer2DModel", "KEY_TABLE", "image_ids",
+           "pack_latents", "unpack_latents"]
 
 CLASS_NAME = "FluxTransformer2DModel"
 
@@ -311,27 +310,3 @@ def _rules() -> list:
 
 #: diffusers key -> NNX path table of FluxTransformer2DModel.
 KEY_TABLE = convert.KeyTable(_rules(), name="FluxTransformer2DModel")
-
-
-def construct(cfg: FluxConfig, dtype: Any = jnp.float32) -> FluxTransformer2DModel:
-    """The plain constructor (jax.random init, eager); use under ``nnx.eval_shape`` for shapes without memory."""
-    return FluxTransformer2DModel(cfg, dtype=convert.resolve_dtype(dtype), rngs=InitKeys(0))
-
-
-def build(cfg: FluxConfig, dtype: Any = jnp.float32, seed: int = 0) -> FluxTransformer2DModel:
-    """A randomly initialised model (host init, see :func:`models.layers.host_init`)."""
-    return host_init(lambda: construct(cfg, dtype), seed)
-
-
-def from_diffusers(directory: str | os.PathLike, dtype: Any = "float32") -> tuple[FluxConfig, FluxTransformer2DModel]:
-    """Load a diffusers FluxTransformer2DModel directory (raises naming every bad file or key)."""
-    config, state = convert.read_diffusers_dir(directory)
-    cfg = FluxConfig.from_diffusers_config(config)
-    np_dtype = convert.resolve_dtype(dtype)
-    return cfg, convert.convert_to_nnx(state, KEY_TABLE, lambda: construct(cfg, np_dtype), np_dtype)
-
-
-def to_diffusers(model: FluxTransformer2DModel, directory: str | os.PathLike, dtype: Any = None,
-                 max_shard_bytes: int | None = None) -> None:
-    """Write ``model`` as a diffusers directory."""
-    convert.export_nnx(model, KEY_TABLE, directory, model.cfg.to_diffusers_config(), dtype, max_shard_bytes)

@@ -16,7 +16,7 @@ with q/k RMSNorm per head, a SwiGLU feed-forward ``w2(silu(w1 x) * w3 x)``, and 
 each branch. The linears are the shared ``models.layers.Linear`` (kernel ``(d_in, d_out)``; the block linears
 ``to_q/to_k/to_v/to_out.0/w1/w2/w3`` are marked quantizable) and every forward takes optional ``LinearHooks`` (quantized
 overrides, activation capture; fused q/k projection + norm and w1|w3 + SwiGLU sites for the GPU epilogue kernels
-through ``models.quantize_model.FusedLinearHooks``). Module names follow diffusers, so a linear's dotted path is its
+through ``models.layers.FusedLinearHooks``). Module names follow diffusers, so a linear's dotted path is its
 diffusers key prefix (``layers.3.attention.to_q`` <- ``layers.3.attention.to_q.weight``); :data:`KEY_TABLE` is the
 declarative mapping used by :mod:`models.convert`.
 
@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from models import convert
-from models.layers import Linear, LinearHooks, name_linears
+from models.layers import FusedLinearHooks, Linear, LinearHooks, check_fused_sites, name_linears, with_token_mask
 
 # Per-token role indicators of the packed sequence (diffusers' constants).
 SEQUENCE_PADDING_INDICATOR = -1
@@ -52,6 +52,8 @@ LLM_TOKEN_INDICATOR = 3
 IMAGE_POSITION_OFFSET = 65536
 
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+
+CLASS_NAME = "Ideogram4Transformer2DModel"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +127,7 @@ class Ideogram4Config:
         """The diffusers ``config.json`` dict of this architecture."""
         config = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[:10]}
         config["mrope_section"] = list(self.mrope_section)
-        config["_class_name"] = "Ideogram4Transformer2DModel"
+        config["_class_name"] = CLASS_NAME
         return config
 
 
@@ -237,7 +239,7 @@ def _linear(cfg: Ideogram4Config, d_in: int, d_out: int, rngs: nnx.Rngs, bias: b
 
 def _project_norm(projection: Linear, norm: RMSNorm, x: jax.Array, hooks: LinearHooks | None) -> jax.Array:
     """``norm(projection(x))`` per head, ``(B, L, hidden)`` -> ``(B, L, H, D)``; a fused ``projection_norm`` hook
-    (:class:`models.quantize_model.FusedLinearHooks`) replaces both, given the norm's weight and eps."""
+    (:class:`models.layers.FusedLinearHooks`) replaces both, given the norm's weight and eps."""
     batch, length, _ = x.shape
     heads = (batch, length, -1, norm.scale.shape[0])
     fused = getattr(hooks, "fused_projection_norm", None)
@@ -392,7 +394,7 @@ class Ideogram4Transformer(nnx.Module):
 
     def fused_sites(self) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
         """The sites where fused hooks may replace a linear and the op after it
-        (:class:`models.quantize_model.FusedLinearHooks`): ``({to_q / to_k path: (that path,)}, {w1 path: (w1 path,
+        (:class:`models.layers.FusedLinearHooks`): ``({to_q / to_k path: (that path,)}, {w1 path: (w1 path,
         w3 path)})`` (q/k projection + per-head RMSNorm; gate + up projection + SwiGLU)."""
         blocks = [self.layers] if self.config.scan_layers else list(self.layers)
         norm_sites, swiglu_sites = {}, {}
@@ -405,8 +407,6 @@ class Ideogram4Transformer(nnx.Module):
 
     def _check_hooks(self, hooks: LinearHooks | None) -> None:
         """Scanned blocks share their linear paths: they take only stacked hooks; fused entries must name sites."""
-        from models.quantize_model import FusedLinearHooks, check_fused_sites
-
         if hooks is None:
             return
         stacked = isinstance(hooks, FusedLinearHooks) and hooks.stacked
@@ -466,7 +466,7 @@ class Ideogram4Transformer(nnx.Module):
             indicator: ``(B, L)`` integer token roles (``LLM_TOKEN_INDICATOR``, ``OUTPUT_IMAGE_INDICATOR``, other).
             text_embeddings: ``(B, L, hidden)`` from :meth:`embed_text`; replaces ``encoder_hidden_states``.
             hooks: :class:`models.layers.LinearHooks` routing the block linears (quantized overrides, activation
-                capture), list layout; or :class:`models.quantize_model.FusedLinearHooks` (also fused q/k projection
+                capture), list layout; or :class:`models.layers.FusedLinearHooks` (also fused q/k projection
                 + RMSNorm and w1|w3 + SwiGLU sites, see :meth:`fused_sites`), with ``stacked=True`` for the scan
                 layout (entries keyed ``layers.<sub path>``, arrays with a leading ``num_layers`` axis).
         Returns:
@@ -507,6 +507,8 @@ class Ideogram4Transformer(nnx.Module):
         cos, sin = mrope_cos_sin(position_ids, cfg.attention_head_dim, cfg.rope_theta, cfg.mrope_section)
         cos, sin = cos.astype(cfg.dtype), sin.astype(cfg.dtype)  # (B, L, head_dim) each
         mask = None if segment_ids is None else segment_mask(segment_ids)  # (B, 1, L, L) or None
+        # The padding segment never reaches a real token: a recorder keeps only the rows of real tokens.
+        hooks = with_token_mask(hooks, None if segment_ids is None else segment_ids != SEQUENCE_PADDING_INDICATOR)
 
         if cfg.scan_layers:
             block_graph, block_states = nnx.split(self.layers)
@@ -534,7 +536,7 @@ class Ideogram4Transformer(nnx.Module):
 
 def count_params(cfg: Ideogram4Config) -> int:
     """Number of parameters of the model of ``cfg``, from shapes only (``nnx.eval_shape``: nothing is allocated)."""
-    shapes = convert.abstract_shapes(lambda: Ideogram4Transformer(cfg, rngs=nnx.Rngs(0)))
+    shapes = convert.abstract_shapes(lambda: new_model(cfg))
     return int(sum(math.prod(shape) for shape in shapes.values()))
 
 
@@ -609,56 +611,13 @@ def unstack_layer_params(params: Mapping[str, Any], num_layers: int) -> dict[str
     return flat
 
 
-def _build(cfg: Ideogram4Config):
-    return lambda: Ideogram4Transformer(cfg, rngs=nnx.Rngs(0))
-
-
-def from_diffusers_state(state: Mapping[str, np.ndarray], cfg: Ideogram4Config) -> Ideogram4Transformer:
-    """Build the model of ``cfg`` from a diffusers state dict ``{key: np.ndarray}`` (torch layout).
-
-    Parameters are cast to ``cfg.param_dtype``. Raises :class:`models.convert.ConversionError` listing every missing,
-    unexpected or mis-shaped key.
-    """
-    list_cfg = dataclasses.replace(cfg, scan_layers=False)
-    expected = convert.abstract_shapes(_build(list_cfg))
-    params = KEY_TABLE.to_flax(state, expected, dtype=np.dtype(jnp.dtype(cfg.param_dtype)))
-    if cfg.scan_layers:
-        params = stack_layer_params(params, cfg.num_layers)
-    return convert.merge_flat_state(_build(cfg), params)
-
-
-def load_diffusers_transformer(directory: str, **config_overrides: Any) -> Ideogram4Transformer:
-    """Load one ``Ideogram4Transformer2DModel`` directory (``config.json`` + safetensors, single or sharded).
-
-    ``config_overrides`` set the JAX-side fields (``dtype``, ``param_dtype``, ``attention_impl``, ``scan_layers``).
-    """
-    config, state = convert.read_diffusers_dir(directory)
-    cfg = Ideogram4Config.from_diffusers_config(config, **config_overrides)
-    return from_diffusers_state(state, cfg)
-
-
-def load_diffusers_pipeline_transformers(pipeline_dir: str, **config_overrides: Any
-                                         ) -> tuple[Ideogram4Transformer, Ideogram4Transformer]:
-    """``(transformer, unconditional_transformer)`` from a local ``Ideogram4Pipeline`` directory."""
-    import os
-
-    return (load_diffusers_transformer(os.path.join(pipeline_dir, "transformer"), **config_overrides),
-            load_diffusers_transformer(os.path.join(pipeline_dir, "unconditional_transformer"), **config_overrides))
-
-
-def to_diffusers_state(model: Ideogram4Transformer, dtype: Any = None) -> dict[str, np.ndarray]:
-    """The diffusers state dict of ``model`` (either layer layout); the exact inverse of the conversion."""
-    params = {k: np.asarray(v) for k, v in convert.flat_state_dict(model).items()}
-    if model.config.scan_layers:
-        params = unstack_layer_params(params, model.config.num_layers)
-    return KEY_TABLE.to_diffusers(params, dtype=dtype)
-
-
-def export_diffusers_dir(model: Ideogram4Transformer, directory: str, dtype: Any = None,
-                         max_shard_bytes: int | None = None) -> None:
-    """Write ``model`` as a diffusers ``Ideogram4Transformer2DModel`` directory (safetensors + config.json)."""
-    convert.write_diffusers_dir(directory, model.config.to_diffusers_config(), to_diffusers_state(model, dtype),
-                                max_shard_bytes=max_shard_bytes)
+def new_model(cfg: Ideogram4Config, dtype: Any = None) -> Ideogram4Transformer:
+    """The plain constructor (jax.random init); ``dtype`` (None: ``cfg.param_dtype``) sets the parameter dtype, the
+    compute dtype stays ``cfg.dtype``. Run under ``nnx.eval_shape`` for shapes without memory. Loading and exporting
+    diffusers checkpoints: ``models.families.IDEOGRAM4``."""
+    if dtype is not None:
+        cfg = dataclasses.replace(cfg, param_dtype=jnp.dtype(dtype))
+    return Ideogram4Transformer(cfg, rngs=nnx.Rngs(0))
 
 
 def _jax_fields(cfg: Ideogram4Config) -> dict[str, Any]:
@@ -687,4 +646,4 @@ def load(directory: str, **config_overrides: Any) -> Ideogram4Transformer:
     elif cfg.scan_layers and not saved_scan:
         params = stack_layer_params(params, cfg.num_layers)
     params = {k: np.asarray(v).astype(jnp.dtype(cfg.param_dtype)) for k, v in params.items()}
-    return convert.merge_flat_state(_build(cfg), params)
+    return convert.merge_flat_state(lambda: new_model(cfg), params)

@@ -43,6 +43,7 @@ from models.ideogram4 import (
     SEQUENCE_PADDING_INDICATOR,
     Ideogram4Transformer,
 )
+from models.sampling import recorded, step_hooks
 
 DEFAULT_GUIDANCE_SCHEDULE: tuple[float, ...] = (7.0,) * 45 + (3.0,) * 3
 """The pipeline's default: guidance 7.0 for the first 45 of 48 steps, 3.0 for the last 3 ("polish") steps."""
@@ -372,6 +373,80 @@ class CFGStepper:
                              jnp.float32(schedule.model_times[step]), jnp.float32(schedule.sigmas[step]),
                              jnp.float32(schedule.sigmas[step + 1]), jnp.float32(schedule.guidance[step]),
                              num_text_slots=self.layout.num_text_slots)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one transformer behind the families' sampler interface (capture, quantize-checkpoint)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def mask_layout(mask: jax.Array, grid_h: int, grid_w: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The packed layout of text keep-masks, traced: ``mask (B, T)`` (1 = text token; the pipeline left-pads) ->
+    ``(position_ids (B, T + N, 3), segment_ids (B, T + N), indicator (B, T + N))``, N = grid_h grid_w. For a
+    left-padded mask it equals :func:`prepare_ids`; text token ``k`` of a row gets position ``(k, k, k)``."""
+    batch, _ = mask.shape
+    text = mask.astype(bool)  # (B, T)
+    text_pos = jnp.where(text, jnp.cumsum(text, axis=1) - 1, 0).astype(jnp.int32)  # (B, T)
+    image = prepare_ids([0], grid_h, grid_w, 0)  # the image slots of every row (no text)
+    num_image = grid_h * grid_w
+    position_ids = jnp.concatenate([jnp.repeat(text_pos[..., None], 3, axis=-1),
+                                    jnp.broadcast_to(jnp.asarray(image.position_ids), (batch, num_image, 3))], axis=1)
+    segment_ids = jnp.concatenate([jnp.where(text, 1, SEQUENCE_PADDING_INDICATOR),
+                                   jnp.ones((batch, num_image), jnp.int32)], axis=1).astype(jnp.int32)
+    indicator = jnp.concatenate([jnp.where(text, LLM_TOKEN_INDICATOR, 0),
+                                 jnp.full((batch, num_image), OUTPUT_IMAGE_INDICATOR)], axis=1).astype(jnp.int32)
+    return position_ids, segment_ids, indicator
+
+
+def make_sampler(graphdef: nnx.GraphDef, cfg: Any, *, num_steps: int, guidance_scale: float,
+                 latent_hw: tuple[int, int], shift: float | None = None, solver: str | None = None,
+                 hooks_factory: Any = None):
+    """One Ideogram 4 transformer as ``sample(params, key) -> (latents (B, N, C), aux per step)``, the interface of
+    ``models.sampling.make_sampler`` (``models.families``).
+
+    The pipeline's guidance needs its second checkpoint (``unconditional_transformer``); one transformer runs the
+    conditional branch alone (``guidance_scale`` 1.0, the pipeline's ``v = g v_cond + (1 - g) v_uncond`` at g = 1),
+    on the pipeline's schedule (:func:`flow_schedule`) and Euler step. ``latent_hw`` is the image-token grid
+    ``(grid_h, grid_w)`` (``grid_for(height, width)``). ``params``: ``"model"`` (the nnx state), ``"context"``
+    ``(B, T, llm_features_dim)`` text features and ``"mask"`` ``(B, T)`` (1 = text token, left-padded), optional
+    ``"overrides"``; ``hooks_factory(params, step)`` as in ``models.sampling``. Wrap in ``jax.jit``.
+    """
+    if guidance_scale != 1.0:
+        raise ValueError(f"Ideogram 4 with one transformer samples the conditional branch only: guidance_scale must "
+                         f"be 1.0, got {guidance_scale} (the pipeline's guidance needs its unconditional_transformer)")
+    if shift is not None or solver not in (None, "flow_euler"):
+        raise ValueError(f"Ideogram 4 uses its resolution-aware flow schedule: shift={shift}, solver={solver!r} are "
+                         f"not options (None, None or 'flow_euler')")
+    grid_h, grid_w = latent_hw
+    schedule = flow_schedule(grid_h * PIXELS_PER_TOKEN, grid_w * PIXELS_PER_TOKEN, num_steps,
+                             guidance_schedule=None, guidance_scale=1.0)
+    per_step = (jnp.arange(num_steps, dtype=jnp.int32), jnp.asarray(schedule.model_times),
+                jnp.asarray(schedule.sigmas[:-1]), jnp.asarray(schedule.sigmas[1:]))
+    num_image = grid_h * grid_w
+
+    def sample(params, key):
+        context, mask = params["context"], params["mask"]
+        batch, num_text, _ = context.shape
+        position_ids, segment_ids, indicator = mask_layout(mask, grid_h, grid_w)  # (B, L, 3), (B, L), (B, L)
+        model = nnx.merge(graphdef, params["model"])
+        image_text = model.embed_text(None, indicator[:, num_text:])  # (B, N, hidden): zero features
+        text_embeddings = jnp.concatenate([model.embed_text(context, indicator[:, :num_text]), image_text], axis=1)
+        noise = jax.random.normal(key, (batch, num_image, cfg.in_channels), jnp.float32)  # (B, N, C)
+
+        def step(latents, inputs):
+            index, model_time, sigma, sigma_next = inputs
+            hooks = step_hooks(params, hooks_factory, index)
+            model = nnx.merge(graphdef, params["model"])
+            t = jnp.broadcast_to(model_time, (batch,)).astype(cfg.dtype)  # (B,)
+            padded = jnp.concatenate([jnp.zeros((batch, num_text, cfg.in_channels)), latents], axis=1)  # (B, L, C)
+            out = model(padded.astype(cfg.dtype), t, None, position_ids, segment_ids, indicator,
+                        text_embeddings=text_embeddings, hooks=hooks)  # (B, L, C)
+            velocity = out[:, num_text:].astype(jnp.float32)  # (B, N, C)
+            return euler_step(latents, velocity, sigma, sigma_next), recorded(hooks)
+
+        return jax.lax.scan(step, noise, per_step)
+
+    return sample
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -4,10 +4,14 @@ Naming: module attributes carry diffusers' names, so a layer's NNX path, joined 
 prefix (``transformer_blocks.3.attn1.to_q``). Every :class:`Linear` learns that dotted path (``Linear.path``) when the
 top-level model calls :func:`name_linears` at the end of its constructor.
 
-Linear hooks: every forward pass takes an optional :class:`LinearHooks`. A :class:`Linear` called with hooks asks them
-to compute its output, which is how ``models.quantize_model`` swaps a 16-bit linear for a quantized one
-(``overrides={path: fn}``) and how ``models.capture`` records the inputs of the quantizable linears
-(``recorder=...``), without any mutable state in the modules.
+Linear hooks: every forward pass of every family takes an optional :class:`LinearHooks` and passes it down. A
+:class:`Linear` called with hooks asks them to compute its output, which is how ``models.quantize_model`` swaps a
+16-bit linear for a quantized one (``overrides={path: fn}``) and how ``models.capture`` records the inputs of the
+quantizable linears (``recorder=...``), without any mutable state in the modules. :class:`FusedLinearHooks` adds
+fused sites (a linear and the op after it, e.g. Ideogram 4's q/k projection + RMSNorm and its SwiGLU gate/up pair),
+which a model consumes where it has them. Where a model knows which input tokens are padding (a caption's attention
+mask, Ideogram 4's padding segment) it passes the hooks on with :func:`with_token_mask`, so a recorder keeps only the
+rows of real tokens.
 
 Layouts: activations are channels-last ``(batch, tokens, channels)``; Linear kernels are ``(d_in, d_out)``; conv
 kernels are HWIO.
@@ -15,6 +19,7 @@ kernels are HWIO.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -27,6 +32,7 @@ from flax import nnx
 __all__ = [
     "Attention",
     "FeedForward",
+    "FusedLinearHooks",
     "LayerNorm",
     "Linear",
     "InitKeys",
@@ -37,6 +43,7 @@ __all__ = [
     "TextProjection",
     "TimestepEmbedding",
     "apply_rope",
+    "check_fused_sites",
     "dot_product_attention",
     "host_init",
     "layer_norm",
@@ -45,6 +52,7 @@ __all__ = [
     "rope_frequencies",
     "sincos_pos_embed_2d",
     "timestep_embedding",
+    "with_token_mask",
 ]
 
 
@@ -53,7 +61,7 @@ class Recorder(Protocol):
 
     def wants(self, path: str) -> bool: ...
 
-    def record(self, path: str, x: jax.Array) -> None: ...
+    def record(self, path: str, x: jax.Array, token_mask: jax.Array | None = None) -> None: ...
 
 
 class LinearHooks:
@@ -62,17 +70,26 @@ class LinearHooks:
     Args:
         overrides: ``{dotted path: fn(x (..., d)) -> y (..., o)}`` pure functions run instead of the 16-bit linear
             (a ``jax.tree_util.Partial`` keeps its arrays traced arguments instead of jit constants).
-        recorder: an object with ``wants(path) -> bool`` and ``record(path, x)``, called with each wanted input.
+        recorder: an object with ``wants(path) -> bool`` and ``record(path, x, token_mask)``, called with each wanted
+            input.
+        token_mask: ``(...)`` bool, the shape of an input without its feature axis: which input tokens are real
+            (False = padding that never reaches the model's output, e.g. masked caption tokens). Models set it with
+            :func:`with_token_mask` where they know it; the recorder drops the masked rows; overrides ignore it.
     """
 
     def __init__(self, overrides: Mapping[str, Callable[[jax.Array], jax.Array]] | None = None,
-                 recorder: Recorder | None = None):
+                 recorder: Recorder | None = None, token_mask: jax.Array | None = None):
         self.overrides = dict(overrides or {})
         self.recorder = recorder
+        self.token_mask = token_mask
+
+    def record(self, linear: "Linear", x: jax.Array) -> None:
+        """Hand ``x`` (the input of ``linear``) and the token mask to the recorder when it wants that linear."""
+        if self.recorder is not None and self.recorder.wants(linear.path):
+            self.recorder.record(linear.path, x, self.token_mask)
 
     def __call__(self, linear: "Linear", x: jax.Array) -> jax.Array:
-        if self.recorder is not None and self.recorder.wants(linear.path):
-            self.recorder.record(linear.path, x)
+        self.record(linear, x)
         override = self.overrides.get(linear.path)
         if override is None:
             return linear.dense(x)
@@ -81,6 +98,107 @@ class LinearHooks:
         if tuple(y.shape) != expected:
             raise ValueError(f"override of {linear.path}: returned shape {tuple(y.shape)}, expected {expected}")
         return y.astype(x.dtype)
+
+
+def with_token_mask(hooks: LinearHooks | None, token_mask: jax.Array | None) -> LinearHooks | None:
+    """``hooks`` for inputs whose real tokens are ``token_mask`` (``(...)``, True = real): a shallow copy that
+    shares the overrides and the recorder. None hooks or a None mask return ``hooks`` unchanged."""
+    if hooks is None or token_mask is None:
+        return hooks
+    masked = copy.copy(hooks)
+    masked.token_mask = token_mask.astype(bool)
+    return masked
+
+
+class FusedLinearHooks(LinearHooks):
+    """:class:`~models.layers.LinearHooks` with fused sites (a linear and the op after it run by one function).
+
+    Args:
+        overrides, recorder: as :class:`~models.layers.LinearHooks` (per-linear replacements, input recorder).
+        projection_norm: ``{projection path: fn(x (..., d), scale (head_dim,), eps) -> (..., o)}``: the projection
+            followed by RMSNorm over each head of ``head_dim`` outputs with weight ``scale`` (the model passes its own
+            norm weight and eps, so the fused function never holds a stale copy). Replaces the projection and the norm.
+        swiglu: ``{gate projection path: fn(x (..., d)) -> (..., f)}``: ``SiLU(x W_gate^T) * (x W_up^T)``. Replaces the
+            gate and the up projection (the model says which linear is the up projection of a gate).
+        stacked: the entries of block linears carry a leading ``num_layers`` axis on every array (for models whose
+            blocks run under ``lax.scan``; the scan hands each block its slice). A model in list layout refuses them.
+
+    A model calls :meth:`fused_projection_norm` / :meth:`fused_swiglu` at its fused sites and runs the unfused path
+    when they return None; it checks the entries first with :func:`check_fused_sites`.
+    """
+
+    def __init__(self, overrides: Mapping[str, Callable[[jax.Array], jax.Array]] | None = None,
+                 recorder: Recorder | None = None, *, projection_norm: Mapping[str, Callable] | None = None,
+                 swiglu: Mapping[str, Callable] | None = None, stacked: bool = False):
+        super().__init__(overrides, recorder)
+        self.projection_norm = dict(projection_norm or {})
+        self.swiglu = dict(swiglu or {})
+        self.stacked = bool(stacked)
+        if stacked and recorder is not None:
+            raise ValueError("FusedLinearHooks: a recorder cannot be combined with stacked (scanned) entries")
+
+    def entries(self) -> dict[str, dict[str, Any]]:
+        """The three entry tables (a pytree: ``jax.tree_util.Partial`` entries carry their arrays as leaves)."""
+        return {"overrides": dict(self.overrides), "projection_norm": dict(self.projection_norm),
+                "swiglu": dict(self.swiglu)}
+
+    @classmethod
+    def from_entries(cls, entries: Mapping[str, Mapping[str, Callable]], stacked: bool = False) -> "FusedLinearHooks":
+        """Inverse of :meth:`entries` (e.g. one scanned block's slice of stacked entries)."""
+        return cls(entries.get("overrides"), projection_norm=entries.get("projection_norm"),
+                   swiglu=entries.get("swiglu"), stacked=stacked)
+
+    def fused_projection_norm(self, projection: Any, x: jax.Array, scale: jax.Array, eps: float
+                              ) -> jax.Array | None:
+        """The fused projection + per-head RMSNorm of ``projection`` (a Linear) on ``x``, or None (run unfused)."""
+        fn = self.projection_norm.get(projection.path)
+        if fn is None:
+            return None
+        self.record(projection, x)
+        y = fn(x, scale, eps)
+        return _checked(y, x, projection.out_features, f"projection_norm entry {projection.path}")
+
+    def fused_swiglu(self, gate: Any, up: Any, x: jax.Array) -> jax.Array | None:
+        """``SiLU(gate(x)) * up(x)`` fused, keyed by the gate Linear's path, or None (run unfused)."""
+        fn = self.swiglu.get(gate.path)
+        if fn is None:
+            return None
+        for linear in (gate, up):
+            self.record(linear, x)
+        return _checked(fn(x), x, gate.out_features, f"swiglu entry {gate.path}")
+
+
+def _checked(y: jax.Array, x: jax.Array, out_features: int, what: str) -> jax.Array:
+    expected = x.shape[:-1] + (out_features,)
+    if tuple(y.shape) != expected:
+        raise ValueError(f"{what}: returned shape {tuple(y.shape)}, expected {expected}")
+    return y.astype(x.dtype)
+
+
+def check_fused_sites(hooks: Any, projection_norm_sites: Mapping[str, tuple[str, ...]],
+                      swiglu_sites: Mapping[str, tuple[str, ...]]) -> None:
+    """Raise a ValueError if a fused entry of ``hooks`` names no fused site of the model, or if a per-linear override
+    targets a linear that a fused entry already replaces.
+
+    Args:
+        hooks: :class:`FusedLinearHooks` (plain :class:`~models.layers.LinearHooks` and None pass).
+        projection_norm_sites: ``{projection path: (paths of the linears it replaces)}`` of the model.
+        swiglu_sites: ``{gate path: (gate path, up path)}``.
+    """
+    if not isinstance(hooks, FusedLinearHooks):
+        return
+    problems = []
+    for table, sites in (("projection_norm", projection_norm_sites), ("swiglu", swiglu_sites)):
+        for name in getattr(hooks, table):
+            if name not in sites:
+                examples = ", ".join(sorted(sites)[:3]) or "none"
+                problems.append(f"{table} entry {name!r} names no {table} site of the model (e.g. {examples})")
+                continue
+            clash = [p for p in sites[name] if p in hooks.overrides]
+            if clash:
+                problems.append(f"{table} entry {name!r} replaces {clash}, which also have per-linear overrides")
+    if problems:
+        raise ValueError("bad fused hooks:\n  " + "\n  ".join(problems))
 
 
 class Linear(nnx.Module):
@@ -289,11 +407,14 @@ class Attention(nnx.Module):
         else:
             raise NotImplementedError(f"Attention: {qk_norm=} is not ported (None, 'rms_norm_across_heads')")
 
-    def project_qkv(self, x: jax.Array, context: jax.Array, hooks: LinearHooks | None):
-        """x (b, s, query_dim), context (b, t, kv_dim) -> q (b, s, h, dh), k, v (b, t, h, dh)."""
+    def project_qkv(self, x: jax.Array, context: jax.Array, hooks: LinearHooks | None,
+                    context_mask: jax.Array | None = None):
+        """x (b, s, query_dim), context (b, t, kv_dim), context_mask (b, t) keep-mask or None ->
+        q (b, s, h, dh), k, v (b, t, h, dh). The mask only reaches the hooks (see :func:`with_token_mask`)."""
         q = self.to_q(x, hooks)  # (b, s, inner)
-        k = self.to_k(context, hooks)  # (b, t, inner)
-        v = self.to_v(context, hooks)  # (b, t, inner)
+        context_hooks = with_token_mask(hooks, context_mask)
+        k = self.to_k(context, context_hooks)  # (b, t, inner)
+        v = self.to_v(context, context_hooks)  # (b, t, inner)
         if self.norm_q is not None:
             q = self.norm_q(q)  # (b, s, inner)
             k = self.norm_k(k)  # (b, t, inner)
@@ -301,10 +422,11 @@ class Attention(nnx.Module):
         return split(q), split(k), split(v)
 
     def __call__(self, x: jax.Array, context: jax.Array | None = None, bias: jax.Array | None = None,
-                 hooks: LinearHooks | None = None) -> jax.Array:
-        """x (b, s, query_dim), context (b, t, kv_dim) or None (self-attention), bias (b, 1, 1, t) -> (b, s, dim)."""
+                 hooks: LinearHooks | None = None, context_mask: jax.Array | None = None) -> jax.Array:
+        """x (b, s, query_dim), context (b, t, kv_dim) or None (self-attention), bias (b, 1, 1, t), context_mask
+        (b, t) keep-mask of the context tokens (for the hooks' recorder) -> (b, s, dim)."""
         context = x if context is None else context
-        q, k, v = self.project_qkv(x, context, hooks)  # (b, s, h, dh), (b, t, h, dh) x2
+        q, k, v = self.project_qkv(x, context, hooks, context_mask)  # (b, s, h, dh), (b, t, h, dh) x2
         out = dot_product_attention(q, k, v, bias)  # (b, s, h, dh)
         out = out.reshape(out.shape[:2] + (self.heads * self.head_dim,))  # (b, s, inner)
         return self.to_out[0](out, hooks)  # (b, s, query_dim)
@@ -404,7 +526,8 @@ def host_init(constructor: Callable[[], nnx.Module], seed: int = 0) -> nnx.Modul
     """Build ``constructor()`` abstractly and fill its parameters on the host with numpy (fast: no per-op compiles).
 
     Init: ``*.kernel`` uniform(±1/sqrt(fan_in)) with fan_in = prod(shape[:-1]) (torch's Linear/Conv default for
-    the weight), biases 0, norm weights 1, ``*scale_shift_table`` normal / sqrt(dim) (diffusers' init).
+    the weight), biases 0, norm weights (``weight``, ``scale``) 1, ``*scale_shift_table`` and embedding tables
+    normal / sqrt(dim).
     """
     abstract = nnx.eval_shape(constructor)
     graphdef, state = nnx.split(abstract)
@@ -418,8 +541,10 @@ def host_init(constructor: Callable[[], nnx.Module], seed: int = 0) -> nnx.Modul
             array = rng.uniform(-bound, bound, shape)
         elif name == "scale_shift_table":
             array = rng.standard_normal(shape) / math.sqrt(shape[-1])
-        elif name == "weight":
+        elif name in ("weight", "scale"):
             array = np.ones(shape)
+        elif name == "embedding":
+            array = rng.standard_normal(shape) / math.sqrt(shape[-1])
         elif name == "bias":
             array = np.zeros(shape)
         else:

@@ -13,7 +13,6 @@ ff.net.0.proj, ff.net.2). Embeddings, caption projection, adaln_single and proj_
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import jax
@@ -22,9 +21,9 @@ from flax import nnx
 
 from models import convert
 from models.convert import linear_rules, param_rules, rule
-from models.layers import (Attention, FeedForward, InitKeys, LayerNorm, Linear, LinearHooks, PatchEmbed,
-                           TextProjection, TimestepEmbedding, host_init, layer_norm, mask_to_bias, name_linears,
-                           timestep_embedding, unpatchify)
+from models.layers import (Attention, FeedForward, LayerNorm, Linear, LinearHooks, PatchEmbed,
+                           TextProjection, TimestepEmbedding, layer_norm, mask_to_bias, name_linears,
+                           timestep_embedding, unpatchify, with_token_mask)
 
 __all__ = ["PIXART_SIGMA_XL_2_1024_MS", "PixArtConfig", "PixArtTransformer2DModel", "KEY_TABLE", "from_diffusers",
            "to_diffusers"]
@@ -168,15 +167,17 @@ class PixArtBlock(nnx.Module):
         self.scale_shift_table = nnx.Param(jax.random.normal(rngs.params(), (6, dim), dtype) / dim ** 0.5)
 
     def __call__(self, x: jax.Array, context: jax.Array | None, context_bias: jax.Array | None,
-                 timestep6: jax.Array, hooks: LinearHooks | None) -> jax.Array:
-        """x (b, n, dim), context (b, t, c), context_bias (b, 1, 1, t), timestep6 (b, 6 dim) -> (b, n, dim)."""
+                 timestep6: jax.Array, hooks: LinearHooks | None, context_mask: jax.Array | None = None
+                 ) -> jax.Array:
+        """x (b, n, dim), context (b, t, c), context_bias (b, 1, 1, t), timestep6 (b, 6 dim), context_mask (b, t)
+        -> (b, n, dim)."""
         b, _, dim = x.shape
         mod = self.scale_shift_table[...][None] + timestep6.reshape(b, 6, dim)  # (b, 6, dim)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(mod, 6, axis=1)  # (b, 1, dim)
         h = self.norm1(x) * (1 + scale_msa) + shift_msa  # (b, n, dim)
         x = x + gate_msa * self.attn1(h, hooks=hooks)  # (b, n, dim)
         if self.attn2 is not None:
-            x = x + self.attn2(x, context, context_bias, hooks=hooks)  # (b, n, dim)
+            x = x + self.attn2(x, context, context_bias, hooks=hooks, context_mask=context_mask)  # (b, n, dim)
         h = self.norm2(x) * (1 + scale_mlp) + shift_mlp  # (b, n, dim)
         return x + gate_mlp * self.ff(h, hooks)  # (b, n, dim)
 
@@ -221,10 +222,10 @@ class PixArtTransformer2DModel(nnx.Module):
         timestep6, embedded = self.adaln_single(timestep, resolution, aspect_ratio, dtype, hooks)  # (b, 6d), (b, d)
         context = encoder_hidden_states.astype(dtype)  # (b, t, c)
         if self.caption_projection is not None:
-            context = self.caption_projection(context, hooks)  # (b, t, dim)
+            context = self.caption_projection(context, with_token_mask(hooks, encoder_attention_mask))  # (b, t, dim)
         context_bias = mask_to_bias(encoder_attention_mask)  # (b, 1, 1, t) or None
         for block in self.transformer_blocks:
-            x = block(x, context, context_bias, timestep6, hooks)  # (b, n, dim)
+            x = block(x, context, context_bias, timestep6, hooks, encoder_attention_mask)  # (b, n, dim)
         shift, scale = jnp.split(self.scale_shift_table[...][None] + embedded[:, None], 2, axis=1)  # (b, 1, dim)
         x = layer_norm(x, 1e-6) * (1 + scale) + shift  # (b, n, dim)
         x = self.proj_out(x, hooks)  # (b, n, p p out)
@@ -256,33 +257,3 @@ KEY_TABLE = convert.KeyTable([
     *linear_rules("caption_projection.linear_1"),
     *linear_rules("caption_projection.linear_2"),
 ], name="PixArtTransformer2DModel")
-
-
-def construct(cfg: PixArtConfig, dtype: Any = jnp.float32) -> PixArtTransformer2DModel:
-    """The plain constructor (jax.random init, eager); use under ``nnx.eval_shape`` for shapes without memory."""
-    return PixArtTransformer2DModel(cfg, dtype=convert.resolve_dtype(dtype), rngs=InitKeys(0))
-
-
-def build(cfg: PixArtConfig, dtype: Any = jnp.float32, seed: int = 0) -> PixArtTransformer2DModel:
-    """A randomly initialised model (host init, see :func:`models.layers.host_init`; for tests and training)."""
-    return host_init(lambda: construct(cfg, dtype), seed)
-
-
-def from_diffusers(directory: str | os.PathLike, dtype: Any = "float32"
-                   ) -> tuple[PixArtConfig, PixArtTransformer2DModel]:
-    """Load a diffusers PixArtTransformer2DModel directory (config.json + safetensors, single or sharded).
-
-    Raises:
-        convert.CheckpointError: unreadable files (named). convert.ConversionError: every bad key at once.
-    """
-    config, state = convert.read_diffusers_dir(directory)
-    cfg = PixArtConfig.from_diffusers_config(config)
-    np_dtype = convert.resolve_dtype(dtype)
-    model = convert.convert_to_nnx(state, KEY_TABLE, lambda: construct(cfg, np_dtype), np_dtype)
-    return cfg, model
-
-
-def to_diffusers(model: PixArtTransformer2DModel, directory: str | os.PathLike, dtype: Any = None,
-                 max_shard_bytes: int | None = None) -> None:
-    """Write ``model`` as a diffusers directory (loadable by ``PixArtTransformer2DModel.from_pretrained``)."""
-    convert.export_nnx(model, KEY_TABLE, directory, model.cfg.to_diffusers_config(), dtype, max_shard_bytes)

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import LinearHooks, linears
+from models.layers import FusedLinearHooks, LinearHooks, check_fused_sites, linears
 
 __all__ = ["FusedLinearHooks", "build_stacked_qlinears", "check_fused_sites", "check_overrides", "fake_quant_overrides",
            "layer_at", "qlinear_overrides", "run_with_overrides", "serve_stacked", "served_hooks",
@@ -132,100 +132,6 @@ def run_with_overrides(model: nnx.Module, overrides: Mapping[str, Callable], *ar
     """Call ``model(*args, **kwargs)`` with the overrides in place (eager convenience; samplers take
     ``params["overrides"]`` instead)."""
     return model(*args, hooks=LinearHooks(overrides), **kwargs)
-
-
-class FusedLinearHooks(LinearHooks):
-    """:class:`~models.layers.LinearHooks` with fused sites (a linear and the op after it run by one function).
-
-    Args:
-        overrides, recorder: as :class:`~models.layers.LinearHooks` (per-linear replacements, input recorder).
-        projection_norm: ``{projection path: fn(x (..., d), scale (head_dim,), eps) -> (..., o)}``: the projection
-            followed by RMSNorm over each head of ``head_dim`` outputs with weight ``scale`` (the model passes its own
-            norm weight and eps, so the fused function never holds a stale copy). Replaces the projection and the norm.
-        swiglu: ``{gate projection path: fn(x (..., d)) -> (..., f)}``: ``SiLU(x W_gate^T) * (x W_up^T)``. Replaces the
-            gate and the up projection (the model says which linear is the up projection of a gate).
-        stacked: the entries of block linears carry a leading ``num_layers`` axis on every array (for models whose
-            blocks run under ``lax.scan``; the scan hands each block its slice). A model in list layout refuses them.
-
-    A model calls :meth:`fused_projection_norm` / :meth:`fused_swiglu` at its fused sites and runs the unfused path
-    when they return None; it checks the entries first with :func:`check_fused_sites`.
-    """
-
-    def __init__(self, overrides: Mapping[str, Callable[[jax.Array], jax.Array]] | None = None,
-                 recorder: Any = None, *, projection_norm: Mapping[str, Callable] | None = None,
-                 swiglu: Mapping[str, Callable] | None = None, stacked: bool = False):
-        super().__init__(overrides, recorder)
-        self.projection_norm = dict(projection_norm or {})
-        self.swiglu = dict(swiglu or {})
-        self.stacked = bool(stacked)
-        if stacked and recorder is not None:
-            raise ValueError("FusedLinearHooks: a recorder cannot be combined with stacked (scanned) entries")
-
-    def entries(self) -> dict[str, dict[str, Any]]:
-        """The three entry tables (a pytree: ``jax.tree_util.Partial`` entries carry their arrays as leaves)."""
-        return {"overrides": dict(self.overrides), "projection_norm": dict(self.projection_norm),
-                "swiglu": dict(self.swiglu)}
-
-    @classmethod
-    def from_entries(cls, entries: Mapping[str, Mapping[str, Callable]], stacked: bool = False) -> "FusedLinearHooks":
-        """Inverse of :meth:`entries` (e.g. one scanned block's slice of stacked entries)."""
-        return cls(entries.get("overrides"), projection_norm=entries.get("projection_norm"),
-                   swiglu=entries.get("swiglu"), stacked=stacked)
-
-    def fused_projection_norm(self, projection: Any, x: jax.Array, scale: jax.Array, eps: float
-                              ) -> jax.Array | None:
-        """The fused projection + per-head RMSNorm of ``projection`` (a Linear) on ``x``, or None (run unfused)."""
-        fn = self.projection_norm.get(projection.path)
-        if fn is None:
-            return None
-        if self.recorder is not None and self.recorder.wants(projection.path):
-            self.recorder.record(projection.path, x)
-        y = fn(x, scale, eps)
-        return _checked(y, x, projection.out_features, f"projection_norm entry {projection.path}")
-
-    def fused_swiglu(self, gate: Any, up: Any, x: jax.Array) -> jax.Array | None:
-        """``SiLU(gate(x)) * up(x)`` fused, keyed by the gate Linear's path, or None (run unfused)."""
-        fn = self.swiglu.get(gate.path)
-        if fn is None:
-            return None
-        if self.recorder is not None:
-            for linear in (gate, up):
-                if self.recorder.wants(linear.path):
-                    self.recorder.record(linear.path, x)
-        return _checked(fn(x), x, gate.out_features, f"swiglu entry {gate.path}")
-
-
-def _checked(y: jax.Array, x: jax.Array, out_features: int, what: str) -> jax.Array:
-    expected = x.shape[:-1] + (out_features,)
-    if tuple(y.shape) != expected:
-        raise ValueError(f"{what}: returned shape {tuple(y.shape)}, expected {expected}")
-    return y.astype(x.dtype)
-
-
-def check_fused_sites(hooks: Any, projection_norm_sites: Mapping[str, tuple[str, ...]],
-                      swiglu_sites: Mapping[str, tuple[str, ...]]) -> None:
-    """Raise a ValueError if a fused entry of ``hooks`` names no fused site of the model, or if a per-linear override
-    targets a linear that a fused entry already replaces.
-
-    Args:
-        hooks: :class:`FusedLinearHooks` (plain :class:`~models.layers.LinearHooks` and None pass).
-        projection_norm_sites: ``{projection path: (paths of the linears it replaces)}`` of the model.
-        swiglu_sites: ``{gate path: (gate path, up path)}``.
-    """
-    if not isinstance(hooks, FusedLinearHooks):
-        return
-    problems = []
-    for table, sites in (("projection_norm", projection_norm_sites), ("swiglu", swiglu_sites)):
-        for name in getattr(hooks, table):
-            if name not in sites:
-                examples = ", ".join(sorted(sites)[:3]) or "none"
-                problems.append(f"{table} entry {name!r} names no {table} site of the model (e.g. {examples})")
-                continue
-            clash = [p for p in sites[name] if p in hooks.overrides]
-            if clash:
-                problems.append(f"{table} entry {name!r} replaces {clash}, which also have per-linear overrides")
-    if problems:
-        raise ValueError("bad fused hooks:\n  " + "\n  ".join(problems))
 
 
 def _served(layer: Any, x: jax.Array, *, options: Any) -> jax.Array:

@@ -2,7 +2,7 @@
 
 Layout of a folder written by :func:`save_quantized_checkpoint` (format version :data:`FORMAT_VERSION`):
 
-* ``config.json``: the model's diffusers config (``_class_name`` picks the family: PixArt-Σ, SANA, FLUX.1).
+* ``config.json``: the model's diffusers config (``_class_name`` picks the family, ``models.families``).
 * ``model.safetensors``: every parameter of the model *except* the quantized linears' ``kernel`` and ``bias``, keyed
   by its Flax NNX dotted path (``pos_embed.proj.kernel``, ``transformer_blocks.0.norm1...``; the path of a linear is
   its diffusers key prefix), in the model's dtype, Flax layout (a linear's ``kernel`` is ``(in, out)``).
@@ -33,23 +33,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["FORMAT_VERSION", "QuantizedCheckpoint", "family_module", "load_quantized_checkpoint",
-           "save_quantized_checkpoint"]
+__all__ = ["FORMAT_VERSION", "QuantizedCheckpoint", "load_quantized_checkpoint", "save_quantized_checkpoint"]
 
 FORMAT_VERSION = 1
-_FAMILIES = {"PixArtTransformer2DModel": "pixart", "SanaTransformer2DModel": "sana",
-             "FluxTransformer2DModel": "flux"}
-_CONFIGS = {"pixart": "PixArtConfig", "sana": "SanaConfig", "flux": "FluxConfig"}
-
-
-def family_module(class_name: str):
-    """``(family name, module)`` of a diffusers ``_class_name`` (``models.pixart`` / ``sana`` / ``flux``)."""
-    import importlib
-
-    if class_name not in _FAMILIES:
-        raise ValueError(f"_class_name {class_name!r} is not one of {sorted(_FAMILIES)}")
-    family = _FAMILIES[class_name]
-    return family, importlib.import_module(f"models.{family}")
 
 
 @dataclasses.dataclass
@@ -57,7 +43,7 @@ class QuantizedCheckpoint:
     """A loaded quantized checkpoint.
 
     Attributes:
-      family: ``"pixart"``, ``"sana"`` or ``"flux"``.
+      family: the family's name in ``models.families`` (``"pixart"``, ``"sana"``, ``"flux"``, ``"ideogram4"``).
       cfg: the family's config dataclass.
       model: the NNX model (quantized linears' kernels are zero placeholders).
       qlayers: ``{name: QuantizedLinear}``.
@@ -89,7 +75,7 @@ def save_quantized_checkpoint(directory: str | os.PathLike, model: Any, qlayers:
 
     Args:
       directory: the folder to write.
-      model: the 16-bit NNX model (``model.cfg`` is its config).
+      model: the 16-bit NNX model of a registered family (``models.families``).
       qlayers: ``{linear path: QuantizedLinear}``; every name must be a linear of ``model``.
       recipe_name, recipe: the recipe's name and object (its settings are recorded).
       reports: optional per-layer reports (``heldout_error`` is recorded).
@@ -98,9 +84,10 @@ def save_quantized_checkpoint(directory: str | os.PathLike, model: Any, qlayers:
     """
     from kroquant_jax import provenance, qlinear
     from kroquant_jax.fileio import atomic_write_json, publishable
-    from models import convert
+    from models import convert, families
     from models.layers import linears
 
+    diffusers_config = families.family_of(model).config_of(model).to_diffusers_config()
     available = linears(model)
     unknown = [n for n in qlayers if n not in available]
     if unknown:
@@ -117,7 +104,7 @@ def save_quantized_checkpoint(directory: str | os.PathLike, model: Any, qlayers:
             layers[name]["heldout_error"] = float(reports[name]["heldout_error"])
     first = next(iter(qlayers.values()), None)
     config = {"format_version": FORMAT_VERSION, "numerics_version": provenance.NUMERICS_VERSION,
-              "class_name": model.cfg.to_diffusers_config()["_class_name"],
+              "class_name": diffusers_config["_class_name"],
               "weight_format": None if first is None else type(first.weight.fmt).__name__,
               "recipe": recipe_name, "settings": provenance.recipe_settings(recipe), "layers": layers,
               "left_16bit": dict(left_16bit or {}), "extra": dict(extra or {})}
@@ -125,7 +112,7 @@ def save_quantized_checkpoint(directory: str | os.PathLike, model: Any, qlayers:
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
-        atomic_write_json(tmp / "config.json", model.cfg.to_diffusers_config())
+        atomic_write_json(tmp / "config.json", diffusers_config)
         convert.write_safetensors(tmp / "model.safetensors", params, metadata={"format": "kroquant-flax-params"})
         convert.write_safetensors(tmp / "quantized.safetensors", arrays, metadata={"format": "kroquant-qlinears"})
         atomic_write_json(tmp / "quantization_config.json", json.loads(json.dumps(config, default=float)))
@@ -149,7 +136,7 @@ def load_quantized_checkpoint(directory: str | os.PathLike, dtype: Any = None) -
       ValueError: a missing file, another format version, or parameters that do not fit the config (named).
     """
     from kroquant_jax import qlinear
-    from models import convert
+    from models import convert, families
 
     directory = Path(directory)
     for name in ("config.json", "model.safetensors", "quantized.safetensors", "quantization_config.json"):
@@ -160,12 +147,12 @@ def load_quantized_checkpoint(directory: str | os.PathLike, dtype: Any = None) -
         raise ValueError(f"{directory / 'quantization_config.json'}: format_version {qconfig.get('format_version')!r}"
                          f", this library reads {FORMAT_VERSION}")
     config = json.loads((directory / "config.json").read_text())
-    family, module = family_module(config.get("_class_name"))
-    cfg = getattr(module, _CONFIGS[family]).from_diffusers_config(config)
+    family = families.detect(config, str(directory / "config.json"))
+    cfg = family.config_from_diffusers(config)
     params = convert.read_safetensors(directory / "model.safetensors")
     stored_dtype = next((v.dtype for v in params.values() if np.issubdtype(v.dtype, np.floating)), np.float32)
     np_dtype = convert.resolve_dtype(dtype) if dtype is not None else stored_dtype
-    build = lambda: module.construct(cfg, np_dtype)  # noqa: E731
+    build = lambda: family.construct(cfg, np_dtype)  # noqa: E731
     shapes = convert.abstract_shapes(build)
     names = list(qconfig["layers"])
     for key in sorted(_quantized_params(names)):
@@ -181,4 +168,4 @@ def load_quantized_checkpoint(directory: str | os.PathLike, dtype: Any = None) -
         if not state:
             raise ValueError(f"{directory / 'quantized.safetensors'}: no arrays for layer {name!r}")
         qlayers[name] = qlinear.from_state(state, qconfig["layers"][name]["meta"])
-    return QuantizedCheckpoint(family=family, cfg=cfg, model=model, qlayers=qlayers, config=qconfig)
+    return QuantizedCheckpoint(family=family.name, cfg=cfg, model=model, qlayers=qlayers, config=qconfig)

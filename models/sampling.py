@@ -31,7 +31,8 @@ from models.flux import image_ids, pack_latents, unpack_latents
 from models.layers import LinearHooks
 
 __all__ = ["DPMSolverSchedule", "cfg_combine", "dpm_solver_schedule", "flow_euler", "flow_sigmas",
-           "dpm_solver_pp_2m", "flux_denoiser", "make_sampler", "pixart_denoiser", "resolve_sampler", "sana_denoiser"]
+           "dpm_solver_pp_2m", "flux_denoiser", "make_sampler", "pixart_denoiser", "recorded", "resolve_sampler",
+           "sana_denoiser", "step_hooks"]
 
 Denoiser = Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 HooksFactory = Callable[[Any, jax.Array], LinearHooks]
@@ -165,8 +166,9 @@ def cfg_combine(prediction: jax.Array, guidance_scale: float) -> jax.Array:
     return uncond + guidance_scale * (cond - uncond)
 
 
-def _hooks(params: Mapping[str, Any], hooks_factory: HooksFactory | None, step: jax.Array) -> LinearHooks | None:
-    """``hooks_factory(params, step)`` when given, else LinearHooks of ``params["overrides"]`` (if any)."""
+def step_hooks(params: Mapping[str, Any], hooks_factory: HooksFactory | None, step: jax.Array) -> LinearHooks | None:
+    """The hooks of one denoising step: ``hooks_factory(params, step)`` when given, else LinearHooks of
+    ``params["overrides"]`` (if any), else None."""
     if hooks_factory is not None:
         return hooks_factory(params, step)
     overrides = params.get("overrides")
@@ -179,7 +181,8 @@ def _masks(params: Mapping[str, Any], use_cfg: bool) -> jax.Array | None:
     return jnp.concatenate([params["uncond_mask"], params["mask"]]) if use_cfg else params["mask"]
 
 
-def _aux(hooks: LinearHooks | None) -> Any:
+def recorded(hooks: LinearHooks | None) -> Any:
+    """The per-step aux of a denoiser: what the hooks' recorder holds (``{}`` without one)."""
     recorder = getattr(hooks, "recorder", None)
     return recorder.result() if recorder is not None else {}
 
@@ -199,12 +202,12 @@ def pixart_denoiser(graphdef: nnx.GraphDef, guidance_scale: float, latent_channe
 
     def denoise(params, x, t, step):
         model = nnx.merge(graphdef, params["model"])
-        hooks = _hooks(params, hooks_factory, step)
+        hooks = step_hooks(params, hooks_factory, step)
         use_cfg = guidance_scale != 1.0
         x_in, context, mask = _cfg_batch(params, x, use_cfg)  # (2b, c, H, W), (2b, t, c), (2b, t)
         out = model(x_in, context, jnp.full((x_in.shape[0],), t), mask, hooks=hooks)  # (2b, out, H, W)
         out = cfg_combine(out, guidance_scale) if use_cfg else out  # (b, out, H, W)
-        return out[:, :latent_channels], _aux(hooks)
+        return out[:, :latent_channels], recorded(hooks)
 
     return denoise
 
@@ -216,14 +219,14 @@ def sana_denoiser(graphdef: nnx.GraphDef, guidance_scale: float, hooks_factory: 
 
     def denoise(params, x, t, step):
         model = nnx.merge(graphdef, params["model"])
-        hooks = _hooks(params, hooks_factory, step)
+        hooks = step_hooks(params, hooks_factory, step)
         use_cfg = guidance_scale != 1.0
         x_in, context, mask = _cfg_batch(params, x, use_cfg)  # (2b, c, H, W), (2b, t, c), (2b, t)
         guidance = params.get("guidance")
         if guidance is not None and use_cfg:
             guidance = jnp.concatenate([guidance, guidance])  # (2b,)
         out = model(x_in, context, jnp.full((x_in.shape[0],), t), mask, guidance, hooks=hooks)  # (2b, c, H, W)
-        return (cfg_combine(out, guidance_scale) if use_cfg else out), _aux(hooks)
+        return (cfg_combine(out, guidance_scale) if use_cfg else out), recorded(hooks)
 
     return denoise
 
@@ -235,10 +238,10 @@ def flux_denoiser(graphdef: nnx.GraphDef, hooks_factory: HooksFactory | None = N
 
     def denoise(params, x, t, step):
         model = nnx.merge(graphdef, params["model"])
-        hooks = _hooks(params, hooks_factory, step)
+        hooks = step_hooks(params, hooks_factory, step)
         out = model(x, params["context"], params["pooled"], jnp.full((x.shape[0],), t), params["img_ids"],
                     params["txt_ids"], params.get("guidance"), hooks=hooks)  # (b, n, c)
-        return out, _aux(hooks)
+        return out, recorded(hooks)
 
     return denoise
 
@@ -248,8 +251,13 @@ def resolve_sampler(family: str, solver: str | None = None, shift: float | None 
     the family default); ``shift`` is ``None`` for DPM-Solver++ (no sigma shift)."""
     if solver not in (None, "dpm_solver_pp_2m", "flow_euler"):
         raise ValueError(f"unknown {solver=} (dpm_solver_pp_2m, flow_euler)")
-    if family not in ("pixart", "sana", "flux"):
-        raise ValueError(f"unknown family {family!r} (pixart, sana, flux)")
+    if family not in ("pixart", "sana", "flux", "ideogram4"):
+        raise ValueError(f"unknown family {family!r} (pixart, sana, flux, ideogram4)")
+    if family == "ideogram4":  # its resolution-aware flow schedule (models.ideogram4_sampling.flow_schedule)
+        if shift is not None or solver not in (None, "flow_euler"):
+            raise ValueError(f"ideogram4: uses its resolution-aware flow schedule; shift={shift}, solver={solver!r} "
+                             "are not options")
+        return "flow_euler", None
     if family == "pixart":
         if solver == "flow_euler":
             return "flow_euler", 1.0 if shift is None else shift

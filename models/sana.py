@@ -15,7 +15,6 @@ The depthwise 3x3 conv, embeddings, caption projection and proj_out stay 16-bit.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import jax
@@ -24,9 +23,9 @@ from flax import nnx
 
 from models import convert
 from models.convert import linear_rules, param_rules, rule
-from models.layers import (Attention, ConvWeights, InitKeys, LayerNorm, Linear, LinearHooks, PatchEmbed, RMSNorm,
-                           TextProjection, TimestepEmbedding, host_init, layer_norm, mask_to_bias, name_linears,
-                           timestep_embedding, unpatchify)
+from models.layers import (Attention, ConvWeights, LayerNorm, Linear, LinearHooks, PatchEmbed, RMSNorm,
+                           TextProjection, TimestepEmbedding, layer_norm, mask_to_bias, name_linears,
+                           timestep_embedding, unpatchify, with_token_mask)
 from models.pixart import AdaLayerNormSingle
 
 __all__ = ["SANA_1600M_1024PX", "SanaConfig", "SanaTransformer2DModel", "KEY_TABLE", "from_diffusers",
@@ -155,14 +154,16 @@ class SanaBlock(nnx.Module):
         self.scale_shift_table = nnx.Param(jax.random.normal(rngs.params(), (6, dim), dtype) / dim ** 0.5)
 
     def __call__(self, x: jax.Array, context: jax.Array, context_bias: jax.Array | None, timestep6: jax.Array,
-                 grid_h: int, grid_w: int, hooks: LinearHooks | None) -> jax.Array:
-        """x (b, n, dim), context (b, t, dim), context_bias (b, 1, 1, t), timestep6 (b, 6 dim) -> (b, n, dim)."""
+                 grid_h: int, grid_w: int, hooks: LinearHooks | None, context_mask: jax.Array | None = None
+                 ) -> jax.Array:
+        """x (b, n, dim), context (b, t, dim), context_bias (b, 1, 1, t), timestep6 (b, 6 dim), context_mask (b, t)
+        -> (b, n, dim)."""
         b, _, dim = x.shape
         mod = self.scale_shift_table[...][None] + timestep6.reshape(b, 6, dim)  # (b, 6, dim)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(mod, 6, axis=1)  # (b, 1, dim)
         h = (self.norm1(x) * (1 + scale_msa) + shift_msa).astype(x.dtype)  # (b, n, dim)
         x = x + gate_msa * self.attn1(h, hooks=hooks)  # (b, n, dim)
-        x = x + self.attn2(x, context, context_bias, hooks=hooks)  # (b, n, dim)
+        x = x + self.attn2(x, context, context_bias, hooks=hooks, context_mask=context_mask)  # (b, n, dim)
         h = self.norm2(x) * (1 + scale_mlp) + shift_mlp  # (b, n, dim)
         return x + gate_mlp * self.ff(h, grid_h, grid_w, hooks)  # (b, n, dim)
 
@@ -215,11 +216,13 @@ class SanaTransformer2DModel(nnx.Module):
             timestep6, embedded = self.time_embed(timestep, jnp.broadcast_to(guidance, (b,)), dtype, hooks)
         else:
             timestep6, embedded = self.time_embed(timestep, None, None, dtype, hooks)  # (b, 6 dim), (b, dim)
-        context = self.caption_projection(encoder_hidden_states.astype(dtype), hooks)  # (b, t, dim)
+        context = self.caption_projection(encoder_hidden_states.astype(dtype),
+                                          with_token_mask(hooks, encoder_attention_mask))  # (b, t, dim)
         context = self.caption_norm(context)  # (b, t, dim)
         context_bias = mask_to_bias(encoder_attention_mask)  # (b, 1, 1, t) or None
         for block in self.transformer_blocks:
-            x = block(x, context, context_bias, timestep6, height // p, width // p, hooks)  # (b, n, dim)
+            x = block(x, context, context_bias, timestep6, height // p, width // p, hooks,
+                      encoder_attention_mask)  # (b, n, dim)
         shift, scale = jnp.split(self.scale_shift_table[...][None] + embedded[:, None], 2, axis=1)  # (b, 1, dim)
         x = layer_norm(x, 1e-6) * (1 + scale) + shift  # (b, n, dim)
         x = self.proj_out(x, hooks)  # (b, n, p p out)
@@ -255,27 +258,3 @@ KEY_TABLE = convert.KeyTable([
     *_block_rules(),
     *linear_rules("proj_out"),
 ], name="SanaTransformer2DModel")
-
-
-def construct(cfg: SanaConfig, dtype: Any = jnp.float32) -> SanaTransformer2DModel:
-    """The plain constructor (jax.random init, eager); use under ``nnx.eval_shape`` for shapes without memory."""
-    return SanaTransformer2DModel(cfg, dtype=convert.resolve_dtype(dtype), rngs=InitKeys(0))
-
-
-def build(cfg: SanaConfig, dtype: Any = jnp.float32, seed: int = 0) -> SanaTransformer2DModel:
-    """A randomly initialised model (host init, see :func:`models.layers.host_init`)."""
-    return host_init(lambda: construct(cfg, dtype), seed)
-
-
-def from_diffusers(directory: str | os.PathLike, dtype: Any = "float32") -> tuple[SanaConfig, SanaTransformer2DModel]:
-    """Load a diffusers SanaTransformer2DModel directory (raises naming every bad file or key)."""
-    config, state = convert.read_diffusers_dir(directory)
-    cfg = SanaConfig.from_diffusers_config(config)
-    np_dtype = convert.resolve_dtype(dtype)
-    return cfg, convert.convert_to_nnx(state, KEY_TABLE, lambda: construct(cfg, np_dtype), np_dtype)
-
-
-def to_diffusers(model: SanaTransformer2DModel, directory: str | os.PathLike, dtype: Any = None,
-                 max_shard_bytes: int | None = None) -> None:
-    """Write ``model`` as a diffusers directory."""
-    convert.export_nnx(model, KEY_TABLE, directory, model.cfg.to_diffusers_config(), dtype, max_shard_bytes)

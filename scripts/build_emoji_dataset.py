@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from models import testbed_data
+from models.testbed import data as testbed_data
 from scripts.common_args import positive_int, verb_parser
 
 

@@ -4,9 +4,8 @@
     kroquant evaluate --out runs/x --methods rtn kroquant kroquant+loraq kroquant+loraq@128 --lora-rank 0.125
 
 1. Capture: sample the calibration captions (the training records of the prompt file) with the flow-matching Euler
-   sampler and CFG, recording random input rows of every quantizable linear at every step (``models.capture``'s
-   ``RowSampler`` through ``models.sampling.flow_euler``; ``models.capture.capture_layer_set`` runs PixArt with
-   DPM-Solver, which does not fit a velocity-predicting model).
+   sampler and CFG, recording random input rows of every quantizable linear at every step (real caption tokens only,
+   repeated rows once: ``models.testbed.evaluation.capture_flow_layer_set`` over ``models.capture``).
 2. Calibrate every method on that layer set (``kroquant_jax.calibrate.quantize_layer_set``, resumable per method:
    the calibrated layers are stored under ``--out``/qlayers in a folder named by the method and a hash of the capture
    settings and the recipe, so a rerun with other settings never picks up stale layers).
@@ -35,23 +34,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import json
-import re
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kroquant_jax.fileio import atomic_path, atomic_write_text
+from kroquant_jax.fileio import atomic_write_text
 from kroquant_jax.timing import CompileWatch
-from models import image_metrics, pixart, sampling, testbed, testbed_data
-from models.capture import CaptureConfig, capture_layer_set
+from models import families
 from models.layers import linears
+from models.testbed import data as testbed_data
+from models.testbed.evaluation import (capture_flow_layer_set, flow_sampler, generate, image_metrics_of,
+                                       layer_errors_summary, markdown_table, merge_outputs, write_outputs)
 from scripts.common_args import nonnegative_int, positive_int, quantize_with_store, verb_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,36 +135,6 @@ def parse_args(argv=None, verb: str = "evaluate", description: str | None = None
     return parser.parse_args(argv)
 
 
-def flow_sampler(graphdef, num_steps: int, guidance: float, channels: int, hooks_factory=None):
-    """jit(params, noise) -> (pixels (b, c, s, s), aux per step): Euler on linspace(1, 0) sigmas with CFG."""
-    denoise = sampling.pixart_denoiser(graphdef, guidance, channels, hooks_factory)
-    sigmas = sampling.flow_sigmas(num_steps)
-    return jax.jit(lambda params, noise: sampling.flow_euler(denoise, params, noise, sigmas))
-
-
-def text_params(dataset: testbed_data.EmojiDataset, indices: np.ndarray) -> dict[str, jax.Array]:
-    """The PixArt denoiser's text inputs for the records ``indices`` (empty caption as the unconditional one)."""
-    n = len(indices)
-    return {
-        "context": jnp.asarray(dataset.context[indices], jnp.float32),  # (n, t, 384)
-        "mask": jnp.asarray(dataset.context_mask[indices], jnp.float32),  # (n, t)
-        "uncond_context": jnp.broadcast_to(jnp.asarray(dataset.null_context, jnp.float32),
-                                           (n,) + dataset.null_context.shape),  # (n, t, 384)
-        "uncond_mask": jnp.broadcast_to(jnp.asarray(dataset.null_mask, jnp.float32), (n,) + dataset.null_mask.shape),
-    }
-
-
-def capture_flow_layer_set(model, dataset: testbed_data.EmojiDataset, indices: np.ndarray, args, names: list[str]):
-    """``{name: (W (o, d), bias (o,), A_rows (n, d))}`` from flow-matching sampling runs over ``indices``
-    (``models.capture.capture_layer_set`` with the flow-Euler PixArt sampler)."""
-    batches = [indices[start:start + args.batch_size] for start in range(0, len(indices), args.batch_size)]
-    size = model.cfg.sample_size
-    config = CaptureConfig(num_steps=args.steps, guidance_scale=args.guidance, latent_hw=(size, size),
-                           rows_per_layer=args.rows_per_layer, seed=args.seed, layers=tuple(names), solver="flow_euler",
-                           progress=True)
-    return capture_layer_set("pixart", model, [text_params(dataset, batch) for batch in batches], config)
-
-
 def recipe_for(name: str, args):
     """The recipe of a method spec: a ``kroquant_jax.calibrate`` recipe name, for LoRaQ recipes optionally with its
     own rank after an ``@`` (``kroquant+loraq@128``; otherwise ``--lora-rank``), with the command's settings."""
@@ -198,60 +166,6 @@ def store_folder(out: Path, method: str, recipe, capture_key: str) -> Path:
     return out / "qlayers" / f"{method.replace('+', '_').replace('@', '_r')}-{digest}"
 
 
-def layer_type(name: str) -> str:
-    """``transformer_blocks.3.attn1.to_q`` -> ``attn1.to_q`` (the block index dropped)."""
-    return re.sub(r"^(transformer_blocks|single_transformer_blocks|blocks)\.\d+\.", "", name)
-
-
-def image_metrics_of(quantized: np.ndarray, reference: np.ndarray) -> dict:
-    """PSNR (mean, standard error over images, per image), SSIM, colour ratios of uint8 images vs the 16-bit ones."""
-    q, ref = quantized.astype(np.float64) / 255, reference.astype(np.float64) / 255
-    psnr = np.minimum(image_metrics.psnr(q, ref), 99.0)  # (n,) identical images -> 99 dB, not inf
-    sem = float(psnr.std(ddof=1) / np.sqrt(len(psnr))) if len(psnr) > 1 else float("nan")
-    return {"psnr_db": float(psnr.mean()), "psnr_sem_db": sem, "ssim": float(np.mean(image_metrics.ssim(q, ref))),
-            **image_metrics.color_ratios(q, ref), "psnr_per_image_db": [round(float(x), 3) for x in psnr]}
-
-
-def generate(sample, state, dataset, indices, seed: int, channels: int, size: int, overrides=None) -> np.ndarray:
-    """Pixels -> uint8 images (n, s, s, 3) of the records ``indices``; the noise of record ``k`` depends on ``seed``
-    and ``indices[k]`` only (so a record gets the same noise whatever else is generated beside it)."""
-    noise = jnp.stack([jax.random.normal(jax.random.fold_in(jax.random.key(seed), int(i)), (channels, size, size),
-                                         jnp.float32) for i in indices])  # (n, c, s, s)
-    params = {"model": state, **text_params(dataset, indices)}
-    if overrides is not None:
-        params["overrides"] = overrides
-    pixels, _ = sample(params, noise)
-    return testbed.pixels_to_images(pixels)
-
-
-def markdown_table(results: dict[str, dict], settings: str) -> str:
-    """The settings line, the method table (held-out captions), the training-caption table when there is one, and
-    the mean per-layer output error per layer type."""
-    lines = [settings, "",
-             "| method | low-rank branch | PSNR (dB) ↑ | SSIM ↑ | chroma ratio | saturation ratio "
-             "| layer error mean | layer error max | calibration (s) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for method, r in results.items():
-        lines.append(f"| {method} | {r['low_rank_branch']} | {r['psnr_db']:.2f} ± {r['psnr_sem_db']:.2f} | "
-                     f"{r['ssim']:.3f} | {r['chroma_ratio']:.3f} | {r['saturation_ratio']:.3f} | "
-                     f"{r['layer_error_mean']:.4f} | {r['layer_error_max']:.4f} | {r['calibrate_s']:.0f} |")
-    train = {method: r["train"] for method, r in results.items() if "train" in r}
-    if train:
-        lines += ["", "Training captions not used for calibration:", "",
-                  "| method | PSNR (dB) ↑ | SSIM ↑ | chroma ratio | saturation ratio |",
-                  "| --- | --- | --- | --- | --- |"]
-        for method, r in train.items():
-            lines.append(f"| {method} | {r['psnr_db']:.2f} ± {r['psnr_sem_db']:.2f} | {r['ssim']:.3f} | "
-                         f"{r['chroma_ratio']:.3f} | {r['saturation_ratio']:.3f} |")
-    if results:
-        types = list(next(iter(results.values()))["layer_error_by_type"])
-        lines += ["", "Mean held-out relative output error per layer type:", "",
-                  "| method | " + " | ".join(types) + " |", "| --- |" + " --- |" * len(types)]
-        for method, r in results.items():
-            lines.append(f"| {method} | " + " | ".join(f"{r['layer_error_by_type'][t]:.4f}" for t in types) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def settings_line(args, names, calib_indices, eval_indices, train_indices) -> str:
     train = f" and {len(train_indices)} training captions not used for calibration" if len(train_indices) else ""
     return (f"{args.checkpoint}: {len(names)} linears W4A4 (MXFP4), capture from {len(calib_indices)} training "
@@ -261,62 +175,6 @@ def settings_line(args, names, calib_indices, eval_indices, train_indices) -> st
             f"--lora-rank {args.lora_rank}; metrics vs the 16-bit images of {len(eval_indices)} "
             f"held-out captions{train}, same seeds (PSNR ± its standard error over captions); "
             f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind})")
-
-
-def write_outputs(out: Path, report: dict, images: dict[str, np.ndarray], grid_rows: int | None = None) -> None:
-    """report.json, table.md, images.npz (the generated uint8 images per column), grid.png and grid_train.png of the
-    methods done so far (rewritten after each method, atomically). ``report`` holds ``settings``, ``eval_captions``,
-    ``train_captions`` and ``results``; ``images[title]``: (n_heldout + n_train, s, s, 3), held-out records first.
-    ``grid_rows``: at most this many captions per grid (all by default)."""
-    held, train = report["eval_captions"], report["train_captions"]
-    atomic_write_text(out / "report.json", json.dumps(report, indent=2))
-    atomic_write_text(out / "table.md", markdown_table(report["results"], report["settings"]))
-    with atomic_path(out / "images.npz", suffix=".npz") as tmp:
-        np.savez_compressed(tmp, titles=np.array(list(images)),
-                            **{f"column{k}": v for k, v in enumerate(images.values())})
-    titles = list(images)
-    for file, captions, offset, what in (("grid.png", held, 0, "held-out"),
-                                         ("grid_train.png", train, len(held), "training (not calibration)")):
-        captions = captions[:grid_rows]
-        if captions:
-            rows = [[images[title][offset + k] for title in titles] for k in range(len(captions))]
-            testbed.save_caption_grid(str(out / file), captions, rows, titles,
-                                      title=f"W4A4 (MXFP4) vs 16-bit, {what} captions")
-
-
-def load_outputs(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """``(report, images)`` written by :func:`write_outputs` in ``folder``."""
-    report = json.loads((folder / "report.json").read_text())
-    with np.load(folder / "images.npz") as data:
-        images = {str(t): data[f"column{k}"] for k, t in enumerate(data["titles"])}
-    return report, images
-
-
-def merge_outputs(folders: list[Path], out: Path, grid_rows: int | None = None) -> dict:
-    """One report/table/grid from runs of the same settings over different methods (e.g. parallel processes).
-
-    Every folder must have the same settings (except the wall-clock times), captions and 16-bit images (checked
-    bit for bit: the runs must have generated the same reference); methods are taken in the order given."""
-    report, images = load_outputs(folders[0])
-    report = {**report, "merged_from": [str(f) for f in folders], "results": dict(report["results"]),
-              "args": [report["args"]]}
-    for folder in folders[1:]:
-        other, other_images = load_outputs(folder)
-        report["args"].append(other["args"])
-        for key in ("settings", "eval_captions", "train_captions"):
-            if other[key] != report[key]:
-                raise ValueError(f"merge: {folder}/report.json has another {key!r} than {folders[0]}:\n"
-                                 f"  {other[key]!r}\n  {report[key]!r}")
-        if not np.array_equal(other_images["16-bit"], images["16-bit"]):
-            raise ValueError(f"merge: the 16-bit images of {folder} differ from those of {folders[0]}")
-        clash = sorted(set(other["results"]) & set(report["results"]))
-        if clash:
-            raise ValueError(f"merge: methods {clash} are in {folder} and in an earlier folder")
-        report["results"].update(other["results"])
-        images.update({t: v for t, v in other_images.items() if t != "16-bit"})
-    out.mkdir(parents=True, exist_ok=True)
-    write_outputs(out, report, images, grid_rows)
-    return report
 
 
 def main(argv=None, verb: str = "evaluate", description: str | None = None, preset: Sequence[str] = (),
@@ -336,7 +194,7 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
     out.mkdir(parents=True, exist_ok=True)
     prompts_path = args.prompts or str(Path(args.checkpoint) / "testbed_prompts.npz")
     dataset = testbed_data.load_dataset(prompts_path)
-    cfg, model = pixart.from_diffusers(args.checkpoint, "float32")
+    cfg, model = families.PIXART.from_diffusers(args.checkpoint, "float32")
     if cfg.in_channels != 3 or cfg.sample_size != dataset.image_size:
         raise ValueError(f"{args.checkpoint}: expects a pixel-space model of size {dataset.image_size} "
                          f"(in_channels 3), got in_channels {cfg.in_channels}, sample_size {cfg.sample_size}")
@@ -359,7 +217,8 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
     from kroquant_jax.layerset import load_layer_set, save_layer_set
 
     started = time.perf_counter()
-    capture_key = (f"{Path(args.checkpoint).resolve()}|{prompts_path}|{list(calib_indices)}|{args.steps}|"
+    # "real-tokens": the capture drops masked tokens and repeated rows (models.capture); older caches differ.
+    capture_key = (f"real-tokens|{Path(args.checkpoint).resolve()}|{prompts_path}|{list(calib_indices)}|{args.steps}|"
                    f"{args.guidance}|{args.rows_per_layer}|{args.seed}|{names}")
     cache = out / "layer_set.safetensors"
     cache_key_path = out / "layer_set.key"
@@ -373,7 +232,9 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
         if provenance.layer_set_mismatch(layer_set, weights) is not None:
             layer_set = None  # the checkpoint at this path changed since: capture again
     if layer_set is None:
-        layer_set = capture_flow_layer_set(model, dataset, calib_indices, args, names)
+        layer_set = capture_flow_layer_set(model, dataset, calib_indices, names, steps=args.steps,
+                                           guidance=args.guidance, rows_per_layer=args.rows_per_layer,
+                                           seed=args.seed, batch_size=args.batch_size)
         save_layer_set(str(cache), layer_set)
         atomic_write_text(cache_key_path, capture_key)
     capture_s = time.perf_counter() - started
@@ -403,19 +264,15 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
         compile_watch = CompileWatch()
         quantized = generate(sample, state, dataset, generated, args.seed + 1000, channels, size, overrides)
         generate_s, generate_compile_s = time.perf_counter() - began, compile_watch.seconds()
-        layer_errors = {name: float(reports[name]["heldout_error"]) for name in names}
-        by_type: dict[str, list[float]] = {}
-        for name, error in layer_errors.items():
-            by_type.setdefault(layer_type(name), []).append(error)
+        summary = layer_errors_summary({name: float(reports[name]["heldout_error"]) for name in names})
+        per_layer = summary.pop("per_layer_error")
         results[method] = {
             "low_rank_branch": branch,
             **image_metrics_of(quantized[held], reference[held]),
-            "layer_error_mean": float(np.mean(list(layer_errors.values()))),
-            "layer_error_max": float(np.max(list(layer_errors.values()))),
-            "layer_error_by_type": {t: float(np.mean(v)) for t, v in by_type.items()},
+            **summary,
             "calibrate_s": round(calibrate_s, 1), "generate_s": round(generate_s, 1),
             "calibrate_compile_s": round(calibrate_compile_s, 1), "generate_compile_s": round(generate_compile_s, 1),
-            "per_layer_error": layer_errors,
+            "per_layer_error": per_layer,
         }
         if len(train_indices):
             results[method]["train"] = image_metrics_of(quantized[len(eval_indices):], reference[len(eval_indices):])

@@ -1,7 +1,7 @@
 """How often MXFP4 rows exceed the 14 binades that E4M3 holds (``kroquant_jax.fp8_encoding``), on real data.
 
 * The emoji testbed (``checkpoints/emoji_pixart``): activations of every quantizable linear captured during
-  flow-matching sampling (``scripts.eval_testbed.capture_flow_layer_set``, a few training captions and steps), raw and
+  flow-matching sampling (``models.testbed.evaluation.capture_flow_layer_set``, a few training captions and steps), raw and
   after the 32-point Hadamard; the trained weights, raw and as ``W T^{-T}`` with the Hadamard.
 * Every ported model family (PixArt-Sigma, SANA, FLUX.1, Ideogram 4) at a small size with its random init: the
   weights of every quantizable linear (zero-padded to a multiple of 32 where narrower).
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import types
 from pathlib import Path
 
 import jax
@@ -28,19 +27,21 @@ from kroquant_jax import fp8_encoding as FE
 from kroquant_jax import transforms as T
 from kroquant_jax.fileio import atomic_write_json
 from kroquant_jax.formats import MXFP4, quantize
-from models import flux, ideogram4, pixart, sana, testbed_data
+from models import families, flux, ideogram4, pixart, sana
+from models.testbed import data as testbed_data
+from models.testbed.evaluation import capture_flow_layer_set
 from models.layers import linears
 
 SMALL_CONFIGS = {
-    "pixart_sigma": lambda: pixart.build(pixart.PixArtConfig(
+    "pixart_sigma": lambda: families.PIXART.build(pixart.PixArtConfig(
         num_attention_heads=3, attention_head_dim=32, in_channels=4, out_channels=8, num_layers=2,
         cross_attention_dim=96, sample_size=8, patch_size=2, caption_channels=64, use_additional_conditions=True,
         interpolation_scale=1)),
-    "sana": lambda: sana.build(sana.SanaConfig(
+    "sana": lambda: families.SANA.build(sana.SanaConfig(
         in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=32, num_layers=2,
         num_cross_attention_heads=2, cross_attention_head_dim=32, cross_attention_dim=64, caption_channels=64,
         mlp_ratio=2.5, sample_size=8, patch_size=1)),
-    "flux1": lambda: flux.build(flux.FluxConfig(
+    "flux1": lambda: families.FLUX.build(flux.FluxConfig(
         in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=32, num_attention_heads=2,
         joint_attention_dim=64, pooled_projection_dim=32, axes_dims_rope=(8, 12, 12))),
     "ideogram4": lambda: ideogram4.Ideogram4Transformer(
@@ -75,14 +76,12 @@ def merge(records: list[dict]) -> dict:
 
 
 def testbed(checkpoint: str, captions: int, steps: int, rows: int, seed: int) -> dict:
-    from scripts.eval_testbed import capture_flow_layer_set
-
     dataset = testbed_data.load_dataset(str(Path(checkpoint) / "testbed_prompts.npz"))
-    _, model = pixart.from_diffusers(checkpoint, "float32")
+    _, model = families.PIXART.from_diffusers(checkpoint, "float32")
     names = list(linears(model, quantizable_only=True))
     indices = np.flatnonzero(~dataset.heldout)[:captions]
-    args = types.SimpleNamespace(batch_size=captions, steps=steps, guidance=3.0, rows_per_layer=rows, seed=seed)
-    layer_set = capture_flow_layer_set(model, dataset, indices, args, names)
+    layer_set = capture_flow_layer_set(model, dataset, indices, names, steps=steps, guidance=3.0,
+                                       rows_per_layer=rows, seed=seed, batch_size=captions)
     per_layer, sets = {}, {"activations_raw": [], "activations_hadamard32": [], "weights_raw": [],
                            "weights_hadamard32": []}
     for name, (w, _, a) in layer_set.items():

@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     from kroquant_jax.fileio import atomic_write_bytes
     from models import sampling
     from models.quantized_checkpoint import load_quantized_checkpoint
+    from models import families
     from scripts.quantize_checkpoint import prompt_arrays, prompt_batches
 
     loaded = load_quantized_checkpoint(args.checkpoint, args.dtype)
@@ -75,11 +76,12 @@ def main(argv: list[str] | None = None) -> dict:
     solver, shift = sampling.resolve_sampler(loaded.family, solver, shift)
     size = getattr(loaded.cfg, "sample_size", None) or 128
     latent_hw = tuple(args.latent_hw or recorded.get("latent_hw") or (size, size))
-    arrays = prompt_arrays(args, loaded.family, loaded.cfg)
-    dtype = loaded.model.proj_out.kernel[...].dtype
+    family = families.get(loaded.family)
+    arrays = prompt_arrays(args, family, loaded.cfg)
+    dtype = jax.tree_util.tree_leaves(nnx.state(loaded.model, nnx.Param))[0].dtype
     graphdef, state = nnx.split(loaded.model)
-    sample = jax.jit(sampling.make_sampler(loaded.family, graphdef, loaded.cfg, num_steps=steps,
-                                           guidance_scale=guidance, latent_hw=latent_hw, shift=shift, solver=solver))
+    sample = jax.jit(family.make_sampler(graphdef, loaded.cfg, num_steps=steps, guidance_scale=guidance,
+                                         latent_hw=latent_hw, shift=shift, solver=solver))
     overrides = loaded.overrides()
     indices = list(range(arrays["context"].shape[0]))
     latents, seeds = [], []

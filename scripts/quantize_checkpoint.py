@@ -4,10 +4,12 @@
         [--recipe kroquant] [--steps 20] [--guidance 4.5] [--latent-hw 128 128] [--rows-per-layer 1024]
         [--compile-cache DIR]
 
-``DIR`` is a diffusers transformer directory (config.json + safetensors; PixArt-Σ, SANA or FLUX.1, detected from
-``_class_name``). Prompt embeddings come from an ``.npz`` made by ``models.diffusers_io.encode_prompts`` (torch side:
-PixArt/SANA ``context (P, t, c)``, ``mask (P, t)``, ``uncond_context (1, t, c)``, ``uncond_mask (1, t)``; FLUX
-``context (P, t, 4096)``, ``pooled (P, 768)``) or, for smoke tests, from random embeddings (``--synthetic-prompts``).
+``DIR`` is a diffusers transformer directory (config.json + safetensors; PixArt-Σ, SANA, FLUX.1 or Ideogram 4,
+detected from ``_class_name`` by ``models.families``). Prompt embeddings come from an ``.npz`` made by
+``kroquant encode-prompts`` (PixArt/SANA ``context (P, t, c)``, ``mask (P, t)``, ``uncond_context (1, t, c)``,
+``uncond_mask (1, t)``; FLUX ``context (P, t, 4096)``, ``pooled (P, 768)``; Ideogram 4 ``context (P, t, 53248)``,
+``mask (P, t)``, sampled with ``--guidance 1`` and ``--latent-hw`` the image-token grid) or, for smoke tests, from
+random embeddings (``--synthetic-prompts``).
 
 Everything that can be checked from the arguments and the model's config is checked before the capture (recipe name,
 low-rank rank vs ``min(o, d)``, a writable ``--out``, the prompt file, counts >= 1). Linears whose input width is not
@@ -43,8 +45,6 @@ import numpy as np
 
 from scripts.common_args import (UserError, add_quiet, nonnegative_int, positive_int, quantize_with_store,
                                  verb_parser)
-
-FAMILIES = {"PixArtTransformer2DModel": "pixart", "SanaTransformer2DModel": "sana", "FluxTransformer2DModel": "flux"}
 
 
 EXAMPLES = (
@@ -118,8 +118,12 @@ def check_checkpoint_dir(checkpoint: str) -> dict:
         raise UserError(f"{config_path}: not valid JSON ({err})") from None
     if not isinstance(config, dict):
         raise UserError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
-    if config.get("_class_name") not in FAMILIES:
-        raise UserError(f"{config_path}: _class_name {config.get('_class_name')!r} is not one of {sorted(FAMILIES)}")
+    from models import families
+
+    try:
+        families.detect(config, str(config_path))
+    except ValueError as err:
+        raise UserError(str(err)) from None
     return config
 
 
@@ -212,20 +216,16 @@ def _settings_changes(stored: dict, current: dict) -> list[str]:
 
 
 def _load(checkpoint: str, dtype: str):
-    config = json.loads((Path(checkpoint) / "config.json").read_text())
-    family = FAMILIES.get(config.get("_class_name"))
-    if family is None:
-        raise SystemExit(f"{checkpoint}: _class_name {config.get('_class_name')!r} is not one of {sorted(FAMILIES)}")
-    from models import flux, pixart, sana
+    """``(Family, cfg, model)``: the family recognised from config.json's ``_class_name`` (``models.families``)."""
+    from models import families
 
-    module = {"pixart": pixart, "sana": sana, "flux": flux}[family]
-    cfg, model = module.from_diffusers(checkpoint, dtype=dtype)
-    return family, cfg, model
+    return families.load_diffusers(checkpoint, dtype)
 
 
-def prompt_arrays(args, family: str, cfg) -> dict[str, np.ndarray]:
+def prompt_arrays(args, family, cfg) -> dict[str, np.ndarray]:
     """The family's text inputs from ``args.embeddings`` (first ``args.max_prompts``) or ``args.synthetic_prompts``
     random ones, checked against the model's widths (a :class:`UserError` names the file, key and shape)."""
+    widths = family.prompt_widths(cfg)
     if args.embeddings:
         with np.load(args.embeddings) as data:
             arrays = {k: data[k] for k in data.files}
@@ -239,21 +239,24 @@ def prompt_arrays(args, family: str, cfg) -> dict[str, np.ndarray]:
     else:
         rng = np.random.default_rng(args.seed)
         count, tokens = args.synthetic_prompts, args.synthetic_tokens
-        if family == "flux":
-            arrays = {"context": rng.standard_normal((count, tokens, cfg.joint_attention_dim)),
-                      "pooled": rng.standard_normal((count, cfg.pooled_projection_dim))}
-        else:
-            width = cfg.caption_channels if cfg.caption_channels is not None else cfg.cross_attention_dim
-            arrays = {"context": rng.standard_normal((count, tokens, width)), "mask": np.ones((count, tokens)),
-                      "uncond_context": np.zeros((1, tokens, width)), "uncond_mask": np.ones((1, tokens))}
-    needed = ("context", "pooled") if family == "flux" else ("context", "mask", "uncond_context", "uncond_mask")
+        arrays = {}
+        for key in family.prompt_inputs:  # random features, an all-zero unconditional caption, masks keep every token
+            rows = 1 if key.startswith("uncond_") else count
+            if key not in widths:
+                arrays[key] = np.ones((rows, tokens))
+            elif key == "pooled":
+                arrays[key] = rng.standard_normal((rows, widths[key]))
+            else:
+                draw = np.zeros if key.startswith("uncond_") else rng.standard_normal
+                arrays[key] = draw((rows, tokens, widths[key]))
+    needed = family.prompt_inputs
     missing = [k for k in needed if k not in arrays]
     if missing:
         source = f"--embeddings {args.embeddings}" if args.embeddings else "prompt embeddings"
-        raise UserError(f"{source}: lacks {missing} (a {family} model needs {list(needed)})")
-    width = cfg.joint_attention_dim if family == "flux" else (
-        cfg.caption_channels if cfg.caption_channels is not None else cfg.cross_attention_dim)
-    for key in ("context", "uncond_context") if family != "flux" else ("context",):
+        raise UserError(f"{source}: lacks {missing} (a {family.name} model needs {list(needed)})")
+    for key, width in widths.items():
+        if key == "pooled":
+            continue
         if arrays[key].ndim != 3 or arrays[key].shape[-1] != width:
             raise UserError(f"--embeddings {args.embeddings}: {key!r} has shape {arrays[key].shape}, the model "
                             f"needs (prompts, tokens, {width})")
@@ -312,9 +315,9 @@ def main(argv: list[str] | None = None) -> dict:
     from models import capture, quantize_model, sampling
 
     family, cfg, model = _load(args.checkpoint, args.dtype)
-    solver, shift = sampling.resolve_sampler(family, args.solver, args.shift)
+    solver, shift = sampling.resolve_sampler(family.name, args.solver, args.shift)
     arrays = prompt_arrays(args, family, cfg)
-    dtype = model.proj_out.kernel[...].dtype
+    dtype = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))[0].dtype
     count = arrays["context"].shape[0]
     weights, left_16bit = plan_layers(model, recipe, args.recipe)
     names = list(weights)
@@ -369,9 +372,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 4. generate with both models, same seeds, same jitted sampler
     graphdef, state = nnx.split(model)
-    sample = jax.jit(sampling.make_sampler(family, graphdef, cfg, num_steps=args.steps,
-                                           guidance_scale=args.guidance, latent_hw=tuple(args.latent_hw),
-                                           shift=args.shift, solver=args.solver))
+    sample = jax.jit(family.make_sampler(graphdef, cfg, num_steps=args.steps, guidance_scale=args.guidance,
+                                         latent_hw=tuple(args.latent_hw), shift=args.shift, solver=args.solver))
     eval_indices = list(range(count - eval_count, count))
     full, w4a4, per_prompt = [], [], []
     batches = zip(eval_indices, prompt_batches(arrays, eval_indices, 1, dtype))
@@ -394,11 +396,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.vae:
         from models import diffusers_io
         for name, latents in (("16bit", np.stack(full)), ("w4a4", np.stack(w4a4))):
-            images = diffusers_io.decode_latents(args.vae, latents, family)
+            images = diffusers_io.decode_latents(args.vae, latents, family.name)
             diffusers_io.save_pngs(images, out / f"images-{tag}", f"{name}_")
 
     heldout = {n: r.get("heldout_error") for n, r in reports.items()}
-    report = {"family": family, "checkpoint": str(args.checkpoint), "recipe": args.recipe, "steps": args.steps,
+    report = {"family": family.name, "checkpoint": str(args.checkpoint), "recipe": args.recipe, "steps": args.steps,
               "solver": solver, "shift": shift,
               "guidance": args.guidance, "latent_hw": list(args.latent_hw), "layers": len(qlayers),
               "layers_resumed": resumed, "left_16bit": left_16bit,
@@ -408,7 +410,7 @@ def main(argv: list[str] | None = None) -> dict:
     report_path = out / f"report-{tag}.json"
     _atomic_write(report_path, json.dumps(report, indent=2, default=float).encode("utf-8"))
     left = f"; {len(left_16bit)} left 16-bit (see the report)" if left_16bit else ""
-    print(f"{family}: {len(qlayers)} layers quantized with {args.recipe}{left}; mean latent PSNR W4A4 vs 16-bit "
+    print(f"{family.name}: {len(qlayers)} layers quantized with {args.recipe}{left}; mean latent PSNR W4A4 vs 16-bit "
           f"{report['mean_latent_psnr_db']:.2f} dB over {eval_count} prompt(s); outputs in {out}", file=sys.stderr)
     return report
 

@@ -2,10 +2,10 @@
 
     python -m scripts.testbed_generalisation --data data/emoji32.npz --out runs/generalisation --per-group 32
 
-The fixed split (``models.testbed_data.is_heldout``) holds out about 5% of the glyphs by a hash of their sequence.
+The fixed split (``models.testbed.data.is_heldout``) holds out about 5% of the glyphs by a hash of their sequence.
 Two kinds of held-out record come out of that rule:
 
-* **sibling in training**: a variant whose base emoji (``models.testbed_data.base_sequence``: skin tones and gender
+* **sibling in training**: a variant whose base emoji (``models.testbed.data.base_sequence``: skin tones and gender
   signs removed) is also the base of a training record, e.g. ``thumbs up sign, medium skin tone`` when other tones
   of the thumbs up are trained: a seen concept with a seen modifier;
 * **novel concept**: nothing in training shares its base (``gear``, ``coffin``, most flags).
@@ -30,11 +30,11 @@ import numpy as np
 from flax import nnx
 
 from kroquant_jax.fileio import atomic_write_text
-from models import pixart, testbed, testbed_data
-from scripts.eval_testbed import DEFAULT_CHECKPOINT, flow_sampler, generate
-
-GROUPS = ("sibling in training", "novel concept")
-OUTCOMES = ("own glyph", "sibling", "other emoji")
+from models import families
+from models.testbed import data as testbed_data
+from models.testbed import model as testbed
+from models.testbed.evaluation import OUTCOMES, flow_sampler, generate, heldout_groups, nearest_outcome
+from scripts.eval_testbed import DEFAULT_CHECKPOINT
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,33 +51,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def heldout_groups(dataset: testbed_data.EmojiDataset) -> dict[str, np.ndarray]:
-    """``{kind: indices of held-out records}`` in record order (see the module docstring)."""
-    bases = [testbed_data.base_sequence(testbed_data.text_to_sequence(s)) for s in dataset.sequences]
-    trained = {base for base, held in zip(bases, dataset.heldout) if not held}
-    held = np.flatnonzero(dataset.heldout)
-    return {GROUPS[0]: np.array([i for i in held if bases[i] in trained], dtype=np.int64),
-            GROUPS[1]: np.array([i for i in held if bases[i] not in trained], dtype=np.int64)}
-
-
-def nearest_outcome(image: np.ndarray, target: int, dataset: testbed_data.EmojiDataset, pool: np.ndarray,
-                    bases: list[tuple[int, ...]]) -> tuple[str, int, float]:
-    """``(outcome, nearest record, MSE to the target image)`` of a generated uint8 image ``(s, s, 3)``."""
-    x = image.astype(np.float32) / 255
-    nearest = int(np.argmin(np.mean(np.square(pool - x), axis=(1, 2, 3))))
-    mse = float(np.mean(np.square(pool[target] - x)))
-    if np.array_equal(dataset.images[nearest], dataset.images[target]):
-        return OUTCOMES[0], nearest, mse
-    return (OUTCOMES[1] if bases[nearest] == bases[target] else OUTCOMES[2]), nearest, mse
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dataset = testbed_data.load_dataset(args.data)
     groups = {kind: indices[:args.per_group] for kind, indices in heldout_groups(dataset).items()}
-    cfg, model = pixart.from_diffusers(args.checkpoint, "float32")
+    cfg, model = families.PIXART.from_diffusers(args.checkpoint, "float32")
     graphdef, state = nnx.split(model)
     sample = flow_sampler(graphdef, args.steps, args.guidance, cfg.in_channels)
     pool = dataset.images.astype(np.float32) / 255  # (n, s, s, 3)

@@ -8,12 +8,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import capture, flux, pixart, quantize_model, sana, sampling
+from models import capture, families, flux, pixart, quantize_model, sampling, sana
 from models.layers import LinearHooks, linears
 
 PIXART = pixart.PixArtConfig(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8,
                              num_layers=2, cross_attention_dim=32, sample_size=8, patch_size=2, caption_channels=8,
                              use_additional_conditions=False)
+
+SANA = sana.SanaConfig(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
+                       num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32,
+                       caption_channels=8, mlp_ratio=2.0, sample_size=8)
 
 
 def _pixart_prompts(count, seed=0, batch=1, tokens=5):
@@ -30,12 +34,12 @@ class _ListRecorder:
     def wants(self, path):
         return True
 
-    def record(self, path, x):
-        self.seen[path] = x
+    def record(self, path, x, token_mask=None):
+        self.seen[path] = (x, token_mask)
 
 
 def test_pixart_layer_set_rows_are_real_layer_inputs(tmp_path):
-    model = pixart.build(PIXART, seed=1)
+    model = families.PIXART.build(PIXART, seed=1)
     config = capture.CaptureConfig(num_steps=3, guidance_scale=4.5, latent_hw=(8, 8), rows_per_layer=40, seed=0)
     layer_set = capture.capture_layer_set("pixart", model, _pixart_prompts(2), config)
     quantizable = linears(model, quantizable_only=True)
@@ -45,10 +49,17 @@ def test_pixart_layer_set_rows_are_real_layer_inputs(tmp_path):
         np.testing.assert_array_equal(weight, np.asarray(layer.kernel[...]).T)
         assert bias is not None and bias.shape == (layer.out_features,)
         assert rows.shape[1] == layer.in_features and np.isfinite(rows).all()
-        # 2 batches x 3 steps x ceil(40 / 6) = 7 rows -> 42, trimmed to 40 (cross-attn k/v: 10 text rows per call)
-        assert rows.shape[0] == 40
-        if ".ff." in name:  # (text rows repeat across steps; block-0 self-attn inputs are equal in both CFG halves)
-            assert len(np.unique(rows, axis=0)) == rows.shape[0], name
+        assert len(np.unique(rows, axis=0)) == rows.shape[0], name  # repeats are dropped
+        if ".attn2.to_k" in name or ".attn2.to_v" in name:
+            # the caption rows repeat at every step: at most 5 distinct per prompt + the all-zero unconditional
+            # caption's 1 (each step draws 7 of a call's 10 rows, so a row may be missed)
+            assert 7 <= rows.shape[0] <= 11, name
+        elif ".ff." in name:
+            # 2 batches x 3 steps x ceil(40 / 6) = 7 rows -> 42, trimmed to 40
+            assert rows.shape[0] == 40, name
+        else:  # block-0 self-attention inputs are equal in both CFG halves (the same noise), and block 0's
+            # unconditional cross-attention output is one row (all-zero caption): repeats dropped
+            assert 20 <= rows.shape[0] <= 40, name
 
     # rows of the first step equal true inputs: rerun the first denoiser call with a recorder that keeps everything
     recorder = _ListRecorder()
@@ -57,7 +68,7 @@ def test_pixart_layer_set_rows_are_real_layer_inputs(tmp_path):
     t = float(sampling.dpm_solver_schedule(3).timesteps[0])
     model(jnp.concatenate([noise, noise]), jnp.concatenate([prompts["uncond_context"], prompts["context"]]),
           jnp.full((2,), t), jnp.ones((2, 5)), hooks=LinearHooks(recorder=recorder))
-    full = np.asarray(recorder.seen["transformer_blocks.1.ff.net.2"]).reshape(-1, 128)
+    full = np.asarray(recorder.seen["transformer_blocks.1.ff.net.2"][0]).reshape(-1, 128)
     captured = layer_set["transformer_blocks.1.ff.net.2"][2]
     matches = sum(bool(np.isclose(full, row, rtol=1e-4, atol=1e-5).all(axis=1).any()) for row in captured)
     assert matches >= 5  # the first-step rows of the first batch (at least 7 drawn, minus trimming)
@@ -71,14 +82,124 @@ def test_pixart_layer_set_rows_are_real_layer_inputs(tmp_path):
                                   layer_set["transformer_blocks.0.attn2.to_k"][2])
 
 
+def _padded_prompts(count, channels=8, tokens=5, real=3, uncond_real=1, seed=0):
+    """Captions with padding: ``real`` of ``tokens`` kept (``uncond_real`` for the unconditional caption); the padded
+    positions hold a sentinel value, so a recorded padding row would stand out."""
+    rng = np.random.default_rng(seed)
+    mask = (np.arange(tokens) < real).astype(np.float32)[None]  # (1, t)
+    uncond_mask = (np.arange(tokens) < uncond_real).astype(np.float32)[None]  # (1, t)
+    prompts = []
+    for _ in range(count):
+        context = np.where(mask[..., None] > 0, rng.standard_normal((1, tokens, channels)), 5.0)  # (1, t, c)
+        uncond = np.where(uncond_mask[..., None] > 0, 0.0, 5.0) * np.ones((1, tokens, channels))  # (1, t, c)
+        prompts.append({"context": jnp.asarray(context, jnp.float32), "mask": jnp.asarray(mask),
+                        "uncond_context": jnp.asarray(uncond, jnp.float32), "uncond_mask": jnp.asarray(uncond_mask)})
+    return prompts
+
+
+def _real_context_rows(model, prompts, name, channels):
+    """The distinct rows of real tokens that reach ``name`` (a cross-attention key/value input) over the prompts:
+    one eager forward per prompt with a recorder that keeps everything (the caption does not depend on the step)."""
+    rows = []
+    for prompt in prompts:
+        recorder = _ListRecorder()
+        model(jnp.zeros((2, channels, 8, 8)), jnp.concatenate([prompt["uncond_context"], prompt["context"]]),
+              jnp.full((2,), 500.0), jnp.concatenate([prompt["uncond_mask"], prompt["mask"]]),
+              hooks=LinearHooks(recorder=recorder))
+        x, token_mask = recorder.seen[name]
+        assert token_mask is not None and token_mask.shape == x.shape[:-1]
+        rows.append(np.asarray(x)[np.asarray(token_mask)])
+    return np.unique(np.concatenate(rows), axis=0)
+
+
+@pytest.mark.parametrize("family", ["pixart", "sana"])
+def test_capture_drops_masked_tokens_and_repeated_rows(family):
+    if family == "pixart":
+        model = families.PIXART.build(PIXART, seed=5)
+    else:
+        model = families.SANA.build(SANA, seed=5)
+    prompts = _padded_prompts(2)
+    names = ("transformer_blocks.0.attn2.to_k", "transformer_blocks.0.attn2.to_v", "caption_projection.linear_1")
+    config = capture.CaptureConfig(num_steps=3, latent_hw=(8, 8), rows_per_layer=60, layers=names, seed=1,
+                                   solver="flow_euler" if family == "pixart" else None)
+    layer_set = capture.capture_layer_set(family, model, prompts, config)
+    real = _real_context_rows(model, prompts, "transformer_blocks.0.attn2.to_k", 4)
+    # 3 real tokens per prompt + 1 of the unconditional caption (the same for both prompts): 7 distinct rows
+    assert real.shape[0] == 7
+    for name in names[:2]:
+        rows = layer_set[name][2]
+        # every step draws ceil(60 / 6) = 10 of the 10 rows of a call, 4 of them real, the same 4 at every step
+        np.testing.assert_allclose(np.unique(rows, axis=0), real, rtol=1e-5, atol=1e-6)  # eager vs jit: ulps
+        assert rows.shape[0] == 7, name
+    projection_rows = layer_set["caption_projection.linear_1"][2]
+    assert projection_rows.shape[0] == 7 and not np.isclose(projection_rows, 5.0).all(axis=1).any()
+
+
+def test_flux_capture_keeps_every_text_token_and_drops_repeats():
+    flux_cfg = flux.FluxConfig(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                               num_attention_heads=2, joint_attention_dim=8, pooled_projection_dim=4,
+                               axes_dims_rope=(4, 4, 8))
+    rng = np.random.default_rng(0)
+    prompts = [{"context": jnp.asarray(rng.standard_normal((1, 3, 8)), jnp.float32), "pooled": jnp.ones((1, 4))}]
+    config = capture.CaptureConfig(num_steps=3, latent_hw=(8, 8), rows_per_layer=300,
+                                   layers=("context_embedder", "transformer_blocks.0.attn.add_k_proj"))
+    layer_set = capture.capture_layer_set("flux", families.FLUX.build(flux_cfg), prompts, config)
+    # the context embedder reads the same 3 text tokens at every step: kept once each
+    np.testing.assert_array_equal(np.unique(layer_set["context_embedder"][2], axis=0),
+                                  np.unique(np.asarray(prompts[0]["context"][0]), axis=0))
+    # the modulated context stream changes with the timestep: 3 tokens x 3 steps, all distinct
+    assert layer_set["transformer_blocks.0.attn.add_k_proj"][2].shape == (9, 32)
+
+
+def test_row_sampler_skips_ideogram4_padding_and_rejects_bad_masks():
+    from models import ideogram4, ideogram4_sampling
+
+    cfg = ideogram4.tiny_config()
+    model = ideogram4.Ideogram4Transformer(cfg, rngs=nnx.Rngs(0))
+    layout = ideogram4_sampling.prepare_ids([2, 4], 2, 2, 6)  # prompt 0: 4 padding slots, prompt 1: 2
+    batch, length = layout.indicator.shape
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.standard_normal((batch, length, cfg.in_channels)), jnp.float32)
+    features = jnp.asarray(rng.standard_normal((batch, length, cfg.llm_features_dim)), jnp.float32)
+    names = ["layers.0.attention.to_q", "layers.1.feed_forward.w2"]
+    sampler = capture.RowSampler(names, rows=batch * length, key=jax.random.key(0))
+    full = _ListRecorder()
+    for recorder in (sampler, full):
+        model(hidden, jnp.full((batch,), 0.5), features, jnp.asarray(layout.position_ids),
+              jnp.asarray(layout.segment_ids), jnp.asarray(layout.indicator), hooks=LinearHooks(recorder=recorder))
+    real = layout.segment_ids.reshape(-1) != ideogram4.SEQUENCE_PADDING_INDICATOR  # (B L,)
+    assert real.sum() == batch * length - 6
+    for name in names:
+        rows, valid = (np.asarray(a) for a in sampler.result()[name])
+        x, token_mask = full.seen[name]
+        np.testing.assert_array_equal(np.asarray(token_mask).reshape(-1), real)
+        inputs = np.asarray(x).reshape(batch * length, -1)
+        assert valid.sum() == real.sum() and valid[:real.sum()].all()  # the real rows come first
+        np.testing.assert_array_equal(np.unique(rows[valid], axis=0), np.unique(inputs[real], axis=0))
+    with pytest.raises(ValueError, match="token mask of shape"):
+        capture.RowSampler(["a"], 2, jax.random.key(0)).record("a", jnp.ones((2, 3, 4)), jnp.ones((2, 4), bool))
+
+
+def test_unmasked_draw_is_the_permutation_draw():
+    x = jnp.arange(40.0).reshape(2, 10, 2)
+    plain, masked = (capture.RowSampler(["a"], 7, jax.random.key(3)) for _ in range(2))
+    plain.record("a", x)
+    masked.record("a", x, jnp.ones((2, 10), bool))
+    expected = x.reshape(-1, 2)[jax.random.choice(jax.random.fold_in(jax.random.key(3), 0), 20, (7,), replace=False)]
+    for sampler in (plain, masked):
+        rows, valid = sampler.result()["a"]
+        np.testing.assert_array_equal(np.asarray(rows), np.asarray(expected))
+        assert bool(valid.all())
+    np.testing.assert_array_equal(capture.distinct_rows(np.array([[1.0, 2], [3, 4], [1, 2], [5, 6], [3, 4]])),
+                                  np.array([[1.0, 2], [3, 4], [5, 6]]))
+
+
 def test_capture_selected_layers_sana_and_flux():
-    sana_cfg = sana.SanaConfig(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16,
-                               num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=16,
-                               cross_attention_dim=32, caption_channels=8, mlp_ratio=2.0, sample_size=8)
+    sana_cfg = SANA
     config = capture.CaptureConfig(num_steps=2, latent_hw=(8, 8), rows_per_layer=16,
                                    layers=("transformer_blocks.0.ff.conv_inverted",
                                            "transformer_blocks.0.ff.conv_point"))
-    layer_set = capture.capture_layer_set("sana", sana.build(sana_cfg), _pixart_prompts(1), config)
+    layer_set = capture.capture_layer_set("sana", families.SANA.build(sana_cfg), _pixart_prompts(1), config)
     weight, bias, rows = layer_set["transformer_blocks.0.ff.conv_point"]
     assert weight.shape == (32, 64) and bias is None and rows.shape == (16, 64)
 
@@ -89,17 +210,17 @@ def test_capture_selected_layers_sana_and_flux():
     config = capture.CaptureConfig(num_steps=2, latent_hw=(8, 8), rows_per_layer=8,
                                    layers=("single_transformer_blocks.0.proj_out",
                                            "transformer_blocks.0.attn.to_add_out"))
-    layer_set = capture.capture_layer_set("flux", flux.build(flux_cfg), prompts, config)
+    layer_set = capture.capture_layer_set("flux", families.FLUX.build(flux_cfg), prompts, config)
     assert layer_set["single_transformer_blocks.0.proj_out"][2].shape == (8, 32 + 128)
     assert layer_set["transformer_blocks.0.attn.to_add_out"][0].shape == (32, 32)
 
     with pytest.raises(ValueError, match="no Linear at"):
-        capture.capture_layer_set("flux", flux.build(flux_cfg), prompts,
+        capture.capture_layer_set("flux", families.FLUX.build(flux_cfg), prompts,
                                   capture.CaptureConfig(num_steps=1, latent_hw=(8, 8), layers=("proj_in",)))
 
 
 def test_overrides_replace_exactly_the_named_linears():
-    model = pixart.build(PIXART, seed=2)
+    model = families.PIXART.build(PIXART, seed=2)
     x, context, t = jnp.ones((1, 4, 8, 8)), jnp.ones((1, 5, 8)), jnp.array([300.0])
     reference = model(x, context, t)
     layers = linears(model, quantizable_only=True)
@@ -121,7 +242,7 @@ def test_overrides_replace_exactly_the_named_linears():
 
 
 def test_fake_quant_w4a4_sampling_same_graph_same_seed():
-    model = pixart.build(PIXART, seed=3)
+    model = families.PIXART.build(PIXART, seed=3)
     graphdef, state = nnx.split(model)
     sample = jax.jit(sampling.make_sampler("pixart", graphdef, PIXART, num_steps=3, guidance_scale=4.5,
                                            latent_hw=(8, 8)))
@@ -145,7 +266,7 @@ def test_quantize_checkpoint_script_end_to_end(tmp_path):
     from models.quantized_checkpoint import load_quantized_checkpoint
     from scripts import quantize_checkpoint
 
-    pixart.to_diffusers(pixart.build(PIXART, seed=4), tmp_path / "ckpt")
+    families.PIXART.to_diffusers(families.PIXART.build(PIXART, seed=4), tmp_path / "ckpt")
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,),
                                   down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
@@ -160,7 +281,7 @@ def test_quantize_checkpoint_script_end_to_end(tmp_path):
     assert report["family"] == "pixart" and report["layers"] == 20
     psnr = report["per_prompt"][0]["latent_psnr_db"]
     assert np.isfinite(psnr) and 0 < psnr < 200  # W4A4 differs from 16-bit, but not wildly
-    assert set(report["heldout_error"]) == set(linears(pixart.build(PIXART), quantizable_only=True))
+    assert set(report["heldout_error"]) == set(linears(families.PIXART.build(PIXART), quantizable_only=True))
     layer_set = load_layer_set(str(out / "layer_set.safetensors"))
     assert layer_set["transformer_blocks.1.ff.net.2"].activations.shape == (24, 128)
     assert sorted(load_quantized_checkpoint(out / "quantized-hadamard32").qlayers) == sorted(layer_set)

@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from models import convert, pixart
+from models import convert, families, pixart
 from models.convert import CheckpointError, ConversionError, KeyTable, linear_rules, rule
 
 TINY = pixart.PixArtConfig(num_attention_heads=2, attention_head_dim=8, in_channels=3, out_channels=None,
@@ -16,8 +16,8 @@ TINY = pixart.PixArtConfig(num_attention_heads=2, attention_head_dim=8, in_chann
 
 
 def _tiny_checkpoint(tmp_path, max_shard_bytes=None):
-    model = pixart.build(TINY, seed=1)
-    pixart.to_diffusers(model, tmp_path, max_shard_bytes=max_shard_bytes)
+    model = families.PIXART.build(TINY, seed=1)
+    families.PIXART.to_diffusers(model, tmp_path, max_shard_bytes=max_shard_bytes)
     return model
 
 
@@ -49,13 +49,13 @@ def test_truncated_file_names_the_file(tmp_path):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) - 100])
     with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model\.safetensors.*truncated"):
-        pixart.from_diffusers(tmp_path)
+        families.PIXART.from_diffusers(tmp_path)
     path.write_bytes(data[:20])
     with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model\.safetensors"):
-        pixart.from_diffusers(tmp_path)
+        families.PIXART.from_diffusers(tmp_path)
     path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
     with pytest.raises(CheckpointError, match="corrupt"):
-        pixart.from_diffusers(tmp_path)
+        families.PIXART.from_diffusers(tmp_path)
 
 
 def test_truncated_shard_names_the_shard(tmp_path):
@@ -65,7 +65,7 @@ def test_truncated_shard_names_the_shard(tmp_path):
     victim = shards[1]
     victim.write_bytes(victim.read_bytes()[:-8])
     with pytest.raises(CheckpointError, match=victim.name):
-        pixart.from_diffusers(tmp_path)
+        families.PIXART.from_diffusers(tmp_path)
 
 
 def test_missing_unexpected_and_misshaped_keys_reported_together(tmp_path):
@@ -78,7 +78,7 @@ def test_missing_unexpected_and_misshaped_keys_reported_together(tmp_path):
     state["transformer_blocks.0.ff.net.2.weight"] = np.zeros((16, 7), np.float32)
     convert.write_diffusers_dir(tmp_path, config, state)
     with pytest.raises(ConversionError) as info:
-        pixart.from_diffusers(tmp_path)
+        families.PIXART.from_diffusers(tmp_path)
     message = str(info.value)
     assert "2 missing, 1 unexpected, 1 mis-shaped" in message
     assert "transformer_blocks.1.attn2.to_k.weight" in message and "proj_out.bias" in message
@@ -93,17 +93,17 @@ def test_config_mismatch_is_a_shape_error(tmp_path):
     config["num_layers"] = 3
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConversionError, match=r"transformer_blocks\.2\.attn1\.to_q\.weight"):
-        pixart.from_diffusers(tmp_path)
+        families.PIXART.from_diffusers(tmp_path)
 
 
 def test_rewriting_a_directory_removes_the_other_layout(tmp_path):
     model = _tiny_checkpoint(tmp_path, max_shard_bytes=2048)
-    pixart.to_diffusers(model, tmp_path)  # single file over a sharded export
+    families.PIXART.to_diffusers(model, tmp_path)  # single file over a sharded export
     assert not (tmp_path / convert.WEIGHTS_INDEX_NAME).exists()
     assert not list(tmp_path.glob("diffusion_pytorch_model-*"))
-    pixart.to_diffusers(model, tmp_path, max_shard_bytes=4096)  # and back
+    families.PIXART.to_diffusers(model, tmp_path, max_shard_bytes=4096)  # and back
     assert not (tmp_path / convert.WEIGHTS_NAME).exists()
-    _, reloaded = pixart.from_diffusers(tmp_path)
+    _, reloaded = families.PIXART.from_diffusers(tmp_path)
     np.testing.assert_array_equal(np.asarray(reloaded.proj_out.kernel[...]), np.asarray(model.proj_out.kernel[...]))
 
 
@@ -166,7 +166,7 @@ def test_key_rule_validation():
 def test_dtype_choice(tmp_path):
     _tiny_checkpoint(tmp_path)
     for name, dtype in (("fp16", jnp.float16), ("bfloat16", jnp.bfloat16), ("float32", jnp.float32)):
-        _, model = pixart.from_diffusers(tmp_path, dtype=name)
+        _, model = families.PIXART.from_diffusers(tmp_path, dtype=name)
         assert model.proj_out.kernel[...].dtype == dtype
         assert model.transformer_blocks[1].scale_shift_table[...].dtype == dtype
 
@@ -183,7 +183,7 @@ def test_orbax_save_load_round_trip_and_atomic_replace(tmp_path):
     assert sorted(loaded) == sorted(params)
     for key in params:
         np.testing.assert_array_equal(loaded[key], params[key])
-    rebuilt = convert.merge_flat_state(lambda: pixart.construct(TINY), loaded)
+    rebuilt = convert.merge_flat_state(lambda: families.PIXART.construct(TINY), loaded)
     x, context, t = jnp.ones((1, 3, 8, 8)), jnp.ones((1, 3, 6)), jnp.array([7.0])
     np.testing.assert_array_equal(np.asarray(rebuilt(x, context, t)), np.asarray(model(x, context, t)))
     with pytest.raises(CheckpointError, match="not a complete"):
@@ -191,13 +191,13 @@ def test_orbax_save_load_round_trip_and_atomic_replace(tmp_path):
 
 
 def test_merge_flat_state_reports_bad_keys():
-    model = pixart.build(TINY)
+    model = families.PIXART.build(TINY)
     params = {k: np.asarray(v) for k, v in convert.flat_state_dict(model).items()}
     params.pop("proj_out.bias")
     params["proj_out.kernel"] = np.zeros((3, 3), np.float32)
     params["nonsense"] = np.zeros(1, np.float32)
     with pytest.raises(ConversionError, match=r"proj_out\.bias[\s\S]*nonsense[\s\S]*proj_out\.kernel"):
-        convert.merge_flat_state(lambda: pixart.construct(TINY), params)
+        convert.merge_flat_state(lambda: families.PIXART.construct(TINY), params)
 
 
 def test_written_files_are_world_readable(tmp_path):

@@ -11,7 +11,7 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
-from models import convert, flux  # noqa: E402
+from models import convert, families, flux  # noqa: E402
 from models.layers import linears  # noqa: E402
 
 
@@ -50,7 +50,7 @@ def test_forward_matches_diffusers(tmp_path, name, sharded):
     reference = _random_flux(1, **config)
     reference.save_pretrained(tmp_path, max_shard_size="20KB" if sharded else "10GB")
     assert (tmp_path / convert.WEIGHTS_INDEX_NAME).is_file() == sharded
-    cfg, model = flux.from_diffusers(tmp_path)
+    cfg, model = families.FLUX.from_diffusers(tmp_path)
     rng = np.random.default_rng(0)
     latents = rng.standard_normal((2, cfg.in_channels // 4, 6, 8)).astype(np.float32)
     tokens = np.array(flux.pack_latents(jnp.asarray(latents)))
@@ -85,8 +85,8 @@ def test_pack_unpack_match_the_pipeline():
 def test_export_round_trip_and_quantizable_names(tmp_path):
     reference = _random_flux(2, **CONFIGS["dev_like_guidance"])
     reference.save_pretrained(tmp_path / "src")
-    _, model = flux.from_diffusers(tmp_path / "src")
-    flux.to_diffusers(model, tmp_path / "out")
+    _, model = families.FLUX.from_diffusers(tmp_path / "src")
+    families.FLUX.to_diffusers(model, tmp_path / "out")
     _, original = convert.read_diffusers_dir(tmp_path / "src")
     _, exported = convert.read_diffusers_dir(tmp_path / "out")
     assert sorted(original) == sorted(exported)
@@ -100,7 +100,7 @@ def test_export_round_trip_and_quantizable_names(tmp_path):
 
 def test_preset_parameter_count_matches_diffusers():
     cfg = flux.FLUX1_SCHNELL
-    shapes = convert.abstract_shapes(lambda: flux.construct(cfg))
+    shapes = convert.abstract_shapes(lambda: families.FLUX.construct(cfg))
     ours = sum(math.prod(s) for s in shapes.values())
     config = {k: v for k, v in cfg.to_diffusers_config().items() if not k.startswith("_")}
     with torch.device("meta"):

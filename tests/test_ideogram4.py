@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import convert
+from models import convert, families
 from models import ideogram4 as ig
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 from diffusers import Ideogram4Pipeline, Ideogram4Transformer2DModel  # noqa: E402
 from diffusers.models.transformers.transformer_ideogram4 import Ideogram4MRoPE  # noqa: E402
+
+IG4 = families.IDEOGRAM4
 
 TINY_CONFIGS = {
     "base": dict(in_channels=8, num_layers=2, attention_head_dim=32, num_attention_heads=2, intermediate_size=96,
@@ -106,7 +108,7 @@ def test_parity_with_diffusers_pipeline_layout(name):
     diffusers_config = TINY_CONFIGS[name]
     torch_model = _random_diffusers_model(diffusers_config, seed=len(name))
     cfg = ig.Ideogram4Config(**diffusers_config)
-    model = ig.from_diffusers_state(_state_numpy(torch_model), cfg)
+    model = IG4.from_diffusers_state(_state_numpy(torch_model), cfg)
     position_ids, segment_ids, indicator = _pipeline_layout([5, 9], (3, 4), max_text=11)
     assert int(position_ids.max()) >= ig.IMAGE_POSITION_OFFSET
     _compare(torch_model, model, _inputs(cfg, position_ids, segment_ids, indicator, seed=3))
@@ -121,7 +123,7 @@ def test_parity_several_segments_and_per_token_timesteps():
     diffusers_config = TINY_CONFIGS["odd_heads_wide_rope"]
     torch_model = _random_diffusers_model(diffusers_config, seed=11)
     cfg = ig.Ideogram4Config(**diffusers_config)
-    model = ig.from_diffusers_state(_state_numpy(torch_model), cfg)
+    model = IG4.from_diffusers_state(_state_numpy(torch_model), cfg)
     rng = np.random.default_rng(0)
     batch, length = 2, 23
     segment_ids = np.sort(rng.integers(-1, 3, size=(batch, length)), axis=1)
@@ -218,15 +220,15 @@ def test_conversion_errors_name_keys(tmp_path):
     broken["layers.0.attention.to_q.bias"] = np.zeros((64,), np.float32)
     broken["final_layer.linear.weight"] = np.zeros((7, 64), np.float32)
     with pytest.raises(convert.ConversionError) as err:
-        ig.from_diffusers_state(broken, cfg)
+        IG4.from_diffusers_state(broken, cfg)
     message = str(err.value)
     for needle in ("layers.1.feed_forward.w3.weight", "layers.0.attention.to_q.bias", "final_layer.linear.weight"):
         assert needle in message
     # A state of a model with one more layer than the config: every extra key is named.
     deeper = _state_numpy(_random_diffusers_model({**TINY_CONFIGS["base"], "num_layers": 3}, seed=0))
     with pytest.raises(convert.ConversionError, match=r"layers\.2\.attention\.to_q"):
-        ig.from_diffusers_state(deeper, cfg)
-    model = ig.from_diffusers_state(state, cfg)
+        IG4.from_diffusers_state(deeper, cfg)
+    model = IG4.from_diffusers_state(state, cfg)
     with pytest.raises(ValueError, match="in_channels"):
         model(jnp.zeros((1, 3, 5)), jnp.zeros((1,)), None, jnp.zeros((1, 3, 3), jnp.int32), None,
               jnp.zeros((1, 3), jnp.int32))
@@ -239,19 +241,20 @@ def test_pipeline_dir_load_export_orbax_round_trip(tmp_path):
     cond.save_pretrained(tmp_path / "pipe" / "transformer")
     uncond.save_pretrained(tmp_path / "pipe" / "unconditional_transformer", max_shard_size="20KB")
     assert (tmp_path / "pipe" / "unconditional_transformer" / convert.WEIGHTS_INDEX_NAME).exists()
-    model_c, model_u = ig.load_diffusers_pipeline_transformers(str(tmp_path / "pipe"))
+    model_c, model_u = families.load_pipeline_transformers(str(tmp_path / "pipe"), "transformer",
+                                                           "unconditional_transformer")
     position_ids, segment_ids, indicator = _pipeline_layout([4, 2], (2, 2), 6)
     cfg = model_c.config
     inputs = _inputs(cfg, position_ids, segment_ids, indicator, seed=9)
     _compare(cond, model_c, inputs)
     _compare(uncond, model_u, inputs)
     # Export back: exact state, loadable by diffusers.
-    exported = ig.to_diffusers_state(model_u)
+    exported = IG4.to_diffusers_state(model_u)
     original = _state_numpy(uncond)
     assert exported.keys() == original.keys()
     for key in original:
         np.testing.assert_array_equal(exported[key], original[key])
-    ig.export_diffusers_dir(model_c, str(tmp_path / "export"))
+    IG4.to_diffusers(model_c, str(tmp_path / "export"))
     reloaded = Ideogram4Transformer2DModel.from_pretrained(tmp_path / "export").eval()
     for key, value in _state_numpy(cond).items():
         np.testing.assert_array_equal(_state_numpy(reloaded)[key], value)
@@ -276,8 +279,8 @@ def test_bf16_forward_close_to_diffusers_bf16():
                                    torch_model.config.mrope_section).inv_freq
     torch_model.rotary_emb.inv_freq = inv_freq_fp32
     state = {k: v.float().numpy() for k, v in torch_model.state_dict().items()}
-    reference_fp32 = ig.from_diffusers_state(state, ig.Ideogram4Config(**diffusers_config))
-    model = ig.from_diffusers_state(state, ig.Ideogram4Config(**diffusers_config, dtype=jnp.bfloat16,
+    reference_fp32 = IG4.from_diffusers_state(state, ig.Ideogram4Config(**diffusers_config))
+    model = IG4.from_diffusers_state(state, ig.Ideogram4Config(**diffusers_config, dtype=jnp.bfloat16,
                                                                param_dtype=jnp.bfloat16))
     position_ids, segment_ids, indicator = _pipeline_layout([3, 7], (3, 3), 8)
     inputs = _inputs(model.config, position_ids, segment_ids, indicator, seed=2)

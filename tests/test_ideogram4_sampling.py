@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from models import families
 from models import ideogram4 as ig
 from models import ideogram4_sampling as sampling
 
@@ -16,6 +17,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 from diffusers import FlowMatchEulerDiscreteScheduler, Ideogram4Pipeline, Ideogram4Transformer2DModel  # noqa: E402
 from diffusers.pipelines.ideogram4 import pipeline_ideogram4 as reference  # noqa: E402
+
+IG4 = families.IDEOGRAM4
 
 TINY = dict(in_channels=8, num_layers=2, attention_head_dim=32, num_attention_heads=2, intermediate_size=64,
             adaln_dim=16, llm_features_dim=24, rope_theta=5_000_000, mrope_section=(4, 3, 3))
@@ -75,7 +78,7 @@ def _pipeline_and_models(seed: int = 0, vae=None):
                              tokenizer=None, transformer=cond_torch, unconditional_transformer=uncond_torch)
     cfg = ig.Ideogram4Config(**TINY)
     state = lambda m: {k: v.numpy() for k, v in m.state_dict().items()}  # noqa: E731
-    return pipe, ig.from_diffusers_state(state(cond_torch), cfg), ig.from_diffusers_state(state(uncond_torch), cfg)
+    return pipe, IG4.from_diffusers_state(state(cond_torch), cfg), IG4.from_diffusers_state(state(uncond_torch), cfg)
 
 
 def _run_pipeline(pipe, text_features, text_lengths, height, width, max_text, noise, guidance, steps,
@@ -213,7 +216,7 @@ def test_end_to_end_with_pipeline_text_encoder_and_vae():
         [int((row == ig.LLM_TOKEN_INDICATOR).sum()) for row in layout.indicator], 2, 3, max_text).indicator)
     cfg = ig.Ideogram4Config(**config)
     state = lambda m: {k: v.numpy() for k, v in m.state_dict().items()}  # noqa: E731
-    cond, uncond = ig.from_diffusers_state(state(cond_torch), cfg), ig.from_diffusers_state(state(uncond_torch), cfg)
+    cond, uncond = IG4.from_diffusers_state(state(cond_torch), cfg), IG4.from_diffusers_state(state(uncond_torch), cfg)
     latents = sampling.sample(cond, uncond, jnp.asarray(noise.numpy()), jnp.asarray(features), layout,
                               sampling.flow_schedule(height, width, 2, guidance_schedule=guidance))
     images = sampling.decode_latents_with_pipeline(pipe, np.asarray(latents), height, width)

@@ -12,7 +12,7 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
-from models import convert, pixart  # noqa: E402
+from models import convert, families, pixart  # noqa: E402
 from models.layers import linears  # noqa: E402
 
 
@@ -61,7 +61,7 @@ def test_forward_matches_diffusers(tmp_path, name, sharded):
     reference = _random_pixart(1, **config)
     reference.save_pretrained(tmp_path, max_shard_size="20KB" if sharded else "10GB")
     assert (tmp_path / convert.WEIGHTS_INDEX_NAME).is_file() == sharded
-    cfg, model = pixart.from_diffusers(tmp_path)
+    cfg, model = families.PIXART.from_diffusers(tmp_path)
 
     rng = np.random.default_rng(0)
     batch, tokens = 2, 5
@@ -89,8 +89,8 @@ def test_export_round_trip_is_exact_and_loads_in_diffusers(tmp_path):
     config = CONFIGS["sigma_like_odd_heads"]
     reference = _random_pixart(2, **config)
     reference.save_pretrained(tmp_path / "src")
-    _, model = pixart.from_diffusers(tmp_path / "src")
-    pixart.to_diffusers(model, tmp_path / "out", max_shard_bytes=4096)
+    _, model = families.PIXART.from_diffusers(tmp_path / "src")
+    families.PIXART.to_diffusers(model, tmp_path / "out", max_shard_bytes=4096)
     _, original = convert.read_diffusers_dir(tmp_path / "src")
     _, exported = convert.read_diffusers_dir(tmp_path / "out")
     assert sorted(original) == sorted(exported)
@@ -105,9 +105,9 @@ def test_export_round_trip_is_exact_and_loads_in_diffusers(tmp_path):
 def test_bf16_conversion_and_export(tmp_path):
     reference = _random_pixart(3, **CONFIGS["pixel_space_no_conditions"])
     reference.to(torch.bfloat16).save_pretrained(tmp_path / "src")
-    _, model = pixart.from_diffusers(tmp_path / "src", dtype="bfloat16")
+    _, model = families.PIXART.from_diffusers(tmp_path / "src", dtype="bfloat16")
     assert model.transformer_blocks[0].attn1.to_q.kernel[...].dtype == jnp.bfloat16
-    pixart.to_diffusers(model, tmp_path / "out")
+    families.PIXART.to_diffusers(model, tmp_path / "out")
     _, original = convert.read_diffusers_dir(tmp_path / "src")
     _, exported = convert.read_diffusers_dir(tmp_path / "out")
     for key in original:
@@ -120,7 +120,7 @@ def test_bf16_conversion_and_export(tmp_path):
 
 def test_linear_paths_are_diffusers_prefixes(tmp_path):
     reference = _random_pixart(4, **CONFIGS["sigma_like_odd_heads"])
-    model = pixart.build(pixart.PixArtConfig.from_diffusers_config(dict(reference.config)))
+    model = families.PIXART.build(pixart.PixArtConfig.from_diffusers_config(dict(reference.config)))
     torch_linears = {n for n, m in reference.named_modules() if isinstance(m, torch.nn.Linear)}
     assert set(linears(model)) == torch_linears
     quantizable = set(linears(model, quantizable_only=True))
@@ -130,7 +130,7 @@ def test_linear_paths_are_diffusers_prefixes(tmp_path):
 
 def test_preset_parameter_count_matches_diffusers():
     cfg = pixart.PIXART_SIGMA_XL_2_1024_MS
-    shapes = convert.abstract_shapes(lambda: pixart.construct(cfg))
+    shapes = convert.abstract_shapes(lambda: families.PIXART.construct(cfg))
     ours = sum(math.prod(s) for s in shapes.values())
     config = {k: v for k, v in cfg.to_diffusers_config().items() if not k.startswith("_")}
     with torch.device("meta"):

@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-from models import pixart, sana
+from models import families, pixart, sana
 from scripts import cli, quantize_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,8 +31,8 @@ LAYERS = 10  # quantizable linears of the one-block PixArt
 def runs(tmp_path_factory):
     """Two checkpoints of the same shapes (``a``, ``b``) and a finished run of ``a`` (``out_a``)."""
     root = tmp_path_factory.mktemp("qc")
-    pixart.to_diffusers(pixart.build(PIXART, seed=4), root / "a")
-    pixart.to_diffusers(pixart.build(PIXART, seed=5), root / "b")
+    families.PIXART.to_diffusers(families.PIXART.build(PIXART, seed=4), root / "a")
+    families.PIXART.to_diffusers(families.PIXART.build(PIXART, seed=5), root / "b")
     report = quantize_checkpoint.main(["--checkpoint", str(root / "a"), "--out", str(root / "out_a"), *TINY])
     assert report["layers"] == LAYERS and report["layers_resumed"] == 0
     return root
@@ -132,7 +132,7 @@ def test_bad_input_is_refused_before_any_work(runs, tmp_path, capsys):
         f"{broken / 'config.json'}: not valid JSON (")
     (broken / "config.json").write_text('{"_class_name": "UNet2DModel"}')
     assert _error(["--checkpoint", str(broken), "--out", out, *TINY], capsys).startswith(
-        f"{broken / 'config.json'}: _class_name 'UNet2DModel' is not one of")
+        f"{broken / 'config.json'}: _class_name 'UNet2DModel' is not a supported model family (supported: ")
     (tmp_path / "file").write_text("")
     assert _error(["--checkpoint", a, "--out", str(tmp_path / "file"), *TINY], capsys) == (
         f"--out {tmp_path / 'file'}: exists and is not a folder")
@@ -149,7 +149,7 @@ def test_unaligned_linears_stay_16bit_and_are_listed(tmp_path):
     cfg = sana.SanaConfig(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
                           num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32,
                           caption_channels=8, mlp_ratio=2.5, sample_size=8)  # GLUMBConv hidden 80: d = 80
-    sana.to_diffusers(sana.build(cfg, seed=0), tmp_path / "sana")
+    families.SANA.to_diffusers(families.SANA.build(cfg, seed=0), tmp_path / "sana")
     report = quantize_checkpoint.main(["--checkpoint", str(tmp_path / "sana"), "--out", str(tmp_path / "o"), *TINY])
     assert report["left_16bit"] == {
         "transformer_blocks.0.ff.conv_point": "input width 80 is not a multiple of the block 32"}

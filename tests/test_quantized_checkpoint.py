@@ -10,20 +10,20 @@ import pytest
 from flax import nnx
 
 from kroquant_jax import calibrate
-from models import flux, pixart, quantize_model, sampling, sana
+from models import families, flux, pixart, quantize_model, sampling, sana
 from models.layers import linears
 from models.quantized_checkpoint import load_quantized_checkpoint, save_quantized_checkpoint
 
 pytestmark = pytest.mark.slow
 
 MODELS = {
-    "pixart": (pixart, pixart.PixArtConfig(num_attention_heads=2, attention_head_dim=16, in_channels=4,
+    "pixart": (families.PIXART, pixart.PixArtConfig(num_attention_heads=2, attention_head_dim=16, in_channels=4,
                                            out_channels=8, num_layers=1, cross_attention_dim=32, sample_size=8,
                                            patch_size=2, caption_channels=8, use_additional_conditions=False)),
-    "sana": (sana, sana.SanaConfig(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16,
+    "sana": (families.SANA, sana.SanaConfig(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16,
                                    num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=16,
                                    cross_attention_dim=32, caption_channels=8, mlp_ratio=2.0, sample_size=8)),
-    "flux": (flux, flux.FluxConfig(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+    "flux": (families.FLUX, flux.FluxConfig(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
                                    num_attention_heads=2, joint_attention_dim=8, pooled_projection_dim=4,
                                    axes_dims_rope=(4, 4, 8))),
 }

@@ -9,7 +9,7 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
-from models import flux, pixart, sana, sampling  # noqa: E402
+from models import families, flux, pixart, sampling, sana  # noqa: E402
 
 PIXART_SIGMA_SCHEDULER = dict(algorithm_type="dpmsolver++", beta_end=0.02, beta_schedule="linear",
                               beta_start=0.0001, lower_order_final=True, num_train_timesteps=1000,
@@ -58,7 +58,7 @@ def _tiny_pixart():
     cfg = pixart.PixArtConfig(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8,
                               num_layers=1, cross_attention_dim=16, sample_size=8, patch_size=2, caption_channels=6,
                               use_additional_conditions=False)
-    return cfg, pixart.build(cfg, seed=3)
+    return cfg, families.PIXART.build(cfg, seed=3)
 
 
 def test_pixart_cfg_sampling_is_jitted_seeded_and_guided():
@@ -91,7 +91,7 @@ def test_sana_and_flux_sampling_run_jitted():
     sana_cfg = sana.SanaConfig(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
                                num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=8,
                                cross_attention_dim=16, caption_channels=6, mlp_ratio=2.0, sample_size=8)
-    graphdef, state = nnx.split(sana.build(sana_cfg))
+    graphdef, state = nnx.split(families.SANA.build(sana_cfg))
     params = {"model": state, "context": jnp.ones((1, 3, 6)), "mask": jnp.ones((1, 3)),
               "uncond_context": jnp.zeros((1, 3, 6)), "uncond_mask": jnp.ones((1, 3))}
     denoise = sampling.sana_denoiser(graphdef, 4.5)
@@ -102,7 +102,7 @@ def test_sana_and_flux_sampling_run_jitted():
     flux_cfg = flux.FluxConfig(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
                                num_attention_heads=2, joint_attention_dim=6, pooled_projection_dim=4,
                                axes_dims_rope=(2, 2, 4))
-    graphdef, state = nnx.split(flux.build(flux_cfg))
+    graphdef, state = nnx.split(families.FLUX.build(flux_cfg))
     params = {"model": state, "context": jnp.ones((1, 3, 6)), "pooled": jnp.ones((1, 4)),
               "img_ids": jnp.asarray(flux.image_ids(8, 8)), "txt_ids": jnp.zeros((3, 3))}
     noise = flux.pack_latents(jax.random.normal(jax.random.key(0), (1, 4, 8, 8)))

@@ -11,7 +11,7 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
-from models import convert, sana  # noqa: E402
+from models import convert, families, sana  # noqa: E402
 from models.layers import linears  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def test_forward_matches_diffusers(tmp_path, name, sharded):
     reference = _random_sana(1, **config)
     reference.save_pretrained(tmp_path, max_shard_size="20KB" if sharded else "10GB")
     assert (tmp_path / convert.WEIGHTS_INDEX_NAME).is_file() == sharded
-    cfg, model = sana.from_diffusers(tmp_path)
+    cfg, model = families.SANA.from_diffusers(tmp_path)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, cfg.in_channels, 8, 12)).astype(np.float32)
     context = rng.standard_normal((2, 5, cfg.caption_channels)).astype(np.float32)
@@ -75,8 +75,8 @@ def test_forward_matches_diffusers(tmp_path, name, sharded):
 def test_export_round_trip_and_quantizable_names(tmp_path):
     reference = _random_sana(2, **CONFIGS["guidance_qknorm_positions"])
     reference.save_pretrained(tmp_path / "src")
-    _, model = sana.from_diffusers(tmp_path / "src")
-    sana.to_diffusers(model, tmp_path / "out")
+    _, model = families.SANA.from_diffusers(tmp_path / "src")
+    families.SANA.to_diffusers(model, tmp_path / "out")
     _, original = convert.read_diffusers_dir(tmp_path / "src")
     _, exported = convert.read_diffusers_dir(tmp_path / "out")
     assert sorted(original) == sorted(exported)
@@ -92,7 +92,7 @@ def test_export_round_trip_and_quantizable_names(tmp_path):
 
 def test_preset_parameter_count_matches_diffusers():
     cfg = sana.SANA_1600M_1024PX
-    shapes = convert.abstract_shapes(lambda: sana.construct(cfg))
+    shapes = convert.abstract_shapes(lambda: families.SANA.construct(cfg))
     ours = sum(math.prod(s) for s in shapes.values())
     config = {k: v for k, v in cfg.to_diffusers_config().items() if not k.startswith("_")}
     with torch.device("meta"):

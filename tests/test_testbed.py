@@ -10,7 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import pixart, testbed, testbed_data
+from models import families, pixart
+from models.testbed import data as testbed_data
+from models.testbed import evaluation
+from models.testbed import model as testbed
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKPOINT = REPO / "checkpoints" / "emoji_pixart"
@@ -24,7 +27,7 @@ def prompts() -> testbed_data.EmojiDataset:
 
 @pytest.fixture(scope="module")
 def jax_model():
-    return pixart.from_diffusers(CHECKPOINT, "float32")
+    return families.PIXART.from_diffusers(CHECKPOINT, "float32")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -200,6 +203,60 @@ def test_training_init_zeroes_outputs_and_rejects_unknown_parameters():
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# The package's training and evaluation helpers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_train_state_round_trip_and_mismatch(tmp_path):
+    from models.testbed import training
+
+    state = {"params": {"w": jnp.arange(6.0).reshape(2, 3)}, "step": jnp.asarray(7, jnp.int32)}
+    path = tmp_path / "state.npz"
+    training.save_train_state(path, state)
+    back = training.load_train_state(path, jax.tree.map(jnp.zeros_like, state))
+    np.testing.assert_array_equal(np.asarray(back["params"]["w"]), np.asarray(state["params"]["w"]))
+    assert int(back["step"]) == 7 and back["step"].dtype == jnp.int32
+    with pytest.raises(ValueError, match=r"\['params'\]\['w'\] has shape \(2, 3\)"):
+        training.load_train_state(path, {"params": {"w": jnp.zeros((3, 2))}, "step": jnp.asarray(0, jnp.int32)})
+    with pytest.raises(KeyError, match="missing"):
+        training.load_train_state(path, {"params": {"v": jnp.zeros((2, 3))}, "step": jnp.asarray(0, jnp.int32)})
+    optimizer = training.make_optimizer(lr=1e-2, warmup=2, weight_decay=0.0)
+    params = {"w": jnp.ones(3)}
+    opt_state = optimizer.init(params)
+    updates, _ = optimizer.update({"w": jnp.ones(3)}, opt_state, params)
+    assert float(jnp.abs(updates["w"]).max()) == 0.0  # warm-up starts at learning rate 0
+
+
+def test_layer_errors_summary_groups_by_layer_type():
+    summary = evaluation.layer_errors_summary({"transformer_blocks.0.attn1.to_q": 0.1,
+                                               "transformer_blocks.1.attn1.to_q": 0.3,
+                                               "transformer_blocks.0.ff.net.2": 0.5})
+    assert summary["layer_error_by_type"] == pytest.approx({"attn1.to_q": 0.2, "ff.net.2": 0.5})
+    assert summary["layer_error_mean"] == pytest.approx(0.3) and summary["layer_error_max"] == 0.5
+    assert len(summary["per_layer_error"]) == 3
+
+
+def test_checkpoint_capture_records_only_real_caption_tokens(jax_model, prompts):
+    """Cross-attention keys/values of the shipped model: no padding row, each real caption token once."""
+    _, jax_model = jax_model
+    indices = np.flatnonzero(~prompts.heldout)[:2]
+    names = ["transformer_blocks.0.attn2.to_k", "transformer_blocks.0.ff.net.2"]
+    layer_set = evaluation.capture_flow_layer_set(jax_model, prompts, indices, names, steps=2, guidance=3.0,
+                                                  rows_per_layer=512, seed=0, batch_size=2)
+    rows = layer_set["transformer_blocks.0.attn2.to_k"][2]
+    context = jax_model.caption_projection(jnp.asarray(prompts.context[indices], jnp.float32))  # (2, t, 256)
+    null = jax_model.caption_projection(jnp.asarray(prompts.null_context, jnp.float32)[None])[0]  # (t, 256)
+    mask = prompts.context_mask[indices].astype(bool)
+    real = np.concatenate([np.asarray(context)[mask], np.asarray(null)[prompts.null_mask.astype(bool)]])
+    padding = np.asarray(context)[~mask]
+    assert len(padding) and rows.shape[0] <= len(np.unique(real, axis=0))
+    for row in rows:  # every recorded row is a real token's row (jit vs eager: a few ulps)
+        assert np.isclose(real, row, rtol=1e-4, atol=1e-5).all(axis=1).any()
+        assert not np.isclose(padding, row, rtol=1e-4, atol=1e-5).all(axis=1).any()
+    assert layer_set["transformer_blocks.0.ff.net.2"][2].shape[0] == 512
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # The training script: a few CPU steps, resume, export loadable by diffusers
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -237,7 +294,7 @@ def test_train_script_runs_resumes_and_exports(tmp_path):
     assert int(second["['step']"]) == 3
     changed = [key for key in first.files if "params" in key and not np.array_equal(first[key], second[key])]
     assert changed, "the resumed step must update the parameters"
-    config, model = pixart.from_diffusers(tmp_path / "export", "float32")
+    config, model = families.PIXART.from_diffusers(tmp_path / "export", "float32")
     assert config.num_layers == 1 and config.caption_channels == 384
     import torch
     from diffusers import PixArtTransformer2DModel
@@ -301,12 +358,12 @@ def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path):
         assert list(data["titles"]) == ["16-bit", "rtn+loraq", "rtn"] and data["column0"].shape == (2, 32, 32, 3)
     assert "| rtn+loraq |" in (merged / "table.md").read_text() and (merged / "grid.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="methods \\['rtn'\\] are in"):
-        eval_testbed.merge_outputs([other, other], tmp_path / "clash")
+        evaluation.merge_outputs([other, other], tmp_path / "clash")
     changed = json.loads((other / "report.json").read_text())
     changed["settings"] = changed["settings"].replace("--lora-rank 64", "--lora-rank 32")
     (other / "report.json").write_text(json.dumps(changed))
     with pytest.raises(ValueError, match="another 'settings'"):
-        eval_testbed.merge_outputs([out, other], tmp_path / "bad")
+        evaluation.merge_outputs([out, other], tmp_path / "bad")
 
 
 def test_eval_method_specs_and_helpers():
@@ -322,7 +379,7 @@ def test_eval_method_specs_and_helpers():
         eval_testbed.recipe_for("rtn+loraq@1.5", args)
     with pytest.raises(SystemExit):
         eval_testbed.parse_args(["--out", "x", "--lora-rank", "0"])
-    assert eval_testbed.layer_type("transformer_blocks.7.attn2.to_out.0") == "attn2.to_out.0"
+    assert evaluation.layer_type("transformer_blocks.7.attn2.to_out.0") == "attn2.to_out.0"
     a, b = (eval_testbed.store_folder(Path("o"), "rtn+loraq", eval_testbed.recipe_for(m, args), "key")
             for m in ("rtn+loraq", "rtn+loraq@64"))
     assert a.parent == b.parent == Path("o/qlayers") and a != b and a.name.startswith("rtn_loraq-")
@@ -332,7 +389,7 @@ def test_generalisation_script_groups_heldout_records_and_finds_nearest(tmp_path
     from scripts import testbed_generalisation as tg
 
     data = testbed_data.load_dataset(str(CHECKPOINT / "testbed_prompts.npz"))
-    groups = tg.heldout_groups(data)
+    groups = evaluation.heldout_groups(data)
     bases = [testbed_data.base_sequence(testbed_data.text_to_sequence(s)) for s in data.sequences]
     trained = {b for b, held in zip(bases, data.heldout) if not held}
     assert sorted(np.concatenate(list(groups.values()))) == list(np.flatnonzero(data.heldout))
@@ -340,14 +397,14 @@ def test_generalisation_script_groups_heldout_records_and_finds_nearest(tmp_path
     assert not any(bases[i] in trained for i in groups["novel concept"])
     pool = data.images.astype(np.float32) / 255
     target = int(groups["novel concept"][0])
-    assert tg.nearest_outcome(data.images[target], target, data, pool, bases)[0] == "own glyph"
-    assert tg.nearest_outcome(data.images[target], target, data, pool, bases)[2] == 0.0
+    assert evaluation.nearest_outcome(data.images[target], target, data, pool, bases)[0] == "own glyph"
+    assert evaluation.nearest_outcome(data.images[target], target, data, pool, bases)[2] == 0.0
 
     out = tmp_path / "gen"
     assert tg.main(["--data", str(CHECKPOINT / "testbed_prompts.npz"), "--out", str(out), "--per-group", "1",
                     "--steps", "2"]) == 0
     report = json.loads((out / "report.json").read_text())
-    for kind in tg.GROUPS:
+    for kind in evaluation.GROUPS:
         assert report["groups"][kind]["records"] == 1
-        assert sum(report["groups"][kind][o] for o in tg.OUTCOMES) == 1
+        assert sum(report["groups"][kind][o] for o in evaluation.OUTCOMES) == 1
     assert (out / "grid.png").stat().st_size > 1000

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models import testbed_data as td
+from models.testbed import data as td
 
 FEW = ["1F600", "1F44D 1F3FC", "1F1EF 1F1F5", "31 20E3", "1F468 200D 1F469 200D 1F467", "1FA77",
        "1F3F4 E0067 E0062 E0073 E0063 E0074 E007F"]

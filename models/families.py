@@ -1,0 +1,265 @@
+"""The model families behind one interface, and the registry that finds a checkpoint's family.
+
+Each family lives in its own file (``models.pixart``, ``models.sana``, ``models.flux``, ``models.ideogram4``) with the
+same pieces: a frozen config dataclass whose presets match real checkpoints (``from_diffusers_config`` /
+``to_diffusers_config``), the Flax NNX model (module names = diffusers keys, so a linear's dotted path is its diffusers
+key prefix) and its declarative ``KEY_TABLE`` (``models.convert``: named transforms; unknown, missing or mis-shaped
+keys raise). A :class:`Family` joins them with the family's sampler, so that callers never branch on the family:
+
+    family, config = families.detect_dir("ckpt/transformer")       # from config.json's _class_name
+    cfg, model = family.from_diffusers("ckpt/transformer", dtype="bfloat16")
+    family.linear_sites(model)                                      # the quantizable linears (W4A4)
+    sample = jax.jit(family.make_sampler(graphdef, cfg, num_steps=20, guidance_scale=4.5, latent_hw=(128, 128)))
+    family.to_diffusers(model, "out/transformer")                  # the exact inverse of the conversion
+
+``REGISTRY`` maps a family name (``"pixart"``, ``"sana"``, ``"flux"``, ``"ideogram4"``) to its :class:`Family`;
+:func:`detect` maps a diffusers ``_class_name``. Every family takes the same optional
+:class:`models.layers.LinearHooks` in its forward pass (quantized overrides, capture recorders, fused sites).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from models import convert, flux, ideogram4, ideogram4_sampling, pixart, sampling, sana
+from models.layers import InitKeys, host_init, linears
+
+__all__ = ["FLUX", "Family", "IDEOGRAM4", "PIXART", "REGISTRY", "SANA", "detect", "detect_dir", "family_of", "get",
+           "load_diffusers", "load_pipeline_transformers"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family: its config type, model constructor, key table, presets and sampler.
+
+    Attributes:
+        name: the registry name (``"pixart"``, ...).
+        class_name: diffusers' ``_class_name`` of the transformer.
+        config_type: the frozen config dataclass (``from_diffusers_config(dict)``, ``to_diffusers_config()``).
+        new_model: ``(cfg, dtype np.dtype | None) -> model``: the plain constructor (any init; run under
+            ``nnx.eval_shape`` for shapes). ``dtype`` None means the family's default (float32, or the config's
+            ``param_dtype`` for Ideogram 4).
+        key_table: diffusers keys <-> flax paths of the list (diffusers) layout of the blocks.
+        presets: ``{name: config}`` of real checkpoints.
+        sampler: ``(graphdef, cfg, *, num_steps, guidance_scale, latent_hw, shift, solver, hooks_factory) ->
+            sample(params, key) -> (latents, aux per step)`` (see ``models.sampling.make_sampler``).
+        prompt_inputs: the text inputs the sampler's ``params`` need (e.g. ``("context", "mask", "uncond_context",
+            "uncond_mask")``).
+        prompt_widths: ``cfg -> {input: feature width}`` of the float text inputs (for synthetic prompts).
+        config_attr: the attribute of a model holding its config.
+        list_layout: ``cfg -> cfg`` of the layout the key table describes (Ideogram 4's scanned blocks are stored in
+            the list layout); None = the config's own layout.
+        stack: ``(flat params, cfg) -> flat params`` from the list layout to ``cfg``'s layout; ``unstack`` its inverse.
+    """
+
+    name: str
+    class_name: str
+    config_type: type
+    new_model: Callable[[Any, np.dtype | None], nnx.Module]
+    key_table: convert.KeyTable
+    presets: Mapping[str, Any]
+    sampler: Callable[..., Callable]
+    prompt_inputs: tuple[str, ...]
+    prompt_widths: Callable[[Any], dict[str, int]]
+    config_attr: str = "cfg"
+    list_layout: Callable[[Any], Any] | None = None
+    stack: Callable[[dict, Any], dict] | None = None
+    unstack: Callable[[dict, Any], dict] | None = None
+
+    # -- configs ----------------------------------------------------------------------------------------------------
+
+    def config_from_diffusers(self, config: Mapping[str, Any]) -> Any:
+        """The family's config from a diffusers ``config.json`` dict (unknown or unported settings raise)."""
+        return self.config_type.from_diffusers_config(dict(config))
+
+    def config_of(self, model: nnx.Module) -> Any:
+        """The config a model was built with."""
+        return getattr(model, self.config_attr)
+
+    # -- models -----------------------------------------------------------------------------------------------------
+
+    def construct(self, cfg: Any, dtype: Any = None) -> nnx.Module:
+        """The plain constructor (eager, any init); use under ``nnx.eval_shape`` for shapes without memory."""
+        return self.new_model(cfg, convert.resolve_dtype(dtype))
+
+    def build(self, cfg: Any, dtype: Any = None, seed: int = 0) -> nnx.Module:
+        """A randomly initialised model (host init, see :func:`models.layers.host_init`; for tests and training)."""
+        return host_init(lambda: self.construct(cfg, dtype), seed)
+
+    def linear_sites(self, model: nnx.Module, quantizable_only: bool = True) -> list[str]:
+        """Dotted paths of the model's linears (by default the quantizable ones: the W4A4 sites), in graph order."""
+        return list(linears(model, quantizable_only=quantizable_only))
+
+    def make_sampler(self, graphdef: nnx.GraphDef, cfg: Any, **options: Any) -> Callable:
+        """The family's jitted-ready sampling run ``sample(params, key) -> (latents, aux per step)``; ``options`` as
+        ``models.sampling.make_sampler`` (``num_steps``, ``guidance_scale``, ``latent_hw``, ``shift``, ``solver``,
+        ``hooks_factory``)."""
+        return self.sampler(graphdef, cfg, **options)
+
+    # -- conversion -------------------------------------------------------------------------------------------------
+
+    def from_diffusers_state(self, state: Mapping[str, np.ndarray], cfg: Any, dtype: Any = None) -> nnx.Module:
+        """The model of ``cfg`` from a diffusers state dict ``{key: np.ndarray}`` (torch layout), parameters cast to
+        ``dtype`` (None: the family's default).
+
+        Raises:
+            convert.ConversionError: listing every missing, unexpected and mis-shaped key at once.
+        """
+        stored_cfg = cfg if self.list_layout is None else self.list_layout(cfg)
+        build_stored = functools.partial(self.construct, stored_cfg, dtype)
+        shapes = convert.abstract_shapes(build_stored)
+        params = self.key_table.to_flax(state, shapes, dtype=_param_dtype(build_stored))
+        if stored_cfg != cfg:
+            params = self.stack(params, cfg)
+        return convert.merge_flat_state(functools.partial(self.construct, cfg, dtype), params)
+
+    def from_diffusers(self, directory: str | os.PathLike, dtype: Any = None,
+                       config_overrides: Mapping[str, Any] | None = None) -> tuple[Any, nnx.Module]:
+        """``(cfg, model)`` of a diffusers transformer directory (config.json + safetensors, single or sharded).
+
+        ``dtype``: the parameter dtype (None: the family's default). ``config_overrides`` replace fields of the
+        config read from the file (e.g. Ideogram 4's JAX-side ``scan_layers``, ``attention_impl`` and its compute
+        ``dtype``).
+
+        Raises:
+            convert.CheckpointError: unreadable files (named). ValueError: a config of another family (naming the
+            file and its class) or unported settings. convert.ConversionError: every bad key at once.
+        """
+        config, state = convert.read_diffusers_dir(directory)
+        found = detect(config, source=str(Path(directory) / convert.CONFIG_NAME))
+        if found is not self:
+            raise ValueError(f"{Path(directory) / convert.CONFIG_NAME}: a {found.class_name} checkpoint, not "
+                             f"{self.class_name}")
+        cfg = self.config_from_diffusers(config)
+        if config_overrides:
+            cfg = dataclasses.replace(cfg, **dict(config_overrides))
+        return cfg, self.from_diffusers_state(state, cfg, dtype)
+
+    def to_diffusers_state(self, model: nnx.Module, dtype: Any = None) -> dict[str, np.ndarray]:
+        """The diffusers state dict of ``model`` (the exact inverse of :meth:`from_diffusers_state`)."""
+        params = {k: np.asarray(v) for k, v in convert.flat_state_dict(model).items()}
+        cfg = self.config_of(model)
+        if self.list_layout is not None and self.list_layout(cfg) != cfg:
+            params = self.unstack(params, cfg)
+        return self.key_table.to_diffusers(params, dtype=dtype)
+
+    def to_diffusers(self, model: nnx.Module, directory: str | os.PathLike, dtype: Any = None,
+                     max_shard_bytes: int | None = None) -> None:
+        """Write ``model`` as a diffusers directory (loadable by the diffusers class's ``from_pretrained``)."""
+        convert.write_diffusers_dir(directory, self.config_of(model).to_diffusers_config(),
+                                    self.to_diffusers_state(model, dtype), max_shard_bytes=max_shard_bytes)
+
+
+def _param_dtype(build: Callable[[], nnx.Module]) -> np.dtype:
+    """The dtype of the (first) kernel of the model ``build()`` would create (nothing is allocated)."""
+    flat = convert.flat_state_dict(nnx.eval_shape(build))
+    return np.dtype(next(value.dtype for path, value in flat.items() if path.endswith(".kernel")))
+
+
+def _dit_model(model_type: type) -> Callable[[Any, np.dtype | None], nnx.Module]:
+    """The constructor of a PixArt / SANA / FLUX model (dtype = parameters and compute, default float32)."""
+    def new_model(cfg: Any, dtype: np.dtype | None) -> nnx.Module:
+        return model_type(cfg, dtype=np.dtype(np.float32) if dtype is None else dtype, rngs=InitKeys(0))
+
+    return new_model
+
+
+def _caption_widths(cfg: Any) -> dict[str, int]:
+    width = cfg.caption_channels if cfg.caption_channels is not None else cfg.cross_attention_dim
+    return {"context": width, "uncond_context": width}
+
+
+_CAPTION_INPUTS = ("context", "mask", "uncond_context", "uncond_mask")
+
+def _dit_family(module: Any, config_type: type, model_type: type, presets: Mapping[str, Any],
+                prompt_inputs: tuple[str, ...], prompt_widths: Callable[[Any], dict[str, int]]) -> Family:
+    """A PixArt / SANA / FLUX family: its module's CLASS_NAME and KEY_TABLE, ``models.sampling.make_sampler``."""
+    name = module.__name__.rsplit(".", 1)[-1]
+    return Family(name=name, class_name=module.CLASS_NAME, config_type=config_type, new_model=_dit_model(model_type),
+                  key_table=module.KEY_TABLE, presets=presets, sampler=functools.partial(sampling.make_sampler, name),
+                  prompt_inputs=prompt_inputs, prompt_widths=prompt_widths)
+
+
+PIXART = _dit_family(pixart, pixart.PixArtConfig, pixart.PixArtTransformer2DModel,
+                     {"PixArt-Sigma-XL-2-1024-MS": pixart.PIXART_SIGMA_XL_2_1024_MS}, _CAPTION_INPUTS, _caption_widths)
+SANA = _dit_family(sana, sana.SanaConfig, sana.SanaTransformer2DModel,
+                   {"Sana_1600M_1024px": sana.SANA_1600M_1024PX}, _CAPTION_INPUTS, _caption_widths)
+FLUX = _dit_family(flux, flux.FluxConfig, flux.FluxTransformer2DModel, {"FLUX.1-schnell": flux.FLUX1_SCHNELL},
+                   ("context", "pooled"),
+                   lambda cfg: {"context": cfg.joint_attention_dim, "pooled": cfg.pooled_projection_dim})
+
+IDEOGRAM4 = Family(
+    name="ideogram4", class_name=ideogram4.CLASS_NAME, config_type=ideogram4.Ideogram4Config,
+    new_model=ideogram4.new_model, key_table=ideogram4.KEY_TABLE, presets={"Ideogram-4": ideogram4.IDEOGRAM4},
+    sampler=ideogram4_sampling.make_sampler, prompt_inputs=("context", "mask"),
+    prompt_widths=lambda cfg: {"context": cfg.llm_features_dim}, config_attr="config",
+    list_layout=lambda cfg: dataclasses.replace(cfg, scan_layers=False),
+    stack=lambda params, cfg: ideogram4.stack_layer_params(params, cfg.num_layers),
+    unstack=lambda params, cfg: ideogram4.unstack_layer_params(params, cfg.num_layers))
+
+#: ``{family name: Family}``.
+REGISTRY: dict[str, Family] = {family.name: family for family in (PIXART, SANA, FLUX, IDEOGRAM4)}
+_BY_CLASS = {family.class_name: family for family in REGISTRY.values()}
+
+
+def family_of(model: nnx.Module) -> Family:
+    """The registered family a model belongs to (by the type of the config it was built with)."""
+    for family in REGISTRY.values():
+        if isinstance(getattr(model, family.config_attr, None), family.config_type):
+            return family
+    raise ValueError(f"{type(model).__name__} is not a model of a registered family ({sorted(REGISTRY)})")
+
+
+def get(name: str) -> Family:
+    """The family registered as ``name``.
+
+    Raises:
+        ValueError: naming the unknown family and the known ones.
+    """
+    if name not in REGISTRY:
+        raise ValueError(f"unknown model family {name!r} (known: {', '.join(sorted(REGISTRY))})")
+    return REGISTRY[name]
+
+
+def detect(config: Mapping[str, Any], source: str = "config.json") -> Family:
+    """The family of a diffusers ``config.json`` dict, from its ``_class_name``.
+
+    Raises:
+        ValueError: naming ``source`` (the file) and the class when the class is missing or not a known family.
+    """
+    class_name = config.get("_class_name")
+    if class_name not in _BY_CLASS:
+        raise ValueError(f"{source}: _class_name {class_name!r} is not a supported model family "
+                         f"(supported: {', '.join(sorted(_BY_CLASS))})")
+    return _BY_CLASS[class_name]
+
+
+def detect_dir(directory: str | os.PathLike) -> tuple[Family, dict[str, Any]]:
+    """``(family, config dict)`` of a diffusers transformer directory (reads only its config.json)."""
+    config = convert.read_diffusers_config(directory)
+    return detect(config, source=str(Path(directory) / convert.CONFIG_NAME)), config
+
+
+def load_diffusers(directory: str | os.PathLike, dtype: Any = None, config_overrides: Mapping[str, Any] | None = None
+                   ) -> tuple[Family, Any, nnx.Module]:
+    """``(family, cfg, model)`` of a diffusers transformer directory of any registered family (arguments as
+    :meth:`Family.from_diffusers`)."""
+    family, _ = detect_dir(directory)
+    cfg, model = family.from_diffusers(directory, dtype, config_overrides)
+    return family, cfg, model
+
+
+def load_pipeline_transformers(pipeline_dir: str | os.PathLike, *subfolders: str, dtype: Any = None,
+                               config_overrides: Mapping[str, Any] | None = None) -> list[nnx.Module]:
+    """The transformers of a local diffusers pipeline directory, one per subfolder (default ``transformer``), e.g.
+    Ideogram 4's ``"transformer", "unconditional_transformer"``; each family detected from its config.json."""
+    return [load_diffusers(Path(pipeline_dir) / sub, dtype, config_overrides)[2]
+            for sub in (subfolders or ("transformer",))]
