@@ -222,7 +222,7 @@ class MXFP4(QuantFormat):
         clamped to ``2**127`` above; byte 0 gives 0 (below the GPU kernels' exact range of bytes ``[2, 248]``; the
         reference keeps such a block's normal results); byte 0xFF gives NaN."""
         s = _scale_bytes(scales)
-        mult = jax.lax.bitcast_convert_type(jnp.clip(s + exponent_offset, 1, 254) << 23, jnp.float32)
+        mult = jax.lax.bitcast_convert_type(jnp.minimum(s + exponent_offset, 254) << 23, jnp.float32)
         mult = jnp.where(s == 0, jnp.float32(0.0), mult)
         return jnp.where(s == E8M0_NAN, jnp.float32(jnp.nan), mult)
 
