@@ -227,7 +227,8 @@ class MXFP4(QuantFormat):
         return jnp.where(s == E8M0_NAN, jnp.float32(jnp.nan), mult)
 
     def saturation_limit(self, scales: jax.Array, tensor_scale: jax.Array) -> jax.Array:
-        # 6 * 2**e = 1.5 * 2**(e + 2), built from bits so that e = -127 does not underflow; NaN scale -> never saturated.
+        # 6 * 2**e = 1.5 * 2**(e + 2), built from bits so that e = -127 does not underflow; a NaN scale never
+        # saturates.
         e_plus_2 = scales.astype(jnp.int32) - E8M0_BIAS + 2
         limit = jnp.where(e_plus_2 > 127, jnp.inf, 1.5 * pow2(jnp.clip(e_plus_2, -126, 127)))
         return jnp.where(scales == E8M0_NAN, jnp.nan, limit)

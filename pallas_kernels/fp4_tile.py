@@ -5,8 +5,9 @@ integer bit manipulation instead of FP4/E8M0 conversions (Hopper has none), no `
 :mod:`kroquant_jax.formats` is the reference; its per-element functions (``flush_subnormals``,
 ``mx_shared_exponent``, ``e2m1_encode``, ``pow2``, ``divide_rn``) and the formats' own methods
 (``scale_factors``) are used here unchanged, and every function below is tested bit for bit against
-``formats.mxfp4_quantize_blocks`` / ``nvfp4_quantize_blocks`` / ``dequantize`` (``tests/test_fp4_tile.py`` and the
-kernel tests).
+``formats.mxfp4_quantize_blocks`` / ``nvfp4_quantize_blocks`` / ``dequantize`` (encode:
+``tests/test_transform_quantize.py::TestTileFunctions`` and ``tests/test_transform_quantize_mgpu.py``; decode:
+``tests/test_w4a4_gemm.py::TestTileMath`` and ``tests/test_w4a4_gemm_mgpu.py``).
 
 Encode (``A T`` in f32 -> packed codes + scale bytes):
 

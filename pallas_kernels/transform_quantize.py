@@ -642,8 +642,9 @@ def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), 
       a: ``bfloat16 | float16 (..., d)`` activations (``float32`` runs the reference); an empty batch is valid.
       transform: a :class:`PreparedTransform` (see :func:`prepare`).
       fmt: ``MXFP4()`` (any scale mode) or ``NVFP4()``.
-      tensor_scale: formats with a tensor scale (NVFP4) only: a fixed per-tensor scale; by default it is ``amax|A T| / (448 * 6)``, which costs the
-        kernel path one extra read pass (an amax kernel with the same transform).
+      tensor_scale: formats with a tensor scale (NVFP4) only: a fixed per-tensor scale; by default it is
+        ``amax|A T| / (448 * 6)``, which costs the kernel path one extra read pass (an amax kernel with the same
+        transform).
       block_sizes: kernel tiling (default :class:`BlockSizes`).
       impl: ``None`` (kernel on GPU for bf16/f16, else reference), ``"pallas"``, ``"interpret"`` or ``"reference"``.
       round_to_input: round ``A T`` to ``a.dtype`` before quantizing (the reference ``quantize(apply_to_activations(

@@ -10,7 +10,7 @@ Operands (``kroquant_jax.formats.QuantizedArray``, quantized along K, the last a
     A: codes uint8 (m, k/2), scales (m, k/blk)      W: codes uint8 (n, k/2), scales (n, k/blk)
     out (m, n) = dequant(A) @ dequant(W)^T  [+ h @ L^T (low-rank branch)]  [+ bias]
 
-Per-tile math (shared with :func:`w4a4_matmul_tiled_reference`, the jnp mirror of the kernel):
+Per-tile math (``pallas_kernels.fp4_tile``, shared with :func:`w4a4_matmul_tiled_reference`, the jnp mirror):
 
 * **Unpacking without a table.** Byte ``i`` of a row holds elements ``2i`` (low nibble) and ``2i+1`` (high nibble).
   The kernel never interleaves them: a dot product is a sum over K, so it reorders K the same way in both operands
@@ -492,7 +492,7 @@ def w4a4_matmul(a: QuantizedArray, w: QuantizedArray, *, lowrank: Optional[tuple
 def dequantize_bf16(q: QuantizedArray, *, order: Literal["natural", "even_odd"] = "natural") -> jax.Array:
     """Packed ``(r, k)`` operand -> its exact bf16 values ``(r, k)`` (NVFP4: without the per-tensor scale).
 
-    The same per-tile math as the kernel (:func:`decode_tile_bf16` over whole rows), so MXFP4 gives
+    The same per-tile math as the kernel (``fp4_tile.decode_tile_bf16`` over whole rows), so MXFP4 gives
     ``dequantize(q, bfloat16)`` bit for bit (every scaled E2M1 value is a bf16 value for scale bytes in ``[2, 248]``)
     and NVFP4 gives ``e2m1 * s_blk`` (at most 6 significant bits, exact in bf16; ``tensor_scale`` is applied to the
     GEMM's f32 result). ``order="even_odd"`` returns the columns as ``[0, 2, 4, ..., 1, 3, ...]``

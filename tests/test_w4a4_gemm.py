@@ -154,7 +154,8 @@ class TestInterpretKernel:
         with pytest.raises(ValueError, match="support mxfp4 with block_size=32"):
             g.check_operands(quantize(jnp.ones((16, 64)), MXFP4(block_size=64)),
                              quantize(jnp.ones((32, 64)), MXFP4(block_size=64)))
-        assert g.check_operands(qa, qa)[0] == MXFP4() and g.check_operands(jnp.ones((4, 8)), jnp.ones((2, 8)))[0] is None
+        assert g.check_operands(qa, qa)[0] == MXFP4()
+        assert g.check_operands(jnp.ones((4, 8)), jnp.ones((2, 8)))[0] is None
         assert g.keeps_lowrank_packed(quantize(jnp.ones((32, 64)), MXFP4()))
         assert not g.keeps_lowrank_packed(quantize(jnp.ones((32, 64)), NVFP4()))
         assert not g.keeps_lowrank_packed(jnp.ones((32, 64)))
