@@ -44,6 +44,7 @@ for the element's effective block scale ``s``).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
 import functools
@@ -106,7 +107,7 @@ class ScaleMode(str, enum.Enum):
     RCEIL = "rceil"
 
 
-class QuantFormat:
+class QuantFormat(abc.ABC):
     """An FP4 block format: E2M1 codes in blocks of ``block_size`` along the last axis, one scale per block.
 
     The two formats (:class:`MXFP4`, :class:`NVFP4`) are frozen dataclasses that carry everything format-specific, so
@@ -135,28 +136,28 @@ class QuantFormat:
         """Whether the block is the format's standard one (what the GPU kernels read and write)."""
         return self.block_size == self.standard_block_size
 
+    @abc.abstractmethod
     def tensor_scale(self, x: jax.Array) -> jax.Array:
         """The per-tensor scale of ``x (..., d)``: ``float32 ()`` (``1.0`` where the format has none)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def quantize_blocks(self, blocks: jax.Array, tensor_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(..., nb, block)`` values and the tensor scale -> ``codes uint8 (..., nb, block)`` (one per element) and
         ``scales (..., nb)`` of :attr:`scale_dtype`."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def dequantize_blocks(self, codes: jax.Array, scales: jax.Array, tensor_scale: jax.Array) -> jax.Array:
         """Inverse of :meth:`quantize_blocks`: f32 ``(..., nb, block)`` (exact, subnormal results flushed)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def scale_factors(self, scales: jax.Array, exponent_offset: int = 0) -> jax.Array:
         """f32 ``block_scale * 2**exponent_offset`` of each block from its stored scales (``scale_dtype`` or their
         ``uint8`` bytes), the factor that turns a code decoded as ``e2m1 * 2**-exponent_offset`` into its value (the
         tensor scale not included). A NaN scale gives NaN."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def saturation_limit(self, scales: jax.Array, tensor_scale: jax.Array) -> jax.Array:
         """f32 ``(..., nb)``: an element saturated when ``|x| > limit`` (``6 * effective block scale``)."""
-        raise NotImplementedError
 
     def to_json(self) -> dict:
         """``{"name": ..., <field>: <value>}`` (enums by value): the description :meth:`from_json` reads back."""
