@@ -134,12 +134,9 @@ CANDIDATES["mgpu_k1"] = {"br64_bd256_p3": MB(block_rows=64, block_cols=256),
                          "br64_bd256_p3_seq2": MB(block_rows=64, block_cols=256, sequential_cols=True)}
 # Wide tiles walked by a lax.fori_loop (scf.for, software-pipelined by Triton over num_stages): --candidates fori
 FORI_CANDIDATES = {
-    "q4": {"br32_bd128_w4": CANDIDATES["q4"]["br32_bd128_w4"],
-           "br32_bd512_c128_fori_s3": BS(block_rows=32, block_cols=512, chunk_cols=128, chunk_loop="fori",
-                                         num_stages=3)},
     "k1": {"br64_bd32_w4_split": CANDIDATES["k1"]["br64_bd32_w4_split"],
-           "br64_bd256_fori_s3": BS(block_rows=64, block_cols=256, chunk_loop="fori", num_stages=3),
-           "br64_bd512_fori_s3": BS(block_rows=64, block_cols=512, chunk_loop="fori", num_stages=3)},
+           "br64_bd256_fori_s3": BS(block_rows=64, block_cols=256, num_stages=3),
+           "br64_bd512_fori_s3": BS(block_rows=64, block_cols=512, num_stages=3)},
 }
 FORI_CANDIDATES["k2"] = FORI_CANDIDATES["k1"]
 XLA_ALL_SHAPES = {(4096, 4096), (4096, 16384)}
@@ -263,14 +260,11 @@ def sweep(dtype, n_iter):
         "br64_bd256_w4": tq.BlockSizes(block_rows=64, block_cols=256, num_warps=4),
         "br64_bd32_w4": tq.BlockSizes(block_rows=64, block_cols=32, num_warps=4),
         "br64_bd128_w4_p1": tq.BlockSizes(block_rows=64, block_cols=128, num_warps=4, dot_passes=1),
-        "br64_bd128_w4_loop": tq.BlockSizes(block_rows=64, block_cols=128, num_warps=4, vector_tile=False),
     }
     fwht_variants = {
-        "shuffle_r1_w8": tq.BlockSizes(fwht_rows=1, fwht_num_warps=8, fwht_variant="shuffle"),
-        "shuffle_r1_w16": tq.BlockSizes(fwht_rows=1, fwht_num_warps=16, fwht_variant="shuffle"),
-        "shuffle_r2_w16": tq.BlockSizes(fwht_rows=2, fwht_num_warps=16, fwht_variant="shuffle"),
-        "axis_r1_w8": tq.BlockSizes(fwht_rows=1, fwht_num_warps=8, fwht_variant="axis"),
-        "axis_r1_w16": tq.BlockSizes(fwht_rows=1, fwht_num_warps=16, fwht_variant="axis"),
+        "shuffle_r1_w8": tq.BlockSizes(fwht_rows=1, fwht_num_warps=8),
+        "shuffle_r1_w16": tq.BlockSizes(fwht_rows=1, fwht_num_warps=16),
+        "shuffle_r2_w16": tq.BlockSizes(fwht_rows=2, fwht_num_warps=16),
     }
     results = []
     for m, d in SWEEP_SHAPES:

@@ -4,10 +4,10 @@ H200.md's method without hardware counters: time variants that leave one stage o
 differences. Per shape (fp16, the benchmark's inputs, CUPTI device time, median of ``--iters`` calls on rotating
 buffers larger than the L2):
 
-* Triton K1 (the default tiling: ``BD=256`` walked by a pipelined ``fori_loop``, ``dot_passes=3``, ``split_dot``) and
-  variants: ``dot_passes`` 1/2, ``split_dot`` off, other ``block_rows``/``num_warps``, the old one-block-per-program
-  tiling; ``stage="transform"`` (same tiles and products, ``A T`` stored in fp16, no quantizer), ``stage="copy"`` (same
-  tiles loaded and stored back), Q4 with K1's 32-column chunks (the quantizer without the product); the same for K2.
+* Triton K1 (the default tiling: ``BD=256`` walked by a pipelined ``fori_loop``, pairs of block products joined and
+  quantized at once, ``dot_passes=3``) and variants: ``dot_passes`` 1/2, other ``block_rows``/``num_warps``, the
+  one-block-per-program tiling; ``stage="transform"`` (same tiles and products, ``A T`` stored in fp16, no quantizer),
+  ``stage="copy"`` (same tiles loaded and stored back); the same for K2.
 * Code/scale mismatch rates against the f32 reference for ``dot_passes`` 1/2/3 (K1 and K2, bf16 and fp16, general
   data with outliers), measured on the GPU.
 * The Mosaic GPU kernels (``pallas_kernels/transform_quantize_mgpu.py``), Q4 and K1, over a few tilings.
@@ -45,7 +45,7 @@ from pallas_kernels import transform_quantize_mgpu as tqm  # noqa: E402
 
 BS = tq.BlockSizes
 MB = tqm.MgpuBlockSizes
-K1_FORI = dict(block_rows=64, block_cols=256, num_warps=4, chunk_loop="fori", num_stages=3)
+K1_FORI = dict(block_rows=64, block_cols=256, num_warps=4, num_stages=3)
 
 # name -> (kind, BlockSizes, stage); stage "quantize" is the real kernel. "k1_default" is the K1 default before the
 # profile (3 parts for every dtype); fp16's default is now 2 parts ("k1_p2").
@@ -53,12 +53,9 @@ TRITON_VARIANTS = {
     "k1_default": ("k1", BS(**K1_FORI), "quantize"),
     "k1_p2": ("k1", BS(**K1_FORI, dot_passes=2), "quantize"),
     "k1_p1": ("k1", BS(**K1_FORI, dot_passes=1), "quantize"),
-    "k1_nosplit": ("k1", BS(**K1_FORI, split_dot=False), "quantize"),
-    "k1_nosplit_p1": ("k1", BS(**K1_FORI, split_dot=False, dot_passes=1), "quantize"),
-    "k1_transform_only": ("k1", BS(**K1_FORI, split_dot=False), "transform"),
-    "k1_transform_only_p1": ("k1", BS(**K1_FORI, split_dot=False, dot_passes=1), "transform"),
+    "k1_transform_only": ("k1", BS(**K1_FORI), "transform"),
+    "k1_transform_only_p1": ("k1", BS(**K1_FORI, dot_passes=1), "transform"),
     "k1_copy_stage": ("k1", BS(**K1_FORI), "copy"),
-    "q4_k1_tiling": ("q4", BS(**K1_FORI, vector_tile=False), "quantize"),
     "q4_default": ("q4", tq.default_block_sizes("q4", 4096, 4096), "quantize"),
     "q4_copy_stage": ("q4", tq.default_block_sizes("q4", 4096, 4096), "copy"),
     "scale_default": ("scale", tq.default_block_sizes("scale", 4096, 4096), "quantize"),
@@ -71,19 +68,12 @@ TRITON_VARIANTS = {
     "k2_default": ("k2", BS(block_rows=64, block_cols=32), "quantize"),
     "k2_p2": ("k2", BS(block_rows=64, block_cols=32, dot_passes=2), "quantize"),
     "k2_p1": ("k2", BS(block_rows=64, block_cols=32, dot_passes=1), "quantize"),
-    "k2_transform_only": ("k2", BS(block_rows=64, block_cols=32, split_dot=False), "transform"),
+    "k2_transform_only": ("k2", BS(block_rows=64, block_cols=32), "transform"),
     "k2_fori_p2": ("k2", BS(**K1_FORI, dot_passes=2), "quantize"),
-    # products of 2 or 4 blocks joined into one tile, quantized at once (BlockSizes.wide_quantize)
-    "k1_wide2_p2": ("k1", BS(**K1_FORI, dot_passes=2, wide_quantize=2), "quantize"),
-    "k1_wide4_p2": ("k1", BS(**K1_FORI, dot_passes=2, wide_quantize=4), "quantize"),
-    "k1_wide4_p3": ("k1", BS(**K1_FORI, dot_passes=3, wide_quantize=4), "quantize"),
-    "k1_wide4_p2_transform_only": ("k1", BS(**K1_FORI, dot_passes=2, wide_quantize=4), "transform"),
-    "k2_wide4_p2": ("k2", BS(**K1_FORI, dot_passes=2, wide_quantize=4), "quantize"),
 }
 # the subset also timed at the second (large) shape
-BIG_SHAPE_VARIANTS = ["k1_default", "k1_p2", "k1_p1", "k1_nosplit", "k1_transform_only", "k1_copy_stage",
-                      "q4_k1_tiling", "q4_default", "q4_copy_stage", "scale_default", "k2_default", "k2_p2",
-                      "k2_transform_only", "k1_wide2_p2", "k1_wide4_p2", "k2_wide4_p2"]
+BIG_SHAPE_VARIANTS = ["k1_default", "k1_p2", "k1_p1", "k1_transform_only", "k1_copy_stage", "q4_default",
+                      "q4_copy_stage", "scale_default", "k2_default", "k2_p2", "k2_transform_only"]
 
 MGPU_VARIANTS = {
     "mgpu_q4_br64_bd512": ("q4", MB(block_rows=64, block_cols=512)),

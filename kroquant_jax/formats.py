@@ -33,6 +33,9 @@ Numerical policies (one documented choice each, tested in ``tests/test_formats.p
   for bit. It only affects blocks whose ``amax < 2**-124``.
 * **Shapes**: ``d`` must be a multiple of the block size, or ``pad=True`` pads with zeros to the next multiple (and
   :func:`dequantize` returns the padded width, sliced back by ``fake_quant``).
+  Empty arrays (``(0, d)``, an empty batch) are valid: they round-trip through :func:`quantize` /
+  :func:`dequantize` / :func:`fake_quant` (and its gradient) to the same empty shape; NVFP4's tensor scale of an
+  empty array is ``1.0``, as for an all-zero one.
 
 The straight-through estimator: :func:`fake_quant` has a ``custom_vjp`` whose backward pass is the identity
 (``ste="identity"``) or the identity masked to zero where the element saturated (``ste="clipped"``: ``|x| > 6 * s``
@@ -41,10 +44,11 @@ for the element's effective block scale ``s``).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
 import functools
-from typing import Literal, Union
+from typing import ClassVar, Literal, Optional
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +73,9 @@ __all__ = [
     "mx_shared_exponent",
     "mxfp4_quantize_blocks",
     "nvfp4_quantize_blocks",
+    "nvfp4_tensor_scale",
     "pack_nibbles",
+    "pow2",
     "quantize",
     "unpack_nibbles",
 ]
@@ -101,39 +107,163 @@ class ScaleMode(str, enum.Enum):
     RCEIL = "rceil"
 
 
+class QuantFormat(abc.ABC):
+    """An FP4 block format: E2M1 codes in blocks of ``block_size`` along the last axis, one scale per block.
+
+    The two formats (:class:`MXFP4`, :class:`NVFP4`) are frozen dataclasses that carry everything format-specific, so
+    callers never branch on the format's type:
+
+    * ``name`` (``"mxfp4"`` / ``"nvfp4"``), ``standard_block_size`` (32 / 16, the only block the GPU kernels write),
+      ``has_tensor_scale`` (NVFP4's per-tensor fp32 scale), ``scale_dtype`` (``uint8`` E8M0 bytes /
+      ``float8_e4m3fn``);
+    * :meth:`tensor_scale`, :meth:`quantize_blocks`, :meth:`dequantize_blocks`, :meth:`saturation_limit`,
+      :meth:`scale_factors` (the per-block math, shared by the reference path and the GPU kernels);
+    * :meth:`to_json` / :meth:`from_json` (the checkpoint description).
+    """
+
+    name: ClassVar[str]
+    standard_block_size: ClassVar[int]
+    has_tensor_scale: ClassVar[bool]
+    scale_dtype: ClassVar[np.dtype]
+    block_size: int
+
+    def __post_init__(self):
+        if self.block_size % 2 or self.block_size <= 0:
+            raise ValueError(f"{type(self).__name__} block_size={self.block_size} must be a positive even number")
+
+    @property
+    def is_standard(self) -> bool:
+        """Whether the block is the format's standard one (what the GPU kernels read and write)."""
+        return self.block_size == self.standard_block_size
+
+    @abc.abstractmethod
+    def tensor_scale(self, x: jax.Array) -> jax.Array:
+        """The per-tensor scale of ``x (..., d)``: ``float32 ()`` (``1.0`` where the format has none)."""
+
+    @abc.abstractmethod
+    def quantize_blocks(self, blocks: jax.Array, tensor_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(..., nb, block)`` values and the tensor scale -> ``codes uint8 (..., nb, block)`` (one per element) and
+        ``scales (..., nb)`` of :attr:`scale_dtype`."""
+
+    @abc.abstractmethod
+    def dequantize_blocks(self, codes: jax.Array, scales: jax.Array, tensor_scale: jax.Array) -> jax.Array:
+        """Inverse of :meth:`quantize_blocks`: f32 ``(..., nb, block)`` (exact, subnormal results flushed)."""
+
+    @abc.abstractmethod
+    def scale_factors(self, scales: jax.Array, exponent_offset: int = 0) -> jax.Array:
+        """f32 ``block_scale * 2**exponent_offset`` of each block from its stored scales (``scale_dtype`` or their
+        ``uint8`` bytes), the factor that turns a code decoded as ``e2m1 * 2**-exponent_offset`` into its value (the
+        tensor scale not included). A NaN scale gives NaN."""
+
+    @abc.abstractmethod
+    def saturation_limit(self, scales: jax.Array, tensor_scale: jax.Array) -> jax.Array:
+        """f32 ``(..., nb)``: an element saturated when ``|x| > limit`` (``6 * effective block scale``)."""
+
+    def to_json(self) -> dict:
+        """``{"name": ..., <field>: <value>}`` (enums by value): the description :meth:`from_json` reads back."""
+        out = {"name": self.name}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.value if isinstance(v, enum.Enum) else v
+        return out
+
+    @staticmethod
+    def from_json(d: dict) -> "QuantFormat":
+        """The format described by :meth:`to_json`'s dict; ``ValueError`` naming an unknown format or key."""
+        cls = _FORMATS.get(d.get("name")) if isinstance(d, dict) else None
+        if cls is None:
+            raise ValueError(f"unknown quantization format {d!r} (known: {sorted(_FORMATS)})")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - fields - {"name"}
+        if unknown:
+            raise ValueError(f"quantization format {d!r}: unknown keys {sorted(unknown)} for {cls.__name__}")
+        return cls(**{k: v for k, v in d.items() if k != "name"})
+
+
+def _scale_bytes(scales: jax.Array) -> jax.Array:
+    """The stored scales as ``int32`` bytes (``float8_e4m3fn`` scales by their bit pattern)."""
+    if scales.dtype != jnp.uint8:
+        scales = jax.lax.bitcast_convert_type(scales, jnp.uint8)
+    return scales.astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
-class MXFP4:
+class MXFP4(QuantFormat):
     """OCP MXFP4: E2M1 elements, one E8M0 (power-of-two) scale per ``block_size`` elements."""
 
+    name: ClassVar[str] = "mxfp4"
+    standard_block_size: ClassVar[int] = 32
+    has_tensor_scale: ClassVar[bool] = False
+    scale_dtype: ClassVar[np.dtype] = np.dtype(np.uint8)
     block_size: int = 32
     scale_mode: ScaleMode = ScaleMode.FLOOR
 
     def __post_init__(self):
-        if self.block_size % 2 or self.block_size <= 0:
-            raise ValueError(f"MXFP4 block_size={self.block_size} must be a positive even number")
+        super().__post_init__()
         object.__setattr__(self, "scale_mode", ScaleMode(self.scale_mode))
 
-    @property
-    def name(self) -> str:
-        return "mxfp4"
+    def tensor_scale(self, x: jax.Array) -> jax.Array:
+        return jnp.float32(1.0)
+
+    def quantize_blocks(self, blocks: jax.Array, tensor_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return mxfp4_quantize_blocks(blocks, self.scale_mode)
+
+    def dequantize_blocks(self, codes: jax.Array, scales: jax.Array, tensor_scale: jax.Array) -> jax.Array:
+        """Products with the E8M0 scale are exact power-of-two shifts; byte 0 is applied as ``(v * 2**-63) * 2**-64``
+        so that the results that are normal floats survive, then subnormal results are flushed."""
+        values = e2m1_decode(codes)
+        b = scales.astype(jnp.int32)[..., None]
+        scale_hi = jax.lax.bitcast_convert_type(jnp.clip(b, 1, 254) << 23, jnp.float32)
+        out = jnp.where(b == 0, (values * jnp.float32(2.0**-63)) * jnp.float32(2.0**-64), values * scale_hi)
+        out = jnp.where(b == E8M0_NAN, jnp.nan, out)
+        return flush_subnormals(out)
+
+    def scale_factors(self, scales: jax.Array, exponent_offset: int = 0) -> jax.Array:
+        """``2**(byte - 127 + exponent_offset)`` built from bits: exact for bytes in ``[1, 254 - exponent_offset]``,
+        clamped to ``2**127`` above; byte 0 gives 0 (below the GPU kernels' exact range of bytes ``[2, 248]``; the
+        reference keeps such a block's normal results); byte 0xFF gives NaN."""
+        s = _scale_bytes(scales)
+        mult = jax.lax.bitcast_convert_type(jnp.minimum(s + exponent_offset, 254) << 23, jnp.float32)
+        mult = jnp.where(s == 0, jnp.float32(0.0), mult)
+        return jnp.where(s == E8M0_NAN, jnp.float32(jnp.nan), mult)
+
+    def saturation_limit(self, scales: jax.Array, tensor_scale: jax.Array) -> jax.Array:
+        # 6 * 2**e = 1.5 * 2**(e + 2), built from bits so that e = -127 does not underflow; a NaN scale never
+        # saturates.
+        e_plus_2 = scales.astype(jnp.int32) - E8M0_BIAS + 2
+        limit = jnp.where(e_plus_2 > 127, jnp.inf, 1.5 * pow2(jnp.clip(e_plus_2, -126, 127)))
+        return jnp.where(scales == E8M0_NAN, jnp.nan, limit)
 
 
 @dataclasses.dataclass(frozen=True)
-class NVFP4:
+class NVFP4(QuantFormat):
     """NVFP4: E2M1 elements, one E4M3 scale per 16 elements, one fp32 per-tensor scale."""
 
+    name: ClassVar[str] = "nvfp4"
+    standard_block_size: ClassVar[int] = 16
+    has_tensor_scale: ClassVar[bool] = True
+    scale_dtype: ClassVar[np.dtype] = np.dtype(jnp.float8_e4m3fn)
     block_size: int = 16
 
-    def __post_init__(self):
-        if self.block_size % 2 or self.block_size <= 0:
-            raise ValueError(f"NVFP4 block_size={self.block_size} must be a positive even number")
+    def tensor_scale(self, x: jax.Array) -> jax.Array:
+        return nvfp4_tensor_scale(x)
 
-    @property
-    def name(self) -> str:
-        return "nvfp4"
+    def quantize_blocks(self, blocks: jax.Array, tensor_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return nvfp4_quantize_blocks(blocks, tensor_scale)
+
+    def dequantize_blocks(self, codes: jax.Array, scales: jax.Array, tensor_scale: jax.Array) -> jax.Array:
+        return flush_subnormals(e2m1_decode(codes) * scales.astype(jnp.float32)[..., None] * tensor_scale)
+
+    def scale_factors(self, scales: jax.Array, exponent_offset: int = 0) -> jax.Array:
+        """``f32(e4m3 scale) * 2**exponent_offset`` (exact for the offsets the kernels use)."""
+        s8 = jax.lax.bitcast_convert_type(_scale_bytes(scales).astype(jnp.uint8), jnp.float8_e4m3fn)
+        return s8.astype(jnp.float32) * jnp.float32(2.0**exponent_offset)
+
+    def saturation_limit(self, scales: jax.Array, tensor_scale: jax.Array) -> jax.Array:
+        return scales.astype(jnp.float32) * tensor_scale * jnp.float32(E2M1_MAX)
 
 
-QuantFormat = Union[MXFP4, NVFP4]
+_FORMATS = {cls.name: cls for cls in (MXFP4, NVFP4)}
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("codes", "scales", "tensor_scale"),
@@ -183,7 +313,7 @@ def flush_subnormals(x_f32: jax.Array) -> jax.Array:
     return jnp.where(is_sub, jax.lax.bitcast_convert_type(bits & _F32_SIGN_MASK, jnp.float32), x_f32)
 
 
-def _pow2(exponent: jax.Array) -> jax.Array:
+def pow2(exponent: jax.Array) -> jax.Array:
     """``2.0 ** exponent`` as f32 built from bits; ``exponent`` int32 in ``[-126, 127]`` (normal range)."""
     return jax.lax.bitcast_convert_type((exponent + 127).astype(jnp.int32) << 23, jnp.float32)
 
@@ -234,7 +364,7 @@ def mx_shared_exponent(amax: jax.Array, mode: ScaleMode) -> jax.Array:
         # ceil(log2(amax / 6)): the smallest e with amax <= 6 * 2**e. Exact: compare amax with 6 * 2**e_floor.
         # With amax in [2**f, 2**(f+1)): e = f - 2 if amax <= 6 * 2**(f-2) = 1.5 * 2**f, else f - 1 (exact compare).
         e_floor = floor_log2 - 2
-        threshold = 1.5 * _pow2(jnp.clip(floor_log2, -126, 127))
+        threshold = 1.5 * pow2(jnp.clip(floor_log2, -126, 127))
         e = jnp.where(amax > threshold, e_floor + 1, e_floor)
         e = jnp.where(exp_field == 0, -127, e)
     else:  # pragma: no cover - enum is closed
@@ -257,25 +387,11 @@ def mxfp4_quantize_blocks(x_blocks: jax.Array, mode: ScaleMode = ScaleMode.FLOOR
     nonfinite = jnp.any((bits & _F32_EXP_MASK) == _F32_EXP_MASK, axis=-1)
     amax = jnp.max(jnp.abs(jnp.where((bits & _F32_EXP_MASK) == _F32_EXP_MASK, 0.0, x)), axis=-1)
     e = mx_shared_exponent(amax, mode)
-    inv_scale = _pow2(jnp.clip(-e, -126, 127))  # 2**-e; e <= 126 for finite f32 input
+    inv_scale = pow2(jnp.clip(-e, -126, 127))  # 2**-e; e <= 126 for finite f32 input
     codes = e2m1_encode(flush_subnormals(x * inv_scale[..., None]))
     codes = jnp.where(nonfinite[..., None], jnp.uint8(0), codes)
     scale_bytes = jnp.where(nonfinite, jnp.uint8(E8M0_NAN), (e + E8M0_BIAS).astype(jnp.uint8))
     return codes, scale_bytes
-
-
-def _mxfp4_dequantize_blocks(codes: jax.Array, scale_bytes: jax.Array) -> jax.Array:
-    """``(..., block)`` codes and ``(...)`` E8M0 bytes -> f32 values ``(..., block)``.
-
-    Products with the E8M0 scale are exact powers-of-two shifts; byte 0 is handled as ``(v * 2**-63) * 2**-64``
-    so that results that are normal floats survive, then subnormal results are flushed.
-    """
-    values = e2m1_decode(codes)
-    b = scale_bytes.astype(jnp.int32)[..., None]
-    scale_hi = jax.lax.bitcast_convert_type(jnp.clip(b, 1, 254) << 23, jnp.float32)
-    out = jnp.where(b == 0, (values * jnp.float32(2.0**-63)) * jnp.float32(2.0**-64), values * scale_hi)
-    out = jnp.where(b == E8M0_NAN, jnp.nan, out)
-    return flush_subnormals(out)
 
 
 def _e4m3_round(x: jax.Array) -> jax.Array:
@@ -346,7 +462,9 @@ def divide_rn(x: jax.Array, y) -> jax.Array:
 def nvfp4_tensor_scale(x: jax.Array) -> jax.Array:
     """NVFP4 per-tensor scale ``amax(|x|) / (448 * 6)`` (f32 ``()``); ``1.0`` for an all-zero (or non-finite) tensor."""
     xf = flush_subnormals(x.astype(jnp.float32))
-    amax = jnp.max(jnp.abs(jnp.where(jnp.isfinite(xf), xf, 0.0)))  # non-finite blocks become NaN on their own
+    # initial=0: an empty array has amax 0 (scale 1.0); |x| >= 0, so non-empty results are unchanged. Non-finite
+    # blocks become NaN on their own.
+    amax = jnp.max(jnp.abs(jnp.where(jnp.isfinite(xf), xf, 0.0)), initial=0.0)
     ok = amax > 0
     return jnp.where(ok, divide_rn(amax, E4M3_MAX * E2M1_MAX), jnp.float32(1.0))
 
@@ -378,11 +496,6 @@ def nvfp4_quantize_blocks(x_blocks: jax.Array, tensor_scale: jax.Array) -> tuple
     codes = jnp.where(nonfinite[..., None], jnp.uint8(0), codes)
     s_blk = jnp.where(nonfinite, jnp.array(jnp.nan, jnp.float8_e4m3fn), s_blk)
     return codes, s_blk
-
-
-def _nvfp4_dequantize_blocks(codes: jax.Array, block_scales: jax.Array, tensor_scale: jax.Array) -> jax.Array:
-    values = e2m1_decode(codes)
-    return flush_subnormals(values * block_scales.astype(jnp.float32)[..., None] * tensor_scale)
 
 
 def pack_nibbles(codes: jax.Array) -> jax.Array:
@@ -424,34 +537,39 @@ def _check_dtype(x: jax.Array, what: str) -> None:
         raise TypeError(f"{what}: expected a floating dtype (float32/bfloat16/float16), got {x.dtype}")
 
 
-def quantize(x: jax.Array, fmt: QuantFormat = MXFP4(), *, pad: bool = False) -> QuantizedArray:
+def _check_format(fmt, what: str) -> None:
+    if not isinstance(fmt, QuantFormat):
+        raise TypeError(f"{what}: unknown quantization format {fmt!r} (expected MXFP4(...) or NVFP4(...))")
+
+
+def quantize(x: jax.Array, fmt: QuantFormat = MXFP4(), *, pad: bool = False,
+             tensor_scale: Optional[jax.Array] = None) -> QuantizedArray:
     """Block-quantizes ``x (..., d)`` along its last axis.
 
     Args:
-      x: ``float32 | bfloat16 | float16 (..., d)``.
+      x: ``float32 | bfloat16 | float16 (..., d)``; empty arrays (e.g. ``(0, d)``) are valid.
       fmt: :class:`MXFP4` or :class:`NVFP4`.
       pad: zero-pad ``d`` to a multiple of the block size instead of raising.
+      tensor_scale: formats with a per-tensor scale (NVFP4) only: use this ``float32 ()`` instead of
+        ``fmt.tensor_scale(x)``.
 
     Returns:
       A :class:`QuantizedArray` with ``codes (..., d' // 2)`` and ``scales (..., d' // block)`` (``d'`` = padded d).
     """
     _check_dtype(x, "quantize")
+    _check_format(fmt, "quantize")
     n_pad = _check_width(x.shape, fmt, pad, "quantize")
+    if tensor_scale is not None and not fmt.has_tensor_scale:
+        raise ValueError(f"quantize: {fmt.name} has no per-tensor scale; tensor_scale must be None")
     x_in = x
     if n_pad:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n_pad)])
     block = fmt.block_size
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
-    if isinstance(fmt, MXFP4):
-        codes, scales = mxfp4_quantize_blocks(blocks, fmt.scale_mode)
-        tensor_scale = jnp.float32(1.0)
-    elif isinstance(fmt, NVFP4):
-        tensor_scale = nvfp4_tensor_scale(x)
-        codes, scales = nvfp4_quantize_blocks(blocks, tensor_scale)
-    else:
-        raise TypeError(f"unknown quantization format {fmt!r}")
+    ts = fmt.tensor_scale(x) if tensor_scale is None else jnp.asarray(tensor_scale, jnp.float32)
+    codes, scales = fmt.quantize_blocks(blocks, ts)
     packed = pack_nibbles(codes.reshape(x.shape))
-    return QuantizedArray(codes=packed, scales=scales, tensor_scale=jnp.asarray(tensor_scale, jnp.float32), fmt=fmt,
+    return QuantizedArray(codes=packed, scales=scales, tensor_scale=jnp.asarray(ts, jnp.float32), fmt=fmt,
                           dtype=np.dtype(x_in.dtype))
 
 
@@ -465,11 +583,8 @@ def dequantize(q: QuantizedArray, dtype=None) -> jax.Array:
     block = q.fmt.block_size
     codes = unpack_nibbles(q.codes)
     codes = codes.reshape(*codes.shape[:-1], codes.shape[-1] // block, block)
-    if isinstance(q.fmt, MXFP4):
-        values = _mxfp4_dequantize_blocks(codes, q.scales)
-    else:
-        values = _nvfp4_dequantize_blocks(codes, q.scales, q.tensor_scale)
-    return values.reshape(*values.shape[:-2], -1).astype(dtype)
+    values = q.fmt.dequantize_blocks(codes, q.scales, q.tensor_scale)
+    return values.reshape(q.shape).astype(dtype)
 
 
 SteMode = Literal["identity", "clipped"]
@@ -479,15 +594,7 @@ def _fake_quant_forward(x: jax.Array, fmt: QuantFormat, pad: bool) -> tuple[jax.
     """Returns (fake-quantized x in x.dtype, saturation mask (bool, same shape))."""
     q = quantize(x, fmt, pad=pad)
     x_hat = dequantize(q, jnp.float32)[..., : x.shape[-1]]
-    block = fmt.block_size
-    if isinstance(fmt, MXFP4):
-        # 6 * 2**e = 1.5 * 2**(e + 2), built from bits so that e = -127 does not underflow; NaN scale -> never saturated.
-        e_plus_2 = q.scales.astype(jnp.int32) - E8M0_BIAS + 2
-        limit = jnp.where(e_plus_2 > 127, jnp.inf, 1.5 * _pow2(jnp.clip(e_plus_2, -126, 127)))
-        limit = jnp.where(q.scales == E8M0_NAN, jnp.nan, limit)
-    else:
-        limit = q.scales.astype(jnp.float32) * q.tensor_scale * jnp.float32(E2M1_MAX)
-    limit = jnp.repeat(limit, block, axis=-1)[..., : x.shape[-1]]
+    limit = jnp.repeat(fmt.saturation_limit(q.scales, q.tensor_scale), fmt.block_size, axis=-1)[..., : x.shape[-1]]
     saturated = jnp.abs(x.astype(jnp.float32)) > limit
     return x_hat.astype(x.dtype), saturated
 
@@ -522,6 +629,7 @@ def fake_quant(x: jax.Array, fmt: QuantFormat = MXFP4(), *, ste: SteMode = "iden
       pad: zero-pad the last axis to a block multiple internally (output keeps ``d`` columns).
     """
     _check_dtype(x, "fake_quant")
+    _check_format(fmt, "fake_quant")
     _check_width(x.shape, fmt, pad, "fake_quant")
     if ste not in ("identity", "clipped"):
         raise ValueError(f"ste={ste!r} must be 'identity' or 'clipped'")

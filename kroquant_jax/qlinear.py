@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kroquant_jax import transforms
-from kroquant_jax.formats import (MXFP4, NVFP4, QuantFormat, QuantizedArray, ScaleMode, check_finite, dequantize,
-                                  fake_quant, quantize)
+from kroquant_jax.formats import (MXFP4, QuantFormat, QuantizedArray, check_finite, dequantize, fake_quant,
+                                  quantize)
 from kroquant_jax.fileio import atomic_write_bytes
 
 __all__ = ["QLinearConfig", "QuantizedLinear", "QLinearStore", "build_qlinear", "effective_weight", "load_qlinear",
@@ -260,26 +260,12 @@ def random_qlinear(w: jax.Array, key: jax.Array, rank: int) -> QuantizedLinear:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _fmt_to_json(fmt: QuantFormat) -> dict:
-    if isinstance(fmt, MXFP4):
-        return {"name": "mxfp4", "block_size": fmt.block_size, "scale_mode": ScaleMode(fmt.scale_mode).value}
-    return {"name": "nvfp4", "block_size": fmt.block_size}
-
-
-def _fmt_from_json(d: dict) -> QuantFormat:
-    if d["name"] == "mxfp4":
-        return MXFP4(block_size=d["block_size"], scale_mode=ScaleMode(d["scale_mode"]))
-    if d["name"] == "nvfp4":
-        return NVFP4(block_size=d["block_size"])
-    raise ValueError(f"unknown quantization format {d!r}")
-
-
 def _qa_state(prefix: str, q: QuantizedArray, state: dict) -> dict:
     state[f"{prefix}.codes"] = np.asarray(q.codes)
     scales = np.asarray(q.scales)
     state[f"{prefix}.scales"] = scales.view(np.uint8) if scales.dtype != np.uint8 else scales
     state[f"{prefix}.tensor_scale"] = np.asarray(q.tensor_scale, np.float32).reshape(1)
-    return {"fmt": _fmt_to_json(q.fmt), "dtype": np.dtype(q.dtype).name, "scales_dtype": scales.dtype.name}
+    return {"fmt": q.fmt.to_json(), "dtype": np.dtype(q.dtype).name, "scales_dtype": scales.dtype.name}
 
 
 def _qa_from_state(prefix: str, meta: dict, state: Mapping[str, np.ndarray]) -> QuantizedArray:
@@ -291,7 +277,7 @@ def _qa_from_state(prefix: str, meta: dict, state: Mapping[str, np.ndarray]) -> 
     return QuantizedArray(codes=jnp.asarray(state[f"{prefix}.codes"]), scales=jnp.asarray(scales),
                           tensor_scale=jnp.asarray(np.asarray(state[f"{prefix}.tensor_scale"]).reshape(()),
                                                    jnp.float32),
-                          fmt=_fmt_from_json(meta["fmt"]), dtype=np.dtype(meta["dtype"]))
+                          fmt=QuantFormat.from_json(meta["fmt"]), dtype=np.dtype(meta["dtype"]))
 
 
 def to_state(layer: QuantizedLinear) -> tuple[dict, dict]:
@@ -299,7 +285,7 @@ def to_state(layer: QuantizedLinear) -> tuple[dict, dict]:
     cfg = layer.config
     state = {"blocks": np.asarray(layer.blocks, np.float32)}
     meta = {"config": {"in_features": cfg.in_features, "out_features": cfg.out_features, "transform": cfg.transform,
-                       "act_fmt": _fmt_to_json(cfg.act_fmt), "rank": cfg.rank, "ste": cfg.ste},
+                       "act_fmt": cfg.act_fmt.to_json(), "rank": cfg.rank, "ste": cfg.ste},
             "weight": _qa_state("weight", layer.weight, state), "has_params": layer.transform_params is not None,
             "has_bias": layer.bias is not None, "lowrank": None}
     if layer.transform_params is not None:
@@ -322,7 +308,7 @@ def from_state(state: Mapping[str, np.ndarray], meta: dict) -> QuantizedLinear:
     """Inverse of :func:`to_state`."""
     c = meta["config"]
     cfg = QLinearConfig(in_features=c["in_features"], out_features=c["out_features"], transform=c["transform"],
-                        act_fmt=_fmt_from_json(c["act_fmt"]), rank=c["rank"], ste=c["ste"])
+                        act_fmt=QuantFormat.from_json(c["act_fmt"]), rank=c["rank"], ste=c["ste"])
     params = None
     if meta["has_params"]:
         template = transforms.get(cfg.transform).init(cfg.in_features)

@@ -105,7 +105,7 @@ SMEM_BUDGET_BYTES = 200 * 1024
 def operand_smem_bytes(kind: str, block_m: int, cols: int, block_k: int, num_stages: int) -> int:
     """Shared memory of the software-pipelined A and W tiles: ``num_stages * (A tile + W tile)`` in bytes.
 
-    ``kind`` is the operand kind of :func:`check_operands` ("bf16", "mxfp4", "nvfp4"): bf16 tiles take 2 bytes per
+    ``kind`` is "bf16" or the packed operands' format name ("mxfp4", "nvfp4"): bf16 tiles take 2 bytes per
     element; packed FP4 tiles take half a byte per element plus one scale byte per block (32 for MXFP4, 16 for NVFP4).
     This is what Triton requested on the H200 (``3 * (64*128*2 + 256*128*2) = 245760`` for the bf16 RMSNorm kernel).
     """
@@ -249,7 +249,7 @@ def gemm_swiglu_reference(a, w_fused, *, lowrank=None, bias=None, out_dtype=jnp.
 def _epilogue_kernel(*refs, spec: OperandSpec, k: int, epilogue: str, tile: int, n_sub: int, has_lowrank: bool,
                      lowrank_packed: bool, has_bias: bool, eps: float, has_alias: bool):
     refs = list(refs)
-    n_op = 1 if spec.kind == "bf16" else 2
+    n_op = 2 if spec.packed else 1
     a_refs, refs = refs[:n_op], refs[n_op:]
     w_refs, refs = refs[:n_op], refs[n_op:]
     ts_ref = refs.pop(0) if spec.has_tensor_scale else None
@@ -306,9 +306,10 @@ def _epilogue_kernel(*refs, spec: OperandSpec, k: int, epilogue: str, tile: int,
 
 def _fused_call(a, w, *, epilogue: Epilogue, head_dim: int, norm_weight, eps: float, lowrank, bias,
                 block_sizes: Optional[EpilogueBlockSizes], compute: Compute, out_dtype, out, interpret: bool):
-    kind, m, n, k = check_operands(a, w)
+    fmt, m, n, k = check_operands(a, w)
+    kind = "bf16" if fmt is None else fmt.name  # the operand kind of the tiling rule and the kernel name
     bs = block_sizes or _default_blocks(m, k, kind=kind, cols=head_dim if epilogue == "rmsnorm" else EPILOGUE_TILE)
-    spec = OperandSpec(kind=kind, compute=compute if kind != "bf16" else "bf16", block_k=bs.block_k)
+    spec = OperandSpec(fmt=fmt, compute=compute if fmt is not None else "bf16", block_k=bs.block_k)
     if compute == "fp8" and kind != "mxfp4":
         raise ValueError("compute='fp8' supports MXFP4 only")
     if epilogue == "rmsnorm":

@@ -66,7 +66,7 @@ from pallas_kernels import transform_quantize as tq
 from pallas_kernels._compat import on_gpu
 from pallas_kernels.epilogues import (EpilogueBlockSizes, gemm_reference, gemm_rmsnorm, gemm_swiglu, permute_rows,
                                       rmsnorm_heads, swiglu_permutation)
-from pallas_kernels.w4a4_gemm import (BlockSizes, Compute, _kind_of, dequantize_bf16, even_odd_permutation,
+from pallas_kernels.w4a4_gemm import (BlockSizes, Compute, dequantize_bf16, even_odd_permutation, keeps_lowrank_packed,
                                       w4a4_matmul, w4a4_matmul_dequant)
 
 __all__ = [
@@ -176,7 +176,7 @@ def serve_layer(layer, *, swiglu: bool = False, transform_kernel: Optional[str] 
     left = right = None
     if layer.lowrank_left is not None:
         left = layer.lowrank_left
-        packed = isinstance(left, QuantizedArray) and _kind_of(left) == "mxfp4" and left.shape[1] >= 32
+        packed = keeps_lowrank_packed(left)
         if not packed:
             left = (dequantize(left, jnp.float32) if isinstance(left, QuantizedArray) else jnp.asarray(left))
             left = left.astype(jnp.bfloat16)

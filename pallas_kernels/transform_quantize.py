@@ -16,9 +16,10 @@ scales (MXFP4: E8M0 bytes ``(m, d/32)``; NVFP4: E4M3 ``(m, d/16)`` plus the fp32
 
 **Numerics (the "same math order" contract).** The reference is ``formats.quantize(apply_to_activations(A, blocks))``:
 the transform in f32, the result rounded to ``A.dtype``, then quantized. The kernels do the same: ``y`` in f32, cast to
-``A.dtype`` and back, then the per-tile quantizer of this module (:func:`mx_quantize_tile`, :func:`nv_quantize_tile`),
-built from :mod:`kroquant_jax.formats`' shared per-element functions (``flush_subnormals``, ``mx_shared_exponent``,
-``e2m1_encode``) and tested bit for bit against ``mxfp4_quantize_blocks`` / ``nvfp4_quantize_blocks``.
+``A.dtype`` and back, then the per-tile quantizer of :mod:`pallas_kernels.fp4_tile` (``mx_quantize_tile``,
+``mx_quantize_pair``, ``nv_quantize_tile``), built from :mod:`kroquant_jax.formats`' shared per-element functions
+(``flush_subnormals``, ``mx_shared_exponent``, ``e2m1_encode``) and tested bit for bit against
+``mxfp4_quantize_blocks`` / ``nvfp4_quantize_blocks``.
 The only difference is inside the transform:
 
 * ``q4``, ``scale``: none (one f32 multiply), so codes and scales are bit-exact.
@@ -32,7 +33,7 @@ The only difference is inside the transform:
 
 **Lowering.** The kernels use the Pallas Triton lowering (``compiler_params=pltriton.CompilerParams``), deprecated
 from jax 0.11 but still shipped; see ``docs/kernels.md`` for why. Q4 and K1 also exist through Mosaic GPU
-(:mod:`pallas_kernels.transform_quantize_mgpu`, sharing this module's per-tile math; not the default). On other backends
+(:mod:`pallas_kernels.transform_quantize_mgpu`, sharing :mod:`pallas_kernels.fp4_tile`; not the default). On other backends
 :func:`transform_quantize` runs the jnp reference; ``impl="interpret"`` runs the kernel bodies through
 ``pallas_call(interpret=True)`` (what CPU CI tests).
 
@@ -52,8 +53,9 @@ import numpy as np
 
 from kroquant_jax import formats as F
 from kroquant_jax import transforms as T
-from kroquant_jax.formats import MXFP4, NVFP4, QuantizedArray, ScaleMode
+from kroquant_jax.formats import MXFP4, QuantFormat, QuantizedArray
 from kroquant_jax.transforms import kron_lu
+from pallas_kernels import fp4_tile
 from pallas_kernels._compat import on_gpu, pl, pltriton, triton_compiler_params
 
 __all__ = [
@@ -61,12 +63,9 @@ __all__ = [
     "KINDS",
     "default_block_sizes",
     "PreparedTransform",
-    "mx_quantize_pair",
-    "mx_quantize_tile",
-    "mx_quantize_tile_simple",
-    "nv_quantize_tile",
     "prepare",
     "reference_apply",
+    "split_block",
     "reference_transform_quantize",
     "transform_fake_quant",
     "transform_quantize",
@@ -74,8 +73,6 @@ __all__ = [
 
 KINDS = ("q4", "scale", "k1", "k2", "k2s", "fwht")
 BLOCK = 32
-_EXP_MASK = 0x7F800000
-_E4M3_NAN = 0x7F
 _KPARAM_WIDTH = 16  # a(5), b(5), c(5), one pad: a power of two for the Triton lowering
 
 
@@ -86,7 +83,7 @@ _KPARAM_WIDTH = 16  # a(5), b(5), c(5), one pad: a power of two for the Triton l
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tiling of the kernels (static).
+    """Tiling of the kernels (static): only the fields that choose tiles and launch parameters.
 
     Attributes:
       block_rows: rows ``BR`` per program (a power of two >= 16, the tensor-core minimum).
@@ -95,20 +92,13 @@ class BlockSizes:
       num_warps, num_stages: Triton launch parameters.
       dot_passes: 1, 2 or 3 ``A.dtype`` parts of each f32 block in the K1/K2 tensor-core product (module docstring;
         :func:`default_block_sizes` uses 3 for bf16, 2 for fp16).
-      vector_tile: ``q4``/``scale`` quantize the whole ``(BR, BD)`` tile at once (else 32 columns at a time, as K1/K2).
       fwht_rows, fwht_num_warps: tiling of the full-width FWHT (each program holds ``fwht_rows`` whole rows).
-      fwht_variant: ``"axis"`` (one size-2 reduction per bit axis) or ``"shuffle"`` (constant-geometry stages).
-      fast_encode: MXFP4 codes by :func:`mx_quantize_tile` (integer form, ~20 ops/element) instead of
-        :func:`mx_quantize_tile_simple` (formats' functions verbatim, ~45 ops/element); both bit-exact.
-      split_dot: K1/K2 with MXFP4 output compute the even and odd output columns of each 32-block by two (32, 16)
-        products and quantize them with :func:`mx_quantize_pair`, so no reshape follows the tensor-core product.
-      cols_first: launch the grid with the column tile as the fastest-varying program index.
-      chunk_loop: ``"static"`` unrolls the loop over the column chunks of a tile; ``"fori"`` makes it a
-        ``lax.fori_loop`` (an ``scf.for`` that Triton software-pipelines over ``num_stages``), for wide tiles.
-      chunk_cols: q4/scale with ``vector_tile``: quantize the tile ``chunk_cols`` columns at a time (0: all of ``BD``).
-      wide_quantize: k1/k2/k2s (MXFP4, 0 = off): compute the products of ``wide_quantize`` (2 or 4) consecutive
-        32-column blocks, join them into one ``(BR, 32 * wide_quantize)`` tile (``stack``/``transpose``/``reshape``)
-        and quantize that tile at once (:func:`mx_quantize_tile`), instead of one 32-column block at a time.
+
+    How a tile is processed follows from the kind and the tile (the variants the H200 measured fastest,
+    ``docs/kernels.md`` "Kernel variants"): q4/scale quantize the whole ``(BR, BD)`` tile at once; k1/k2/k2s compute
+    one 32-column block product at a time (MXFP4: as even/odd column halves, quantized without a reshape), K1 with
+    MXFP4 and ``BD >= 64`` two block products joined into one 64-column tile; a tile of several column chunks is
+    walked by a ``lax.fori_loop`` (software-pipelined over ``num_stages``); fwht runs constant-geometry stages.
     """
 
     block_rows: int = 64
@@ -116,16 +106,8 @@ class BlockSizes:
     num_warps: int = 4
     num_stages: int = 1
     dot_passes: int = 3
-    vector_tile: bool = True
     fwht_rows: int = 1
     fwht_num_warps: int = 8
-    fwht_variant: str = "shuffle"
-    fast_encode: bool = True
-    split_dot: bool = True
-    cols_first: bool = False
-    chunk_loop: str = "static"
-    chunk_cols: int = 0
-    wide_quantize: int = 0
 
     def __post_init__(self):
         for name in ("block_rows", "fwht_rows"):
@@ -139,14 +121,9 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.block_cols={self.block_cols} must be 32 * a power of two")
         if self.dot_passes not in (1, 2, 3):
             raise ValueError(f"BlockSizes.dot_passes={self.dot_passes} must be 1, 2 or 3")
-        if self.chunk_cols and (self.chunk_cols % BLOCK or (self.chunk_cols // BLOCK) & (self.chunk_cols // BLOCK - 1)):
-            raise ValueError(f"BlockSizes.chunk_cols={self.chunk_cols} must be 0 or 32 * a power of two")
-        if self.chunk_loop not in ("static", "fori"):
-            raise ValueError(f"BlockSizes.chunk_loop={self.chunk_loop!r} must be 'static' or 'fori'")
-        if self.wide_quantize not in (0, 2, 4):
-            raise ValueError(f"BlockSizes.wide_quantize={self.wide_quantize} must be 0, 2 or 4")
-        if self.fwht_variant not in ("axis", "shuffle"):
-            raise ValueError(f"BlockSizes.fwht_variant={self.fwht_variant!r} must be 'axis' or 'shuffle'")
+        for name in ("num_warps", "num_stages", "fwht_num_warps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"BlockSizes.{name}={getattr(self, name)} must be >= 1")
 
     def cols_for(self, d: int) -> int:
         """The column tile for width ``d``: the largest ``32 * 2**k <= block_cols`` that divides ``d``."""
@@ -161,8 +138,8 @@ def default_block_sizes(kind: str, m: int, d: int, dtype=None) -> BlockSizes:
 
     K1/K2 split the f32 block into ``dot_passes`` parts of ``A.dtype``: 3 for bf16 (8 + 8 + 8 mantissa bits, an exact
     split), 2 for fp16 (11 + 11 bits; the third fp16 part is mostly below fp16's range anyway): measured on the H200,
-    fp16 with 2 parts is 5-7% faster than 3 and differs from the f32 reference in as few codes (3.6e-7 vs 4.8e-7 of
-    them at 4096x4096, 0 scales), while bf16 with 2 parts would differ in 1.0e-5 of them (docs/kernels.md).
+    fp16 with 2 parts is faster than 3 and differs from the f32 reference in as few codes, while bf16 with 2 parts
+    would differ in many more (docs/kernels.md).
     """
     passes = 2 if (dtype is not None and jnp.dtype(dtype) == jnp.dtype(jnp.float16)) else 3
     if kind == "q4":
@@ -172,10 +149,9 @@ def default_block_sizes(kind: str, m: int, d: int, dtype=None) -> BlockSizes:
     if kind == "fwht":
         return BlockSizes(fwht_rows=1 if d >= 8192 else 2, fwht_num_warps=16)
     if kind == "k1" and d % 256 == 0 and -(-m // 64) * (d // 256) >= 512:
-        # 256-wide tiles walked by a pipelined loop: -11% at 4096x4096 and 4096x16384; with fewer than ~512 such
-        # programs (m = 512, d <= 4096; 4096 x 1024) the grid is too small and one block per program is faster.
-        return BlockSizes(block_rows=64, block_cols=256, num_warps=4, chunk_loop="fori", num_stages=3,
-                          dot_passes=passes)
+        # 256-wide tiles walked by a pipelined loop; with fewer than ~512 such programs the grid is too small and
+        # one block per program is faster (docs/kernels.md, Tiling).
+        return BlockSizes(block_rows=64, block_cols=256, num_warps=4, num_stages=3, dot_passes=passes)
     return BlockSizes(block_rows=64, block_cols=32, num_warps=4, dot_passes=passes)
 
 
@@ -287,128 +263,8 @@ def prepare(name: str, params: Any = None, *, d: Optional[int] = None, kernel: O
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Per-tile math, shared by the kernels and the tests (pure jnp; lowers through Pallas Triton: no jnp.any, no slicing)
+# Transform math of the kernels (the FP4 tile math is pallas_kernels.fp4_tile)
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def _pow2(exponent: jax.Array) -> jax.Array:
-    """``2.0 ** exponent`` (int32 in ``[-126, 127]``) built from bits."""
-    return jax.lax.bitcast_convert_type((exponent + 127).astype(jnp.int32) << 23, jnp.float32)
-
-
-def _nonfinite(x: jax.Array) -> jax.Array:
-    """``|x|`` is Inf or NaN, from the exponent bits."""
-    return (jax.lax.bitcast_convert_type(x, jnp.int32) & _EXP_MASK) == _EXP_MASK
-
-
-def _pack_pairs(codes: jax.Array) -> jax.Array:
-    """``(R, w)`` codes (any int dtype, values < 16) -> ``uint8 (R, w/2)``, element ``2i`` in the low nibble."""
-    r, w = codes.shape
-    lo, hi = jnp.unstack(codes.astype(jnp.int32).reshape(r, w // 2, 2), axis=-1)
-    return (lo | (hi << 4)).astype(jnp.uint8)
-
-
-def mx_quantize_tile_simple(y: jax.Array, mode: ScaleMode = ScaleMode.FLOOR) -> tuple[jax.Array, jax.Array]:
-    """MXFP4 of a tile, written directly with ``formats``' per-element functions (the slower, obviously-equal form).
-
-    ``y float32 (R, w)`` (``w % 32 == 0``) -> ``(packed uint8 (R, w/2), E8M0 uint8 (R, w/32))``, bit-identical to
-    ``pack_nibbles(mxfp4_quantize_blocks(y))``. Used by the kernels when ``BlockSizes.fast_encode`` is off.
-    """
-    r, w = y.shape
-    x = F.flush_subnormals(y.astype(jnp.float32)).reshape(r, w // BLOCK, BLOCK)
-    nf = _nonfinite(x)
-    nonfinite = jnp.max(nf.astype(jnp.int32), axis=-1) > 0  # (R, nb)
-    amax = jnp.max(jnp.abs(jnp.where(nf, 0.0, x)), axis=-1)  # (R, nb)
-    e = F.mx_shared_exponent(amax, mode)
-    inv_scale = _pow2(jnp.clip(-e, -126, 127))
-    codes = F.e2m1_encode(F.flush_subnormals(x * inv_scale[..., None])).astype(jnp.int32)
-    codes = jnp.where(nonfinite[..., None], 0, codes)
-    scale_bytes = jnp.where(nonfinite, F.E8M0_NAN, e + F.E8M0_BIAS).astype(jnp.uint8)
-    return _pack_pairs(codes.reshape(r, w)), scale_bytes
-
-
-# Integer forms of the E2M1 thresholds (non-negative f32 order like their bit patterns).
-_F32_ONE_BITS = 0x3F800000
-_F32_SIX_BITS = 0x40C00000
-_F32_QUARTER_BITS = 0x3E800000
-_F32_THREE_QUARTERS_BITS = 0x3F400000
-_F32_MIN_NORMAL_BITS = 0x00800000
-_ABS_MASK = 0x7FFFFFFF
-
-
-def _block_scale(abs_bits_max: jax.Array, mode: ScaleMode) -> tuple[jax.Array, jax.Array]:
-    """Per block: from the integer max of ``|x|`` bits -> (f32 ``2**-e`` multiplier, E8M0 byte int32).
-
-    A block holding Inf/NaN (max bits >= 0x7F800000) gets the NaN byte and a zero multiplier (its codes are zeroed by
-    the caller via :func:`_nan_block_mask`); a block whose max is subnormal flushes to ``amax = 0``.
-    """
-    nonfinite = abs_bits_max >= _EXP_MASK
-    amax_bits = jnp.where(abs_bits_max < _F32_MIN_NORMAL_BITS, 0, abs_bits_max)  # flush_subnormals(amax)
-    amax = jax.lax.bitcast_convert_type(jnp.where(nonfinite, 0, amax_bits), jnp.float32)
-    e = F.mx_shared_exponent(amax, mode)
-    inv_scale = jnp.where(nonfinite, 0.0, _pow2(jnp.clip(-e, -126, 127)))
-    scale_byte = jnp.where(nonfinite, F.E8M0_NAN, e + F.E8M0_BIAS)
-    return inv_scale, scale_byte
-
-
-def _e2m1_codes_fast(x: jax.Array, inv_scale: jax.Array) -> jax.Array:
-    """E2M1 codes (int32) of ``x * inv_scale`` with ``formats.e2m1_encode``'s rounding, in ~16 integer ops.
-
-    Equal to ``e2m1_encode(flush_subnormals(flush_subnormals(x) * inv_scale))`` for finite ``x`` and a power-of-two
-    ``inv_scale`` (tested exhaustively over the rounding boundaries): magnitudes >= 1 are rounded to one mantissa bit
-    on the f32 bits (round to nearest even, carry into the exponent), magnitudes < 1 by two compares (0.25 down,
-    0.75 up), saturation at 6 by an integer min. Subnormal ``x`` give magnitude 0 (the flush); the sign bit is kept.
-    """
-    xb = jax.lax.bitcast_convert_type(x, jnp.int32)
-    v = x * inv_scale
-    vb = jax.lax.bitcast_convert_type(v, jnp.int32)
-    mag = jnp.minimum(vb & _ABS_MASK, _F32_SIX_BITS)
-    mag = jnp.where((xb & _ABS_MASK) < _F32_MIN_NORMAL_BITS, 0, mag)
-    hi = ((mag + 0x1FFFFF + ((mag >> 22) & 1)) >> 22) - 252  # 1.0 -> 2, 1.5 -> 3, ..., 6.0 -> 7
-    lo = (mag > _F32_QUARTER_BITS).astype(jnp.int32) + (mag >= _F32_THREE_QUARTERS_BITS).astype(jnp.int32)
-    idx = jnp.where(mag >= _F32_ONE_BITS, hi, lo)
-    return idx | ((vb >> 28) & 8)
-
-
-def mx_quantize_tile(y: jax.Array, mode: ScaleMode = ScaleMode.FLOOR) -> tuple[jax.Array, jax.Array]:
-    """MXFP4 of a tile: ``y float32 (R, w)`` (``w % 32 == 0``) -> ``(packed uint8 (R, w/2), E8M0 uint8 (R, w/32))``.
-
-    Bit-identical to ``pack_nibbles(mxfp4_quantize_blocks(y))`` (tested), with the per-element work cut to ~20
-    integer/f32 ops (the kernels are ALU-bound otherwise): the block max on the integer bits (non-finite blocks
-    detected on the block, not per element), and :func:`_e2m1_codes_fast`.
-    """
-    r, w = y.shape
-    x = y.astype(jnp.float32).reshape(r, w // BLOCK, BLOCK)
-    abs_bits = jax.lax.bitcast_convert_type(x, jnp.int32) & _ABS_MASK
-    inv_scale, scale_byte = _block_scale(jnp.max(abs_bits, axis=-1), mode)  # (R, nb)
-    codes = _e2m1_codes_fast(x, inv_scale[..., None])
-    codes = jnp.where((scale_byte == F.E8M0_NAN)[..., None], 0, codes)
-    return _pack_pairs(codes.reshape(r, w)), scale_byte.astype(jnp.uint8)
-
-
-def mx_quantize_pair(y_even: jax.Array, y_odd: jax.Array, mode: ScaleMode = ScaleMode.FLOOR
-                     ) -> tuple[jax.Array, jax.Array]:
-    """MXFP4 of one 32-wide block per row given as its even and odd columns ``(R, 16)`` each.
-
-    Returns ``(packed uint8 (R, 16), E8M0 uint8 (R, 1))``; no reshape, so it runs in whatever register layout the
-    tensor-core product left ``y_even``/``y_odd`` in (the K1/K2 kernels' ``split_dot`` path).
-    """
-    be = jax.lax.bitcast_convert_type(y_even, jnp.int32) & _ABS_MASK
-    bo = jax.lax.bitcast_convert_type(y_odd, jnp.int32) & _ABS_MASK
-    row_max = jnp.maximum(jnp.max(be, axis=1, keepdims=True), jnp.max(bo, axis=1, keepdims=True))  # (R, 1)
-    inv_scale, scale_byte = _block_scale(row_max, mode)
-    nan_block = scale_byte == F.E8M0_NAN
-    ce = jnp.where(nan_block, 0, _e2m1_codes_fast(y_even, inv_scale))
-    co = jnp.where(nan_block, 0, _e2m1_codes_fast(y_odd, inv_scale))
-    return (ce | (co << 4)).astype(jnp.uint8), scale_byte.astype(jnp.uint8)
-
-
-def _e4m3_round(s: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Round positive normal f32 ``s`` in ``[2**-6, 448]`` to E4M3 (nearest, ties to even) -> (f32 value, int32 byte)."""
-    bits = jax.lax.bitcast_convert_type(s, jnp.int32)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & jnp.int32(-0x100000)
-    byte = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32), byte
 
 
 def _div_rn_ptx(x: jax.Array, y: jax.Array) -> jax.Array:
@@ -423,61 +279,35 @@ def _div_rn_ptx(x: jax.Array, y: jax.Array) -> jax.Array:
     return q
 
 
-def nv_quantize_tile(y: jax.Array, tensor_scale: jax.Array, inv_tensor_scale: jax.Array, *,
-                     divide=None) -> tuple[jax.Array, jax.Array]:
-    """NVFP4 of a tile: ``y float32 (R, w)`` (``w % 16 == 0``) -> ``(packed uint8 (R, w/2), E4M3 bytes uint8 (R, w/16))``.
-
-    ``inv_tensor_scale`` must be ``float32(1) / tensor_scale`` (as ``nvfp4_quantize_blocks`` computes it). Bit-identical
-    to ``nvfp4_quantize_blocks`` (tested); the E4M3 rounding is done on the integer bits. The three f32 divisions
-    (``amax / 6``, ``/ tensor_scale``, ``inv_tensor_scale / s``) go through ``divide(x, y)``, which must round
-    correctly: ``formats.divide_rn`` by default (integer arithmetic: XLA:GPU's f32 division is approximate and XLA
-    rewrites divisions by scalars), :func:`_div_rn_ptx` in the GPU kernel (Triton's own f32 division is approximate).
-    """
-    r, w = y.shape
-    nvb = NVFP4().block_size
-    x = F.flush_subnormals(y.astype(jnp.float32)).reshape(r, w // nvb, nvb)
-    nf = _nonfinite(x)
-    nonfinite = jnp.max(nf.astype(jnp.int32), axis=-1) > 0
-    amax = jnp.max(jnp.abs(jnp.where(nf, 0.0, x)), axis=-1)
-    div = F.divide_rn if divide is None else divide
-    # Two roundings, as formats.nvfp4_quantize_blocks (and torchao): (amax / 6) / ts, each division correctly rounded
-    # (neither divide_rn's integer ops nor the kernel's inline PTX can be fused into one division by XLA).
-    s = jnp.clip(div(div(amax, jnp.float32(F.E2M1_MAX)), tensor_scale), F.E4M3_TINY, F.E4M3_MAX)
-    s, byte = _e4m3_round(s)
-    reciprocal = div(inv_tensor_scale, s)
-    v = F.flush_subnormals(x * reciprocal[..., None])
-    codes = F.e2m1_encode(jnp.clip(v, -F.E2M1_MAX, F.E2M1_MAX)).astype(jnp.int32)
-    codes = jnp.where(nonfinite[..., None], 0, codes)
-    scale_bytes = jnp.where(nonfinite, _E4M3_NAN, byte).astype(jnp.uint8)
-    return _pack_pairs(codes.reshape(r, w)), scale_bytes
+def split_block(k: jax.Array, dtype, passes: int) -> list[jax.Array]:
+    """The f32 block ``k (..., 32, 32)`` as ``passes`` parts of ``dtype``, largest first: ``part_0 = dtype(k)``,
+    ``part_i = dtype(k - sum of the previous parts)`` (3 bf16 parts sum to ``k`` exactly)."""
+    parts = [k.astype(dtype)]
+    rest = k
+    for _ in range(passes - 1):
+        rest = rest - parts[-1].astype(jnp.float32)
+        parts.append(rest.astype(dtype))
+    return parts
 
 
 def _dot_split(x: jax.Array, k: jax.Array, passes: int) -> jax.Array:
     """``x (R, 32)`` (bf16/f16) times the f32 block ``k (32, 32)`` with ``k`` split into ``passes`` parts of x.dtype."""
-    parts = [k.astype(x.dtype)]
-    rest = k
-    for _ in range(passes - 1):
-        rest = rest - parts[-1].astype(jnp.float32)
-        parts.append(rest.astype(x.dtype))
     y = None
-    for p in reversed(parts):  # smallest part first
+    for p in reversed(split_block(k, x.dtype, passes)):  # smallest part first
         t = jnp.dot(x, p, preferred_element_type=jnp.float32)
         y = t if y is None else y + t
     return y
 
 
-def _join_blocks(ys: list) -> jax.Array:
-    """``[y_0, ..., y_{G-1}]`` (G = 2 or 4) of shape ``(R, 32)`` -> ``(R, 32 G)`` with ``y_g`` in columns ``32 g ..``.
+def _join_pair(y0: jax.Array, y1: jax.Array) -> jax.Array:
+    """Two ``(R, 32)`` block products -> ``(R, 64)`` with ``y0`` in columns ``0..31``, ``y1`` in ``32..63``.
 
-    Built from the ops the Pallas Triton lowering has (2-way ``stack`` on a new last axis, ``transpose``, ``reshape``):
-    no concatenate or slicing.
+    Built from the ops the Pallas Triton lowering has (a 2-way ``stack`` on a new last axis, ``transpose``,
+    ``reshape``): no concatenate or slicing.
     """
-    r = ys[0].shape[0]
-    if len(ys) == 2:
-        j = jnp.stack(ys, axis=-1)  # (R, 32, 2): [..., c, g]
-        return jnp.transpose(j, (0, 2, 1)).reshape(r, 2 * BLOCK)
-    j = jnp.stack([jnp.stack(ys[0:2], axis=-1), jnp.stack(ys[2:4], axis=-1)], axis=-1)  # (R, 32, 2, 2): [c, i, k]
-    return jnp.transpose(j, (0, 3, 2, 1)).reshape(r, 4 * BLOCK)  # block 2k + i
+    r = y0.shape[0]
+    j = jnp.stack([y0, y1], axis=-1)  # (R, 32, 2): [..., c, g]
+    return jnp.transpose(j, (0, 2, 1)).reshape(r, 2 * BLOCK)
 
 
 def _kron_block(load_param, inv_col: Optional[jax.Array], col_parity: Optional[int] = None) -> jax.Array:
@@ -514,18 +344,24 @@ def _fwht_scale(d: int) -> float:
     return float(np.float32(h))
 
 
-def _fwht_rows(y: jax.Array, variant: str) -> jax.Array:
-    """Unnormalised Walsh-Hadamard transform (Sylvester order) of each row of ``y float32 (R, d)``."""
+def _fwht_rows(y: jax.Array) -> jax.Array:
+    """Unnormalised Walsh-Hadamard transform (Sylvester order) of each row of ``y float32 (R, d)``, the kernel's form.
+
+    Constant geometry: each stage maps ``x`` to ``[x0+x1, x2+x3, ..., x0-x1, x2-x3, ...]``; ``log2 d`` stages give
+    ``H_d``. Stage ``s`` adds and subtracts the same pairs as :func:`_fwht_rows_axis`'s stage ``s``, in permuted
+    positions.
+    """
     r, d = y.shape
-    n = d.bit_length() - 1
-    if variant == "shuffle":
-        # Constant geometry: out = [x0+x1, x2+x3, ..., x0-x1, x2-x3, ...]; n stages give H_d.
-        for _ in range(n):
-            a, b = jnp.unstack(y.reshape(r, d // 2, 2), axis=-1)
-            y = jnp.swapaxes(jnp.stack([a + b, a - b], axis=-1), 1, 2).reshape(r, d)
-        return y
-    # "axis": H_2 along each bit axis, as a size-2 reduction (no transposes).
-    for s in range(n):
+    for _ in range(d.bit_length() - 1):
+        a, b = jnp.unstack(y.reshape(r, d // 2, 2), axis=-1)
+        y = jnp.swapaxes(jnp.stack([a + b, a - b], axis=-1), 1, 2).reshape(r, d)
+    return y
+
+
+def _fwht_rows_axis(y: jax.Array) -> jax.Array:
+    """:func:`_fwht_rows` as one size-2 reduction per bit axis (no transposes): the jnp reference's form."""
+    r, d = y.shape
+    for s in range(d.bit_length() - 1):
         h = 1 << s
         z = y.reshape(r, d // (2 * h), 2, h)
         first = jax.lax.broadcasted_iota(jnp.int32, z.shape, 2) == 0
@@ -535,20 +371,20 @@ def _fwht_rows(y: jax.Array, variant: str) -> jax.Array:
     return y
 
 
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The kernel
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes, fwht_variant, amax_only,
-            n_poison, fast_encode, split_dot, row_axis, round_y, chunk_loop, stage="quantize", interpret=False,
-            wide=0):
+def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt, passes, amax_only, n_poison, round_y,
+            stage="quantize", interpret=False):
     it = iter(refs)
     a_ref = next(it)
     inv_ref = next(it) if kind in ("scale", "k2s") else None
     k_ref = next(it) if kind == "k1" else None
     p_ref = next(it) if kind in ("k2", "k2s") else None
-    ts_ref = next(it) if (fmt_kind == "nvfp4" and not amax_only) else None
+    ts_ref = next(it) if (fmt.has_tensor_scale and not amax_only) else None
     for _ in range(n_poison):
         next(it)  # aliased output buffers (poison), never read
     out_refs = list(it)
@@ -557,7 +393,7 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes,
     ragged = m % block_rows != 0
     row_mask = None
     if ragged:
-        rows = pl.program_id(row_axis) * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
+        rows = pl.program_id(0) * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
         row_mask = rows < m
 
     def load(ref_view, width):
@@ -571,69 +407,62 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes,
         else:
             pltriton.store(ref_view, value, mask=jnp.broadcast_to(row_mask, value.shape))
 
-    if fmt_kind == "nvfp4" and not amax_only:
-        ts, inv_ts = ts_ref[0, 0], ts_ref[0, 1]
+    tensor_scales = (ts_ref[0, 0], ts_ref[0, 1]) if ts_ref is not None else None
     exact_div = None if interpret else _div_rn_ptx  # interpret mode: formats.divide_rn
-    block = 16 if fmt_kind == "nvfp4" else BLOCK
-    use_wide = bool(wide) and kind in ("k1", "k2", "k2s") and fmt_kind == "mxfp4" and not amax_only
-    use_pair = (split_dot and kind in ("k1", "k2", "k2s") and fmt_kind == "mxfp4" and not amax_only
-                and stage == "quantize" and not use_wide)
+    block = fmt.block_size
+    blockwise = kind in ("k1", "k2", "k2s")
+    # MXFP4 block products: K1 joins two into a 64-column tile when the chunk is 64 wide; otherwise each block is
+    # computed as its even and odd column halves and quantized as a pair (no reshape after the product).
+    use_join = blockwise and chunk == 2 * BLOCK and not amax_only
+    use_pair = (blockwise and not fmt.has_tensor_scale and not amax_only and stage == "quantize" and not use_join)
+
+    def block_matrix(b, parity=None):
+        """The f32 ``(32, 32)`` block ``b`` (k1: loaded; k2/k2s: rebuilt), or its even/odd columns ``(32, 16)``."""
+        if kind == "k1":
+            kb = k_ref[b]
+            return kb if parity is None else jnp.unstack(kb.reshape(BLOCK, BLOCK // 2, 2), axis=-1)[parity]
+        inv_col = inv_ref[pl.ds(b * BLOCK, BLOCK), :] if kind == "k2s" else None
+        return _kron_block(lambda i: p_ref[b, i], inv_col, parity)
+
+    def store_codes(t, packed, scale_bytes):
+        q_ref, s_ref = out_refs
+        store(q_ref.at[:, pl.ds(t * (chunk // 2), chunk // 2)], packed)
+        store(s_ref.at[:, pl.ds(t * (chunk // block), chunk // block)], scale_bytes)
 
     def process(t):
         """Chunk ``t`` of the tile: transform, quantize, store (or return the row maxima, ``amax_only``)."""
         if stage == "copy":  # profiling: the tile's load and store alone
             store(out_refs[0].at[:, pl.ds(t * chunk, chunk)], load(a_ref.at[:, pl.ds(t * chunk, chunk)], chunk))
             return None
-        if use_wide:  # chunk = 32 * wide columns: one product per block, quantized as one tile
+        if use_join:  # chunk = 64 columns: one product per block, quantized as one tile
             ys = []
-            for g in range(wide):
+            for g in range(2):
                 xb = load(a_ref.at[:, pl.ds(t * chunk + g * BLOCK, BLOCK)], BLOCK)
-                b = t * wide + g
-                if kind == "k1":
-                    kb = k_ref[b]
-                else:
-                    inv_col = inv_ref[pl.ds(b * BLOCK, BLOCK), :] if kind == "k2s" else None
-                    kb = _kron_block(lambda i, b=b: p_ref[b, i], inv_col)
-                yb = _dot_split(xb, kb, passes)
+                yb = _dot_split(xb, block_matrix(t * 2 + g), passes)
                 ys.append(yb.astype(dtype).astype(jnp.float32) if round_y else yb)
-            y = _join_blocks(ys)
+            y = _join_pair(*ys)
             if stage == "transform":
                 store(out_refs[0].at[:, pl.ds(t * chunk, chunk)], y.astype(dtype))
                 return None
-            packed, scale_bytes = mx_quantize_tile(y, mode)
-            q_ref, s_ref = out_refs
-            store(q_ref.at[:, pl.ds(t * (chunk // 2), chunk // 2)], packed)
-            store(s_ref.at[:, pl.ds(t * (chunk // BLOCK), chunk // BLOCK)], scale_bytes)
+            store_codes(t, *fp4_tile.mx_quantize_tile(y, fmt.scale_mode))
             return None
         x = load(a_ref.at[:, pl.ds(t * chunk, chunk)], chunk)
         if use_pair:
-            if kind == "k1":
-                k_even, k_odd = jnp.unstack(k_ref[t].reshape(BLOCK, BLOCK // 2, 2), axis=-1)
-            else:
-                inv_col = inv_ref[pl.ds(t * BLOCK, BLOCK), :] if kind == "k2s" else None
-                k_even, k_odd = (_kron_block(lambda i: p_ref[t, i], inv_col, parity) for parity in (0, 1))
-            y_even = _dot_split(x, k_even, passes)
-            y_odd = _dot_split(x, k_odd, passes)
+            y_even = _dot_split(x, block_matrix(t, 0), passes)
+            y_odd = _dot_split(x, block_matrix(t, 1), passes)
             if round_y:
                 y_even = y_even.astype(dtype).astype(jnp.float32)
                 y_odd = y_odd.astype(dtype).astype(jnp.float32)
-            packed, scale_bytes = mx_quantize_pair(y_even, y_odd, mode)
-            q_ref, s_ref = out_refs
-            store(q_ref.at[:, pl.ds(t * (BLOCK // 2), BLOCK // 2)], packed)
-            store(s_ref.at[:, pl.ds(t, 1)], scale_bytes)
+            store_codes(t, *fp4_tile.mx_quantize_pair(y_even, y_odd, fmt.scale_mode))
             return None
         if kind == "q4":
             y = x.astype(jnp.float32)
         elif kind == "scale":
             y = x.astype(jnp.float32) * inv_ref[:, pl.ds(t * chunk, chunk)]
-        elif kind == "k1":
-            y = _dot_split(x, k_ref[t], passes)
-        elif kind in ("k2", "k2s"):
-            inv_col = inv_ref[pl.ds(t * BLOCK, BLOCK), :] if kind == "k2s" else None
-            kb = _kron_block(lambda i: p_ref[t, i], inv_col)
-            y = _dot_split(x, kb, passes)
+        elif blockwise:
+            y = _dot_split(x, block_matrix(t), passes)
         elif kind == "fwht":
-            y = _fwht_rows(x.astype(jnp.float32), fwht_variant) * jnp.float32(_fwht_scale(chunk))
+            y = _fwht_rows(x.astype(jnp.float32)) * jnp.float32(_fwht_scale(chunk))
         else:  # pragma: no cover - validated by the wrapper
             raise ValueError(kind)
         if kind != "q4" and round_y:
@@ -643,20 +472,12 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes,
             return None
         if amax_only:
             yf = F.flush_subnormals(y)
-            return jnp.max(jnp.abs(jnp.where(_nonfinite(yf), 0.0, yf)), axis=1, keepdims=True)
-        if fmt_kind == "nvfp4":
-            packed, scale_bytes = nv_quantize_tile(y, ts, inv_ts, divide=exact_div)
-        elif fast_encode:
-            packed, scale_bytes = mx_quantize_tile(y, mode)
-        else:
-            packed, scale_bytes = mx_quantize_tile_simple(y, mode)
-        q_ref, s_ref = out_refs
-        store(q_ref.at[:, pl.ds(t * (chunk // 2), chunk // 2)], packed)
-        store(s_ref.at[:, pl.ds(t * (chunk // block), chunk // block)], scale_bytes)
+            return jnp.max(jnp.abs(jnp.where(fp4_tile.is_nonfinite(yf), 0.0, yf)), axis=1, keepdims=True)
+        store_codes(t, *fp4_tile.quantize_tile(fmt, y, tensor_scales, divide=exact_div))
         return None
 
-    if chunk_loop == "fori" and not amax_only and n_chunks > 1:
-        # A scf.for over the column blocks: Triton's software pipeliner can prefetch the next block's tile.
+    if not amax_only and n_chunks > 1:
+        # A scf.for over the column chunks: Triton's software pipeliner can prefetch the next chunk's tile.
         jax.lax.fori_loop(0, n_chunks, lambda t, carry: (process(t), carry)[1], jnp.int32(0))
         return
     running_max = None
@@ -668,7 +489,7 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt_kind, mode, passes,
         store(out_refs[0].at[...], running_max)
 
 
-def _check_kernel_inputs(a: jax.Array, t: PreparedTransform, fmt) -> None:
+def _check_kernel_inputs(a: jax.Array, t: PreparedTransform, fmt: QuantFormat) -> None:
     if a.ndim != 2:
         raise ValueError(f"the kernel takes A (m, d), got shape {a.shape}")
     if a.dtype not in (jnp.bfloat16, jnp.float16):
@@ -679,18 +500,16 @@ def _check_kernel_inputs(a: jax.Array, t: PreparedTransform, fmt) -> None:
     if d != t.d:
         raise ValueError(f"activations of width {d} do not match a transform of width {t.d}")
     if d % BLOCK:
-        raise ValueError(f"{d=} must be a multiple of 32")
-    if isinstance(fmt, MXFP4) and fmt.block_size != BLOCK:
-        raise ValueError(f"the kernels write MXFP4 with 32-element blocks, got {fmt}")
-    if isinstance(fmt, NVFP4) and fmt.block_size != 16:
-        raise ValueError(f"the kernels write NVFP4 with 16-element blocks, got {fmt}")
+        raise ValueError(f"{d=} must be a multiple of {BLOCK}")
+    if not fmt.is_standard:
+        raise ValueError(f"the kernels write {fmt.name} with {fmt.standard_block_size}-element blocks, got {fmt}")
     if t.kind == "fwht" and (d & (d - 1)):
         raise ValueError(f"FWHT needs d a power of two, got {d=}")
 
 
-def _pallas_call(a: jax.Array, t: PreparedTransform, fmt, ts_pair: Optional[jax.Array], bs: BlockSizes,
-                 interpret: bool, poison: Optional[tuple[jax.Array, jax.Array]] = None, amax_only: bool = False,
-                 round_y: bool = True, stage: str = "quantize"):
+def _pallas_call(a: jax.Array, t: PreparedTransform, fmt: QuantFormat, ts_pair: Optional[jax.Array],
+                 bs: BlockSizes, interpret: bool, poison: Optional[tuple[jax.Array, jax.Array]] = None,
+                 amax_only: bool = False, round_y: bool = True, stage: str = "quantize"):
     """The kernel on ``A (m, d)``: ``(codes (m, d/2), scale bytes (m, d/block))`` or, with ``amax_only``, the f32
     row maxima of ``|A T|`` per column tile ``(m, d/BD)`` (for NVFP4's tensor scale).
 
@@ -701,52 +520,45 @@ def _pallas_call(a: jax.Array, t: PreparedTransform, fmt, ts_pair: Optional[jax.
         raise ValueError(f"stage={stage!r} must be 'quantize', 'transform' or 'copy'")
     m, d = a.shape
     kind = t.kind
-    fmt_kind = "nvfp4" if isinstance(fmt, NVFP4) else "mxfp4"
-    block = 16 if fmt_kind == "nvfp4" else BLOCK
+    block = fmt.block_size
     if kind == "fwht":
         br, bd, chunk, warps = bs.fwht_rows, d, d, bs.fwht_num_warps
     else:
         br, bd, warps = bs.block_rows, bs.cols_for(d), bs.num_warps
-        chunk = (min(bs.chunk_cols or bd, bd) if (kind in ("q4", "scale") and bs.vector_tile) else BLOCK)
-        if bs.wide_quantize and kind in ("k1", "k2", "k2s") and isinstance(fmt, MXFP4) and not amax_only:
-            chunk = BLOCK * bs.wide_quantize
-            if bd % chunk:
-                raise ValueError(f"wide_quantize={bs.wide_quantize} needs column tiles of a multiple of {chunk} "
-                                 f"columns, got {bd} for {d=}")
+        if kind in ("q4", "scale"):
+            chunk = bd  # the whole tile quantized at once
+        elif kind == "k1" and not fmt.has_tensor_scale and not amax_only and bd >= 2 * BLOCK:
+            chunk = 2 * BLOCK  # two block products joined into one tile
+        else:
+            chunk = BLOCK
     grid = (pl.cdiv(m, br), d // bd)
 
-    def spec(block_shape, index_map):
-        """BlockSpec over (row tile i, column tile j), whichever grid axis is launched fastest."""
-        if bs.cols_first:
-            return pl.BlockSpec(block_shape, lambda j, i: index_map(i, j))
-        return pl.BlockSpec(block_shape, index_map)
-
-    args, in_specs = [a], [spec((br, bd), lambda i, j: (i, j))]
+    args, in_specs = [a], [pl.BlockSpec((br, bd), lambda i, j: (i, j))]
     if kind == "scale":
         args.append(t.inv_scale.astype(jnp.float32).reshape(1, d))
-        in_specs.append(spec((1, bd), lambda i, j: (0, j)))
+        in_specs.append(pl.BlockSpec((1, bd), lambda i, j: (0, j)))
     if kind == "k2s":
         args.append(t.inv_scale.astype(jnp.float32).reshape(d, 1))
-        in_specs.append(spec((bd, 1), lambda i, j: (j, 0)))
+        in_specs.append(pl.BlockSpec((bd, 1), lambda i, j: (j, 0)))
     if kind == "k1":
         args.append(t.blocks.astype(jnp.float32))
-        in_specs.append(spec((bd // BLOCK, BLOCK, BLOCK), lambda i, j: (j, 0, 0)))
+        in_specs.append(pl.BlockSpec((bd // BLOCK, BLOCK, BLOCK), lambda i, j: (j, 0, 0)))
     if kind in ("k2", "k2s"):
         args.append(t.kparams.astype(jnp.float32))
-        in_specs.append(spec((bd // BLOCK, _KPARAM_WIDTH), lambda i, j: (j, 0)))
-    if fmt_kind == "nvfp4" and not amax_only:
+        in_specs.append(pl.BlockSpec((bd // BLOCK, _KPARAM_WIDTH), lambda i, j: (j, 0)))
+    if fmt.has_tensor_scale and not amax_only:
         args.append(ts_pair.astype(jnp.float32).reshape(1, 2))
-        in_specs.append(spec((1, 2), lambda i, j: (0, 0)))
+        in_specs.append(pl.BlockSpec((1, 2), lambda i, j: (0, 0)))
     if amax_only:
         out_shape = [jax.ShapeDtypeStruct((m, grid[1]), jnp.float32)]
-        out_specs = [spec((br, 1), lambda i, j: (i, j))]
+        out_specs = [pl.BlockSpec((br, 1), lambda i, j: (i, j))]
     elif stage != "quantize":
         out_shape = [jax.ShapeDtypeStruct((m, d), a.dtype)]
-        out_specs = [spec((br, bd), lambda i, j: (i, j))]
+        out_specs = [pl.BlockSpec((br, bd), lambda i, j: (i, j))]
     else:
         out_shape = [jax.ShapeDtypeStruct((m, d // 2), jnp.uint8), jax.ShapeDtypeStruct((m, d // block), jnp.uint8)]
-        out_specs = [spec((br, bd // 2), lambda i, j: (i, j)),
-                     spec((br, bd // block), lambda i, j: (i, j))]
+        out_specs = [pl.BlockSpec((br, bd // 2), lambda i, j: (i, j)),
+                     pl.BlockSpec((br, bd // block), lambda i, j: (i, j))]
     aliases = {}
     n_poison = 0
     if poison is not None and not amax_only and stage == "quantize":
@@ -755,16 +567,13 @@ def _pallas_call(a: jax.Array, t: PreparedTransform, fmt, ts_pair: Optional[jax.
         args.extend(poison)
         in_specs.extend(out_specs)
     kernel = functools.partial(
-        _kernel, kind=kind, m=m, block_rows=br, chunk=chunk, n_chunks=bd // chunk, fmt_kind=fmt_kind,
-        mode=fmt.scale_mode if fmt_kind == "mxfp4" else None, passes=bs.dot_passes, fwht_variant=bs.fwht_variant,
-        amax_only=amax_only, n_poison=n_poison, fast_encode=bs.fast_encode, split_dot=bs.split_dot,
-        row_axis=1 if bs.cols_first else 0, round_y=round_y, chunk_loop=bs.chunk_loop, stage=stage,
-        interpret=interpret, wide=bs.wide_quantize)
+        _kernel, kind=kind, m=m, block_rows=br, chunk=chunk, n_chunks=bd // chunk, fmt=fmt, passes=bs.dot_passes,
+        amax_only=amax_only, n_poison=n_poison, round_y=round_y, stage=stage, interpret=interpret)
     call = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=grid[::-1] if bs.cols_first else grid, in_specs=in_specs, out_specs=out_specs,
+        kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
         input_output_aliases=aliases, interpret=interpret,
         compiler_params=None if interpret else triton_compiler_params(warps, bs.num_stages),
-        name=f"tq_{kind}_{fmt_kind}{'_amax' if amax_only else ''}{'' if stage == 'quantize' else '_' + stage}")
+        name=f"tq_{kind}_{fmt.name}{'_amax' if amax_only else ''}{'' if stage == 'quantize' else '_' + stage}")
     return call(*args)
 
 
@@ -776,7 +585,7 @@ def _pallas_call(a: jax.Array, t: PreparedTransform, fmt, ts_pair: Optional[jax.
 def _fwht_jnp(x: jax.Array) -> jax.Array:
     """Normalised full-width Walsh-Hadamard of the last axis, f32 butterflies (any leading shape)."""
     lead, d = x.shape[:-1], x.shape[-1]
-    y = _fwht_rows(x.astype(jnp.float32).reshape(-1, d), "axis") * jnp.float32(_fwht_scale(d))
+    y = _fwht_rows_axis(x.astype(jnp.float32).reshape(-1, d)) * jnp.float32(_fwht_scale(d))
     return y.reshape(*lead, d)
 
 
@@ -798,17 +607,6 @@ def reference_apply(a: jax.Array, t: PreparedTransform, *, dense_fwht: bool = Fa
     raise ValueError(f"unknown transform kind {t.kind!r}")
 
 
-def _quantize_with_scale(y: jax.Array, fmt, tensor_scale: Optional[jax.Array]) -> QuantizedArray:
-    """``formats.quantize``, or NVFP4 with a given tensor scale."""
-    if isinstance(fmt, MXFP4) or tensor_scale is None:
-        return F.quantize(y, fmt)
-    ts = jnp.asarray(tensor_scale, jnp.float32)
-    blocks = y.reshape(*y.shape[:-1], y.shape[-1] // fmt.block_size, fmt.block_size)
-    codes, scales = F.nvfp4_quantize_blocks(blocks, ts)
-    return QuantizedArray(codes=F.pack_nibbles(codes.reshape(y.shape)), scales=scales, tensor_scale=ts, fmt=fmt,
-                          dtype=np.dtype(y.dtype))
-
-
 def reference_transform_quantize(a: jax.Array, t: PreparedTransform, fmt=MXFP4(), *,
                                  tensor_scale: Optional[jax.Array] = None, dense_fwht: bool = False,
                                  round_to_input: bool = True) -> QuantizedArray:
@@ -822,7 +620,7 @@ def reference_transform_quantize(a: jax.Array, t: PreparedTransform, fmt=MXFP4()
     else:
         y = (T.apply_to_activations(a.astype(jnp.float32), T.FWHT.blocks(T.FWHT.init(t.d)))
              if (t.kind == "fwht" and dense_fwht) else _apply_f32(a, t))
-    q = _quantize_with_scale(y, fmt, tensor_scale)
+    q = F.quantize(y, fmt, tensor_scale=tensor_scale)
     return dataclasses.replace(q, dtype=np.dtype(a.dtype))
 
 
@@ -841,11 +639,12 @@ def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), 
     """``quantize(A T)`` for ``A (..., d)``: the fused kernel on a GPU, the jnp reference elsewhere.
 
     Args:
-      a: ``bfloat16 | float16 (..., d)`` activations (``float32`` runs the reference).
+      a: ``bfloat16 | float16 (..., d)`` activations (``float32`` runs the reference); an empty batch is valid.
       transform: a :class:`PreparedTransform` (see :func:`prepare`).
       fmt: ``MXFP4()`` (any scale mode) or ``NVFP4()``.
-      tensor_scale: NVFP4 only: a fixed per-tensor scale; by default it is ``amax|A T| / (448 * 6)``, which costs the
-        kernel path one extra read pass (an amax kernel with the same transform).
+      tensor_scale: formats with a tensor scale (NVFP4) only: a fixed per-tensor scale; by default it is
+        ``amax|A T| / (448 * 6)``, which costs the kernel path one extra read pass (an amax kernel with the same
+        transform).
       block_sizes: kernel tiling (default :class:`BlockSizes`).
       impl: ``None`` (kernel on GPU for bf16/f16, else reference), ``"pallas"``, ``"interpret"`` or ``"reference"``.
       round_to_input: round ``A T`` to ``a.dtype`` before quantizing (the reference ``quantize(apply_to_activations(
@@ -856,8 +655,9 @@ def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), 
       is zero (integer outputs; use :func:`transform_fake_quant` for the STE).
     """
     F._check_dtype(a, "transform_quantize")
-    if not isinstance(fmt, (MXFP4, NVFP4)):
-        raise TypeError(f"unknown quantization format {fmt!r}")
+    F._check_format(fmt, "transform_quantize")
+    if tensor_scale is not None and not fmt.has_tensor_scale:
+        raise ValueError(f"transform_quantize: {fmt.name} has no per-tensor scale; tensor_scale must be None")
     impl = _resolve_impl(a, impl)
     a = jax.lax.stop_gradient(a)
     if impl == "reference":
@@ -866,11 +666,14 @@ def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), 
     lead, d = a.shape[:-1], a.shape[-1]
     a2 = a.reshape(-1, d)
     _check_kernel_inputs(a2, transform, fmt)
+    if a2.shape[0] == 0:  # an empty batch: nothing to launch (the reference's empty result)
+        return reference_transform_quantize(a, transform, fmt, tensor_scale=tensor_scale,
+                                            round_to_input=round_to_input)
     bs = block_sizes or default_block_sizes(transform.kind, a2.shape[0], d, a2.dtype)
     interpret = impl == "interpret"
     ts_pair = None
     ts = jnp.float32(1.0)
-    if isinstance(fmt, NVFP4):
+    if fmt.has_tensor_scale:
         if tensor_scale is None:
             (row_max,) = _pallas_call(a2, transform, fmt, None, bs, interpret, amax_only=True,
                                       round_y=round_to_input)
@@ -882,8 +685,8 @@ def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), 
     codes, scales = _pallas_call(a2, transform, fmt, ts_pair, bs, interpret, poison=_poison, round_y=round_to_input)
     codes = codes.reshape(*lead, d // 2)
     scales = scales.reshape(*lead, scales.shape[-1])
-    if isinstance(fmt, NVFP4):
-        scales = jax.lax.bitcast_convert_type(scales, jnp.float8_e4m3fn)
+    if scales.dtype != fmt.scale_dtype:  # the kernel writes bytes
+        scales = jax.lax.bitcast_convert_type(scales, fmt.scale_dtype)
     return QuantizedArray(codes=codes, scales=scales, tensor_scale=ts, fmt=fmt, dtype=np.dtype(a.dtype))
 
 

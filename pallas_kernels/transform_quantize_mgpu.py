@@ -12,11 +12,11 @@ The same contract as :mod:`pallas_kernels.transform_quantize` (the Pallas Triton
 Both read ``A (m, d)`` (bf16/fp16) once and write packed codes ``uint8 (m, d/2)`` (element ``2i`` in the low nibble)
 and E8M0 scale bytes ``uint8 (m, d/32)``; MXFP4 output, every :class:`~kroquant_jax.formats.ScaleMode`.
 
-**Shared per-tile math.** The quantizer is :func:`mx_quantize_pair_lastaxis`, built from the very functions the Triton
-kernels use (``transform_quantize._block_scale`` for the E8M0 byte and the ``2**-e`` multiplier,
-``transform_quantize._e2m1_codes_fast`` for the codes): integer ops only (Hopper has no FP4/E8M0 conversion). It is
-pure jnp, tested bit for bit against ``formats.mxfp4_quantize_blocks`` on CPU, and takes an optional ``hint`` that
-the kernels use to pin register layouts (``plgpu.layout_cast``).
+**Shared per-tile math.** The quantizer is ``fp4_tile.mx_quantize_pair_lastaxis``, built from the very functions the
+Triton kernels use (``fp4_tile.mx_block_scale`` for the E8M0 byte and the ``2**-e`` multiplier,
+``fp4_tile.e2m1_codes_fast`` for the codes): integer ops only (Hopper has no FP4/E8M0 conversion). It is pure jnp,
+tested bit for bit against ``formats.mxfp4_quantize_blocks`` on CPU, and takes an optional ``hint`` that the kernels
+use to pin register layouts (``plgpu.layout_cast``).
 
 **Data layouts.**
 
@@ -55,6 +55,7 @@ import numpy as np
 
 from kroquant_jax import formats as F
 from kroquant_jax.formats import MXFP4, QuantizedArray, ScaleMode
+from pallas_kernels import fp4_tile
 from pallas_kernels import transform_quantize as tq
 from pallas_kernels._compat import mgpu_load, on_gpu, pl
 
@@ -62,7 +63,6 @@ __all__ = [
     "KINDS",
     "MgpuBlockSizes",
     "Q4_LAYOUT_ARGS",
-    "mx_quantize_pair_lastaxis",
     "pairs_from_u32",
     "prepare_k1_blocks",
     "supports",
@@ -134,35 +134,8 @@ def supports(kind: str, shape: tuple[int, ...], dtype, bs: Optional[MgpuBlockSiz
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Shared per-tile math (pure jnp; the kernels pass a layout hint)
+# Input decode and K1 operand (the FP4 tile math is pallas_kernels.fp4_tile)
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def _identity(x):
-    return x
-
-
-def mx_quantize_pair_lastaxis(y_even: jax.Array, y_odd: jax.Array, mode: ScaleMode = ScaleMode.FLOOR, *,
-                              hint: Callable[[jax.Array], jax.Array] = _identity) -> tuple[jax.Array, jax.Array]:
-    """MXFP4 of 32-element blocks given as their even and odd elements ``(..., 16)`` each (f32).
-
-    Returns ``(packed uint8 (..., 16), E8M0 bytes uint8 (...))``: ``packed[..., j] = code(2j) | code(2j+1) << 4``,
-    bit-identical to ``pack_nibbles(mxfp4_quantize_blocks(...))`` (tested). The math is
-    ``transform_quantize._block_scale`` and ``transform_quantize._e2m1_codes_fast`` (those of the Triton kernels);
-    the reduction runs over the last axis without ``keepdims`` and the broadcasts back are explicit
-    ``broadcast_in_dim`` calls whose results pass through ``hint`` (the Mosaic GPU kernels pin their register layout
-    there; identity elsewhere).
-    """
-    be = jax.lax.bitcast_convert_type(y_even, jnp.int32) & tq._ABS_MASK
-    bo = jax.lax.bitcast_convert_type(y_odd, jnp.int32) & tq._ABS_MASK
-    row_max = jnp.maximum(jnp.max(be, axis=-1), jnp.max(bo, axis=-1))  # (...)
-    inv_scale, scale_byte = tq._block_scale(row_max, mode)
-    shape, dims = y_even.shape, tuple(range(y_even.ndim - 1))
-    inv_b = hint(jax.lax.broadcast_in_dim(inv_scale, shape, dims))
-    nan_b = hint(jax.lax.broadcast_in_dim(scale_byte == F.E8M0_NAN, shape, dims))
-    ce = jnp.where(nan_b, 0, tq._e2m1_codes_fast(y_even, inv_b))
-    co = jnp.where(nan_b, 0, tq._e2m1_codes_fast(y_odd, inv_b))
-    return (ce | (co << 4)).astype(jnp.uint8), scale_byte.astype(jnp.uint8)
 
 
 def pairs_from_u32(words: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
@@ -182,17 +155,12 @@ def pairs_from_u32(words: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 def prepare_k1_blocks(blocks: jax.Array, dtype, passes: int = 3) -> jax.Array:
     """Dense f32 blocks ``(nb, 32, 32)`` -> the K1 kernel's operand ``(nb, passes, 32, 32)`` of ``dtype``.
 
-    Part ``p`` is ``transform_quantize._dot_split``'s part ``passes - 1 - p`` (smallest first, the accumulation order of
+    Part ``p`` is ``transform_quantize.split_block``'s part ``passes - 1 - p`` (smallest first, the accumulation order of
     the Triton kernel); the columns of each part are reordered ``[0, 2, ..., 30, 1, 3, ..., 31]`` so the product's
     columns ``j`` and ``16 + j`` are the output columns ``2j`` and ``2j + 1``. Computed once per transform (like the
     dense blocks themselves), not per call.
     """
-    k = jnp.asarray(blocks, jnp.float32)
-    parts = [k.astype(dtype)]
-    rest = k
-    for _ in range(passes - 1):
-        rest = rest - parts[-1].astype(jnp.float32)
-        parts.append(rest.astype(dtype))
+    parts = tq.split_block(jnp.asarray(blocks, jnp.float32), dtype, passes)
     stacked = jnp.stack(parts[::-1], axis=1)  # (nb, P, 32, 32), smallest part first
     return jnp.concatenate([stacked[..., 0::2], stacked[..., 1::2]], axis=-1)
 
@@ -220,13 +188,14 @@ def _q4_tile(x_ref, q_ref, s_gmem, row0, col0, *, dtype, mode, bs, mosaic):
     else:
         def load(ref):
             return ref[...]
-        hint = _identity
+        def hint(x):
+            return x
     rc = bs.row_chunk
     for r in range(br // rc):  # (rc, NB, 16) at a time: 32 registers of input per thread
         rows = pl.ds(r * rc, rc)
         words = load(x_ref.at[rows])
         y_even, y_odd = pairs_from_u32(words, dtype)
-        packed, scale_bytes = mx_quantize_pair_lastaxis(y_even, y_odd, mode, hint=hint)
+        packed, scale_bytes = fp4_tile.mx_quantize_pair_lastaxis(y_even, y_odd, mode, hint=hint)
         q_ref[rows] = packed
         s_gmem[pl.ds(row0 + r * rc, rc), pl.ds(col0, nb)] = scale_bytes
 
@@ -255,7 +224,7 @@ def _k1_tile(a_ref, k_ref, q_ref, s_gmem, row0, col0, *, dtype, mode, bs, mosaic
                 y = z if y is None else y + z
         if round_y:
             y = y.astype(dtype).astype(jnp.float32)
-        packed, scale_bytes = mx_quantize_pair_lastaxis(y[:, :_HALF], y[:, _HALF:], mode)
+        packed, scale_bytes = fp4_tile.mx_quantize_pair_lastaxis(y[:, :_HALF], y[:, _HALF:], mode)
         q_ref[:, t, :] = packed
         s_gmem[pl.ds(row0, br), col0 + t] = scale_bytes
 
@@ -362,7 +331,7 @@ def transform_quantize_mgpu(a: jax.Array, transform: tq.PreparedTransform, fmt=M
     Returns:
       A :class:`~kroquant_jax.formats.QuantizedArray`: codes ``(..., d/2)``, E8M0 scales ``(..., d/32)``.
     """
-    if not isinstance(fmt, MXFP4) or fmt.block_size != BLOCK:
+    if not (isinstance(fmt, MXFP4) and fmt.is_standard):
         raise ValueError(f"the Mosaic GPU kernels write MXFP4 with 32-element blocks, got {fmt!r}")
     if transform.kind not in KINDS:
         raise ValueError(f"the Mosaic GPU kernels implement {KINDS}, got transform kind {transform.kind!r}")

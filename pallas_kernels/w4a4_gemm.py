@@ -10,7 +10,7 @@ Operands (``kroquant_jax.formats.QuantizedArray``, quantized along K, the last a
     A: codes uint8 (m, k/2), scales (m, k/blk)      W: codes uint8 (n, k/2), scales (n, k/blk)
     out (m, n) = dequant(A) @ dequant(W)^T  [+ h @ L^T (low-rank branch)]  [+ bias]
 
-Per-tile math (shared with :func:`w4a4_matmul_tiled_reference`, the jnp mirror of the kernel):
+Per-tile math (``pallas_kernels.fp4_tile``, shared with :func:`w4a4_matmul_tiled_reference`, the jnp mirror):
 
 * **Unpacking without a table.** Byte ``i`` of a row holds elements ``2i`` (low nibble) and ``2i+1`` (high nibble).
   The kernel never interleaves them: a dot product is a sum over K, so it reorders K the same way in both operands
@@ -69,23 +69,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kroquant_jax.formats import MXFP4, NVFP4, QuantizedArray, dequantize
+from kroquant_jax.formats import MXFP4, QuantFormat, QuantizedArray, dequantize
 from pallas_kernels._compat import pl, triton_compiler_params
+from pallas_kernels.fp4_tile import FP8_DECODE_OFFSET, decode_tile_bf16, decode_tile_fp8
 
 __all__ = [
     "BlockSizes",
     "Compute",
     "OperandSpec",
     "accumulate_tiles",
+    "check_operands",
     "choose_block_sizes",
-    "decode_tile_bf16",
-    "decode_tile_fp8",
     "dequantize_bf16",
-    "e2m1_to_e4m3_bits",
     "even_odd_permutation",
+    "keeps_lowrank_packed",
     "lowrank_input",
     "lowrank_reference",
-    "scale_multiplier",
+    "operand_format",
     "w4a4_matmul",
     "w4a4_matmul_dequant",
     "w4a4_matmul_reference",
@@ -144,94 +144,32 @@ class OperandSpec:
     """How a kernel reads its two GEMM operands (static).
 
     Attributes:
-      kind: ``"mxfp4"``, ``"nvfp4"`` (packed ``QuantizedArray`` operands) or ``"bf16"`` (plain 16-bit ``A``, ``W``).
+      fmt: the packed operands' :class:`~kroquant_jax.formats.QuantFormat` (standard block), or ``None`` for plain
+        16-bit ``A``, ``W``.
       compute: tensor-core input type for packed operands (``"bf16"`` or, MXFP4 only, ``"fp8"``).
       block_k: unpacked K elements per main-loop step.
     """
 
-    kind: Literal["mxfp4", "nvfp4", "bf16"]
+    fmt: Optional[QuantFormat]
     compute: Compute = "bf16"
     block_k: int = 128
 
     @property
     def packed(self) -> bool:
-        return self.kind != "bf16"
+        return self.fmt is not None
 
     @property
     def fmt_block(self) -> int:
-        return {"mxfp4": 32, "nvfp4": 16, "bf16": 1}[self.kind]
+        return self.fmt.block_size if self.packed else 1
 
     @property
     def has_tensor_scale(self) -> bool:
-        return self.kind == "nvfp4"
+        return self.packed and self.fmt.has_tensor_scale
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Per-tile math (jnp; the kernel body and the tiled reference both call these).
+# The per-tile decode is pallas_kernels.fp4_tile (shared with the tiled reference and the dequant strategy).
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def e2m1_to_e4m3_bits(nibbles: jax.Array) -> jax.Array:
-    """E2M1 codes (int32, low 4 bits) -> E4M3 bit patterns (int32 in [0, 255]) of value ``e2m1(code) * 2**-6``."""
-    return ((nibbles & 7) << 2) | ((nibbles & 8) << 4)
-
-
-def _bits_to_fp8(bits_i32: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(bits_i32.astype(jnp.uint8), jnp.float8_e4m3fn)
-
-
-def unpack_tile_fp8(codes: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``uint8 (r, c)`` packed codes -> ``(lo, hi)`` ``float8_e4m3fn (r, c)``: elements ``2i`` and ``2i+1``, each
-    holding ``e2m1 * 2**-6`` exactly."""
-    c = codes.astype(jnp.int32)
-    return _bits_to_fp8(e2m1_to_e4m3_bits(c & 15)), _bits_to_fp8(e2m1_to_e4m3_bits(c >> 4))
-
-
-def scale_multiplier(scales: jax.Array, kind: str) -> jax.Array:
-    """Block-scale bytes -> the f32 factor that turns an ``e2m1 * 2**-6`` value into the dequantized value.
-
-    MXFP4 (E8M0 byte ``s``): ``2**(s - 127 + 6)``, built from bits; exact for ``s`` in ``[2, 248]``; ``s = 0`` gives 0
-    (the reference flushes those blocks to zero: ``6 * 2**-127`` is an f32 subnormal); ``s = 255`` gives NaN.
-    NVFP4 (``float8_e4m3fn`` bytes, passed as uint8): ``f32(s_blk) * 2**6``; NaN scales stay NaN.
-    """
-    s = scales.astype(jnp.int32)
-    if kind == "mxfp4":
-        mult = jax.lax.bitcast_convert_type(jnp.clip(s + 6, 1, 254) << 23, jnp.float32)
-        mult = jnp.where(s == 0, jnp.float32(0.0), mult)
-        return jnp.where(s == 255, jnp.float32(jnp.nan), mult)
-    if kind == "nvfp4":
-        s8 = jax.lax.bitcast_convert_type(scales.astype(jnp.uint8), jnp.float8_e4m3fn)
-        return s8.astype(jnp.float32) * jnp.float32(64.0)
-    raise ValueError(f"scale_multiplier: unknown kind {kind!r}")
-
-
-def _expand_scales(mult: jax.Array, bytes_per_block: int) -> jax.Array:
-    """``(r, nb)`` per-block factors -> ``(r, nb * bytes_per_block)`` per-byte factors (broadcast, no gather)."""
-    r, nb = mult.shape
-    return jnp.broadcast_to(mult[:, :, None], (r, nb, bytes_per_block)).reshape(r, nb * bytes_per_block)
-
-
-def decode_tile_bf16(codes: jax.Array, scales: jax.Array, kind: str) -> tuple[jax.Array, jax.Array]:
-    """Packed tile ``uint8 (r, bk/2)`` + block-scale bytes ``uint8 (r, bk/blk)`` -> ``(lo, hi)`` ``bfloat16 (r, bk/2)``.
-
-    ``lo[:, i]`` is element ``2i`` of the tile, ``hi[:, i]`` element ``2i + 1``, both dequantized exactly (up to the
-    per-tensor scale of NVFP4, applied to the accumulator).
-    """
-    blk = 32 if kind == "mxfp4" else 16
-    lo8, hi8 = unpack_tile_fp8(codes)
-    mult = _expand_scales(scale_multiplier(scales, kind), blk // 2)
-    lo = (lo8.astype(jnp.float32) * mult).astype(jnp.bfloat16)
-    hi = (hi8.astype(jnp.float32) * mult).astype(jnp.bfloat16)
-    return lo, hi
-
-
-def decode_tile_fp8(codes16: jax.Array) -> jax.Array:
-    """One MXFP4 block of a tile, ``uint8 (r, 16)`` -> ``float8_e4m3fn (r, 32)`` in natural element order,
-    values ``e2m1 * 2**-6`` (the nibbles are interleaved as integer bit patterns, then bitcast once)."""
-    c = codes16.astype(jnp.int32)
-    r, w = codes16.shape
-    bits = jax.lax.stack([e2m1_to_e4m3_bits(c & 15), e2m1_to_e4m3_bits(c >> 4)], axis=2).reshape(r, 2 * w)
-    return _bits_to_fp8(bits)
 
 
 def _dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -258,7 +196,7 @@ def accumulate_tiles(a_refs: Sequence, w_refs: Sequence, *, spec: OperandSpec, k
     bm = a_refs[0].shape[0]
     accs0 = [jnp.zeros((bm, block_n), jnp.float32) for _ in range(n_sub)]
 
-    if spec.kind == "bf16":
+    if not spec.packed:
         def body(kk, accs):
             a = a_refs[0][:, pl.ds(kk * bk, bk)]
             out = []
@@ -271,16 +209,16 @@ def accumulate_tiles(a_refs: Sequence, w_refs: Sequence, *, spec: OperandSpec, k
 
         def body(kk, accs):
             a_lo, a_hi = decode_tile_bf16(a_refs[0][:, pl.ds(kk * hk, hk)], a_refs[1][:, pl.ds(kk * nsb, nsb)],
-                                          spec.kind)
+                                          spec.fmt)
             out = []
             for j, acc in enumerate(accs):
                 rows = pl.ds(j * block_n, block_n)
                 w_lo, w_hi = decode_tile_bf16(w_refs[0][rows, pl.ds(kk * hk, hk)],
-                                              w_refs[1][rows, pl.ds(kk * nsb, nsb)], spec.kind)
+                                              w_refs[1][rows, pl.ds(kk * nsb, nsb)], spec.fmt)
                 out.append(acc + _dot_nt(a_lo, w_lo) + _dot_nt(a_hi, w_hi))
             return out
     elif spec.compute == "fp8":
-        if spec.kind != "mxfp4":
+        if not isinstance(spec.fmt, MXFP4):
             raise ValueError("compute='fp8' supports MXFP4 only (an NVFP4 block of 16 is below the FP8 dot's K=32)")
         nsb = bk // 32
 
@@ -289,11 +227,11 @@ def accumulate_tiles(a_refs: Sequence, w_refs: Sequence, *, spec: OperandSpec, k
             for b in range(nsb):
                 kb = kk * nsb + b
                 a8 = decode_tile_fp8(a_refs[0][:, pl.ds(kb * 16, 16)])
-                sa = scale_multiplier(a_refs[1][:, pl.ds(kb, 1)], "mxfp4")  # (bm, 1)
+                sa = spec.fmt.scale_factors(a_refs[1][:, pl.ds(kb, 1)], FP8_DECODE_OFFSET)  # (bm, 1)
                 for j in range(n_sub):
                     rows = pl.ds(j * block_n, block_n)
                     w8 = decode_tile_fp8(w_refs[0][rows, pl.ds(kb * 16, 16)])
-                    sw = scale_multiplier(w_refs[1][rows, pl.ds(kb, 1)], "mxfp4").reshape(1, block_n)
+                    sw = spec.fmt.scale_factors(w_refs[1][rows, pl.ds(kb, 1)], FP8_DECODE_OFFSET).reshape(1, block_n)
                     out[j] = out[j] + _dot_nt(a8, w8) * (sa * sw)
             return out
     else:
@@ -340,10 +278,10 @@ def lowrank_arrays(h: jax.Array, left, m_pad: int, rows_pad: Optional[int], bloc
     args = [_pad_rows(h.astype(jnp.bfloat16), m_pad)]
     specs = [pl.BlockSpec((block_m, r), a_map)]
     if packed:
-        if _kind_of(left) != "mxfp4" or r < 32:
+        if not isinstance(operand_format(left), MXFP4) or r < 32:
             raise ValueError("a packed low-rank factor L must be MXFP4 (block 32) with r >= 32")
-        args += _operand_arrays(left, "mxfp4", rows, r)
-        specs += _operand_specs("mxfp4", rows_block, r, 32, w_map)
+        args += _operand_arrays(left, rows, r)
+        specs += _operand_specs(left.fmt, rows_block, r, w_map)
     else:
         args.append(_pad_rows(jnp.asarray(left).astype(jnp.bfloat16), rows))
         specs.append(pl.BlockSpec((rows_block, r), w_map))
@@ -357,12 +295,11 @@ def gemm_inputs(a, w, spec: OperandSpec, *, m_pad: int, n_pad: int, k_pad: int, 
     them: ``A`` and ``W`` (codes + scales, or bf16), the product of the NVFP4 tensor scales, the low-rank pair
     ``(h (m, r), L (n, r))`` and the bias ``(n,)`` (zero-padded to ``n_pad``). Returns ``(args, in_specs,
     lowrank_packed)``; shared by :func:`w4a4_matmul` and ``pallas_kernels.epilogues``."""
-    kind, m, n, _ = check_operands(a, w)
+    _, m, n, _ = check_operands(a, w)
     a_map = lambda i, j: (i, 0)  # noqa: E731
     w_map = lambda i, j: (j, 0)  # noqa: E731
-    args = _operand_arrays(a, kind, m_pad, k_pad) + _operand_arrays(w, kind, n_pad, k_pad)
-    in_specs = (_operand_specs(kind, block_m, k_pad, spec.fmt_block, a_map)
-                + _operand_specs(kind, cols, k_pad, spec.fmt_block, w_map))
+    args = _operand_arrays(a, m_pad, k_pad) + _operand_arrays(w, n_pad, k_pad)
+    in_specs = (_operand_specs(spec.fmt, block_m, k_pad, a_map) + _operand_specs(spec.fmt, cols, k_pad, w_map))
     if spec.has_tensor_scale:
         args.append((a.tensor_scale * w.tensor_scale).astype(jnp.float32).reshape(1, 1))
         in_specs.append(pl.BlockSpec((1, 1), lambda i, j: (0, 0)))
@@ -388,7 +325,7 @@ def lowrank_term(h_ref, l_refs, rows, *, packed: bool) -> jax.Array:
     if not packed:
         return _dot_nt(h_ref[...], l_refs[0][rows, :])
     r = h_ref.shape[-1]
-    l_lo, l_hi = decode_tile_bf16(l_refs[0][rows, :], l_refs[1][rows, :], "mxfp4")
+    l_lo, l_hi = decode_tile_bf16(l_refs[0][rows, :], l_refs[1][rows, :], MXFP4())
     return _dot_nt(h_ref[:, pl.ds(0, r // 2)], l_lo) + _dot_nt(h_ref[:, pl.ds(r // 2, r // 2)], l_hi)
 
 
@@ -400,7 +337,7 @@ def lowrank_term(h_ref, l_refs, rows, *, packed: bool) -> jax.Array:
 
 def _gemm_kernel(*refs, spec: OperandSpec, k: int, block_n: int, n_sub: int, has_lowrank: bool,
                  lowrank_packed: bool, has_bias: bool):
-    n_op = 1 if spec.kind == "bf16" else 2
+    n_op = 2 if spec.packed else 1
     refs = list(refs)
     a_refs, refs = refs[:n_op], refs[n_op:]
     w_refs, refs = refs[:n_op], refs[n_op:]
@@ -439,9 +376,9 @@ def _round_up(x: int, b: int) -> int:
     return -(-x // b) * b
 
 
-def _operand_arrays(q, kind: str, rows: int, k_pad: int) -> list[jax.Array]:
+def _operand_arrays(q, rows: int, k_pad: int) -> list[jax.Array]:
     """The arrays a kernel reads for one operand, zero-padded to ``rows`` x ``k_pad``."""
-    if kind == "bf16":
+    if not isinstance(q, QuantizedArray):
         return [_pad_cols(_pad_rows(jnp.asarray(q, jnp.bfloat16), rows), k_pad)]
     blk = q.fmt.block_size
     scales = q.scales
@@ -452,39 +389,42 @@ def _operand_arrays(q, kind: str, rows: int, k_pad: int) -> list[jax.Array]:
     return [codes, _pad_cols(_pad_rows(scales, rows), k_pad // blk)]
 
 
-def _operand_specs(kind: str, rows_block: int, k_pad: int, blk: int, index_map) -> list:
-    if kind == "bf16":
+def _operand_specs(fmt: Optional[QuantFormat], rows_block: int, k_pad: int, index_map) -> list:
+    if fmt is None:
         return [pl.BlockSpec((rows_block, k_pad), index_map)]
-    return [pl.BlockSpec((rows_block, k_pad // 2), index_map), pl.BlockSpec((rows_block, k_pad // blk), index_map)]
+    return [pl.BlockSpec((rows_block, k_pad // 2), index_map),
+            pl.BlockSpec((rows_block, k_pad // fmt.block_size), index_map)]
 
 
-def _kind_of(q) -> str:
-    if isinstance(q, QuantizedArray):
-        if isinstance(q.fmt, MXFP4):
-            if q.fmt.block_size != 32:
-                raise ValueError("the W4A4 kernels support MXFP4 with block_size=32")
-            return "mxfp4"
-        if isinstance(q.fmt, NVFP4):
-            if q.fmt.block_size != 16:
-                raise ValueError("the W4A4 kernels support NVFP4 with block_size=16")
-            return "nvfp4"
-        raise TypeError(f"unknown format {q.fmt!r}")
-    return "bf16"
+def operand_format(q) -> Optional[QuantFormat]:
+    """The format of a packed operand (a ``QuantizedArray`` in a standard-block format), ``None`` for a 16-bit one."""
+    if not isinstance(q, QuantizedArray):
+        return None
+    if not q.fmt.is_standard:
+        raise ValueError(f"the W4A4 kernels support {q.fmt.name} with block_size={q.fmt.standard_block_size}, "
+                         f"got {q.fmt}")
+    return q.fmt
 
 
-def check_operands(a, w) -> tuple[str, int, int, int]:
-    """Validates ``a (m, k)``, ``w (n, k)`` (both packed in one format, or both 16-bit); returns (kind, m, n, k)."""
-    kind = _kind_of(a)
-    if _kind_of(w) != kind:
-        raise TypeError(f"operands must be both packed in one format or both 16-bit, got {kind} and {_kind_of(w)}")
-    if kind != "bf16" and a.fmt.block_size != w.fmt.block_size:
-        raise ValueError("operand formats differ")
+def keeps_lowrank_packed(left) -> bool:
+    """Whether a low-rank factor ``L (n, r)`` stays packed for the GEMMs (decoded in the epilogue): MXFP4 (block 32)
+    with ``r >= 32``; other factors are decoded to bf16 once."""
+    return isinstance(left, QuantizedArray) and isinstance(operand_format(left), MXFP4) and left.shape[1] >= 32
+
+
+def check_operands(a, w) -> tuple[Optional[QuantFormat], int, int, int]:
+    """Validates ``a (m, k)``, ``w (n, k)`` (both packed in one format, or both 16-bit); returns ``(fmt, m, n, k)``
+    with ``fmt`` the packed operands' format, ``None`` for 16-bit ones."""
+    fmt, w_fmt = operand_format(a), operand_format(w)
+    if (fmt is None) != (w_fmt is None) or (fmt is not None and type(fmt) is not type(w_fmt)):
+        names = [f.name if f is not None else "16-bit" for f in (fmt, w_fmt)]
+        raise TypeError(f"operands must be both packed in one format or both 16-bit, got {names[0]} and {names[1]}")
     if len(a.shape) != 2 or len(w.shape) != 2:
         raise ValueError(f"expected 2-D operands a (m, k), w (n, k); got {a.shape} and {w.shape}")
     (m, k), (n, k_w) = a.shape, w.shape
     if k != k_w:
         raise ValueError(f"reduction lengths differ: a {a.shape}, w {w.shape}")
-    return kind, m, n, k
+    return fmt, m, n, k
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "compute", "out_dtype", "interpret"))
@@ -509,12 +449,12 @@ def w4a4_matmul(a: QuantizedArray, w: QuantizedArray, *, lowrank: Optional[tuple
     Returns:
       ``(m, n)`` in ``out_dtype``.
     """
-    kind, m, n, k = check_operands(a, w)
-    if kind == "bf16":
+    fmt, m, n, k = check_operands(a, w)
+    if fmt is None:
         raise TypeError("w4a4_matmul takes packed operands; use a @ w.T for 16-bit ones")
     bs = block_sizes or choose_block_sizes(m, n, k)
-    spec = OperandSpec(kind=kind, compute=compute, block_k=bs.block_k)
-    if compute == "fp8" and kind != "mxfp4":
+    spec = OperandSpec(fmt=fmt, compute=compute, block_k=bs.block_k)
+    if compute == "fp8" and not isinstance(fmt, MXFP4):
         raise ValueError("compute='fp8' supports MXFP4 only")
     cols = bs.block_n * bs.n_sub
     m_pad, n_pad, k_pad = _round_up(m, bs.block_m), _round_up(n, cols), _round_up(k, bs.block_k)
@@ -539,7 +479,7 @@ def w4a4_matmul(a: QuantizedArray, w: QuantizedArray, *, lowrank: Optional[tuple
         input_output_aliases=aliases,
         compiler_params=triton_compiler_params(bs.num_warps, bs.num_stages),
         interpret=interpret,
-        name=f"w4a4_gemm_{kind}_{compute}",
+        name=f"w4a4_gemm_{fmt.name}_{compute}",
     )(*args)
     return y[:m, :n]
 
@@ -552,17 +492,16 @@ def w4a4_matmul(a: QuantizedArray, w: QuantizedArray, *, lowrank: Optional[tuple
 def dequantize_bf16(q: QuantizedArray, *, order: Literal["natural", "even_odd"] = "natural") -> jax.Array:
     """Packed ``(r, k)`` operand -> its exact bf16 values ``(r, k)`` (NVFP4: without the per-tensor scale).
 
-    The same per-tile math as the kernel (:func:`decode_tile_bf16` over whole rows), so MXFP4 gives
+    The same per-tile math as the kernel (``fp4_tile.decode_tile_bf16`` over whole rows), so MXFP4 gives
     ``dequantize(q, bfloat16)`` bit for bit (every scaled E2M1 value is a bf16 value for scale bytes in ``[2, 248]``)
     and NVFP4 gives ``e2m1 * s_blk`` (at most 6 significant bits, exact in bf16; ``tensor_scale`` is applied to the
     GEMM's f32 result). ``order="even_odd"`` returns the columns as ``[0, 2, 4, ..., 1, 3, ...]``
     (:func:`even_odd_permutation`): the low nibbles then the high nibbles, no interleave.
     """
-    kind = _kind_of(q)
-    if kind == "bf16" or len(q.shape) != 2:
+    if operand_format(q) is None or len(q.shape) != 2:
         raise TypeError(f"dequantize_bf16 takes a packed 2-D QuantizedArray, got {type(q).__name__} {q.shape}")
-    codes, scales = _operand_arrays(q, kind, q.shape[0], q.shape[1])
-    lo, hi = decode_tile_bf16(codes, scales, kind)  # (r, k/2) each: elements 2i and 2i + 1
+    codes, scales = _operand_arrays(q, q.shape[0], q.shape[1])
+    lo, hi = decode_tile_bf16(codes, scales, q.fmt)  # (r, k/2) each: elements 2i and 2i + 1
     if order == "even_odd":
         return jnp.concatenate([lo, hi], axis=1)
     if order != "natural":
@@ -597,8 +536,8 @@ def w4a4_matmul_dequant(a: QuantizedArray, w: QuantizedArray, *, lowrank: Option
     ``P = |A_hat| |W_hat|^T (+ |h| |L|^T)`` (NVFP4: ``k + 3``, the per-tensor scales applied once), plus the final
     rounding to ``out_dtype``; the GEMM library's accumulation is fp32 (``preferred_element_type``).
     """
-    kind, m, n, k = check_operands(a, w)
-    if kind == "bf16":
+    fmt, m, n, k = check_operands(a, w)
+    if fmt is None:
         raise TypeError("w4a4_matmul_dequant takes packed operands; use a @ w.T for 16-bit ones")
     a_bf, w_bf = dequantize_bf16(a), dequantize_bf16(w)
     h = left = None
@@ -607,17 +546,17 @@ def w4a4_matmul_dequant(a: QuantizedArray, w: QuantizedArray, *, lowrank: Option
         if h.ndim != 2 or h.shape[0] != m or left.shape[0] != n or h.shape[1] != left.shape[1]:
             raise ValueError(f"lowrank=(h {h.shape}, L {left.shape}) must be (m={m}, r), (n={n}, r)")
         if isinstance(left, QuantizedArray):
-            if _kind_of(left) != "mxfp4":
+            if not isinstance(operand_format(left), MXFP4):
                 raise ValueError(f"a packed low-rank factor L must be MXFP4, got {left.fmt!r}")
             left = dequantize_bf16(left, order="even_odd")  # h comes in even/odd column order
         h, left = h.astype(jnp.bfloat16), jnp.asarray(left).astype(jnp.bfloat16)
-        if kind == "mxfp4":  # one GEMM over K = k + r
+        if not fmt.has_tensor_scale:  # one GEMM over K = k + r
             a_bf, w_bf = jnp.concatenate([a_bf, h], axis=1), jnp.concatenate([w_bf, left], axis=1)
             h = left = None
     if materialize:
         a_bf, w_bf = jax.lax.optimization_barrier((a_bf, w_bf))
     y = jnp.dot(a_bf, w_bf.T, preferred_element_type=jnp.float32)  # (m, n) f32
-    if kind == "nvfp4":
+    if fmt.has_tensor_scale:
         y = y * (a.tensor_scale * w.tensor_scale).astype(jnp.float32)
     if h is not None:
         y = y + jnp.dot(h, left.T, preferred_element_type=jnp.float32)
@@ -660,21 +599,22 @@ def lowrank_reference(h: jax.Array, left) -> jax.Array:
 def w4a4_matmul_tiled_reference(a: QuantizedArray, w: QuantizedArray, *, block_k: int = 128,
                                 compute: Compute = "bf16") -> jax.Array:
     """jnp mirror of the kernel's main loop (same per-tile functions, whole rows at once), f32 ``(m, n)``."""
-    kind, m, n, k = check_operands(a, w)
+    fmt, m, n, k = check_operands(a, w)
     k_pad = _round_up(k, block_k)
-    (ca, sa), (cw, sw) = _operand_arrays(a, kind, m, k_pad), _operand_arrays(w, kind, n, k_pad)
+    (ca, sa), (cw, sw) = _operand_arrays(a, m, k_pad), _operand_arrays(w, n, k_pad)
     acc = jnp.zeros((m, n), jnp.float32)
     if compute == "bf16":
-        hk, nsb = block_k // 2, block_k // (32 if kind == "mxfp4" else 16)
+        hk, nsb = block_k // 2, block_k // fmt.block_size
         for kk in range(k_pad // block_k):
-            a_lo, a_hi = decode_tile_bf16(ca[:, kk * hk:(kk + 1) * hk], sa[:, kk * nsb:(kk + 1) * nsb], kind)
-            w_lo, w_hi = decode_tile_bf16(cw[:, kk * hk:(kk + 1) * hk], sw[:, kk * nsb:(kk + 1) * nsb], kind)
+            a_lo, a_hi = decode_tile_bf16(ca[:, kk * hk:(kk + 1) * hk], sa[:, kk * nsb:(kk + 1) * nsb], fmt)
+            w_lo, w_hi = decode_tile_bf16(cw[:, kk * hk:(kk + 1) * hk], sw[:, kk * nsb:(kk + 1) * nsb], fmt)
             acc = acc + _dot_nt(a_lo, w_lo) + _dot_nt(a_hi, w_hi)
     else:
         for kb in range(k_pad // 32):
             a8, w8 = decode_tile_fp8(ca[:, kb * 16:(kb + 1) * 16]), decode_tile_fp8(cw[:, kb * 16:(kb + 1) * 16])
-            s = scale_multiplier(sa[:, kb:kb + 1], "mxfp4") * scale_multiplier(sw[:, kb:kb + 1], "mxfp4").T
+            s = (fmt.scale_factors(sa[:, kb:kb + 1], FP8_DECODE_OFFSET)
+                 * fmt.scale_factors(sw[:, kb:kb + 1], FP8_DECODE_OFFSET).T)
             acc = acc + _dot_nt(a8.astype(jnp.float32), w8.astype(jnp.float32)) * s
-    if kind == "nvfp4":
+    if fmt.has_tensor_scale:
         acc = acc * (a.tensor_scale * w.tensor_scale)
     return acc

@@ -22,10 +22,10 @@ block's elements ``2j`` (low nibbles), ``hi`` the elements ``2j + 1`` (high nibb
 each. A block is exactly one such pair, so its scale is one value per row: a row broadcast in the ``wgmma`` register
 layout, no gather and no reshape.
 
-**Decode** (:func:`mx_decode_pair`, shared with the jnp reference and tested on all 256 code bytes x all scale bytes):
+**Decode** (``fp4_tile.mx_decode_pair``, shared with the jnp reference, tested on all 256 code bytes x all scale bytes):
 the nibble ``s e1 e0 m`` becomes the f16 bit pattern ``s<<15 | (e1 e0 m)<<9``, whose value is exactly
 ``e2m1 * 2**-14`` (the E2M1 subnormal 0.5 lands on the f16 subnormal ``2**-15``), then ``f32(f16) * 2**(e - 113)``
-with the E8M0 byte ``e`` (one multiplier per row and block, built from bits), then bf16 (exact). Integer and float ops
+with the E8M0 byte ``e`` (one multiplier per row and block, ``MXFP4.scale_factors(e, 14)``, built from bits), then bf16 (exact). Integer and float ops
 only (Hopper Mosaic GPU has no FP4/E8M0 conversions): per element 3-5 integer operations, one f16 -> f32 convert, one
 multiply and half a bf16 pack.
 
@@ -64,20 +64,20 @@ import jax.numpy as jnp
 
 from kroquant_jax.formats import MXFP4, QuantizedArray
 from pallas_kernels._compat import mgpu_load, on_gpu, pl
+from pallas_kernels.fp4_tile import F16_DECODE_OFFSET, mx_decode_pair
 
 __all__ = [
     "MgpuGemmConfig",
     "MgpuOperand",
     "default_config",
-    "mx_decode_pair",
-    "mx_multiplier",
     "prepare_operand",
     "supports",
     "w4a4_matmul_mgpu",
     "w4a4_matmul_mgpu_reference",
 ]
 
-BLOCK = 32  # MXFP4 block: 16 code bytes, one E8M0 scale byte
+_MX = MXFP4()
+BLOCK = _MX.block_size  # MXFP4 block: 16 code bytes, one E8M0 scale byte
 _HALF = BLOCK // 2
 SMEM_LIMIT = 227 * 1024  # shared memory per CTA on Hopper (sm_90), bytes
 
@@ -171,44 +171,6 @@ def supports(m: int, n: int, k: int, cfg: Optional[MgpuGemmConfig] = None) -> bo
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Shared per-tile math (pure jnp; the kernel passes a layout hint)
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def _identity(x):
-    return x
-
-
-def mx_multiplier(scale_bytes: jax.Array) -> jax.Array:
-    """E8M0 bytes ``e`` (uint8, any shape) -> the f32 factor ``2**(e - 113)`` that turns the f16 decode
-    ``e2m1 * 2**-14`` into the dequantized value; exact for ``e`` in ``[1, 240]``, clamped to ``2**127`` above;
-    ``e = 0`` gives 0 (the reference flushes those blocks), ``e = 255`` NaN."""
-    e = scale_bytes.astype(jnp.int32)
-    mult = jax.lax.bitcast_convert_type(jnp.minimum(e + 14, 254) << 23, jnp.float32)
-    mult = jnp.where(e == 0, jnp.float32(0.0), mult)
-    return jnp.where(e == 255, jnp.float32(jnp.nan), mult)
-
-
-def mx_decode_pair(codes: jax.Array, mult: jax.Array, *,
-                   hint: Callable[[jax.Array], jax.Array] = _identity) -> tuple[jax.Array, jax.Array]:
-    """One MXFP4 block per row: code bytes ``uint8 (r, 16)`` + per-row factors ``f32 (r,)`` (:func:`mx_multiplier`)
-    -> ``(lo, hi)`` ``bfloat16 (r, 16)``: the block's elements ``2j`` and ``2j + 1``, exactly dequantized.
-
-    Works on any ``(r, c)`` tile whose rows share one scale. The broadcast of ``mult`` goes through ``hint`` (the
-    Mosaic GPU kernel pins the ``wgmma`` register layout there; identity elsewhere).
-    """
-    c = codes.astype(jnp.uint16)
-    lo_bits = ((c & 0x07) << 9) | ((c & 0x08) << 12)  # low nibble  s e1 e0 m -> f16 s<<15 | e1 e0 m<<9
-    hi_bits = ((c & 0x70) << 5) | ((c & 0x80) << 8)  # high nibble
-    mult_b = hint(jax.lax.broadcast_in_dim(mult, codes.shape, (0,)))
-
-    def value(bits):
-        return (jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32) * mult_b).astype(jnp.bfloat16)
-
-    return value(lo_bits), value(hi_bits)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # Operands
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -230,7 +192,7 @@ def _round_up(x: int, b: int) -> int:
 
 
 def _check_mx(q, what: str) -> None:
-    if not isinstance(q, QuantizedArray) or not isinstance(q.fmt, MXFP4) or q.fmt.block_size != BLOCK:
+    if not isinstance(q, QuantizedArray) or not (isinstance(q.fmt, MXFP4) and q.fmt.is_standard):
         fmt = getattr(q, "fmt", type(q).__name__)
         raise ValueError(f"{what}: the Mosaic GPU W4A4 GEMM takes MXFP4 (block 32) QuantizedArrays, got {fmt!r}")
     if len(q.shape) != 2:
@@ -385,14 +347,14 @@ def _call(ac, as_t, wc, ws_t, bias, *, cfg: MgpuGemmConfig, out_dtype, interpret
                     slot = kk % cfg.wdec_slots if cfg.wdec_slots > 1 else 0
                     # 1. W: this warpgroup's rows, every block of the step, decoded to bf16 in shared memory.
                     for b in range(nb):
-                        w_mult = mx_multiplier(ws_smem[b, w_rows])  # (tn,) f32
+                        w_mult = _MX.scale_factors(ws_smem[b, w_rows], F16_DECODE_OFFSET)  # (tn,) f32
                         lo, hi = mx_decode_pair(load_codes(wc_smem.at[w_rows, pl.ds(b * _HALF, _HALF)]), w_mult)
                         wdec[wg, slot, 2 * b] = lo
                         wdec[wg, slot, 2 * b + 1] = hi
                     plgpu.commit_smem()  # async-proxy fence + warpgroup barrier: visible to wgmma
                     # 2. A: per block, decoded in registers, two K=16 wgmma with the register operand.
                     for b in range(nb):
-                        a_mult = mx_multiplier(as_smem[b, a_rows])  # (tm,) f32
+                        a_mult = _MX.scale_factors(as_smem[b, a_rows], F16_DECODE_OFFSET)  # (tm,) f32
                         lo, hi = mx_decode_pair(load_codes(ac_smem.at[a_rows, pl.ds(b * _HALF, _HALF)]), a_mult)
                         plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(wdec.at[wg, slot, 2 * b], (1, 0)))
                         plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(wdec.at[wg, slot, 2 * b + 1], (1, 0)))
@@ -488,12 +450,12 @@ def w4a4_matmul_mgpu(a: Union[QuantizedArray, MgpuOperand], w: Union[QuantizedAr
 
 
 def _operand_f32_blocks(q: Union[QuantizedArray, MgpuOperand]) -> jax.Array:
-    """Exact f32 values through :func:`mx_decode_pair`, as ``(rows, k/32, 32)`` in the kernel's per-block K order
+    """Exact f32 values through ``fp4_tile.mx_decode_pair``, as ``(rows, k/32, 32)`` in the kernel's per-block K order
     ``[lo 0..15 | hi 0..15]``."""
     op = prepare_operand(q)
     rows, k = op.codes.shape[0], 2 * op.codes.shape[1]
     codes = op.codes.reshape(rows * (k // BLOCK), _HALF)
-    mult = mx_multiplier(op.scales_t.T.reshape(-1))
+    mult = _MX.scale_factors(op.scales_t.T.reshape(-1), F16_DECODE_OFFSET)
     lo, hi = mx_decode_pair(codes, mult)
     return jnp.concatenate([lo, hi], axis=1).astype(jnp.float32).reshape(rows, k // BLOCK, BLOCK)
 

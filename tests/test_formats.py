@@ -240,6 +240,80 @@ def test_quantized_array_is_a_pytree_with_static_format():
     assert q.nbytes == 3 * 32 + 3 * 2 + 4
 
 
+@pytest.mark.parametrize("fmt", [MXFP4(), MXFP4(scale_mode="even"), NVFP4()])
+@pytest.mark.parametrize("shape", [(0, 32), (2, 0, 64), (3, 0)])
+def test_empty_arrays_round_trip(fmt, shape):
+    """An empty batch is valid input: quantize -> dequantize, fake_quant and its gradient keep the empty shape."""
+    x = jnp.zeros(shape, jnp.bfloat16)
+    q = F.quantize(x, fmt)
+    d = shape[-1]
+    assert q.shape == shape and q.codes.shape == (*shape[:-1], d // 2)
+    assert q.scales.shape == (*shape[:-1], d // fmt.block_size) and q.scales.dtype == fmt.scale_dtype
+    assert float(q.tensor_scale) == 1.0  # as for an all-zero array
+    out = F.dequantize(q)
+    assert out.shape == shape and out.dtype == jnp.bfloat16
+    for ste in ("identity", "clipped"):
+        fq = F.fake_quant(x, fmt, ste=ste)
+        assert fq.shape == shape and fq.dtype == x.dtype
+        grad = jax.grad(lambda a: jnp.sum(F.fake_quant(a, fmt, ste=ste).astype(jnp.float32)))(x)
+        assert grad.shape == shape
+    assert jax.jit(lambda a: F.dequantize(F.quantize(a, fmt)))(x).shape == shape
+    padded = F.fake_quant(jnp.zeros((0, 40)), fmt, pad=True)  # pad=True on an empty batch
+    assert padded.shape == (0, 40)
+
+
+@pytest.mark.parametrize("fmt", [MXFP4(), MXFP4(block_size=64, scale_mode="rceil"), NVFP4(), NVFP4(block_size=32)])
+def test_format_describes_itself(fmt):
+    """The format object carries its own dispatch: JSON round trip, scale dtype, tensor scale, per-block methods."""
+    assert F.QuantFormat.from_json(fmt.to_json()) == fmt
+    assert fmt.to_json()["name"] == fmt.name and fmt.is_standard == (fmt.block_size == fmt.standard_block_size)
+    x = jnp.asarray(_outlier_data(jax.random.key(11), (4, 128)))
+    q = F.quantize(x, fmt)
+    assert q.scales.dtype == fmt.scale_dtype
+    assert (q.tensor_scale != 1.0) == fmt.has_tensor_scale  # outlier data: NVFP4's tensor scale is not 1
+    blocks = x.reshape(4, -1, fmt.block_size)
+    codes, scales = fmt.quantize_blocks(blocks, fmt.tensor_scale(x))
+    np.testing.assert_array_equal(np.asarray(F.pack_nibbles(codes.reshape(x.shape))), np.asarray(q.codes))
+    values = fmt.dequantize_blocks(codes, scales, q.tensor_scale)
+    np.testing.assert_array_equal(np.asarray(values.reshape(x.shape)), np.asarray(F.dequantize(q, jnp.float32)))
+    # scale_factors: the block scale itself (offset 0; NaN/zero-byte blocks aside, value = e2m1 * factor * tensor
+    # scale in the dequantization's order) and times 2**6 (the W4A4 kernel's decode), also from the uint8 bytes.
+    assert not np.any(np.asarray(jax.lax.bitcast_convert_type(scales, jnp.uint8) if scales.dtype != jnp.uint8
+                                 else scales) == 0)
+    rebuilt = F.flush_subnormals(F.e2m1_decode(codes) * fmt.scale_factors(scales)[..., None] * q.tensor_scale)
+    np.testing.assert_array_equal(np.asarray(rebuilt), np.asarray(values))
+    bytes_ = jax.lax.bitcast_convert_type(scales, jnp.uint8) if scales.dtype != jnp.uint8 else scales
+    np.testing.assert_array_equal(np.asarray(fmt.scale_factors(bytes_, 6)), np.asarray(fmt.scale_factors(scales)) * 64)
+
+
+def test_mxfp4_scale_factor_edge_bytes():
+    b = jnp.arange(256, dtype=jnp.uint8)
+    f = np.asarray(MXFP4().scale_factors(b))
+    assert f[0] == 0 and np.isnan(f[255])
+    np.testing.assert_array_equal(f[1:255], np.exp2(np.arange(1, 255) - 127.0).astype(np.float32))
+
+
+def test_format_errors_are_clear():
+    with pytest.raises(ValueError, match=r"unknown quantization format .*known: \['mxfp4', 'nvfp4'\]"):
+        F.QuantFormat.from_json({"name": "int4"})
+    with pytest.raises(ValueError, match=r"unknown keys \['scale_mode'\] for NVFP4"):
+        F.QuantFormat.from_json({"name": "nvfp4", "block_size": 16, "scale_mode": "floor"})
+    with pytest.raises(ValueError, match="'sideways' is not a valid ScaleMode"):
+        F.QuantFormat.from_json({"name": "mxfp4", "block_size": 32, "scale_mode": "sideways"})
+    with pytest.raises(ValueError, match="NVFP4 block_size=15 must be a positive even number"):
+        NVFP4(block_size=15)
+    with pytest.raises(ValueError, match="mxfp4 has no per-tensor scale"):
+        F.quantize(jnp.ones((2, 32)), MXFP4(), tensor_scale=jnp.float32(2.0))
+    with pytest.raises(TypeError, match="unknown quantization format"):
+        F.quantize(jnp.ones((2, 32)), "mxfp4")
+    # NVFP4 with a given tensor scale: the block math of that scale.
+    x = jnp.asarray(_outlier_data(jax.random.key(12), (2, 64)))
+    q = F.quantize(x, NVFP4(), tensor_scale=jnp.float32(0.01))
+    codes, scales = F.nvfp4_quantize_blocks(x.reshape(2, 4, 16), jnp.float32(0.01))
+    assert float(q.tensor_scale) == np.float32(0.01)
+    np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint8), np.asarray(scales).view(np.uint8))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # torchao's reference code (test extras; its pure-torch path runs on the CPU).
 # ---------------------------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import pytest
 from kroquant_jax import formats as F
 from kroquant_jax import transforms as T
 from kroquant_jax.formats import MXFP4, NVFP4, ScaleMode
+from pallas_kernels import fp4_tile
 from pallas_kernels import transform_quantize as tq
 from tq_cases import exact_activations as _exact_activations  # noqa: E402
 from tq_cases import exact_transform as _exact_transform  # noqa: E402
@@ -83,11 +84,11 @@ class TestTileFunctions:
         ref_packed = np.asarray(F.pack_nibbles(codes))
         ref_scales = np.asarray(scales)
         wide = jnp.asarray(y.reshape(-1, 128))
-        for fn in (tq.mx_quantize_tile, tq.mx_quantize_tile_simple):
+        for fn in (fp4_tile.mx_quantize_tile, lambda y, mode: fp4_tile.quantize_tile(MXFP4(scale_mode=mode), y)):
             packed, s = jax.jit(fn, static_argnums=1)(wide, mode)
-            np.testing.assert_array_equal(np.asarray(packed).reshape(-1, 16), ref_packed, err_msg=fn.__name__)
-            np.testing.assert_array_equal(np.asarray(s).reshape(-1), ref_scales, err_msg=fn.__name__)
-        packed, s = jax.jit(tq.mx_quantize_pair, static_argnums=2)(jnp.asarray(y[:, 0::2]), jnp.asarray(y[:, 1::2]),
+            np.testing.assert_array_equal(np.asarray(packed).reshape(-1, 16), ref_packed)
+            np.testing.assert_array_equal(np.asarray(s).reshape(-1), ref_scales)
+        packed, s = jax.jit(fp4_tile.mx_quantize_pair, static_argnums=2)(jnp.asarray(y[:, 0::2]), jnp.asarray(y[:, 1::2]),
                                                                    mode)
         np.testing.assert_array_equal(np.asarray(packed), ref_packed)
         np.testing.assert_array_equal(np.asarray(s)[:, 0], ref_scales)
@@ -101,10 +102,15 @@ class TestTileFunctions:
         y[11, :16] = 1e-40
         for ts in (F.nvfp4_tensor_scale(jnp.asarray(np.where(np.isfinite(y), y, 0))), jnp.float32(1e-3)):
             codes, scales = F.nvfp4_quantize_blocks(jnp.asarray(y).reshape(512, 4, 16), ts)
-            packed, s = jax.jit(tq.nv_quantize_tile)(jnp.asarray(y), ts, jnp.float32(1.0) / ts)  # noqa: E501
+            packed, s = jax.jit(fp4_tile.nv_quantize_tile)(jnp.asarray(y), ts, jnp.float32(1.0) / ts)
             np.testing.assert_array_equal(np.asarray(packed), np.asarray(F.pack_nibbles(codes.reshape(512, 64))))
             np.testing.assert_array_equal(np.asarray(s),
                                           np.asarray(jax.lax.bitcast_convert_type(scales, jnp.uint8)))
+            packed2, s2 = fp4_tile.quantize_tile(NVFP4(), jnp.asarray(y), (ts, jnp.float32(1.0) / ts))
+            np.testing.assert_array_equal(np.asarray(packed2), np.asarray(packed))
+            np.testing.assert_array_equal(np.asarray(s2), np.asarray(s))
+        with pytest.raises(ValueError, match="no tile quantizer"):
+            fp4_tile.quantize_tile(NVFP4(block_size=32), jnp.asarray(y))
 
     def test_e4m3_round_matches_ml_dtypes(self):
         rng = np.random.default_rng(2)
@@ -113,7 +119,7 @@ class TestTileFunctions:
         mids = (grid[:-1] + grid[1:]) / 2
         s = np.concatenate([grid, mids, np.nextafter(mids, 0), np.nextafter(mids, 1000),
                             rng.uniform(2.0**-6, 448.0, 5000).astype(np.float32)]).astype(np.float32)
-        val, byte = jax.jit(tq._e4m3_round)(jnp.asarray(s))
+        val, byte = jax.jit(fp4_tile.e4m3_round)(jnp.asarray(s))
         ref = s.astype(ml_dtypes.float8_e4m3fn)
         np.testing.assert_array_equal(np.asarray(val), ref.astype(np.float32))
         np.testing.assert_array_equal(np.asarray(byte), ref.view(np.uint8).astype(np.int32))
@@ -141,10 +147,11 @@ class TestTileFunctions:
             np.testing.assert_array_equal(np.asarray(even), np.asarray(full)[:, 0::2])
             np.testing.assert_array_equal(np.asarray(odd), np.asarray(full)[:, 1::2])
 
-    @pytest.mark.parametrize("variant", ["shuffle", "axis"])
-    def test_fwht_rows_exact(self, variant):
+    @pytest.mark.parametrize("stages", ["kernel", "reference"])
+    def test_fwht_rows_exact(self, stages):
         a = _exact_activations(jax.random.key(5), 4, 256, jnp.float32)
-        got = jax.jit(lambda x: tq._fwht_rows(x, variant) * tq._fwht_scale(256))(a)
+        fn = tq._fwht_rows if stages == "kernel" else tq._fwht_rows_axis
+        got = jax.jit(lambda x: fn(x) * tq._fwht_scale(256))(a)
         ref = T.apply_to_activations(a, T.FWHT.blocks(T.FWHT.init(256)))
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
@@ -191,11 +198,10 @@ class TestInterpretKernels:
 
     @pytest.mark.parametrize("kind", ["k1", "k2s", "scale"])
     def test_exact_other_tilings_fp16(self, kind):
-        m, d = 21, 96  # d = 32 * 3: 32-column tiles; row-major tiles with the reshape path, columns launched first
+        m, d = 21, 96  # d = 32 * 3: 32-column tiles, 2 fp16 parts
         a = _exact_activations(jax.random.key(12), m, d, jnp.float16)
         t = _exact_transform(kind, d, jax.random.key(13))
-        bs = tq.BlockSizes(block_rows=16, split_dot=False, fast_encode=False, vector_tile=False, cols_first=True,
-                           dot_passes=2)
+        bs = tq.BlockSizes(block_rows=16, dot_passes=2)
         _assert_same(_poisoned(a, t, MXFP4(scale_mode=ScaleMode.EVEN), bs),
                      tq.reference_transform_quantize(a, t, MXFP4(scale_mode=ScaleMode.EVEN)))
 
@@ -257,6 +263,12 @@ class TestDispatch:
             tq.transform_quantize(jnp.ones((4, 64), jnp.float32), t, impl="interpret")
         with pytest.raises(ValueError, match="block_rows"):
             tq.BlockSizes(block_rows=8)
+        with pytest.raises(ValueError, match=r"BlockSizes.block_cols=96 must be 32 \* a power of two"):
+            tq.BlockSizes(block_cols=96)
+        with pytest.raises(ValueError, match="mxfp4 has no per-tensor scale"):
+            tq.transform_quantize(jnp.ones((4, 64), jnp.bfloat16), t, MXFP4(), tensor_scale=jnp.float32(1.0))
+        with pytest.raises(ValueError, match="the kernels write nvfp4 with 16-element blocks"):
+            tq.transform_quantize(jnp.ones((4, 64), jnp.bfloat16), t, NVFP4(block_size=32), impl="interpret")
         with pytest.raises(ValueError, match="power of two"):
             tq.PreparedTransform.fwht(96)
         assert tq.BlockSizes(block_cols=256).cols_for(96) == 32 and tq.BlockSizes().cols_for(1152) == 128
@@ -284,14 +296,14 @@ class TestDispatch:
         assert not np.any(np.asarray(g0))
 
 
-@pytest.mark.parametrize("kind", ["q4", "k2"])
-def test_interpret_fori_tiles_exact(kind):
-    """Wide tiles walked by ``lax.fori_loop`` (``chunk_loop="fori"``), dynamic column offsets."""
+@pytest.mark.parametrize("kind,fmt", [("k2", MXFP4()), ("k2s", MXFP4()), ("k1", NVFP4())])
+def test_interpret_fori_tiles_exact(kind, fmt):
+    """Wide tiles of 32-column blocks walked by ``lax.fori_loop``, dynamic column offsets (and NVFP4's amax pass)."""
     m, d = 37, 256
     a = _exact_activations(jax.random.key(50), m, d, jnp.bfloat16)
     t = _exact_transform(kind, d, jax.random.key(51))
-    bs = tq.BlockSizes(block_rows=16, block_cols=256, chunk_cols=64, chunk_loop="fori", num_stages=3)
-    _assert_same(_poisoned(a, t, MXFP4(), bs), tq.reference_transform_quantize(a, t, MXFP4()))
+    bs = tq.BlockSizes(block_rows=16, block_cols=256, num_stages=3)
+    _assert_same(_poisoned(a, t, fmt, bs), tq.reference_transform_quantize(a, t, fmt))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -315,10 +327,10 @@ def test_nv_tile_divisions_correctly_rounded_under_jit():
     y = jnp.asarray(nvfp4_division_stress(0.0123, n_blocks=1024).reshape(-1, 32))
     ref_codes, ref_scales = F.nvfp4_quantize_blocks(y.reshape(-1, 2, 16), ts)
     ref_bytes = np.asarray(jax.lax.bitcast_convert_type(ref_scales, jnp.uint8)).reshape(-1, 2)
-    packed, s = jax.jit(tq.nv_quantize_tile)(y, ts, jnp.float32(1.0) / ts)
+    packed, s = jax.jit(fp4_tile.nv_quantize_tile)(y, ts, jnp.float32(1.0) / ts)
     np.testing.assert_array_equal(np.asarray(s), ref_bytes)
     np.testing.assert_array_equal(np.asarray(packed), np.asarray(F.pack_nibbles(ref_codes.reshape(-1, 32))))
-    _, s_plain = jax.jit(lambda y: tq.nv_quantize_tile(y, ts, jnp.float32(1.0) / ts, divide=lambda a, b: a / b))(y)
+    _, s_plain = jax.jit(lambda y: fp4_tile.nv_quantize_tile(y, ts, jnp.float32(1.0) / ts, divide=lambda a, b: a / b))(y)
     assert np.sum(np.asarray(s_plain) != ref_bytes) > 10  # jitted plain division is rewritten: scales move
 
 
@@ -333,13 +345,34 @@ def test_interpret_nvfp4_division_cases_exact():
                                                          round_to_input=False))
 
 
-@pytest.mark.parametrize("kind,wide,loop", [("k1", 4, "fori"), ("k2s", 2, "static")])
-def test_interpret_wide_quantize_exact(kind, wide, loop):
-    """``BlockSizes.wide_quantize``: block products joined into one tile (stack/transpose/reshape), quantized at once."""
+@pytest.mark.parametrize("block_cols", [64, 256])
+def test_interpret_k1_joined_blocks_exact(block_cols):
+    """K1, MXFP4, ``BD >= 64``: two block products joined into one 64-column tile (stack/transpose/reshape) and
+    quantized at once (one chunk, or four walked by the ``fori_loop``)."""
     m, d = 37, 256
     a = _exact_activations(jax.random.key(52), m, d, jnp.bfloat16)
-    t = _exact_transform(kind, d, jax.random.key(53))
-    bs = tq.BlockSizes(block_rows=16, block_cols=256, chunk_loop=loop, num_stages=3, wide_quantize=wide)
+    t = _exact_transform("k1", d, jax.random.key(53))
+    bs = tq.BlockSizes(block_rows=16, block_cols=block_cols, num_stages=3)
     _assert_same(_poisoned(a, t, MXFP4(), bs), tq.reference_transform_quantize(a, t, MXFP4()))
     (y,) = tq._pallas_call(a, t, MXFP4(), None, bs, True, stage="transform")  # the joined tile itself
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(tq.reference_apply(a, t), np.float32))
+
+
+@pytest.mark.parametrize("fmt", [MXFP4(), NVFP4()])
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+def test_empty_batch_round_trips(fmt, impl):
+    """An empty batch ``(0, d)`` (and ``(2, 0, d)``) through the reference and the interpret path: same empty shape,
+    fake-quant and its gradient too."""
+    t = _exact_transform("k1", 64, jax.random.key(54))
+    for shape in ((0, 64), (2, 0, 64)):
+        a = jnp.zeros(shape, jnp.bfloat16)
+        q = tq.transform_quantize(a, t, fmt, impl=impl)
+        assert q.shape == shape and q.scales.shape == (*shape[:-1], 64 // fmt.block_size)
+        assert q.scales.dtype == fmt.scale_dtype and float(q.tensor_scale) == 1.0
+        assert F.dequantize(q).shape == shape
+        fq = tq.transform_fake_quant(a, t, fmt, impl=impl)
+        assert fq.shape == shape and fq.dtype == a.dtype
+        ga, gt = jax.grad(lambda x, tt: jnp.sum(tq.transform_fake_quant(x, tt, fmt, impl=impl).astype(jnp.float32)),
+                          argnums=(0, 1))(a, t)
+        assert ga.shape == shape and gt.blocks.shape == t.blocks.shape
+        np.testing.assert_array_equal(np.asarray(gt.blocks), 0.0)

@@ -16,6 +16,7 @@ import pytest
 from kroquant_jax import formats as F
 from kroquant_jax import transforms as T
 from kroquant_jax.formats import MXFP4, NVFP4, ScaleMode
+from pallas_kernels import fp4_tile
 from pallas_kernels import transform_quantize as tq
 from pallas_kernels import transform_quantize_mgpu as tqm
 from test_transform_quantize import _boundary_blocks  # noqa: E402
@@ -34,7 +35,7 @@ def test_pair_lastaxis_matches_formats(mode):
     codes, scales = F.mxfp4_quantize_blocks(jnp.asarray(y), mode)
     ref_packed, ref_scales = np.asarray(F.pack_nibbles(codes)), np.asarray(scales)
     y3 = jnp.asarray(y.reshape(256, 16, 32))  # (rows, blocks, 32): the Q4 kernel's 3-D tile
-    packed, s = jax.jit(tqm.mx_quantize_pair_lastaxis, static_argnums=2)(y3[..., 0::2], y3[..., 1::2], mode)
+    packed, s = jax.jit(fp4_tile.mx_quantize_pair_lastaxis, static_argnums=2)(y3[..., 0::2], y3[..., 1::2], mode)
     assert packed.shape == (256, 16, 16) and s.shape == (256, 16)
     np.testing.assert_array_equal(np.asarray(packed).reshape(-1, 16), ref_packed)
     np.testing.assert_array_equal(np.asarray(s).reshape(-1), ref_scales)

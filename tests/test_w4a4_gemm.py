@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kroquant_jax.formats import E2M1_VALUES, MXFP4, NVFP4, dequantize, fake_quant, quantize
+from pallas_kernels import fp4_tile
 from pallas_kernels import w4a4_gemm as g
 
 # Jitted once per (shape, format): eager dispatch of the many small ops is what costs time on the CPU.
@@ -46,20 +47,20 @@ FORMATS = [(MXFP4(), "bf16", 0), (NVFP4(), "bf16", 3), (MXFP4(), "fp8", 0)]
 class TestTileMath:
     def test_e2m1_to_e4m3_bits_all_codes(self):
         codes = jnp.arange(16, dtype=jnp.int32)
-        v = jax.lax.bitcast_convert_type(g.e2m1_to_e4m3_bits(codes).astype(jnp.uint8), jnp.float8_e4m3fn)
+        v = jax.lax.bitcast_convert_type(fp4_tile.e2m1_to_e4m3_bits(codes).astype(jnp.uint8), jnp.float8_e4m3fn)
         np.testing.assert_array_equal(np.asarray(v.astype(jnp.float32)) * 64.0, E2M1_VALUES)
 
     def test_unpack_tile_orders_low_nibble_first(self):
         codes = jnp.array([[0x21, 0xF7]], jnp.uint8)  # elements [1, 2, 7, 15]
-        lo, hi = g.unpack_tile_fp8(codes)
+        lo, hi = fp4_tile.unpack_tile_fp8(codes)
         np.testing.assert_array_equal(np.asarray(lo.astype(jnp.float32)) * 64, [[0.5, 6.0]])
         np.testing.assert_array_equal(np.asarray(hi.astype(jnp.float32)) * 64, [[1.0, -6.0]])
-        full = g.decode_tile_fp8(jnp.tile(codes, (1, 8)))
+        full = fp4_tile.decode_tile_fp8(jnp.tile(codes, (1, 8)))
         np.testing.assert_array_equal(np.asarray(full.astype(jnp.float32))[0, :4] * 64, [0.5, 1.0, 6.0, -6.0])
 
     def test_mx_scale_multiplier_exact_range(self):
         s = jnp.arange(256, dtype=jnp.int32).astype(jnp.uint8)
-        mult = np.asarray(g.scale_multiplier(s, "mxfp4"))
+        mult = np.asarray(MXFP4().scale_factors(s, fp4_tile.FP8_DECODE_OFFSET))
         for b in range(2, 249):
             assert mult[b] == np.float32(2.0 ** (b - 121))
         assert mult[0] == 0.0 and np.isnan(mult[255])
@@ -69,10 +70,10 @@ class TestTileMath:
             x = jax.random.normal(jax.random.PRNGKey(3), (8, 128)) * jnp.logspace(-3, 3, 128)
             q = quantize(x, fmt)
             scales = q.scales if q.scales.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
-            lo, hi = jax.jit(g.decode_tile_bf16, static_argnums=2)(q.codes, scales, fmt.name)
+            lo, hi = jax.jit(fp4_tile.decode_tile_bf16, static_argnums=2)(q.codes, scales, fmt)
             full = jax.lax.stack([lo, hi], axis=2).reshape(8, 128).astype(jnp.float32) * q.tensor_scale
             ref = dequantize(q, jnp.float32)
-            if isinstance(fmt, MXFP4):
+            if not fmt.has_tensor_scale:
                 np.testing.assert_array_equal(np.asarray(full), np.asarray(ref))
             else:  # the per-tensor scale is applied after the bf16 cast: one f32 rounding apart
                 np.testing.assert_allclose(np.asarray(full), np.asarray(ref), rtol=2**-23, atol=0)
@@ -148,6 +149,16 @@ class TestInterpretKernel:
         with pytest.raises(ValueError):
             g.w4a4_matmul(quantize(jnp.ones((16, 64)), NVFP4()), quantize(jnp.ones((32, 64)), NVFP4()),
                           compute="fp8", interpret=True)
+        with pytest.raises(TypeError, match="both packed in one format or both 16-bit, got mxfp4 and 16-bit"):
+            g.check_operands(qa, jnp.ones((32, 64), jnp.bfloat16))
+        with pytest.raises(ValueError, match="support mxfp4 with block_size=32"):
+            g.check_operands(quantize(jnp.ones((16, 64)), MXFP4(block_size=64)),
+                             quantize(jnp.ones((32, 64)), MXFP4(block_size=64)))
+        assert g.check_operands(qa, qa)[0] == MXFP4()
+        assert g.check_operands(jnp.ones((4, 8)), jnp.ones((2, 8)))[0] is None
+        assert g.keeps_lowrank_packed(quantize(jnp.ones((32, 64)), MXFP4()))
+        assert not g.keeps_lowrank_packed(quantize(jnp.ones((32, 64)), NVFP4()))
+        assert not g.keeps_lowrank_packed(jnp.ones((32, 64)))
 
 
 class TestDequantStrategy:

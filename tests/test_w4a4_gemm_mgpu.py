@@ -18,6 +18,7 @@ import pytest
 import mgpu_interpret
 from kroquant_jax.formats import MXFP4, NVFP4, QuantizedArray, dequantize, fake_quant, quantize
 from pallas_kernels import w4a4_gemm_mgpu as M
+from pallas_kernels.fp4_tile import F16_DECODE_OFFSET, mx_decode_pair
 
 quantize = jax.jit(quantize, static_argnums=1)
 
@@ -25,7 +26,7 @@ quantize = jax.jit(quantize, static_argnums=1)
 def test_decode_pair_every_code_and_scale_byte():
     codes = jnp.tile(jnp.arange(256, dtype=jnp.uint8)[None, :16 * 16].reshape(1, 256), (256, 1))  # (256 scales, 256)
     scales = jnp.arange(256, dtype=jnp.uint8)  # row s: every code byte under scale byte s
-    lo, hi = jax.jit(lambda c, s: M.mx_decode_pair(c, M.mx_multiplier(s)))(codes, scales)
+    lo, hi = jax.jit(lambda c, s: mx_decode_pair(c, MXFP4().scale_factors(s, F16_DECODE_OFFSET)))(codes, scales)
     got = np.asarray(jnp.stack([lo, hi], axis=2).reshape(256, 512).astype(jnp.float32))
     # The library's dequantize of the same bytes (16 blocks of 32 per row, all with the row's scale byte).
     q = QuantizedArray(codes=codes, scales=jnp.repeat(scales[:, None], 16, axis=1), tensor_scale=jnp.float32(1.0),
@@ -40,7 +41,7 @@ def test_decode_pair_every_code_and_scale_byte():
 
 
 def test_multiplier_is_a_power_of_two_from_bits():
-    mult = np.asarray(M.mx_multiplier(jnp.arange(256, dtype=jnp.uint8)))
+    mult = np.asarray(MXFP4().scale_factors(jnp.arange(256, dtype=jnp.uint8), F16_DECODE_OFFSET))
     for e in range(1, 241):
         assert mult[e] == np.float32(2.0 ** (e - 113))
     assert mult[0] == 0 and np.isnan(mult[255]) and mult[250] == np.float32(2.0**127)

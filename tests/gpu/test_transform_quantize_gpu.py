@@ -142,7 +142,7 @@ def test_nonfinite_and_zero_rows():
     m, d = 96, 256
     a = _random_activations(jax.random.key(7), m, d, jnp.bfloat16)
     a = a.at[3, 5].set(jnp.nan).at[10, 40].set(jnp.inf).at[20, :].set(0.0)
-    for kind, bs in (("q4", None), ("k1", tq.BlockSizes(block_rows=64, block_cols=32, split_dot=False)), ("k2", None)):
+    for kind, bs in (("q4", None), ("k1", tq.BlockSizes(block_rows=64, block_cols=32)), ("k2", None)):
         t = _random_transform(kind, d, jax.random.key(8))
         q = _run_poisoned(a, t, MXFP4(), bs)
         r = _reference(a, t, MXFP4())
@@ -170,13 +170,13 @@ def test_dispatch_uses_kernel_and_ste_grad():
                                rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("kind", ["q4", "k1", "k2"])
+@pytest.mark.parametrize("kind", ["k1", "k2"])
 def test_fori_tiles_exact(kind):
+    """Multi-chunk tiles walked by the ``fori_loop`` (K1: pairs of joined blocks; K2: 32-column blocks)."""
     m, d = 1000, 1152
     a = _exact_activations(jax.random.key(12), m, d, jnp.bfloat16)
     t = _exact_transform(kind, d, jax.random.key(13))
-    bs = tq.BlockSizes(block_rows=32 if kind == "q4" else 64, block_cols=512 if kind == "q4" else 256,
-                       chunk_cols=128 if kind == "q4" else 0, chunk_loop="fori", num_stages=3)
+    bs = tq.BlockSizes(block_rows=64, block_cols=256, num_stages=3)
     q = _run_poisoned(a, t, MXFP4(), bs)
     r = _reference(a, t, MXFP4())
     np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(r.codes))
@@ -243,12 +243,13 @@ def test_fp16_default_two_parts_bounded(kind):
 
 
 @pytest.mark.parametrize("kind", ["k1", "k2s"])
-def test_wide_quantize_exact(kind):
-    """``BlockSizes.wide_quantize``: 4 block products joined into one (BR, 128) tile, quantized at once."""
+def test_default_wide_tiling_exact(kind):
+    """The K1 default at large grids (BD=256: two block products joined into a 64-column tile, quantized at once,
+    walked by the ``fori_loop``) and K2s with the same tiling (32-column even/odd pairs)."""
     m, d = 1000, 1024
     a = _exact_activations(jax.random.key(21), m, d, jnp.bfloat16)
     t = _exact_transform(kind, d, jax.random.key(22))
-    bs = tq.BlockSizes(block_rows=64, block_cols=256, chunk_loop="fori", num_stages=3, wide_quantize=4)
+    bs = tq.BlockSizes(block_rows=64, block_cols=256, num_stages=3)
     q = _run_poisoned(a, t, MXFP4(), bs)
     r = _reference(a, t, MXFP4())
     np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(r.codes))
