@@ -97,7 +97,7 @@ def plot(errors: dict, methods: list, layer_names: list, path: str, title: str,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.4 * len(layer_names) + 5), 4.5))
+    fig, ax = plt.subplots(figsize=(min(18.0, max(7.0, 1.4 * len(layer_names) + 5)), 4.5))
     x = np.arange(len(layer_names))
     width = 0.8 / len(methods)
     colors = plt.get_cmap("tab20")(np.linspace(0, 1, 20))
