@@ -5,14 +5,14 @@ Layers: 28 blocks x 10 quantized linears (self-attn q/k/v/out, cross-attn q/k/v/
 4608->1152; cross k/v read the projected 1152-wide caption features, as in the real model; ``--text-dim 4096`` for
 4096-wide ones): 224 layers of 1152x1152, 28 of 4608x1152, 28 of 1152x4608. Data: synthetic DiT-like layers
 (:mod:`kroquant_jax.synthetic`, outlier channels, heavy-tailed tokens, power-law weight spectra) with the engine's
-default row counts (1024 calibration + 256 held-out rows per layer); one block's 10 layers are generated and reused by
+default row counts (1024 calibration + 256 validation + 256 test rows per layer); one block's 10 layers are generated and reused by
 every block (the time does not depend on the values; each layer name still draws its own rows).
 
 Per shape group (largest first), three stages are timed on the host clock around calls that return host numpy (so
 device work is finished): ``calibrate_layers`` (KroQuant: λ at the Hadamard init, Adam scan, held-out safeguard),
 the transformed weight ``W T^{-T}`` (one jitted call per layer), ``loraq_layers`` (randomized-SVD init, Adam fit,
 Cayley rotation). Settings are the engine defaults (:class:`CalibrationConfig`, :class:`LoRaQConfig`), except
-``max_layers_per_program``.
+``max_layers_per_program`` (the recipe is built by :func:`kroquant_jax.calibrate.recipe_from_args`).
 
 * **vmapped**: each stage over the whole group (stacked, chunks of ``--max-layers-per-program``, one compiled program
   per group and stage).
@@ -66,14 +66,15 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kroquant_jax import calibrate, lowrank, objectives, synthetic, timing, transforms  # noqa: E402
-from kroquant_jax.layerset import atomic_write_bytes  # noqa: E402
+from kroquant_jax import calibrate, lowrank, synthetic, timing, transforms  # noqa: E402
+from kroquant_jax.layerset import atomic_write_bytes, program_config  # noqa: E402
 
 _CAL = calibrate.CalibrationConfig()
+_RUN = calibrate.RunConfig()
 _LQ = lowrank.LoRaQConfig()
 PRESETS = {
-    # PixArt-Σ shapes at the engine's defaults (rows, steps, rank).
-    "pixart": dict(blocks=28, d=1152, ffn=4608, rows=_CAL.num_rows, heldout=_CAL.num_heldout, steps=_CAL.steps,
+    # PixArt-Σ shapes at the engine's defaults (rows, steps, rank); ``heldout`` rows validate and as many test.
+    "pixart": dict(blocks=28, d=1152, ffn=4608, rows=_RUN.num_rows, heldout=_RUN.num_validation, steps=_CAL.steps,
                    rank=_LQ.rank, loraq_steps=_LQ.steps, rotation_steps=_LQ.rotation_steps, loop_layers=4,
                    max_layers_per_program=112),
     "tiny": dict(blocks=3, d=64, ffn=128, rows=96, heldout=32, steps=5, rank=32, loraq_steps=5, rotation_steps=3,
@@ -123,19 +124,19 @@ def compile_only(args, record: dict, shape_groups: dict, save) -> dict:
     docstring); fills ``record["programs"]``."""
     sds = jax.ShapeDtypeStruct
     param = transforms.get("kron_lu")
-    obj = objectives.ObjectiveConfig(precision=args.precision)
-    lq = lowrank.program_config(lowrank.LoRaQConfig(rank=args.rank, steps=args.loraq_steps,
-                                                    rotation_steps=args.rotation_steps))
+    recipe = bench_recipe(args)
+    cal = program_config(recipe.calibration)
+    lq = program_config(recipe.loraq)
     record["programs"] = {}
     for (o, d), count in shape_groups.items():
         for mode, n in (("vmapped", min(args.max_layers_per_program, count)), ("loop", 1)):
             p0 = jax.tree.map(lambda x: sds((n,) + x.shape, x.dtype), param.init(d))
             builds = {
-                "kroquant": lambda: calibrate._program_jit.lower(
+                "kroquant": lambda: calibrate.calibration_program.lower(
                     p0, sds((n, args.rows, d), np.float32), sds((n, args.heldout, d), np.float32),
-                    sds((n, o, d), np.float32), parameterization=param, steps=args.steps, learning_rate=1e-2,
-                    obj_cfg=obj),
-                "loraq": lambda: lowrank._loraq_stacked.lower(sds((n, o, d), np.float32), lq)}
+                    sds((n, args.heldout, d), np.float32), sds((n, o, d), np.float32), parameterization=param,
+                    cfg=cal),
+                "loraq": lambda: lowrank.loraq_program.lower(sds((n, o, d), np.float32), lq)}
             for stage, build in builds.items():
                 key = f"{stage} {o}x{d} {mode} ({n} layer{'s' if n > 1 else ''})"
                 save(f"compile {key}")
@@ -153,9 +154,19 @@ def compile_only(args, record: dict, shape_groups: dict, save) -> dict:
     return record
 
 
+def bench_recipe(args) -> calibrate.Recipe:
+    """KroQuant + LoRaQ at the engine defaults but for the preset's rows, steps, rank and program size (validation
+    and test rows: ``args.heldout`` each)."""
+    return calibrate.recipe_from_args("kroquant+loraq", {
+        "calib_steps": args.steps, "calib_rows": args.rows, "calib_validation": args.heldout,
+        "calib_test": args.heldout, "rank": args.rank, "loraq_steps": args.loraq_steps,
+        "rotation_steps": args.rotation_steps, "precision": args.precision,
+        "max_layers_per_program": args.max_layers_per_program})
+
+
 def build_layers(args) -> dict:
     block0 = synthetic.pixart_sigma_shapes(1, args.d, args.ffn, args.text_dim)
-    base = synthetic.synthetic_layer_set(block0, n=args.rows + args.heldout, seed=0)
+    base = synthetic.synthetic_layer_set(block0, n=args.rows + 2 * args.heldout, seed=0)
     layers = {}
     for b in range(args.blocks):
         for name, layer in base.items():
@@ -329,21 +340,20 @@ def main(argv=None):
     record["layer_shapes"] = {f"{o}x{d}": len(v) for (o, d), v in groups.items()}
     print(f"{record['num_layers']} layers {record['layer_shapes']}, data {st['wall_s']} s", flush=True)
 
-    cal = calibrate.CalibrationConfig(transform="kron_lu", steps=args.steps, num_rows=args.rows,
-                                      num_heldout=args.heldout, max_layers_per_program=args.max_layers_per_program,
-                                      objective=objectives.ObjectiveConfig(precision=args.precision))
-    lq = lowrank.LoRaQConfig(rank=args.rank, steps=args.loraq_steps, rotation_steps=args.rotation_steps,
-                             max_layers_per_program=args.max_layers_per_program)
-    cal1 = dataclasses.replace(cal, max_layers_per_program=1, shard=False)
-    lq1 = dataclasses.replace(lq, max_layers_per_program=1, shard=False)
+    recipe = bench_recipe(args)
+    cal, run = recipe.calibration, recipe.run
+    lq = dataclasses.replace(recipe.loraq, max_layers_per_program=args.max_layers_per_program)
+    cal1 = dataclasses.replace(cal, max_layers_per_program=1)
+    lq1 = dataclasses.replace(lq, max_layers_per_program=1)
+    run1 = dataclasses.replace(run, shard=False)
 
-    def pipeline(sub: dict, c, lqc, tag: str) -> tuple[dict, dict, dict]:
+    def pipeline(sub: dict, c, lqc, tag: str, r) -> tuple[dict, dict, dict]:
         save(f"{tag}: calibrate_layers")
-        res, s_k = timing.measure(lambda: calibrate.calibrate_layers(sub, c), clock)
+        res, s_k = timing.measure(lambda: calibrate.calibrate_layers(sub, c, run=r), clock)
         save(f"{tag}: transformed weights")
         w_t, s_w = timing.measure(lambda: transformed_weights(sub, res), clock)
         save(f"{tag}: loraq_layers")
-        br, s_l = timing.measure(lambda: lowrank.loraq_layers(w_t, lqc), clock)
+        br, s_l = timing.measure(lambda: lowrank.loraq_layers(w_t, lqc, run=r), clock)
         return res, br, {"kroquant": s_k, "transform_weights": s_w, "loraq": s_l}
 
     def total(stages: dict) -> dict:
@@ -357,7 +367,7 @@ def main(argv=None):
         both = [n for n in names if n in loop_out and n in vm_results]
         if both:
             record["groups"][key]["loop_vs_vmapped_max_abs_diff"] = {
-                "transform_heldout_error": max(abs(loop_out[n][0] - vm_results[n].heldout_error) for n in both),
+                "transform_test_error": max(abs(loop_out[n][0] - vm_results[n].test_error) for n in both),
                 "loraq_weight_error_final": max(abs(loop_out[n][1] - float(vm_branches[n].error_final))
                                                 for n in both)}
 
@@ -368,8 +378,8 @@ def main(argv=None):
             if elapsed() > args.time_budget:
                 g["loop_truncated"] = "time budget"
                 break
-            r1, b1, s1 = pipeline({n: layers[n]}, cal1, lq1, f"loop {key} {n}")
-            loop_out[n] = (r1[n].heldout_error, float(b1[n].error_final))
+            r1, b1, s1 = pipeline({n: layers[n]}, cal1, lq1, f"loop {key} {n}", run1)
+            loop_out[n] = (r1[n].test_error, float(b1[n].error_final))
             per_layer[n] = {**s1, "total": total(s1)}
             g["loop_layers"] = per_layer
             save()
@@ -389,7 +399,8 @@ def main(argv=None):
 
     def run_vmapped(key: str, names: list) -> None:
         g = record["groups"][key]
-        res, br, stages = pipeline({n: layers[n] for n in names}, cal, lq, f"vmapped {key} ({len(names)} layers)")
+        res, br, stages = pipeline({n: layers[n] for n in names}, cal, lq, f"vmapped {key} ({len(names)} layers)",
+                                   run)
         vm_results.update(res)
         vm_branches.update(br)
         g["vmapped_cold"] = {**stages, "total": total(stages)}
@@ -408,7 +419,7 @@ def main(argv=None):
             g["vmapped_warm"] = "skipped: time budget"
             save()
             return
-        _, _, stages = pipeline({n: layers[n] for n in names}, cal, lq, f"vmapped warm {key}")
+        _, _, stages = pipeline({n: layers[n] for n in names}, cal, lq, f"vmapped warm {key}", run)
         g["vmapped_warm"] = {**stages, "total": total(stages)}
         print(f"  vmapped warm {key}: {g['vmapped_warm']['total']['wall_s']} s "
               f"(cold run {g['vmapped_cold']['total']['run_s']} s)", flush=True)
@@ -444,8 +455,8 @@ def main(argv=None):
         "program inputs, outputs and temporaries of the largest chunk, plus anything else alive then; not the "
         "preallocated pool). The vmapped programs are the largest, so this is their peak.")}
     record["vmapped_quality"] = {
-        "transform_heldout_error_mean": float(np.mean([r.heldout_error for r in vm_results.values()])),
-        "hadamard_heldout_error_mean": float(np.mean([r.heldout_errors["init0"] for r in vm_results.values()])),
+        "transform_test_error_mean": float(np.mean([r.test_error for r in vm_results.values()])),
+        "hadamard_test_error_mean": float(np.mean([r.test_errors["init0"] for r in vm_results.values()])),
         "loraq_weight_error_init_16bit_branch_mean": float(np.mean([float(b.error_init)
                                                                     for b in vm_branches.values()])),
         "loraq_weight_error_final_mxfp4_branch_mean": float(np.mean([float(b.error_final)

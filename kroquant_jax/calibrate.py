@@ -1,49 +1,61 @@
-"""The calibration engine: per-layer transform optimisation for all layers at once (paper §3.3, SPEC.md §3).
+"""The calibration engine: per-layer transform optimisation for all layers at once (paper §3.3), and the recipes.
 
-``calibrate_layers(layer_set, CalibrationConfig(...))`` returns one :class:`LayerCalibration` per layer:
+``calibrate_layers(layer_set, CalibrationConfig(...), run=RunConfig(...))`` returns one :class:`LayerCalibration`
+per layer:
 
-1. **Rows.** Each layer's activation rows are split (:func:`kroquant_jax.layerset.split_rows`) into a bounded
-   calibration slice (``num_rows``, default 1024: the paper's 128 samples are whole activation matrices, and 128 rows
-   overfit 15 parameters x d/32 blocks) and a disjoint held-out slice (``num_heldout``). The draw depends only on the
-   seed and the layer's name, so every method sees the same rows.
+1. **Rows.** Each layer's activation rows are split by the run's :class:`kroquant_jax.layerset.RunConfig` into three
+   disjoint slices: calibration (``num_rows``, default 1024: the paper's 128 samples are whole activation matrices,
+   and 128 rows overfit 15 parameters x d/32 blocks), validation (``num_validation``: the best iterate and the
+   safeguard choose on it) and test (``num_test``: reported only). The draw depends only on the seed and the layer's
+   name, so every method sees the same rows.
 2. **Jobs.** Every (layer, initial transform) pair is a job. The initial transforms are the parameterization's
    ``init(d)`` (Hadamard for KroQuant) unless ``inits={name: [params, ...]}`` gives others (e.g. smoothed KroQuant
    starts from both γ = 1 and the SmoothQuant γ).
 3. **Programs.** Jobs of the same shapes (``o, d``, rows, parameter tree) are stacked along a leading *layer axis*
-   and optimised by one ``jax.jit`` program: ``vmap`` over the layer axis of (λ auto-scaling at the initial transform,
-   then ``lax.scan`` over ``steps`` of Adam on ``L = L_out + λ_A L_A + λ_W L_W``). Large groups are cut into chunks of
+   and optimised by one ``jax.jit`` program (:data:`calibration_program`): ``vmap`` over the layer axis of (λ
+   auto-scaling at the initial transform, then ``lax.scan`` over ``steps`` of Adam on
+   ``L = L_out + λ_A L_A + λ_W L_W`` with a cosine-decayed learning rate, scoring the iterate on the validation rows
+   every ``select_every`` steps and keeping the best). Large groups are cut into chunks of
    ``max_layers_per_program`` (memory bound); every chunk of a group is padded to the same size so it compiles once
-   (and, with ``pad_to``, to the size of the caller's other batches).
-   The layer axis is sharded over a 1-D ``jax.sharding.Mesh`` of all local devices (``shard=True``); layers are
-   independent, so the program runs without communication and the result equals the single-device run.
-   Fixed (non-trainable) parameterizations are evaluated, not optimised.
+   (and, with ``pad_to``, to the size of the caller's other batches). The layer axis is sharded over a 1-D
+   ``jax.sharding.Mesh`` of all local devices (``run.shard``); layers are independent, so the program runs without
+   communication and the result equals the single-device run. Fixed (non-trainable) parameterizations are
+   evaluated, not optimised.
 4. **Safeguard.** For each layer, the relative output error ``||Q(AT)Q(WT^{-T})^T - AW^T|| / ||AW^T||`` on the
-   held-out rows is computed for every initial transform and every trained result; the best one is kept
-   (``safeguard=True``), so a learned transform is never worse on held-out rows than the fixed one it started from.
+   validation rows is computed for every initial transform and every trained result; the best one is kept
+   (``safeguard=True``), so a learned transform is never worse on validation rows than the fixed one it started
+   from. The test rows give the reported error.
+
+A :class:`Recipe` is a whole method (SmoothQuant search, transform, low-rank branch; typed stage configs and one
+:class:`RunConfig` that every stage reads); :func:`get_recipe` names them, :func:`add_recipe_arguments` and
+:func:`recipe_from_args` build them from a command line, :func:`quantize_layer_set` runs one, resumably.
 
 The engine is deterministic for a given seed (no random state besides the row draw).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import math
 import os
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Literal, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kroquant_jax import objectives, transforms
-from kroquant_jax.layerset import (LayerData, LayerSet, as_layer_set, make_mesh, progress_bar, run_stacked,
-                                   split_rows, stack_trees, take_tree)
-from kroquant_jax.lowrank import run_stacked_padded
+from kroquant_jax import lowrank, objectives, smoothquant, transforms
+from kroquant_jax.layerset import (LayerData, LayerSet, RunConfig, as_layer_set, program_config, progress_bar,
+                                   run_stacked_padded, stack_trees, take_tree)
+from kroquant_jax.lowrank import LoRaQConfig, SVDQuantConfig
+from kroquant_jax.smoothquant import SmoothQuantConfig
 
-__all__ = ["CalibrationConfig", "LayerCalibration", "calibrate_layers", "enable_compile_cache", "layer_rows",
-           "make_mesh", "run_stacked"]
+__all__ = ["CalibrationConfig", "LayerCalibration", "LayerRows", "PAPER_LITERAL", "RECIPES", "Recipe", "RunConfig",
+           "add_recipe_arguments", "calibrate_layers", "calibration_program", "enable_compile_cache", "get_recipe",
+           "layer_rows", "parse_rank", "quantize_layer_set", "recipe_from_args"]
 
 
 def enable_compile_cache(directory: str, min_compile_seconds: Optional[float] = 0.0) -> str:
@@ -72,41 +84,51 @@ def enable_compile_cache(directory: str, min_compile_seconds: Optional[float] = 
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationConfig:
-    """Settings of :func:`calibrate_layers` (defaults: the paper's Adam lr 1e-2, 100 steps).
+    """Settings of :func:`calibrate_layers` (the rows, seed and devices come from the run's
+    :class:`kroquant_jax.layerset.RunConfig`). Defaults: the paper's Adam lr 1e-2 and 100 steps; the choices below
+    the paper leaves open were made on the emoji testbed's captured layers (``docs/calibration.md``).
 
     Attributes:
-      transform: registered parameterization name (``transforms.REGISTRY``).
+      transform: registered parameterization name (``transforms.REGISTRY``); ``None`` only inside a
+        :class:`Recipe`, which fills in its own.
       steps: Adam steps per layer (ignored for fixed transforms).
-      learning_rate: Adam learning rate.
-      num_rows: calibration rows drawn per layer.
-      num_heldout: held-out rows drawn per layer (disjoint from the calibration rows).
-      seed: seed of the row draw.
-      objective: quantizer / STE / matmul precision of the loss.
-      safeguard: keep the best of {initial transforms, trained results} on the held-out rows; if ``False`` the
+      learning_rate: Adam's (peak) learning rate.
+      lr_schedule: ``"constant"``, or ``"cosine"``: decayed from ``learning_rate`` to 0 over ``steps``
+        (``optax.cosine_decay_schedule``).
+      select_every: score the iterate on the validation rows every this many steps (and at the start) and keep the
+        best one; ``0`` keeps the last iterate.
+      objective: quantizer / STE / regularizer gradient / matmul precision of the loss.
+      safeguard: keep the best of {initial transforms, trained results} on the validation rows; if ``False`` the
         trained result of the first initial transform is kept.
       max_layers_per_program: at most this many stacked jobs per compiled program (memory bound).
-      shard: shard the stacked layer axis over all local devices.
-      progress: show a tqdm progress bar over jobs.
     """
 
-    transform: str = "kron_lu"
+    transform: Optional[str] = "kron_lu"
     steps: int = 100
     learning_rate: float = 1e-2
-    num_rows: int = 1024
-    num_heldout: int = 256
-    seed: int = 0
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    select_every: int = 10
     objective: objectives.ObjectiveConfig = objectives.ObjectiveConfig()
     safeguard: bool = True
     max_layers_per_program: int = 64
-    shard: bool = True
-    progress: bool = False
 
     def __post_init__(self):
-        transforms.get(self.transform)  # raises on an unknown name
+        if self.transform is not None:
+            transforms.get(self.transform)  # raises on an unknown name
         if self.steps < 0:
             raise ValueError(f"CalibrationConfig.steps={self.steps} must be >= 0")
+        if self.select_every < 0:
+            raise ValueError(f"CalibrationConfig.select_every={self.select_every} must be >= 0")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"CalibrationConfig.lr_schedule={self.lr_schedule!r} must be 'constant' or 'cosine'")
         if self.max_layers_per_program < 1:
             raise ValueError(f"CalibrationConfig.max_layers_per_program={self.max_layers_per_program} must be >= 1")
+
+
+#: The engine's settings before the defaults were chosen on real layers (the paper as written: the identity STE
+#: inside the regularizers, a constant learning rate, the last iterate). Kept to reproduce earlier results.
+PAPER_LITERAL = CalibrationConfig(lr_schedule="constant", select_every=0,
+                                  objective=objectives.ObjectiveConfig(regularizer_grad="ste"))
 
 
 @dataclasses.dataclass
@@ -118,7 +140,9 @@ class LayerCalibration:
       transform: parameterization name.
       params: the kept parameters.
       chosen: which candidate was kept: ``"init{k}"`` or ``"trained{k}"`` (``k`` indexes the initial transforms).
-      heldout_errors: relative output error on the held-out rows of every candidate, ``{label: float}``.
+      validation_errors: relative output error on the validation rows of every candidate, ``{label: float}`` (the
+        safeguard chooses on these).
+      test_errors: the same on the test rows (reported, never used to choose).
       losses: ``(num_inits, steps)`` training loss curves (empty for fixed transforms).
       lambdas: ``(num_inits, 2)`` the ``(λ_A, λ_W)`` of each run.
     """
@@ -127,21 +151,35 @@ class LayerCalibration:
     transform: str
     params: Any
     chosen: str
-    heldout_errors: dict
+    validation_errors: dict
+    test_errors: dict
     losses: np.ndarray
     lambdas: np.ndarray
 
     @property
-    def heldout_error(self) -> float:
-        """Held-out relative output error of the kept transform."""
-        return self.heldout_errors[self.chosen]
+    def test_error(self) -> float:
+        """Test-row relative output error of the kept transform."""
+        return self.test_errors[self.chosen]
+
+    @property
+    def validation_error(self) -> float:
+        """Validation-row relative output error of the kept transform."""
+        return self.validation_errors[self.chosen]
 
 
-def layer_rows(name: str, layer: LayerData, num_rows: int, num_heldout: int, seed: int
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """``(calibration rows, held-out rows)`` of a layer, both ``(·, d)`` float32 (see :func:`split_rows`)."""
-    split = split_rows(name, layer.activations.shape[0], num_rows, num_heldout, seed)
-    return layer.activations[split.calibration], layer.activations[split.heldout]
+class LayerRows(NamedTuple):
+    """A layer's three row slices, each ``(·, d)`` float32 (see :func:`kroquant_jax.layerset.split_rows`)."""
+
+    calibration: np.ndarray
+    validation: np.ndarray
+    test: np.ndarray
+
+
+def layer_rows(name: str, layer: LayerData, run: RunConfig) -> LayerRows:
+    """The calibration, validation and test rows of a layer under the run's split."""
+    split = run.split(name, layer.activations.shape[0])
+    a = layer.activations
+    return LayerRows(a[split.calibration], a[split.validation], a[split.test])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -149,53 +187,94 @@ def layer_rows(name: str, layer: LayerData, num_rows: int, num_heldout: int, see
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _train_one(params0, a_cal, w, *, parameterization, steps, learning_rate, obj_cfg):
-    """Optimises one layer's transform. Returns ``(params, losses (steps,), lambdas (2,))``."""
+def _optimizer(cfg: CalibrationConfig) -> optax.GradientTransformation:
+    if cfg.lr_schedule == "cosine":
+        return optax.adam(optax.cosine_decay_schedule(cfg.learning_rate, cfg.steps))
+    return optax.adam(cfg.learning_rate)
+
+
+def _train_one(params0, a_cal, a_val, w, *, parameterization, cfg: CalibrationConfig):
+    """Optimises one layer's transform. Returns ``(params, losses (steps,), lambdas (2,))``: the last iterate, or
+    with ``cfg.select_every`` the iterate (the start included) of the lowest validation error among those scored."""
+    obj_cfg = cfg.objective
     ref = objectives.reference_output(a_cal, w, obj_cfg)
     lambdas = objectives.auto_lambdas(objectives.loss_terms(params0, parameterization, a_cal, w, ref, obj_cfg))
+    steps = cfg.steps
     if not parameterization.trainable or steps == 0:
         return params0, jnp.zeros((steps,), jnp.float32), jnp.stack(lambdas)
-    opt = optax.adam(learning_rate)
+    opt = _optimizer(cfg)
 
     def loss_fn(p):
         return objectives.total_loss(p, parameterization, a_cal, w, lambdas, ref, obj_cfg)
 
-    def step(carry, _):
+    if not cfg.select_every:
+        def step(carry, _):
+            p, state = carry
+            loss, grads = jax.value_and_grad(loss_fn)(p)
+            updates, state = opt.update(grads, state, p)
+            return (optax.apply_updates(p, updates), state), loss
+
+        (params, _), losses = jax.lax.scan(step, (params0, opt.init(params0)), None, length=steps)
+        return params, losses, jnp.stack(lambdas)
+
+    k = min(cfg.select_every, steps)
+    chunks = math.ceil(steps / k)
+
+    def val_error(p):
+        return objectives.relative_output_error(p, parameterization, a_val, w, obj_cfg)
+
+    def masked_step(carry, i):  # steps past ``steps`` (the last chunk's tail) leave the carry unchanged
         p, state = carry
         loss, grads = jax.value_and_grad(loss_fn)(p)
-        updates, state = opt.update(grads, state, p)
-        return (optax.apply_updates(p, updates), state), loss
+        updates, new_state = opt.update(grads, state, p)
+        new_p = optax.apply_updates(p, updates)
+        keep = i < steps
+        pick = functools.partial(jax.tree.map, lambda x, y: jnp.where(keep, x, y))
+        return (pick(new_p, p), pick(new_state, state)), loss
 
-    (params, _), losses = jax.lax.scan(step, (params0, opt.init(params0)), None, length=steps)
-    return params, losses, jnp.stack(lambdas)
+    def chunk(carry, c):
+        p, state, best_p, best_e = carry
+        (p, state), losses = jax.lax.scan(masked_step, (p, state), c * k + jnp.arange(k))
+        e = val_error(p)
+        better = e < best_e
+        best_p = jax.tree.map(lambda x, y: jnp.where(better, x, y), p, best_p)
+        return (p, state, best_p, jnp.where(better, e, best_e)), losses
+
+    carry = (params0, opt.init(params0), params0, val_error(params0))
+    (_, _, params, _), losses = jax.lax.scan(chunk, carry, jnp.arange(chunks))
+    return params, losses.reshape(-1)[:steps], jnp.stack(lambdas)
 
 
-def _heldout_error(params, a_held, w, *, parameterization, obj_cfg):
-    return objectives.relative_output_error(params, parameterization, a_held, w, obj_cfg)
+def _errors(params, a_val, a_test, w, *, parameterization, obj_cfg):
+    """``(validation error, test error)`` of one layer's transform."""
+    return (objectives.relative_output_error(params, parameterization, a_val, w, obj_cfg),
+            objectives.relative_output_error(params, parameterization, a_test, w, obj_cfg))
 
 
-def _program(params0, a_cal, a_held, w, *, parameterization, steps, learning_rate, obj_cfg):
-    """Stacked program: train every job, evaluate initial and trained transforms on held-out rows."""
-    train = jax.vmap(lambda p, a, ww: _train_one(p, a, ww, parameterization=parameterization, steps=steps,
-                                                 learning_rate=learning_rate, obj_cfg=obj_cfg))
-    evaluate = jax.vmap(lambda p, a, ww: _heldout_error(p, a, ww, parameterization=parameterization,
-                                                        obj_cfg=obj_cfg))
-    params, losses, lambdas = train(params0, a_cal, w)
-    if not parameterization.trainable or steps == 0:
-        err = evaluate(params0, a_held, w)
-        return params, losses, lambdas, err, err
+def _program(params0, a_cal, a_val, a_test, w, *, parameterization, cfg: CalibrationConfig):
+    """Stacked program: train every job, evaluate initial and trained transforms on the validation and test rows.
+    Returns ``(params, losses, lambdas, errors (L, 2 [init, trained], 2 [validation, test]))``."""
+    train = jax.vmap(lambda p, a, av, ww: _train_one(p, a, av, ww, parameterization=parameterization, cfg=cfg))
+    evaluate = jax.vmap(lambda p, av, at, ww: jnp.stack(_errors(p, av, at, ww, parameterization=parameterization,
+                                                                obj_cfg=cfg.objective)))  # (L, 2)
+    params, losses, lambdas = train(params0, a_cal, a_val, w)
+    if not parameterization.trainable or cfg.steps == 0:
+        err = evaluate(params0, a_val, a_test, w)
+        return params, losses, lambdas, jnp.stack([err, err], axis=1)
     # Initial and trained transforms through one copy of the evaluation (lax.map runs it twice): a smaller program.
     both = jax.tree.map(lambda x0, x1: jnp.stack([x0, x1]), params0, params)  # leaves (2, L, ...)
-    err = jax.lax.map(lambda p: evaluate(p, a_held, w), both)  # (2, L)
-    return params, losses, lambdas, err[0], err[1]
+    err = jax.lax.map(lambda p: evaluate(p, a_val, a_test, w), both)  # (2, L, 2)
+    return params, losses, lambdas, jnp.swapaxes(err, 0, 1)
 
 
-_program_jit = jax.jit(_program, static_argnames=("parameterization", "steps", "learning_rate", "obj_cfg"))
+#: The compiled stacked program (static: the parameterization and the :class:`CalibrationConfig` as passed through
+#: :func:`kroquant_jax.layerset.program_config`); :func:`calibrate_layers` drives it.
+calibration_program = jax.jit(_program, static_argnames=("parameterization", "cfg"))
 
 
 def calibrate_layers(layer_set: LayerSet, config: CalibrationConfig = CalibrationConfig(),
-                     inits: Optional[Mapping[str, Sequence[Any]]] = None, *, pad_to: int = 1
-                     ) -> dict[str, LayerCalibration]:
+                     inits: Optional[Mapping[str, Sequence[Any]]] = None, *, run: RunConfig = RunConfig(),
+                     pad_to: int = 1) -> dict[str, LayerCalibration]:
     """Calibrates the transform of every layer of ``layer_set`` (see the module docstring).
 
     Args:
@@ -203,6 +282,7 @@ def calibrate_layers(layer_set: LayerSet, config: CalibrationConfig = Calibratio
       config: :class:`CalibrationConfig`.
       inits: optional ``{name: [params, ...]}`` initial transforms per layer (default ``[parameterization.init(d)]``);
         all initial transforms of a run must share the parameter tree structure.
+      run: the row split (calibration / validation / test), its seed, sharding and progress.
       pad_to: size every program for at least this many layers (times their initial transforms; at most
         ``max_layers_per_program`` jobs): a caller running several batches of one shape passes its batch size, so
         that a smaller last batch reuses the compiled program (padding jobs are computed and dropped).
@@ -210,6 +290,8 @@ def calibrate_layers(layer_set: LayerSet, config: CalibrationConfig = Calibratio
     Returns:
       ``{name: LayerCalibration}`` in the layer set's order.
     """
+    if config.transform is None:
+        raise ValueError("CalibrationConfig.transform is None: name the parameterization to calibrate")
     layers = as_layer_set(layer_set)
     parameterization = transforms.get(config.transform)
     jobs = []  # (name, k, params0)
@@ -236,35 +318,33 @@ def calibrate_layers(layer_set: LayerSet, config: CalibrationConfig = Calibratio
                 raise ValueError(f"layer {name!r}: initial transform {k} has width {b.shape[0] * b.shape[1]}, the "
                                  f"layer has d={d}")
             jobs.append((name, k, p))
-        rows[name] = layer_rows(name, layer, config.num_rows, config.num_heldout, config.seed)
+        rows[name] = layer_rows(name, layer, run)
 
     groups: dict[tuple, list] = {}
     for job in jobs:
         name, _, p = job
-        a_cal, a_held = rows[name]
         leaves, treedef = jax.tree.flatten(p)
-        key = (layers[name].weight.shape, a_cal.shape, a_held.shape, treedef, tuple(np.shape(x) for x in leaves))
+        key = (layers[name].weight.shape, tuple(x.shape for x in rows[name]), treedef,
+               tuple(np.shape(x) for x in leaves))
         groups.setdefault(key, []).append(job)
 
     steps = config.steps if parameterization.trainable else 0
-    fn = functools.partial(_program_jit, parameterization=parameterization, steps=steps,
-                               learning_rate=config.learning_rate, obj_cfg=config.objective)
-    bar = progress_bar(len(jobs), config.progress, f"calibrate {config.transform}")
+    fn = functools.partial(calibration_program, parameterization=parameterization,
+                           cfg=program_config(dataclasses.replace(config, steps=steps, safeguard=True)))
+    bar = progress_bar(len(jobs), run.progress, f"calibrate {config.transform}")
     per_job = {}
     try:
         for group in groups.values():
             params0 = stack_trees([p for _, _, p in group])
-            a_cal = np.stack([rows[n][0] for n, _, _ in group])
-            a_held = np.stack([rows[n][1] for n, _, _ in group])
+            a_cal, a_val, a_test = (np.stack([rows[n][i] for n, _, _ in group]) for i in range(3))
             w = np.stack([layers[n].weight for n, _, _ in group])
             jobs_per_layer = len(group) / len({n for n, _, _ in group})
-            out = run_stacked_padded(fn, [params0, a_cal, a_held, w], len(group),
+            out = run_stacked_padded(fn, [params0, a_cal, a_val, a_test, w], len(group),
                                      pad_to=math.ceil(pad_to * jobs_per_layer),
-                                     max_per_program=config.max_layers_per_program, shard=config.shard, progress=bar)
-            params, losses, lambdas, err_init, err_trained = out
+                                     max_per_program=config.max_layers_per_program, shard=run.shard, progress=bar)
+            params, losses, lambdas, err = out  # err: (L, 2 [init, trained], 2 [validation, test])
             for i, (name, k, p) in enumerate(group):
-                per_job[(name, k)] = (p, take_tree(params, i), losses[i], lambdas[i], float(err_init[i]),
-                                      float(err_trained[i]))
+                per_job[(name, k)] = (p, take_tree(params, i), losses[i], lambdas[i], np.asarray(err[i], float))
     finally:
         if bar is not None:
             bar.close()
@@ -272,22 +352,24 @@ def calibrate_layers(layer_set: LayerSet, config: CalibrationConfig = Calibratio
     results = {}
     for name in layers:
         ks = sorted(k for (n, k) in per_job if n == name)
-        errors, candidates = {}, {}
+        val, test, candidates = {}, {}, {}
         for k in ks:
-            p0, p, _, _, e0, e1 = per_job[(name, k)]
-            errors[f"init{k}"], candidates[f"init{k}"] = e0, p0
+            p0, p, _, _, e = per_job[(name, k)]
+            val[f"init{k}"], test[f"init{k}"], candidates[f"init{k}"] = e[0, 0], e[0, 1], p0
             if steps:
-                errors[f"trained{k}"], candidates[f"trained{k}"] = e1, p
+                val[f"trained{k}"], test[f"trained{k}"], candidates[f"trained{k}"] = e[1, 0], e[1, 1], p
         if config.safeguard:
-            finite = {lab: e for lab, e in errors.items() if np.isfinite(e)}
+            finite = {lab: e for lab, e in val.items() if np.isfinite(e)}
             if not finite:
-                raise ValueError(f"layer {name!r}: every candidate transform gives a non-finite held-out error")
+                raise ValueError(f"layer {name!r}: every candidate transform gives a non-finite validation error")
             chosen = min(finite, key=lambda lab: (finite[lab], lab))
         else:
             chosen = "trained0" if steps else "init0"
         results[name] = LayerCalibration(
             name=name, transform=config.transform,
-            params=jax.tree.map(np.asarray, candidates[chosen]), chosen=chosen, heldout_errors=errors,
+            params=jax.tree.map(np.asarray, candidates[chosen]), chosen=chosen,
+            validation_errors={lab: float(e) for lab, e in val.items()},
+            test_errors={lab: float(e) for lab, e in test.items()},
             losses=np.stack([per_job[(name, k)][2] for k in ks]),
             lambdas=np.stack([per_job[(name, k)][3] for k in ks]))
     return results
@@ -309,22 +391,26 @@ class Recipe:
         itself (SmoothQuant / SVDQuant's smoothing), for ``"smoothed_kron"`` as a second initial transform beside
         (γ = 1, Hadamard).
       lowrank: ``None``, ``"loraq"`` (LoRaQ, branch in MXFP4) or ``"svd"`` (SVDQuant's 16-bit SVD branch).
-      smooth_svd_rank: rank of the 16-bit SVD branch inside the SmoothQuant search; ``None`` (default): the paper's 32
-        when the recipe has a low-rank branch (the search then models the deployed layer), 0 without one (plain
-        SmoothQuant, searched for the plain 4-bit weight).
-      calibration, smoothquant, loraq, svdquant: the stages' settings (``calibration.transform`` is overridden by
-        ``transform``; its row settings are used everywhere).
+      smooth_svd_rank: rank (or fraction of ``min(o, d)``) of the 16-bit SVD branch inside the SmoothQuant search;
+        ``None`` (default): the paper's 32 when the recipe has a low-rank branch (the search then models the deployed
+        layer), 0 without one (plain SmoothQuant, searched for the plain 4-bit weight). It replaces
+        ``smoothquant.svd_rank``.
+      calibration: the calibration engine's settings; ``calibration.transform`` is ``None`` (filled in with
+        ``transform``) or equal to ``transform`` (anything else raises).
+      smoothquant, loraq, svdquant: the other stages' settings (each used only by the recipes that run the stage).
+      run: the run-level settings every stage reads (rows, seed, sharding, progress).
     """
 
     transform: str = "kron_lu"
     train: bool = True
     smooth_init: bool = False
-    lowrank: Optional[str] = None
-    smooth_svd_rank: Optional[int] = None
-    calibration: CalibrationConfig = CalibrationConfig()
-    smoothquant: Any = None
-    loraq: Any = None
-    svdquant: Any = None
+    lowrank: Optional[Literal["loraq", "svd"]] = None
+    smooth_svd_rank: Optional[int | float] = None
+    calibration: CalibrationConfig = CalibrationConfig(transform=None)
+    smoothquant: SmoothQuantConfig = SmoothQuantConfig()
+    loraq: LoRaQConfig = LoRaQConfig()
+    svdquant: SVDQuantConfig = SVDQuantConfig()
+    run: RunConfig = RunConfig()
 
     def __post_init__(self):
         transforms.get(self.transform)
@@ -333,6 +419,11 @@ class Recipe:
         if self.smooth_init and self.transform not in ("diagonal", "smoothed_kron"):
             raise ValueError(f"Recipe.smooth_init needs transform 'diagonal' or 'smoothed_kron', got "
                              f"{self.transform!r}")
+        if self.calibration.transform is None:
+            object.__setattr__(self, "calibration", dataclasses.replace(self.calibration, transform=self.transform))
+        elif self.calibration.transform != self.transform:
+            raise ValueError(f"Recipe.transform={self.transform!r} conflicts with calibration.transform="
+                             f"{self.calibration.transform!r} (leave calibration.transform None)")
 
 
 #: The methods of the paper's comparison (add ``+loraq`` to any name for the LoRaQ branch).
@@ -347,14 +438,123 @@ RECIPES = {
 
 
 def get_recipe(name: str, **overrides) -> Recipe:
-    """``RECIPES[name]`` (``"<name>+loraq"`` adds the LoRaQ branch) with field ``overrides``."""
+    """``RECIPES[name]`` (``"<name>+loraq"`` adds the LoRaQ branch) with field ``overrides`` (a ``calibration``
+    override may leave its ``transform`` ``None``: the recipe's is filled in)."""
     base, plus, extra = name.partition("+")
     if base not in RECIPES or (plus and extra != "loraq"):
         raise KeyError(f"unknown recipe {name!r}; available: {sorted(RECIPES)} (each also as '<name>+loraq')")
     r = RECIPES[base]
     if plus:
         r = dataclasses.replace(r, lowrank="loraq")
+    if "calibration" in overrides and overrides["calibration"].transform is None:
+        overrides["calibration"] = dataclasses.replace(overrides["calibration"], transform=r.transform)
     return dataclasses.replace(r, **overrides)
+
+
+def parse_rank(text: str, minimum: int = 1) -> int | float:
+    """A branch rank on the command line: ``"128"`` -> 128 (absolute, at least ``minimum``), ``"0.125"`` -> 0.125
+    (a fraction of each layer's ``min(o, d)``, :func:`kroquant_jax.lowrank.resolve_rank`). Raises
+    ``argparse.ArgumentTypeError``."""
+    try:
+        value = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is neither an int nor a fraction in (0, 1]") from None
+        if not 0.0 < value <= 1.0:
+            raise argparse.ArgumentTypeError(f"{text!r}: a fractional rank must be in (0, 1]") from None
+        return value
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{text!r}: a rank must be >= {minimum}")
+    return value
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the recipe settings every entry point shares (each defaults to ``None``: the recipe's own value); read
+    them back with :func:`recipe_from_args`."""
+    g = parser.add_argument_group("recipe settings (default: each recipe's own)")
+    g.add_argument("--calib-steps", type=int, help="Adam steps of a learned transform (default 100)")
+    g.add_argument("--lr-schedule", choices=("constant", "cosine"), help="calibration learning-rate schedule")
+    g.add_argument("--select-every", type=int,
+                   help="score the iterate on the validation rows every N steps and keep the best (0: the last)")
+    g.add_argument("--regularizer-grad", choices=("ste", "detached"),
+                   help="gradient through Q inside L_A and L_W (objectives.ObjectiveConfig)")
+    g.add_argument("--precision", choices=("highest", "high", "default"), help="matmul precision of the loss")
+    g.add_argument("--calib-rows", type=int, help="calibration rows per layer (default 1024)")
+    g.add_argument("--calib-validation", "--calib-heldout", dest="calib_validation", type=int,
+                   help="validation rows per layer (default 256)")
+    g.add_argument("--calib-test", type=int, help="test rows per layer (default 256)")
+    g.add_argument("--max-layers-per-program", type=int, help="layers calibrated together (default 64)")
+    g.add_argument("--rank", "--lora-rank", dest="rank", type=parse_rank,
+                   help="rank of the low-rank branch (LoRaQ default 128, SVDQuant 32): an int, or a fraction of each "
+                        "layer's min(o, d), e.g. 0.125; a method spec '<recipe>@<rank>' sets it for one recipe")
+    g.add_argument("--smooth-svd-rank", type=functools.partial(parse_rank, minimum=0),
+                   help="rank of the 16-bit SVD branch inside the SmoothQuant search (default 32 with a branch, else 0)")
+    g.add_argument("--loraq-steps", type=int, help="LoRaQ Adam steps (default 500)")
+    g.add_argument("--rotation-steps", type=int, help="LoRaQ Cayley rotation steps (default 500)")
+    g.add_argument("--svd-refine", type=int, help="SVDQuant refinement candidates (default 0; paper: up to 100)")
+    g.add_argument("--sq-grid", type=int, help="points per axis of SmoothQuant's (α, β) grid (default 11)")
+
+
+#: The destinations :func:`add_recipe_arguments` defines (the settings :func:`recipe_from_args` reads).
+_RECIPE_ARGUMENTS = ("calib_steps", "lr_schedule", "select_every", "regularizer_grad", "precision", "calib_rows",
+                     "calib_validation", "calib_test", "max_layers_per_program", "rank", "smooth_svd_rank",
+                     "loraq_steps", "rotation_steps", "svd_refine", "sq_grid")
+
+
+def recipe_from_args(spec: str, args: argparse.Namespace | Mapping[str, Any], **run_fields) -> Recipe:
+    """The recipe of a method ``spec`` with the settings of :func:`add_recipe_arguments` (parsed ``args``, or a
+    mapping of the same destinations, e.g. ``{"calib_steps": 20, "rank": 0.125}``; ``None`` or missing ones keep the
+    recipe's values) and ``run_fields`` (:class:`RunConfig` fields, e.g. ``seed``, ``progress``).
+
+    ``spec`` is a :func:`get_recipe` name, optionally with its own branch rank after an ``@``
+    (``kroquant+loraq@128``, ``svdquant@0.125``; otherwise ``args.rank``). Raises ``ValueError`` naming the spec.
+    """
+    given_args = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
+    unknown = set(given_args) - set(_RECIPE_ARGUMENTS)
+    if not isinstance(args, argparse.Namespace) and unknown:
+        raise ValueError(f"recipe_from_args: unknown settings {sorted(unknown)}; known: {list(_RECIPE_ARGUMENTS)}")
+    args = argparse.Namespace(**{k: given_args.get(k) for k in _RECIPE_ARGUMENTS})
+    name, at, rank_text = spec.partition("@")
+    try:
+        recipe = get_recipe(name)
+    except KeyError as err:
+        raise ValueError(err.args[0]) from None
+    if at and recipe.lowrank is None:
+        raise ValueError(f"method {spec!r}: a rank after '@' needs a recipe with a low-rank branch "
+                         f"('<name>+loraq@<rank>', 'svdquant@<rank>')")
+    try:
+        rank = parse_rank(rank_text) if at else args.rank
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"method {spec!r}: {err}") from None
+
+    def given(**fields):
+        return {k: v for k, v in fields.items() if v is not None}
+
+    objective = recipe.calibration.objective
+    objective = dataclasses.replace(objective, **given(regularizer_grad=args.regularizer_grad,
+                                                       precision=args.precision))
+    calibration = dataclasses.replace(recipe.calibration, objective=objective, **given(
+        steps=args.calib_steps, lr_schedule=args.lr_schedule, select_every=args.select_every,
+        max_layers_per_program=args.max_layers_per_program))
+    run = dataclasses.replace(recipe.run, **given(num_rows=args.calib_rows, num_validation=args.calib_validation,
+                                                  num_test=args.calib_test), **run_fields)
+    # Only the stages the recipe runs take their settings (so the others, and a recipe's hash, stay as named).
+    loraq, svdquant, smooth, smooth_svd_rank = recipe.loraq, recipe.svdquant, recipe.smoothquant, recipe.smooth_svd_rank
+    if recipe.lowrank == "loraq":
+        loraq = dataclasses.replace(loraq, **given(steps=args.loraq_steps, rotation_steps=args.rotation_steps,
+                                                   rank=rank))
+    if recipe.lowrank == "svd":
+        svdquant = dataclasses.replace(svdquant, **given(refine_steps=args.svd_refine, rank=rank))
+    if recipe.smooth_init:
+        if args.sq_grid is not None:
+            grid = tuple(round(float(x), 4) for x in np.linspace(0.0, 1.0, args.sq_grid))
+            smooth = dataclasses.replace(smooth, alphas=grid, betas=grid)
+        if args.smooth_svd_rank is not None:
+            smooth_svd_rank = args.smooth_svd_rank
+    return dataclasses.replace(recipe, calibration=calibration, run=run, loraq=loraq, svdquant=svdquant,
+                               smoothquant=smooth, smooth_svd_rank=smooth_svd_rank)
 
 
 def _relative_error(y, ref) -> float:
@@ -364,20 +564,19 @@ def _relative_error(y, ref) -> float:
 def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 1) -> tuple[dict, dict]:
     """All stages for a batch of layers (any shapes; programs sized for ``pad_to`` layers). Returns
     ``({name: QuantizedLinear}, {name: report})``."""
-    from kroquant_jax import lowrank, qlinear, smoothquant
+    from kroquant_jax import qlinear
 
-    cal = dataclasses.replace(recipe.calibration, transform=recipe.transform,  # one bar: quantize_layer_set's
-                              steps=recipe.calibration.steps if recipe.train else 0, progress=False)
+    run = dataclasses.replace(recipe.run, progress=False)  # one bar: quantize_layer_set's
+    cal = recipe.calibration if recipe.train else dataclasses.replace(recipe.calibration, steps=0)
+    fmt = cal.objective.fmt
     reports = {n: {"transform": recipe.transform} for n in layers}
     inits = None
     if recipe.smooth_init:
-        sq_cfg = recipe.smoothquant or smoothquant.SmoothQuantConfig()
         svd_rank = recipe.smooth_svd_rank
         if svd_rank is None:
             svd_rank = 32 if recipe.lowrank else 0
-        sq_cfg = dataclasses.replace(sq_cfg, num_rows=cal.num_rows, num_heldout=cal.num_heldout, seed=cal.seed,
-                                     shard=cal.shard, svd_rank=svd_rank)
-        sq = smoothquant.smoothquant_layers(layers, sq_cfg, pad_to=pad_to)
+        sq = smoothquant.smoothquant_layers(layers, dataclasses.replace(recipe.smoothquant, svd_rank=svd_rank),
+                                            run=run, pad_to=pad_to)
         inits = {}
         for n, res in sq.items():
             reports[n].update(alpha=res.alpha, beta=res.beta)
@@ -386,27 +585,26 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
             else:
                 inits[n] = [transforms.get(recipe.transform).init(layers[n].weight.shape[1]),
                             transforms.smoothed_kron.init_from_scales(res.gamma)]
-    calib = calibrate_layers(layers, cal, inits=inits, pad_to=pad_to)
+    calib = calibrate_layers(layers, cal, inits=inits, run=run, pad_to=pad_to)
     param = transforms.get(recipe.transform)
-    w_t, a_cal_t, a_held = {}, {}, {}
+    w_t, a_cal_t, a_test = {}, {}, {}
     for n, layer in layers.items():
         c = calib[n]
-        reports[n].update(chosen=c.chosen, transform_heldout_error=c.heldout_error,
-                          candidates={k: float(v) for k, v in c.heldout_errors.items()})
+        reports[n].update(chosen=c.chosen, transform_validation_error=c.validation_error,
+                          transform_test_error=c.test_error, candidates=dict(c.validation_errors),
+                          candidates_test=dict(c.test_errors))
         w_t[n] = np.asarray(transforms.apply_to_weights(jnp.asarray(layer.weight), param.inverse_blocks(c.params)))
-        a_cal, a_held[n] = layer_rows(n, layer, cal.num_rows, cal.num_heldout, cal.seed)
+        rows = layer_rows(n, layer, run)
+        a_test[n] = rows.test
         if recipe.lowrank == "svd":
-            a_cal_t[n] = np.asarray(transforms.apply_to_activations(jnp.asarray(a_cal), param.blocks(c.params)))
+            a_cal_t[n] = np.asarray(transforms.apply_to_activations(jnp.asarray(rows.calibration),
+                                                                    param.blocks(c.params)))
     branches, quantized_branch = {}, False
     if recipe.lowrank == "loraq":
-        lq_cfg = recipe.loraq or lowrank.LoRaQConfig()
-        lq_cfg = dataclasses.replace(lq_cfg, shard=cal.shard)
-        branches = lowrank.loraq_layers(w_t, lq_cfg, pad_to=pad_to)
-        quantized_branch = lq_cfg.quantize_branch
+        branches = lowrank.loraq_layers(w_t, recipe.loraq, run=run, pad_to=pad_to)
+        quantized_branch = recipe.loraq.quantize_branch
     elif recipe.lowrank == "svd":
-        sv_cfg = recipe.svdquant or lowrank.SVDQuantConfig()
-        sv_cfg = dataclasses.replace(sv_cfg, shard=cal.shard)
-        branches = lowrank.svdquant_layers(w_t, a_cal_t, sv_cfg, pad_to=pad_to)
+        branches = lowrank.svdquant_layers(w_t, a_cal_t, recipe.svdquant, run=run, pad_to=pad_to)
     out = {}
     forward = jax.jit(qlinear.qlinear_forward, static_argnames="path")
     for n, layer in layers.items():
@@ -417,13 +615,13 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
                               weight_error_final=float(branches[n].error_final))
         q = qlinear.build_qlinear(layer.weight, layer.bias, transform=recipe.transform,
                                   transform_params=calib[n].params, lowrank=lr, lowrank_quantized=quantized_branch,
-                                  weight_fmt=cal.objective.fmt, act_fmt=cal.objective.fmt, name=n)
-        y = np.asarray(forward(q, jnp.asarray(a_held[n])))
+                                  weight_fmt=fmt, act_fmt=fmt, name=n)
+        y = np.asarray(forward(q, jnp.asarray(a_test[n])))
         if layer.bias is not None:
             y = y - layer.bias
-        ref = a_held[n].astype(np.float64) @ layer.weight.T.astype(np.float64)
+        ref = a_test[n].astype(np.float64) @ layer.weight.T.astype(np.float64)
         reports[n]["heldout_error"] = _relative_error(y, ref)
-        reports[n]["weight_error"] = float(lowrank.weight_error(jnp.asarray(w_t[n]), None, None, cal.objective.fmt)
+        reports[n]["weight_error"] = float(lowrank.weight_error(jnp.asarray(w_t[n]), None, None, fmt)
                                            if lr is None else np.float32(reports[n]["weight_error_final"]))
         out[n] = q
     return out, reports
@@ -451,8 +649,10 @@ def quantize_layer_set(layer_set: LayerSet, recipe: Recipe | str = "kroquant", s
 
     Returns:
       ``({name: QuantizedLinear}, {name: report dict})``; a report holds ``heldout_error`` (relative output error
-      of the final layer on the held-out rows), ``transform_heldout_error``, ``chosen``, ``candidates`` and, where
-      they apply, ``alpha``/``beta`` and the weight errors; ``resumed`` is ``True`` for layers loaded from the store.
+      of the final layer on the test rows, which nothing was chosen on), ``transform_validation_error`` and
+      ``transform_test_error`` (the kept transform alone), ``chosen``, ``candidates`` (validation errors) and
+      ``candidates_test`` and, where they apply, ``alpha``/``beta`` and the weight errors; ``resumed`` is ``True``
+      for layers loaded from the store.
 
     Raises:
       kroquant_jax.provenance.StaleResultError: a stored layer's fingerprint differs (names the layer and what
@@ -484,7 +684,7 @@ def quantize_layer_set(layer_set: LayerSet, recipe: Recipe | str = "kroquant", s
     for names in by_shape.values():
         per_batch = math.ceil(len(names) / math.ceil(len(names) / recipe.calibration.max_layers_per_program))
         batches += [(names[i:i + per_batch], per_batch) for i in range(0, len(names), per_batch)]
-    bar = progress_bar(len(todo), recipe.calibration.progress, "quantize")
+    bar = progress_bar(len(todo), recipe.run.progress, "quantize")
     try:
         for batch, per_batch in batches:
             q, rep = _quantize_batch({n: layers[n] for n in batch}, recipe, pad_to=per_batch)

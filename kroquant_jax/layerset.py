@@ -5,8 +5,13 @@ weight ``W (o, d)`` (``O = A W^T + b``), its bias or ``None``, and activation sa
 input (``models.capture`` produces them; :func:`load_layer_set` reads them back from ``.npz`` / ``.safetensors``).
 
 Calibration rows (:func:`split_rows`): every method sees the same rows of a layer. They depend only on the seed and
-the layer's name (never on the method), drawn without replacement: a *held-out* slice (used only to select among
-candidate transforms and to report errors) and a disjoint *calibration* slice (used to optimise).
+the layer's name (never on the method), drawn without replacement into three disjoint slices: *calibration* (used to
+optimise), *validation* (used to choose: the best iterate and the safeguard among candidate transforms) and *test*
+(used only to report errors).
+
+:class:`RunConfig` holds the settings every stage of a run reads (the row split, its seed, sharding, progress);
+the stacked-execution helpers at the end of this module run one program over a stacked layer axis for every stage
+(:mod:`kroquant_jax.calibrate`, :mod:`kroquant_jax.smoothquant`, :mod:`kroquant_jax.lowrank`).
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kroquant_jax.formats import check_finite
 
-__all__ = ["LayerData", "RowSplit", "as_layer_set", "atomic_write_bytes", "load_layer_set", "make_mesh",
-           "progress_bar", "run_stacked", "save_layer_set", "split_rows", "stack_trees", "take_tree", "validate_layer"]
+__all__ = ["LayerData", "RowSplit", "RunConfig", "as_layer_set", "atomic_write_bytes", "group_by_shape",
+           "load_layer_set", "make_mesh", "program_config", "progress_bar", "run_stacked", "run_stacked_padded",
+           "save_layer_set", "split_rows", "stack_trees", "take_tree", "validate_layer"]
 
 
 class LayerData(NamedTuple):
@@ -88,10 +94,12 @@ def as_layer_set(layer_set: LayerSet, block: int = 32) -> dict[str, LayerData]:
 
 @dataclasses.dataclass(frozen=True)
 class RowSplit:
-    """Indices into a layer's activation rows: ``calibration`` (optimise) and ``heldout`` (select, report)."""
+    """Indices into a layer's activation rows, three disjoint sorted slices: ``calibration`` (optimise),
+    ``validation`` (select: best iterate, safeguard) and ``test`` (report)."""
 
     calibration: np.ndarray
-    heldout: np.ndarray
+    validation: np.ndarray
+    test: np.ndarray
 
 
 def layer_seed(seed: int, name: str) -> np.random.Generator:
@@ -99,30 +107,70 @@ def layer_seed(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([int(seed), zlib.crc32(name.encode("utf-8"))])
 
 
-def split_rows(name: str, num_available: int, num_rows: int, num_heldout: int, seed: int) -> RowSplit:
-    """Draws a layer's calibration and held-out rows without replacement (disjoint), deterministic for ``seed``.
+def split_rows(name: str, num_available: int, num_rows: int, num_validation: int, num_test: int, seed: int
+               ) -> RowSplit:
+    """Draws a layer's calibration, validation and test rows without replacement (disjoint), deterministic for
+    ``seed``.
 
-    With fewer than ``num_rows + num_heldout`` rows available, a fifth of them (at least one) is held out and the
-    rest calibrate.
+    One permutation of the rows: its first ``num_validation`` entries validate, the next ``num_rows`` calibrate, the
+    next ``num_test`` test (so the calibration and validation rows do not depend on ``num_test``). With fewer than
+    ``num_rows + num_validation + num_test`` rows available, a fifth of them (at least one) validates, a fifth (at
+    least one) tests and the rest calibrate.
 
     Args:
       name: layer name (part of the seed, so layers draw different rows).
       num_available: ``n``, the layer's activation rows.
       num_rows: calibration rows wanted.
-      num_heldout: held-out rows wanted.
+      num_validation: validation rows wanted.
+      num_test: test rows wanted.
       seed: the run's seed.
     """
-    if num_available < 2:
-        raise ValueError(f"layer {name!r}: needs at least 2 activation rows, got {num_available}")
-    if num_rows < 1 or num_heldout < 1:
-        raise ValueError(f"layer {name!r}: num_rows={num_rows} and num_heldout={num_heldout} must be >= 1")
+    if num_available < 3:
+        raise ValueError(f"layer {name!r}: needs at least 3 activation rows (calibration, validation, test), got "
+                         f"{num_available}")
+    if min(num_rows, num_validation, num_test) < 1:
+        raise ValueError(f"layer {name!r}: num_rows={num_rows}, num_validation={num_validation} and "
+                         f"num_test={num_test} must be >= 1")
     perm = layer_seed(seed, name).permutation(num_available)
-    if num_available >= num_rows + num_heldout:
-        n_held, n_cal = num_heldout, num_rows
+    if num_available >= num_rows + num_validation + num_test:
+        n_val, n_cal, n_test = num_validation, num_rows, num_test
     else:
-        n_held = max(1, num_available // 5)
-        n_cal = num_available - n_held
-    return RowSplit(calibration=np.sort(perm[n_held:n_held + n_cal]), heldout=np.sort(perm[:n_held]))
+        n_val = n_test = max(1, num_available // 5)
+        n_cal = num_available - n_val - n_test
+    return RowSplit(calibration=np.sort(perm[n_val:n_val + n_cal]), validation=np.sort(perm[:n_val]),
+                    test=np.sort(perm[n_val + n_cal:n_val + n_cal + n_test]))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Settings of a run that every stage (SmoothQuant search, calibration, LoRaQ, SVDQuant) reads, so that all of
+    them see the same rows and devices.
+
+    Attributes:
+      num_rows: calibration rows drawn per layer (default 1024: the paper's 128 samples are whole activation
+        matrices, and 128 rows overfit 15 parameters x d/32 blocks).
+      num_validation: validation rows per layer (best iterate, safeguard).
+      num_test: test rows per layer (the reported errors only).
+      seed: seed of the row draw.
+      shard: shard the stacked layer axis over all local devices.
+      progress: show tqdm progress bars.
+    """
+
+    num_rows: int = 1024
+    num_validation: int = 256
+    num_test: int = 256
+    seed: int = 0
+    shard: bool = True
+    progress: bool = False
+
+    def __post_init__(self):
+        for field in ("num_rows", "num_validation", "num_test"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"RunConfig.{field}={getattr(self, field)} must be >= 1")
+
+    def split(self, name: str, num_available: int) -> RowSplit:
+        """:func:`split_rows` of layer ``name`` with this run's settings."""
+        return split_rows(name, num_available, self.num_rows, self.num_validation, self.num_test, self.seed)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -251,3 +299,32 @@ def progress_bar(total: int, enabled: bool, desc: str):
     return tqdm(total=total, desc=desc, unit="layer")
 
 
+def run_stacked_padded(fn, stacked_inputs, num_jobs: int, *, pad_to: int, max_per_program: int, shard: bool,
+                       progress=None) -> list:
+    """:func:`run_stacked`, with programs sized for at least ``min(pad_to, max_per_program)`` jobs: a caller running
+    several batches of one shape (``calibrate.quantize_layer_set``) passes its batch size, so a last, smaller batch
+    reuses the compiled program instead of compiling one for its own size. Padding jobs repeat the first job and are
+    dropped."""
+    target = min(pad_to, max_per_program)
+    if num_jobs >= target:
+        return run_stacked(fn, stacked_inputs, num_jobs, max_per_program=max_per_program, shard=shard,
+                           progress=progress)
+    padded = [_pad_rows(t, target) for t in stacked_inputs]
+    out = run_stacked(fn, padded, target, max_per_program=max_per_program, shard=shard)
+    if progress is not None:
+        progress.update(num_jobs)
+    return jax.tree.map(lambda x: x[:num_jobs], out)
+
+
+def program_config(cfg):
+    """``cfg`` (a stage config) with its driver-only field ``max_layers_per_program`` set to its default: the static
+    argument of the compiled program, so that the field never causes a recompilation."""
+    return dataclasses.replace(cfg, max_layers_per_program=type(cfg)().max_layers_per_program)
+
+
+def group_by_shape(arrays: Mapping[str, Any]) -> dict[tuple, list[str]]:
+    """``{shape: [names]}`` of ``{name: array}`` in input order (the stacking groups of a stage)."""
+    groups: dict[tuple, list[str]] = {}
+    for name, x in arrays.items():
+        groups.setdefault(tuple(np.shape(x)), []).append(name)
+    return groups

@@ -45,11 +45,10 @@ import numpy as np
 import optax
 
 from kroquant_jax.formats import MXFP4, QuantFormat, check_finite, fake_quant
-from kroquant_jax.layerset import _pad_rows, progress_bar, run_stacked
+from kroquant_jax.layerset import RunConfig, group_by_shape, program_config, progress_bar, run_stacked_padded
 
 __all__ = ["LoRaQConfig", "LowRank", "SVDQuantConfig", "branch", "check_rank", "loraq_fit", "loraq_layers",
-           "low_rank_svd", "program_config", "resolve_rank", "run_stacked_padded", "svdquant_fit", "svdquant_layers",
-           "weight_error"]
+           "loraq_program", "low_rank_svd", "resolve_rank", "svdquant_fit", "svdquant_layers", "weight_error"]
 
 SvdMethod = Literal["exact", "randomized"]
 
@@ -179,7 +178,7 @@ class LoRaQConfig:
       fmt: format of the residual and of the branch (MXFP4).
       ste: STE rule of the branch quantizers.
       svd_method: SVD of the initialisation.
-      max_layers_per_program, shard, progress: as in :class:`kroquant_jax.calibrate.CalibrationConfig`.
+      max_layers_per_program: at most this many stacked layers per compiled program (memory bound).
     """
 
     rank: int | float = 128
@@ -196,8 +195,6 @@ class LoRaQConfig:
     ste: Literal["identity", "clipped"] = "identity"
     svd_method: SvdMethod = "randomized"
     max_layers_per_program: int = 64
-    shard: bool = True
-    progress: bool = False
 
 
 def resolve_rank(rank: int | float, shape: tuple, block: Optional[int] = None, name: Optional[str] = None) -> int:
@@ -308,37 +305,16 @@ def loraq_fit(w: jax.Array, cfg: LoRaQConfig = LoRaQConfig()) -> LowRank:
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
-def _loraq_stacked(w, cfg):
+def loraq_program(w, cfg):
     return jax.vmap(lambda x: loraq_fit(x, cfg))(w)
-
-
-def program_config(cfg):
-    """``cfg`` with the driver-only fields (``max_layers_per_program``, ``shard``, ``progress``) set to their defaults:
-    the static argument of the compiled program, so that those fields never cause a recompilation."""
-    return dataclasses.replace(cfg, **{f: getattr(type(cfg)(), f) for f in ("max_layers_per_program", "shard",
-                                                                             "progress")})
-
-
-def run_stacked_padded(fn, stacked_inputs, num_jobs: int, *, pad_to: int, max_per_program: int, shard: bool,
-                       progress=None) -> list:
-    """:func:`kroquant_jax.layerset.run_stacked`, with programs sized for at least ``min(pad_to, max_per_program)``
-    jobs: a caller running several batches of one shape (``calibrate.quantize_layer_set``) passes its batch size, so
-    a last, smaller batch reuses the compiled program instead of compiling one for its own size. Padding jobs repeat
-    the first job and are dropped."""
-    target = min(pad_to, max_per_program)
-    if num_jobs >= target:
-        return run_stacked(fn, stacked_inputs, num_jobs, max_per_program=max_per_program, shard=shard,
-                           progress=progress)
-    padded = [_pad_rows(t, target) for t in stacked_inputs]
-    out = run_stacked(fn, padded, target, max_per_program=max_per_program, shard=shard)
-    if progress is not None:
-        progress.update(num_jobs)
-    return jax.tree.map(lambda x: x[:num_jobs], out)
 
 
 def check_rank(name: str, shape: tuple, rank: int, fmt: Optional[QuantFormat]) -> None:
     """Raises a ``ValueError`` naming layer ``name`` if a branch of ``rank`` does not fit a weight of ``shape (o, d)``
-    (``rank > min(o, d)``, or not a multiple of the block of ``fmt``, the branch's storage format, if given)."""
+    (``rank < 1``, ``rank > min(o, d)``, or not a multiple of the block of ``fmt``, the branch's storage format, if
+    given)."""
+    if rank < 1:
+        raise ValueError(f"layer {name!r}: rank={rank} must be >= 1")
     if rank > min(shape):
         raise ValueError(f"layer {name!r}: rank={rank} exceeds min(o, d) of the weight {shape}")
     if fmt is not None and rank % fmt.block_size:
@@ -346,30 +322,24 @@ def check_rank(name: str, shape: tuple, rank: int, fmt: Optional[QuantFormat]) -
                          f"{fmt.block_size} to store the branch quantized")
 
 
-def _group_by_shape(weights: Mapping[str, np.ndarray]) -> dict[tuple, list[str]]:
-    groups: dict[tuple, list[str]] = {}
-    for name, w in weights.items():
-        groups.setdefault(tuple(np.shape(w)), []).append(name)
-    return groups
-
-
 def loraq_layers(weights: Mapping[str, np.ndarray], cfg: LoRaQConfig = LoRaQConfig(), *,
-                 pad_to: int = 1) -> dict[str, LowRank]:
+                 run: RunConfig = RunConfig(), pad_to: int = 1) -> dict[str, LowRank]:
     """LoRaQ for every transformed weight ``{name: W~ (o, d)}``: layers of one shape are stacked, ``vmap``-ed and
-    sharded over the local devices; every program is sized for at least ``min(pad_to, cfg.max_layers_per_program)``
-    layers (:func:`run_stacked_padded`). Returns ``{name: LowRank}`` (host numpy)."""
+    sharded over the local devices (``run.shard``); every program is sized for at least
+    ``min(pad_to, cfg.max_layers_per_program)`` layers (:func:`kroquant_jax.layerset.run_stacked_padded`). Returns
+    ``{name: LowRank}`` (host numpy)."""
     for name, w in weights.items():
         check_finite(w, f"layer {name!r} transformed weight")
         fmt = cfg.fmt if cfg.quantize_branch else None
         check_rank(name, np.shape(w), resolve_rank(cfg.rank, np.shape(w), fmt and fmt.block_size, name), fmt)
-    fn = functools.partial(_loraq_stacked, cfg=program_config(cfg))
-    bar = progress_bar(len(weights), cfg.progress, "LoRaQ")
+    fn = functools.partial(loraq_program, cfg=program_config(cfg))
+    bar = progress_bar(len(weights), run.progress, "LoRaQ")
     out = {}
     try:
-        for names in _group_by_shape(weights).values():
+        for names in group_by_shape(weights).values():
             stacked = np.stack([np.asarray(weights[n], np.float32) for n in names])
             res = run_stacked_padded(fn, [stacked], len(names), pad_to=pad_to,
-                                     max_per_program=cfg.max_layers_per_program, shard=cfg.shard, progress=bar)
+                                     max_per_program=cfg.max_layers_per_program, shard=run.shard, progress=bar)
             for i, n in enumerate(names):
                 out[n] = LowRank(*(np.asarray(x[i]) for x in res))
     finally:
@@ -388,21 +358,20 @@ class SVDQuantConfig:
     """SVDQuant's branch (D.4).
 
     Attributes:
-      rank: 32 in the paper; the branch stays 16-bit.
+      rank: 32 in the paper; the branch stays 16-bit. An ``int``, or a ``float`` in (0, 1]: that fraction of each
+        layer's ``min(o, d)`` (:func:`resolve_rank`, rounded to an integer).
       refine_steps: number of refinement candidates ``L_{k+1} = SVD_r(W - Q(W - L_k))`` (0: plain SVD; the paper
         evaluates up to 100 and returns the first local minimum of the output error on the calibration rows).
       fmt: format of the residual and of the activations.
       svd_method: see :func:`low_rank_svd`.
-      max_layers_per_program, shard, progress: as elsewhere.
+      max_layers_per_program: at most this many stacked layers per compiled program (memory bound).
     """
 
-    rank: int = 32
+    rank: int | float = 32
     refine_steps: int = 0
     fmt: QuantFormat = MXFP4()
     svd_method: SvdMethod = "randomized"
     max_layers_per_program: int = 64
-    shard: bool = True
-    progress: bool = False
 
 
 def _output_mse(a_s, w_s, left, right, fmt, ref):
@@ -420,7 +389,8 @@ def svdquant_fit(w_s: jax.Array, a_s: Optional[jax.Array] = None, cfg: SVDQuantC
     ``L_0 = SVD_r(W)``, ``L_{k+1} = SVD_r(W - Q(W - L_k))`` by output error; the first local minimum is returned.
     """
     w_s = w_s.astype(jnp.float32)
-    left, right = low_rank_svd(w_s, cfg.rank, cfg.svd_method)
+    rank = resolve_rank(cfg.rank, w_s.shape)
+    left, right = low_rank_svd(w_s, rank, cfg.svd_method)
     err0 = jnp.sqrt(_reconstruction_error(w_s, branch(left, right, None), cfg.fmt, "identity"))
     if cfg.refine_steps == 0:
         return LowRank(left, right, err0, err0, err0)
@@ -431,7 +401,7 @@ def svdquant_fit(w_s: jax.Array, a_s: Optional[jax.Array] = None, cfg: SVDQuantC
 
     def step(lr, _):
         l_k, r_k = lr
-        nxt = low_rank_svd(w_s - fake_quant(w_s - branch(l_k, r_k, None), cfg.fmt), cfg.rank, cfg.svd_method)
+        nxt = low_rank_svd(w_s - fake_quant(w_s - branch(l_k, r_k, None), cfg.fmt), rank, cfg.svd_method)
         return nxt, (nxt, _output_mse(a_s, w_s, nxt[0], nxt[1], cfg.fmt, ref))
 
     _, ((lefts, rights), errs) = jax.lax.scan(step, (left, right), None, length=cfg.refine_steps)
@@ -451,16 +421,17 @@ def _svdquant_stacked(w, a, cfg):
 
 
 def svdquant_layers(weights: Mapping[str, np.ndarray], activations: Optional[Mapping[str, np.ndarray]] = None,
-                    cfg: SVDQuantConfig = SVDQuantConfig(), *, pad_to: int = 1) -> dict[str, LowRank]:
+                    cfg: SVDQuantConfig = SVDQuantConfig(), *, run: RunConfig = RunConfig(), pad_to: int = 1
+                    ) -> dict[str, LowRank]:
     """:func:`svdquant_fit` for every smoothed weight ``{name: W_s}`` (with ``{name: A_s (m, d)}`` calibration rows
     when refining), stacked by shape (programs sized as in :func:`loraq_layers`). Returns ``{name: LowRank}``."""
     for name, w in weights.items():
         check_finite(w, f"layer {name!r} smoothed weight")
-        check_rank(name, np.shape(w), cfg.rank, None)
+        check_rank(name, np.shape(w), resolve_rank(cfg.rank, np.shape(w), None, name), None)
     if cfg.refine_steps and activations is None:
         raise ValueError("svdquant_layers: refine_steps > 0 needs the calibration activations of every layer")
     fn = functools.partial(_svdquant_stacked, cfg=program_config(cfg))
-    bar = progress_bar(len(weights), cfg.progress, "SVDQuant")
+    bar = progress_bar(len(weights), run.progress, "SVDQuant")
     out = {}
     try:
         groups: dict[tuple, list[str]] = {}
@@ -472,7 +443,7 @@ def svdquant_layers(weights: Mapping[str, np.ndarray], activations: Optional[Map
             a = (np.stack([np.asarray(activations[n], np.float32) for n in names]) if cfg.refine_steps
                  else np.zeros((len(names), 1, w.shape[-1]), np.float32))
             res = run_stacked_padded(fn, [w, a], len(names), pad_to=pad_to,
-                                     max_per_program=cfg.max_layers_per_program, shard=cfg.shard, progress=bar)
+                                     max_per_program=cfg.max_layers_per_program, shard=run.shard, progress=bar)
             for i, n in enumerate(names):
                 out[n] = LowRank(*(np.asarray(x[i]) for x in res))
     finally:

@@ -1,4 +1,4 @@
-"""The per-layer calibration objective of KroQuant (paper §3.3, eq. 7-10; SPEC.md §3) as pure functions.
+"""The per-layer calibration objective of KroQuant (paper §3.3, eq. 7-10; docs/calibration.md) as pure functions.
 
 For a linear layer ``O = A W^T`` with activation rows ``A (m, d)``, weight ``W (o, d)`` and an invertible block
 transform ``T`` (``A T``, ``W T^{-T}``), with ``Q`` the fake quantizer (MXFP4 by default, STE backward):
@@ -6,7 +6,8 @@ transform ``T`` (``A T``, ``W T^{-T}``), with ``Q`` the fake quantizer (MXFP4 by
 * ``L_out(T) = ||Q(A T) Q(W T^{-T})^T - A W^T||_F^2 / (m o)``   (eq. 7, mean over the output entries)
 * ``L_A(T)   = ||Q(A T) - A T||_F^2 / (m d)``                    (eq. 8, mean over the activation entries)
 * ``L_W(T)   = ||Q(W T^{-T}) - W T^{-T}||_F^2 / (o d)``          (eq. 8, mean over the weight entries)
-* ``L(T) = L_out + λ_A L_A + λ_W L_W`` (eq. 9) with ``λ_A = L_out(T_0) / L_A(T_0)``, ``λ_W = L_out(T_0) / L_W(T_0)``
+* ``L(T) = L_out + λ_A L_A + λ_W L_W`` (eq. 9; the gradient of ``L_A``, ``L_W`` holds ``Q(x)`` constant by default,
+  ``ObjectiveConfig.regularizer_grad``) with ``λ_A = L_out(T_0) / L_A(T_0)``, ``λ_W = L_out(T_0) / L_W(T_0)``
   (eq. 10), computed **once** at the starting transform ``T_0`` (the Hadamard initialisation for KroQuant) and held
   constant during the optimisation (no gradient flows through λ). A zero denominator gives ``λ = 0``.
 
@@ -40,17 +41,18 @@ class ObjectiveConfig:
       ste: straight-through rule of both quantizers (``"identity"`` or ``"clipped"``).
       precision: matmul precision of ``A T``, ``W T^{-T}`` and the output products (``"highest"`` = true f32;
         ``"default"`` lets a GPU use TF32/bf16 passes, faster and less exact).
-      regularizer_grad: how gradients flow through ``Q`` inside ``L_A`` and ``L_W``. ``"ste"`` (the paper as
-        written): the same STE as everywhere; note that with the identity STE ``d/dx (Q(x) - x)^2 = 0``, so the
-        regularizers then shape λ but give no gradient (the clipped STE leaves one on saturated elements).
-        ``"detached"``: ``Q(x)`` is held constant in the regularizers, so their gradient ``-2 (Q(x) - x)`` pulls the
-        transformed operands towards the quantization grid.
+      regularizer_grad: how gradients flow through ``Q`` inside ``L_A`` and ``L_W``. ``"detached"`` (default):
+        ``Q(x)`` is held constant in the regularizers, so their gradient ``-2 (Q(x) - x)`` pulls the transformed
+        operands towards the quantization grid (the paper says the regularizers give gradient signal; chosen on the
+        testbed's layers, ``docs/calibration.md``). ``"ste"`` (the paper as written): the same STE as everywhere;
+        with the identity STE ``d/dx (Q(x) - x)^2 = 0``, so the regularizers then shape λ but give no gradient (the
+        clipped STE leaves one on saturated elements).
     """
 
     fmt: QuantFormat = MXFP4()
     ste: Literal["identity", "clipped"] = "identity"
     precision: Precision = "highest"
-    regularizer_grad: Literal["ste", "detached"] = "ste"
+    regularizer_grad: Literal["ste", "detached"] = "detached"
 
 
 class LossTerms(NamedTuple):

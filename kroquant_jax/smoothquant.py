@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kroquant_jax.formats import MXFP4, QuantFormat, fake_quant
-from kroquant_jax.layerset import LayerData, as_layer_set, progress_bar, split_rows
-from kroquant_jax.lowrank import SvdMethod, low_rank_svd, program_config, run_stacked_padded
+from kroquant_jax.layerset import (LayerData, RunConfig, as_layer_set, program_config, progress_bar,
+                                   run_stacked_padded)
+from kroquant_jax.lowrank import SvdMethod, low_rank_svd, resolve_rank
 
 __all__ = ["SmoothQuantConfig", "SmoothQuantResult", "smoothing_factors", "smoothquant_layers", "search_one"]
 
@@ -41,26 +42,24 @@ class SmoothQuantConfig:
 
     Attributes:
       alphas, betas: the grids of migration strengths (default ``0, 0.1, ..., 1`` each: 121 candidates).
-      svd_rank: rank of the 16-bit SVD branch used during the search (0: none).
+      svd_rank: rank of the 16-bit SVD branch used during the search (0: none): an ``int`` or a fraction of each
+        layer's ``min(o, d)`` (:func:`kroquant_jax.lowrank.resolve_rank`).
       fmt: quantization format of both operands.
       eps: floor of the channel maxima (avoids 0 ** negative).
       svd_method: see :func:`kroquant_jax.lowrank.low_rank_svd`.
-      num_rows, num_heldout, seed: the row draw (same as the calibration engine's, so the same rows).
-      max_layers_per_program, shard, progress: as in :class:`kroquant_jax.calibrate.CalibrationConfig`.
+      max_layers_per_program: at most this many stacked layers per compiled program (memory bound).
+
+    The rows (the calibration slice of the run's split), sharding and progress come from the run's
+    :class:`kroquant_jax.layerset.RunConfig`, as for every stage.
     """
 
-    alphas: tuple = _GRID
-    betas: tuple = _GRID
-    svd_rank: int = 32
+    alphas: tuple[float, ...] = _GRID
+    betas: tuple[float, ...] = _GRID
+    svd_rank: int | float = 32
     fmt: QuantFormat = MXFP4()
     eps: float = 1e-5
     svd_method: SvdMethod = "randomized"
-    num_rows: int = 1024
-    num_heldout: int = 256
-    seed: int = 0
     max_layers_per_program: int = 16
-    shard: bool = True
-    progress: bool = False
 
 
 class SmoothQuantResult(NamedTuple):
@@ -83,7 +82,7 @@ def _candidate_error(a, w, ref, gamma, cfg: SmoothQuantConfig):
     w_s = w * gamma[None, :]
     out = jnp.zeros_like(ref)
     if cfg.svd_rank:
-        left, right = low_rank_svd(w_s, cfg.svd_rank, cfg.svd_method)
+        left, right = low_rank_svd(w_s, resolve_rank(cfg.svd_rank, w.shape), cfg.svd_method)
         w_s = w_s - jnp.matmul(left, right, precision=hi)
         out = jnp.matmul(jnp.matmul(a_s, right.T, precision=hi), left.T, precision=hi)
     out = out + jnp.matmul(fake_quant(a_s, cfg.fmt), fake_quant(w_s, cfg.fmt).T, precision=hi)
@@ -120,15 +119,16 @@ def _search_stacked(a, w, cfg):
 
 
 def smoothquant_layers(layer_set: Mapping[str, LayerData], cfg: SmoothQuantConfig = SmoothQuantConfig(), *,
-                       pad_to: int = 1) -> dict[str, SmoothQuantResult]:
+                       run: RunConfig = RunConfig(), pad_to: int = 1) -> dict[str, SmoothQuantResult]:
     """Runs the (α, β) search for every layer; layers of one shape are stacked and ``vmap``-ed.
 
     Args:
       layer_set: ``{name: (W, bias, A_rows)}`` (validated).
-      cfg: :class:`SmoothQuantConfig`; its driver-only fields (``max_layers_per_program``, ``shard``, ``progress``)
-        are not part of the compiled program (:func:`kroquant_jax.lowrank.program_config`).
+      cfg: :class:`SmoothQuantConfig`; its driver-only field ``max_layers_per_program`` is not part of the
+        compiled program (:func:`kroquant_jax.layerset.program_config`).
+      run: the run's rows (the search uses the calibration slice), sharding and progress.
       pad_to: size every program for at least ``min(pad_to, cfg.max_layers_per_program)`` layers
-        (:func:`kroquant_jax.lowrank.run_stacked_padded`): a caller running several batches of one shape
+        (:func:`kroquant_jax.layerset.run_stacked_padded`): a caller running several batches of one shape
         (``calibrate.quantize_layer_set``) passes its batch size, so that a smaller last batch reuses the compiled
         program (padding layers are computed and dropped).
 
@@ -139,14 +139,13 @@ def smoothquant_layers(layer_set: Mapping[str, LayerData], cfg: SmoothQuantConfi
     rows = {}
     groups: dict[tuple, list[str]] = {}
     for name, layer in layers.items():
-        split = split_rows(name, layer.activations.shape[0], cfg.num_rows, cfg.num_heldout, cfg.seed)
-        rows[name] = layer.activations[split.calibration]
-        if cfg.svd_rank > min(layer.weight.shape):
+        rows[name] = layer.activations[run.split(name, layer.activations.shape[0]).calibration]
+        if resolve_rank(cfg.svd_rank, layer.weight.shape, None, name) > min(layer.weight.shape):
             raise ValueError(f"layer {name!r}: svd_rank={cfg.svd_rank} exceeds min(o, d) of weight "
                              f"{layer.weight.shape}")
         groups.setdefault((layer.weight.shape, rows[name].shape), []).append(name)
     fn = functools.partial(_search_stacked, cfg=program_config(cfg))
-    bar = progress_bar(len(layers), cfg.progress, "SmoothQuant search")
+    bar = progress_bar(len(layers), run.progress, "SmoothQuant search")
     out = {}
     n_beta = len(cfg.betas)
     try:
@@ -154,7 +153,7 @@ def smoothquant_layers(layer_set: Mapping[str, LayerData], cfg: SmoothQuantConfi
             a = np.stack([rows[n] for n in names])
             w = np.stack([layers[n].weight for n in names])
             gamma, best, errors = run_stacked_padded(fn, [a, w], len(names), pad_to=pad_to,
-                                                     max_per_program=cfg.max_layers_per_program, shard=cfg.shard,
+                                                     max_per_program=cfg.max_layers_per_program, shard=run.shard,
                                                      progress=bar)
             for i, n in enumerate(names):
                 b = int(best[i])

@@ -1,7 +1,10 @@
 """Calibrate a layer set with every method side by side; print and save a per-layer table and a plot.
 
-The metric is the relative output error ``||Ô - A W^T||_F / ||A W^T||_F`` on each layer's held-out rows (the same
-rows for every method), where ``Ô`` is the quantized layer's eq. 11 output without its bias.
+The metric is the relative output error ``||Ô - A W^T||_F / ||A W^T||_F`` on each layer's test rows (the same rows
+for every method, used by nothing else: calibration and selection use their own disjoint slices), where ``Ô`` is the
+quantized layer's eq. 11 output without its bias. The recipe settings (``--calib-steps``, ``--rank``, ...) are
+:func:`kroquant_jax.calibrate.add_recipe_arguments`'s, shared with ``kroquant evaluate`` and
+``kroquant quantize-checkpoint``.
 
 Examples::
 
@@ -32,9 +35,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kroquant_jax import calibrate, layerset, lowrank, objectives, smoothquant, synthetic  # noqa: E402
+from kroquant_jax import calibrate, layerset, synthetic  # noqa: E402
 from kroquant_jax.fileio import atomic_path, atomic_write_bytes  # noqa: E402
-from scripts.common_args import nonnegative_int, positive_int, quantize_with_store, verb_parser  # noqa: E402
+from scripts.common_args import positive_int, quantize_with_store, verb_parser  # noqa: E402
 
 EXAMPLES = ("--synthetic dit --out runs/calib_synthetic",
             "--layers pixart_layers.npz --methods rtn kroquant kroquant+loraq --store runs/st",
@@ -52,35 +55,25 @@ SYNTHETIC = {
 }
 
 
-def build_recipe(method: str, args) -> calibrate.Recipe:
-    grid = tuple(round(x, 4) for x in np.linspace(0.0, 1.0, args.sq_grid))
-    has_branch = "+" in method or method == "svdquant"
-    return calibrate.get_recipe(
-        method,
-        smooth_svd_rank=args.svd_rank if has_branch else 0,
-        calibration=calibrate.CalibrationConfig(steps=args.steps, num_rows=args.rows, num_heldout=args.heldout,
-                                                seed=args.seed, max_layers_per_program=args.max_layers_per_program,
-                                                objective=objectives.ObjectiveConfig(precision=args.precision),
-                                                progress=args.progress),
-        smoothquant=smoothquant.SmoothQuantConfig(alphas=grid, betas=grid),
-        loraq=lowrank.LoRaQConfig(rank=args.rank, steps=args.loraq_steps, rotation_steps=args.rotation_steps),
-        svdquant=lowrank.SVDQuantConfig(rank=args.svd_rank, refine_steps=args.svd_refine))
-
-
-def settings_line(args) -> str:
+def settings_line(recipes: dict) -> str:
     """The settings of the methods that ran, for the table header (rows always; the others only where a method uses
     them)."""
-    bases = {m.partition("+")[0] for m in args.methods}
+    first = next(iter(recipes.values()))
+    run = first.run
     parts = []
-    if bases & {"kroquant", "smoothed_kroquant"}:
-        parts.append(f"steps {args.steps}")
-    parts.append(f"rows {args.rows}+{args.heldout}")
-    if bases & {"smoothquant", "smoothed_kroquant", "svdquant"}:
-        parts.append(f"SmoothQuant grid {args.sq_grid}x{args.sq_grid}")
-    if any(m.endswith("+loraq") for m in args.methods):
-        parts.append(f"LoRaQ rank {args.rank} {args.loraq_steps}+{args.rotation_steps} steps")
-    if "svdquant" in bases:
-        parts.append(f"SVD rank {args.svd_rank}" + (f", {args.svd_refine} refinements" if args.svd_refine else ""))
+    trained = [r for r in recipes.values() if r.train and r.transform in ("kron_lu", "smoothed_kron")]
+    if trained:
+        c = trained[0].calibration
+        parts.append(f"steps {c.steps} ({c.lr_schedule} lr, best of every {c.select_every})")
+    parts.append(f"rows {run.num_rows}+{run.num_validation}+{run.num_test}")
+    smooth = [r for r in recipes.values() if r.smooth_init]
+    if smooth:
+        parts.append(f"SmoothQuant grid {len(smooth[0].smoothquant.alphas)}x{len(smooth[0].smoothquant.betas)}")
+    loraq = sorted({(r.loraq.rank, r.loraq.steps, r.loraq.rotation_steps) for r in recipes.values()
+                    if r.lowrank == "loraq"})
+    parts += [f"LoRaQ rank {k} {s}+{t} steps" for k, s, t in loraq]
+    svd = sorted({(r.svdquant.rank, r.svdquant.refine_steps) for r in recipes.values() if r.lowrank == "svd"})
+    parts += [f"SVD rank {k}" + (f", {n} refinements" if n else "") for k, n in svd]
     return ", ".join(parts)
 
 
@@ -96,13 +89,15 @@ def markdown_table(errors: dict, methods: list, layer_names: list) -> str:
     return "\n".join(lines)
 
 
-def plot(errors: dict, methods: list, layer_names: list, path: str, title: str) -> None:
+def plot(errors: dict, methods: list, layer_names: list, path: str, title: str,
+         ylabel: str = "relative output error (test rows)") -> None:
+    """Grouped bars ``errors[method][layer]`` per layer, one colour per method, written atomically to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.4 * len(layer_names) + 5), 4.5))
+    fig, ax = plt.subplots(figsize=(min(18.0, max(7.0, 1.4 * len(layer_names) + 5)), 4.5))
     x = np.arange(len(layer_names))
     width = 0.8 / len(methods)
     colors = plt.get_cmap("tab20")(np.linspace(0, 1, 20))
@@ -111,7 +106,7 @@ def plot(errors: dict, methods: list, layer_names: list, path: str, title: str) 
                color=colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20])
     ax.set_xticks(x)
     ax.set_xticklabels(layer_names, rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("relative output error (held-out rows)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=8, wrap=True)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
@@ -125,23 +120,11 @@ def main(argv=None):
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--layers", help="layer set file (.npz / .safetensors)")
     src.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="synthetic DiT-like layers")
-    ap.add_argument("--synthetic-rows", type=positive_int, default=1280, help="activation rows per synthetic layer")
-    ap.add_argument("--methods", nargs="+", default=list(ALL_METHODS), help="recipes to compare")
-    ap.add_argument("--steps", type=nonnegative_int, default=100, help="transform optimisation (Adam) steps")
-    ap.add_argument("--rows", type=positive_int, default=1024, help="calibration rows per layer")
-    ap.add_argument("--heldout", type=positive_int, default=256, help="held-out rows per layer")
+    ap.add_argument("--synthetic-rows", type=positive_int, default=1536, help="activation rows per synthetic layer")
+    ap.add_argument("--methods", nargs="+", default=list(ALL_METHODS),
+                    help="recipes to compare, a low-rank one optionally with its own rank: kroquant+loraq@64")
     ap.add_argument("--seed", type=int, default=0, help="seed of the row draws (and the synthetic layers)")
-    ap.add_argument("--rank", type=positive_int, default=128, help="LoRaQ branch rank")
-    ap.add_argument("--loraq-steps", type=nonnegative_int, default=500, help="LoRaQ factor optimisation steps")
-    ap.add_argument("--rotation-steps", type=nonnegative_int, default=500, help="LoRaQ rotation optimisation steps")
-    ap.add_argument("--svd-rank", type=positive_int, default=32, help="SVDQuant 16-bit branch rank")
-    ap.add_argument("--svd-refine", type=nonnegative_int, default=0,
-                    help="SVDQuant refinement candidates (paper: up to 100)")
-    ap.add_argument("--sq-grid", type=positive_int, default=11, help="points per axis of the SmoothQuant (α, β) grid")
-    ap.add_argument("--precision", default="highest", choices=["highest", "high", "default"],
-                    help="matmul precision of the objective")
-    ap.add_argument("--max-layers-per-program", type=positive_int, default=64,
-                    help="at most this many stacked layers per compiled program (memory bound)")
+    calibrate.add_recipe_arguments(ap)
     ap.add_argument("--fast", action="store_true", help="few steps, small rank and grid (a quick check)")
     ap.add_argument("--store", default=None, help="folder of resumable per-method stores")
     ap.add_argument("--overwrite", action="store_true",
@@ -156,11 +139,13 @@ def main(argv=None):
     if args.compile_cache:
         calibrate.enable_compile_cache(args.compile_cache)
     if args.fast:
-        args.steps, args.loraq_steps, args.rotation_steps, args.sq_grid = 20, 30, 10, 5
-        args.rank = min(args.rank, 32)
-    unknown = [m for m in args.methods if m.partition("+")[0] not in calibrate.RECIPES]
-    if unknown:
-        ap.error(f"unknown methods {unknown}; available: {list(ALL_METHODS)}")
+        args.calib_steps, args.loraq_steps, args.rotation_steps, args.sq_grid = 20, 30, 10, 5
+        args.rank = 32 if args.rank is None else min(args.rank, 32)
+    try:  # bad method names fail before any work
+        recipes = {m: calibrate.recipe_from_args(m, args, seed=args.seed, progress=args.progress)
+                   for m in args.methods}
+    except ValueError as err:
+        ap.error(str(err))
 
     if args.layers:
         layers = layerset.load_layer_set(args.layers)
@@ -178,7 +163,7 @@ def main(argv=None):
     for m in args.methods:
         t0 = time.perf_counter()
         store = os.path.join(args.store, m.replace("+", "_")) if args.store else None
-        _, rep = quantize_with_store(layers, build_recipe(m, args), store, args.overwrite, "--store", label=m)
+        _, rep = quantize_with_store(layers, recipes[m], store, args.overwrite, "--store", label=m)
         seconds[m] = round(time.perf_counter() - t0, 2)
         errors[m] = {n: rep[n]["heldout_error"] for n in names}
         reports[m] = rep
@@ -186,8 +171,8 @@ def main(argv=None):
         atomic_write_bytes(os.path.join(args.out, "results.json"), json.dumps(
             {"meta": meta, "errors": errors, "seconds": seconds, "reports": reports}, indent=1, default=float).encode())
     table = markdown_table(errors, args.methods, names)
-    header = (f"Relative output error on held-out rows ({source}; {meta['device']}, jax {meta['jax_version']}, "
-              f"{meta['date_utc']} UTC; {settings_line(args)})")
+    header = (f"Relative output error on test rows ({source}; {meta['device']}, jax {meta['jax_version']}, "
+              f"{meta['date_utc']} UTC; {settings_line(recipes)})")
     text = header + "\n\n" + table + "\n"
     print(text)
     atomic_write_bytes(os.path.join(args.out, "table.md"), text.encode())

@@ -3,8 +3,8 @@
 Loads the shipped emoji testbed DiT (``checkpoints/emoji_pixart``: a PixArt-Σ-architecture flow-matching model
 trained in JAX on real emoji bitmaps), captures calibration activations from a few training captions, calibrates
 round-to-nearest, block Hadamard-32, KroQuant, and KroQuant + LoRaQ (MXFP4 W4A4) with shortened schedules and a
-LoRaQ rank scaled to the layer width (``--lora-rank 0.125``: rank 32 on the testbed's 256-wide layers, which is also
-what the paper's share, 128 of 1152 = 1/9, rounds to; ``--lora-rank 128`` is the paper's absolute rank), generates
+LoRaQ rank scaled to the layer width (``--rank 0.125``: rank 32 on the testbed's 256-wide layers, which is also
+what the paper's share, 128 of 1152 = 1/9, rounds to; ``--rank 128`` is the paper's absolute rank), generates
 held-out captions with the 16-bit and every W4A4 model on the same seeds, prints the table (PSNR, SSIM, chroma and
 saturation ratios against the 16-bit images, mean held-out per-layer output error) and writes ``grid.png``,
 ``table.md`` and ``report.json`` to ``--out`` (default ``runs/demo``).
@@ -29,12 +29,14 @@ DEMO_DEFAULTS = [
     "--calib-captions", "8",
     "--eval-captions", "6",
     "--steps", "12",
-    "--rows-per-layer", "512",
+    "--rows-per-layer", "640",
     "--calib-rows", "384",
-    "--calib-heldout", "128",
+    "--calib-validation", "128",
+    "--calib-test", "128",
     "--calib-steps", "40",
     "--loraq-steps", "40",
-    "--lora-rank", "0.125",
+    "--rotation-steps", "40",
+    "--rank", "0.125",
     "--batch-size", "8",
 ]
 

@@ -1,7 +1,7 @@
 """End-to-end W4A4 evaluation of the emoji testbed DiT (or any flow-matching pixel-space PixArt checkpoint).
 
     kroquant evaluate --out runs/eval_testbed            # every method (ALL_METHODS)
-    kroquant evaluate --out runs/x --methods rtn kroquant kroquant+loraq kroquant+loraq@128 --lora-rank 0.125
+    kroquant evaluate --out runs/x --methods rtn kroquant kroquant+loraq kroquant+loraq@128 --rank 0.125
 
 1. Capture: sample the calibration captions (the training records of the prompt file) with the flow-matching Euler
    sampler and CFG, recording random input rows of every quantizable linear at every step (real caption tokens only,
@@ -15,9 +15,11 @@
    (``models.image_metrics``), plus the per-layer relative output errors on held-out rows (mean, max, and the mean
    per layer type).
 
-LoRaQ's rank (``--lora-rank``): an int (the paper's 128, the default; meant for layers 1152 and more wide) or a
-fraction of each layer's ``min(o, d)`` (``kroquant_jax.lowrank.resolve_rank``; 0.125 gives rank 32 on the testbed's
-256-wide layers, which is also what the paper's share, 128 of 1152 = 1/9, rounds to).
+The recipe settings (``--calib-steps``, ``--rank``, ...) are :func:`kroquant_jax.calibrate.add_recipe_arguments`'s.
+The low-rank branch's rank (``--rank``, or ``<recipe>@<rank>`` for one method): an int (LoRaQ's default is the
+paper's 128, meant for layers 1152 and more wide) or a fraction of each layer's ``min(o, d)``
+(``kroquant_jax.lowrank.resolve_rank``; 0.125 gives rank 32 on the testbed's 256-wide layers, which is also what the
+paper's share, 128 of 1152 = 1/9, rounds to).
 
 ``--compile-cache DIR`` turns on JAX's persistent compilation cache in ``DIR``
 (:func:`kroquant_jax.calibrate.enable_compile_cache`), so that a later run with the same shapes and settings loads
@@ -32,7 +34,6 @@ is read by ``models.convert``'s numpy safetensors reader), so it runs on a machi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import sys
 import time
@@ -43,6 +44,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from kroquant_jax import calibrate
 from kroquant_jax.fileio import atomic_write_text
 from kroquant_jax.timing import CompileWatch
 from models import families
@@ -58,24 +60,7 @@ ALL_METHODS = ["rtn", "smoothquant", "hadamard32", "kroquant", "smoothed_kroquan
                "hadamard32+loraq", "kroquant+loraq", "smoothed_kroquant+loraq", "svdquant"]
 
 
-def rank_arg(text: str) -> int | float:
-    """``--lora-rank``: ``"128"`` -> 128 (an absolute rank), ``"0.125"`` -> 0.125 (a fraction of min(o, d))."""
-    try:
-        value = int(text)
-    except ValueError:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is neither an int nor a fraction in (0, 1]") from None
-        if not 0.0 < value <= 1.0:
-            raise argparse.ArgumentTypeError(f"{text!r}: a fractional rank must be in (0, 1]") from None
-        return value
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a rank must be >= 1")
-    return value
-
-
-EXAMPLES = ("--out runs/eval_testbed", "--out runs/x --methods rtn kroquant kroquant+loraq --lora-rank 0.125",
+EXAMPLES = ("--out runs/eval_testbed", "--out runs/x --methods rtn kroquant kroquant+loraq --rank 0.125",
             "--checkpoint DIR --prompts PROMPTS.npz --out runs/mine --methods rtn kroquant")
 
 
@@ -88,7 +73,8 @@ def parse_args(argv=None, verb: str = "evaluate", description: str | None = None
     parser.add_argument("--prompts", default=None, help="prompt .npz (default: <checkpoint>/testbed_prompts.npz)")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--methods", nargs="+", default=ALL_METHODS,
-                        help="recipes, a LoRaQ one optionally with its own rank: kroquant+loraq@128")
+                        help="recipes, a low-rank one optionally with its own rank: kroquant+loraq@128")
+    calibrate.add_recipe_arguments(parser)
     parser.add_argument("--calib-captions", type=positive_int, default=32, help="training captions sampled for capture")
     parser.add_argument("--eval-captions", type=positive_int, default=8, help="held-out captions generated per method")
     parser.add_argument("--eval-train-captions", type=nonnegative_int, default=0,
@@ -96,26 +82,12 @@ def parse_args(argv=None, verb: str = "evaluate", description: str | None = None
     parser.add_argument("--steps", type=positive_int, default=20, help="Euler steps (capture and generation)")
     parser.add_argument("--guidance", type=float, default=3.0, help="CFG scale")
     parser.add_argument("--rows-per-layer", type=positive_int, default=1024, help="captured rows kept per layer")
-    parser.add_argument("--calib-rows", type=positive_int, default=None,
-                        help="calibration rows per layer (recipe default)")
-    parser.add_argument("--calib-heldout", type=positive_int, default=None,
-                        help="held-out rows per layer (recipe default)")
-    parser.add_argument("--calib-steps", type=nonnegative_int, default=None,
-                        help="KroQuant Adam steps (recipe default 100)")
-    parser.add_argument("--loraq-steps", type=nonnegative_int, default=None,
-                        help="LoRaQ Adam and rotation steps (default 500)")
-    parser.add_argument("--lora-rank", type=rank_arg, default=128,
-                        help="LoRaQ rank: an int (128 is the paper's, for 1152+-wide layers) or a fraction of "
-                             "each layer's min(o, d), e.g. 0.125 (rank 32 on 256-wide layers)")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="captions per sampling call (capture)")
     parser.add_argument("--grid-rows", type=positive_int, default=None,
                         help="at most this many captions per grid (default all)")
     parser.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                         help="only merge the outputs of earlier runs (same settings, other methods; e.g. parallel "
                              "processes) into one report/table/grid in --out")
-    parser.add_argument("--max-layers-per-program", type=positive_int, default=None,
-                        help="layers calibrated together (recipe default 64; e.g. 128 puts the testbed's 80 "
-                             "256x256 linears in one program)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the noise and the row draws")
     parser.add_argument("--layers", type=positive_int, default=None,
                         help="quantize only the first N quantizable linears")
@@ -135,30 +107,6 @@ def parse_args(argv=None, verb: str = "evaluate", description: str | None = None
     return parser.parse_args(argv)
 
 
-def recipe_for(name: str, args):
-    """The recipe of a method spec: a ``kroquant_jax.calibrate`` recipe name, for LoRaQ recipes optionally with its
-    own rank after an ``@`` (``kroquant+loraq@128``; otherwise ``--lora-rank``), with the command's settings."""
-    from kroquant_jax import calibrate, lowrank
-
-    base, at, rank_text = name.partition("@")
-    recipe = calibrate.get_recipe(base)
-    if at and recipe.lowrank != "loraq":
-        raise ValueError(f"method {name!r}: a rank after '@' needs a LoRaQ recipe ('<name>+loraq@<rank>')")
-    try:
-        rank = rank_arg(rank_text) if at else args.lora_rank
-    except argparse.ArgumentTypeError as err:
-        raise ValueError(f"method {name!r}: {err}") from None
-    calibration = {k: v for k, v in (("steps", args.calib_steps), ("num_rows", args.calib_rows),
-                                     ("num_heldout", args.calib_heldout),
-                                     ("max_layers_per_program", args.max_layers_per_program)) if v is not None}
-    recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, progress=True,
-                                                                         **calibration))
-    if recipe.lowrank == "loraq":
-        steps = {} if args.loraq_steps is None else {"steps": args.loraq_steps, "rotation_steps": args.loraq_steps}
-        recipe = dataclasses.replace(recipe, loraq=lowrank.LoRaQConfig(rank=rank, **steps))
-    return recipe
-
-
 def store_folder(out: Path, method: str, recipe, capture_key: str) -> Path:
     """Where ``method``'s calibrated layers are stored: named by the method and a hash of the capture settings and
     the whole recipe (every stage's settings), so layers calibrated with other settings are never resumed."""
@@ -170,9 +118,10 @@ def settings_line(args, names, calib_indices, eval_indices, train_indices) -> st
     train = f" and {len(train_indices)} training captions not used for calibration" if len(train_indices) else ""
     return (f"{args.checkpoint}: {len(names)} linears W4A4 (MXFP4), capture from {len(calib_indices)} training "
             f"captions x {args.steps} Euler steps (CFG {args.guidance:g}, {args.rows_per_layer} rows/layer); "
-            f"calibration rows {args.calib_rows or 'default'}, held-out rows {args.calib_heldout or 'default'}, "
-            f"KroQuant steps {args.calib_steps or 'default'}, LoRaQ steps {args.loraq_steps or 'default'}, "
-            f"--lora-rank {args.lora_rank}; metrics vs the 16-bit images of {len(eval_indices)} "
+            f"calibration rows {args.calib_rows or 'default'}, validation rows {args.calib_validation or 'default'}, "
+            f"test rows {args.calib_test or 'default'}, KroQuant steps {args.calib_steps or 'default'}, LoRaQ steps "
+            f"{args.loraq_steps or 'default'}+{args.rotation_steps or 'default'}, --rank {args.rank or 'default'}; "
+            f"metrics vs the 16-bit images of {len(eval_indices)} "
             f"held-out captions{train}, same seeds (PSNR ± its standard error over captions); "
             f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind})")
 
@@ -180,7 +129,7 @@ def settings_line(args, names, calib_indices, eval_indices, train_indices) -> st
 def main(argv=None, verb: str = "evaluate", description: str | None = None, preset: Sequence[str] = (),
          examples: Sequence[str] = EXAMPLES) -> int:
     """``kroquant evaluate`` (``verb``, ``description``, ``preset``, ``examples``: see :func:`parse_args`)."""
-    from kroquant_jax import calibrate, provenance
+    from kroquant_jax import provenance
     from models import quantize_model
 
     args = parse_args(argv, verb, description, preset, examples)
@@ -209,10 +158,8 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
         raise ValueError(f"{prompts_path}: --eval-train-captions {args.eval_train_captions} asks for more training "
                          f"records than the {len(training)} - {len(calib_indices)} not used for calibration")
     names = list(linears(model, quantizable_only=True))[:args.layers]
-    try:
-        recipes = {method: recipe_for(method, args) for method in args.methods}  # bad names fail before the capture
-    except KeyError as err:
-        raise ValueError(err.args[0]) from None
+    # bad method names fail before the capture
+    recipes = {method: calibrate.recipe_from_args(method, args, progress=True) for method in args.methods}
 
     from kroquant_jax.layerset import load_layer_set, save_layer_set
 

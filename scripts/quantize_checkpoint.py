@@ -43,7 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scripts.common_args import (UserError, add_quiet, nonnegative_int, positive_int, quantize_with_store,
+from kroquant_jax import calibrate
+from scripts.common_args import (UserError, add_quiet, positive_int, quantize_with_store,
                                  verb_parser)
 
 
@@ -66,9 +67,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--synthetic-tokens", type=positive_int, default=8, help="tokens per synthetic prompt")
     parser.add_argument("--recipe", default="kroquant", help="kroquant_jax.calibrate recipe name (e.g. rtn, "
                         "smoothquant, hadamard32, kroquant, svdquant, kroquant+loraq)")
-    parser.add_argument("--calib-steps", type=nonnegative_int, help="override the recipe's optimisation steps")
-    parser.add_argument("--calib-rows", type=positive_int, help="calibration rows per layer (default: the recipe's)")
-    parser.add_argument("--calib-heldout", type=positive_int, help="held-out rows per layer (default: the recipe's)")
+    calibrate.add_recipe_arguments(parser)
     parser.add_argument("--solver", choices=("dpm_solver_pp_2m", "flow_euler"),
                         help="default: DPM-Solver++ 2M for PixArt, flow Euler for SANA/FLUX; flow_euler for "
                         "flow-matching PixArt-architecture models (the emoji testbed)")
@@ -140,17 +139,12 @@ def check_out_dir(out: Path) -> None:
 
 
 def build_recipe(args):
-    """The recipe of ``--recipe`` with the ``--calib-*`` overrides and the progress bar of ``--quiet``."""
-    from kroquant_jax import calibrate
-
+    """The recipe of ``--recipe`` with the recipe flags (:func:`kroquant_jax.calibrate.add_recipe_arguments`) and the
+    progress bar of ``--quiet``."""
     try:
-        recipe = calibrate.get_recipe(args.recipe)
-    except KeyError as err:
-        raise UserError(f"--recipe: {err.args[0]}") from None
-    calib_overrides = {k: v for k, v in (("steps", args.calib_steps), ("num_rows", args.calib_rows),
-                                         ("num_heldout", args.calib_heldout)) if v is not None}
-    return dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, progress=not args.quiet,
-                                                                       **calib_overrides))
+        return calibrate.recipe_from_args(args.recipe, args, progress=not args.quiet)
+    except ValueError as err:
+        raise UserError(f"--recipe: {err}") from None
 
 
 def plan_layers(model, recipe, recipe_name: str) -> tuple[dict[str, tuple[np.ndarray, np.ndarray | None]],
@@ -307,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
     from flax import nnx
     from tqdm.auto import tqdm
 
-    from kroquant_jax import calibrate, provenance, qlinear
+    from kroquant_jax import provenance, qlinear
     if args.compile_cache:
         calibrate.enable_compile_cache(args.compile_cache)
     from kroquant_jax.fileio import atomic_write_json

@@ -14,10 +14,11 @@ import pytest
 from kroquant_jax import calibrate, layerset, lowrank, objectives, qlinear, smoothquant, transforms
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAST = dict(steps=20, num_rows=160, num_heldout=64)
+FAST = dict(steps=20)
+RUN = calibrate.RunConfig(num_rows=160, num_validation=64, num_test=64)
 
 
-def _layer_set(shapes=((48, 64), (48, 64), (32, 96)), n=260, seed=0):
+def _layer_set(shapes=((48, 64), (48, 64), (32, 96)), n=300, seed=0):
     rng = np.random.default_rng(seed)
     out = {}
     for i, (o, d) in enumerate(shapes):
@@ -44,17 +45,19 @@ def _stacked_run():
     if not _STACKED:
         ls = _layer_set()
         cfg = calibrate.CalibrationConfig(transform="kron_lu", **dict(FAST, steps=10))
-        _STACKED.update(ls=ls, cfg=cfg, res=calibrate.calibrate_layers(ls, cfg))
+        _STACKED.update(ls=ls, cfg=cfg, res=calibrate.calibrate_layers(ls, cfg, run=RUN))
     return _STACKED["ls"], _STACKED["cfg"], _STACKED["res"]
 
 
-def test_training_lowers_loss_and_heldout_error():
+def test_training_lowers_loss_and_validation_and_test_error():
     _, _, res = _stacked_run()
     for name, r in res.items():
         assert r.losses.shape == (1, 10)
         assert r.losses[0, -1] < r.losses[0, 0], name
-        assert r.heldout_errors["trained0"] < r.heldout_errors["init0"], name
+        assert r.validation_errors["trained0"] < r.validation_errors["init0"], name
+        assert r.test_errors["trained0"] < r.test_errors["init0"], name
         assert r.chosen == "trained0"
+        assert r.test_error == r.test_errors["trained0"] != r.validation_error
 
 
 def test_vmapped_equals_per_layer():
@@ -62,43 +65,59 @@ def test_vmapped_equals_per_layer():
     batched vs. unbatched matmul can flip single quantization decisions and the runs drift apart by ~1e-3: 10 steps
     keep the comparison tight.)"""
     ls, cfg, stacked = _stacked_run()
-    one_by_one = {n: calibrate.calibrate_layers({n: ls[n]}, cfg)[n] for n in ls}
+    one_by_one = {n: calibrate.calibrate_layers({n: ls[n]}, cfg, run=RUN)[n] for n in ls}
     _assert_same_params(stacked, one_by_one, rtol=1e-5, atol=1e-5)
-    chunked = calibrate.calibrate_layers(ls, dataclasses.replace(cfg, max_layers_per_program=1))
+    chunked = calibrate.calibrate_layers(ls, dataclasses.replace(cfg, max_layers_per_program=1), run=RUN)
     _assert_same_params(stacked, chunked, rtol=1e-5, atol=1e-5)
     for n in ls:
-        np.testing.assert_allclose(stacked[n].heldout_error, one_by_one[n].heldout_error, rtol=1e-5)
+        np.testing.assert_allclose(stacked[n].test_error, one_by_one[n].test_error, rtol=1e-5)
 
 
 def test_deterministic_for_a_seed():
     ls, cfg, res = _stacked_run()
-    _assert_same_params(res, calibrate.calibrate_layers(ls, cfg), rtol=0, atol=0)
+    _assert_same_params(res, calibrate.calibrate_layers(ls, cfg, run=RUN), rtol=0, atol=0)
 
 
 def test_rows_depend_on_seed_and_name_only_and_are_disjoint():
-    s1 = layerset.split_rows("a", 1000, 300, 100, seed=0)
-    s2 = layerset.split_rows("a", 1000, 300, 100, seed=0)
-    s3 = layerset.split_rows("b", 1000, 300, 100, seed=0)
-    np.testing.assert_array_equal(s1.calibration, s2.calibration)
-    assert not np.array_equal(s1.calibration, s3.calibration)
-    assert len(s1.calibration) == 300 and len(s1.heldout) == 100
-    assert not set(s1.calibration) & set(s1.heldout)
-    small = layerset.split_rows("a", 50, 300, 100, seed=0)  # too few rows: a fifth held out
-    assert len(small.heldout) == 10 and len(small.calibration) == 40
+    s1 = layerset.split_rows("a", 1000, 300, 100, 50, seed=0)
+    s2 = layerset.split_rows("a", 1000, 300, 100, 50, seed=0)
+    s3 = layerset.split_rows("b", 1000, 300, 100, 50, seed=0)
+    for field in ("calibration", "validation", "test"):
+        np.testing.assert_array_equal(getattr(s1, field), getattr(s2, field))
+        assert not np.array_equal(getattr(s1, field), getattr(s3, field))
+    assert (len(s1.calibration), len(s1.validation), len(s1.test)) == (300, 100, 50)
+    assert not (set(s1.calibration) & set(s1.validation) or set(s1.calibration) & set(s1.test)
+                or set(s1.validation) & set(s1.test))
+    # The calibration and validation rows do not depend on the test slice's size (the split before the test slice
+    # was added drew the same calibration and held-out rows).
+    s4 = layerset.split_rows("a", 1000, 300, 100, 200, seed=0)
+    np.testing.assert_array_equal(s1.calibration, s4.calibration)
+    np.testing.assert_array_equal(s1.validation, s4.validation)
+    assert set(s1.test) < set(s4.test)
+    small = layerset.split_rows("a", 50, 300, 100, 100, seed=0)  # too few rows: a fifth validates, a fifth tests
+    assert (len(small.calibration), len(small.validation), len(small.test)) == (30, 10, 10)
+    assert len(set(small.calibration) | set(small.validation) | set(small.test)) == 50
+    with pytest.raises(ValueError, match="'a'.*at least 3"):
+        layerset.split_rows("a", 2, 1, 1, 1, seed=0)
+    with pytest.raises(ValueError, match="num_test"):
+        calibrate.RunConfig(num_test=0)
 
 
 def test_safeguard_keeps_the_best_candidate():
-    """8 calibration rows and a far too large learning rate make the trained transform worse on held-out rows than
-    its Hadamard init; the safeguard falls back to the init."""
-    ls = _layer_set(shapes=((48, 64),), n=400)
-    kw = dict(transform="kron_lu", steps=20, learning_rate=0.5, num_rows=8, num_heldout=256)
-    guarded = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(**kw))
-    plain = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(safeguard=False, **kw))
+    """8 calibration rows and a far too large learning rate make the trained transform worse on validation rows than
+    its Hadamard init; the safeguard falls back to the init (paper-literal settings: no best iterate, which would
+    itself fall back to the init)."""
+    ls = _layer_set(shapes=((48, 64),), n=600)
+    kw = dict(transform="kron_lu", steps=20, learning_rate=0.5, lr_schedule="constant", select_every=0)
+    run = calibrate.RunConfig(num_rows=8, num_validation=256, num_test=256)
+    guarded = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(**kw), run=run)
+    plain = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(safeguard=False, **kw), run=run)
     (g,), (p,) = guarded.values(), plain.values()
     assert p.chosen == "trained0"
-    assert g.heldout_errors["trained0"] > g.heldout_errors["init0"]  # it did overfit
-    assert g.chosen == "init0" and g.heldout_error == min(g.heldout_errors.values())
-    assert g.heldout_error <= p.heldout_error
+    assert g.validation_errors["trained0"] > g.validation_errors["init0"]  # it did overfit
+    assert g.chosen == "init0" and g.validation_error == min(g.validation_errors.values())
+    assert g.validation_error <= p.validation_error
+    assert g.test_error == g.test_errors["init0"]
 
 
 def test_several_inits_and_fixed_transforms():
@@ -107,23 +126,25 @@ def test_several_inits_and_fixed_transforms():
     gamma = np.exp(np.random.default_rng(1).normal(size=64) * 0.3).astype(np.float32)
     sk = transforms.get("smoothed_kron")
     inits = {name: [sk.init(64), transforms.smoothed_kron.init_from_scales(gamma)]}
-    res = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(transform="smoothed_kron", **FAST), inits=inits)
+    res = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(transform="smoothed_kron", **FAST), inits=inits,
+                                     run=RUN)
     r = res[name]
-    assert set(r.heldout_errors) == {"init0", "init1", "trained0", "trained1"}
+    assert set(r.validation_errors) == set(r.test_errors) == {"init0", "init1", "trained0", "trained1"}
     assert r.losses.shape == (2, 20) and r.lambdas.shape == (2, 2)
-    assert r.heldout_error == min(r.heldout_errors.values())
-    fixed = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(transform="hadamard32", **FAST))[name]
+    assert r.validation_error == min(r.validation_errors.values())
+    fixed = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(transform="hadamard32", **FAST), run=RUN)[name]
     assert fixed.chosen == "init0" and fixed.losses.shape == (1, 0)
-    np.testing.assert_allclose(fixed.heldout_error, r.heldout_errors["init0"], rtol=1e-6)
+    np.testing.assert_allclose(fixed.test_error, r.test_errors["init0"], rtol=1e-6)
+    np.testing.assert_allclose(fixed.validation_error, r.validation_errors["init0"], rtol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["dense32", "cayley32", "diagonal"])
 def test_any_parameterization_runs(name):
-    res = calibrate.calibrate_layers(_layer_set(shapes=((16, 32),)),
-                                     calibrate.CalibrationConfig(transform=name, steps=5, num_rows=64, num_heldout=32))
+    res = calibrate.calibrate_layers(_layer_set(shapes=((16, 32),)), calibrate.CalibrationConfig(transform=name, steps=5),
+                                     run=calibrate.RunConfig(num_rows=64, num_validation=32, num_test=32))
     (r,) = res.values()
-    assert np.isfinite(r.heldout_error)
-    assert r.heldout_error <= r.heldout_errors["init0"]
+    assert np.isfinite(r.test_error)
+    assert r.validation_error <= r.validation_errors["init0"]
 
 
 def test_bad_input_names_the_layer():
@@ -171,8 +192,9 @@ _SHARD_SCRIPT = textwrap.dedent("""
     ls = _layer_set(shapes=((48, 64),) * 5)  # 5 jobs: padded to 8 over 4 devices
     out = {{}}
     for shard in (True, False):
-        res = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(transform="kron_lu", shard=shard,
-                                                                         **dict(FAST, steps=4)))
+        res = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(transform="kron_lu", **dict(FAST, steps=4)),
+                                         run=calibrate.RunConfig(num_rows=160, num_validation=64, num_test=64,
+                                                                 shard=shard))
         out[str(shard)] = {{n: [np.asarray(x).tolist() for x in jax.tree.leaves(r.params)] for n, r in res.items()}}
     print("RESULT" + json.dumps(out))
 """)
@@ -194,8 +216,8 @@ def test_sharded_equals_unsharded_on_4_host_devices():
 
 def test_recipe_resumes_after_an_interruption(tmp_path):
     ls = _layer_set(shapes=((48, 64), (48, 64), (32, 96)))
-    recipe = calibrate.get_recipe("kroquant", calibration=calibrate.CalibrationConfig(
-        max_layers_per_program=1, **dict(FAST, steps=5)))
+    recipe = calibrate.get_recipe("kroquant", run=RUN, calibration=calibrate.CalibrationConfig(
+        transform=None, max_layers_per_program=1, **dict(FAST, steps=5)))
     full, full_rep = calibrate.quantize_layer_set(ls, recipe)
 
     class Interrupt(Exception):
@@ -242,10 +264,11 @@ def _quantize_two_batches(recipe):
 def test_quantize_layer_set_compiles_each_program_once_per_shape():
     """The last batch (one layer) is padded to the first one's size, so the calibration and LoRaQ programs compile
     once, and every layer gets what a single batch gives it."""
-    recipe = calibrate.get_recipe("kroquant+loraq", calibration=calibrate.CalibrationConfig(**dict(FAST, steps=7)),
+    recipe = calibrate.get_recipe("kroquant+loraq", run=RUN,
+                                  calibration=calibrate.CalibrationConfig(transform=None, **dict(FAST, steps=7)),
                                   loraq=lowrank.LoRaQConfig(rank=32, steps=4, rotation_steps=2))
     compiled, rep, rep1 = _quantize_two_batches(recipe)
-    assert compiled.count("jit(_program)") == 1 and compiled.count("jit(_loraq_stacked)") == 1, compiled
+    assert compiled.count("jit(_program)") == 1 and compiled.count("jit(loraq_program)") == 1, compiled
     for n in rep:
         assert rep[n]["chosen"] == rep1[n]["chosen"], n
         np.testing.assert_allclose(rep[n]["heldout_error"], rep1[n]["heldout_error"], rtol=1e-4, err_msg=n)
@@ -256,7 +279,7 @@ def test_smoothquant_recipes_compile_each_program_once_per_shape():
     batch's SmoothQuant search is padded like its other programs, so every program compiles once, and every layer
     gets what a single batch gives it."""
     recipe = calibrate.get_recipe(
-        "svdquant", calibration=calibrate.CalibrationConfig(**FAST), smooth_svd_rank=8,
+        "svdquant", run=RUN, calibration=calibrate.CalibrationConfig(transform=None, **FAST), smooth_svd_rank=8,
         smoothquant=smoothquant.SmoothQuantConfig(alphas=(0.0, 0.5, 1.0), betas=(0.0, 0.5, 1.0), svd_method="exact"),
         svdquant=lowrank.SVDQuantConfig(rank=8, svd_method="exact"))
     compiled, rep, rep1 = _quantize_two_batches(recipe)
@@ -270,8 +293,9 @@ def test_smoothquant_recipes_compile_each_program_once_per_shape():
 def test_batches_of_one_shape_are_balanced():
     """5 layers at (at most) 4 per batch give batches of 3 and 2 (the second padded to 3), not 4 and 1."""
     ls = _layer_set(shapes=((32, 32),) * 5, n=120)
-    recipe = calibrate.get_recipe("rtn", calibration=calibrate.CalibrationConfig(
-        max_layers_per_program=4, **dict(FAST, num_rows=64, num_heldout=32)))
+    recipe = calibrate.get_recipe("rtn", run=calibrate.RunConfig(num_rows=64, num_validation=32, num_test=24),
+                                  calibration=calibrate.CalibrationConfig(transform=None, max_layers_per_program=4,
+                                                                          **FAST))
     batches = []
     calibrate.quantize_layer_set(ls, recipe, on_batch_done=batches.append)
     assert [len(b) for b in batches] == [3, 2]
@@ -279,11 +303,11 @@ def test_batches_of_one_shape_are_balanced():
 
 def test_pad_to_does_not_change_results():
     ls, cfg, stacked = _stacked_run()
-    padded = calibrate.calibrate_layers(ls, cfg, pad_to=5)
+    padded = calibrate.calibrate_layers(ls, cfg, run=RUN, pad_to=5)
     _assert_same_params(stacked, padded, rtol=1e-5, atol=1e-6)
     for n in ls:
-        assert padded[n].heldout_errors.keys() == stacked[n].heldout_errors.keys()
-        np.testing.assert_allclose(padded[n].heldout_error, stacked[n].heldout_error, rtol=1e-5)
+        assert padded[n].test_errors.keys() == stacked[n].test_errors.keys()
+        np.testing.assert_allclose(padded[n].test_error, stacked[n].test_error, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", sorted(transforms.REGISTRY))
@@ -297,12 +321,12 @@ def test_every_calibration_matmul_asks_for_highest_precision(name):
     params0 = jax.tree.map(lambda x: np.stack([np.asarray(x)] * 2), par.init(64))
     a, w = np.ones((2, 40, 64), np.float32), np.ones((2, 32, 64), np.float32)
 
-    def program(p, a_cal, a_held, ww):
-        return calibrate._program(p, a_cal, a_held, ww, parameterization=par, steps=2 if par.trainable else 0,
-                                  learning_rate=1e-2, obj_cfg=objectives.ObjectiveConfig())
+    def program(p, a_cal, a_val, a_test, ww):
+        return calibrate._program(p, a_cal, a_val, a_test, ww, parameterization=par,
+                                  cfg=calibrate.CalibrationConfig(steps=3 if par.trainable else 0, select_every=2))
 
-    assert objectives.ObjectiveConfig().precision == "highest"
-    assert_every_dot_highest(program, params0, a, a, w)
+    assert calibrate.CalibrationConfig().objective.precision == "highest"
+    assert_every_dot_highest(program, params0, a, a, a, w)
     p0 = par.init(64)  # what the recipes and QuantizedLinear build from the chosen parameters
     assert_every_dot_highest(lambda p: (transforms.apply_to_activations(a[0], par.blocks(p)),
                                         transforms.apply_to_weights(w[0], par.inverse_blocks(p))), p0, min_dots=2)
@@ -323,14 +347,14 @@ def test_enable_compile_cache_is_explicit(tmp_path):
         rng = np.random.default_rng(0)
         ls = {{"l": ((rng.standard_normal((32, 64)) * 0.05).astype(np.float32), None,
                     rng.standard_normal((200, 64)).astype(np.float32))}}
-        cfg = calibrate.CalibrationConfig(steps=3, num_rows=120, num_heldout=40)
+        run = calibrate.RunConfig(num_rows=120, num_validation=40, num_test=40)
         before = jax.config.jax_compilation_cache_dir
-        calibrate.calibrate_layers(ls, cfg)
+        calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(steps=3), run=run)
         untouched = jax.config.jax_compilation_cache_dir
         calibrate.enable_compile_cache(sys.argv[1], min_compile_seconds=0)
-        res = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(steps=4, num_rows=120, num_heldout=40))
+        res = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(steps=4), run=run)
         print(json.dumps({{"before": before, "untouched": untouched, "hits": len(hits),
-                          "error": res["l"].heldout_error}}))
+                          "error": res["l"].test_error}}))
         """)
     cache = str(tmp_path / "cache")
     runs = []
@@ -343,3 +367,82 @@ def test_enable_compile_cache_is_explicit(tmp_path):
     assert any(f.startswith("jit__program") for f in os.listdir(cache))
     assert runs[0]["hits"] == 0 and runs[1]["hits"] >= 1
     assert runs[1]["error"] == runs[0]["error"]
+
+
+def test_best_iterate_is_the_lowest_scored_validation_error():
+    """``select_every=5`` scores the start and every 5th iterate (and the last one, step 12) on the validation rows
+    and keeps the best: with a constant learning rate those iterates are the last iterates of 5-, 10- and 12-step
+    runs, so the kept one's validation error is the minimum of theirs and of the init's. The masked tail of the last
+    chunk (steps 13-15) changes nothing."""
+    ls = _layer_set(shapes=((48, 64),))
+    (name,) = ls
+    plain = dict(transform="kron_lu", learning_rate=0.05, lr_schedule="constant")
+    last = {s: calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(steps=s, select_every=0, safeguard=False,
+                                                                          **plain), run=RUN)[name]
+            for s in (5, 10, 12)}
+    best = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(steps=12, select_every=5, safeguard=False,
+                                                                      **plain), run=RUN)[name]
+    scored = [last[5].validation_errors["init0"]] + [last[s].validation_errors["trained0"] for s in (5, 10, 12)]
+    assert best.losses.shape == (1, 12)
+    np.testing.assert_allclose(best.losses[0], last[12].losses[0], rtol=1e-6)
+    np.testing.assert_allclose(best.validation_errors["trained0"], min(scored), rtol=1e-5)
+    k = int(np.argmin(scored))
+    want = transforms.get("kron_lu").init(64) if k == 0 else last[(5, 10, 12)[k - 1]].params
+    for x, y in zip(jax.tree.leaves(best.params), jax.tree.leaves(want)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_best_iterate_never_ends_above_its_start_and_cosine_changes_the_run():
+    """With the best iterate kept, the trained candidate is never worse on validation rows than the init (the start
+    is scored too), even at a learning rate that makes the last iterate worse; the cosine schedule is wired in (a
+    run differs from the constant one)."""
+    ls = _layer_set(shapes=((48, 64),), n=600)
+    (name,) = ls
+    run = calibrate.RunConfig(num_rows=8, num_validation=256, num_test=256)
+    kw = dict(steps=20, learning_rate=0.5, safeguard=False)
+    last = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(select_every=0, **kw), run=run)[name]
+    best = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(select_every=5, **kw), run=run)[name]
+    assert last.validation_errors["trained0"] > last.validation_errors["init0"]
+    assert best.validation_errors["trained0"] <= best.validation_errors["init0"]
+    const = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(select_every=0, lr_schedule="constant", **kw),
+                                       run=run)[name]
+    assert not np.allclose(const.losses, last.losses)
+    np.testing.assert_array_equal(const.losses[0, :1], last.losses[0, :1])  # same start, same first step size
+
+
+def test_recipe_transform_conflict_raises_and_unset_is_filled_in():
+    with pytest.raises(ValueError, match="'identity' conflicts with calibration.transform='kron_lu'"):
+        calibrate.Recipe(transform="identity", calibration=calibrate.CalibrationConfig(transform="kron_lu"))
+    r = calibrate.Recipe(transform="hadamard32", calibration=calibrate.CalibrationConfig(transform=None, steps=3))
+    assert r.calibration.transform == "hadamard32" and r.calibration.steps == 3
+    assert calibrate.Recipe(transform="identity").calibration.transform == "identity"
+    assert calibrate.get_recipe("rtn", calibration=calibrate.CalibrationConfig(transform=None)).calibration.transform \
+        == "identity"
+    with pytest.raises(ValueError, match="transform is None"):
+        calibrate.calibrate_layers(_layer_set(shapes=((16, 32),)), calibrate.CalibrationConfig(transform=None))
+
+
+def test_paper_literal_settings_are_the_old_engine():
+    """PAPER_LITERAL: identity STE in the regularizers (zero regularizer gradient), constant lr, last iterate; on the
+    same rows its trained transform is exactly a plain optax Adam loop on L (the engine before the new defaults)."""
+    import optax
+
+    cfg = calibrate.PAPER_LITERAL
+    assert (cfg.lr_schedule, cfg.select_every, cfg.objective.regularizer_grad) == ("constant", 0, "ste")
+    ls = _layer_set(shapes=((48, 64),))
+    (name,) = ls
+    res = calibrate.calibrate_layers(ls, dataclasses.replace(cfg, steps=6, safeguard=False), run=RUN)[name]
+    rows = calibrate.layer_rows(name, layerset.validate_layer(name, ls[name]), RUN)
+    par = transforms.get("kron_lu")
+    a, w = jax.numpy.asarray(rows.calibration), jax.numpy.asarray(ls[name][0])
+    p0 = par.init(64)
+    ref = objectives.reference_output(a, w, cfg.objective)
+    lam = objectives.auto_lambdas(objectives.loss_terms(p0, par, a, w, ref, cfg.objective))
+    opt = optax.adam(cfg.learning_rate)
+    p, state = p0, opt.init(p0)
+    for _ in range(6):
+        g = jax.grad(lambda q: objectives.total_loss(q, par, a, w, lam, ref, cfg.objective))(p)
+        upd, state = opt.update(g, state, p)
+        p = optax.apply_updates(p, upd)
+    for x, y in zip(jax.tree.leaves(res.params), jax.tree.leaves(p)):
+        np.testing.assert_allclose(x, np.asarray(y), rtol=1e-5, atol=1e-6)

@@ -41,3 +41,69 @@ def test_calibrate_cli_compile_cache_option(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "results.json").exists()
     assert any(name.startswith("jit__program") for name in os.listdir(cache)), os.listdir(cache)
+
+
+def _parsed(*flags):
+    import argparse
+
+    from kroquant_jax import calibrate
+
+    parser = argparse.ArgumentParser()
+    calibrate.add_recipe_arguments(parser)
+    return parser.parse_args(list(flags))
+
+
+def test_recipe_from_args_without_flags_is_the_named_recipe():
+    from kroquant_jax import calibrate
+
+    for name in list(calibrate.RECIPES) + ["kroquant+loraq", "smoothed_kroquant+loraq"]:
+        assert calibrate.recipe_from_args(name, _parsed()) == calibrate.get_recipe(name), name
+    assert calibrate.recipe_from_args("kroquant", {}) == calibrate.get_recipe("kroquant")
+
+
+def test_recipe_from_args_sets_every_stage():
+    import pytest
+
+    from kroquant_jax import calibrate
+
+    args = _parsed("--calib-steps", "7", "--calib-rows", "99", "--calib-validation", "33", "--calib-test", "22",
+                   "--rank", "0.125", "--loraq-steps", "5", "--rotation-steps", "3", "--svd-refine", "4",
+                   "--sq-grid", "3", "--precision", "high", "--regularizer-grad", "ste", "--lr-schedule", "constant",
+                   "--select-every", "0", "--max-layers-per-program", "8", "--smooth-svd-rank", "0")
+    r = calibrate.recipe_from_args("smoothed_kroquant+loraq", args, seed=3, progress=True)
+    assert (r.calibration.steps, r.calibration.lr_schedule, r.calibration.select_every,
+            r.calibration.max_layers_per_program) == (7, "constant", 0, 8)
+    assert (r.calibration.objective.precision, r.calibration.objective.regularizer_grad) == ("high", "ste")
+    assert r.calibration.transform == "smoothed_kron"
+    assert r.run == calibrate.RunConfig(num_rows=99, num_validation=33, num_test=22, seed=3, progress=True)
+    assert (r.loraq.rank, r.loraq.steps, r.loraq.rotation_steps) == (0.125, 5, 3)
+    assert r.smoothquant.alphas == r.smoothquant.betas == (0.0, 0.5, 1.0) and r.smooth_svd_rank == 0
+    svd = calibrate.recipe_from_args("svdquant", args)
+    assert (svd.svdquant.rank, svd.svdquant.refine_steps) == (0.125, 4)
+    assert svd.loraq == calibrate.LoRaQConfig()  # a stage the recipe does not run keeps its defaults
+    # A rank after '@' wins over --rank, for every low-rank recipe; the old spellings still parse.
+    assert calibrate.recipe_from_args("kroquant+loraq@64", args).loraq.rank == 64
+    assert calibrate.recipe_from_args("svdquant@16", args).svdquant.rank == 16
+    old = _parsed("--lora-rank", "64", "--calib-heldout", "40")
+    assert old.rank == 64 and old.calib_validation == 40
+    with pytest.raises(ValueError, match="'kroquant@64'.*low-rank branch"):
+        calibrate.recipe_from_args("kroquant@64", args)
+    with pytest.raises(ValueError, match="'rtn\\+loraq@1.5'.*in \\(0, 1\\]"):
+        calibrate.recipe_from_args("rtn+loraq@1.5", args)
+    with pytest.raises(ValueError, match="unknown recipe 'nope'"):
+        calibrate.recipe_from_args("nope", args)
+    with pytest.raises(ValueError, match="unknown settings \\['calib_step'\\]"):
+        calibrate.recipe_from_args("kroquant", {"calib_step": 3})
+    with pytest.raises(SystemExit):
+        _parsed("--rank", "0")
+
+
+def test_calibrate_cli_rejects_an_unknown_method_before_any_work(tmp_path, capsys):
+    import pytest
+
+    from scripts import calibrate_layers
+
+    with pytest.raises(SystemExit):
+        calibrate_layers.main(["--synthetic", "tiny", "--methods", "rtn", "kroquant@32", "--out", str(tmp_path)])
+    assert "low-rank branch" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)

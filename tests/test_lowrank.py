@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxpr_checks import assert_every_dot_highest  # tests/jaxpr_checks.py
-from kroquant_jax import lowrank, synthetic
+from kroquant_jax import layerset, lowrank, synthetic
 from kroquant_jax.formats import MXFP4, fake_quant
 from kroquant_jax.timing import recorded_compilations
 
@@ -176,16 +176,16 @@ def test_reported_errors_belong_to_the_returned_factors():
 
 
 def test_driver_settings_and_a_smaller_batch_reuse_the_compiled_program():
-    """max_layers_per_program / shard / progress are not part of the compiled program, and pad_to sizes a smaller
+    """max_layers_per_program and the run's shard / progress are not part of the compiled program, and pad_to sizes a smaller
     batch's program like the full batch's: one XLA compilation for all three calls below."""
     ws = _weights(("a", "b", "c"), 64, 96)
     cfg = lowrank.LoRaQConfig(rank=32, steps=3, rotation_steps=2, max_layers_per_program=2)
     with recorded_compilations("loraq") as compiled:
         full = lowrank.loraq_layers(ws, cfg)  # chunks of 2 (the last one padded)
-        alone = lowrank.loraq_layers({"c": ws["c"]}, dataclasses_replace(cfg, shard=False, max_layers_per_program=4),
-                                     pad_to=2)
-        lowrank.loraq_layers({"b": ws["b"]}, dataclasses_replace(cfg, progress=True), pad_to=2)
-    assert compiled == ["jit(_loraq_stacked)"]
+        alone = lowrank.loraq_layers({"c": ws["c"]}, dataclasses_replace(cfg, max_layers_per_program=4),
+                                     run=layerset.RunConfig(shard=False), pad_to=2)
+        lowrank.loraq_layers({"b": ws["b"]}, cfg, run=layerset.RunConfig(progress=True), pad_to=2)
+    assert compiled == ["jit(loraq_program)"]
     np.testing.assert_allclose(alone["c"].left, full["c"].left, rtol=1e-5, atol=1e-6)
 
 

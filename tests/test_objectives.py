@@ -111,10 +111,38 @@ def test_regularizer_gradients_under_each_ste():
     param = transforms.get("kron_lu")
     params = _perturbed_kron(64, seed=6, scale=0.5)
     for ste, nonzero in (("identity", False), ("clipped", True)):
-        cfg = objectives.ObjectiveConfig(ste=ste)
+        cfg = objectives.ObjectiveConfig(ste=ste, regularizer_grad="ste")
         g = jax.grad(lambda p: objectives.loss_terms(p, param, a, w, cfg=cfg).act)(params)
         mx = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g))
         assert (mx > 0) == nonzero, (ste, mx)
+
+
+def test_detached_regularizer_gradient_pulls_towards_the_grid():
+    """``regularizer_grad="detached"`` (the default): Q(x) is a constant inside L_A and L_W, so their gradient is that
+    of ``mean((c - x)^2)`` with ``c = Q(x)`` frozen: non-zero, unlike the identity STE's; L_out is unchanged."""
+    a, w = map(jnp.asarray, _layer(seed=5))
+    param = transforms.get("kron_lu")
+    params = _perturbed_kron(64, seed=6, scale=0.5)
+    cfg = objectives.ObjectiveConfig()
+    assert cfg.regularizer_grad == "detached"
+    a_t, w_t = objectives.transformed_operands(param.blocks(params), param.inverse_blocks(params), a, w)
+    qa, qw = np.asarray(fake_quant(a_t)), np.asarray(fake_quant(w_t))
+
+    def frozen(p):
+        at, wt = objectives.transformed_operands(param.blocks(p), param.inverse_blocks(p), a, w)
+        return jnp.mean(jnp.square(qa - at)), jnp.mean(jnp.square(qw - wt))
+
+    for i, term in enumerate(("act", "wgt")):
+        g = jax.grad(lambda p: getattr(objectives.loss_terms(p, param, a, w, cfg=cfg), term))(params)
+        g_ref = jax.grad(lambda p: frozen(p)[i])(params)
+        for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+            assert float(jnp.max(jnp.abs(x))) > 0, term
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6 * float(jnp.max(jnp.abs(y))))
+    ste = objectives.ObjectiveConfig(regularizer_grad="ste")
+    g_out = jax.grad(lambda p: objectives.loss_terms(p, param, a, w, cfg=cfg).out)(params)
+    g_out_ste = jax.grad(lambda p: objectives.loss_terms(p, param, a, w, cfg=ste).out)(params)
+    for x, y in zip(jax.tree.leaves(g_out), jax.tree.leaves(g_out_ste)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_relative_output_error_definition():

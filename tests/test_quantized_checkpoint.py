@@ -27,7 +27,7 @@ MODELS = {
                                    num_attention_heads=2, joint_attention_dim=8, pooled_projection_dim=4,
                                    axes_dims_rope=(4, 4, 8))),
 }
-RECIPE = calibrate.get_recipe("hadamard32", calibration=calibrate.CalibrationConfig(num_rows=24, num_heldout=8))
+RECIPE = calibrate.get_recipe("hadamard32", run=calibrate.RunConfig(num_rows=24, num_validation=8, num_test=8))
 
 
 def _prompts(family):

@@ -13,16 +13,17 @@ from kroquant_jax.formats import fake_quant
 from kroquant_jax.timing import recorded_compilations
 
 GRID = (0.0, 0.5, 1.0)
+RUN = layerset.RunConfig(num_rows=120, num_validation=40, num_test=40)
 
 
 def _cfg(**kw):
-    base = dict(alphas=GRID, betas=GRID, svd_rank=8, svd_method="exact", num_rows=120, num_heldout=40)
+    base = dict(alphas=GRID, betas=GRID, svd_rank=8, svd_method="exact")
     base.update(kw)
     return smoothquant.SmoothQuantConfig(**base)
 
 
 def _layers(names=("x", "y")):
-    return synthetic.synthetic_layer_set({n: (48, 64) for n in names}, n=160)
+    return synthetic.synthetic_layer_set({n: (48, 64) for n in names}, n=200)
 
 
 def test_smoothing_factors_formula():
@@ -36,9 +37,10 @@ def test_smoothing_factors_formula():
 def test_search_error_matches_numpy_and_picks_the_minimum():
     ls = _layers(("x",))
     cfg = _cfg()
-    res = smoothquant.smoothquant_layers(ls, cfg)["x"]
+    res = smoothquant.smoothquant_layers(ls, cfg, run=RUN)["x"]
     layer = ls["x"]
-    split = layerset.split_rows("x", layer.activations.shape[0], cfg.num_rows, cfg.num_heldout, cfg.seed)
+    split = RUN.split("x", layer.activations.shape[0])
+    assert len(split.calibration) == 120
     a = layer.activations[split.calibration].astype(np.float64)
     w = layer.weight.astype(np.float64)
     for i, al in enumerate(GRID):
@@ -77,10 +79,10 @@ def test_pad_to_keeps_results_and_a_smaller_batch_reuses_the_program():
     cfg = _cfg(alphas=(0.0, 0.25, 0.75), betas=(0.0, 0.5), max_layers_per_program=2)  # a grid no other test compiles
     with recorded_compilations("_search_stacked") as compiled:
         full = smoothquant.smoothquant_layers(ls, cfg)  # chunks of 2 (the last one padded)
-        alone = smoothquant.smoothquant_layers({"z": ls["z"]}, dataclasses.replace(cfg, shard=False,
-                                                                                   max_layers_per_program=4), pad_to=2)
-        pair = smoothquant.smoothquant_layers({"y": ls["y"], "x": ls["x"]}, dataclasses.replace(cfg, progress=True),
-                                              pad_to=2)
+        alone = smoothquant.smoothquant_layers({"z": ls["z"]}, dataclasses.replace(cfg, max_layers_per_program=4),
+                                               run=layerset.RunConfig(shard=False), pad_to=2)
+        pair = smoothquant.smoothquant_layers({"y": ls["y"], "x": ls["x"]}, cfg,
+                                              run=layerset.RunConfig(progress=True), pad_to=2)
     assert compiled == ["jit(_search_stacked)"], compiled
     assert list(full) == ["x", "y", "z"] and list(alone) == ["z"] and list(pair) == ["y", "x"]
     for n in ls:
@@ -92,6 +94,14 @@ def test_pad_to_keeps_results_and_a_smaller_batch_reuses_the_program():
     # The layers differ, so a result taken from the padding (a copy of the first layer) would show above.
     assert not np.array_equal(full["z"].errors, full["x"].errors)
     assert not np.array_equal(pair["x"].errors, pair["y"].errors)
+
+
+def test_fractional_svd_rank_is_resolved_per_layer():
+    """``svd_rank`` as a fraction of min(o, d): 0.125 of the 48 x 64 layers is rank 6, the same search as rank 6."""
+    ls = _layers(("x",))
+    frac = smoothquant.smoothquant_layers(ls, _cfg(svd_rank=0.125), run=RUN)["x"]
+    six = smoothquant.smoothquant_layers(ls, _cfg(svd_rank=6), run=RUN)["x"]
+    np.testing.assert_array_equal(frac.errors, six.errors)
 
 
 def test_every_search_matmul_asks_for_highest_precision():

@@ -16,7 +16,7 @@ def _layer_set(seed=0, shapes=((32, 64), (32, 64))):
             for i, (o, d) in enumerate(shapes)}
 
 
-RECIPE = calibrate.get_recipe("hadamard32", calibration=calibrate.CalibrationConfig(num_rows=24, num_heldout=8))
+RECIPE = calibrate.get_recipe("hadamard32", run=calibrate.RunConfig(num_rows=24, num_validation=8, num_test=8))
 
 
 def test_fingerprint_names_each_change():
@@ -29,12 +29,12 @@ def test_fingerprint_names_each_change():
     assert provenance.describe_changes(base, provenance.layer_fingerprint(w, b, a[1:], RECIPE)) == ["activations"]
     assert provenance.describe_changes(base, provenance.layer_fingerprint(w, None, a, RECIPE)) == [
         "bias (present -> none)"]
-    other = dataclasses.replace(RECIPE, calibration=dataclasses.replace(RECIPE.calibration, num_rows=16))
+    other = dataclasses.replace(RECIPE, run=dataclasses.replace(RECIPE.run, num_rows=16))
     assert provenance.describe_changes(base, provenance.layer_fingerprint(w, b, a, other)) == [
-        "recipe setting calibration.num_rows: 24 -> 16"]
+        "recipe setting run.num_rows: 24 -> 16"]
     # scheduling settings do not change a result, so they are not part of the fingerprint
-    sched = dataclasses.replace(RECIPE, calibration=dataclasses.replace(RECIPE.calibration, progress=True,
-                                                                       max_layers_per_program=3, shard=False))
+    sched = dataclasses.replace(RECIPE, calibration=dataclasses.replace(RECIPE.calibration, max_layers_per_program=3),
+                                run=dataclasses.replace(RECIPE.run, progress=True, shard=False))
     assert provenance.describe_changes(base, provenance.layer_fingerprint(w, b, a, sched)) == []
     assert provenance.describe_changes(dict(base, numerics_version=0), base) == ["library numerics version 0 -> 1"]
     assert provenance.describe_changes(None, base) == ["no fingerprint stored (written by an older version)"]
@@ -56,7 +56,7 @@ def test_matching_rerun_resumes_every_layer(tmp_path):
 
 @pytest.mark.parametrize("change, expected", [
     ("weights", "'block0.attn' was computed from other inputs (weight, bias, activations; 1 more stored layer(s)"),
-    ("recipe", "(recipe setting calibration.num_heldout: 8 -> 6; 1 more stored layer(s) differ too)"),
+    ("recipe", "(recipe setting run.num_validation: 8 -> 6; 1 more stored layer(s) differ too)"),
     ("activations", "'block1.attn' was computed from other inputs (activations)"),
 ])
 def test_rerun_with_other_inputs_is_refused(tmp_path, change, expected):
@@ -66,7 +66,7 @@ def test_rerun_with_other_inputs_is_refused(tmp_path, change, expected):
     if change == "weights":
         layer_set = _layer_set(seed=1)  # another checkpoint of the same shapes
     elif change == "recipe":
-        recipe = dataclasses.replace(RECIPE, calibration=dataclasses.replace(RECIPE.calibration, num_heldout=6))
+        recipe = dataclasses.replace(RECIPE, run=dataclasses.replace(RECIPE.run, num_validation=6))
     else:
         w, b, a = layer_set["block1.attn"]
         layer_set["block1.attn"] = (w, b, a[::-1].copy())

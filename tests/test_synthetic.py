@@ -25,18 +25,20 @@ def test_generator_is_deterministic_and_dit_like():
 
 @pytest.mark.slow
 def test_ordering_kroquant_hadamard_rtn_and_loraq_helps_each():
-    ls = synthetic.synthetic_layer_set({"blk.0.attn": (256, 256), "blk.0.ff": (256, 256)}, n=1280)
-    cal = calibrate.CalibrationConfig(steps=40, num_rows=1024, num_heldout=256)
+    ls = synthetic.synthetic_layer_set({"blk.0.attn": (256, 256), "blk.0.ff": (256, 256)}, n=1536)
+    cal = calibrate.CalibrationConfig(steps=40)
+    run = calibrate.RunConfig()
     lq_cfg = lowrank.LoRaQConfig(rank=32, steps=60, rotation_steps=20)
     errors = {}
     for method in ("identity", "hadamard32", "kron_lu"):
-        res = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(**{**cal.__dict__, "transform": method}))
+        res = calibrate.calibrate_layers(ls, calibrate.CalibrationConfig(**{**cal.__dict__, "transform": method}),
+                                         run=run)
         p = transforms.get(method)
         w_t = {n: np.asarray(transforms.apply_to_weights(jnp.asarray(ls[n].weight), p.inverse_blocks(r.params)))
                for n, r in res.items()}
         branches = lowrank.loraq_layers(w_t, lq_cfg)
         for n, layer in ls.items():
-            _, a_held = calibrate.layer_rows(n, layer, cal.num_rows, cal.num_heldout, cal.seed)
+            a_held = calibrate.layer_rows(n, layer, run).test
             ref = a_held @ layer.weight.T
             for with_lr in (False, True):
                 lr = (branches[n].left, branches[n].right) if with_lr else None

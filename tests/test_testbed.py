@@ -313,9 +313,9 @@ def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path):
 
     out = tmp_path / "eval"
     tiny = ["--out", str(out), "--calib-captions", "1", "--eval-captions", "2", "--steps", "2", "--batch-size", "1",
-            "--rows-per-layer", "96", "--calib-rows", "64", "--calib-heldout", "32", "--layers", "3",
-            "--loraq-steps", "2"]
-    assert eval_testbed.main(tiny + ["--methods", "rtn", "rtn+loraq", "rtn+loraq@64", "--lora-rank", "0.125",
+            "--rows-per-layer", "128", "--calib-rows", "64", "--calib-validation", "32", "--calib-test", "32",
+            "--layers", "3", "--loraq-steps", "2", "--rotation-steps", "2"]
+    assert eval_testbed.main(tiny + ["--methods", "rtn", "rtn+loraq", "rtn+loraq@64", "--rank", "0.125",
                                      "--eval-train-captions", "1"]) == 0
     report = json.loads((out / "report.json").read_text())
     results = report["results"]
@@ -325,7 +325,7 @@ def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path):
     assert 10.0 < result["psnr_db"] < 99.0, "3 W4A4 linears change the images, but not beyond recognition"
     assert 0.0 < result["ssim"] <= 1.0 and len(result["psnr_per_image_db"]) == 2
     assert set(result["layer_error_by_type"]) == {"attn1.to_k", "attn1.to_out.0", "attn1.to_q"}
-    # --lora-rank 0.125 of the 256-wide layers is rank 32; "@64" overrides it for one method
+    # --rank 0.125 of the 256-wide layers is rank 32; "@64" overrides it for one method
     assert results["rtn"]["low_rank_branch"] == "none"
     assert results["rtn+loraq"]["low_rank_branch"] == "LoRaQ r=32 (MXFP4)"
     assert results["rtn+loraq@64"]["low_rank_branch"] == "LoRaQ r=64 (MXFP4)"
@@ -339,7 +339,7 @@ def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path):
     assert stores == ["rtn", "rtn_loraq", "rtn_loraq_r64"], "the calibrated layers are stored (resumable)"
 
     # A rerun with another rank must not resume the rank-32 layers: it calibrates anew, like the "@64" method did.
-    assert eval_testbed.main(tiny + ["--methods", "rtn+loraq", "--lora-rank", "64"]) == 0
+    assert eval_testbed.main(tiny + ["--methods", "rtn+loraq", "--rank", "64"]) == 0
     rerun = json.loads((out / "report.json").read_text())["results"]["rtn+loraq"]
     assert rerun["low_rank_branch"] == "LoRaQ r=64 (MXFP4)"
     for name, error in rerun["per_layer_error"].items():
@@ -348,7 +348,7 @@ def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path):
 
     # Runs of the same settings over other methods (parallel processes) merge into one report, table and grid.
     other = tmp_path / "other"
-    assert eval_testbed.main(tiny[:1] + [str(other)] + tiny[2:] + ["--methods", "rtn", "--lora-rank", "64"]) == 0
+    assert eval_testbed.main(tiny[:1] + [str(other)] + tiny[2:] + ["--methods", "rtn", "--rank", "64"]) == 0
     merged = tmp_path / "merged"
     assert eval_testbed.main(["--out", str(merged), "--merge", str(out), str(other)]) == 0
     report = json.loads((merged / "report.json").read_text())
@@ -360,27 +360,25 @@ def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path):
     with pytest.raises(ValueError, match="methods \\['rtn'\\] are in"):
         evaluation.merge_outputs([other, other], tmp_path / "clash")
     changed = json.loads((other / "report.json").read_text())
-    changed["settings"] = changed["settings"].replace("--lora-rank 64", "--lora-rank 32")
+    changed["settings"] = changed["settings"].replace("--rank 64", "--rank 32")
     (other / "report.json").write_text(json.dumps(changed))
     with pytest.raises(ValueError, match="another 'settings'"):
         evaluation.merge_outputs([out, other], tmp_path / "bad")
 
 
 def test_eval_method_specs_and_helpers():
+    """The recipe flags are kroquant_jax.calibrate.add_recipe_arguments' (tested in tests/test_calibrate_cli.py)."""
+    from kroquant_jax import calibrate
     from scripts import eval_testbed
 
-    args = eval_testbed.parse_args(["--out", "x", "--lora-rank", "0.125"])
-    assert args.lora_rank == 0.125 and eval_testbed.parse_args(["--out", "x"]).lora_rank == 128
-    assert eval_testbed.recipe_for("kroquant+loraq", args).loraq.rank == 0.125
-    assert eval_testbed.recipe_for("kroquant+loraq@128", args).loraq.rank == 128
-    with pytest.raises(ValueError, match="'kroquant@64'.*LoRaQ recipe"):
-        eval_testbed.recipe_for("kroquant@64", args)
-    with pytest.raises(ValueError, match="'rtn\\+loraq@1.5'.*in \\(0, 1\\]"):
-        eval_testbed.recipe_for("rtn+loraq@1.5", args)
+    args = eval_testbed.parse_args(["--out", "x", "--rank", "0.125"])
+    assert args.rank == 0.125 and eval_testbed.parse_args(["--out", "x"]).rank is None
+    assert calibrate.recipe_from_args("kroquant+loraq", args).loraq.rank == 0.125
+    assert calibrate.recipe_from_args("kroquant+loraq@128", args).loraq.rank == 128
     with pytest.raises(SystemExit):
-        eval_testbed.parse_args(["--out", "x", "--lora-rank", "0"])
+        eval_testbed.parse_args(["--out", "x", "--rank", "0"])
     assert evaluation.layer_type("transformer_blocks.7.attn2.to_out.0") == "attn2.to_out.0"
-    a, b = (eval_testbed.store_folder(Path("o"), "rtn+loraq", eval_testbed.recipe_for(m, args), "key")
+    a, b = (eval_testbed.store_folder(Path("o"), "rtn+loraq", calibrate.recipe_from_args(m, args), "key")
             for m in ("rtn+loraq", "rtn+loraq@64"))
     assert a.parent == b.parent == Path("o/qlayers") and a != b and a.name.startswith("rtn_loraq-")
 
