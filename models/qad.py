@@ -379,21 +379,28 @@ def make_train_chunk(student_graphdef: Any, teacher_graphdef: Any, teacher_state
     ``data``: ``images (n, s, s, 3) uint8``, ``context (n, t, e)``, ``context_mask (n, t)``, ``null_context (t, e)``,
     ``null_mask (t,)`` (the training captions). ``metrics``: per step ``loss``, ``distill``, ``flow_matching``,
     ``grad_norm`` (each ``(chunk,)``). With ``config.train_rest=False`` the model's 16-bit parameters get no update.
+    The data, teacher and transform arrays are arguments of one module-level jitted function (not constants folded
+    into it), so students of the same config and shapes (e.g. 16-bit- and PTQ-initialised) share one compilation.
     """
-    optimizer = make_optimizer(config)
-    num_examples = int(data["images"].shape[0])
-    # the data, teacher and transform arrays are arguments of the jitted chunk, not constants folded into it
     fixed = {"data": {k: jnp.asarray(v) for k, v in data.items()}, "teacher": teacher_state,
              "blocks": {k: jnp.asarray(v) for k, v in blocks.items()}}
+    return functools.partial(_run_chunk, fixed, student_graphdef=student_graphdef,
+                             teacher_graphdef=teacher_graphdef, config=config, lowrank_quantized=lowrank_quantized)
 
-    def one_step(fixed, state):
-        data, blocks = fixed["data"], fixed["blocks"]
-        null_context = data["null_context"].astype(jnp.float32)
-        null_mask = data["null_mask"].astype(jnp.float32)
 
-        def teacher_velocity(x, timestep, context, mask):
-            return nnx.merge(teacher_graphdef, fixed["teacher"])(x, context, timestep, encoder_attention_mask=mask)
+@functools.partial(jax.jit, static_argnames=("student_graphdef", "teacher_graphdef", "config", "lowrank_quantized"))
+def _run_chunk(fixed: dict, state: dict, *, student_graphdef: Any, teacher_graphdef: Any, config: QADConfig,
+               lowrank_quantized: bool) -> tuple[dict, dict]:
+    optimizer = make_optimizer(config)
+    data, blocks = fixed["data"], fixed["blocks"]
+    num_examples = int(data["images"].shape[0])
+    null_context = data["null_context"].astype(jnp.float32)
+    null_mask = data["null_mask"].astype(jnp.float32)
 
+    def teacher_velocity(x, timestep, context, mask):
+        return nnx.merge(teacher_graphdef, fixed["teacher"])(x, context, timestep, encoder_attention_mask=mask)
+
+    def one_step(state, _):
         key = jax.random.wrap_key_data(state["key"])
         key, key_batch, key_loss = jax.random.split(key, 3)
         index = jax.random.randint(key_batch, (config.batch_size,), 0, num_examples)  # (b,)
@@ -412,11 +419,7 @@ def make_train_chunk(student_graphdef: Any, teacher_graphdef: Any, teacher_state
                "key": jax.random.key_data(key)}
         return new, {"loss": loss, "grad_norm": grad_norm, **parts}
 
-    @jax.jit
-    def run_chunk(fixed, state):
-        return jax.lax.scan(lambda carry, _: one_step(fixed, carry), state, None, length=config.chunk)
-
-    return functools.partial(run_chunk, fixed)
+    return jax.lax.scan(one_step, state, None, length=config.chunk)
 
 
 def _leaves(state: Any) -> tuple[list[tuple[str, Any]], Any]:

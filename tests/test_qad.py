@@ -137,14 +137,16 @@ def test_clipped_ste_zeroes_saturated_elements():
 
 def test_few_steps_reduce_the_loss(setup):
     # the distillation term: the flow-matching term of random images has a large irreducible part
-    config = qad.QADConfig(batch_size=4, steps=40, chunk=10, save_every=40, lr=3e-3, warmup=1, fm_weight=0.0)
+    # CFG 6: the tiny random model's branches differ little, so a weak guidance leaves little to learn
+    config = qad.QADConfig(batch_size=4, steps=40, chunk=10, save_every=40, lr=1e-3, warmup=1, fm_weight=0.0,
+                           schedule=qad.GuidanceSchedule(6.0, 6.0))
     chunk, state, s_graph, t_graph, t_state, blocks = _run_parts(setup, config)
     before, _ = _fixed_loss(setup, state, config, s_graph, t_graph, t_state, blocks)
     for _ in range(4):
         state, metrics = chunk(state)
     after, _ = _fixed_loss(setup, state, config, s_graph, t_graph, t_state, blocks)
     assert int(state["step"]) == 40
-    assert after < 0.7 * before, (before, after)
+    assert after < 0.5 * before, (before, after)
 
 
 def test_resume_after_a_stop_is_bit_identical(setup, tmp_path):
@@ -213,7 +215,8 @@ def test_ptq_init_and_export_reproduce_the_calibrated_layers(setup, transform, p
     for name, linear in linears(student, quantizable_only=True).items():
         w = np.asarray(linear.kernel[...]).T
         o, d = w.shape
-        branch = (0.1 * rng.standard_normal((o, 4)).astype(np.float32), rng.standard_normal((4, d)).astype(np.float32))
+        branch = (0.1 * rng.standard_normal((o, 32)).astype(np.float32),  # rank 32: a packed branch is quantized
+                  rng.standard_normal((32, d)).astype(np.float32))  # along the rank, in blocks of 32
         params = None if transform != "diagonal" else {"log_gamma": jnp.asarray(0.3 * rng.standard_normal(d), jnp.float32)}
         qlayers[name] = build_qlinear(w, np.asarray(linear.bias[...]), transform=transform, lowrank=branch,
                                       lowrank_quantized=packed_branch, **({} if params is None else
