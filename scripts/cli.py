@@ -30,6 +30,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "build-emoji-dataset": ("scripts.build_emoji_dataset", "build the emoji testbed dataset from the Noto font"),
     "train-testbed": ("scripts.train_testbed", "train the emoji testbed DiT"),
     "evaluate": ("scripts.eval_testbed", "end-to-end W4A4 evaluation of every method on the testbed"),
+    "qad": ("scripts.qad", "quantization-aware distillation with CFG folded into one branch, on the testbed"),
 }
 
 

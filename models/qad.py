@@ -1,0 +1,660 @@
+"""Quantization-aware distillation (QAD) with classifier-free guidance folded into one branch (the second seed).
+
+**Teacher**: the frozen 16-bit model, both CFG branches; its target is the guided velocity
+``v_u + w(sigma) (v_c - v_u)`` with a :class:`GuidanceSchedule` ``w`` (stronger over the noisy and middle noise levels,
+gentler near the clean end; a constant is one setting).
+
+**Student**: the conditional branch only; every quantizable linear runs W4A4 fake quant (MXFP4 or NVFP4) in the
+training form of eq. 11 of ``kroquant_jax.qlinear``::
+
+    y = Q(x T) Q(W~)^T + (x T) (L R)^T + b        (Q: fake quant; W~: the residual master weight, trainable)
+
+with the straight-through estimator (``ste="identity"`` plain, ``"clipped"`` zero where an element saturated) so the
+gradient reaches ``W~`` and the layers before. What is trained, frozen or recomputed (:func:`student_from_qlinears`):
+
+* ``W~`` (the residual, fp32 master copy), the bias, and every 16-bit parameter outside the quantized linears
+  (embeddings, AdaLN, caption projection, ``proj_out``): **trained**;
+* the low-rank branch ``L``, ``R``: **trained** (SVDQuant's 16-bit branch by the ordinary gradient, LoRaQ's MXFP4
+  branch through its own fake quant and the STE);
+* the online transform ``T`` (Hadamard / KroQuant blocks, SmoothQuant / SVDQuant diagonal): **frozen**. It was fitted
+  to the captured activations, so it keeps flattening them; the weights after it are free to absorb any change, so
+  training it adds little; and the served kernels take its blocks in the K1 form, which training would have to
+  re-project onto;
+* the block scales of ``Q(x T)`` and ``Q(W~)``: **recomputed** in every forward from the current values (absmax RTN,
+  what ``kroquant_jax.formats.quantize`` does at export), never stored or trained.
+
+**Naive distillation** (the seed's control): the same quantized student and loss, but "no gradient flowed through the
+quantization": ``ste="none"`` gives both quantizers their true derivative, zero (a rounding function is flat almost
+everywhere). The quantized weights then stay frozen at their rounded start, and only the 16-bit parameters that are
+reachable without passing through a quantizer (biases, AdaLN, embeddings, ``proj_out``, the 16-bit low-rank branch)
+move.
+
+**Loss**: ``mse(student, guided teacher) + fm_weight * mse(student, eps - x0)`` on the same noised real images
+(the flow-matching loss of ``models.testbed``; the seed found distillation alone not enough).
+
+**Inference**: the student alone, guidance 1, one forward per step (:func:`student_sample`); on the CPU through the
+simulated (fake quant) path; :func:`export_qlinears` gives ``kroquant_jax.qlinear.QuantizedLinear`` layers (packed
+codes) for ``models.quantize_model.qlinear_overrides`` or the GPU's served layers.
+
+Training (:func:`train`): one jitted chunk of optimizer steps (optax AdamW, global-norm clipping), a tqdm bar, orbax
+checkpoints of the whole state (parameters, optimizer, step, PRNG key), resumable with identical results, a
+config-keyed run folder (a folder made with other settings is refused), and a non-finite loss or gradient stops
+training with a :class:`NonFiniteError` naming the step, keeping the last good checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from kroquant_jax import formats, transforms
+from kroquant_jax.fileio import atomic_write_text
+from models import testbed
+from models.layers import LinearHooks, linears
+
+__all__ = ["GuidanceSchedule", "QADConfig", "NonFiniteError", "student_from_model", "student_from_qlinears",
+           "student_velocity", "teacher_target", "qad_loss", "make_train_chunk", "init_state", "train",
+           "guided_sample", "student_sample", "export_qlinears", "colour_correct", "record_noise",
+           "save_checkpoint", "restore_checkpoint", "latest_checkpoint", "fingerprint"]
+
+FORMATS = {"mxfp4": formats.MXFP4, "nvfp4": formats.NVFP4}
+STE_MODES = ("identity", "clipped", "none")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Guidance schedule and configuration
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GuidanceSchedule:
+    """``w(sigma)``: ``noisy`` for ``sigma >= sigma_noisy`` (noisy and middle levels), ``clean`` for
+    ``sigma <= sigma_clean``, a smoothstep between. ``noisy == clean`` is a constant guidance.
+
+    Noise level convention of ``models.testbed``: ``sigma = 1`` pure noise, ``sigma = 0`` the clean image.
+    """
+
+    noisy: float = 3.0
+    clean: float = 3.0
+    sigma_clean: float = 0.1
+    sigma_noisy: float = 0.4
+
+    def __post_init__(self):
+        if not 0.0 <= self.sigma_clean < self.sigma_noisy <= 1.0:
+            raise ValueError(f"GuidanceSchedule: need 0 <= sigma_clean < sigma_noisy <= 1, got "
+                             f"{self.sigma_clean=}, {self.sigma_noisy=}")
+        if self.noisy < 1.0 or self.clean < 1.0:
+            raise ValueError(f"GuidanceSchedule: guidance below 1 ({self.noisy=}, {self.clean=}) extrapolates away "
+                             "from the condition")
+
+    @property
+    def constant(self) -> bool:
+        return self.noisy == self.clean
+
+    def __call__(self, sigma: jax.Array) -> jax.Array:
+        """``sigma (...)`` in [0, 1] -> guidance ``(...)`` float32."""
+        sigma = jnp.asarray(sigma, jnp.float32)
+        ramp = jnp.clip((sigma - self.sigma_clean) / (self.sigma_noisy - self.sigma_clean), 0.0, 1.0)
+        smooth = ramp * ramp * (3.0 - 2.0 * ramp)
+        return self.clean + (self.noisy - self.clean) * smooth
+
+    def label(self) -> str:
+        if self.constant:
+            return f"CFG {self.noisy:g}"
+        return f"CFG {self.noisy:g} (sigma >= {self.sigma_noisy:g}) -> {self.clean:g} (sigma <= {self.sigma_clean:g})"
+
+
+@dataclasses.dataclass(frozen=True)
+class QADConfig:
+    """Settings of one QAD run (all of them enter the run folder's key).
+
+    fmt: ``"mxfp4"`` or ``"nvfp4"`` (weights, activations and a quantized low-rank branch).
+    ste: ``"identity"`` (plain STE), ``"clipped"`` (zero gradient where saturated) or ``"none"`` (naive distillation:
+        the quantizers' true, zero derivative).
+    fm_weight: lambda of the flow-matching term. schedule: the teacher's guidance.
+    lr, warmup, clip_norm, weight_decay: AdamW (linear warm-up, then constant). batch_size: images per step.
+    steps: total optimizer steps. chunk: steps per jitted call (and the granularity of the NaN check).
+    save_every: checkpoint every N steps (a multiple of ``chunk``). seed: data order, noise and sigmas.
+    train_rest: also train the 16-bit parameters outside the quantized linears.
+    """
+
+    fmt: str = "mxfp4"
+    ste: str = "identity"
+    fm_weight: float = 0.25
+    schedule: GuidanceSchedule = GuidanceSchedule()
+    lr: float = 5e-5
+    warmup: int = 50
+    clip_norm: float = 1.0
+    weight_decay: float = 0.0
+    batch_size: int = 64
+    steps: int = 1000
+    chunk: int = 10
+    save_every: int = 100
+    seed: int = 0
+    train_rest: bool = True
+    logit_normal_mean: float = 0.0
+    logit_normal_std: float = 1.0
+
+    def __post_init__(self):
+        if self.fmt not in FORMATS:
+            raise ValueError(f"QADConfig.fmt={self.fmt!r} must be one of {sorted(FORMATS)}")
+        if self.ste not in STE_MODES:
+            raise ValueError(f"QADConfig.ste={self.ste!r} must be one of {STE_MODES}")
+        if self.fm_weight < 0:
+            raise ValueError(f"QADConfig.fm_weight={self.fm_weight} must be >= 0")
+        for name in ("batch_size", "steps", "chunk", "save_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"QADConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.save_every % self.chunk or self.steps % self.chunk:
+            raise ValueError(f"QADConfig: steps={self.steps} and save_every={self.save_every} must be multiples of "
+                             f"chunk={self.chunk}")
+
+    @property
+    def quant_format(self) -> formats.QuantFormat:
+        return FORMATS[self.fmt]()
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class NonFiniteError(FloatingPointError):
+    """A training step produced a NaN/Inf loss or gradient; the run folder keeps the last good checkpoint."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The student: per-layer parameters and the W4A4 fake-quant forward with the STE
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@jax.custom_vjp
+def _grad_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
+    return x
+
+
+def _grad_scale_fwd(x, scale):
+    return x, scale
+
+
+def _grad_scale_bwd(scale, g):
+    return g * scale.astype(g.dtype), jnp.zeros_like(scale)
+
+
+_grad_scale.defvjp(_grad_scale_fwd, _grad_scale_bwd)
+
+
+def _quantize_ste(x: jax.Array, fmt: formats.QuantFormat, ste: str, through: jax.Array) -> jax.Array:
+    """Fake quant of ``x (..., d)`` whose backward is the STE rule ``ste`` times ``through`` (1: STE, 0: naive)."""
+    return formats.fake_quant(_grad_scale(x, through), fmt, ste=ste)
+
+
+def student_linear(layer: Mapping[str, jax.Array], blocks: jax.Array, through: jax.Array, x: jax.Array, *,
+                   fmt: formats.QuantFormat, ste: str, lowrank_quantized: bool) -> jax.Array:
+    """Training form of eq. 11: ``Q(x T) Q(W~)^T + (x T)(L R)^T + b``.
+
+    Args:
+        layer: ``{"weight": W~ (o, d), "bias": (o,), "left": L (o, r), "right": R (r, d)}`` (``r`` may be 0).
+        blocks: the frozen transform ``T`` as blocks ``(d / n, n, n)``.
+        through: scalar, 1.0 lets the STE gradient through the quantizers, 0.0 blocks it (naive distillation).
+        x: ``(..., d)``. fmt: the 4-bit format. ste: ``"identity"`` / ``"clipped"``.
+        lowrank_quantized: the branch ``L``, ``R`` is fake-quantized too (LoRaQ) rather than 16-bit (SVDQuant).
+    Returns:
+        ``(..., o)`` in ``x.dtype``.
+    """
+    xt = transforms.apply_to_activations(x.astype(jnp.float32), blocks)  # (..., d)
+    xq = _quantize_ste(xt, fmt, ste, through)  # (..., d)
+    wq = _quantize_ste(layer["weight"].astype(jnp.float32), fmt, ste, through)  # (o, d)
+    y = jnp.einsum("...d,od->...o", xq, wq)  # (..., o)
+    left, right = layer["left"].astype(jnp.float32), layer["right"].astype(jnp.float32)  # (o, r), (r, d)
+    if left.shape[1]:
+        if lowrank_quantized:
+            left, right = _quantize_ste(left, fmt, ste, through), _quantize_ste(right, fmt, ste, through)
+        y = y + jnp.einsum("...r,or->...o", jnp.einsum("...d,rd->...r", xt, right), left)  # (..., o)
+    return (y + layer["bias"]).astype(x.dtype)
+
+
+def _dense(x: Any) -> jax.Array:
+    return formats.dequantize(x, jnp.float32) if isinstance(x, formats.QuantizedArray) else jnp.asarray(x, jnp.float32)
+
+
+def _zero_bias(o: int) -> np.ndarray:
+    return np.zeros((o,), np.float32)
+
+
+def student_from_model(model: nnx.Module, rank: int = 0, block: int = 1) -> tuple[dict, dict]:
+    """The seed's initialisation: the 16-bit weights, no transform (identity blocks of ``block``), an all-zero branch
+    of ``rank`` (it stays zero: both factors' gradients vanish at zero; a nonzero rank only gives this student the
+    array shapes of a PTQ-initialised one, so both share one compiled step).
+
+    Returns:
+        ``(layers, blocks)``: ``{name: {"weight" (o, d), "bias" (o,), "left" (o, r), "right" (r, d)}}`` (trainable)
+        and ``{name: (d / block, block, block)}`` (frozen), over the model's quantizable linears.
+    """
+    layers, blocks = {}, {}
+    for name, linear in linears(model, quantizable_only=True).items():
+        w = np.asarray(linear.kernel[...], np.float32).T  # (o, d)
+        o, d = w.shape
+        if d % block:
+            raise ValueError(f"student_from_model: {name} has {d} inputs, not a multiple of block={block}")
+        bias = _zero_bias(o) if linear.bias is None else np.asarray(linear.bias[...], np.float32)
+        layers[name] = {"weight": w, "bias": bias, "left": np.zeros((o, rank), np.float32),
+                        "right": np.zeros((rank, d), np.float32)}
+        blocks[name] = np.broadcast_to(np.eye(block, dtype=np.float32), (d // block, block, block)).copy()
+    return layers, blocks
+
+
+def student_from_qlinears(model: nnx.Module, qlayers: Mapping[str, Any]) -> tuple[dict, dict, bool]:
+    """Initialisation from a calibrated PTQ model (``{name: kroquant_jax.qlinear.QuantizedLinear}``, any recipe).
+
+    The residual master weight is recomputed in full precision from the 16-bit weight, ``W~ = W T^{-T} - L R`` with
+    the branch as stored (not the dequantized codes, so the STE starts from the unrounded values); ``T``'s blocks are
+    copied (frozen), the branch (dequantized when packed) and the bias are copied (trained).
+
+    Returns:
+        ``(layers, blocks, lowrank_quantized)`` as :func:`student_from_model`, plus whether the branch is packed.
+    """
+    model_linears = linears(model, quantizable_only=True)
+    missing = sorted(set(model_linears) - set(qlayers))
+    extra = sorted(set(qlayers) - set(model_linears))
+    if missing or extra:
+        raise ValueError(f"student_from_qlinears: the PTQ layers do not cover the model's quantizable linears: "
+                         f"missing {missing[:5]}, not in the model {extra[:5]}")
+    kinds = {q.lowrank_quantized for q in qlayers.values() if q.lowrank_left is not None}
+    if len(kinds) > 1:
+        raise ValueError("student_from_qlinears: mixed packed and 16-bit low-rank branches")
+    rank_set = {0 if q.lowrank_left is None else int(q.lowrank_left.shape[1]) if not q.lowrank_quantized
+                else int(q.config.rank) for q in qlayers.values()}
+    if len(rank_set) > 1:
+        raise ValueError(f"student_from_qlinears: layers have different ranks {sorted(rank_set)}")
+    layers, blocks = {}, {}
+    for name, linear in model_linears.items():
+        q = qlayers[name]
+        w = jnp.asarray(linear.kernel[...], jnp.float32).T  # (o, d)
+        o, d = w.shape
+        if (q.config.out_features, q.config.in_features) != (o, d):
+            raise ValueError(f"student_from_qlinears: {name} is ({o}, {d}) in the model, "
+                             f"({q.config.out_features}, {q.config.in_features}) in the PTQ layers")
+        inverse = jnp.linalg.inv(jnp.asarray(q.blocks, jnp.float32))  # (d / n, n, n)
+        residual = transforms.apply_to_weights(w, inverse)  # W T^{-T}
+        if q.lowrank_left is None:
+            left, right = jnp.zeros((o, 0)), jnp.zeros((0, d))
+        else:
+            left, right = _dense(q.lowrank_left), _dense(q.lowrank_right)  # (o, r), (r, d), dequantized if packed
+            residual = residual - jnp.matmul(left, right, precision="highest")
+        bias = _zero_bias(o) if q.bias is None else np.asarray(q.bias, np.float32)
+        layers[name] = {"weight": np.asarray(residual), "bias": bias, "left": np.asarray(left, np.float32),
+                        "right": np.asarray(right, np.float32)}
+        blocks[name] = np.asarray(q.blocks, np.float32)
+    return layers, blocks, bool(kinds and kinds.pop())
+
+
+def student_velocity(graphdef: Any, trainable: Mapping[str, Any], blocks: Mapping[str, jax.Array],
+                     config: QADConfig, lowrank_quantized: bool, x: jax.Array, timestep: jax.Array,
+                     context: jax.Array, mask: jax.Array) -> jax.Array:
+    """The student's velocity ``(b, c, s, s)`` (conditional branch; its quantized linears through the STE).
+
+    ``trainable = {"model": nnx state (the 16-bit parameters), "layers": {name: layer dict}}``."""
+    model = nnx.merge(graphdef, trainable["model"])
+    through = jnp.float32(0.0 if config.ste == "none" else 1.0)
+    rule = "identity" if config.ste == "none" else config.ste
+    forward = functools.partial(student_linear, fmt=config.quant_format, ste=rule,
+                                lowrank_quantized=lowrank_quantized)
+    overrides = {name: functools.partial(forward, layer, blocks[name], through)
+                 for name, layer in trainable["layers"].items()}
+    return model(x, context, timestep, encoder_attention_mask=mask, hooks=LinearHooks(overrides))
+
+
+def teacher_target(teacher_velocity: testbed.VelocityFn, x: jax.Array, sigma: jax.Array, context: jax.Array,
+                   mask: jax.Array, null_context: jax.Array, null_mask: jax.Array,
+                   schedule: GuidanceSchedule) -> jax.Array:
+    """The guided velocity ``v_u + w(sigma) (v_c - v_u)`` ``(b, c, s, s)`` of the frozen teacher (both branches in
+    one batch; no gradient). ``sigma (b,)``; context ``(b, t, e)``, mask ``(b, t)``; null_context ``(t, e)``."""
+    b = x.shape[0]
+    both_context = jnp.concatenate([context, jnp.broadcast_to(null_context.astype(context.dtype), context.shape)], 0)
+    both_mask = jnp.concatenate([mask, jnp.broadcast_to(null_mask.astype(mask.dtype), mask.shape)], 0)
+    timestep = jnp.concatenate([sigma, sigma]) * testbed.TIMESTEP_SCALE  # (2b,)
+    v = teacher_velocity(jnp.concatenate([x, x], 0), timestep, both_context, both_mask).astype(jnp.float32)
+    conditional, unconditional = v[:b], v[b:]
+    w = schedule(sigma)[:, None, None, None]  # (b, 1, 1, 1)
+    return jax.lax.stop_gradient(unconditional + w * (conditional - unconditional))
+
+
+def qad_loss(trainable: Mapping[str, Any], blocks: Mapping[str, jax.Array], student_graphdef: Any,
+             teacher_velocity: testbed.VelocityFn, config: QADConfig, lowrank_quantized: bool, pixels: jax.Array,
+             context: jax.Array, mask: jax.Array, null_context: jax.Array, null_mask: jax.Array,
+             key: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``distill + fm_weight * flow_matching`` on one batch of real images ``pixels (b, c, s, s)`` in [-1, 1].
+
+    Both terms use the same noised input ``x_sigma = (1 - sigma) x0 + sigma eps`` (sigma logit-normal as in
+    training); distill = MSE to :func:`teacher_target`, flow matching = MSE to ``eps - x0``.
+    Returns ``(loss, {"distill", "flow_matching"})``."""
+    key_sigma, key_noise = jax.random.split(key)
+    flow = testbed.FlowMatchingConfig(logit_normal_mean=config.logit_normal_mean,
+                                      logit_normal_std=config.logit_normal_std, caption_dropout=0.0)
+    sigma = testbed.sample_sigmas(key_sigma, pixels.shape[0], flow)  # (b,)
+    noise = jax.random.normal(key_noise, pixels.shape, jnp.float32)  # (b, c, s, s)
+    s = sigma[:, None, None, None]
+    noisy = (1.0 - s) * pixels + s * noise  # (b, c, s, s)
+    target = teacher_target(teacher_velocity, noisy, sigma, context, mask, null_context, null_mask, config.schedule)
+    predicted = student_velocity(student_graphdef, trainable, blocks, config, lowrank_quantized, noisy,
+                                 sigma * testbed.TIMESTEP_SCALE, context, mask).astype(jnp.float32)
+    distill = jnp.mean(jnp.square(predicted - target))
+    flow_matching = jnp.mean(jnp.square(predicted - (noise - pixels)))
+    return distill + config.fm_weight * flow_matching, {"distill": distill, "flow_matching": flow_matching}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Training state, the jitted chunk, checkpoints
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def make_optimizer(config: QADConfig) -> optax.GradientTransformation:
+    schedule = optax.linear_schedule(0.0, config.lr, max(config.warmup, 1))
+    return optax.chain(optax.clip_by_global_norm(config.clip_norm),
+                       optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=config.weight_decay))
+
+
+def init_state(student_state: Any, layers: Mapping[str, Any], config: QADConfig) -> dict:
+    """The training state pytree: ``{"trainable", "opt_state", "step", "key"}`` (key as raw uint32 key data)."""
+    trainable = {"model": student_state, "layers": jax.tree.map(jnp.asarray, dict(layers))}
+    return {"trainable": trainable, "opt_state": make_optimizer(config).init(trainable),
+            "step": jnp.asarray(0, jnp.int32), "key": jax.random.key_data(jax.random.key(config.seed))}
+
+
+def make_train_chunk(student_graphdef: Any, teacher_graphdef: Any, teacher_state: Any, blocks: Mapping[str, Any],
+                     config: QADConfig, lowrank_quantized: bool, data: Mapping[str, jax.Array]) -> Callable:
+    """A jitted ``state -> (state, metrics)`` running ``config.chunk`` optimizer steps.
+
+    ``data``: ``images (n, s, s, 3) uint8``, ``context (n, t, e)``, ``context_mask (n, t)``, ``null_context (t, e)``,
+    ``null_mask (t,)`` (the training captions). ``metrics``: per step ``loss``, ``distill``, ``flow_matching``,
+    ``grad_norm`` (each ``(chunk,)``). With ``config.train_rest=False`` the model's 16-bit parameters get no update.
+    The data, teacher and transform arrays are arguments of one module-level jitted function (not constants folded
+    into it), so students of the same config and shapes (e.g. 16-bit- and PTQ-initialised) share one compilation.
+    """
+    fixed = {"data": {k: jnp.asarray(v) for k, v in data.items()}, "teacher": teacher_state,
+             "blocks": {k: jnp.asarray(v) for k, v in blocks.items()}}
+    return functools.partial(_run_chunk, fixed, student_graphdef=student_graphdef,
+                             teacher_graphdef=teacher_graphdef, config=config, lowrank_quantized=lowrank_quantized)
+
+
+@functools.partial(jax.jit, static_argnames=("student_graphdef", "teacher_graphdef", "config", "lowrank_quantized"))
+def _run_chunk(fixed: dict, state: dict, *, student_graphdef: Any, teacher_graphdef: Any, config: QADConfig,
+               lowrank_quantized: bool) -> tuple[dict, dict]:
+    optimizer = make_optimizer(config)
+    data, blocks = fixed["data"], fixed["blocks"]
+    num_examples = int(data["images"].shape[0])
+    null_context = data["null_context"].astype(jnp.float32)
+    null_mask = data["null_mask"].astype(jnp.float32)
+
+    def teacher_velocity(x, timestep, context, mask):
+        return nnx.merge(teacher_graphdef, fixed["teacher"])(x, context, timestep, encoder_attention_mask=mask)
+
+    def one_step(state, _):
+        key = jax.random.wrap_key_data(state["key"])
+        key, key_batch, key_loss = jax.random.split(key, 3)
+        index = jax.random.randint(key_batch, (config.batch_size,), 0, num_examples)  # (b,)
+        pixels = testbed.images_to_pixels(data["images"][index])  # (b, 3, s, s)
+        context = data["context"][index].astype(jnp.float32)  # (b, t, e)
+        mask = data["context_mask"][index].astype(jnp.float32)  # (b, t)
+        (loss, parts), grads = jax.value_and_grad(qad_loss, has_aux=True)(
+            state["trainable"], blocks, student_graphdef, teacher_velocity, config, lowrank_quantized, pixels,
+            context, mask, null_context, null_mask, key_loss)
+        if not config.train_rest:
+            grads = {**grads, "model": jax.tree.map(jnp.zeros_like, grads["model"])}
+        grad_norm = optax.tree_utils.tree_l2_norm(grads)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["trainable"])
+        trainable = optax.apply_updates(state["trainable"], updates)
+        new = {"trainable": trainable, "opt_state": opt_state, "step": state["step"] + 1,
+               "key": jax.random.key_data(key)}
+        return new, {"loss": loss, "grad_norm": grad_norm, **parts}
+
+    return jax.lax.scan(one_step, state, None, length=config.chunk)
+
+
+def _leaves(state: Any) -> tuple[list[tuple[str, Any]], Any]:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    return [(jax.tree_util.keystr(path), leaf) for path, leaf in leaves], treedef
+
+
+def save_checkpoint(folder: Path, state: Any) -> Path:
+    """Save ``state`` with orbax to ``folder/step_<step>`` (orbax writes a temporary folder and renames it), then
+    delete older step folders. Leaves are stored as ``leaf_<i>`` in tree order; the tree paths go to ``paths.json``."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    step = int(state["step"])
+    named, _ = _leaves(state)
+    target = folder / f"step_{step:08d}"
+    if target.exists():
+        shutil.rmtree(target)
+    # zero-size leaves (a rank-0 branch and its optimizer moments) cannot be stored by orbax: restored from shape
+    flat = {f"leaf_{i:05d}": np.asarray(leaf) for i, (_, leaf) in enumerate(named) if np.size(leaf)}
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(target.resolve(), flat)
+    checkpointer.wait_until_finished()
+    atomic_write_text(target / "paths.json", json.dumps([name for name, _ in named]))
+    for old in folder.glob("step_*"):
+        if old != target and old.is_dir():
+            shutil.rmtree(old)
+    return target
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The newest complete ``step_*`` folder (one with its ``paths.json``), or None."""
+    done = sorted(p for p in Path(folder).glob("step_*") if (p / "paths.json").exists())
+    return done[-1] if done else None
+
+
+def restore_checkpoint(path: Path, template: Any) -> Any:
+    """Read :func:`save_checkpoint`'s folder into the structure of ``template`` (paths, shapes and dtypes checked)."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    named, treedef = _leaves(template)
+    stored_paths = json.loads((Path(path) / "paths.json").read_text())
+    if stored_paths != [name for name, _ in named]:
+        diff = sorted(set(stored_paths) ^ {name for name, _ in named})[:5]
+        raise ValueError(f"{path}: the checkpoint's state does not match this run's (differing paths {diff})")
+    abstract = {f"leaf_{i:05d}": jax.ShapeDtypeStruct(np.shape(leaf), jnp.asarray(leaf).dtype)
+                for i, (_, leaf) in enumerate(named) if np.size(leaf)}
+    flat = ocp.StandardCheckpointer().restore(Path(path).resolve(), abstract)
+    leaves = [jnp.asarray(flat[f"leaf_{i:05d}"]) if np.size(leaf) else jnp.zeros_like(leaf)
+              for i, (_, leaf) in enumerate(named)]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def run_key(config: QADConfig, extra: Mapping[str, Any]) -> dict:
+    """The settings a run folder is keyed by: the config and ``extra`` (initialisation, data, model fingerprints)."""
+    return {"config": config.to_json(), **{k: extra[k] for k in sorted(extra)}}
+
+
+def fingerprint(tree: Any) -> str:
+    """SHA-1 of a pytree's leaves (shapes, dtypes and bytes), to key a run by its initial weights or data."""
+    digest = hashlib.sha1()
+    for name, leaf in _leaves(tree)[0]:
+        array = np.ascontiguousarray(np.asarray(leaf))
+        digest.update(f"{name}|{array.shape}|{array.dtype}|".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def _check_run_key(run_dir: Path, key: dict) -> None:
+    path = run_dir / "qad_run.json"
+    if path.exists():
+        stored = json.loads(path.read_text())
+        if stored != json.loads(json.dumps(key)):
+            differ = sorted(k for k in set(stored) | set(key) if stored.get(k) != json.loads(json.dumps(key)).get(k))
+            raise ValueError(f"{run_dir}: made with other settings (differing: {differ}); use another folder")
+    else:
+        atomic_write_text(path, json.dumps(key, indent=1, sort_keys=True))
+
+
+def train(run_dir: str | Path, train_chunk: Callable, state: dict, config: QADConfig, key_extra: Mapping[str, Any],
+          *, progress: bool = True, stop_after: int | None = None, time_budget: float | None = None,
+          on_chunk: Callable[[int, dict, dict], None] | None = None) -> tuple[dict, list[dict]]:
+    """Run (or resume) training in ``run_dir`` until ``config.steps``.
+
+    Args:
+        run_dir: the run folder (``qad_run.json`` key, ``checkpoints/``, ``log.jsonl``); a folder keyed by other
+            settings is refused.
+        train_chunk: from :func:`make_train_chunk`. state: from :func:`init_state` (replaced by the latest checkpoint
+            when there is one).
+        key_extra: what else keys the run (e.g. init and data fingerprints).
+        stop_after: stop (as if killed) once this many total steps are done and saved, e.g. to test resumption.
+        time_budget: stop (saved, resumable) after the first chunk that ends past this many seconds of this call.
+        on_chunk: ``fn(step, state, record)`` after each good chunk (e.g. a held-out image metric into ``record``).
+    Returns:
+        ``(state, log records of this call)``.
+    Raises:
+        NonFiniteError: a non-finite loss or gradient norm; the checkpoint of the last good save stays.
+    """
+    import time  # noqa: PLC0415
+
+    from tqdm import tqdm  # noqa: PLC0415
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _check_run_key(run_dir, run_key(config, key_extra))
+    checkpoints = run_dir / "checkpoints"
+    last = latest_checkpoint(checkpoints)
+    if last is not None:
+        state = restore_checkpoint(last, state)
+    step = int(state["step"])
+    end = config.steps if stop_after is None else min(config.steps, stop_after)
+    records = []
+    began = time.perf_counter()
+    bar = tqdm(total=config.steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True, desc="qad")
+    try:
+        while step < end:
+            new_state, metrics = train_chunk(state)
+            metrics = {k: np.asarray(v) for k, v in metrics.items()}
+            bad = ~(np.isfinite(metrics["loss"]) & np.isfinite(metrics["grad_norm"]))
+            if bad.any():
+                first = step + int(np.argmax(bad)) + 1
+                kept = latest_checkpoint(checkpoints)
+                raise NonFiniteError(
+                    f"QAD step {first}: loss {float(metrics['loss'][np.argmax(bad)])}, gradient norm "
+                    f"{float(metrics['grad_norm'][np.argmax(bad)])} is not finite; training stopped; the last good "
+                    f"checkpoint is {kept if kept is not None else '(none saved yet)'}")
+            state, step = new_state, int(new_state["step"])
+            record = {"step": step, **{k: float(v.mean()) for k, v in metrics.items()}}
+            if on_chunk is not None:
+                on_chunk(step, state, record)
+            records.append(record)
+            with open(run_dir / "log.jsonl", "a") as log:
+                log.write(json.dumps(record) + "\n")
+            bar.update(config.chunk)
+            bar.set_postfix(loss=f"{record['loss']:.4f}")
+            out_of_time = time_budget is not None and time.perf_counter() - began > time_budget
+            if step % config.save_every == 0 or step == end or out_of_time:
+                save_checkpoint(checkpoints, state)
+            if out_of_time:
+                break
+    finally:
+        bar.close()
+    return state, records
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sampling, export, colour-correction control
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def guided_sample(velocity_fn: testbed.VelocityFn, noise: jax.Array, context: jax.Array, mask: jax.Array,
+                  null_context: jax.Array, null_mask: jax.Array, num_steps: int,
+                  schedule: GuidanceSchedule) -> jax.Array:
+    """Flow-matching Euler with CFG ``w(sigma)`` (two branches per step, one batch): ``models.testbed.euler_sample``
+    with a scheduled guidance; equal to it for a constant schedule. noise ``(b, c, s, s)`` -> pixels, not clipped."""
+    b = noise.shape[0]
+    sigmas = jnp.linspace(1.0, 0.0, num_steps + 1, dtype=jnp.float32)
+    both_context = jnp.concatenate([context, jnp.broadcast_to(null_context, context.shape)], 0)
+    both_mask = jnp.concatenate([mask, jnp.broadcast_to(null_mask, mask.shape).astype(mask.dtype)], 0)
+
+    def step(x, index):
+        sigma, sigma_next = sigmas[index], sigmas[index + 1]
+        timestep = jnp.full((2 * b,), sigma * testbed.TIMESTEP_SCALE)
+        v = velocity_fn(jnp.concatenate([x, x], 0), timestep, both_context, both_mask).astype(jnp.float32)
+        conditional, unconditional = v[:b], v[b:]
+        velocity = unconditional + schedule(sigma) * (conditional - unconditional)
+        return x + (sigma_next - sigma) * velocity, None
+
+    pixels, _ = jax.lax.scan(step, noise.astype(jnp.float32), jnp.arange(num_steps))
+    return pixels
+
+
+def student_sample(velocity_fn: testbed.VelocityFn, noise: jax.Array, context: jax.Array, mask: jax.Array,
+                   num_steps: int) -> jax.Array:
+    """The distilled student alone: Euler at guidance 1, one forward per step (no unconditional branch)."""
+    empty = jnp.zeros(context.shape[1:], context.dtype)
+    return testbed.euler_sample(velocity_fn, noise, context, mask, empty, jnp.zeros(mask.shape[1:], mask.dtype),
+                                num_steps, 1.0)
+
+
+def record_noise(seed: int, indices: np.ndarray, shape: tuple[int, ...]) -> jax.Array:
+    """Start noise ``(n, *shape)``: record ``indices[k]`` gets ``normal(fold_in(key(seed), indices[k]))``, the
+    convention of ``scripts/eval_testbed.py`` (so the same seed and record give the same image there and here)."""
+    return jnp.stack([jax.random.normal(jax.random.fold_in(jax.random.key(seed), int(i)), shape, jnp.float32)
+                      for i in indices])
+
+
+def export_qlinears(layers: Mapping[str, Mapping[str, jax.Array]], blocks: Mapping[str, jax.Array],
+                    config: QADConfig, lowrank_quantized: bool) -> dict[str, Any]:
+    """Trained student layers -> ``{name: kroquant_jax.qlinear.QuantizedLinear}`` with packed codes (the weight and,
+    for LoRaQ, the branch quantized in ``config.fmt``), for ``qlinear_overrides`` (CPU simulate / packed paths) or
+    the GPU's served layers. Their forward equals :func:`student_linear`'s (tested)."""
+    from kroquant_jax.qlinear import QLinearConfig, QuantizedLinear  # noqa: PLC0415
+
+    fmt = config.quant_format
+    out = {}
+    for name, layer in layers.items():
+        w = jnp.asarray(layer["weight"], jnp.float32)
+        o, d = w.shape
+        left, right = jnp.asarray(layer["left"], jnp.float32), jnp.asarray(layer["right"], jnp.float32)
+        rank = int(left.shape[1])
+        if rank and lowrank_quantized:
+            left, right = formats.quantize(left, fmt), formats.quantize(right, fmt)
+        cfg = QLinearConfig(in_features=d, out_features=o, transform="dense", act_fmt=fmt, rank=rank)
+        out[name] = QuantizedLinear(blocks=jnp.asarray(blocks[name], jnp.float32), transform_params=None,
+                                    weight=formats.quantize(w, fmt), lowrank_left=left if rank else None,
+                                    lowrank_right=right if rank else None,
+                                    bias=jnp.asarray(layer["bias"], jnp.float32), config=cfg)
+    return out
+
+
+def _ycbcr(rgb: np.ndarray) -> np.ndarray:
+    m = np.array([[0.299, 0.587, 0.114], [-0.168736, -0.331264, 0.5], [0.5, -0.418688, -0.081312]])
+    return rgb @ m.T
+
+
+def _rgb(ycc: np.ndarray) -> np.ndarray:
+    m = np.array([[1.0, 0.0, 1.402], [1.0, -0.344136, -0.714136], [1.0, 1.772, 0.0]])
+    return ycc @ m.T
+
+
+def colour_correct(images: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """The seed's post-hoc control: luma and saturation rebalancing of ``images`` toward ``reference``'s statistics.
+
+    In YCbCr (BT.601): luma is mapped affinely so the set's mean and standard deviation equal the reference set's;
+    the chroma planes are scaled by one gain so the set's mean chroma magnitude equals the reference's (a saturation
+    gain around grey). Set statistics, not per image: the reference images of the same captions are an oracle a
+    real post-processor would not have, but even this favourable version only moves global colour statistics.
+
+    Args: uint8 ``(n, s, s, 3)`` each. Returns: uint8 ``(n, s, s, 3)``.
+    """
+    x = _ycbcr(np.asarray(images, np.float64) / 255.0)
+    ref = _ycbcr(np.asarray(reference, np.float64) / 255.0)
+    luma = (x[..., 0] - x[..., 0].mean()) * (ref[..., 0].std() / max(x[..., 0].std(), 1e-9)) + ref[..., 0].mean()
+    gain = np.hypot(ref[..., 1], ref[..., 2]).mean() / max(np.hypot(x[..., 1], x[..., 2]).mean(), 1e-9)
+    out = _rgb(np.stack([luma, gain * x[..., 1], gain * x[..., 2]], axis=-1))
+    return np.round(np.clip(out, 0.0, 1.0) * 255.0).astype(np.uint8)

@@ -1,0 +1,291 @@
+"""Quantization-aware distillation of the emoji testbed DiT, CFG folded into one branch (``models.qad``), and its
+evaluation against the 16-bit teacher with CFG, the two-branch PTQ W4A4 model and the seed's two controls.
+
+    python -m scripts.qad --out runs/qad --data runs/qad_data/emoji32_qad.npz \
+        --ptq-store runs/ptq_svd/qlayers/svdquant-<hash> --steps 1000
+
+Variants (each trained in its own run folder ``--out``/runs/<name>, resumable, keyed by its settings):
+
+* ``qad_16bit``: the seed's QAD, student initialised from the 16-bit weights (RTN W4A4 at step 0);
+* ``qad_ptq``: the student initialised from the calibrated PTQ layers of ``--ptq-store`` (any recipe);
+* ``naive_16bit``: the seed's naive distillation (``ste="none"``: no gradient through the quantizers).
+
+Evaluation: held-out captions (never trained on) and training captions that QAD did not train on, several seeds
+each, 20 Euler steps; the reference is the 16-bit teacher with CFG; the PTQ models run both branches with CFG, the
+students one branch at guidance 1. Writes ``qad_report.json``, ``qad_table.md``, ``qad_grid.png``,
+``qad_curves.png`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kroquant_jax.fileio import atomic_path, atomic_write_text
+from models import pixart, qad, testbed, testbed_data
+from scripts.eval_testbed import image_metrics_of
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "emoji_pixart"))
+    p.add_argument("--data", required=True, help="training records (.npz of scripts.build_emoji_dataset)")
+    p.add_argument("--prompts", default=None, help="evaluation captions (default <checkpoint>/testbed_prompts.npz)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--ptq-store", default=None, help="QLinearStore folder of a calibrated PTQ model (qad_ptq)")
+    p.add_argument("--ptq-name", default="ptq", help="the PTQ recipe's name in the tables (e.g. svdquant)")
+    p.add_argument("--variants", nargs="+", default=["qad_16bit", "qad_ptq", "naive_16bit"])
+    p.add_argument("--fmt", choices=sorted(qad.FORMATS), default="mxfp4")
+    p.add_argument("--ste", choices=("identity", "clipped"), default="identity", help="STE of the QAD students")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--fm-weight", type=float, default=0.25)
+    p.add_argument("--guidance", type=float, nargs=2, default=[3.0, 3.0], metavar=("NOISY", "CLEAN"),
+                   help="teacher schedule w(sigma): NOISY over sigma >= 0.4, CLEAN below 0.1 (default constant 3, "
+                        "the testbed's CFG, so the students aim at the reference images)")
+    p.add_argument("--train-seconds", type=float, default=None,
+                   help="stop each variant's training after this many seconds (resumable; steps reached reported)")
+    p.add_argument("--chunk", type=int, default=50)
+    p.add_argument("--save-every", type=int, default=500)
+    p.add_argument("--sample-steps", type=int, default=20)
+    p.add_argument("--eval-captions", type=int, default=24)
+    p.add_argument("--eval-train-captions", type=int, default=16)
+    p.add_argument("--seeds", type=int, nargs="+", default=[1000, 2000, 3000])
+    p.add_argument("--curve-every", type=int, default=100, help="held-out PSNR every N steps for the curves")
+    p.add_argument("--curve-captions", type=int, default=8)
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def _inputs(dataset, indices):
+    return (jnp.asarray(dataset.context[indices], jnp.float32), jnp.asarray(dataset.context_mask[indices], jnp.float32))
+
+
+def main(argv=None) -> int:
+    from kroquant_jax.qlinear import QLinearStore
+
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if "qad_ptq" in args.variants and not args.ptq_store:
+        raise ValueError("variant qad_ptq needs --ptq-store (a calibrated QLinearStore folder)")
+    began = time.perf_counter()
+    cfg, teacher = pixart.from_diffusers(args.checkpoint, "float32")
+    prompts = testbed_data.load_dataset(args.prompts or str(Path(args.checkpoint) / "testbed_prompts.npz"))
+    heldout = np.flatnonzero(prompts.heldout)[:args.eval_captions]
+    train_eval = np.flatnonzero(~prompts.heldout)[32:32 + args.eval_train_captions]  # not eval_testbed's calibration
+    # training records: the training split of --data, minus every caption evaluated here
+    full = testbed_data.load_dataset(args.data)
+    banned = set(prompts.captions[heldout]) | set(prompts.captions[train_eval])
+    keep = np.flatnonzero(~full.heldout & ~np.isin(full.captions, list(banned)))
+    data = {"images": jnp.asarray(full.images[keep]), "context": jnp.asarray(full.context[keep]),
+            "context_mask": jnp.asarray(full.context_mask[keep]), "null_context": jnp.asarray(full.null_context),
+            "null_mask": jnp.asarray(full.null_mask)}
+    null_context = jnp.asarray(prompts.null_context, jnp.float32)
+    null_mask = jnp.asarray(prompts.null_mask, jnp.float32)
+    schedule = qad.GuidanceSchedule(noisy=args.guidance[0], clean=args.guidance[1])
+    base = qad.QADConfig(fmt=args.fmt, ste=args.ste, fm_weight=args.fm_weight, schedule=schedule, lr=args.lr,
+                         warmup=args.warmup, batch_size=args.batch_size, steps=args.steps, chunk=args.chunk,
+                         save_every=args.save_every)
+    teacher_graph, teacher_state = nnx.split(teacher)
+    student_graph, student_state = nnx.split(teacher)  # same weights; the student's copy is trained
+    size = cfg.sample_size
+
+    # the PTQ layers and the inits (the 16-bit init gets the PTQ rank as an all-zero branch: same compiled step)
+    ptq = None
+    if args.ptq_store:
+        qlayers = QLinearStore(args.ptq_store).load_all()
+        ptq = qad.student_from_qlinears(teacher, qlayers)
+    rank = 0 if ptq is None else next(iter(ptq[0].values()))["left"].shape[1]
+    block = 1 if ptq is None else next(iter(ptq[1].values())).shape[-1]
+    rtn_layers, rtn_blocks = qad.student_from_model(teacher, rank=rank, block=block)
+    inits = {"16bit": (rtn_layers, rtn_blocks, False)}
+    if ptq is not None:
+        inits["ptq"] = ptq
+
+    captions = np.concatenate([heldout, train_eval])
+    held = slice(0, len(heldout))
+
+    def noise_for(seed):
+        return qad.record_noise(seed, captions, (cfg.in_channels, size, size))
+
+    context, mask = _inputs(prompts, captions)
+
+    @jax.jit
+    def teacher_images(noise):
+        fn = testbed.pixart_velocity_fn(nnx.merge(teacher_graph, teacher_state))
+        return qad.guided_sample(fn, noise, context, mask, null_context, null_mask, args.sample_steps, schedule)
+
+    def quantized_velocity(config, trainable, blocks, packed):
+        return lambda x, t, c, m: qad.student_velocity(student_graph, trainable, blocks, config, packed, x, t, c, m)
+
+    def cfg_images(trainable, blocks, packed, noise):
+        fn = quantized_velocity(base, trainable, blocks, packed)
+        return qad.guided_sample(fn, noise, context, mask, null_context, null_mask, args.sample_steps, schedule)
+
+    cfg_images = jax.jit(cfg_images, static_argnums=2)
+
+    def one_branch(trainable, blocks, packed, noise, context, mask):
+        return qad.student_sample(quantized_velocity(base, trainable, blocks, packed), noise, context, mask,
+                                  args.sample_steps)
+
+    one_branch = jax.jit(one_branch, static_argnums=2)
+
+    def images(pixels):
+        return testbed.pixels_to_images(pixels)
+
+    reference = {s: images(teacher_images(noise_for(s))) for s in args.seeds}
+    columns = {"16-bit CFG (teacher)": reference}
+    passes = {"16-bit CFG (teacher)": 2 * args.sample_steps}
+    for name, (layers, blocks, packed) in inits.items():
+        trainable = {"model": student_state, "layers": jax.tree.map(jnp.asarray, layers)}
+        title = f"{'rtn' if name == '16bit' else args.ptq_name} W4A4 CFG"
+        columns[title] = {s: images(cfg_images(trainable, blocks, packed, noise_for(s))) for s in args.seeds}
+        passes[title] = 2 * args.sample_steps
+    if ptq is not None:
+        title = f"{args.ptq_name} W4A4 CFG"
+        columns[f"{args.ptq_name} + colour correction"] = {
+            s: np.concatenate([qad.colour_correct(columns[title][s][held], reference[s][held]),
+                               qad.colour_correct(columns[title][s][len(heldout):], reference[s][len(heldout):])])
+            for s in args.seeds}
+        passes[f"{args.ptq_name} + colour correction"] = 2 * args.sample_steps
+    setup_s = time.perf_counter() - began
+    print(f"setup (reference and PTQ images): {setup_s:.0f} s", flush=True)
+
+    curve_idx = np.arange(min(args.curve_captions, len(heldout)))
+    curve_noise = noise_for(args.seeds[0])[curve_idx]
+    curve_ref = reference[args.seeds[0]][curve_idx]
+    curve_ctx, curve_mask = context[curve_idx], mask[curve_idx]
+    training = {}
+    def write_all():
+        """Images, metrics, report, table, grid and curves of what is done so far (rewritten after each stage)."""
+        with atomic_path(str(out / "qad_images.npz"), suffix=".npz") as temporary:  # the images, before any metric
+            np.savez_compressed(temporary, titles=np.array(list(columns)), seeds=np.array(args.seeds),
+                                **{f"column{k}_seed{s}": by_seed[s] for k, by_seed in enumerate(columns.values())
+                                   for s in args.seeds})
+        atomic_write_text(out / "qad_training.json", json.dumps(training))
+        # metrics: every image of every seed against the teacher's image of the same caption and seed
+        results = {}
+        for title, by_seed in columns.items():
+            entry = {"forward_passes_per_image": passes[title]}
+            for split, part in (("heldout", held), ("train", slice(len(heldout), None))):
+                got = np.concatenate([by_seed[s][part] for s in args.seeds])
+                ref = np.concatenate([reference[s][part] for s in args.seeds])
+                metrics = image_metrics_of(got, ref)
+                per_seed = [image_metrics_of(by_seed[s][part], reference[s][part])["psnr_db"] for s in args.seeds]
+                metrics.pop("psnr_per_image_db")
+                entry[split] = {**metrics, "psnr_db_per_seed": per_seed}
+            results[title] = entry
+        report = {"settings": vars(args), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                  "train_records": int(len(keep)), "heldout_captions": [str(c) for c in prompts.captions[heldout]],
+                  "train_eval_captions": [str(c) for c in prompts.captions[train_eval]], "setup_s": round(setup_s, 1),
+                  "total_s": round(time.perf_counter() - began, 1), "results": results, "training": training,
+                  "schedule": schedule.label()}
+        atomic_write_text(out / "qad_report.json", json.dumps(report, indent=1))
+        atomic_write_text(out / "qad_table.md", table(report))
+        rows = min(12, len(heldout))
+        titles = list(columns)
+        seed = args.seeds[0]
+        testbed.save_caption_grid(str(out / "qad_grid.png"), [str(c) for c in prompts.captions[heldout[:rows]]],
+                                  [[columns[t][seed][k] for t in titles] for k in range(rows)], titles,
+                                  title=f"held-out captions, seed {seed}: teacher/PTQ with CFG (2 branches), "
+                                        f"students at guidance 1 (1 branch), {args.fmt.upper()} W4A4")
+        curves(out / "qad_curves.png", training)
+        return report
+
+    for variant in args.variants:
+        init = "ptq" if variant.endswith("_ptq") else "16bit"
+        layers, blocks, packed = inits[init]
+        config = base if variant.startswith("qad") else dataclasses.replace(base, ste="none")
+        chunk = qad.make_train_chunk(student_graph, teacher_graph, teacher_state, blocks, config, packed, data)
+        state = qad.init_state(student_state, layers, config)
+        key_extra = {"init": init if init == "16bit" else f"{args.ptq_name}:{qad.fingerprint(layers)}",
+                     "data": qad.fingerprint(data), "checkpoint": str(Path(args.checkpoint).name),
+                     "teacher": qad.fingerprint(teacher_state)}
+
+        def on_chunk(step, state, record, blocks=blocks, packed=packed):
+            if step % args.curve_every == 0:
+                got = images(one_branch(state["trainable"], blocks, packed, curve_noise, curve_ctx, curve_mask))
+                record["heldout_psnr_db"] = image_metrics_of(got, curve_ref)["psnr_db"]
+
+        init_psnr = image_metrics_of(images(one_branch(state["trainable"], blocks, packed, curve_noise, curve_ctx,
+                                                       curve_mask)), curve_ref)["psnr_db"]
+        t0 = time.perf_counter()
+        state, records = qad.train(out / "runs" / variant, chunk, state, config, key_extra,
+                                   progress=not args.no_progress, on_chunk=on_chunk, time_budget=args.train_seconds)
+        train_s = time.perf_counter() - t0
+        log = [json.loads(line) for line in (out / "runs" / variant / "log.jsonl").read_text().splitlines()]
+        training[variant] = {"train_s_this_call": round(train_s, 1), "steps": int(state["step"]), "log": log,
+                             "config": config.to_json(), "init": init,
+                             "init_heldout_psnr_db": init_psnr}
+        columns[variant] = {s: images(one_branch(state["trainable"], blocks, packed, noise_for(s), context, mask))
+                            for s in args.seeds}
+        passes[variant] = args.sample_steps
+        print(f"{variant}: {int(state['step'])} steps in {train_s:.0f} s, last loss {log[-1]['loss']:.4f}",
+              flush=True)
+        write_all()
+
+    report = write_all()
+    print(table(report), flush=True)
+    return 0
+
+
+def table(report: dict) -> str:
+    lines = [f"{report['device']}, jax {report['jax']}; teacher {report['schedule']}; "
+             f"{len(report['heldout_captions'])} held-out + {len(report['train_eval_captions'])} training captions "
+             f"(not trained on) x seeds {report['settings']['seeds']}; metrics vs the teacher's image", "",
+             "| model | forward passes / image | held-out PSNR (dB) | held-out SSIM | chroma ratio | saturation ratio "
+             "| train-caption PSNR (dB) | train-caption SSIM |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for title, r in report["results"].items():
+        h, t = r["heldout"], r["train"]
+        lines.append(f"| {title} | {r['forward_passes_per_image']} | {h['psnr_db']:.2f} ± {h['psnr_sem_db']:.2f} | "
+                     f"{h['ssim']:.3f} | {h['chroma_ratio']:.3f} | {h['saturation_ratio']:.3f} | "
+                     f"{t['psnr_db']:.2f} ± {t['psnr_sem_db']:.2f} | {t['ssim']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def curves(path: Path, training: dict) -> None:
+    """Loss (distillation and total) and the held-out PSNR of the one-branch student over steps, per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for variant, t in training.items():
+        steps = [r["step"] for r in t["log"]]
+        left.plot(steps, [r["distill"] for r in t["log"]], label=f"{variant} distill")
+        points = [(0, t["init_heldout_psnr_db"])] + [(r["step"], r["heldout_psnr_db"]) for r in t["log"]
+                                                     if "heldout_psnr_db" in r]
+        if points:
+            right.plot(*zip(*points), marker="o", label=variant)
+    left.set_yscale("log")
+    left.set_xlabel("step")
+    left.set_ylabel("distillation MSE (chunk mean)")
+    right.set_xlabel("step")
+    right.set_ylabel("held-out PSNR vs teacher CFG (dB)")
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
+    figure.tight_layout()
+    try:
+        with atomic_path(str(path), suffix=".png") as temporary:
+            figure.savefig(temporary, dpi=110)
+    finally:
+        plt.close(figure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""QAD (models.qad) on a tiny PixArt: schedule, STE gradients, loss, resume, NaN stop, PTQ init, export, controls."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kroquant_jax import formats
+from kroquant_jax.qlinear import build_qlinear, qlinear_forward
+from models import pixart, qad, testbed
+
+TINY = dataclasses.replace(testbed.TESTBED_PIXART_CONFIG, num_attention_heads=2, attention_head_dim=16, num_layers=1,
+                           cross_attention_dim=32, sample_size=8, caption_channels=32)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    teacher = pixart.build(TINY, jnp.float32, seed=1)
+    student = pixart.build(TINY, jnp.float32, seed=1)
+    rng = np.random.default_rng(0)
+    n, t = 4, 6
+    data = {"images": jnp.asarray(rng.integers(0, 256, (n, 8, 8, 3), dtype=np.uint8)),
+            "context": jnp.asarray(rng.standard_normal((n, t, 32)).astype(np.float16)),
+            "context_mask": jnp.ones((n, t), jnp.uint8),
+            "null_context": jnp.asarray(0.1 * rng.standard_normal((t, 32)).astype(np.float16)),
+            "null_mask": jnp.asarray(np.r_[1, 1, 0, 0, 0, 0].astype(np.uint8))}
+    return teacher, student, data
+
+
+def _run_parts(setup, config, layers=None, blocks=None, lowrank_quantized=False):
+    teacher, student, data = setup
+    if layers is None:
+        layers, blocks = qad.student_from_model(student)
+    t_graph, t_state = nnx.split(teacher)
+    s_graph, s_state = nnx.split(student)
+    chunk = qad.make_train_chunk(s_graph, t_graph, t_state, blocks, config, lowrank_quantized, data)
+    state = qad.init_state(s_state, layers, config)
+    return chunk, state, s_graph, t_graph, t_state, blocks
+
+
+def _fixed_loss(setup, state, config, s_graph, t_graph, t_state, blocks, key=123):
+    _, _, data = setup
+
+    def teacher_velocity(x, timestep, context, mask):
+        return nnx.merge(t_graph, t_state)(x, context, timestep, encoder_attention_mask=mask)
+
+    loss, parts = qad.qad_loss(state["trainable"], blocks, s_graph, teacher_velocity, config, False,
+                               testbed.images_to_pixels(data["images"]), data["context"].astype(jnp.float32),
+                               data["context_mask"].astype(jnp.float32), data["null_context"].astype(jnp.float32),
+                               data["null_mask"].astype(jnp.float32), jax.random.key(key))
+    return float(loss), {k: float(v) for k, v in parts.items()}
+
+
+def test_guidance_schedule():
+    constant = qad.GuidanceSchedule(3.0, 3.0)
+    assert constant.constant
+    np.testing.assert_array_equal(np.asarray(constant(jnp.linspace(0, 1, 11))), 3.0)
+    s = qad.GuidanceSchedule(noisy=4.5, clean=1.5, sigma_clean=0.2, sigma_noisy=0.6)
+    sig = jnp.linspace(0.0, 1.0, 101)
+    w = np.asarray(s(sig))
+    assert w[0] == pytest.approx(1.5) and w[20] == pytest.approx(1.5)  # clean end, up to sigma_clean
+    assert w[60] == pytest.approx(4.5) and w[100] == pytest.approx(4.5)  # middle and noisy levels: the strong value
+    assert np.all(np.diff(w) >= -1e-6) and 1.5 < w[40] < 4.5  # monotone ramp between
+    with pytest.raises(ValueError, match="sigma_clean"):
+        qad.GuidanceSchedule(3.0, 1.0, sigma_clean=0.5, sigma_noisy=0.4)
+    with pytest.raises(ValueError, match="below 1"):
+        qad.GuidanceSchedule(0.5, 1.0)
+
+
+def test_guided_sample_equals_testbed_euler_for_constant_schedule(setup):
+    teacher, _, data = setup
+    noise = jax.random.normal(jax.random.key(0), (2, 3, 8, 8))
+    fn = testbed.pixart_velocity_fn(teacher)
+    args = (noise, data["context"][:2].astype(jnp.float32), data["context_mask"][:2].astype(jnp.float32),
+            data["null_context"].astype(jnp.float32), data["null_mask"].astype(jnp.float32), 4)
+    ours = qad.guided_sample(fn, *args, qad.GuidanceSchedule(3.0, 3.0))
+    reference = testbed.euler_sample(fn, *args, 3.0)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(reference), rtol=1e-5, atol=1e-5)
+    scheduled = qad.guided_sample(fn, *args, qad.GuidanceSchedule(3.0, 1.0))
+    assert float(jnp.max(jnp.abs(scheduled - reference))) > 1e-4  # the schedule changes the trajectory
+
+
+@pytest.mark.parametrize("ste", ["identity", "clipped", "none"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_ste_gradient_reaches_quantized_weights_only_with_ste(setup, ste, fmt):
+    config = qad.QADConfig(fmt=fmt, ste=ste, batch_size=4, steps=2, chunk=2, save_every=2)
+    teacher, student, data = setup
+    layers, blocks = qad.student_from_model(student)
+    t_graph, t_state = nnx.split(teacher)
+    s_graph, s_state = nnx.split(student)
+    state = qad.init_state(s_state, layers, config)
+
+    def teacher_velocity(x, timestep, context, mask):
+        return nnx.merge(t_graph, t_state)(x, context, timestep, encoder_attention_mask=mask)
+
+    def loss(trainable):
+        return qad.qad_loss(trainable, blocks, s_graph, teacher_velocity, config, False,
+                            testbed.images_to_pixels(data["images"]), data["context"].astype(jnp.float32),
+                            data["context_mask"].astype(jnp.float32), data["null_context"].astype(jnp.float32),
+                            data["null_mask"].astype(jnp.float32), jax.random.key(0))[0]
+
+    grads = jax.grad(loss)(state["trainable"])
+    weight_grads = [float(jnp.abs(g["weight"]).max()) for g in grads["layers"].values()]
+    assert len(weight_grads) == 10 * TINY.num_layers
+    if ste == "none":
+        assert max(weight_grads) == 0.0  # naive distillation: nothing through the quantizer
+    else:
+        assert min(weight_grads) > 0.0  # every quantized linear's weight gets a gradient through the rounding
+    bias_grads = [float(jnp.abs(g["bias"]).max()) for g in grads["layers"].values()]
+    assert max(bias_grads) > 0.0  # biases sit after the quantizer: trained in every mode
+    proj_out = float(jnp.abs(grads["model"]["proj_out"]["kernel"][...]).max())
+    assert proj_out > 0.0  # the 16-bit output layer trains in every mode
+
+
+def test_clipped_ste_zeroes_saturated_elements():
+    fmt = formats.MXFP4()
+    layer = {"weight": jnp.zeros((2, 32)).at[0, 0].set(1.0), "bias": jnp.zeros(2), "left": jnp.zeros((2, 0)),
+             "right": jnp.zeros((0, 32))}
+    blocks = jnp.ones((32, 1, 1))
+    x = jnp.linspace(-1.0, 1.0, 32)[None]
+
+    def out(layer, ste):
+        return jnp.sum(qad.student_linear(layer, blocks, jnp.float32(1.0), x, fmt=fmt, ste=ste,
+                                          lowrank_quantized=False))
+
+    g_plain = jax.grad(out)(layer, "identity")["weight"]
+    g_clip = jax.grad(out)(layer, "clipped")["weight"]
+    np.testing.assert_array_equal(np.asarray(g_clip[1]), np.asarray(g_plain[1]))  # all-zero row: nothing saturates
+    assert float(jnp.abs(g_plain).sum()) > 0
+
+
+def test_few_steps_reduce_the_loss(setup):
+    # the distillation term: the flow-matching term of random images has a large irreducible part
+    # CFG 6: the tiny random model's branches differ little, so a weak guidance leaves little to learn
+    config = qad.QADConfig(batch_size=4, steps=40, chunk=10, save_every=40, lr=1e-3, warmup=1, fm_weight=0.0,
+                           schedule=qad.GuidanceSchedule(6.0, 6.0))
+    chunk, state, s_graph, t_graph, t_state, blocks = _run_parts(setup, config)
+    before, _ = _fixed_loss(setup, state, config, s_graph, t_graph, t_state, blocks)
+    for _ in range(4):
+        state, metrics = chunk(state)
+    after, _ = _fixed_loss(setup, state, config, s_graph, t_graph, t_state, blocks)
+    assert int(state["step"]) == 40
+    assert after < 0.5 * before, (before, after)
+
+
+def test_resume_after_a_stop_is_bit_identical(setup, tmp_path):
+    config = qad.QADConfig(batch_size=4, steps=6, chunk=2, save_every=2, lr=1e-3, warmup=1)
+    chunk, state0, *_ = _run_parts(setup, config)
+    full, _ = qad.train(tmp_path / "full", chunk, state0, config, {"init": "x"}, progress=False)
+    part, records = qad.train(tmp_path / "split", chunk, state0, config, {"init": "x"}, progress=False, stop_after=2)
+    assert int(part["step"]) == 2 and len(records) == 1
+    # a fresh call (as after a kill): only the checkpoint on disk survives
+    resumed, records = qad.train(tmp_path / "split", chunk, state0, config, {"init": "x"}, progress=False)
+    assert [r["step"] for r in records] == [4, 6]
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: jnp.any(a != b), full["trainable"], state0["trainable"]))
+    assert any(bool(m) for m in moved)  # training changed something (the equality is not trivial)
+
+
+def test_refuses_a_run_folder_made_with_other_settings(setup, tmp_path):
+    config = qad.QADConfig(batch_size=4, steps=2, chunk=2, save_every=2)
+    chunk, state0, *_ = _run_parts(setup, config)
+    qad.train(tmp_path, chunk, state0, config, {"init": "16-bit"}, progress=False)
+    with pytest.raises(ValueError, match="other settings.*init"):
+        qad.train(tmp_path, chunk, state0, config, {"init": "svdquant"}, progress=False)
+    other = dataclasses.replace(config, fm_weight=0.5)
+    with pytest.raises(ValueError, match="other settings.*config"):
+        qad.train(tmp_path, chunk, state0, other, {"init": "16-bit"}, progress=False)
+
+
+def test_nan_stops_training_and_keeps_the_last_good_checkpoint(setup, tmp_path):
+    config = qad.QADConfig(batch_size=4, steps=8, chunk=2, save_every=2, lr=1e-3, warmup=1)
+    chunk, state0, *_ = _run_parts(setup, config)
+    good = {}
+
+    def poisoned(state):
+        # a real non-finite step: from step 4 on, the teacher-free loss sees a NaN weight
+        if int(state["step"]) >= 4:
+            layers = dict(state["trainable"]["layers"])
+            first = next(iter(layers))
+            layers[first] = {**layers[first], "weight": layers[first]["weight"].at[0, 0].set(jnp.nan)}
+            state = {**state, "trainable": {**state["trainable"], "layers": layers}}
+        else:
+            good["state"] = state
+        return chunk(state)
+
+    with pytest.raises(qad.NonFiniteError, match=r"QAD step 5: .*not finite.*step_00000004"):
+        qad.train(tmp_path, poisoned, state0, config, {"init": "x"}, progress=False)
+    last = qad.latest_checkpoint(tmp_path / "checkpoints")
+    assert last.name == "step_00000004"
+    restored = qad.restore_checkpoint(last, state0)
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(restored["trainable"]))
+    expected, _ = chunk(good["state"])  # the state after steps 3-4, saved at step 4
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(restored)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [2, 4]
+
+
+@pytest.mark.parametrize("transform,packed_branch", [("hadamard32", True), ("diagonal", False)])
+def test_ptq_init_and_export_reproduce_the_calibrated_layers(setup, transform, packed_branch):
+    """LoRaQ-like (Hadamard, MXFP4 branch) and SVDQuant-like (diagonal, 16-bit branch) PTQ layers: the student at
+    init computes what the calibrated layer computes, and its export runs through qlinear_forward unchanged."""
+    _, student, _ = setup
+    from models.layers import linears
+    rng = np.random.default_rng(0)
+    qlayers = {}
+    for name, linear in linears(student, quantizable_only=True).items():
+        w = np.asarray(linear.kernel[...]).T
+        o, d = w.shape
+        branch = (0.1 * rng.standard_normal((o, 32)).astype(np.float32),  # rank 32: a packed branch is quantized
+                  rng.standard_normal((32, d)).astype(np.float32))  # along the rank, in blocks of 32
+        params = None if transform != "diagonal" else {"log_gamma": jnp.asarray(0.3 * rng.standard_normal(d), jnp.float32)}
+        qlayers[name] = build_qlinear(w, np.asarray(linear.bias[...]), transform=transform, lowrank=branch,
+                                      lowrank_quantized=packed_branch, **({} if params is None else
+                                                                          {"transform_params": params}))
+    layers, blocks, packed = qad.student_from_qlinears(student, qlayers)
+    assert packed is packed_branch
+    config = qad.QADConfig()
+    exported = qad.export_qlinears(layers, blocks, config, packed)
+    x = jnp.asarray(rng.standard_normal((5, 32)).astype(np.float32))
+    for name in ("transformer_blocks.0.attn1.to_q", "transformer_blocks.0.attn2.to_k"):
+        ours = qad.student_linear(layers[name], blocks[name], jnp.float32(1.0), x, fmt=formats.MXFP4(),
+                                  ste="identity", lowrank_quantized=packed)
+        theirs = qlinear_forward(qlayers[name], x, "simulate")
+        scale = float(jnp.abs(theirs).max())
+        # the same quantized residual up to rounding ties of the recomputed W~ (f32 vs the layer's own arithmetic)
+        assert float(jnp.abs(ours - theirs).max()) < 2e-2 * scale, name
+        for path in ("simulate", "packed"):
+            np.testing.assert_allclose(np.asarray(qlinear_forward(exported[name], x, path)), np.asarray(ours),
+                                       rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_student_at_guidance_one_learns_the_guided_teacher(setup):
+    """Overfit one caption: the one-branch student's prediction moves to the teacher's guided target (CFG 4),
+    away from the teacher's plain conditional prediction it started next to."""
+    teacher, student, data = setup
+    one = {k: (v[:1] if k in ("images", "context", "context_mask") else v) for k, v in data.items()}
+    config = qad.QADConfig(batch_size=8, steps=300, chunk=50, save_every=300, lr=3e-3, warmup=1, fm_weight=0.0,
+                           schedule=qad.GuidanceSchedule(4.0, 4.0))
+    t_graph, t_state = nnx.split(teacher)
+    s_graph, s_state = nnx.split(student)
+    layers, blocks = qad.student_from_model(student)
+    chunk = qad.make_train_chunk(s_graph, t_graph, t_state, blocks, config, False, one)
+    state = qad.init_state(s_state, layers, config)
+
+    key = jax.random.key(7)
+    sigma = jnp.linspace(0.1, 0.9, 8)
+    x0 = testbed.images_to_pixels(jnp.repeat(one["images"], 8, 0))
+    noisy = (1 - sigma)[:, None, None, None] * x0 + sigma[:, None, None, None] * jax.random.normal(key, x0.shape)
+    ctx = jnp.repeat(one["context"], 8, 0).astype(jnp.float32)
+    mask = jnp.repeat(one["context_mask"], 8, 0).astype(jnp.float32)
+    teacher_fn = testbed.pixart_velocity_fn(teacher)
+    guided = qad.teacher_target(teacher_fn, noisy, sigma, ctx, mask, one["null_context"].astype(jnp.float32),
+                                one["null_mask"].astype(jnp.float32), config.schedule)
+    conditional = teacher_fn(noisy, sigma * 1000, ctx, mask)
+
+    def student_error(state):
+        v = qad.student_velocity(s_graph, state["trainable"], blocks, config, False, noisy, sigma * 1000, ctx, mask)
+        return float(jnp.mean((v - guided) ** 2)), float(jnp.mean((v - conditional) ** 2))
+
+    gap = float(jnp.mean((guided - conditional) ** 2))
+    before_guided, before_cond = student_error(state)
+    assert before_cond < 0.2 * gap  # at init the student is the (quantized) conditional teacher
+    for _ in range(config.steps // config.chunk):
+        state, _ = chunk(state)
+    after_guided, after_cond = student_error(state)
+    assert after_guided < 0.1 * before_guided, (before_guided, after_guided)
+    assert after_guided < 0.1 * after_cond  # it predicts the guided velocity, not the conditional one
+
+
+def test_colour_correction_matches_reference_statistics():
+    rng = np.random.default_rng(0)
+    reference = rng.integers(0, 256, (6, 16, 16, 3)).astype(np.uint8)
+    grey = reference.mean(-1, keepdims=True)
+    washed = np.clip(0.6 * reference + 0.4 * grey - 20, 0, 255).astype(np.uint8)  # desaturated and darker
+    fixed = qad.colour_correct(washed, reference)
+    from models import image_metrics
+    before = image_metrics.color_ratios(washed / 255.0, reference / 255.0)["chroma_ratio"]
+    after = image_metrics.color_ratios(fixed / 255.0, reference / 255.0)["chroma_ratio"]
+    assert before < 0.8 and abs(after - 1.0) < 0.05 < abs(before - 1.0)
+    assert abs(fixed.mean() - reference.mean()) < 3.0 < abs(washed.mean() - reference.mean())
+    np.testing.assert_allclose(qad.colour_correct(reference, reference), reference, atol=1)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="fmt"):
+        qad.QADConfig(fmt="int4")
+    with pytest.raises(ValueError, match="ste"):
+        qad.QADConfig(ste="soft")
+    with pytest.raises(ValueError, match="multiples of chunk"):
+        qad.QADConfig(steps=15, chunk=10)
