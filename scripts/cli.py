@@ -20,6 +20,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "build-emoji-dataset": ("scripts.build_emoji_dataset", "build the emoji testbed dataset from the Noto font"),
     "train-testbed": ("scripts.train_testbed", "train the emoji testbed DiT"),
     "evaluate": ("scripts.eval_testbed", "end-to-end W4A4 evaluation of every method on the testbed"),
+    "dmd2": ("scripts.dmd2", "DMD2 few-step distillation of the testbed DiT; FD / caption-accuracy evaluation"),
 }
 
 

@@ -31,10 +31,10 @@ from flax import nnx
 
 from kroquant_jax.fileio import atomic_write_text
 from models import pixart, testbed, testbed_data
+from models.emoji_metrics import OUTCOMES, nearest_outcome
 from scripts.eval_testbed import DEFAULT_CHECKPOINT, flow_sampler, generate
 
 GROUPS = ("sibling in training", "novel concept")
-OUTCOMES = ("own glyph", "sibling", "other emoji")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,17 +58,6 @@ def heldout_groups(dataset: testbed_data.EmojiDataset) -> dict[str, np.ndarray]:
     held = np.flatnonzero(dataset.heldout)
     return {GROUPS[0]: np.array([i for i in held if bases[i] in trained], dtype=np.int64),
             GROUPS[1]: np.array([i for i in held if bases[i] not in trained], dtype=np.int64)}
-
-
-def nearest_outcome(image: np.ndarray, target: int, dataset: testbed_data.EmojiDataset, pool: np.ndarray,
-                    bases: list[tuple[int, ...]]) -> tuple[str, int, float]:
-    """``(outcome, nearest record, MSE to the target image)`` of a generated uint8 image ``(s, s, 3)``."""
-    x = image.astype(np.float32) / 255
-    nearest = int(np.argmin(np.mean(np.square(pool - x), axis=(1, 2, 3))))
-    mse = float(np.mean(np.square(pool[target] - x)))
-    if np.array_equal(dataset.images[nearest], dataset.images[target]):
-        return OUTCOMES[0], nearest, mse
-    return (OUTCOMES[1] if bases[nearest] == bases[target] else OUTCOMES[2]), nearest, mse
 
 
 def main(argv=None) -> int:
