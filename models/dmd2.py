@@ -407,7 +407,8 @@ def make_cycle(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef
     """A jitted ``(state, teacher_params) -> (state, metrics)`` running ``cycles`` DMD2 cycles.
 
     One cycle = one generator update, then ``config.fake_updates_per_generator`` fake-score (+ discriminator)
-    updates, the first on the generator update's own (detached) samples.
+    updates in one ``lax.scan`` (one compiled copy of the update), the first on the generator update's own (detached)
+    samples. The discriminator scores fake and real images in one batch.
 
     sample_batch: ``key -> (cond, real_images (b, c, h, w) or None, real_cond or None)``: prompts for the generator
         and, for the GAN, a batch of real images with their conditioning.
@@ -440,15 +441,16 @@ def make_cycle(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef
         return total, (x0, {"dm_loss": loss, "gan_g": gan_g, **aux})
 
     def critic_loss(critic, x0, cond, key, real_images, real_cond):
-        key_fm, key_fake, key_real = jax.random.split(key, 3)
+        key_fm, key_gan = jax.random.split(key)
         loss = fake_score_loss(model, critic["fake"], x0, cond, key_fm)
         gan_d = jnp.zeros(())
-        if config.gan_discriminator_weight > 0:
-            fake_logits = gan_logits(model, critic["fake"], head_graphdef, critic["head"], jax.lax.stop_gradient(x0),
-                                     cond, key_fake, config.gan_max_sigma)
-            real_logits = gan_logits(model, critic["fake"], head_graphdef, critic["head"], real_images, real_cond,
-                                     key_real, config.gan_max_sigma)
-            gan_d = jnp.mean(jax.nn.softplus(fake_logits)) + jnp.mean(jax.nn.softplus(-real_logits))
+        if config.gan_discriminator_weight > 0:  # fake and real in one batch: one fake-score forward
+            b = x0.shape[0]
+            both = jnp.concatenate([jax.lax.stop_gradient(x0), real_images], 0)  # (2b, c, h, w)
+            both_cond = jax.tree.map(lambda f, r: jnp.concatenate([f, r], 0), cond, real_cond)
+            logits = gan_logits(model, critic["fake"], head_graphdef, critic["head"], both, both_cond, key_gan,
+                                config.gan_max_sigma)  # (2b,)
+            gan_d = jnp.mean(jax.nn.softplus(logits[:b])) + jnp.mean(jax.nn.softplus(-logits[b:]))
         return loss + config.gan_discriminator_weight * gan_d, {"fake_loss": loss, "gan_d": gan_d}
 
     def critic_update(state, x0, cond, key, real_images, real_cond):
@@ -461,26 +463,30 @@ def make_cycle(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef
     def one_cycle(state, teacher):
         key = jax.random.wrap_key_data(state["key"])
         key, key_batch, key_gen, key_critic, key_rest = jax.random.split(key, 5)
-        cond, real_images, real_cond = sample_batch(key_batch)
+        batch = sample_batch(key_batch)
         (_, (x0, gen_aux)), grads = jax.value_and_grad(generator_loss, has_aux=True)(
-            state["generator"], state["critic"], teacher, key_gen, cond)
+            state["generator"], state["critic"], teacher, key_gen, batch[0])
         updates, opt = gen_opt.update(grads, state["gen_opt"], state["generator"])
         state = {**state, "generator": optax.apply_updates(state["generator"], updates), "gen_opt": opt}
-        state, critic_aux = critic_update(state, x0, cond, key_critic, real_images, real_cond)
+        first = (jax.lax.stop_gradient(x0),) + tuple(batch)
 
-        def fake_only(state, k):
+        def critic_step(state, k):
+            # update 0 reuses the generator update's samples; the others draw prompts and (gradient-free) samples
             key_b, key_s, key_c = jax.random.split(jax.random.fold_in(key_rest, k), 3)
-            cond, real_images, real_cond = sample_batch(key_b)
-            x0 = jax.lax.stop_gradient(make_samples(state["generator"], key_s, cond))
-            state, aux = critic_update(state, x0, cond, key_c, real_images, real_cond)
-            return state, aux
 
-        extra = config.fake_updates_per_generator - 1
-        if extra:
-            state, rest = jax.lax.scan(fake_only, state, jnp.arange(extra))
-            critic_aux = jax.tree.map(lambda first, others: (first + others.sum()) / (extra + 1), critic_aux, rest)
+            def fresh():
+                cond, real_images, real_cond = sample_batch(key_b)
+                return (jax.lax.stop_gradient(make_samples(state["generator"], key_s, cond)), cond, real_images,
+                        real_cond)
+
+            x0, cond, real_images, real_cond = jax.lax.cond(k == 0, lambda: first, fresh)
+            key_update = jax.random.wrap_key_data(jnp.where(k == 0, jax.random.key_data(key_critic),
+                                                            jax.random.key_data(key_c)))
+            return critic_update(state, x0, cond, key_update, real_images, real_cond)
+
+        state, critic_aux = jax.lax.scan(critic_step, state, jnp.arange(config.fake_updates_per_generator))
         state = {**state, "key": jax.random.key_data(key)}
-        metrics = {**gen_aux, **critic_aux}
+        metrics = {**gen_aux, **jax.tree.map(jnp.mean, critic_aux)}
         finite = _finite(metrics) & _finite(state["generator"]) & _finite(state["critic"])
         return state, {**metrics, "finite": finite.astype(jnp.float32)}
 

@@ -33,8 +33,9 @@ from flax import nnx
 from kroquant_jax.fileio import atomic_write_json
 from models import dmd2, emoji_metrics, pixart, testbed, testbed_data
 from models.layers import linears
+from scripts.eval_testbed import DEFAULT_CHECKPOINT as DEFAULT_TEACHER
 
-DEFAULT_TEACHER = Path(__file__).resolve().parent.parent / "checkpoints" / "emoji_pixart"
+DEFAULTS = dmd2.DMD2Config()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,18 +49,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--data", required=True, help="dataset or prompt-subset .npz (scripts.build_emoji_dataset)")
         p.add_argument("--teacher", default=str(DEFAULT_TEACHER), help="diffusers PixArt directory")
         p.add_argument("--run", required=True, help="training folder (orbax checkpoints, log.jsonl)")
-        p.add_argument("--num-steps", type=int, default=4, help="student steps trained (backward simulation)")
-        p.add_argument("--guidance", type=float, default=3.0, help="real-score / teacher CFG scale")
+        p.add_argument("--num-steps", type=int, default=DEFAULTS.num_steps,
+                       help="student steps trained (backward simulation)")
+        p.add_argument("--guidance", type=float, default=DEFAULTS.guidance, help="real-score / teacher CFG scale")
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--gan-feature-layer", default="transformer_blocks.5.ff.net.0.proj")
+        p.add_argument("--gan-feature-layer", default=DEFAULTS.gan_feature_layer)
     train = sub.choices["train"]
     train.add_argument("--cycles", type=int, default=100000, help="generator updates (each with --ratio fake updates)")
     train.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
     train.add_argument("--batch-size", type=int, default=64)
-    train.add_argument("--ratio", type=int, default=5, help="fake-score updates per generator update (DMD2: 5)")
-    train.add_argument("--generator-lr", type=float, default=1e-5)
-    train.add_argument("--fake-lr", type=float, default=1e-5)
-    train.add_argument("--dm-sigma-range", type=float, nargs=2, default=(0.02, 0.98))
+    train.add_argument("--ratio", type=int, default=DEFAULTS.fake_updates_per_generator,
+                       help="fake-score updates per generator update (DMD2: 5)")
+    train.add_argument("--generator-lr", type=float, default=DEFAULTS.generator_lr)
+    train.add_argument("--fake-lr", type=float, default=DEFAULTS.fake_lr)
+    train.add_argument("--dm-sigma-range", type=float, nargs=2, default=(DEFAULTS.dm_sigma_min, DEFAULTS.dm_sigma_max))
     train.add_argument("--guidance-sigma-range", type=float, nargs=2, default=(0.0, 1.0))
     train.add_argument("--gan-generator-weight", type=float, default=0.0, help="0 switches the GAN off")
     train.add_argument("--gan-discriminator-weight", type=float, default=0.0)
@@ -159,9 +162,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     state, cycle = dmd2.restore_state(args.run, template)
     ref_images, ref_heldout, _ = emoji_metrics.load_reference_images(args.reference)
     _, class_images = emoji_metrics.glyph_classes(ref_images)
-    enc_graphdef, enc_params = emoji_metrics.cached_encoder(
-        args.encoder_dir, class_images, emoji_metrics.EncoderConfig(steps=args.encoder_steps, batch_size=args.encoder_batch_size),
-        testbed_data.file_sha256(args.reference), progress=True)
+    encoder_config = emoji_metrics.EncoderConfig(steps=args.encoder_steps, batch_size=args.encoder_batch_size)
+    enc_graphdef, enc_params = emoji_metrics.cached_encoder(args.encoder_dir, class_images, encoder_config,
+                                                            testbed_data.file_sha256(args.reference), progress=True)
     real_features = emoji_metrics.encoder_features(enc_graphdef, enc_params, ref_images[~ref_heldout])
     real_accuracy = emoji_metrics.caption_accuracy(
         emoji_metrics.classify(enc_graphdef, enc_params, class_images), np.arange(class_images.shape[0]))
@@ -178,7 +181,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                                     null_context, null_mask, args.teacher_steps, args.guidance)
 
     student_jits = {steps: jax.jit(lambda params, key, cond, steps=steps: dmd2.generate(
-        flow, params, key, cond, (cond["mask"].shape[0],) + channel_shape, steps)) for steps in sorted(set(args.student_steps) | {args.num_steps})}
+        flow, params, key, cond, (cond["mask"].shape[0],) + channel_shape, steps))
+        for steps in sorted(set(args.student_steps) | {args.num_steps})}
 
     def run_system(name, seed):
         images, began = [], None

@@ -53,15 +53,15 @@ def test_glyph_classes_and_class_of():
 
 def test_classifier_beats_chance_on_real_and_noisy_glyphs_and_caches(tmp_path):
     data = testbed_data.load_dataset(str(CHECKPOINT / "testbed_prompts.npz"))
-    _, class_images = emoji_metrics.glyph_classes(data.images[:40])
-    config = emoji_metrics.EncoderConfig(widths=(16, 32, 32), feature_dim=32, steps=300, batch_size=64, lr=3e-3)
+    _, class_images = emoji_metrics.glyph_classes(data.images[:20])
+    config = emoji_metrics.EncoderConfig(widths=(8, 16, 16), feature_dim=16, steps=200, batch_size=32, lr=5e-3)
     graphdef, params = emoji_metrics.cached_encoder(tmp_path / "enc", class_images, config, "sha-x")
     n = class_images.shape[0]
     real = emoji_metrics.caption_accuracy(emoji_metrics.classify(graphdef, params, class_images), np.arange(n))
     rng = np.random.default_rng(0)
     noisy = np.clip(class_images + rng.normal(0, 8, class_images.shape), 0, 255).astype(np.uint8)
     noisy_acc = emoji_metrics.caption_accuracy(emoji_metrics.classify(graphdef, params, noisy), np.arange(n))
-    assert real > 0.8 and noisy_acc > 0.5, (real, noisy_acc)  # chance is 1/40
+    assert real > 0.8 and noisy_acc > 0.5, (real, noisy_acc)  # chance is 1/20
     # cached: same data id and config -> the saved parameters come back
     graphdef2, params2 = emoji_metrics.cached_encoder(tmp_path / "enc", class_images, config, "sha-x")
     np.testing.assert_array_equal(emoji_metrics.encoder_features(graphdef, params, class_images[:4]),
