@@ -61,7 +61,7 @@ from flax import nnx
 
 from kroquant_jax import formats, transforms
 from kroquant_jax.fileio import atomic_write_text
-from models import testbed
+from models.testbed import model as testbed
 from models.layers import LinearHooks, linears
 
 __all__ = ["GuidanceSchedule", "QADConfig", "NonFiniteError", "student_from_model", "student_from_qlinears",

@@ -31,6 +31,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "train-testbed": ("scripts.train_testbed", "train the emoji testbed DiT"),
     "evaluate": ("scripts.eval_testbed", "end-to-end W4A4 evaluation of every method on the testbed"),
     "qad": ("scripts.qad", "quantization-aware distillation with CFG folded into one branch, on the testbed"),
+    "dmd2": ("scripts.dmd2", "DMD2 few-step distillation of the testbed DiT; FD / caption-accuracy evaluation"),
 }
 
 

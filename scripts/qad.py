@@ -31,8 +31,10 @@ import numpy as np
 from flax import nnx
 
 from kroquant_jax.fileio import atomic_path, atomic_write_text
-from models import pixart, qad, testbed, testbed_data
-from scripts.eval_testbed import image_metrics_of
+from models import families, pixart, qad
+from models.testbed import model as testbed
+from models.testbed import data as testbed_data
+from models.testbed.evaluation import image_metrics_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,7 +85,7 @@ def main(argv=None) -> int:
     if "qad_ptq" in args.variants and not args.ptq_store:
         raise ValueError("variant qad_ptq needs --ptq-store (a calibrated QLinearStore folder)")
     began = time.perf_counter()
-    cfg, teacher = pixart.from_diffusers(args.checkpoint, "float32")
+    cfg, teacher = families.PIXART.from_diffusers(args.checkpoint, "float32")
     prompts = testbed_data.load_dataset(args.prompts or str(Path(args.checkpoint) / "testbed_prompts.npz"))
     heldout = np.flatnonzero(prompts.heldout)[:args.eval_captions]
     train_eval = np.flatnonzero(~prompts.heldout)[32:32 + args.eval_train_captions]  # not eval_testbed's calibration

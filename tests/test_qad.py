@@ -13,7 +13,8 @@ from flax import nnx
 
 from kroquant_jax import formats
 from kroquant_jax.qlinear import build_qlinear, qlinear_forward
-from models import pixart, qad, testbed
+from models import families, pixart, qad
+from models.testbed import model as testbed
 
 TINY = dataclasses.replace(testbed.TESTBED_PIXART_CONFIG, num_attention_heads=2, attention_head_dim=16, num_layers=1,
                            cross_attention_dim=32, sample_size=8, caption_channels=32)
@@ -21,8 +22,8 @@ TINY = dataclasses.replace(testbed.TESTBED_PIXART_CONFIG, num_attention_heads=2,
 
 @pytest.fixture(scope="module")
 def setup():
-    teacher = pixart.build(TINY, jnp.float32, seed=1)
-    student = pixart.build(TINY, jnp.float32, seed=1)
+    teacher = families.PIXART.build(TINY, jnp.float32, seed=1)
+    student = families.PIXART.build(TINY, jnp.float32, seed=1)
     rng = np.random.default_rng(0)
     n, t = 4, 6
     data = {"images": jnp.asarray(rng.integers(0, 256, (n, 8, 8, 3), dtype=np.uint8)),

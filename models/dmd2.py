@@ -1,0 +1,594 @@
+"""DMD2 timestep distillation for flow-matching DiTs (Yin et al. 2024, "Improved Distribution Matching Distillation").
+
+Three networks of one architecture, as pytrees of parameters beside one shared model (``FlowModel``):
+
+* **generator** ``G``: the few-step student, initialised from the teacher. At a student step of noise level
+  ``sigma_i`` it predicts a velocity, turned into a clean image ``x0 = x - sigma_i v``.
+* **real score**: the frozen teacher with classifier-free guidance (``DMD2Config.guidance`` applied where the noise
+  level lies in ``guidance_sigma_range``, scale 1 outside: a guidance-interval schedule).
+* **fake score**: a trainable copy of the teacher, trained with the teacher's flow-matching loss on detached
+  generator samples, so that it tracks the generator's current distribution.
+
+Flow-matching convention (``models.testbed``): ``x_sigma = (1 - sigma) x0 + sigma eps``, velocity ``v = eps - x0``.
+So ``x0 = x_sigma - sigma v``, ``eps = x_sigma + (1 - sigma) v``, and the score of the noisy marginal is
+``grad log p(x_sigma) = -eps / sigma = -(x_sigma - (1 - sigma) x0) / sigma**2``.
+
+**Distribution-matching gradient.** The reverse KL between the generator's distribution and the teacher's, measured
+at noise level ``sigma``, has the per-sample gradient ``s_fake(x_sigma) - s_real(x_sigma)``
+``= (1 - sigma) (x0_fake - x0_real) / sigma**2`` (the difference of the two scores). DMD2 writes it in the
+``x0`` domain and normalises it per sample by the mean absolute distance of the real score's denoised estimate::
+
+    grad = (x0_fake - x0_real) / mean_{c,h,w} |x - x0_real|,     loss = 0.5 mean((x - stopgrad(x - grad))**2)
+
+so that ``d loss / d x = grad / numel(x)``: gradient descent moves each sample towards the teacher's denoised
+estimate and away from the fake score's. ``sigma`` is uniform in ``[dm_sigma_min, dm_sigma_max]``.
+
+**Two-timescale updates.** The fake score is updated every step, the generator every ``fake_updates_per_generator``
+-th step (DMD2's 5). One jitted *cycle* is one generator update followed by that many fake-score updates, the first
+of them on the very samples the generator update made (detached), as in DMD2's training loop.
+
+**GAN (optional, ``gan_generator_weight > 0``).** A small head (:class:`GanHead`) reads the fake score's token
+features at ``gan_feature_layer`` (the input of that linear, a ``models.layers.LinearHooks`` recorder) and outputs one
+logit. The discriminator (head and fake score) minimises ``softplus(logit_fake) + softplus(-logit_real)`` on clean
+real images and clean detached generator samples (noised to a uniform level in ``[0, gan_max_sigma]``); the generator
+minimises ``softplus(-logit_fake)``. The real images are the only data DMD2 sees; the distribution-matching term is
+data-free and there is no regression loss.
+
+**Backward simulation.** The student's ``K`` steps use the noise levels ``1, (K-1)/K, ..., 1/K``; a sample is
+``x0_k = G(x_k, sigma_k)``, ``x_{k+1} = (1 - sigma_{k+1}) x0_k + sigma_{k+1} eps_{k+1}`` with fresh noise. Training
+picks a step ``j`` uniformly per batch, runs the student's own first ``j`` steps without gradient from pure noise, and
+trains the step ``j`` prediction: the training inputs are the student's own intermediate states, not noised data. A
+model trained on the ``K``-step grid samples with any count (1, 2, 4, 8, ...): the generator is a continuous-time
+network, and 1 and 2 steps use levels of the 4-step grid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from models.testbed import model as testbed
+from models.layers import LinearHooks
+
+__all__ = ["DMD2Config", "FlowModel", "GanHead", "DMD2Divergence", "pixart_flow_model", "x0_from_velocity",
+           "eps_from_velocity", "score_from_velocity", "student_sigmas", "guided_velocity", "generate",
+           "backward_simulate", "dm_gradient", "dm_loss", "fake_score_loss", "gan_logits", "make_optimizers",
+           "init_state", "make_cycle", "train", "restore_state", "forward_passes_per_image"]
+
+Cond = Any  # a pytree of per-sample conditioning arrays (leading axis = batch)
+Params = Any
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Configuration and model adapter
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DMD2Config:
+    """Settings of the distillation (defaults: DMD2's recipe where it transfers; see docs/dmd2.md).
+
+    num_steps: the student's step count during training (backward-simulation grid).
+    guidance: real-score CFG scale; applied where ``guidance_sigma_range[0] <= sigma <= guidance_sigma_range[1]``.
+    dm_sigma_min, dm_sigma_max: the distribution-matching noise-level range (DMD2: 2% to 98% of the timesteps).
+    fake_updates_per_generator: fake-score updates per generator update (DMD2's two-timescale ratio 5).
+    generator_lr, fake_lr: AdamW learning rates (constant after ``warmup`` linear warm-up steps).
+    weight_decay, grad_clip: AdamW weight decay and global-norm clipping of each network's gradient.
+    gan_generator_weight, gan_discriminator_weight: GAN loss weights (0 for the generator switches the GAN off).
+    gan_feature_layer: the linear whose input (tokens (b, n, d)) feeds the GAN head.
+    gan_max_sigma: GAN inputs are noised to a uniform level in [0, gan_max_sigma] (0: clean images).
+    backward_simulation: False trains every step on pure noise (a one-step student whatever num_steps says).
+    """
+
+    num_steps: int = 4
+    guidance: float = 3.0
+    guidance_sigma_range: tuple[float, float] = (0.0, 1.0)
+    dm_sigma_min: float = 0.02
+    dm_sigma_max: float = 0.98
+    fake_updates_per_generator: int = 5
+    generator_lr: float = 1e-5
+    fake_lr: float = 1e-5
+    warmup: int = 0
+    weight_decay: float = 0.01
+    grad_clip: float = 10.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    gan_generator_weight: float = 0.0
+    gan_discriminator_weight: float = 0.0
+    gan_feature_layer: str = "transformer_blocks.5.ff.net.0.proj"
+    gan_max_sigma: float = 0.0
+    backward_simulation: bool = True
+
+    def __post_init__(self):
+        if self.num_steps < 1:
+            raise ValueError(f"DMD2Config: {self.num_steps=} must be >= 1")
+        if not 0.0 < self.dm_sigma_min < self.dm_sigma_max < 1.0:
+            raise ValueError(f"DMD2Config: need 0 < dm_sigma_min ({self.dm_sigma_min}) < dm_sigma_max "
+                             f"({self.dm_sigma_max}) < 1")
+        low, high = self.guidance_sigma_range
+        if not 0.0 <= low <= high <= 1.0:
+            raise ValueError(f"DMD2Config: {self.guidance_sigma_range=} must satisfy 0 <= low <= high <= 1")
+        if self.fake_updates_per_generator < 1:
+            raise ValueError(f"DMD2Config: {self.fake_updates_per_generator=} must be >= 1")
+        if self.generator_lr <= 0 or self.fake_lr <= 0:
+            raise ValueError(f"DMD2Config: learning rates must be > 0 ({self.generator_lr=}, {self.fake_lr=})")
+        if self.gan_generator_weight < 0 or self.gan_discriminator_weight < 0:
+            raise ValueError("DMD2Config: GAN weights must be >= 0")
+        if not 0.0 <= self.gan_max_sigma < 1.0:
+            raise ValueError(f"DMD2Config: {self.gan_max_sigma=} must be in [0, 1)")
+
+    @property
+    def gan(self) -> bool:
+        return self.gan_generator_weight > 0 or self.gan_discriminator_weight > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowModel:
+    """The network shared by generator, real and fake score (each call takes its own parameters).
+
+    apply: ``(params, x (b, c, h, w), sigma (b,) in [0, 1], cond) -> velocity (b, c, h, w)``.
+    apply_features: ``(params, x, sigma, cond) -> (velocity, features (b, n, d))``; None if no GAN is used.
+    uncond: ``cond -> cond`` of the same batch with the empty caption (the CFG negative).
+    """
+
+    apply: Callable[[Params, jax.Array, jax.Array, Cond], jax.Array]
+    uncond: Callable[[Cond], Cond]
+    apply_features: Callable[[Params, jax.Array, jax.Array, Cond], tuple[jax.Array, jax.Array]] | None = None
+
+
+class _FeatureRecorder:
+    """A LinearHooks recorder keeping the input of one linear (in the same trace)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.value = None
+
+    def wants(self, path: str) -> bool:
+        return path == self.path
+
+    def record(self, path: str, x: jax.Array) -> None:
+        self.value = x
+
+
+def pixart_flow_model(graphdef: nnx.GraphDef, null_context: jax.Array, null_mask: jax.Array,
+                      feature_layer: str | None = None, compute_dtype: Any = jnp.float32) -> FlowModel:
+    """The testbed PixArt as a :class:`FlowModel`; ``cond = {"context": (b, t, c), "mask": (b, t)}``.
+
+    Parameters are cast to ``compute_dtype`` for the forward pass (fp32 masters stay in the optimizer); the
+    velocity comes back in fp32. ``feature_layer``: dotted path of a linear whose input feeds the GAN head.
+    """
+
+    def forward(params, x, sigma, cond, hooks):
+        low = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+        model = nnx.merge(graphdef, low)
+        out = model(x.astype(compute_dtype), cond["context"].astype(compute_dtype), sigma * testbed.TIMESTEP_SCALE,
+                    encoder_attention_mask=cond["mask"], hooks=hooks)  # (b, 3, s, s)
+        return out.astype(jnp.float32)
+
+    def apply(params, x, sigma, cond):
+        return forward(params, x, sigma, cond, None)
+
+    def apply_features(params, x, sigma, cond):
+        recorder = _FeatureRecorder(feature_layer)
+        velocity = forward(params, x, sigma, cond, LinearHooks(recorder=recorder))
+        if recorder.value is None:
+            raise KeyError(f"pixart_flow_model: no linear named {feature_layer!r} (DMD2Config.gan_feature_layer)")
+        return velocity, recorder.value.astype(jnp.float32)  # (b, 3, s, s), (b, n, d)
+
+    def uncond(cond):
+        b = cond["context"].shape[0]
+        return {"context": jnp.broadcast_to(null_context.astype(cond["context"].dtype), (b,) + null_context.shape),
+                "mask": jnp.broadcast_to(null_mask.astype(cond["mask"].dtype), (b,) + null_mask.shape)}
+
+    return FlowModel(apply=apply, uncond=uncond, apply_features=apply_features if feature_layer else None)
+
+
+class GanHead(nnx.Module):
+    """Realism logit from fake-score token features: (b, n, d) -> LayerNorm, Linear d->d, SiLU, mean over tokens,
+    Linear d->1 -> (b,)."""
+
+    def __init__(self, dim: int, *, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(dim, rngs=rngs)
+        self.hidden = nnx.Linear(dim, dim, rngs=rngs)
+        self.out = nnx.Linear(dim, 1, kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
+
+    def __call__(self, features: jax.Array) -> jax.Array:
+        h = jax.nn.silu(self.hidden(self.norm(features)))  # (b, n, d)
+        return self.out(h.mean(axis=1))[:, 0]  # (b,)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Flow-matching conversions and the student sampler
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _bcast(sigma: jax.Array, x: jax.Array) -> jax.Array:
+    return jnp.reshape(sigma, sigma.shape + (1,) * (x.ndim - sigma.ndim))  # (b, 1, ..., 1)
+
+
+def x0_from_velocity(x: jax.Array, velocity: jax.Array, sigma: jax.Array) -> jax.Array:
+    """``x0 = x_sigma - sigma v``. x, velocity (b, ...), sigma (b,) -> (b, ...)."""
+    return x - _bcast(sigma, x) * velocity
+
+
+def eps_from_velocity(x: jax.Array, velocity: jax.Array, sigma: jax.Array) -> jax.Array:
+    """``eps = x_sigma + (1 - sigma) v``. x, velocity (b, ...), sigma (b,) -> (b, ...)."""
+    return x + (1.0 - _bcast(sigma, x)) * velocity
+
+
+def score_from_velocity(x: jax.Array, velocity: jax.Array, sigma: jax.Array) -> jax.Array:
+    """``grad log p(x_sigma) = -eps / sigma`` (sigma > 0). x, velocity (b, ...), sigma (b,) -> (b, ...)."""
+    return -eps_from_velocity(x, velocity, sigma) / _bcast(sigma, x)
+
+
+def student_sigmas(num_steps: int) -> np.ndarray:
+    """The student's noise levels ``1, (K-1)/K, ..., 1/K`` (K,) (DMD2's 999, 749, 499, 249 for K = 4)."""
+    if num_steps < 1:
+        raise ValueError(f"student_sigmas: {num_steps=} must be >= 1")
+    return (np.arange(num_steps, 0, -1) / num_steps).astype(np.float32)
+
+
+def guided_velocity(model: FlowModel, params: Params, x: jax.Array, sigma: jax.Array, cond: Cond, guidance: float,
+                    sigma_range: tuple[float, float] = (0.0, 1.0)) -> jax.Array:
+    """CFG velocity ``v_u + g (v_c - v_u)`` (both branches in one batch), scale 1 where sigma is outside the range.
+
+    x (b, ...), sigma (b,) -> (b, ...). guidance 1 runs the conditional branch alone.
+    """
+    if guidance == 1.0:
+        return model.apply(params, x, sigma, cond)
+    b = x.shape[0]
+    both = jax.tree.map(lambda c, u: jnp.concatenate([c, u], 0), cond, model.uncond(cond))
+    velocity = model.apply(params, jnp.concatenate([x, x], 0), jnp.concatenate([sigma, sigma], 0), both)  # (2b, ...)
+    conditional, unconditional = velocity[:b], velocity[b:]
+    inside = (sigma >= sigma_range[0]) & (sigma <= sigma_range[1])  # (b,)
+    scale = _bcast(jnp.where(inside, guidance, 1.0), x)
+    return unconditional + scale * (conditional - unconditional)
+
+
+def generate(model: FlowModel, params: Params, key: jax.Array, cond: Cond, shape: tuple[int, ...],
+             num_steps: int) -> jax.Array:
+    """The student's ``num_steps``-step sample: predict x0, re-noise to the next level with fresh noise, repeat.
+
+    key: PRNG key (start noise and the re-noising). shape: (b, c, h, w). Returns x0 (b, c, h, w), float32.
+    """
+    sigmas = jnp.asarray(student_sigmas(num_steps))
+    keys = jax.random.split(key, num_steps)
+    x = jax.random.normal(keys[0], shape, jnp.float32)
+    b = shape[0]
+    x0 = x
+    for k in range(num_steps):  # unrolled: num_steps is small and static
+        sigma = jnp.full((b,), sigmas[k])
+        x0 = x0_from_velocity(x, model.apply(params, x, sigma, cond), sigma)
+        if k + 1 < num_steps:
+            x = (1.0 - sigmas[k + 1]) * x0 + sigmas[k + 1] * jax.random.normal(keys[k + 1], shape, jnp.float32)
+    return x0
+
+
+def forward_passes_per_image(num_steps: int, guidance: float) -> int:
+    """Network evaluations per image: steps x (2 with CFG, 1 without)."""
+    return num_steps * (1 if guidance == 1.0 else 2)
+
+
+def backward_simulate(model: FlowModel, params: Params, key: jax.Array, cond: Cond, shape: tuple[int, ...],
+                      num_steps: int) -> tuple[jax.Array, jax.Array]:
+    """The generator's training input: ``(x_j (b, c, h, w), sigma_j (b,))`` after ``j`` of its own steps (no gradient).
+
+    ``j`` is uniform in ``[0, num_steps)``, one per batch; ``j = 0`` is pure noise at sigma 1.
+    """
+    sigmas = jnp.asarray(student_sigmas(num_steps))
+    key_j, key_start, key_loop = jax.random.split(key, 3)
+    j = jax.random.randint(key_j, (), 0, num_steps)
+    b = shape[0]
+    frozen = jax.lax.stop_gradient(params)
+
+    def body(k, x):
+        sigma = jnp.full((b,), sigmas[k])
+        x0 = x0_from_velocity(x, model.apply(frozen, x, sigma, cond), sigma)
+        noise = jax.random.normal(jax.random.fold_in(key_loop, k), shape, jnp.float32)
+        return (1.0 - sigmas[k + 1]) * x0 + sigmas[k + 1] * noise
+
+    x = jax.random.normal(key_start, shape, jnp.float32)
+    x = jax.lax.fori_loop(0, j, body, x)  # a while loop (dynamic trip count): forward only
+    return jax.lax.stop_gradient(x), jnp.full((b,), sigmas[j])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Losses
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def dm_gradient(x0: jax.Array, x0_real: jax.Array, x0_fake: jax.Array) -> jax.Array:
+    """DMD2's normalised distribution-matching gradient ``(x0_fake - x0_real) / mean|x0 - x0_real|`` per sample.
+
+    x0: generator samples (b, ...); x0_real, x0_fake: the two scores' denoised estimates (b, ...). Non-finite values
+    (a zero normaliser) become 0.
+    """
+    axes = tuple(range(1, x0.ndim))
+    normaliser = jnp.mean(jnp.abs(x0 - x0_real), axis=axes, keepdims=True)  # (b, 1, ...)
+    return jnp.nan_to_num((x0_fake - x0_real) / normaliser, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def dm_loss(model: FlowModel, real_params: Params, fake_params: Params, x0: jax.Array, cond: Cond, key: jax.Array,
+            config: DMD2Config) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The distribution-matching loss of generator samples ``x0`` (b, c, h, w); its gradient w.r.t. x0 is
+    ``dm_gradient / numel``. Returns ``(loss, {"dm_grad_norm": ...})``."""
+    b = x0.shape[0]
+    key_sigma, key_noise = jax.random.split(key)
+    sigma = jax.random.uniform(key_sigma, (b,), jnp.float32, config.dm_sigma_min, config.dm_sigma_max)
+    noise = jax.random.normal(key_noise, x0.shape, jnp.float32)
+    detached = jax.lax.stop_gradient(x0)
+    x_t = (1.0 - _bcast(sigma, x0)) * detached + _bcast(sigma, x0) * noise
+    real = jax.lax.stop_gradient(real_params)
+    fake = jax.lax.stop_gradient(fake_params)
+    x0_real = x0_from_velocity(x_t, guided_velocity(model, real, x_t, sigma, cond, config.guidance,
+                                                    config.guidance_sigma_range), sigma)
+    x0_fake = x0_from_velocity(x_t, model.apply(fake, x_t, sigma, cond), sigma)
+    grad = jax.lax.stop_gradient(dm_gradient(detached, x0_real, x0_fake))
+    loss = 0.5 * jnp.mean(jnp.square(x0 - jax.lax.stop_gradient(x0 - grad)))
+    return loss, {"dm_grad_norm": jnp.sqrt(jnp.sum(jnp.square(grad)))}
+
+
+def fake_score_loss(model: FlowModel, fake_params: Params, x0: jax.Array, cond: Cond, key: jax.Array) -> jax.Array:
+    """The teacher's flow-matching loss (``models.testbed.flow_matching_loss``, logit-normal sigma, no caption
+    dropout) on detached generator samples x0 (b, c, h, w)."""
+    detached = jax.lax.stop_gradient(x0)
+
+    def velocity_fn(x, timestep, context, mask):
+        return model.apply(fake_params, x, timestep / testbed.TIMESTEP_SCALE, {"context": context, "mask": mask})
+
+    if not (isinstance(cond, dict) and set(cond) == {"context", "mask"}):
+        raise ValueError("fake_score_loss: cond must be {'context': (b, t, c), 'mask': (b, t)}")
+    flow = testbed.FlowMatchingConfig(caption_dropout=0.0)
+    null_context = jnp.zeros(cond["context"].shape[1:], cond["context"].dtype)
+    null_mask = jnp.zeros(cond["mask"].shape[1:], cond["mask"].dtype)
+    return testbed.flow_matching_loss(velocity_fn, detached, cond["context"], cond["mask"], key, flow, null_context,
+                                      null_mask)
+
+
+def gan_logits(model: FlowModel, fake_params: Params, head_graphdef: nnx.GraphDef, head_params: Params,
+               x0: jax.Array, cond: Cond, key: jax.Array, max_sigma: float) -> jax.Array:
+    """Realism logits (b,) of images x0 (b, c, h, w): noised to sigma ~ U[0, max_sigma], fake-score features, head."""
+    if model.apply_features is None:
+        raise ValueError("gan_logits: the FlowModel has no apply_features (build it with a feature_layer)")
+    b = x0.shape[0]
+    key_sigma, key_noise = jax.random.split(key)
+    sigma = jax.random.uniform(key_sigma, (b,), jnp.float32, 0.0, max_sigma) if max_sigma > 0 else jnp.zeros((b,))
+    x_t = (1.0 - _bcast(sigma, x0)) * x0 + _bcast(sigma, x0) * jax.random.normal(key_noise, x0.shape, jnp.float32)
+    _, features = model.apply_features(fake_params, x_t, sigma, cond)  # (b, n, d)
+    return nnx.merge(head_graphdef, head_params)(features)  # (b,)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Training state and the jitted cycle
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def make_optimizers(config: DMD2Config) -> tuple[optax.GradientTransformation, optax.GradientTransformation]:
+    """(generator, fake score + GAN head) AdamW with global-norm clipping and linear warm-up."""
+
+    def one(lr):
+        schedule = optax.linear_schedule(0.0, lr, config.warmup) if config.warmup > 0 else lr
+        return optax.chain(optax.clip_by_global_norm(config.grad_clip),
+                           optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2,
+                                       weight_decay=config.weight_decay))
+
+    return one(config.generator_lr), one(config.fake_lr)
+
+
+def init_state(teacher_params: Params, head_params: Params, config: DMD2Config, seed: int) -> dict[str, Any]:
+    """Training state: generator and fake score copied from the teacher, the GAN head, both optimizer states, the step
+    counter (fake-score updates done) and the PRNG key as raw ``uint32`` data (checkpointable)."""
+    gen_opt, fake_opt = make_optimizers(config)
+    generator = jax.tree.map(lambda p: jnp.array(p, jnp.float32), teacher_params)
+    critic = {"fake": jax.tree.map(lambda p: jnp.array(p, jnp.float32), teacher_params), "head": head_params}
+    return {"generator": generator, "critic": critic, "gen_opt": gen_opt.init(generator),
+            "critic_opt": fake_opt.init(critic), "step": jnp.asarray(0, jnp.int32),
+            "key": jax.random.key_data(jax.random.key(seed))}
+
+
+def _finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree_util.tree_leaves(tree)]))
+
+
+def make_cycle(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef | None,
+               sample_batch: Callable[[jax.Array], tuple[Cond, jax.Array | None, Cond | None]],
+               image_shape: tuple[int, ...], cycles: int = 1):
+    """A jitted ``(state, teacher_params) -> (state, metrics)`` running ``cycles`` DMD2 cycles.
+
+    One cycle = one generator update, then ``config.fake_updates_per_generator`` fake-score (+ discriminator)
+    updates in one ``lax.scan`` (one compiled copy of the update), the first on the generator update's own (detached)
+    samples. The discriminator scores fake and real images in one batch.
+
+    sample_batch: ``key -> (cond, real_images (b, c, h, w) or None, real_cond or None)``: prompts for the generator
+        and, for the GAN, a batch of real images with their conditioning.
+    image_shape: (b, c, h, w) of the generator's batch.
+    metrics: means over the call of ``dm_loss``, ``dm_grad_norm``, ``fake_loss``, ``gan_g``, ``gan_d`` and ``finite``
+    (1.0 when every loss and parameter stayed finite).
+    """
+    gen_opt, critic_opt = make_optimizers(config)
+
+    def make_samples(generator, key, cond):
+        key_sim, _ = jax.random.split(key)
+        if config.backward_simulation and config.num_steps > 1:
+            x, sigma = backward_simulate(model, generator, key_sim, cond, image_shape, config.num_steps)
+        else:
+            x = jax.random.normal(key_sim, image_shape, jnp.float32)
+            sigma = jnp.ones((image_shape[0],), jnp.float32)
+        return x0_from_velocity(x, model.apply(generator, x, sigma, cond), sigma)  # (b, c, h, w)
+
+    def generator_loss(generator, critic, teacher, key, cond):
+        key_sample, key_dm, key_gan = jax.random.split(key, 3)
+        x0 = make_samples(generator, key_sample, cond)
+        loss, aux = dm_loss(model, teacher, critic["fake"], x0, cond, key_dm, config)
+        gan_g = jnp.zeros(())
+        if config.gan_generator_weight > 0:
+            frozen = jax.lax.stop_gradient(critic)
+            logits = gan_logits(model, frozen["fake"], head_graphdef, frozen["head"], x0, cond, key_gan,
+                                config.gan_max_sigma)
+            gan_g = jnp.mean(jax.nn.softplus(-logits))
+        total = loss + config.gan_generator_weight * gan_g
+        return total, (x0, {"dm_loss": loss, "gan_g": gan_g, **aux})
+
+    def critic_loss(critic, x0, cond, key, real_images, real_cond):
+        key_fm, key_gan = jax.random.split(key)
+        loss = fake_score_loss(model, critic["fake"], x0, cond, key_fm)
+        gan_d = jnp.zeros(())
+        if config.gan_discriminator_weight > 0:  # fake and real in one batch: one fake-score forward
+            b = x0.shape[0]
+            both = jnp.concatenate([jax.lax.stop_gradient(x0), real_images], 0)  # (2b, c, h, w)
+            both_cond = jax.tree.map(lambda f, r: jnp.concatenate([f, r], 0), cond, real_cond)
+            logits = gan_logits(model, critic["fake"], head_graphdef, critic["head"], both, both_cond, key_gan,
+                                config.gan_max_sigma)  # (2b,)
+            gan_d = jnp.mean(jax.nn.softplus(logits[:b])) + jnp.mean(jax.nn.softplus(-logits[b:]))
+        return loss + config.gan_discriminator_weight * gan_d, {"fake_loss": loss, "gan_d": gan_d}
+
+    def critic_update(state, x0, cond, key, real_images, real_cond):
+        (_, aux), grads = jax.value_and_grad(critic_loss, has_aux=True)(state["critic"], x0, cond, key, real_images,
+                                                                        real_cond)
+        updates, opt = critic_opt.update(grads, state["critic_opt"], state["critic"])
+        critic = optax.apply_updates(state["critic"], updates)
+        return {**state, "critic": critic, "critic_opt": opt, "step": state["step"] + 1}, aux
+
+    def one_cycle(state, teacher):
+        key = jax.random.wrap_key_data(state["key"])
+        key, key_batch, key_gen, key_critic, key_rest = jax.random.split(key, 5)
+        batch = sample_batch(key_batch)
+        (_, (x0, gen_aux)), grads = jax.value_and_grad(generator_loss, has_aux=True)(
+            state["generator"], state["critic"], teacher, key_gen, batch[0])
+        updates, opt = gen_opt.update(grads, state["gen_opt"], state["generator"])
+        state = {**state, "generator": optax.apply_updates(state["generator"], updates), "gen_opt": opt}
+        first = (jax.lax.stop_gradient(x0),) + tuple(batch)
+
+        def critic_step(state, k):
+            # update 0 reuses the generator update's samples; the others draw prompts and (gradient-free) samples
+            key_b, key_s, key_c = jax.random.split(jax.random.fold_in(key_rest, k), 3)
+
+            def fresh():
+                cond, real_images, real_cond = sample_batch(key_b)
+                return (jax.lax.stop_gradient(make_samples(state["generator"], key_s, cond)), cond, real_images,
+                        real_cond)
+
+            x0, cond, real_images, real_cond = jax.lax.cond(k == 0, lambda: first, fresh)
+            key_update = jax.random.wrap_key_data(jnp.where(k == 0, jax.random.key_data(key_critic),
+                                                            jax.random.key_data(key_c)))
+            return critic_update(state, x0, cond, key_update, real_images, real_cond)
+
+        state, critic_aux = jax.lax.scan(critic_step, state, jnp.arange(config.fake_updates_per_generator))
+        state = {**state, "key": jax.random.key_data(key)}
+        metrics = {**gen_aux, **jax.tree.map(jnp.mean, critic_aux)}
+        finite = _finite(metrics) & _finite(state["generator"]) & _finite(state["critic"])
+        return state, {**metrics, "finite": finite.astype(jnp.float32)}
+
+    @jax.jit
+    def run(state, teacher):
+        state, metrics = jax.lax.scan(lambda s, _: one_cycle(s, teacher), state, None, length=cycles)
+        return state, {**jax.tree.map(jnp.mean, metrics), "finite": jnp.min(metrics["finite"])}
+
+    return run
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The training loop: orbax checkpoints, resume, one progress bar, NaN stop
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class DMD2Divergence(FloatingPointError):
+    """A loss or parameter became NaN/Inf; the last good checkpoint is kept."""
+
+
+def train(run_cycles, state: dict[str, Any], teacher: Params, run_dir: str | Path, total_cycles: int,
+          cycles_per_call: int, save_every_calls: int = 10, time_budget: float | None = None,
+          progress: bool = True, log_extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run ``run_cycles`` (from :func:`make_cycle` with ``cycles=cycles_per_call``) until ``total_cycles`` cycles.
+
+    Resumes from the latest orbax checkpoint in ``run_dir/checkpoints`` (same structure as ``state``; continuing is
+    bit-identical to an uninterrupted run, since the batch and noise keys live in the state). Saves every
+    ``save_every_calls`` calls and at the end; a non-finite loss or parameter raises :class:`DMD2Divergence` without
+    saving the bad state. Appends one JSON line per call to ``run_dir/log.jsonl``.
+
+    Returns ``(state, summary)``; summary has ``cycles``, ``generator_updates``, ``fake_updates``, ``elapsed_s``,
+    ``resumed_from``.
+    """
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    if total_cycles % cycles_per_call:
+        raise ValueError(f"train: total_cycles {total_cycles} must be a multiple of cycles_per_call "
+                         f"{cycles_per_call}")
+    run_dir = Path(run_dir).absolute()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    manager = ocp.CheckpointManager(run_dir / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    resumed_from = manager.latest_step()
+    if resumed_from is not None:
+        state = manager.restore(resumed_from, args=ocp.args.StandardRestore(state))
+    cycle = 0 if resumed_from is None else resumed_from
+    log_path = run_dir / "log.jsonl"
+    with open(log_path, "a") as log:
+        log.write(json.dumps({"event": "start", "cycle": cycle, "device": str(jax.devices()[0]),
+                              "jax": jax.__version__, **(log_extra or {})}) + "\n")
+    bar = tqdm(total=total_cycles, initial=cycle, unit="cycle", disable=not progress, dynamic_ncols=True)
+    began = time.perf_counter()
+    calls = 0
+    last_saved = resumed_from
+    try:
+        while cycle < total_cycles:
+            if time_budget is not None and time.perf_counter() - began > time_budget:
+                break
+            new_state, metrics = run_cycles(state, teacher)
+            metrics = {k: float(v) for k, v in metrics.items()}
+            if metrics["finite"] != 1.0 or not all(math.isfinite(v) for v in metrics.values()):
+                manager.wait_until_finished()
+                kept = (f"the last good checkpoint (cycle {last_saved}) is kept in {run_dir / 'checkpoints'}"
+                        if last_saved is not None else "no checkpoint had been saved yet")
+                raise DMD2Divergence(f"DMD2 training diverged in cycles {cycle + 1}..{cycle + cycles_per_call} (a "
+                                     f"loss or parameter is NaN/Inf: {metrics}); {kept}")
+            state = new_state
+            cycle += cycles_per_call
+            calls += 1
+            bar.update(cycles_per_call)
+            bar.set_postfix(dm=f"{metrics['dm_loss']:.4f}", fake=f"{metrics['fake_loss']:.4f}")
+            with open(log_path, "a") as log:
+                log.write(json.dumps({"event": "call", "cycle": cycle, **metrics,
+                                      "elapsed_s": round(time.perf_counter() - began, 2)}) + "\n")
+            if calls % save_every_calls == 0:
+                manager.save(cycle, args=ocp.args.StandardSave(state))
+                last_saved = cycle
+    finally:
+        bar.close()
+    if cycle != last_saved and cycle > 0:
+        manager.save(cycle, args=ocp.args.StandardSave(state))
+    manager.wait_until_finished()
+    manager.close()
+    elapsed = time.perf_counter() - began
+    summary = {"cycles": cycle, "fake_updates": int(state["step"]), "elapsed_s": round(elapsed, 2),
+               "resumed_from": resumed_from}
+    with open(log_path, "a") as log:
+        log.write(json.dumps({"event": "end", **summary}) + "\n")
+    return state, summary
+
+
+def restore_state(run_dir: str | Path, template: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """The latest checkpoint of a :func:`train` run -> ``(state, cycles done)``; ``template`` gives the structure
+    (e.g. :func:`init_state` of the same teacher). Raises FileNotFoundError when the run has no checkpoint."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(run_dir).absolute() / "checkpoints"
+    manager = ocp.CheckpointManager(directory)
+    step = manager.latest_step()
+    if step is None:
+        manager.close()
+        raise FileNotFoundError(f"{directory}: no DMD2 checkpoint (run `kroquant dmd2 train --run {run_dir}` first)")
+    state = manager.restore(step, args=ocp.args.StandardRestore(template))
+    manager.close()
+    return state, int(step)

@@ -1,0 +1,267 @@
+"""DMD2 timestep distillation of the emoji testbed DiT, and the distribution metrics of teacher and students.
+
+    python -m scripts.build_emoji_dataset --from-npz runs/emoji32.npz --out runs/dmd2_prompts.npz --prompts 1024
+    kroquant dmd2 reference --data runs/emoji32.npz --out runs/dmd2_reference.npz
+    kroquant dmd2 train --data runs/dmd2_prompts.npz --run runs/dmd2 --time-budget 60
+    kroquant dmd2 evaluate --data runs/dmd2_prompts.npz --reference runs/dmd2_reference.npz --run runs/dmd2 \
+        --out runs/dmd2_eval
+
+``train``: generator and fake score start from the teacher (``--teacher``, a diffusers PixArt directory); prompts are
+the training records of ``--data``; the GAN's real images are the same records' images. Method: ``models/dmd2.py``.
+``evaluate``: the teacher (Euler, ``--teacher-steps`` x 2 CFG branches), the teacher's weights used as a 4-step
+student without training, and the trained student at 1, 2, 4, 8 steps: Fréchet distance of in-domain encoder features
+to the real training images and to the teacher's samples, caption accuracy, seed diversity, nearest-image outcomes,
+wall time per image, a grid PNG and ``report.json``. The encoder (``models/testbed/metrics.py``) is trained on the
+reference images once and cached (``--encoder-dir``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kroquant_jax.fileio import atomic_write_json
+from models import dmd2, families, pixart
+from models.testbed import metrics as emoji_metrics
+from models.testbed import model as testbed
+from models.testbed import data as testbed_data
+from models.layers import linears
+from scripts.eval_testbed import DEFAULT_CHECKPOINT as DEFAULT_TEACHER
+
+DEFAULTS = dmd2.DMD2Config()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="action", required=True)
+    ref = sub.add_parser("reference", help="write the real images of a full dataset (no text) for the FD reference")
+    ref.add_argument("--data", required=True)
+    ref.add_argument("--out", required=True)
+    for name in ("train", "evaluate"):
+        p = sub.add_parser(name)
+        p.add_argument("--data", required=True, help="dataset or prompt-subset .npz (scripts.build_emoji_dataset)")
+        p.add_argument("--teacher", default=str(DEFAULT_TEACHER), help="diffusers PixArt directory")
+        p.add_argument("--run", required=True, help="training folder (orbax checkpoints, log.jsonl)")
+        p.add_argument("--num-steps", type=int, default=DEFAULTS.num_steps,
+                       help="student steps trained (backward simulation)")
+        p.add_argument("--guidance", type=float, default=DEFAULTS.guidance, help="real-score / teacher CFG scale")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--gan-feature-layer", default=DEFAULTS.gan_feature_layer)
+    train = sub.choices["train"]
+    train.add_argument("--cycles", type=int, default=100000, help="generator updates (each with --ratio fake updates)")
+    train.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
+    train.add_argument("--batch-size", type=int, default=64)
+    train.add_argument("--ratio", type=int, default=DEFAULTS.fake_updates_per_generator,
+                       help="fake-score updates per generator update (DMD2: 5)")
+    train.add_argument("--generator-lr", type=float, default=DEFAULTS.generator_lr)
+    train.add_argument("--fake-lr", type=float, default=DEFAULTS.fake_lr)
+    train.add_argument("--dm-sigma-range", type=float, nargs=2, default=(DEFAULTS.dm_sigma_min, DEFAULTS.dm_sigma_max))
+    train.add_argument("--guidance-sigma-range", type=float, nargs=2, default=(0.0, 1.0))
+    train.add_argument("--gan-generator-weight", type=float, default=0.0, help="0 switches the GAN off")
+    train.add_argument("--gan-discriminator-weight", type=float, default=0.0)
+    train.add_argument("--gan-max-sigma", type=float, default=0.0)
+    train.add_argument("--cycles-per-call", type=int, default=10)
+    train.add_argument("--save-every-calls", type=int, default=50)
+    train.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    train.add_argument("--no-progress", action="store_true")
+    evaluate = sub.choices["evaluate"]
+    evaluate.add_argument("--reference", required=True, help="reference images (kroquant dmd2 reference) or dataset")
+    evaluate.add_argument("--out", required=True)
+    evaluate.add_argument("--samples", type=int, default=1024, help="training captions sampled per system")
+    evaluate.add_argument("--teacher-steps", type=int, default=20)
+    evaluate.add_argument("--student-steps", type=int, nargs="+", default=[1, 2, 4, 8])
+    evaluate.add_argument("--batch-size", type=int, default=512)
+    evaluate.add_argument("--encoder-dir", default="runs/emoji_encoder")
+    evaluate.add_argument("--encoder-steps", type=int, default=1500)
+    evaluate.add_argument("--encoder-batch-size", type=int, default=256)
+    evaluate.add_argument("--nearest", type=int, default=128, help="samples per system for the nearest-image check")
+    evaluate.add_argument("--grid-rows", type=int, default=8)
+    return parser.parse_args(argv)
+
+
+def config_from(args: argparse.Namespace) -> dmd2.DMD2Config:
+    extra = {}
+    if args.action == "train":
+        extra = dict(fake_updates_per_generator=args.ratio, generator_lr=args.generator_lr, fake_lr=args.fake_lr,
+                     dm_sigma_min=args.dm_sigma_range[0], dm_sigma_max=args.dm_sigma_range[1],
+                     guidance_sigma_range=tuple(args.guidance_sigma_range),
+                     gan_generator_weight=args.gan_generator_weight,
+                     gan_discriminator_weight=args.gan_discriminator_weight, gan_max_sigma=args.gan_max_sigma)
+    return dmd2.DMD2Config(num_steps=args.num_steps, guidance=args.guidance,
+                           gan_feature_layer=args.gan_feature_layer, **extra)
+
+
+def setup(args: argparse.Namespace, compute_dtype):
+    """Teacher, dataset, the FlowModel and the template training state."""
+    cfg, model = families.PIXART.from_diffusers(args.teacher, "float32")
+    layers = linears(model)
+    if args.gan_feature_layer not in layers:
+        raise KeyError(f"--gan-feature-layer {args.gan_feature_layer!r} is not a linear of {args.teacher}")
+    graphdef, teacher = nnx.split(model)
+    dataset = testbed_data.load_dataset(args.data)
+    if cfg.sample_size != dataset.image_size:
+        raise ValueError(f"{args.teacher}: sample_size {cfg.sample_size} != {args.data} image size "
+                         f"{dataset.image_size}")
+    flow = dmd2.pixart_flow_model(graphdef, jnp.asarray(dataset.null_context, jnp.float32),
+                                  jnp.asarray(dataset.null_mask, jnp.float32), args.gan_feature_layer, compute_dtype)
+    head = dmd2.GanHead(layers[args.gan_feature_layer].in_features, rngs=nnx.Rngs(args.seed))
+    head_graphdef, head_params = nnx.split(head)
+    config = config_from(args)
+    state = dmd2.init_state(teacher, head_params, config, args.seed)
+    return cfg, graphdef, teacher, dataset, flow, head_graphdef, config, state
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    compute_dtype = jnp.dtype(args.compute_dtype)
+    cfg, _, teacher, dataset, flow, head_graphdef, config, state = setup(args, compute_dtype)
+    train = dataset.split(heldout=False)
+    images = jnp.asarray(train.images)  # (n, s, s, 3) uint8
+    context = jnp.asarray(train.context)  # (n, t, 384) fp16, cast per batch
+    mask = jnp.asarray(train.context_mask, jnp.float32)  # (n, t)
+    n, b = train.num_examples, args.batch_size
+
+    def sample_batch(key):
+        key_prompt, key_real = jax.random.split(key)
+        prompt = jax.random.randint(key_prompt, (b,), 0, n)
+        real = jax.random.randint(key_real, (b,), 0, n)
+        return ({"context": context[prompt].astype(jnp.float32), "mask": mask[prompt]},
+                testbed.images_to_pixels(images[real]),
+                {"context": context[real].astype(jnp.float32), "mask": mask[real]})
+
+    shape = (b, cfg.in_channels, cfg.sample_size, cfg.sample_size)
+    run_cycles = dmd2.make_cycle(flow, config, head_graphdef, sample_batch, shape, cycles=args.cycles_per_call)
+    total = -(-args.cycles // args.cycles_per_call) * args.cycles_per_call
+    state, summary = dmd2.train(run_cycles, state, teacher, args.run, total, args.cycles_per_call,
+                                save_every_calls=args.save_every_calls, time_budget=args.time_budget,
+                                progress=not args.no_progress,
+                                log_extra={"config": dataclasses.asdict(config), "batch_size": b,
+                                           "prompts": n, "teacher": str(args.teacher)})
+    summary = {**summary, "batch_size": b, "generator_updates": summary["cycles"],
+               "images_per_s_generator": round(summary["cycles"] * b / max(summary["elapsed_s"], 1e-9), 1)}
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def _noise(seed: int, indices: np.ndarray, shape: tuple[int, ...]) -> jax.Array:
+    """Per-record start noise (depends on the seed and the record only)."""
+    return jnp.stack([jax.random.normal(jax.random.fold_in(jax.random.key(seed), int(i)), shape, jnp.float32)
+                      for i in indices])
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg, graphdef, teacher, dataset, flow, _, _, template = setup(args, jnp.float32)
+    state, cycle = dmd2.restore_state(args.run, template)
+    ref_images, ref_heldout, _ = emoji_metrics.load_reference_images(args.reference)
+    _, class_images = emoji_metrics.glyph_classes(ref_images)
+    encoder_config = emoji_metrics.EncoderConfig(steps=args.encoder_steps, batch_size=args.encoder_batch_size)
+    enc_graphdef, enc_params = emoji_metrics.cached_encoder(args.encoder_dir, class_images, encoder_config,
+                                                            testbed_data.file_sha256(args.reference), progress=True)
+    real_features = emoji_metrics.encoder_features(enc_graphdef, enc_params, ref_images[~ref_heldout])
+    real_accuracy = emoji_metrics.caption_accuracy(
+        emoji_metrics.classify(enc_graphdef, enc_params, class_images), np.arange(class_images.shape[0]))
+
+    train_indices = np.flatnonzero(~dataset.heldout)[:args.samples]
+    targets = emoji_metrics.class_of(dataset.images[train_indices], class_images)
+    channel_shape = (cfg.in_channels, cfg.sample_size, cfg.sample_size)
+    null_context = jnp.asarray(dataset.null_context, jnp.float32)
+    null_mask = jnp.asarray(dataset.null_mask, jnp.float32)
+
+    @jax.jit
+    def teacher_sample(params, noise, context, mask):
+        return testbed.euler_sample(testbed.pixart_velocity_fn(nnx.merge(graphdef, params)), noise, context, mask,
+                                    null_context, null_mask, args.teacher_steps, args.guidance)
+
+    student_jits = {steps: jax.jit(lambda params, key, cond, steps=steps: dmd2.generate(
+        flow, params, key, cond, (cond["mask"].shape[0],) + channel_shape, steps))
+        for steps in sorted(set(args.student_steps) | {args.num_steps})}
+
+    def run_system(name, seed):
+        images, began = [], None
+        for start in range(0, len(train_indices), args.batch_size):
+            chunk = train_indices[start:start + args.batch_size]
+            cond = {"context": jnp.asarray(dataset.context[chunk], jnp.float32),
+                    "mask": jnp.asarray(dataset.context_mask[chunk], jnp.float32)}
+            if name == "teacher":
+                pixels = teacher_sample(teacher, _noise(seed, chunk, channel_shape), cond["context"], cond["mask"])
+            else:
+                kind, steps = name.split("@")
+                params = teacher if kind == "untrained" else state["generator"]
+                pixels = student_jits[int(steps)](params, jax.random.fold_in(jax.random.key(seed), start), cond)
+            pixels = jax.block_until_ready(pixels)
+            if began is None:  # the first batch compiles; time the rest
+                began = time.perf_counter()
+                timed_from = len(images) + 1
+            images.append(testbed.pixels_to_images(pixels))
+        seconds = time.perf_counter() - began
+        timed = sum(len(x) for x in images[timed_from:])
+        return np.concatenate(images), (seconds / timed if timed else None)
+
+    systems = ["teacher", f"untrained@{args.num_steps}"] + [f"student@{s}" for s in args.student_steps]
+    samples, report = {}, {"systems": {}}
+    pool = dataset.images.astype(np.float32) / 255
+    bases = [testbed_data.base_sequence(testbed_data.text_to_sequence(s)) for s in dataset.sequences]
+    teacher_features = None
+    for name in systems:
+        first, per_image_s = run_system(name, args.seed)
+        second, _ = run_system(name, args.seed + 1)
+        samples[name] = first
+        metrics = emoji_metrics.sample_metrics(enc_graphdef, enc_params, first, targets, real_features,
+                                               teacher_features)
+        features = np.stack([emoji_metrics.encoder_features(enc_graphdef, enc_params, x) for x in (first, second)])
+        if name == "teacher":
+            teacher_features = features[0]
+        outcomes = collections.Counter(emoji_metrics.nearest_outcome(image, int(i), dataset, pool, bases)[0]
+                                       for image, i in zip(first[:args.nearest], train_indices[:args.nearest]))
+        steps = args.teacher_steps if name == "teacher" else int(name.split("@")[1])
+        report["systems"][name] = {
+            **metrics, "seed_diversity": emoji_metrics.seed_diversity(features, real_features),
+            "nearest": {o: outcomes[o] for o in emoji_metrics.OUTCOMES},
+            "forward_passes_per_image": dmd2.forward_passes_per_image(steps, args.guidance if name == "teacher"
+                                                                      else 1.0),
+            "wall_s_per_image": per_image_s}
+        print(name, json.dumps(report["systems"][name]), flush=True)
+    teacher_fd = report["systems"]["teacher"]["fd_real"]
+    for name, row in report["systems"].items():
+        row["fd_ratio_vs_teacher"] = row["fd_real"] / teacher_fd
+    report["settings"] = {
+        "teacher": str(args.teacher), "data": str(args.data), "reference": str(args.reference),
+        "samples": int(len(train_indices)), "teacher_steps": args.teacher_steps, "guidance": args.guidance,
+        "student_cycles": cycle, "fake_updates": int(state["step"]), "seeds": [args.seed, args.seed + 1],
+        "encoder_top1_on_real_glyphs": real_accuracy, "classes": int(class_images.shape[0]),
+        "real_reference_images": int(real_features.shape[0]), "jax": jax.__version__,
+        "device": str(jax.devices()[0])}
+    atomic_write_json(out / "report.json", report)
+    rows_idx = np.arange(min(args.grid_rows, len(train_indices)))
+    rows = [[dataset.images[train_indices[k]]] + [samples[name][k] for name in systems] for k in rows_idx]
+    titles = ["dataset", f"teacher {args.teacher_steps}x2", f"untrained {args.num_steps}"] + [
+        f"DMD2 {s}" for s in args.student_steps]
+    testbed.save_caption_grid(str(out / "grid.png"), [str(dataset.captions[train_indices[k]]) for k in rows_idx],
+                              rows, titles, title=f"teacher (Euler, CFG {args.guidance:g}) vs DMD2 student "
+                                                  f"({cycle} generator updates)")
+    print(json.dumps(report["settings"]), flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.action == "reference":
+        data = testbed_data.load_dataset(args.data)
+        emoji_metrics.write_reference_images(args.out, data.images, data.heldout, data.sequences)
+        return 0
+    return cmd_train(args) if args.action == "train" else cmd_evaluate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
