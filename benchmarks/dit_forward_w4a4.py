@@ -78,7 +78,7 @@ from pallas_kernels import w4a4_gemm as G  # noqa: E402
 
 TRANSFORM = "kron_lu"
 #: Timed forwards, in the order they run (``--variants`` picks a subset; ``w4a4_unfused`` is optional).
-VARIANTS = ("bf16", "w4a4_dequant", "w4a4_fused", "w4a4_unfused")
+VARIANTS = ("bf16", "w4a4_dequant", "w4a4_fp8", "w4a4_fused", "w4a4_unfused")
 # Block linears of the scanned model (paths of the one stacked block) and how the W4A4 forward runs them.
 PLAIN = ("layers.attention.to_v", "layers.attention.to_out.0", "layers.feed_forward.w2")
 NORMED = ("layers.attention.to_q", "layers.attention.to_k")
@@ -298,6 +298,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         q[path] = build_stacked_qlinears((linear[path].kernel[...],), jax.random.fold_in(key, i), rank)
     q[GATE] = build_stacked_qlinears((linear[GATE].kernel[...], linear[UP].kernel[...]), jax.random.fold_in(key, 99), rank)
     served = {path: serve_stacked(layer, swiglu=path == GATE) for path, layer in q.items()}
+    if "w4a4_fp8" in args.variants:
+        from pallas_kernels import fp8_gemm  # noqa: F401  (registers the "fp8" strategy)
+
+        served_fp8 = {path: serve_stacked(layer, swiglu=path == GATE, strategy="fp8") for path, layer in q.items()}
+        timing.block(served_fp8)
     timing.block((q, served))
     payload["build_quantized_s"] = time.perf_counter() - t0
     payload["memory_gib_after_build"] = timing.device_memory_gib()
@@ -342,6 +347,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     kernel = S.ServeOptions(strategy="kernel", impl=impl, gemm_blocks=opts["gemm_blocks"])
     entries = {
         "w4a4_dequant": served_hooks(*tables, options=S.ServeOptions(impl=impl), stacked=True).entries(),
+        **({"w4a4_fp8": served_hooks({p: served_fp8[p] for p in PLAIN}, {p: served_fp8[p] for p in NORMED},
+                                     {GATE: served_fp8[GATE]}, options=S.ServeOptions(strategy="fp8", impl=impl),
+                                     stacked=True).entries()} if "w4a4_fp8" in args.variants else {}),
         "w4a4_fused": served_hooks(*tables, options=dataclasses.replace(
             kernel, fused=True, norm_blocks=opts["norm_blocks"], swiglu_blocks=opts["swiglu_blocks"]),
             stacked=True).entries(),
@@ -382,7 +390,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return np.asarray(jax.device_get(outputs[name][0]), np.float32)[image]  # (image tokens, C)
 
     def compare() -> None:
-        for a, b in (("w4a4_dequant", "w4a4_fused"), ("w4a4_dequant", "w4a4_unfused"), ("w4a4_fused", "w4a4_unfused"),
+        for a, b in (("w4a4_fp8", "w4a4_dequant"), ("w4a4_fp8", "bf16"), ("w4a4_fp8", "simulate"),
+                     ("w4a4_dequant", "w4a4_fused"), ("w4a4_dequant", "w4a4_unfused"), ("w4a4_fused", "w4a4_unfused"),
                      ("w4a4_dequant", "simulate"), ("w4a4_fused", "simulate"), ("w4a4_unfused", "simulate"),
                      ("bf16", "simulate"), ("w4a4_dequant", "bf16"), ("w4a4_fused", "bf16")):
             if a in outputs and b in outputs:

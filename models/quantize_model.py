@@ -204,13 +204,13 @@ def build_stacked_qlinears(kernels: tuple[jax.Array, ...], key: jax.Array, rank:
     return jax.lax.map(one, (kernels, keys))
 
 
-@functools.partial(jax.jit, static_argnames="swiglu")
-def serve_stacked(layers: Any, swiglu: bool = False) -> Any:
+@functools.partial(jax.jit, static_argnames=("swiglu", "strategy"))
+def serve_stacked(layers: Any, swiglu: bool = False, strategy: str = "dequant") -> Any:
     """``pallas_kernels.served.serve`` of every layer of a stacked ``QuantizedLinear`` (leading layer axis) ->
-    a stacked ``ServedLinear``."""
+    the stacked prepared layer of ``strategy`` (a ``ServedLinear``, or e.g. the FP8 strategy's ``Fp8Linear``)."""
     from pallas_kernels import served
 
-    return jax.vmap(lambda layer: served.serve(layer, swiglu=swiglu))(layers)
+    return jax.vmap(lambda layer: served.serve(layer, swiglu=swiglu, strategy=strategy))(layers)
 
 
 def layer_at(tree: Any, i: int) -> Any:

@@ -427,23 +427,26 @@ def _run_benchmark(*argv: str) -> subprocess.CompletedProcess:
 
 def test_benchmark_tiny_run(tmp_path):
     """The H200 script end to end on the tiny config (a subprocess): the dequant forward on one of the 2 blocks, the
-    transform + quantize kernel interpreted, with the --check simulation."""
-    run = _run_benchmark("--preset", "tiny", "--interpret", "--variants", "w4a4_dequant,bf16", "--blocks", "1",
+    transform + quantize kernel interpreted, with the --check simulation; the FP8 strategy's forward beside it."""
+    run = _run_benchmark("--preset", "tiny", "--interpret", "--variants", "w4a4_dequant,w4a4_fp8,bf16", "--blocks", "1",
                          "--check", "--repeats", "1", "--inner", "1", "--budget-s", "3000",  # no stage skipped
                          "--out", str(tmp_path / "forward.json"))
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads((tmp_path / "forward.json").read_text())
-    assert saved["variants"] == ["bf16", "w4a4_dequant"] and set(saved["timings_ms"]) == {"bf16", "w4a4_dequant"}
+    assert saved["variants"] == ["bf16", "w4a4_dequant", "w4a4_fp8"]
+    assert set(saved["timings_ms"]) == {"bf16", "w4a4_dequant", "w4a4_fp8"}
     assert saved["blocks"] == 1 and saved["model_blocks"] == 2 and "ONLY 1 OF THE REAL 2" in saved["what"]
     assert "1 of the model's 2 (NOT the whole model" in run.stdout
     assert saved["tokens"] == 3 + 4 and saved["errors"] == {}
-    assert saved["finite"] == {"bf16": True, "w4a4_dequant": True, "simulate": True}
+    assert saved["finite"] == {"bf16": True, "w4a4_dequant": True, "w4a4_fp8": True, "simulate": True}
     ratio = saved["timings_ms"]["bf16"]["median_ms"] / saved["timings_ms"]["w4a4_dequant"]["median_ms"]
     assert saved["bf16_over"]["w4a4_dequant"] == pytest.approx(ratio)
     layers = saved["checks"]["layers"]
     assert len(layers) == 6 and all(err < 5e-3 for err in layers.values())  # 3 layers vs reference and simulate
     # The W4A4 forward is closer to the simulated one than bf16 is (the quantization error), but not equal.
     assert 0 < saved["checks"]["forward w4a4_dequant vs simulate"] < saved["checks"]["forward bf16 vs simulate"]
+    assert 0 < saved["checks"]["forward w4a4_fp8 vs simulate"] < saved["checks"]["forward bf16 vs simulate"]
+    assert saved["checks"]["forward w4a4_fp8 vs w4a4_dequant"] < saved["checks"]["forward w4a4_fp8 vs bf16"]
     for argv, message in ((["--variants", "bf16,cublas"], "unknown variant"), (["--blocks", "3"], "has 2 blocks")):
         run = _run_benchmark("--preset", "tiny", *argv)
         assert run.returncode == 2 and message in run.stderr
