@@ -1,4 +1,4 @@
-"""Benchmark of the fused transform + MXFP4 quantizer kernels (paper Tables 3 and 4 shapes, SPEC.md §5).
+"""Benchmark of the fused transform + MXFP4 quantizer kernels (paper Tables 3 and 4 shapes; docs/kernels.md).
 
 Per shape: Q4, Scale, K1, K2, FWHT (d a power of two), XLA's fusion of the jnp reference (K1's math, and Q4's), and a
 device-to-device copy of the same bytes. Device time comes from the profiler (CUPTI kernel durations read back with

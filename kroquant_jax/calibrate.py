@@ -67,8 +67,8 @@ def enable_compile_cache(directory: str, min_compile_seconds: Optional[float] = 
     any script, with JAX's 1 s threshold below). Call it before the programs to be cached are compiled. A later process
     that compiles the same programs (same shapes, settings, jax version and device) loads them instead of compiling
     them again. Programs that compile faster than ``min_compile_seconds`` are not written; the default 0 writes every
-    one (many small programs add up: on the CPU, a ``kroquant calibrate`` run went from 27 s to 12 s with JAX's 1 s
-    threshold and to 9 s with 0; its 57 entries took 1.1 MB); ``None`` keeps JAX's setting
+    one (many small programs add up: a warm run with 0 is faster than with JAX's 1 s threshold, docs/calibration.md
+    "Compile time", "Persistent compilation cache"); ``None`` keeps JAX's setting
     (``jax_persistent_cache_min_compile_time_secs``). On GPU, jax also keeps XLA's per-fusion autotuning results
     there. Only use a folder that no untrusted user can write to (a cache entry is executable code).
     """

@@ -406,8 +406,8 @@ def divide_rn(x: jax.Array, y) -> jax.Array:
     bit ``numpy.float32(x) / numpy.float32(y)``, subnormal inputs and results included (no flush), signed zeros,
     infinities and NaN as IEEE 754 defines them.
 
-    Why not ``x / y``: XLA:GPU's f32 division is not correctly rounded (measured on the H200, jax 0.11.2: 30% of 2^20
-    random quotients off by one ulp, the same results as Triton's ``div.full.f32``), and XLA rewrites a division by a
+    Why not ``x / y``: XLA:GPU's f32 division is not correctly rounded (many random quotients one ulp off, the same
+    results as Triton's ``div.full.f32``; docs/kernels.md, "NVFP4 divisions"), and XLA rewrites a division by a
     broadcast scalar into a multiplication by its reciprocal on every backend. NVFP4's block scales sit next to E4M3
     rounding midpoints, so one ulp changes a scale byte. This is an integer restoring division of the 24-bit
     significands (25 quotient bits, a sticky bit, then the rounding), so XLA cannot rewrite it and every backend gives

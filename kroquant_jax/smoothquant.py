@@ -1,4 +1,5 @@
-"""SmoothQuant as the paper's baseline runs it (appendix D.2, SPEC.md §4): a per-layer (α, β) grid search.
+"""SmoothQuant as the paper's baseline runs it (appendix D.2): a per-layer (α, β) grid search (docs/calibration.md,
+"Choices where the papers are silent", 3).
 
 For a layer with calibration rows ``X (m, d)`` and weight ``W (o, d)``::
 

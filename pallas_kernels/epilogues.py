@@ -107,7 +107,8 @@ def operand_smem_bytes(kind: str, block_m: int, cols: int, block_k: int, num_sta
 
     ``kind`` is "bf16" or the packed operands' format name ("mxfp4", "nvfp4"): bf16 tiles take 2 bytes per
     element; packed FP4 tiles take half a byte per element plus one scale byte per block (32 for MXFP4, 16 for NVFP4).
-    This is what Triton requested on the H200 (``3 * (64*128*2 + 256*128*2) = 245760`` for the bf16 RMSNorm kernel).
+    It matches what Triton requests: ``3 * (64*128*2 + 256*128*2) = 245760`` bytes for the bf16 RMSNorm kernel with 3
+    stages of 64-row, 128-deep tiles (docs/w4a4.md, "Results", 1. GPU correctness).
     """
     if kind == "bf16":
         per_elem = 2.0
@@ -122,11 +123,10 @@ def _default_blocks(m: int, k: int, *, kind: str = "bf16", cols: int = 128, bloc
     and the pipelined operand tiles fit ``budget`` bytes of shared memory (a smaller ``block_k`` first, down to 64,
     keeping 3 stages; then 2 stages; then ``block_k`` down to 32).
 
-    Packed operands: on the H200 (2026-11-30, m = 4224, MXFP4, ``benchmarks/results/dit_forward_w4a4.json``) 128-row
-    tiles ran the RMSNorm-256 kernel in 1010 us instead of 2128 us and the SwiGLU kernel in 5266 us instead of
-    12174 us (64-row tiles: every W tile is decoded twice as often). bf16 operands keep 64 rows (the RMSNorm program
-    owns a whole 256-wide head); their 3-stage ``block_k = 64`` tiling was not measured against the 2-stage
-    ``block_k = 128`` one it replaces.
+    Packed operands: 128-row tiles run the fused RMSNorm-256 and SwiGLU kernels about twice as fast as 64-row ones
+    (64-row tiles decode every W tile twice as often; docs/w4a4.md, "Epilogue tiles, measured in the forward run",
+    from ``benchmarks/results/dit_forward_w4a4.json``). bf16 operands keep 64 rows (the RMSNorm program owns a whole
+    256-wide head); their 3-stage ``block_k = 64`` tiling is not measured against a 2-stage ``block_k = 128`` one.
     """
     bm = block_m if block_m is not None else (64 if kind == "bf16" else 128)
     while bm > 16 and bm // 2 >= m:

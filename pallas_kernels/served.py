@@ -19,7 +19,7 @@ strategy then computes the GEMM and the op:
   :func:`~pallas_kernels.w4a4_gemm.w4a4_matmul_dequant`: both packed operands decoded to bf16 by XLA fusions
   (exact), one bf16 GEMM with the low-rank pair joined along K (``[A | h] [W | L]^T``; NVFP4: a second GEMM for
   ``h L^T``), bias in f32, the output stored in bf16, then the op as XLA ops (f32 math). The faster strategy at every
-  shape measured on the H200 (docs/w4a4.md, "Strategies").
+  measured shape (docs/w4a4.md, "Served layers on the dequant strategy", "Why dequant is the default").
 * ``"kernel"``: the Pallas-Triton W4A4 GEMM (:func:`~pallas_kernels.w4a4_gemm.w4a4_matmul`) with the low-rank term
   (packed ``L`` decoded) in its epilogue, and with ``fused`` (default True) the RMSNorm or SwiGLU in that epilogue
   too (:func:`~pallas_kernels.epilogues.gemm_rmsnorm` / :func:`~pallas_kernels.epilogues.gemm_swiglu`).
@@ -94,7 +94,8 @@ Op = Literal["none", "rmsnorm", "swiglu"]
 OPS = ("none", "rmsnorm", "swiglu")
 #: Implementations: the compiled Pallas kernels, the same kernels in interpret mode (CPU), the jnp references.
 IMPLS = ("pallas", "interpret", "reference")
-#: The strategy of a default :class:`ServeOptions`: "dequantize + cuBLAS", the faster one at every measured shape.
+#: The strategy of a default :class:`ServeOptions`: "dequantize + cuBLAS", the faster one at every measured shape
+#: (docs/w4a4.md, "Why dequant is the default").
 DEFAULT_STRATEGY = "dequant"
 
 

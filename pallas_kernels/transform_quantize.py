@@ -1,6 +1,6 @@
 """Fused online block transform + FP4 quantizer: one pass from a 16-bit ``A (m, d)`` to packed E2M1 codes and scales.
 
-Kernels (paper §3.5, §4.4, appendices A and B; SPEC.md §5), selected by :class:`PreparedTransform` ``kind``:
+Kernels (paper §3.5, §4.4, appendices A and B; docs/kernels.md), selected by :class:`PreparedTransform` ``kind``:
 
 =========  ============================================================================================================
 ``q4``     bare quantizer ``Q(A)`` (the lower bound).
@@ -94,7 +94,7 @@ class BlockSizes:
         :func:`default_block_sizes` uses 3 for bf16, 2 for fp16).
       fwht_rows, fwht_num_warps: tiling of the full-width FWHT (each program holds ``fwht_rows`` whole rows).
 
-    How a tile is processed follows from the kind and the tile (the variants the H200 measured fastest,
+    How a tile is processed follows from the kind and the tile (the variants measured fastest,
     ``docs/kernels.md`` "Kernel variants"): q4/scale quantize the whole ``(BR, BD)`` tile at once; k1/k2/k2s compute
     one 32-column block product at a time (MXFP4: as even/odd column halves, quantized without a reshape), K1 with
     MXFP4 and ``BD >= 64`` two block products joined into one 64-column tile; a tile of several column chunks is
@@ -134,12 +134,12 @@ class BlockSizes:
 
 
 def default_block_sizes(kind: str, m: int, d: int, dtype=None) -> BlockSizes:
-    """The tiling :func:`transform_quantize` uses when none is given (from the H200 sweeps in docs/kernels.md).
+    """The tiling :func:`transform_quantize` uses when none is given (from the sweeps in docs/kernels.md, "Tiling").
 
     K1/K2 split the f32 block into ``dot_passes`` parts of ``A.dtype``: 3 for bf16 (8 + 8 + 8 mantissa bits, an exact
-    split), 2 for fp16 (11 + 11 bits; the third fp16 part is mostly below fp16's range anyway): measured on the H200,
-    fp16 with 2 parts is faster than 3 and differs from the f32 reference in as few codes, while bf16 with 2 parts
-    would differ in many more (docs/kernels.md).
+    split), 2 for fp16 (11 + 11 bits; the third fp16 part is mostly below fp16's range anyway): fp16 with 2 parts is
+    faster than 3 and differs from the f32 reference in as few codes, while bf16 with 2 parts would differ in many
+    more (docs/kernels.md, "Tiling" and "Profile: where the K1/K2 time goes").
     """
     passes = 2 if (dtype is not None and jnp.dtype(dtype) == jnp.dtype(jnp.float16)) else 3
     if kind == "q4":

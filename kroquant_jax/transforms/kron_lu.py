@@ -1,4 +1,5 @@
-"""KroQuant's Kronecker-LU parameterization (paper §3.2, SPEC.md §2).
+"""KroQuant's Kronecker-LU parameterization (paper §3.2; docs/formats_and_transforms.md, "Block-transform
+parameterizations").
 
 Each 32x32 block is ``K = G_1 ⊗ G_2 ⊗ G_3 ⊗ G_4 ⊗ G_5`` (numpy ``kron`` order: ``G_1`` acts on the most significant
 bit of the 5-bit index, ``K[r, c] = prod_k G_k[bit_{5-k}(r), bit_{5-k}(c)]``) with unit-|det| LU factors

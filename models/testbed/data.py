@@ -111,8 +111,9 @@ class EmojiDatasetConfig:
     """How the dataset is built.
 
     image_size: side of the square RGB images. 32 by default: a 32x32 image with patch 2 is 16x16 = 256 tokens, so a
-        ~10M-parameter PixArt sees hundreds of epochs of the ~3,900 glyphs within minutes on one H200, the whole image
-        set is 12 MB of uint8, and emoji stay recognisable at 32 px (a common on-screen emoji size).
+        ~10M-parameter PixArt sees hundreds of epochs of the ~3,900 glyphs within minutes on one GPU (docs/testbed.md,
+        "Training run"), the whole image set is 12 MB of uint8, and emoji stay recognisable at 32 px (a common on-screen
+        emoji size).
     max_tokens: fixed MiniLM token length (with [CLS] and [SEP]); longer captions are truncated (the builder reports
         how many).
     heldout_modulus: a glyph is held out when sha1(canonical sequence) % heldout_modulus == 0.
