@@ -157,7 +157,8 @@ class _FeatureRecorder:
     def wants(self, path: str) -> bool:
         return path == self.path
 
-    def record(self, path: str, x: jax.Array) -> None:
+    def record(self, path: str, x: jax.Array, token_mask: jax.Array | None = None) -> None:
+        """Keeps ``x (b, n, d)`` (the hooks of :func:`pixart_flow_model` carry no token mask)."""
         self.value = x
 
 

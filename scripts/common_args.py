@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-__all__ = ["HelpFormatter", "UserError", "add_quiet", "nonnegative_int", "positive_int", "quantize_with_store",
-           "verb_parser"]
+__all__ = ["HelpFormatter", "UserError", "action_parser", "add_quiet", "nonnegative_int", "positive_int",
+           "quantize_with_store", "verb_parser"]
 
 
 class UserError(Exception):
@@ -29,15 +29,29 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
+def _parser_options(command: str, doc: str | None, examples: Sequence[str]) -> dict:
+    """The ``ArgumentParser`` keywords of ``kroquant <command>`` (see :func:`verb_parser`)."""
+    epilog = None
+    if examples:
+        epilog = "examples:\n" + "\n".join(f"  kroquant {command} {example}" for example in examples)
+    return dict(prog=f"kroquant {command}", description=(doc or "").strip(), epilog=epilog,
+                formatter_class=HelpFormatter)
+
+
 def verb_parser(verb: str, doc: str | None, examples: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The parser of ``kroquant <verb>``: ``doc`` as the description, ``examples`` (each a command
     line after ``kroquant <verb>``) as the epilog."""
-    description = (doc or "").strip()
-    epilog = None
-    if examples:
-        epilog = "examples:\n" + "\n".join(f"  kroquant {verb} {example}" for example in examples)
-    return argparse.ArgumentParser(prog=f"kroquant {verb}", description=description, epilog=epilog,
-                                   formatter_class=HelpFormatter)
+    return argparse.ArgumentParser(**_parser_options(verb, doc, examples))
+
+
+def action_parser(subparsers, verb: str, action: str, doc: str, examples: Sequence[str] = ()
+                  ) -> argparse.ArgumentParser:
+    """The parser of ``kroquant <verb> <action>``, a verb with actions (``subparsers`` from the verb parser's
+    ``add_subparsers``): the same help as :func:`verb_parser` (usage ``kroquant <verb> <action>``, defaults,
+    ``examples`` after ``kroquant <verb> <action>``); the first line of ``doc`` is the action's line in the verb's
+    help."""
+    return subparsers.add_parser(action, help=doc.strip().splitlines()[0],
+                                 **_parser_options(f"{verb} {action}", doc, examples))
 
 
 def _int_at_least(text: str, minimum: int, requirement: str) -> int:

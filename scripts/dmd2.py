@@ -1,9 +1,9 @@
 """DMD2 timestep distillation of the emoji testbed DiT, and the distribution metrics of teacher and students.
 
-    python -m scripts.build_emoji_dataset --from-npz runs/emoji32.npz --out runs/dmd2_prompts.npz --prompts 1024
+    kroquant build-emoji-dataset --from-npz runs/emoji32.npz --out runs/dmd2_prompts.npz --prompts 1024
     kroquant dmd2 reference --data runs/emoji32.npz --out runs/dmd2_reference.npz
     kroquant dmd2 train --data runs/dmd2_prompts.npz --run runs/dmd2 --time-budget 60
-    kroquant dmd2 evaluate --data runs/dmd2_prompts.npz --reference runs/dmd2_reference.npz --run runs/dmd2 \
+    kroquant dmd2 evaluate --data runs/dmd2_prompts.npz --reference runs/dmd2_reference.npz --run runs/dmd2 \\
         --out runs/dmd2_eval
 
 ``train``: generator and fake score start from the teacher (``--teacher``, a diffusers PixArt directory); prompts are
@@ -36,56 +36,84 @@ from models.testbed import metrics as emoji_metrics
 from models.testbed import model as testbed
 from models.testbed import data as testbed_data
 from models.layers import linears
+from scripts.common_args import action_parser, nonnegative_int, positive_int, verb_parser
 from scripts.eval_testbed import DEFAULT_CHECKPOINT as DEFAULT_TEACHER
 
 DEFAULTS = dmd2.DMD2Config()
 
 
+EXAMPLES = ("reference --data runs/emoji32.npz --out runs/dmd2_reference.npz",
+            "train --data runs/dmd2_prompts.npz --run runs/dmd2 --time-budget 60",
+            "evaluate --data runs/dmd2_prompts.npz --reference runs/dmd2_reference.npz --run runs/dmd2 "
+            "--out runs/dmd2_eval")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The options of ``kroquant dmd2 reference | train | evaluate``."""
+    parser = verb_parser("dmd2", __doc__, EXAMPLES)
     sub = parser.add_subparsers(dest="action", required=True)
-    ref = sub.add_parser("reference", help="write the real images of a full dataset (no text) for the FD reference")
-    ref.add_argument("--data", required=True)
-    ref.add_argument("--out", required=True)
-    for name in ("train", "evaluate"):
-        p = sub.add_parser(name)
-        p.add_argument("--data", required=True, help="dataset or prompt-subset .npz (scripts.build_emoji_dataset)")
+    ref = action_parser(sub, "dmd2", "reference",
+                        "Write the real images of a full dataset (no text) for the Fréchet-distance reference.",
+                        (EXAMPLES[0].split(" ", 1)[1],))
+    ref.add_argument("--data", required=True, help="full dataset .npz (kroquant build-emoji-dataset)")
+    ref.add_argument("--out", required=True, help="reference images .npz to write")
+    docs = {"train": ("Train the few-step student (generator and fake score start from the teacher).",
+                      EXAMPLES[1].split(" ", 1)[1]),
+            "evaluate": ("Compare the teacher, the untrained and the trained student on in-domain metrics.\n\n"
+                         "Fréchet distance, caption accuracy, seed diversity, nearest-image outcomes and wall time "
+                         "per image;\nreport.json and grid.png in --out.", EXAMPLES[2].split(" ", 1)[1])}
+    for name, (doc, example) in docs.items():
+        p = action_parser(sub, "dmd2", name, doc, (example,))
+        p.add_argument("--data", required=True, help="dataset or prompt-subset .npz (kroquant build-emoji-dataset)")
         p.add_argument("--teacher", default=str(DEFAULT_TEACHER), help="diffusers PixArt directory")
         p.add_argument("--run", required=True, help="training folder (orbax checkpoints, log.jsonl)")
-        p.add_argument("--num-steps", type=int, default=DEFAULTS.num_steps,
+        p.add_argument("--num-steps", type=positive_int, default=DEFAULTS.num_steps,
                        help="student steps trained (backward simulation)")
         p.add_argument("--guidance", type=float, default=DEFAULTS.guidance, help="real-score / teacher CFG scale")
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--gan-feature-layer", default=DEFAULTS.gan_feature_layer)
+        p.add_argument("--seed", type=int, default=0, help="seed of the initialisation, the batches and the noise")
+        p.add_argument("--gan-feature-layer", default=DEFAULTS.gan_feature_layer,
+                       help="the linear whose input tokens feed the GAN head")
     train = sub.choices["train"]
-    train.add_argument("--cycles", type=int, default=100000, help="generator updates (each with --ratio fake updates)")
-    train.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
-    train.add_argument("--batch-size", type=int, default=64)
-    train.add_argument("--ratio", type=int, default=DEFAULTS.fake_updates_per_generator,
+    train.add_argument("--cycles", type=positive_int, default=100000,
+                       help="generator updates (each with --ratio fake updates)")
+    train.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds (resumable)")
+    train.add_argument("--batch-size", type=positive_int, default=64, help="prompts (and real images) per update")
+    train.add_argument("--ratio", type=positive_int, default=DEFAULTS.fake_updates_per_generator,
                        help="fake-score updates per generator update (DMD2: 5)")
-    train.add_argument("--generator-lr", type=float, default=DEFAULTS.generator_lr)
-    train.add_argument("--fake-lr", type=float, default=DEFAULTS.fake_lr)
-    train.add_argument("--dm-sigma-range", type=float, nargs=2, default=(DEFAULTS.dm_sigma_min, DEFAULTS.dm_sigma_max))
-    train.add_argument("--guidance-sigma-range", type=float, nargs=2, default=(0.0, 1.0))
-    train.add_argument("--gan-generator-weight", type=float, default=0.0, help="0 switches the GAN off")
-    train.add_argument("--gan-discriminator-weight", type=float, default=0.0)
-    train.add_argument("--gan-max-sigma", type=float, default=0.0)
-    train.add_argument("--cycles-per-call", type=int, default=10)
-    train.add_argument("--save-every-calls", type=int, default=50)
-    train.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    train.add_argument("--no-progress", action="store_true")
+    train.add_argument("--generator-lr", type=float, default=DEFAULTS.generator_lr,
+                       help="AdamW learning rate of the generator")
+    train.add_argument("--fake-lr", type=float, default=DEFAULTS.fake_lr, help="AdamW learning rate of the fake score")
+    train.add_argument("--dm-sigma-range", type=float, nargs=2, default=(DEFAULTS.dm_sigma_min, DEFAULTS.dm_sigma_max),
+                       metavar=("MIN", "MAX"), help="noise levels of the distribution-matching loss")
+    train.add_argument("--guidance-sigma-range", type=float, nargs=2, default=(0.0, 1.0), metavar=("LOW", "HIGH"),
+                       help="noise levels where the real score applies --guidance")
+    train.add_argument("--gan-generator-weight", type=float, default=0.0,
+                       help="GAN loss weight of the generator; 0 switches the GAN off")
+    train.add_argument("--gan-discriminator-weight", type=float, default=0.0,
+                       help="GAN loss weight of the discriminator (the fake score's head)")
+    train.add_argument("--gan-max-sigma", type=float, default=0.0,
+                       help="GAN inputs are noised to a uniform level in [0, this] (0: clean images)")
+    train.add_argument("--cycles-per-call", type=positive_int, default=10, help="generator updates per compiled call")
+    train.add_argument("--save-every-calls", type=positive_int, default=50, help="checkpoint every N calls")
+    train.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                       help="dtype of the networks' forward passes")
+    train.add_argument("--no-progress", action="store_true", help="no progress bars")
     evaluate = sub.choices["evaluate"]
     evaluate.add_argument("--reference", required=True, help="reference images (kroquant dmd2 reference) or dataset")
-    evaluate.add_argument("--out", required=True)
-    evaluate.add_argument("--samples", type=int, default=1024, help="training captions sampled per system")
-    evaluate.add_argument("--teacher-steps", type=int, default=20)
-    evaluate.add_argument("--student-steps", type=int, nargs="+", default=[1, 2, 4, 8])
-    evaluate.add_argument("--batch-size", type=int, default=512)
-    evaluate.add_argument("--encoder-dir", default="runs/emoji_encoder")
-    evaluate.add_argument("--encoder-steps", type=int, default=1500)
-    evaluate.add_argument("--encoder-batch-size", type=int, default=256)
-    evaluate.add_argument("--nearest", type=int, default=128, help="samples per system for the nearest-image check")
-    evaluate.add_argument("--grid-rows", type=int, default=8)
+    evaluate.add_argument("--out", required=True, help="output folder (report.json, grid.png)")
+    evaluate.add_argument("--samples", type=positive_int, default=1024, help="training captions sampled per system")
+    evaluate.add_argument("--teacher-steps", type=positive_int, default=20, help="Euler steps of the teacher")
+    evaluate.add_argument("--student-steps", type=positive_int, nargs="+", default=[1, 2, 4, 8],
+                          help="step counts the trained student is evaluated at")
+    evaluate.add_argument("--batch-size", type=positive_int, default=512, help="captions per sampling call")
+    evaluate.add_argument("--encoder-dir", default="runs/emoji_encoder",
+                          help="cache folder of the in-domain encoder (trained once on the reference images)")
+    evaluate.add_argument("--encoder-steps", type=positive_int, default=1500, help="training steps of the encoder")
+    evaluate.add_argument("--encoder-batch-size", type=positive_int, default=256,
+                          help="images per training step of the encoder")
+    evaluate.add_argument("--nearest", type=nonnegative_int, default=128,
+                          help="samples per system for the nearest-image check")
+    evaluate.add_argument("--grid-rows", type=positive_int, default=8, help="captions shown in grid.png")
     return parser.parse_args(argv)
 
 

@@ -1,7 +1,7 @@
 """Quantization-aware distillation of the emoji testbed DiT, CFG folded into one branch (``models.qad``), and its
 evaluation against the 16-bit teacher with CFG, the two-branch PTQ W4A4 model and the seed's two controls.
 
-    python -m scripts.qad --out runs/qad --data runs/qad_data/emoji32_qad.npz \
+    kroquant qad --out runs/qad --data runs/qad_data/emoji32_qad.npz \\
         --ptq-store runs/ptq_svd/qlayers/svdquant-<hash> --steps 1000
 
 Variants (each trained in its own run folder ``--out``/runs/<name>, resumable, keyed by its settings):
@@ -9,6 +9,7 @@ Variants (each trained in its own run folder ``--out``/runs/<name>, resumable, k
 * ``qad_16bit``: the seed's QAD, student initialised from the 16-bit weights (RTN W4A4 at step 0);
 * ``qad_ptq``: the student initialised from the calibrated PTQ layers of ``--ptq-store`` (any recipe);
 * ``naive_16bit``: the seed's naive distillation (``ste="none"``: no gradient through the quantizers).
+* ``naive_ptq``: the naive distillation from the PTQ layers (not run by default).
 
 Evaluation: held-out captions (never trained on) and training captions that QAD did not train on, several seeds
 each, 20 Euler steps; the reference is the 16-bit teacher with CFG; the PTQ models run both branches with CFG, the
@@ -35,40 +36,52 @@ from models import families, pixart, qad
 from models.testbed import model as testbed
 from models.testbed import data as testbed_data
 from models.testbed.evaluation import image_metrics_of
+from scripts.common_args import nonnegative_int, positive_int, verb_parser
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+VARIANTS = ("qad_16bit", "qad_ptq", "naive_16bit", "naive_ptq")
+EXAMPLES = ("--out runs/qad --data runs/qad_data/emoji32_qad.npz --ptq-store runs/ptq_svd/qlayers/svdquant-HASH "
+            "--steps 1000",
+            "--out runs/qad_quick --data runs/qad_data/emoji32_qad.npz --variants qad_16bit --train-seconds 300")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "emoji_pixart"))
-    p.add_argument("--data", required=True, help="training records (.npz of scripts.build_emoji_dataset)")
+    """The options of ``kroquant qad``."""
+    p = verb_parser("qad", __doc__, EXAMPLES)
+    p.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "emoji_pixart"),
+                   help="diffusers PixArt directory of the 16-bit teacher")
+    p.add_argument("--data", required=True, help="training records (.npz of kroquant build-emoji-dataset)")
     p.add_argument("--prompts", default=None, help="evaluation captions (default <checkpoint>/testbed_prompts.npz)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="output folder (run folders, report, table, images)")
     p.add_argument("--ptq-store", default=None, help="QLinearStore folder of a calibrated PTQ model (qad_ptq)")
     p.add_argument("--ptq-name", default="ptq", help="the PTQ recipe's name in the tables (e.g. svdquant)")
-    p.add_argument("--variants", nargs="+", default=["qad_16bit", "qad_ptq", "naive_16bit"])
-    p.add_argument("--fmt", choices=sorted(qad.FORMATS), default="mxfp4")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:3]),
+                   help="students trained: qad_ or naive_ (no gradient through the quantizers), from _16bit (the 16-bit "
+                        "weights) or _ptq (the layers of --ptq-store)")
+    p.add_argument("--fmt", choices=sorted(qad.FORMATS), default="mxfp4", help="W4A4 format of the students")
     p.add_argument("--ste", choices=("identity", "clipped"), default="identity", help="STE of the QAD students")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--fm-weight", type=float, default=0.25)
+    p.add_argument("--steps", type=positive_int, default=1000, help="training steps per variant")
+    p.add_argument("--batch-size", type=positive_int, default=128, help="training records per step")
+    p.add_argument("--lr", type=float, default=5e-5, help="peak learning rate")
+    p.add_argument("--warmup", type=nonnegative_int, default=50, help="linear learning-rate warm-up steps")
+    p.add_argument("--fm-weight", type=float, default=0.25, help="weight of the flow-matching loss on real images")
     p.add_argument("--guidance", type=float, nargs=2, default=[3.0, 3.0], metavar=("NOISY", "CLEAN"),
                    help="teacher schedule w(sigma): NOISY over sigma >= 0.4, CLEAN below 0.1 (default constant 3, "
                         "the testbed's CFG, so the students aim at the reference images)")
     p.add_argument("--train-seconds", type=float, default=None,
                    help="stop each variant's training after this many seconds (resumable; steps reached reported)")
-    p.add_argument("--chunk", type=int, default=50)
-    p.add_argument("--save-every", type=int, default=500)
-    p.add_argument("--sample-steps", type=int, default=20)
-    p.add_argument("--eval-captions", type=int, default=24)
-    p.add_argument("--eval-train-captions", type=int, default=16)
-    p.add_argument("--seeds", type=int, nargs="+", default=[1000, 2000, 3000])
-    p.add_argument("--curve-every", type=int, default=100, help="held-out PSNR every N steps for the curves")
-    p.add_argument("--curve-captions", type=int, default=8)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--chunk", type=positive_int, default=50, help="training steps per compiled call")
+    p.add_argument("--save-every", type=positive_int, default=500, help="checkpoint every N steps")
+    p.add_argument("--sample-steps", type=positive_int, default=20, help="Euler steps of the evaluation samples")
+    p.add_argument("--eval-captions", type=positive_int, default=24, help="held-out captions evaluated")
+    p.add_argument("--eval-train-captions", type=positive_int, default=16,
+                   help="training captions evaluated (none of them trained on)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1000, 2000, 3000], help="noise seeds of the evaluation")
+    p.add_argument("--curve-every", type=positive_int, default=100, help="held-out PSNR every N steps for the curves")
+    p.add_argument("--curve-captions", type=positive_int, default=8, help="held-out captions of the curves")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p.parse_args(argv)
 
 
@@ -82,8 +95,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if "qad_ptq" in args.variants and not args.ptq_store:
-        raise ValueError("variant qad_ptq needs --ptq-store (a calibrated QLinearStore folder)")
+    if any(v.endswith("_ptq") for v in args.variants) and not args.ptq_store:
+        raise ValueError("--variants qad_ptq and naive_ptq need --ptq-store (a calibrated QLinearStore folder)")
     began = time.perf_counter()
     cfg, teacher = families.PIXART.from_diffusers(args.checkpoint, "float32")
     prompts = testbed_data.load_dataset(args.prompts or str(Path(args.checkpoint) / "testbed_prompts.npz"))

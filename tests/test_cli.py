@@ -46,17 +46,35 @@ def _options(help_text: str) -> dict[str, str]:
     return entries
 
 
+def _actions(help_text: str) -> dict[str, str]:
+    """``{action: its help line}`` of a verb with actions (``kroquant <verb> {a,b,...}``); empty for other verbs."""
+    match = re.search(r"^  \{([\w,-]+)\}\n((?:    .*\n)*)", help_text, re.M)
+    if match is None:
+        return {}
+    lines = dict(re.findall(r"^    ([\w-]+)(?: +(.*))?$", match.group(2), re.M))
+    return {name: lines.get(name) or "" for name in match.group(1).split(",")}
+
+
 @pytest.mark.parametrize("verb", list(cli.VERBS))
 def test_every_verb_help_names_the_verb_documents_every_option_and_gives_examples(verb, capsys):
+    """Every verb, and each action of a verb with actions (``kroquant dmd2 train``): usage ``kroquant <command>``,
+    every option documented, examples written as ``kroquant <command> ...``; a verb's actions each have a help line."""
     assert cli.main([verb, "--help"]) == 0
     text = capsys.readouterr().out
-    assert text.startswith(f"usage: kroquant {verb} ")
-    options = _options(text)
-    assert len(options) > 1
-    undocumented = [flag for flag, help_ in options.items() if not help_.strip()]
-    assert not undocumented, undocumented
-    assert "examples:\n  kroquant " + verb in text
-    assert "python -m scripts" not in text
+    actions = _actions(text)
+    assert all(help_.strip() for help_ in actions.values()), actions
+    commands = [(verb, text)]
+    for action in actions:
+        assert cli.main([verb, action, "--help"]) == 0
+        commands.append((f"{verb} {action}", capsys.readouterr().out))
+    for command, text in commands:
+        assert text.startswith(f"usage: kroquant {command} ")
+        options = _options(text)
+        assert len(options) > 1 or (command == verb and actions)  # a verb with actions: its options are -h only
+        undocumented = [flag for flag, help_ in options.items() if not help_.strip()]
+        assert not undocumented, (command, undocumented)
+        assert "examples:\n  kroquant " + command in text
+        assert "python -m scripts" not in text
 
 
 def test_quantize_checkpoint_help_shows_defaults(capsys):
@@ -70,6 +88,22 @@ def test_demo_help_shows_the_demo_defaults(capsys):
     assert cli.main(["demo", "--help"]) == 0
     options = _options(capsys.readouterr().out)
     assert "(default: runs/demo)" in options["--out"] and "(default: 12)" in options["--steps"]
+
+
+def test_qad_and_dmd2_actions_show_defaults_and_refuse_zero_counts(capsys, tmp_path):
+    assert cli.main(["dmd2", "train", "--help"]) == 0
+    options = _options(capsys.readouterr().out)
+    assert "(default: 64)" in options["--batch-size"] and "(default: (0.02, 0.98))" in options["--dm-sigma-range"]
+    assert cli.main(["qad", "--help"]) == 0
+    assert "(default: 1000)" in _options(capsys.readouterr().out)["--steps"]
+    for argv, command, flag in ((["dmd2", "train", "--data", "d", "--run", "r", "--cycles", "0"], "dmd2 train",
+                                 "--cycles"),
+                                (["dmd2", "evaluate", "--data", "d", "--run", "r", "--reference", "x", "--out", "o",
+                                  "--student-steps", "1", "0"], "dmd2 evaluate", "--student-steps"),
+                                (["qad", "--data", "d", "--out", str(tmp_path), "--steps", "0"], "qad", "--steps")):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err == f"kroquant {command}: error: argument {flag}: must be a positive integer, got 0"
 
 
 @pytest.mark.parametrize("flag, argv", [
