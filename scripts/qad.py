@@ -58,8 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ptq-store", default=None, help="QLinearStore folder of a calibrated PTQ model (qad_ptq)")
     p.add_argument("--ptq-name", default="ptq", help="the PTQ recipe's name in the tables (e.g. svdquant)")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:3]),
-                   help="students trained: qad_ or naive_ (no gradient through the quantizers), from _16bit (the 16-bit "
-                        "weights) or _ptq (the layers of --ptq-store)")
+                   help="students trained: qad_ or naive_ (no gradient through the quantizers), from _16bit "
+                        "(the 16-bit weights) or _ptq (the layers of --ptq-store)")
     p.add_argument("--fmt", choices=sorted(qad.FORMATS), default="mxfp4", help="W4A4 format of the students")
     p.add_argument("--ste", choices=("identity", "clipped"), default="identity", help="STE of the QAD students")
     p.add_argument("--steps", type=positive_int, default=1000, help="training steps per variant")
