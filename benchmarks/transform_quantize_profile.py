@@ -103,7 +103,7 @@ def triton_fn(t, bs, stage):
         if stage == "quantize":
             q = tq.transform_quantize(a, t, MXFP4(), block_sizes=bs, impl=IMPL)
             return q.codes, q.scales
-        return tq._pallas_call(a, t, MXFP4(), None, bs, IMPL == "interpret", stage=stage)
+        return (tq.kernel_stage(a, t, MXFP4(), stage=stage, block_sizes=bs, impl=IMPL),)
     return f
 
 
@@ -129,7 +129,8 @@ def general_inputs(key, m, d, dtype):
 def division_probe(n=1 << 20):
     """Pallas Triton f32 division on the GPU against numpy's correctly rounded one: plain ``x / y`` (Triton lowers it
     to ``div.full.f32``), and inline ``div.rn.f32`` with ``r`` and ``f`` register constraints."""
-    from pallas_kernels._compat import pl, pltriton, triton_compiler_params
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
 
     rng = np.random.default_rng(0)
     x = rng.uniform(0.01, 100.0, n).astype(np.float32)
@@ -143,7 +144,7 @@ def division_probe(n=1 << 20):
         "asm_f": lambda a, b: pltriton.elementwise_inline_asm(
             "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
             result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0],
-        "kernel_default": tq._div_rn_ptx,
+        "kernel_default": tq.div_rn_ptx,
     }
     out = {}
     for name, div in variants.items():
@@ -154,7 +155,7 @@ def division_probe(n=1 << 20):
                                     grid=(n // 1024 // 16,),
                                     in_specs=[pl.BlockSpec((16, 1024), lambda i: (i, 0))] * 2,
                                     out_specs=pl.BlockSpec((16, 1024), lambda i: (i, 0)),
-                                    compiler_params=triton_compiler_params(4, 1))(
+                                    compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
                 jnp.asarray(x.reshape(-1, 1024)), jnp.asarray(y.reshape(-1, 1024)))
             got = np.asarray(got).reshape(-1)
             out[name] = {"mismatch_fraction": float(np.mean(got != exact)),

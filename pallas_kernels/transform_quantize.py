@@ -61,7 +61,10 @@ from pallas_kernels._compat import on_gpu, pl, pltriton, triton_compiler_params
 __all__ = [
     "BlockSizes",
     "KINDS",
+    "PROFILE_STAGES",
     "default_block_sizes",
+    "div_rn_ptx",
+    "kernel_stage",
     "PreparedTransform",
     "prepare",
     "reference_apply",
@@ -72,6 +75,7 @@ __all__ = [
 ]
 
 KINDS = ("q4", "scale", "k1", "k2", "k2s", "fwht")
+PROFILE_STAGES = ("transform", "copy")  # kernel_stage: the kernel stopped after its transform, or its tile copy
 BLOCK = 32
 _KPARAM_WIDTH = 16  # a(5), b(5), c(5), one pad: a power of two for the Triton lowering
 
@@ -267,7 +271,7 @@ def prepare(name: str, params: Any = None, *, d: Optional[int] = None, kernel: O
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _div_rn_ptx(x: jax.Array, y: jax.Array) -> jax.Array:
+def div_rn_ptx(x: jax.Array, y: jax.Array) -> jax.Array:
     """Correctly rounded f32 ``x / y`` inside a Pallas Triton kernel on the GPU: ``div.rn.f32`` as inline PTX.
 
     Triton lowers an f32 ``arith.divf`` to ``div.full.f32`` (approximate, up to 2 ulp), which moves NVFP4 block scales
@@ -408,7 +412,7 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt, passes, amax_only,
             pltriton.store(ref_view, value, mask=jnp.broadcast_to(row_mask, value.shape))
 
     tensor_scales = (ts_ref[0, 0], ts_ref[0, 1]) if ts_ref is not None else None
-    exact_div = None if interpret else _div_rn_ptx  # interpret mode: formats.divide_rn
+    exact_div = None if interpret else div_rn_ptx  # interpret mode: formats.divide_rn
     block = fmt.block_size
     blockwise = kind in ("k1", "k2", "k2s")
     # MXFP4 block products: K1 joins two into a 64-column tile when the chunk is 64 wide; otherwise each block is
@@ -513,10 +517,9 @@ def _pallas_call(a: jax.Array, t: PreparedTransform, fmt: QuantFormat, ts_pair: 
     """The kernel on ``A (m, d)``: ``(codes (m, d/2), scale bytes (m, d/block))`` or, with ``amax_only``, the f32
     row maxima of ``|A T|`` per column tile ``(m, d/BD)`` (for NVFP4's tensor scale).
 
-    ``stage`` (profiling, ``benchmarks/transform_quantize_profile.py``): ``"quantize"`` (the kernel), ``"transform"``
-    (the same tiles and transform, ``A T`` stored in ``A.dtype`` to an ``(m, d)`` output, no quantizer) or ``"copy"``
-    (the same tiles loaded and stored back, no transform, no quantizer); the last two return ``[out (m, d)]``."""
-    if stage not in ("quantize", "transform", "copy"):
+    ``stage``: ``"quantize"`` (the kernel) or one of :data:`PROFILE_STAGES` (see :func:`kernel_stage`), which
+    return ``[out (m, d)]``."""
+    if stage != "quantize" and stage not in PROFILE_STAGES:
         raise ValueError(f"stage={stage!r} must be 'quantize', 'transform' or 'copy'")
     m, d = a.shape
     kind = t.kind
@@ -688,6 +691,42 @@ def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), 
     if scales.dtype != fmt.scale_dtype:  # the kernel writes bytes
         scales = jax.lax.bitcast_convert_type(scales, fmt.scale_dtype)
     return QuantizedArray(codes=codes, scales=scales, tensor_scale=ts, fmt=fmt, dtype=np.dtype(a.dtype))
+
+
+def kernel_stage(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), *, stage: str,
+                 block_sizes: Optional[BlockSizes] = None, impl: str = "pallas") -> jax.Array:
+    """The fused kernel of :func:`transform_quantize` stopped after one stage, for profiling where its time goes.
+
+    ``stage="transform"``: the same tiles, block products and launch as the kernel, ``A T`` stored in ``a.dtype``
+    instead of being quantized (equal to :func:`reference_apply` on exactly representable data);
+    ``stage="copy"``: the same tiles loaded and stored back (no transform, no quantizer), which returns ``a``.
+    ``fmt`` picks the tiling the quantizing kernel would use (K1 joins two block products for MXFP4).
+
+    Args:
+      a: ``bfloat16 | float16 (..., d)`` activations.
+      transform: a :class:`PreparedTransform`.
+      fmt: the format the full kernel would write.
+      stage: one of :data:`PROFILE_STAGES`.
+      block_sizes: kernel tiling (default :func:`default_block_sizes`).
+      impl: ``"pallas"`` (the GPU kernel) or ``"interpret"`` (``pallas_call(interpret=True)``, any backend).
+
+    Returns:
+      ``(..., d)`` in ``a.dtype``.
+    """
+    if stage not in PROFILE_STAGES:
+        raise ValueError(f"kernel_stage: stage={stage!r} must be one of {PROFILE_STAGES}")
+    if impl not in ("pallas", "interpret"):
+        raise ValueError(f"kernel_stage: impl={impl!r} must be 'pallas' or 'interpret' (a stage is a kernel variant)")
+    F._check_dtype(a, "kernel_stage")
+    F._check_format(fmt, "kernel_stage")
+    lead, d = a.shape[:-1], a.shape[-1]
+    a2 = a.reshape(-1, d)
+    _check_kernel_inputs(a2, transform, fmt)
+    if a2.shape[0] == 0:  # an empty batch: nothing to launch
+        return a
+    bs = block_sizes or default_block_sizes(transform.kind, a2.shape[0], d, a2.dtype)
+    (y,) = _pallas_call(a2, transform, fmt, None, bs, impl == "interpret", stage=stage)
+    return y.reshape(*lead, d)
 
 
 def _apply_f32(a: jax.Array, t: PreparedTransform) -> jax.Array:

@@ -354,8 +354,26 @@ def test_interpret_k1_joined_blocks_exact(block_cols):
     t = _exact_transform("k1", d, jax.random.key(53))
     bs = tq.BlockSizes(block_rows=16, block_cols=block_cols, num_stages=3)
     _assert_same(_poisoned(a, t, MXFP4(), bs), tq.reference_transform_quantize(a, t, MXFP4()))
-    (y,) = tq._pallas_call(a, t, MXFP4(), None, bs, True, stage="transform")  # the joined tile itself
+    y = tq.kernel_stage(a, t, MXFP4(), stage="transform", block_sizes=bs, impl="interpret")  # the joined tile itself
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(tq.reference_apply(a, t), np.float32))
+
+
+@pytest.mark.parametrize("kind", ["scale", "k2"])
+def test_interpret_kernel_stages(kind):
+    """``kernel_stage``: the transform stage stores ``A T`` (the reference on exact data), the copy stage ``A``
+    itself, for a leading batch shape and ragged m; a bad stage or impl is refused by name."""
+    m, d = 21, 128
+    a = _exact_activations(jax.random.key(54), m, d, jnp.float16).reshape(3, 7, d)
+    t = _exact_transform(kind, d, jax.random.key(55))
+    y = tq.kernel_stage(a, t, stage="transform", block_sizes=SMALL, impl="interpret")
+    assert y.shape == a.shape and y.dtype == a.dtype
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(tq.reference_apply(a, t), np.float32))
+    copied = tq.kernel_stage(a, t, stage="copy", block_sizes=SMALL, impl="interpret")
+    np.testing.assert_array_equal(np.asarray(copied), np.asarray(a))
+    with pytest.raises(ValueError, match="stage='quantize'"):
+        tq.kernel_stage(a, t, stage="quantize", impl="interpret")
+    with pytest.raises(ValueError, match="impl='reference'"):
+        tq.kernel_stage(a, t, stage="copy", impl="reference")
 
 
 @pytest.mark.parametrize("fmt", [MXFP4(), NVFP4()])
