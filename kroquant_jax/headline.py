@@ -150,6 +150,15 @@ TABLES: dict[str, dict] = {
              "{ideogram4_bf16_forward_padded_ms:.1f} ms", "1.2x the bf16 roofline", "[ideogram4](docs/ideogram4.md)"],
         ],
     },
+    "demo": {
+        "header": ["method", "PSNR (dB) ↑", "SSIM ↑", "chroma ratio", "saturation ratio", "layer error mean",
+                   "layer error max"],
+        "rows": [[name, f"{{demo_psnr_db_{key}:.2f}} ± {{demo_psnr_sem_db_{key}:.2f}}", f"{{demo_ssim_{key}:.3f}}",
+                  f"{{demo_chroma_ratio_{key}:.3f}}", f"{{demo_saturation_ratio_{key}:.3f}}",
+                  f"{{demo_layer_error_mean_{key}:.4f}}", f"{{demo_layer_error_max_{key}:.4f}}"]
+                 for name, key in [("RTN", "rtn"), ("Hadamard-32", "hadamard32"), ("KroQuant", "kroquant"),
+                                   ("KroQuant + LoRaQ", "kroquant_loraq")]],
+    },
     "testbed": {
         "header": ["method", "PSNR (dB) ↑, held-out captions", "SSIM ↑"],
         "rows": [[name, f"{{testbed_eval_psnr_db_{key}:.2f}} ± {{testbed_eval_psnr_sem_db_{key}:.2f}}",

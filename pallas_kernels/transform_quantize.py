@@ -637,7 +637,7 @@ def _resolve_impl(a: jax.Array, impl: Optional[str]) -> str:
 
 def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), *,
                        tensor_scale: Optional[jax.Array] = None, block_sizes: Optional[BlockSizes] = None,
-                       impl: Optional[str] = None, round_to_input: bool = True, _poison: Optional[tuple] = None
+                       impl: Optional[str] = None, round_to_input: bool = True, poison_outputs: Optional[tuple] = None
                        ) -> QuantizedArray:
     """``quantize(A T)`` for ``A (..., d)``: the fused kernel on a GPU, the jnp reference elsewhere.
 
@@ -652,6 +652,8 @@ def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), 
       impl: ``None`` (kernel on GPU for bf16/f16, else reference), ``"pallas"``, ``"interpret"`` or ``"reference"``.
       round_to_input: round ``A T`` to ``a.dtype`` before quantizing (the reference ``quantize(apply_to_activations(
         A, blocks))``); ``False`` quantizes the f32 product (``qlinear_forward(path="packed")``'s convention).
+      poison_outputs: kernel paths only, a testing aid: ``(codes, scales)`` arrays of the output shapes that the
+        kernel's output buffers start from, so a test can prove that every element was written.
 
     Returns:
       A :class:`~kroquant_jax.formats.QuantizedArray` (codes ``(..., d/2)``, scales ``(..., d/block)``); its gradient
@@ -685,7 +687,8 @@ def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), 
         else:
             ts = jnp.asarray(tensor_scale, jnp.float32)
         ts_pair = jnp.stack([ts, F.divide_rn(jnp.float32(1.0), ts)])
-    codes, scales = _pallas_call(a2, transform, fmt, ts_pair, bs, interpret, poison=_poison, round_y=round_to_input)
+    codes, scales = _pallas_call(a2, transform, fmt, ts_pair, bs, interpret, poison=poison_outputs,
+                                 round_y=round_to_input)
     codes = codes.reshape(*lead, d // 2)
     scales = scales.reshape(*lead, scales.shape[-1])
     if scales.dtype != fmt.scale_dtype:  # the kernel writes bytes

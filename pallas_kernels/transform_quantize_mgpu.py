@@ -315,7 +315,7 @@ def _call(a: jax.Array, kind: str, kparts: Optional[jax.Array], mode: ScaleMode,
 def transform_quantize_mgpu(a: jax.Array, transform: tq.PreparedTransform, fmt=MXFP4(), *,
                             block_sizes: Optional[MgpuBlockSizes] = None, impl: Optional[str] = None,
                             round_to_input: bool = True, k1_parts: Optional[jax.Array] = None,
-                            _poison: Optional[tuple[jax.Array, jax.Array]] = None) -> QuantizedArray:
+                            poison_outputs: Optional[tuple[jax.Array, jax.Array]] = None) -> QuantizedArray:
     """``quantize(A T)`` for ``A (..., d)`` through the Mosaic GPU kernels (``q4``, ``k1``; MXFP4 output).
 
     Args:
@@ -327,6 +327,7 @@ def transform_quantize_mgpu(a: jax.Array, transform: tq.PreparedTransform, fmt=M
         bodies through the generic Pallas interpreter, CPU) or ``"reference"``.
       round_to_input: as :func:`pallas_kernels.transform_quantize.transform_quantize`.
       k1_parts: ``k1``: the prepared blocks of :func:`prepare_k1_blocks` (computed here when not given).
+      poison_outputs: as :func:`pallas_kernels.transform_quantize.transform_quantize` (a testing aid).
 
     Returns:
       A :class:`~kroquant_jax.formats.QuantizedArray`: codes ``(..., d/2)``, E8M0 scales ``(..., d/32)``.
@@ -361,6 +362,6 @@ def transform_quantize_mgpu(a: jax.Array, transform: tq.PreparedTransform, fmt=M
             raise ValueError(f"k1_parts must be {(d // BLOCK, bs.dot_passes, BLOCK, BLOCK)} of {a2.dtype}, "
                              f"got {kparts.shape} of {kparts.dtype}")
     codes, scales = _call(a2, transform.kind, kparts, fmt.scale_mode, bs, impl == "interpret",
-                          round_y=round_to_input, poison=_poison)
+                          round_y=round_to_input, poison=poison_outputs)
     return QuantizedArray(codes=codes.reshape(*lead, d // 2), scales=scales.reshape(*lead, d // BLOCK),
                           tensor_scale=jnp.float32(1.0), fmt=fmt, dtype=np.dtype(a.dtype))

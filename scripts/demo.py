@@ -22,7 +22,7 @@ import sys
 
 from scripts import eval_testbed
 
-#: Fast settings: the whole demo takes minutes on a 2-core CPU (see README for the measured time).
+#: Fast settings: the whole demo takes minutes on a 2-core CPU (the README records the measured wall time).
 DEMO_DEFAULTS = [
     "--out", "runs/demo",
     "--methods", "rtn", "hadamard32", "kroquant", "kroquant+loraq",

@@ -174,7 +174,7 @@ def _poisoned(a, t, fmt, bs):
     """Runs the kernel (interpret mode) into outputs poisoned with 0x00 and 0xFF; both runs must agree."""
     m, d = a.shape
     run = jax.jit(lambda a, t, p0, p1: tq.transform_quantize(a, t, fmt, block_sizes=bs, impl="interpret",
-                                                             _poison=(p0, p1)))  # one trace for both poisons
+                                                             poison_outputs=(p0, p1)))  # one trace for both poisons
     outs = []
     for byte in (0x00, 0xFF):
         outs.append(run(a, t, jnp.full((m, d // 2), byte, jnp.uint8),

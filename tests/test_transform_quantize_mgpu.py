@@ -78,7 +78,7 @@ def test_interpret_exact(kind, dtype):
     outs = []
     for byte in (0x00, 0xFF):  # poisoned outputs: an unwritten byte would differ between the two runs
         poison = (jnp.full((m, d // 2), byte, jnp.uint8), jnp.full((m, d // 32), byte, jnp.uint8))
-        outs.append(tqm.transform_quantize_mgpu(a, t, fmt, block_sizes=SMALL, impl="interpret", _poison=poison))
+        outs.append(tqm.transform_quantize_mgpu(a, t, fmt, block_sizes=SMALL, impl="interpret", poison_outputs=poison))
     r = tq.reference_transform_quantize(a, t, fmt)
     for q in outs:
         np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(r.codes))

@@ -79,7 +79,7 @@ def _run_poisoned(a, t, fmt, bs=None):
     outs = []
     for byte in (0x00, 0xFF):
         poison = (jnp.full((m, d // 2), byte, jnp.uint8), jnp.full((m, d // block), byte, jnp.uint8))
-        outs.append(tq.transform_quantize(a, t, fmt, impl="pallas", block_sizes=bs, _poison=poison))
+        outs.append(tq.transform_quantize(a, t, fmt, impl="pallas", block_sizes=bs, poison_outputs=poison))
     np.testing.assert_array_equal(np.asarray(outs[0].codes), np.asarray(outs[1].codes))
     np.testing.assert_array_equal(_scale_bytes(outs[0]), _scale_bytes(outs[1]))
     return outs[0]

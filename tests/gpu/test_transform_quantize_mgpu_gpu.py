@@ -27,7 +27,7 @@ def _run_poisoned(a, t, fmt, bs=None):
     outs = []
     for byte in (0x00, 0xFF):
         poison = (jnp.full((m, d // 2), byte, jnp.uint8), jnp.full((m, d // 32), byte, jnp.uint8))
-        outs.append(tqm.transform_quantize_mgpu(a, t, fmt, impl="pallas", block_sizes=bs, _poison=poison))
+        outs.append(tqm.transform_quantize_mgpu(a, t, fmt, impl="pallas", block_sizes=bs, poison_outputs=poison))
     np.testing.assert_array_equal(np.asarray(outs[0].codes), np.asarray(outs[1].codes))
     np.testing.assert_array_equal(np.asarray(outs[0].scales), np.asarray(outs[1].scales))
     return outs[0]
