@@ -31,9 +31,11 @@ The algorithm (``gptq_fake_quant`` / ``gptq_quantize``):
 Every rounded value is ``fmt.dequantize_blocks`` of an E2M1 code on the group's chosen scales, so the result is
 exactly representable: :func:`gptq_quantize` returns those codes and scales as a
 :class:`~kroquant_jax.formats.QuantizedArray` with ``dequantize(q) == gptq_fake_quant(...)`` bit for bit.
-``formats.quantize`` of the result re-derives the scales from each group's rounded maximum; for MXFP4 with the FLOOR
-rule that gives back the same codes and scales (tested); NVFP4's E4M3 scale re-derived from a group whose largest
-code is below 6 is a different scale, so store :func:`gptq_quantize`'s array, not a re-quantization.
+``formats.quantize`` of the result re-derives the scales from each group's rounded maximum. For MXFP4 with the FLOOR
+rule that gives back the same values (tested): a group whose largest code is 4 or 6 gets its scale back, one whose
+largest code is smaller gets a smaller power of two on which every value is still representable. NVFP4's E4M3 scale
+re-derived from a group whose largest code is below 6 can be a scale on which the values are not all representable,
+so store :func:`gptq_quantize`'s array, not a re-quantization of the values.
 
 Composition (not wired into the recipes here): with an invertible transform ``T`` the layer computes
 ``(A T)(W T^{-T})^T``; transform first, then GPTQ on ``W T^{-T}`` with ``H = (A T)^T (A T)``. A low-rank branch

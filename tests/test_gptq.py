@@ -62,14 +62,16 @@ def test_result_is_exactly_representable(fmt):
         qa = gptq.gptq_quantize(w, h, fmt, act_order=act_order)
         assert qa.shape == w.shape and qa.scales.shape == (16, 128 // fmt.block_size)
         np.testing.assert_array_equal(np.asarray(formats.dequantize(qa, jnp.float32)), np.asarray(q))
-        # Round trip through formats.quantize (on the pass's tensor scale) gives back the same values.
+        # Round trip through formats.quantize (on the pass's tensor scale): MXFP4 (FLOOR) gives back every value;
+        # NVFP4 every value of the groups whose largest code is 6 (the module docstring says why not the others).
         ts = qa.tensor_scale if fmt.has_tensor_scale else None
-        np.testing.assert_array_equal(np.asarray(formats.dequantize(formats.quantize(q, fmt, tensor_scale=ts))),
-                                      np.asarray(q))
-        if isinstance(fmt, MXFP4):  # FLOOR re-derives the very scales and codes
-            re = formats.quantize(q, fmt)
-            np.testing.assert_array_equal(np.asarray(re.codes), np.asarray(qa.codes))
-            np.testing.assert_array_equal(np.asarray(re.scales), np.asarray(qa.scales))
+        back = np.asarray(formats.dequantize(formats.quantize(q, fmt, tensor_scale=ts)))
+        codes = np.asarray(formats.unpack_nibbles(qa.codes)).reshape(16, -1, fmt.block_size)
+        full = np.max(codes & 7, axis=-1) == 7  # (o, groups): largest magnitude index 7 is 6.0
+        keep = np.ones_like(full) if isinstance(fmt, MXFP4) else full
+        assert keep.mean() > 0.5
+        blocks = lambda x: x.reshape(16, -1, fmt.block_size)
+        np.testing.assert_array_equal(blocks(back)[keep], blocks(np.asarray(q))[keep])
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -110,3 +112,23 @@ def test_bad_input_raises_naming_the_argument():
         gptq.gptq_fake_quant(w, h, "mxfp4")
     with pytest.raises(ValueError, match=r"not positive definite"):
         gptq.gptq_fake_quant(w, -jnp.eye(64), damp=0.0)
+
+
+def test_gptq_rounding_benchmark_smoke(tmp_path):
+    """benchmarks/gptq_rounding.py on one tiny correlated layer (subprocess): GPTQ beats round-to-nearest there too."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from kroquant_jax import layerset
+
+    a, w, _ = _correlated(n=128, d=64, o=16, seed=4)
+    path = str(tmp_path / "layers.npz")
+    layerset.save_layer_set(path, {"blk.fc": (np.asarray(w), None, np.asarray(a))})
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.getcwd()}
+    subprocess.run([sys.executable, "-m", "benchmarks.gptq_rounding", "--layer-set", path, "--out",
+                    str(tmp_path / "r.json")], check=True, env=env, capture_output=True)
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["num_layers"] == 1 and result["summary"]["mxfp4/gptq_reduction/w"] > 0.1
+    assert set(result["per_layer"]["blk.fc"]) == {"mxfp4", "nvfp4"}
