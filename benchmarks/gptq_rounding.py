@@ -4,7 +4,8 @@ For each layer: rows split in half (seeded), ``H = (A_fit T)^T (A_fit T)`` with 
 Hadamard of 32, GPTQ (``kroquant_jax.gptq``) on ``W T`` against ``formats.fake_quant(W T)``; the relative output error
 ``||A W^T - A_T Q^T|| / ||A W^T||`` on the held-out rows, weights only and W4A4 (activations fake-quantized too).
 
-    python -m benchmarks.gptq_rounding --layer-set runs/demo/layer_set.safetensors --out results.json [--layers 3]
+    python -m benchmarks.gptq_rounding --layer-set runs/demo/layer_set.safetensors --out results.json \
+        [--match transformer_blocks.0.] [--layers 3]
 """
 
 from __future__ import annotations
@@ -48,15 +49,19 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layer-set", required=True, help="layer set (.safetensors/.npz) from kroquant capture / demo")
     p.add_argument("--out", required=True, help="JSON results path")
-    p.add_argument("--layers", type=int, default=0, help="first N layers only (0: all; default 0)")
+    p.add_argument("--match", default="", help="only the layers whose name contains this (default: all)")
+    p.add_argument("--layers", type=int, default=0, help="first N (matching) layers only (0: all; default 0)")
     args = p.parse_args(argv)
     layers = layerset.load_layer_set(args.layer_set)
-    names = sorted(layers)[: args.layers or None]
+    names = [n for n in sorted(layers) if args.match in n][: args.layers or None]
+    if not names:
+        raise SystemExit(f"--match {args.match!r}: no layer of {args.layer_set} matches")
     variants = {"rtn": None, "gptq": {}, "gptq_act_order": {"act_order": True}}
     per_layer, t0 = {}, time.time()
     for name in names:
         w, _, a = layers[name]
         per_layer[name] = {fmt.name: _errors(w, a, fmt, variants) for fmt in (formats.MXFP4(), formats.NVFP4())}
+        print(name, {f: round(v["gptq/w"] / v["rtn/w"], 3) for f, v in per_layer[name].items()}, flush=True)
     summary = {}
     for fmt in ("mxfp4", "nvfp4"):
         for key in per_layer[names[0]][fmt]:
