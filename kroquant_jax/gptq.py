@@ -230,8 +230,17 @@ def _validate(w, h, fmt, damp, block_size, scales) -> None:
     if scales not in ("dynamic", "static"):
         raise ValueError(f"gptq: scales={scales!r} must be 'dynamic' or 'static'")
     for name, x in (("w", w), ("h", h)):
-        if not isinstance(x, jax.core.Tracer):
+        if _is_concrete(x):
             formats.check_finite(x, f"gptq: {name}")
+
+
+def _is_concrete(x) -> bool:
+    """Whether ``x`` holds values (not a tracer of an enclosing jit / vmap, where values cannot be checked)."""
+    try:
+        np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return False
+    return True
 
 
 _gptq_jit = jax.jit(gptq_rounding, static_argnames=("fmt", "damp", "block_size", "scales", "act_order"))
@@ -241,7 +250,7 @@ def _run(w, h, fmt, damp, block_size, scales, act_order) -> GptqRounding:
     w, h = jnp.asarray(w), jnp.asarray(h)
     _validate(w, h, fmt, damp, block_size, scales)
     out = _gptq_jit(w, h, fmt, damp=float(damp), block_size=block_size, scales=scales, act_order=bool(act_order))
-    if not isinstance(out.values, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(out.values))):
+    if _is_concrete(out.values) and not bool(jnp.all(jnp.isfinite(out.values))):
         raise ValueError(f"gptq: h is not positive definite after dampening (damp={damp}); pass a larger damp")
     return out
 

@@ -82,6 +82,9 @@ def test_vmap_over_layers_equals_single_calls(fmt):
         ws.append(w * (1.0 + seed))
         hs.append(h)
     batched = jax.jit(jax.vmap(lambda w, h: gptq.gptq_rounding(w, h, fmt)))(jnp.stack(ws), jnp.stack(hs))
+    # The checked public function traces too (its value checks are skipped under vmap / jit).
+    wrapped = jax.vmap(lambda w, h: gptq.gptq_fake_quant(w, h, fmt))(jnp.stack(ws), jnp.stack(hs))
+    np.testing.assert_array_equal(np.asarray(wrapped), np.asarray(batched.values))
     for i in range(3):
         single = gptq.gptq_quantize(ws[i], hs[i], fmt)
         np.testing.assert_array_equal(np.asarray(batched.values[i]),
