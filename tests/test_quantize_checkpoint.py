@@ -70,7 +70,7 @@ def test_matching_rerun_reuses_and_says_so(runs, tmp_path, capsys):
 
 @pytest.mark.parametrize("change, expected", [
     (["--checkpoint", "b"], "was computed from other inputs (weight; 9 more stored layer(s) differ too)"),
-    (["--calib-rows", "12"], "(recipe setting calibration.num_rows: 16 -> 12; 9 more stored layer(s) differ too)"),
+    (["--calib-rows", "12"], "(recipe setting run.num_rows: 16 -> 12; 9 more stored layer(s) differ too)"),
     (["--steps", "3"], "(capture setting steps: 2 -> 3)"),
     (["--synthetic-prompts", "3"], "(capture prompts)"),
 ])
