@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
 import numpy as np
@@ -30,8 +30,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from kroquant_jax.formats import check_finite
 
 __all__ = ["LayerData", "RowSplit", "RunConfig", "as_layer_set", "atomic_write_bytes", "group_by_shape",
-           "load_layer_set", "make_mesh", "program_config", "progress_bar", "run_stacked", "run_stacked_padded",
-           "save_layer_set", "split_rows", "stack_trees", "take_tree", "validate_layer"]
+           "load_layer_set", "make_mesh", "program_config", "progress_bar", "run_groups", "run_stacked",
+           "run_stacked_padded", "save_layer_set", "split_rows", "stack_trees", "take_tree", "validate_layer"]
 
 
 class LayerData(NamedTuple):
@@ -314,6 +314,29 @@ def run_stacked_padded(fn, stacked_inputs, num_jobs: int, *, pad_to: int, max_pe
     if progress is not None:
         progress.update(num_jobs)
     return jax.tree.map(lambda x: x[:num_jobs], out)
+
+
+def run_groups(fn, groups: Mapping[Any, Sequence[str]], stack: Callable[[Sequence[str]], Sequence[Any]], *,
+               max_per_program: int, run: RunConfig, pad_to: int, desc: str) -> dict[str, Any]:
+    """A stage's driver loop: for every group of layer names (one shape each, e.g. :func:`group_by_shape`), runs
+    ``fn`` over ``stack(names)`` (its inputs, leading axis = the group's layers) with :func:`run_stacked_padded`
+    (``pad_to``, ``max_per_program``, ``run.shard``), a progress bar ``desc`` over all layers if ``run.progress``.
+
+    Returns:
+      ``{name: the output tree of fn at the name's position}`` (host numpy), in the order of ``groups``.
+    """
+    bar = progress_bar(sum(len(names) for names in groups.values()), run.progress, desc)
+    out = {}
+    try:
+        for names in groups.values():
+            res = run_stacked_padded(fn, list(stack(names)), len(names), pad_to=pad_to,
+                                     max_per_program=max_per_program, shard=run.shard, progress=bar)
+            for i, name in enumerate(names):
+                out[name] = take_tree(res, i)
+    finally:
+        if bar is not None:
+            bar.close()
+    return out
 
 
 def program_config(cfg):

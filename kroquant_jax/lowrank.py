@@ -45,7 +45,7 @@ import numpy as np
 import optax
 
 from kroquant_jax.formats import MXFP4, QuantFormat, check_finite, fake_quant
-from kroquant_jax.layerset import RunConfig, group_by_shape, program_config, progress_bar, run_stacked_padded
+from kroquant_jax.layerset import RunConfig, group_by_shape, program_config, run_groups
 
 __all__ = ["LoRaQConfig", "LowRank", "SVDQuantConfig", "branch", "check_rank", "loraq_fit", "loraq_layers",
            "loraq_program", "low_rank_svd", "resolve_rank", "svdquant_fit", "svdquant_layers", "weight_error"]
@@ -332,20 +332,15 @@ def loraq_layers(weights: Mapping[str, np.ndarray], cfg: LoRaQConfig = LoRaQConf
         check_finite(w, f"layer {name!r} transformed weight")
         fmt = cfg.fmt if cfg.quantize_branch else None
         check_rank(name, np.shape(w), resolve_rank(cfg.rank, np.shape(w), fmt and fmt.block_size, name), fmt)
-    fn = functools.partial(loraq_program, cfg=program_config(cfg))
-    bar = progress_bar(len(weights), run.progress, "LoRaQ")
-    out = {}
-    try:
-        for names in group_by_shape(weights).values():
-            stacked = np.stack([np.asarray(weights[n], np.float32) for n in names])
-            res = run_stacked_padded(fn, [stacked], len(names), pad_to=pad_to,
-                                     max_per_program=cfg.max_layers_per_program, shard=run.shard, progress=bar)
-            for i, n in enumerate(names):
-                out[n] = LowRank(*(np.asarray(x[i]) for x in res))
-    finally:
-        if bar is not None:
-            bar.close()
-    return {n: out[n] for n in weights}
+    out = run_groups(functools.partial(loraq_program, cfg=program_config(cfg)), group_by_shape(weights),
+                     lambda names: [_stack(weights, names)], max_per_program=cfg.max_layers_per_program, run=run,
+                     pad_to=pad_to, desc="LoRaQ")
+    return {n: LowRank(*out[n]) for n in weights}
+
+
+def _stack(arrays: Mapping[str, np.ndarray], names) -> np.ndarray:
+    """``(len(names), ...)`` f32: the arrays of ``names`` stacked (one program's inputs)."""
+    return np.stack([np.asarray(arrays[n], np.float32) for n in names])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -430,25 +425,18 @@ def svdquant_layers(weights: Mapping[str, np.ndarray], activations: Optional[Map
         check_rank(name, np.shape(w), resolve_rank(cfg.rank, np.shape(w), None, name), None)
     if cfg.refine_steps and activations is None:
         raise ValueError("svdquant_layers: refine_steps > 0 needs the calibration activations of every layer")
-    fn = functools.partial(_svdquant_stacked, cfg=program_config(cfg))
-    bar = progress_bar(len(weights), run.progress, "SVDQuant")
-    out = {}
-    try:
-        groups: dict[tuple, list[str]] = {}
-        for n, w in weights.items():
-            a_shape = np.shape(activations[n]) if cfg.refine_steps else ()
-            groups.setdefault((np.shape(w), a_shape), []).append(n)
-        for names in groups.values():
-            w = np.stack([np.asarray(weights[n], np.float32) for n in names])
-            a = (np.stack([np.asarray(activations[n], np.float32) for n in names]) if cfg.refine_steps
-                 else np.zeros((len(names), 1, w.shape[-1]), np.float32))
-            res = run_stacked_padded(fn, [w, a], len(names), pad_to=pad_to,
-                                     max_per_program=cfg.max_layers_per_program, shard=run.shard, progress=bar)
-            for i, n in enumerate(names):
-                out[n] = LowRank(*(np.asarray(x[i]) for x in res))
-    finally:
-        if bar is not None:
-            bar.close()
-    return {n: out[n] for n in weights}
+    groups: dict[tuple, list[str]] = {}
+    for n, w in weights.items():
+        a_shape = np.shape(activations[n]) if cfg.refine_steps else ()
+        groups.setdefault((np.shape(w), a_shape), []).append(n)
+
+    def stack(names):
+        w = _stack(weights, names)
+        a = _stack(activations, names) if cfg.refine_steps else np.zeros((len(names), 1, w.shape[-1]), np.float32)
+        return [w, a]
+
+    out = run_groups(functools.partial(_svdquant_stacked, cfg=program_config(cfg)), groups, stack,
+                     max_per_program=cfg.max_layers_per_program, run=run, pad_to=pad_to, desc="SVDQuant")
+    return {n: LowRank(*out[n]) for n in weights}
 
 

@@ -28,8 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kroquant_jax.formats import MXFP4, QuantFormat, fake_quant
-from kroquant_jax.layerset import (LayerData, RunConfig, as_layer_set, program_config, progress_bar,
-                                   run_stacked_padded)
+from kroquant_jax.layerset import LayerData, RunConfig, as_layer_set, program_config, run_groups
 from kroquant_jax.lowrank import SvdMethod, low_rank_svd, resolve_rank
 
 __all__ = ["SmoothQuantConfig", "SmoothQuantResult", "smoothing_factors", "smoothquant_layers", "search_one"]
@@ -145,23 +144,15 @@ def smoothquant_layers(layer_set: Mapping[str, LayerData], cfg: SmoothQuantConfi
             raise ValueError(f"layer {name!r}: svd_rank={cfg.svd_rank} exceeds min(o, d) of weight "
                              f"{layer.weight.shape}")
         groups.setdefault((layer.weight.shape, rows[name].shape), []).append(name)
-    fn = functools.partial(_search_stacked, cfg=program_config(cfg))
-    bar = progress_bar(len(layers), run.progress, "SmoothQuant search")
-    out = {}
+    out = run_groups(functools.partial(_search_stacked, cfg=program_config(cfg)), groups,
+                     lambda names: [np.stack([rows[n] for n in names]), np.stack([layers[n].weight for n in names])],
+                     max_per_program=cfg.max_layers_per_program, run=run, pad_to=pad_to, desc="SmoothQuant search")
     n_beta = len(cfg.betas)
-    try:
-        for names in groups.values():
-            a = np.stack([rows[n] for n in names])
-            w = np.stack([layers[n].weight for n in names])
-            gamma, best, errors = run_stacked_padded(fn, [a, w], len(names), pad_to=pad_to,
-                                                     max_per_program=cfg.max_layers_per_program, shard=run.shard,
-                                                     progress=bar)
-            for i, n in enumerate(names):
-                b = int(best[i])
-                out[n] = SmoothQuantResult(gamma=np.asarray(gamma[i]), alpha=float(cfg.alphas[b // n_beta]),
-                                           beta=float(cfg.betas[b % n_beta]),
-                                           errors=np.asarray(errors[i]).reshape(len(cfg.alphas), n_beta))
-    finally:
-        if bar is not None:
-            bar.close()
-    return {n: out[n] for n in layers}
+    results = {}
+    for n in layers:
+        gamma, best, errors = out[n]
+        b = int(best)
+        results[n] = SmoothQuantResult(gamma=gamma, alpha=float(cfg.alphas[b // n_beta]),
+                                       beta=float(cfg.betas[b % n_beta]),
+                                       errors=errors.reshape(len(cfg.alphas), n_beta))
+    return results
