@@ -60,7 +60,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import ml_dtypes
 import numpy as np
@@ -70,6 +70,7 @@ from kroquant_jax.fileio import atomic_path, atomic_write_json, publishable
 __all__ = [
     "CheckpointError",
     "ConversionError",
+    "DiTConfig",
     "KeyRule",
     "KeyTable",
     "TRANSFORMS",
@@ -741,3 +742,32 @@ def dataclass_to_config(instance: Any, class_name: str) -> dict[str, Any]:
         value = getattr(instance, field.name)
         config[field.name] = list(value) if isinstance(value, tuple) else value
     return config
+
+
+class DiTConfig:
+    """Base of the frozen config dataclasses of the DiT ports (PixArt-Σ, SANA, FLUX.1) that mirror a diffusers
+    ``config.json`` field for field: the width properties and the config round trip they share.
+
+    A subclass sets the class attributes ``diffusers_class`` (the config's ``_class_name``) and, if the port
+    accepts keys it does not model, ``ignored_keys`` (see :func:`dataclass_from_config`); it has the fields
+    ``num_attention_heads``, ``attention_head_dim``, ``in_channels`` and ``out_channels``.
+    """
+
+    diffusers_class: ClassVar[str]
+    ignored_keys: ClassVar[Mapping[str, Any]] = {}
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def resolved_out_channels(self) -> int:
+        return self.in_channels if self.out_channels is None else self.out_channels
+
+    @classmethod
+    def from_diffusers_config(cls, config: Mapping[str, Any]) -> Any:
+        """From a diffusers config.json dict (unknown or unported settings raise, naming the key)."""
+        return dataclass_from_config(cls, config, ignored=cls.ignored_keys)
+
+    def to_diffusers_config(self) -> dict[str, Any]:
+        return dataclass_to_config(self, self.diffusers_class)

@@ -18,7 +18,7 @@ Inputs are packed latents (see :func:`pack_latents`): (b, (H/2)(W/2), 4c) tokens
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +38,10 @@ CLASS_NAME = "FluxTransformer2DModel"
 
 
 @dataclasses.dataclass(frozen=True)
-class FluxConfig:
+class FluxConfig(convert.DiTConfig):
     """The fields of diffusers' FluxTransformer2DModel config.json (defaults = FLUX.1-schnell)."""
+
+    diffusers_class: ClassVar[str] = CLASS_NAME
 
     patch_size: int = 1
     in_channels: int = 64
@@ -57,20 +59,6 @@ class FluxConfig:
         if sum(self.axes_dims_rope) != self.attention_head_dim:
             raise ValueError(f"FluxConfig: sum({self.axes_dims_rope=}) must equal {self.attention_head_dim=}")
 
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
-
-    @property
-    def resolved_out_channels(self) -> int:
-        return self.out_channels or self.in_channels
-
-    @classmethod
-    def from_diffusers_config(cls, config: dict[str, Any]) -> "FluxConfig":
-        return convert.dataclass_from_config(cls, config)
-
-    def to_diffusers_config(self) -> dict[str, Any]:
-        return convert.dataclass_to_config(self, CLASS_NAME)
 
 
 #: black-forest-labs/FLUX.1-schnell, transformer/config.json.

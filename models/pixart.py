@@ -13,7 +13,7 @@ ff.net.0.proj, ff.net.2). Embeddings, caption projection, adaln_single and proj_
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -32,13 +32,18 @@ CLASS_NAME = "PixArtTransformer2DModel"
 
 
 @dataclasses.dataclass(frozen=True)
-class PixArtConfig:
+class PixArtConfig(convert.DiTConfig):
     """The fields of diffusers' PixArtTransformer2DModel config.json that change the computation.
 
     ``interpolation_scale=None`` means ``max(sample_size // 64, 1)``; ``use_additional_conditions=None`` means
     ``sample_size == 128`` (diffusers' rules, resolved by :attr:`resolved_interpolation_scale` and
     :attr:`uses_additional_conditions`).
     """
+
+    diffusers_class: ClassVar[str] = CLASS_NAME
+    ignored_keys: ClassVar[Mapping[str, Any]] = {
+        "dropout": 0.0, "norm_num_groups": None, "upcast_attention": None, "use_linear_projection": False,
+        "num_vector_embeds": None, "double_self_attention": False, "only_cross_attention": False}
 
     num_attention_heads: int = 16
     attention_head_dim: int = 72
@@ -73,14 +78,6 @@ class PixArtConfig:
                              f"inner_dim={self.inner_dim}")
 
     @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
-
-    @property
-    def resolved_out_channels(self) -> int:
-        return self.in_channels if self.out_channels is None else self.out_channels
-
-    @property
     def resolved_interpolation_scale(self) -> float:
         return self.interpolation_scale if self.interpolation_scale is not None else max(self.sample_size // 64, 1)
 
@@ -90,15 +87,6 @@ class PixArtConfig:
             return self.sample_size == 128
         return self.use_additional_conditions
 
-    @classmethod
-    def from_diffusers_config(cls, config: dict[str, Any]) -> "PixArtConfig":
-        """From a diffusers config.json dict (unknown or unported settings raise, naming the key)."""
-        return convert.dataclass_from_config(cls, config, ignored={
-            "dropout": 0.0, "norm_num_groups": None, "upcast_attention": None, "use_linear_projection": False,
-            "num_vector_embeds": None, "double_self_attention": False, "only_cross_attention": False})
-
-    def to_diffusers_config(self) -> dict[str, Any]:
-        return convert.dataclass_to_config(self, CLASS_NAME)
 
 
 #: PixArt-alpha/PixArt-Sigma-XL-2-1024-MS, transformer/config.json.

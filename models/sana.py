@@ -15,7 +15,7 @@ The depthwise 3x3 conv, embeddings, caption projection and proj_out stay 16-bit.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -35,12 +35,15 @@ CLASS_NAME = "SanaTransformer2DModel"
 
 
 @dataclasses.dataclass(frozen=True)
-class SanaConfig:
+class SanaConfig(convert.DiTConfig):
     """The fields of diffusers' SanaTransformer2DModel config.json (defaults = Sana_1600M_1024px).
 
     ``guidance_embeds_scale`` and ``timestep_scale`` are kept for the config round trip; diffusers' forward pass
     does not use them either.
     """
+
+    diffusers_class: ClassVar[str] = CLASS_NAME
+    ignored_keys: ClassVar[Mapping[str, Any]] = {"dropout": 0.0}
 
     in_channels: int = 32
     out_channels: int | None = 32
@@ -70,20 +73,6 @@ class SanaConfig:
         if self.qk_norm not in (None, "rms_norm_across_heads"):
             raise NotImplementedError(f"SanaConfig: {self.qk_norm=} is not ported")
 
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
-
-    @property
-    def resolved_out_channels(self) -> int:
-        return self.out_channels or self.in_channels
-
-    @classmethod
-    def from_diffusers_config(cls, config: dict[str, Any]) -> "SanaConfig":
-        return convert.dataclass_from_config(cls, config, ignored={"dropout": 0.0})
-
-    def to_diffusers_config(self) -> dict[str, Any]:
-        return convert.dataclass_to_config(self, CLASS_NAME)
 
 
 #: Efficient-Large-Model/Sana_1600M_1024px_diffusers, transformer/config.json.
