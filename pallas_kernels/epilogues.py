@@ -44,9 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kroquant_jax.formats import QuantizedArray, dequantize
-from pallas_kernels._compat import pl, triton_compiler_params
-from pallas_kernels.w4a4_gemm import (Compute, OperandSpec, _round_up, accumulate_tiles, check_operands, gemm_inputs,
-                                      lowrank_reference, lowrank_term)
+from pallas_kernels._compat import pl
+from pallas_kernels.w4a4_gemm import (Compute, OperandSpec, accumulate_tiles, add_gemm_terms, check_operands,
+                                      gemm_inputs, launch_gemm, lowrank_reference, round_up, split_gemm_refs)
 
 __all__ = [
     "EPILOGUE_TILE",
@@ -247,34 +247,14 @@ def gemm_swiglu_reference(a, w_fused, *, lowrank=None, bias=None, out_dtype=jnp.
 
 
 def _epilogue_kernel(*refs, spec: OperandSpec, k: int, epilogue: str, tile: int, n_sub: int, has_lowrank: bool,
-                     lowrank_packed: bool, has_bias: bool, eps: float, has_alias: bool):
-    refs = list(refs)
-    n_op = 2 if spec.packed else 1
-    a_refs, refs = refs[:n_op], refs[n_op:]
-    w_refs, refs = refs[:n_op], refs[n_op:]
-    ts_ref = refs.pop(0) if spec.has_tensor_scale else None
-    h_ref = bias_ref = nw_ref = None
-    l_refs = []
-    if has_lowrank:
-        h_ref = refs.pop(0)
-        l_refs = [refs.pop(0) for _ in range(2 if lowrank_packed else 1)]
-    if has_bias:
-        bias_ref = refs.pop(0)
-    if epilogue == "rmsnorm":
-        nw_ref = refs.pop(0)
-    if has_alias:
-        refs.pop(0)
-    (o_ref,) = refs
+                     lowrank_packed: bool, has_bias: bool, eps: float):
+    g, extra, o_ref = split_gemm_refs(refs, spec, has_lowrank=has_lowrank, lowrank_packed=lowrank_packed,
+                                      has_bias=has_bias)
+    nw_ref = extra[0] if epilogue == "rmsnorm" else None  # (1, head_dim) f32
 
-    accs = accumulate_tiles(a_refs, w_refs, spec=spec, k=k, block_n=tile, n_sub=n_sub)
+    accs = accumulate_tiles(g.a, g.w, spec=spec, k=k, block_n=tile, n_sub=n_sub)
     for j in range(n_sub):
-        cols = pl.ds(j * tile, tile)
-        if ts_ref is not None:
-            accs[j] = accs[j] * ts_ref[...]  # (1, 1)
-        if has_lowrank:
-            accs[j] = accs[j] + lowrank_term(h_ref, l_refs, cols, packed=lowrank_packed)
-        if has_bias:
-            accs[j] = accs[j] + bias_ref[:, cols]  # (1, tile) f32
+        accs[j] = add_gemm_terms(accs[j], g, pl.ds(j * tile, tile), lowrank_packed=lowrank_packed)
 
     if epilogue == "none":
         for j in range(n_sub):
@@ -324,36 +304,18 @@ def _fused_call(a, w, *, epilogue: Epilogue, head_dim: int, norm_weight, eps: fl
             raise ValueError(f"{epilogue}: n={n} must be a multiple of block_n={cols}")
     out_cols = cols // 2 if epilogue == "swiglu" else cols
     n_out = n // 2 if epilogue == "swiglu" else n
-    m_pad, k_pad = _round_up(m, bs.block_m), _round_up(k, bs.block_k)
-    grid = (m_pad // bs.block_m, n // cols)
+    m_pad, k_pad = round_up(m, bs.block_m), round_up(k, bs.block_k)
     args, in_specs, lowrank_packed = gemm_inputs(a, w, spec, m_pad=m_pad, n_pad=n, k_pad=k_pad, block_m=bs.block_m,
                                                  cols=cols, lowrank=lowrank, bias=bias)
     if epilogue == "rmsnorm":
         args.append(norm_weight.astype(jnp.float32).reshape(1, head_dim))
         in_specs.append(pl.BlockSpec((1, head_dim), lambda i, j: (0, 0)))
-    aliases = {}
-    if out is not None:
-        if out.shape != (m, n_out):
-            raise ValueError(f"out {out.shape} must be ({m}, {n_out})")
-        aliases = {len(args): 0}
-        args.append(jnp.pad(out.astype(out_dtype), [(0, m_pad - m), (0, 0)]))
-        in_specs.append(pl.BlockSpec((bs.block_m, out_cols), lambda i, j: (i, j)))
     kernel = functools.partial(_epilogue_kernel, spec=spec, k=k_pad, epilogue=epilogue, tile=tile, n_sub=n_sub,
                                has_lowrank=lowrank is not None, lowrank_packed=lowrank_packed,
-                               has_bias=bias is not None, eps=float(eps),
-                               has_alias=out is not None)
-    y = pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((bs.block_m, out_cols), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((m_pad, n_out), out_dtype),
-        input_output_aliases=aliases,
-        compiler_params=triton_compiler_params(bs.num_warps, bs.num_stages),
-        interpret=interpret,
-        name=f"gemm_{epilogue}_{kind}",
-    )(*args)
-    return y[:m]
+                               has_bias=bias is not None, eps=float(eps))
+    return launch_gemm(kernel, args, in_specs, block=(bs.block_m, out_cols), shape=(m, n_out),
+                       padded=(m_pad, n_out), out=out, out_dtype=out_dtype, num_warps=bs.num_warps,
+                       num_stages=bs.num_stages, interpret=interpret, name=f"gemm_{epilogue}_{kind}")
 
 
 _STATIC = ("block_sizes", "compute", "out_dtype", "interpret")

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal, Optional, Sequence
+from typing import Any, Literal, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -76,16 +76,21 @@ from pallas_kernels.fp4_tile import FP8_DECODE_OFFSET, decode_tile_bf16, decode_
 __all__ = [
     "BlockSizes",
     "Compute",
+    "GemmRefs",
     "OperandSpec",
     "accumulate_tiles",
+    "add_gemm_terms",
     "check_operands",
     "choose_block_sizes",
     "dequantize_bf16",
     "even_odd_permutation",
     "keeps_lowrank_packed",
+    "launch_gemm",
     "lowrank_input",
     "lowrank_reference",
     "operand_format",
+    "round_up",
+    "split_gemm_refs",
     "w4a4_matmul",
     "w4a4_matmul_dequant",
     "w4a4_matmul_reference",
@@ -320,6 +325,79 @@ def gemm_inputs(a, w, spec: OperandSpec, *, m_pad: int, n_pad: int, k_pad: int, 
 
 
 
+class GemmRefs(NamedTuple):
+    """The kernel refs of :func:`gemm_inputs`' arrays: ``a``, ``w`` (codes + scales, or one bf16 ref each), the
+    NVFP4 tensor-scale product, ``h`` and ``L`` (one ref, or codes + scales when packed), the bias (``None`` /
+    ``[]`` where absent)."""
+
+    a: list
+    w: list
+    tensor_scale: Any
+    h: Any
+    left: list
+    bias: Any
+
+
+def split_gemm_refs(refs, spec: OperandSpec, *, has_lowrank: bool, lowrank_packed: bool, has_bias: bool
+                    ) -> tuple[GemmRefs, list, Any]:
+    """A GEMM kernel's refs -> ``(GemmRefs, extra, o_ref)``: the refs of :func:`gemm_inputs`' arrays, the inputs
+    after them (a kernel's own, then the aliased output buffer of :func:`launch_gemm` if any, never read) and the
+    output ref."""
+    refs = list(refs)
+    n_op = 2 if spec.packed else 1
+    a_refs, refs = refs[:n_op], refs[n_op:]
+    w_refs, refs = refs[:n_op], refs[n_op:]
+    ts_ref = refs.pop(0) if spec.has_tensor_scale else None
+    h_ref = bias_ref = None
+    l_refs = []
+    if has_lowrank:
+        h_ref = refs.pop(0)
+        l_refs = [refs.pop(0) for _ in range(2 if lowrank_packed else 1)]
+    if has_bias:
+        bias_ref = refs.pop(0)
+    return GemmRefs(a_refs, w_refs, ts_ref, h_ref, l_refs, bias_ref), refs[:-1], refs[-1]
+
+
+def add_gemm_terms(acc: jax.Array, g: GemmRefs, cols, *, lowrank_packed: bool) -> jax.Array:
+    """The terms after the main loop of the output columns ``cols`` (a ``pl.ds``): f32 ``acc (bm, len(cols))``
+    times the tensor-scale product, plus ``h L^T`` and the bias, where present."""
+    if g.tensor_scale is not None:
+        acc = acc * g.tensor_scale[...]  # (1, 1)
+    if g.h is not None:
+        acc = acc + lowrank_term(g.h, g.left, cols, packed=lowrank_packed)
+    if g.bias is not None:
+        acc = acc + g.bias[:, cols]  # (1, len(cols)) f32
+    return acc
+
+
+def launch_gemm(kernel, args: list, in_specs: list, *, block: tuple[int, int], shape: tuple[int, int],
+                padded: tuple[int, int], out, out_dtype, num_warps: int, num_stages: int, interpret: bool,
+                name: str) -> jax.Array:
+    """Runs a GEMM kernel (Triton lowering) on the grid of ``block`` output tiles of the ``padded`` result and
+    returns its ``shape`` ``(m, n)`` part. ``out``: an optional ``(m, n)`` buffer, padded and aliased to the
+    output (the kernel's last input; tests poison it to check that every element is written)."""
+    (m, n), (m_pad, n_pad) = shape, padded
+    aliases = {}
+    if out is not None:
+        if out.shape != (m, n):
+            raise ValueError(f"out {out.shape} must be ({m}, {n})")
+        aliases = {len(args): 0}
+        args = [*args, jnp.pad(out.astype(out_dtype), [(0, m_pad - m), (0, n_pad - n)])]
+        in_specs = [*in_specs, pl.BlockSpec(block, lambda i, j: (i, j))]
+    y = pl.pallas_call(
+        kernel,
+        grid=(m_pad // block[0], n_pad // block[1]),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec(block, lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct(padded, out_dtype),
+        input_output_aliases=aliases,
+        compiler_params=triton_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name=name,
+    )(*args)
+    return y[:m, :n]
+
+
 def lowrank_term(h_ref, l_refs, rows, *, packed: bool) -> jax.Array:
     """``h L^T`` for the rows ``rows`` of ``L`` (f32 ``(bm, len(rows))``), ``L`` bf16 or packed (decoded here)."""
     if not packed:
@@ -337,31 +415,12 @@ def lowrank_term(h_ref, l_refs, rows, *, packed: bool) -> jax.Array:
 
 def _gemm_kernel(*refs, spec: OperandSpec, k: int, block_n: int, n_sub: int, has_lowrank: bool,
                  lowrank_packed: bool, has_bias: bool):
-    n_op = 2 if spec.packed else 1
-    refs = list(refs)
-    a_refs, refs = refs[:n_op], refs[n_op:]
-    w_refs, refs = refs[:n_op], refs[n_op:]
-    ts_ref = refs.pop(0) if spec.has_tensor_scale else None
-    h_ref = bias_ref = None
-    l_refs = []
-    if has_lowrank:
-        h_ref = refs.pop(0)
-        l_refs = [refs.pop(0) for _ in range(2 if lowrank_packed else 1)]
-    if has_bias:
-        bias_ref = refs.pop(0)
-    if len(refs) == 2:  # an aliased (poisoned) output buffer, then the output
-        refs = refs[1:]
-    (o_ref,) = refs
-    accs = accumulate_tiles(a_refs, w_refs, spec=spec, k=k, block_n=block_n, n_sub=n_sub)
+    g, _, o_ref = split_gemm_refs(refs, spec, has_lowrank=has_lowrank, lowrank_packed=lowrank_packed,
+                                  has_bias=has_bias)
+    accs = accumulate_tiles(g.a, g.w, spec=spec, k=k, block_n=block_n, n_sub=n_sub)
     for j, acc in enumerate(accs):
         cols = pl.ds(j * block_n, block_n)
-        if ts_ref is not None:
-            acc = acc * ts_ref[...]  # (1, 1)
-        if has_lowrank:
-            acc = acc + lowrank_term(h_ref, l_refs, cols, packed=lowrank_packed)
-        if has_bias:
-            acc = acc + bias_ref[:, cols]  # (1, block_n) f32
-        o_ref[:, cols] = acc.astype(o_ref.dtype)
+        o_ref[:, cols] = add_gemm_terms(acc, g, cols, lowrank_packed=lowrank_packed).astype(o_ref.dtype)
 
 
 def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
@@ -372,7 +431,7 @@ def _pad_cols(x: jax.Array, cols: int) -> jax.Array:
     return x if x.shape[1] == cols else jnp.pad(x, [(0, 0), (0, cols - x.shape[1])])
 
 
-def _round_up(x: int, b: int) -> int:
+def round_up(x: int, b: int) -> int:
     return -(-x // b) * b
 
 
@@ -457,31 +516,14 @@ def w4a4_matmul(a: QuantizedArray, w: QuantizedArray, *, lowrank: Optional[tuple
     if compute == "fp8" and not isinstance(fmt, MXFP4):
         raise ValueError("compute='fp8' supports MXFP4 only")
     cols = bs.block_n * bs.n_sub
-    m_pad, n_pad, k_pad = _round_up(m, bs.block_m), _round_up(n, cols), _round_up(k, bs.block_k)
-    grid = (m_pad // bs.block_m, n_pad // cols)
+    m_pad, n_pad, k_pad = round_up(m, bs.block_m), round_up(n, cols), round_up(k, bs.block_k)
     args, in_specs, lowrank_packed = gemm_inputs(a, w, spec, m_pad=m_pad, n_pad=n_pad, k_pad=k_pad,
                                                  block_m=bs.block_m, cols=cols, lowrank=lowrank, bias=bias)
-    aliases = {}
-    if out is not None:
-        if out.shape != (m, n):
-            raise ValueError(f"out {out.shape} must be ({m}, {n})")
-        aliases = {len(args): 0}
-        args.append(jnp.pad(out.astype(out_dtype), [(0, m_pad - m), (0, n_pad - n)]))
-        in_specs.append(pl.BlockSpec((bs.block_m, cols), lambda i, j: (i, j)))
     kernel = functools.partial(_gemm_kernel, spec=spec, k=k_pad, block_n=bs.block_n, n_sub=bs.n_sub,
                                has_lowrank=lowrank is not None, lowrank_packed=lowrank_packed, has_bias=bias is not None)
-    y = pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((bs.block_m, cols), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((m_pad, n_pad), out_dtype),
-        input_output_aliases=aliases,
-        compiler_params=triton_compiler_params(bs.num_warps, bs.num_stages),
-        interpret=interpret,
-        name=f"w4a4_gemm_{fmt.name}_{compute}",
-    )(*args)
-    return y[:m, :n]
+    return launch_gemm(kernel, args, in_specs, block=(bs.block_m, cols), shape=(m, n), padded=(m_pad, n_pad),
+                       out=out, out_dtype=out_dtype, num_warps=bs.num_warps, num_stages=bs.num_stages,
+                       interpret=interpret, name=f"w4a4_gemm_{fmt.name}_{compute}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -600,7 +642,7 @@ def w4a4_matmul_tiled_reference(a: QuantizedArray, w: QuantizedArray, *, block_k
                                 compute: Compute = "bf16") -> jax.Array:
     """jnp mirror of the kernel's main loop (same per-tile functions, whole rows at once), f32 ``(m, n)``."""
     fmt, m, n, k = check_operands(a, w)
-    k_pad = _round_up(k, block_k)
+    k_pad = round_up(k, block_k)
     (ca, sa), (cw, sw) = _operand_arrays(a, m, k_pad), _operand_arrays(w, n, k_pad)
     acc = jnp.zeros((m, n), jnp.float32)
     if compute == "bf16":
