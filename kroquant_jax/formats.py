@@ -64,6 +64,7 @@ __all__ = [
     "QuantizedArray",
     "ScaleMode",
     "check_finite",
+    "check_format",
     "dequantize",
     "divide_rn",
     "e2m1_decode",
@@ -537,7 +538,9 @@ def _check_dtype(x: jax.Array, what: str) -> None:
         raise TypeError(f"{what}: expected a floating dtype (float32/bfloat16/float16), got {x.dtype}")
 
 
-def _check_format(fmt, what: str) -> None:
+def check_format(fmt, what: str) -> None:
+    """Raises a ``TypeError`` naming ``what`` (the function and argument) unless ``fmt`` is a :class:`QuantFormat`
+    (a format name such as ``"mxfp4"`` is not one: pass ``MXFP4()``)."""
     if not isinstance(fmt, QuantFormat):
         raise TypeError(f"{what}: unknown quantization format {fmt!r} (expected MXFP4(...) or NVFP4(...))")
 
@@ -557,7 +560,7 @@ def quantize(x: jax.Array, fmt: QuantFormat = MXFP4(), *, pad: bool = False,
       A :class:`QuantizedArray` with ``codes (..., d' // 2)`` and ``scales (..., d' // block)`` (``d'`` = padded d).
     """
     _check_dtype(x, "quantize")
-    _check_format(fmt, "quantize")
+    check_format(fmt, "quantize")
     n_pad = _check_width(x.shape, fmt, pad, "quantize")
     if tensor_scale is not None and not fmt.has_tensor_scale:
         raise ValueError(f"quantize: {fmt.name} has no per-tensor scale; tensor_scale must be None")
@@ -629,7 +632,7 @@ def fake_quant(x: jax.Array, fmt: QuantFormat = MXFP4(), *, ste: SteMode = "iden
       pad: zero-pad the last axis to a block multiple internally (output keeps ``d`` columns).
     """
     _check_dtype(x, "fake_quant")
-    _check_format(fmt, "fake_quant")
+    check_format(fmt, "fake_quant")
     _check_width(x.shape, fmt, pad, "fake_quant")
     if ste not in ("identity", "clipped"):
         raise ValueError(f"ste={ste!r} must be 'identity' or 'clipped'")

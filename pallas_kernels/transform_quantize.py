@@ -660,7 +660,7 @@ def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), 
       is zero (integer outputs; use :func:`transform_fake_quant` for the STE).
     """
     F._check_dtype(a, "transform_quantize")
-    F._check_format(fmt, "transform_quantize")
+    F.check_format(fmt, "transform_quantize")
     if tensor_scale is not None and not fmt.has_tensor_scale:
         raise ValueError(f"transform_quantize: {fmt.name} has no per-tensor scale; tensor_scale must be None")
     impl = _resolve_impl(a, impl)
@@ -721,7 +721,7 @@ def kernel_stage(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), *, sta
     if impl not in ("pallas", "interpret"):
         raise ValueError(f"kernel_stage: impl={impl!r} must be 'pallas' or 'interpret' (a stage is a kernel variant)")
     F._check_dtype(a, "kernel_stage")
-    F._check_format(fmt, "kernel_stage")
+    F.check_format(fmt, "kernel_stage")
     lead, d = a.shape[:-1], a.shape[-1]
     a2 = a.reshape(-1, d)
     _check_kernel_inputs(a2, transform, fmt)

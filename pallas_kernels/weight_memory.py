@@ -3,12 +3,12 @@
 Per quantized linear ``W (o, d)`` (``QuantizedArray`` storage, :attr:`kroquant_jax.formats.QuantizedArray.nbytes`):
 
 * codes: ``o * d / 2`` bytes (two E2M1 codes per byte);
-* block scales: ``o * d / 32`` bytes (MXFP4, one E8M0 byte per 32) or ``o * d / 16`` (NVFP4, one E4M3 byte per 16),
-  plus the 4-byte per-tensor scale (stored for both formats, ``1.0`` for MXFP4);
-* low-rank branch ``L (o, r)``, ``R (r, d)``: packed in MXFP4 as LoRaQ stores them (each quantized along its last
-  axis, so ``r`` and ``d`` must be multiples of 32) or 16-bit (``2 r (o + d)`` bytes; SVDQuant). The GPU path keeps
-  them packed: the W4A4 GEMM decodes a packed ``L`` in its epilogue, and ``R`` is dequantized on the fly into a
-  transient ``(r, d)`` bf16 copy for the small ``h = (x T) R^T`` GEMM;
+* block scales: one byte per ``fmt.block_size`` elements, ``o * d / 32`` bytes (MXFP4, E8M0) or ``o * d / 16``
+  (NVFP4, E4M3), plus the 4-byte per-tensor scale (stored for both formats, ``1.0`` for MXFP4);
+* low-rank branch ``L (o, r)``, ``R (r, d)``: packed as LoRaQ stores them (``lowrank_fmt=MXFP4()``: each quantized
+  along its last axis, so ``r`` and ``d`` must be multiples of 32) or 16-bit (``lowrank_fmt=None``: ``2 r (o + d)``
+  bytes; SVDQuant). The GPU path keeps them packed: the W4A4 GEMM decodes a packed ``L`` in its epilogue, and ``R``
+  is dequantized on the fly into a transient ``(r, d)`` bf16 copy for the small ``h = (x T) R^T`` GEMM;
 * the online transform: KroQuant's 15 parameters per 32-block (``15 d / 32`` f32, what the K2 kernel reads), or the
   K1 blocks ``(d/32, 32, 32)`` in bf16, or nothing (identity / fixed Hadamard);
 * the bias (same in both; ``o`` bf16) is left out of both sides.
@@ -23,12 +23,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Optional
 
-__all__ = ["LinearShape", "PRESETS", "WeightBytes", "linear_weight_bytes", "preset_memory", "preset_table",
-           "markdown_table"]
+from kroquant_jax.formats import MXFP4, NVFP4, QuantFormat, check_format
 
-Fmt = Literal["mxfp4", "nvfp4"]
-LowrankStorage = Literal["mxfp4", "bf16", "none"]
+__all__ = ["LinearShape", "PRESETS", "TRANSFORM_STORAGES", "WeightBytes", "linear_weight_bytes", "preset_memory",
+           "preset_table", "markdown_table"]
+
 TransformStorage = Literal["kron_params", "k1_blocks_bf16", "none"]
+#: The storages of the online transform (see the module docstring).
+TRANSFORM_STORAGES = ("kron_params", "k1_blocks_bf16", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,41 +70,45 @@ class WeightBytes:
         return WeightBytes(*(getattr(self, f.name) * n for f in dataclasses.fields(self)))
 
 
-def _packed_bytes(rows: int, cols: int, fmt: Fmt) -> tuple[int, int]:
-    blk = 32 if fmt == "mxfp4" else 16
+def _packed_bytes(rows: int, cols: int, fmt: QuantFormat) -> tuple[int, int]:
+    """(codes, scales + tensor scale) bytes of a ``(rows, cols)`` array packed in ``fmt`` along its last axis."""
+    blk = fmt.block_size
     if cols % blk:
-        raise ValueError(f"a ({rows}, {cols}) array cannot be packed in {fmt}: {cols} is no multiple of {blk}")
-    return rows * cols // 2, rows * cols // blk + 4
+        raise ValueError(f"a ({rows}, {cols}) array cannot be packed in {fmt.name}: {cols} is no multiple of {blk}")
+    return rows * cols // 2, rows * cols // blk * fmt.scale_dtype.itemsize + 4
 
 
-def linear_weight_bytes(out_features: int, in_features: int, *, fmt: Fmt = "mxfp4", rank: int = 0,
-                        lowrank: LowrankStorage = "mxfp4", transform: TransformStorage = "kron_params") -> WeightBytes:
+def linear_weight_bytes(out_features: int, in_features: int, *, fmt: QuantFormat = MXFP4(), rank: int = 0,
+                        lowrank_fmt: Optional[QuantFormat] = MXFP4(),
+                        transform: TransformStorage = "kron_params") -> WeightBytes:
     """Weight bytes of one W4A4 linear ``(out_features, in_features)`` and of its bf16 original.
 
     Args:
-      fmt: format of the packed residual weight.
+      fmt: format of the packed residual weight (``MXFP4()``, ``NVFP4()``).
       rank: low-rank branch rank ``r`` (0: none).
-      lowrank: storage of ``L``, ``R``: ``"mxfp4"`` (LoRaQ), ``"bf16"``, or ``"none"``.
-      transform: storage of the online transform (see the module docstring).
+      lowrank_fmt: the format ``L`` and ``R`` are packed in (``MXFP4()``: LoRaQ's storage), or ``None`` for 16-bit
+        factors (SVDQuant's).
+      transform: storage of the online transform, one of :data:`TRANSFORM_STORAGES` (see the module docstring).
+
+    Raises:
+      TypeError: ``fmt`` or ``lowrank_fmt`` is no :class:`~kroquant_jax.formats.QuantFormat` (e.g. a name).
+      ValueError: an unknown ``transform``, or a width that is no multiple of the format's block.
     """
+    check_format(fmt, "linear_weight_bytes: fmt")
+    if lowrank_fmt is not None:
+        check_format(lowrank_fmt, "linear_weight_bytes: lowrank_fmt")
+    if transform not in TRANSFORM_STORAGES:
+        raise ValueError(f"linear_weight_bytes: transform={transform!r} must be one of {TRANSFORM_STORAGES}")
     o, d = out_features, in_features
     codes, scales = _packed_bytes(o, d, fmt)
     lr = 0
-    if rank and lowrank != "none":
-        if lowrank == "bf16":
-            lr = 2 * rank * (o + d)
-        else:
-            cl, sl = _packed_bytes(o, rank, "mxfp4")
-            cr, sr = _packed_bytes(rank, d, "mxfp4")
-            lr = cl + sl + cr + sr
-    if transform == "kron_params":
-        tr = 4 * 15 * (d // 32)
-    elif transform == "k1_blocks_bf16":
-        tr = 2 * 32 * d
-    elif transform == "none":
-        tr = 0
-    else:
-        raise ValueError(f"unknown transform storage {transform!r}")
+    if rank and lowrank_fmt is None:
+        lr = 2 * rank * (o + d)
+    elif rank:
+        cl, sl = _packed_bytes(o, rank, lowrank_fmt)
+        cr, sr = _packed_bytes(rank, d, lowrank_fmt)
+        lr = cl + sl + cr + sr
+    tr = {"kron_params": 4 * 15 * (d // 32), "k1_blocks_bf16": 2 * 32 * d, "none": 0}[transform]
     return WeightBytes(codes=codes, scales=scales, lowrank=lr, transform=tr, bf16=2 * o * d)
 
 
@@ -131,26 +137,27 @@ PRESETS: dict[str, list[LinearShape]] = {
 }
 
 
-def preset_memory(preset: str, *, fmt: Fmt = "mxfp4", rank: int = 0, lowrank: LowrankStorage = "mxfp4",
-                  transform: TransformStorage = "kron_params") -> WeightBytes:
+def preset_memory(preset: str, *, fmt: QuantFormat = MXFP4(), rank: int = 0,
+                  lowrank_fmt: Optional[QuantFormat] = MXFP4(), transform: TransformStorage = "kron_params"
+                  ) -> WeightBytes:
     """Total weight bytes of a preset's quantized linears (see :func:`linear_weight_bytes`)."""
     if preset not in PRESETS:
         raise KeyError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
     total: Optional[WeightBytes] = None
     for s in PRESETS[preset]:
-        wb = linear_weight_bytes(s.out_features, s.in_features, fmt=fmt, rank=rank, lowrank=lowrank,
+        wb = linear_weight_bytes(s.out_features, s.in_features, fmt=fmt, rank=rank, lowrank_fmt=lowrank_fmt,
                                  transform=transform).scaled(s.count)
         total = wb if total is None else total + wb
     return total
 
 
-#: The configurations of the table: (label, fmt, rank, low-rank storage, transform storage).
+#: The configurations of the table: (label, fmt, rank, low-rank factor format (None: bf16), transform storage).
 TABLE_CONFIGS = (
-    ("MXFP4, KroQuant, no low-rank", "mxfp4", 0, "none", "kron_params"),
-    ("MXFP4, KroQuant + LoRaQ r=128 (MXFP4 factors)", "mxfp4", 128, "mxfp4", "kron_params"),
-    ("MXFP4, KroQuant + r=128 bf16 factors", "mxfp4", 128, "bf16", "kron_params"),
-    ("NVFP4, no transform, no low-rank", "nvfp4", 0, "none", "none"),
-    ("NVFP4 + LoRaQ r=128 (MXFP4 factors)", "nvfp4", 128, "mxfp4", "kron_params"),
+    ("MXFP4, KroQuant, no low-rank", MXFP4(), 0, None, "kron_params"),
+    ("MXFP4, KroQuant + LoRaQ r=128 (MXFP4 factors)", MXFP4(), 128, MXFP4(), "kron_params"),
+    ("MXFP4, KroQuant + r=128 bf16 factors", MXFP4(), 128, None, "kron_params"),
+    ("NVFP4, no transform, no low-rank", NVFP4(), 0, None, "none"),
+    ("NVFP4 + LoRaQ r=128 (MXFP4 factors)", NVFP4(), 128, MXFP4(), "kron_params"),
 )
 
 
@@ -158,8 +165,8 @@ def preset_table() -> list[dict]:
     """One row per (preset, configuration): GiB of bf16 and of packed weights, and the ratio."""
     rows = []
     for preset in PRESETS:
-        for label, fmt, rank, lowrank, transform in TABLE_CONFIGS:
-            wb = preset_memory(preset, fmt=fmt, rank=rank, lowrank=lowrank, transform=transform)
+        for label, fmt, rank, lowrank_fmt, transform in TABLE_CONFIGS:
+            wb = preset_memory(preset, fmt=fmt, rank=rank, lowrank_fmt=lowrank_fmt, transform=transform)
             rows.append({"preset": preset, "config": label, "bf16_GiB": wb.bf16 / 2**30,
                          "packed_GiB": wb.packed / 2**30, "codes_GiB": wb.codes / 2**30,
                          "scales_GiB": wb.scales / 2**30, "lowrank_GiB": wb.lowrank / 2**30,

@@ -10,16 +10,16 @@ from pallas_kernels import weight_memory as wm
 quantize = jax.jit(quantize, static_argnums=1)
 
 
-@pytest.mark.parametrize("fmt,name", [(MXFP4(), "mxfp4"), (NVFP4(), "nvfp4")])
-def test_matches_quantized_array_nbytes(fmt, name):
+@pytest.mark.parametrize("fmt", [MXFP4(), NVFP4()])
+def test_matches_quantized_array_nbytes(fmt):
     o, d, r = 96, 160, 32
     w = jax.random.normal(jax.random.PRNGKey(0), (o, d))
     left, right = jnp.ones((o, r)), jnp.ones((r, d))
-    wb = wm.linear_weight_bytes(o, d, fmt=name, rank=r, lowrank="mxfp4", transform="none")
+    wb = wm.linear_weight_bytes(o, d, fmt=fmt, rank=r, lowrank_fmt=MXFP4(), transform="none")
     stored = quantize(w, fmt).nbytes + quantize(left, MXFP4()).nbytes + quantize(right, MXFP4()).nbytes
     assert wb.packed == stored
     assert wb.bf16 == 2 * o * d
-    assert wm.linear_weight_bytes(o, d, fmt=name, rank=r, lowrank="bf16", transform="none").lowrank == 2 * r * (o + d)
+    assert wm.linear_weight_bytes(o, d, fmt=fmt, rank=r, lowrank_fmt=None, transform="none").lowrank == 2 * r * (o + d)
 
 
 def test_transform_storage_and_errors():
@@ -29,6 +29,20 @@ def test_transform_storage_and_errors():
         wm.linear_weight_bytes(64, 48)  # 48 is no multiple of the MXFP4 block
     with pytest.raises(KeyError):
         wm.preset_memory("sd3")
+    with pytest.raises(ValueError, match="transform='kron'"):
+        wm.linear_weight_bytes(64, 4608, transform="kron")
+
+
+def test_formats_are_quantformat_objects():
+    """The formats are the library's QuantFormat objects (their block sets the scale bytes); a name is refused,
+    naming the argument."""
+    assert wm.linear_weight_bytes(64, 64, fmt=MXFP4(block_size=16), transform="none").scales == 64 * 64 // 16 + 4
+    with pytest.raises(TypeError, match="linear_weight_bytes: fmt.*'mxfp4'"):
+        wm.linear_weight_bytes(64, 64, fmt="mxfp4")
+    with pytest.raises(TypeError, match="linear_weight_bytes: lowrank_fmt.*'bf16'"):
+        wm.linear_weight_bytes(64, 64, rank=32, lowrank_fmt="bf16")
+    with pytest.raises(TypeError, match="fmt"):
+        wm.preset_memory("flux1", fmt="nvfp4")
 
 
 def test_presets_and_goal():
