@@ -67,11 +67,23 @@ EXAMPLES = ("--out runs/eval_testbed", "--out runs/x --methods rtn kroquant kroq
 def parse_args(argv=None, verb: str = "evaluate", description: str | None = None, preset: Sequence[str] = (),
                examples: Sequence[str] = EXAMPLES) -> argparse.Namespace:
     """The options of ``kroquant <verb>``; ``preset`` (a command line, e.g. the demo's fast settings) becomes the
-    defaults, so ``--help`` shows them and the user's options override them."""
+    defaults, so ``--help`` shows them and the user's options override them (``--out`` is required unless the
+    preset gives it)."""
+    parser = build_parser(verb, description, examples, out_required=True)
+    if preset:
+        defaults = vars(build_parser(verb, description, examples, out_required=False).parse_args(list(preset)))
+        parser = build_parser(verb, description, examples, out_required=defaults["out"] is None)
+        parser.set_defaults(**defaults)
+    return parser.parse_args(argv)
+
+
+def build_parser(verb: str = "evaluate", description: str | None = None, examples: Sequence[str] = EXAMPLES, *,
+                 out_required: bool = True) -> argparse.ArgumentParser:
+    """The parser of :func:`parse_args` (``out_required``: whether ``--out`` must be given)."""
     parser = verb_parser(verb, __doc__ if description is None else description, examples)
     parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="diffusers PixArt directory")
     parser.add_argument("--prompts", default=None, help="prompt .npz (default: <checkpoint>/testbed_prompts.npz)")
-    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--out", required=out_required, help="output folder")
     parser.add_argument("--methods", nargs="+", default=ALL_METHODS,
                         help="recipes, a low-rank one optionally with its own rank: kroquant+loraq@128")
     calibrate.add_recipe_arguments(parser)
@@ -98,13 +110,7 @@ def parse_args(argv=None, verb: str = "evaluate", description: str | None = None
                         help="JAX persistent compilation cache folder: a later run with the same shapes and settings "
                              "loads the compiled programs (capture, calibration, sampling) instead of compiling them "
                              "(the reported compile seconds then include the loads)")
-    if preset:
-        base = vars(parser.parse_args(list(preset)))
-        parser.set_defaults(**base)
-        for action in parser._actions:
-            if base.get(action.dest) is not None:
-                action.required = False
-    return parser.parse_args(argv)
+    return parser
 
 
 def store_folder(out: Path, method: str, recipe, capture_key: str) -> Path:

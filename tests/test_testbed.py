@@ -383,6 +383,21 @@ def test_eval_method_specs_and_helpers():
     assert a.parent == b.parent == Path("o/qlayers") and a != b and a.name.startswith("rtn_loraq-")
 
 
+def test_eval_preset_becomes_the_defaults_and_out_stays_required(capsys):
+    """``kroquant demo``'s mechanism: a preset command line gives the defaults; --out is required unless it gives it."""
+    from scripts import eval_testbed
+
+    preset = ["--out", "runs/p", "--steps", "3", "--rank", "0.125"]
+    args = eval_testbed.parse_args([], preset=preset)
+    assert (args.out, args.steps, args.rank, args.guidance) == ("runs/p", 3, 0.125, 3.0)
+    args = eval_testbed.parse_args(["--steps", "5", "--out", "o"], preset=preset)
+    assert (args.out, args.steps, args.rank) == ("o", 5, 0.125)
+    for argv, preset in (([], ()), (["--steps", "3"], ()), ([], ["--steps", "3"])):
+        with pytest.raises(SystemExit):
+            eval_testbed.parse_args(argv, preset=preset)
+        assert "required: --out" in capsys.readouterr().err
+
+
 def test_generalisation_script_groups_heldout_records_and_finds_nearest(tmp_path):
     from scripts import testbed_generalisation as tg
 
