@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kroquant_jax.formats import QuantizedArray, dequantize
+from kroquant_jax.formats import QuantFormat, QuantizedArray, check_format, dequantize
 from pallas_kernels._compat import pl
 from pallas_kernels.w4a4_gemm import (Compute, OperandSpec, accumulate_tiles, add_gemm_terms, check_operands,
                                       gemm_inputs, launch_gemm, lowrank_reference, round_up, split_gemm_refs)
@@ -51,12 +51,14 @@ from pallas_kernels.w4a4_gemm import (Compute, OperandSpec, accumulate_tiles, ad
 __all__ = [
     "EPILOGUE_TILE",
     "EpilogueBlockSizes",
+    "default_block_sizes",
     "gemm",
     "gemm_reference",
     "gemm_rmsnorm",
     "gemm_rmsnorm_reference",
     "gemm_swiglu",
     "gemm_swiglu_reference",
+    "operand_smem_bytes",
     "pack_swiglu_weight",
     "permute_rows",
     "rmsnorm_heads",
@@ -102,40 +104,46 @@ class EpilogueBlockSizes:
 SMEM_BUDGET_BYTES = 200 * 1024
 
 
-def operand_smem_bytes(kind: str, block_m: int, cols: int, block_k: int, num_stages: int) -> int:
+def operand_smem_bytes(fmt: Optional[QuantFormat], block_m: int, cols: int, block_k: int, num_stages: int) -> int:
     """Shared memory of the software-pipelined A and W tiles: ``num_stages * (A tile + W tile)`` in bytes.
 
-    ``kind`` is "bf16" or the packed operands' format name ("mxfp4", "nvfp4"): bf16 tiles take 2 bytes per
-    element; packed FP4 tiles take half a byte per element plus one scale byte per block (32 for MXFP4, 16 for NVFP4).
-    It matches what Triton requests: ``3 * (64*128*2 + 256*128*2) = 245760`` bytes for the bf16 RMSNorm kernel with 3
-    stages of 64-row, 128-deep tiles (docs/w4a4.md, "Results", 1. GPU correctness).
+    ``fmt`` is the packed operands' :class:`~kroquant_jax.formats.QuantFormat` (``MXFP4()``, ``NVFP4()``), or
+    ``None`` for bf16 operands: bf16 tiles take 2 bytes per element; packed FP4 tiles take half a byte per element
+    plus one scale byte per block (32 for MXFP4, 16 for NVFP4). It matches what Triton requests:
+    ``3 * (64*128*2 + 256*128*2) = 245760`` bytes for the bf16 RMSNorm kernel with 3 stages of 64-row, 128-deep tiles
+    (docs/w4a4.md, "Results", 1. GPU correctness).
     """
-    if kind == "bf16":
+    if fmt is None:
         per_elem = 2.0
     else:
-        per_elem = 0.5 + 1.0 / (32 if kind == "mxfp4" else 16)
+        check_format(fmt, "operand_smem_bytes: fmt (None for bf16 operands)")
+        per_elem = 0.5 + fmt.scale_dtype.itemsize / fmt.block_size
     return int(num_stages * (block_m + cols) * block_k * per_elem)
 
 
-def _default_blocks(m: int, k: int, *, kind: str = "bf16", cols: int = 128, block_m: Optional[int] = None,
-                    budget: int = SMEM_BUDGET_BYTES) -> EpilogueBlockSizes:
-    """Default tiles: ``block_m`` (128 for packed operands, 64 for bf16) shrinks for small m, ``block_k`` divides k,
-    and the pipelined operand tiles fit ``budget`` bytes of shared memory (a smaller ``block_k`` first, down to 64,
-    keeping 3 stages; then 2 stages; then ``block_k`` down to 32).
+def default_block_sizes(m: int, k: int, *, fmt: Optional[QuantFormat] = None, cols: int = 128,
+                        block_m: Optional[int] = None, budget: int = SMEM_BUDGET_BYTES) -> EpilogueBlockSizes:
+    """Default tiles of an ``(m, k)`` x ``(n, k)`` epilogue GEMM on ``fmt`` operands (a
+    :class:`~kroquant_jax.formats.QuantFormat`, ``None`` for bf16) with ``cols`` accumulator columns per program:
+    ``block_m`` (128 for packed operands, 64 for bf16) shrinks for small m, ``block_k`` divides k, and the pipelined
+    operand tiles fit ``budget`` bytes of shared memory (a smaller ``block_k`` first, down to 64, keeping 3 stages;
+    then 2 stages; then ``block_k`` down to 32).
 
     Packed operands: 128-row tiles run the fused RMSNorm-256 and SwiGLU kernels about twice as fast as 64-row ones
     (64-row tiles decode every W tile twice as often; docs/w4a4.md, "Epilogue tiles, measured in the forward run",
     from ``benchmarks/results/dit_forward_w4a4.json``). bf16 operands keep 64 rows (the RMSNorm program owns a whole
     256-wide head); their 3-stage ``block_k = 64`` tiling is not measured against a 2-stage ``block_k = 128`` one.
     """
-    bm = block_m if block_m is not None else (64 if kind == "bf16" else 128)
+    if fmt is not None:
+        check_format(fmt, "default_block_sizes: fmt (None for bf16 operands)")
+    bm = block_m if block_m is not None else (64 if fmt is None else 128)
     while bm > 16 and bm // 2 >= m:
         bm //= 2
     bk = 128
     while bk > 32 and k % bk:
         bk //= 2
     stages = 3
-    while operand_smem_bytes(kind, bm, cols, bk, stages) > budget:
+    while operand_smem_bytes(fmt, bm, cols, bk, stages) > budget:
         if bk > 64:
             bk //= 2
         elif stages > 2:
@@ -143,6 +151,7 @@ def _default_blocks(m: int, k: int, *, kind: str = "bf16", cols: int = 128, bloc
         elif bk > 32:
             bk //= 2
         else:
+            kind = "bf16" if fmt is None else fmt.name
             raise ValueError(f"no tiling of {kind} operands with {cols=} fits {budget} bytes of shared memory")
     return EpilogueBlockSizes(block_m=bm, block_k=bk, num_stages=stages)
 
@@ -287,8 +296,8 @@ def _epilogue_kernel(*refs, spec: OperandSpec, k: int, epilogue: str, tile: int,
 def _fused_call(a, w, *, epilogue: Epilogue, head_dim: int, norm_weight, eps: float, lowrank, bias,
                 block_sizes: Optional[EpilogueBlockSizes], compute: Compute, out_dtype, out, interpret: bool):
     fmt, m, n, k = check_operands(a, w)
-    kind = "bf16" if fmt is None else fmt.name  # the operand kind of the tiling rule and the kernel name
-    bs = block_sizes or _default_blocks(m, k, kind=kind, cols=head_dim if epilogue == "rmsnorm" else EPILOGUE_TILE)
+    kind = "bf16" if fmt is None else fmt.name  # the operand kind (kernel name, fp8 check)
+    bs = block_sizes or default_block_sizes(m, k, fmt=fmt, cols=head_dim if epilogue == "rmsnorm" else EPILOGUE_TILE)
     spec = OperandSpec(fmt=fmt, compute=compute if fmt is not None else "bf16", block_k=bs.block_k)
     if compute == "fp8" and kind != "mxfp4":
         raise ValueError("compute='fp8' supports MXFP4 only")

@@ -147,18 +147,26 @@ class TestGPU:
 
 def test_default_tiles_fit_hopper_shared_memory():
     # The H200 run of 2026-11-30 requested exactly this much (bf16 RMSNorm, head 256, 3 stages) and failed: 227 KiB max.
-    assert e.operand_smem_bytes("bf16", 64, 256, 128, 3) == 245760
-    for kind in ("bf16", "mxfp4", "nvfp4"):
+    assert e.operand_smem_bytes(None, 64, 256, 128, 3) == 245760
+    for fmt in (None, MXFP4(), NVFP4()):
         for cols in (128, 256):
             for m, k in ((300, 1152), (4096, 4608), (8, 64)):
-                bs = e._default_blocks(m, k, kind=kind, cols=cols)
+                bs = e.default_block_sizes(m, k, fmt=fmt, cols=cols)
                 assert k % bs.block_k == 0
-                assert e.operand_smem_bytes(kind, bs.block_m, cols, bs.block_k, bs.num_stages) <= e.SMEM_BUDGET_BYTES
+                assert e.operand_smem_bytes(fmt, bs.block_m, cols, bs.block_k, bs.num_stages) <= e.SMEM_BUDGET_BYTES
     # bf16 RMSNorm head: 3 stages of block_k = 64 (122880 bytes) rather than 2 stages of 128 (163840 bytes).
-    assert e._default_blocks(4096, 4608, kind="bf16", cols=256) == e.EpilogueBlockSizes(block_m=64, block_k=64)
-    assert e._default_blocks(4096, 4608, kind="bf16", cols=128) == e.EpilogueBlockSizes(block_m=64, block_k=128)
+    assert e.default_block_sizes(4096, 4608, fmt=None, cols=256) == e.EpilogueBlockSizes(block_m=64, block_k=64)
+    assert e.default_block_sizes(4096, 4608, fmt=None, cols=128) == e.EpilogueBlockSizes(block_m=64, block_k=128)
     # Packed operands: 128-row tiles (measured 2.1-2.3x faster than 64 rows on the H200), 3 stages of 128.
-    for kind in ("mxfp4", "nvfp4"):
+    for fmt in (MXFP4(), NVFP4()):
         for cols in (128, 256):
-            assert e._default_blocks(4224, 4608, kind=kind, cols=cols) == e.EpilogueBlockSizes(block_m=128)
-    assert e._default_blocks(40, 4608, kind="mxfp4").block_m == 64
+            assert e.default_block_sizes(4224, 4608, fmt=fmt, cols=cols) == e.EpilogueBlockSizes(block_m=128)
+    assert e.default_block_sizes(40, 4608, fmt=MXFP4()).block_m == 64
+    # packed tiles: half a byte per element plus one scale byte per block of the format
+    assert e.operand_smem_bytes(MXFP4(), 64, 64, 128, 1) == 128 * 128 * (0.5 + 1 / 32)
+    assert e.operand_smem_bytes(NVFP4(), 64, 64, 128, 1) == 128 * 128 * (0.5 + 1 / 16)
+    # a format name is refused, naming the argument
+    with pytest.raises(TypeError, match="operand_smem_bytes: fmt.*'mxfp4'"):
+        e.operand_smem_bytes("mxfp4", 64, 64, 128, 1)
+    with pytest.raises(TypeError, match="default_block_sizes: fmt.*'bf16'"):
+        e.default_block_sizes(64, 128, fmt="bf16")
