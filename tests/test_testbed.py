@@ -366,6 +366,18 @@ def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path):
         evaluation.merge_outputs([out, other], tmp_path / "bad")
 
 
+def test_prompt_subset_keeps_every_heldout_record_and_the_drawn_training_ones(prompts):
+    sub = testbed_data.prompt_subset(prompts, 5, seed=1)
+    assert sub.num_examples == int(prompts.heldout.sum()) + 5 and int((~sub.heldout).sum()) == 5
+    index = np.array([prompts.find(c) for c in sub.captions])
+    assert list(index) == sorted(index)
+    for key in ("images", "context", "context_mask", "captions", "sequences", "heldout"):
+        np.testing.assert_array_equal(getattr(sub, key), getattr(prompts, key)[index], err_msg=key)
+    assert sub.null_context is prompts.null_context and sub.image_size == prompts.image_size
+    with pytest.raises(ValueError, match="exceeds"):
+        testbed_data.prompt_subset(prompts, prompts.num_examples + 1)
+
+
 def test_eval_method_specs_and_helpers():
     """The recipe flags are kroquant_jax.calibrate.add_recipe_arguments' (tested in tests/test_calibrate_cli.py)."""
     from kroquant_jax import calibrate

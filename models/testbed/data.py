@@ -179,7 +179,11 @@ class EmojiDataset:
 
     def split(self, heldout: bool) -> "EmojiDataset":
         """The training (heldout=False) or held-out (heldout=True) part, same arrays otherwise."""
-        keep = self.heldout == heldout  # (n,)
+        return self.select(self.heldout == heldout)
+
+    def select(self, keep: np.ndarray) -> "EmojiDataset":
+        """The records ``keep`` (a ``(n,)`` bool mask or an index array, in its order) of every per-record array;
+        the null caption's encoding and the sizes unchanged."""
         return dataclasses.replace(
             self,
             images=self.images[keep],
@@ -572,16 +576,7 @@ def prompt_subset(dataset: EmojiDataset, num_train: int, seed: int = 0) -> Emoji
     if num_train > train_indices.size:
         raise ValueError(f"{num_train=} exceeds the {train_indices.size} training records")
     chosen = np.sort(np.random.default_rng(seed).choice(train_indices, num_train, replace=False))  # (num_train,)
-    keep = np.sort(np.concatenate([np.flatnonzero(dataset.heldout), chosen]))  # (k,)
-    return dataclasses.replace(
-        dataset,
-        images=dataset.images[keep],
-        context=dataset.context[keep],
-        context_mask=dataset.context_mask[keep],
-        captions=dataset.captions[keep],
-        sequences=dataset.sequences[keep],
-        heldout=dataset.heldout[keep],
-    )
+    return dataset.select(np.sort(np.concatenate([np.flatnonzero(dataset.heldout), chosen])))  # (k,) records
 
 
 def validate_dataset(dataset: EmojiDataset) -> None:
