@@ -445,21 +445,31 @@ class KeyTable:
         self._source_res = [[_compile(p) for p in r.source] for r in self.rules]
         self._target_res = [[_compile(p) for p in (r.target or ())] for r in self.rules]
 
-    def _match_source(self, key: str) -> tuple[int, int, dict[str, str]] | None:
-        for rule_index, regexes in enumerate(self._source_res):
+    @staticmethod
+    def _match(side: list[list[re.Pattern]], key: str) -> tuple[int, int, dict[str, str]] | None:
+        """``(rule index, slot, captured groups)`` of the first pattern of one side (``_source_res`` or
+        ``_target_res``) that matches ``key``; ``None`` if none does."""
+        for rule_index, regexes in enumerate(side):
             for slot, regex in enumerate(regexes):
                 found = regex.match(key)
                 if found:
                     return rule_index, slot, found.groupdict()
         return None
 
-    def _match_target(self, path: str) -> tuple[int, int, dict[str, str]] | None:
-        for rule_index, regexes in enumerate(self._target_res):
-            for slot, regex in enumerate(regexes):
-                found = regex.match(path)
-                if found:
-                    return rule_index, slot, found.groupdict()
-        return None
+    def _group_by_rule(self, side: list[list[re.Pattern]], keys: Iterable[str]
+                       ) -> tuple[dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, str]], list[str]]:
+        """The ``keys`` of one side grouped by the rule application they belong to:
+        ``({(rule index, captured groups): {slot: key}}, [keys no rule matches])``."""
+        groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, str]] = {}
+        unmatched: list[str] = []
+        for key in keys:
+            found = self._match(side, key)
+            if found is None:
+                unmatched.append(key)
+                continue
+            rule_index, slot, captured = found
+            groups.setdefault((rule_index, tuple(sorted(captured.items()))), {})[slot] = key
+        return groups, unmatched
 
     def to_flax(self, state: Mapping[str, np.ndarray], expected_shapes: Mapping[str, tuple[int, ...]],
                 dtype: Any = None) -> dict[str, np.ndarray]:
@@ -473,15 +483,8 @@ class KeyTable:
             ConversionError: listing every missing, unexpected and mis-shaped key at once.
         """
         target_dtype = resolve_dtype(dtype)
-        groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, str]] = {}
-        unexpected: list[str] = []
-        for key in state:
-            found = self._match_source(key)
-            if found is None:
-                unexpected.append(f"{key} {tuple(state[key].shape)} (no rule in the {self.name} key table)")
-                continue
-            rule_index, slot, captured = found
-            groups.setdefault((rule_index, tuple(sorted(captured.items()))), {})[slot] = key
+        groups, unmatched = self._group_by_rule(self._source_res, state)
+        unexpected = [f"{key} {tuple(state[key].shape)} (no rule in the {self.name} key table)" for key in unmatched]
         missing: list[str] = []
         mis_shaped: list[str] = []
         produced: set[str] = set()
@@ -519,7 +522,7 @@ class KeyTable:
         for path in expected_shapes:
             if path in produced:
                 continue
-            found = self._match_target(path)
+            found = self._match(self._target_res, path)
             if found is None:
                 missing.append(f"{path} (the {self.name} key table has no rule producing it)")
             else:
@@ -539,15 +542,8 @@ class KeyTable:
             ConversionError: for flax paths that no rule produces, or rules with only part of their targets.
         """
         target_dtype = resolve_dtype(dtype)
-        groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, str]] = {}
-        unexpected: list[str] = []
-        for path in params:
-            found = self._match_target(path)
-            if found is None:
-                unexpected.append(f"{path} (no rule in the {self.name} key table)")
-                continue
-            rule_index, slot, captured = found
-            groups.setdefault((rule_index, tuple(sorted(captured.items()))), {})[slot] = path
+        groups, unmatched = self._group_by_rule(self._target_res, params)
+        unexpected = [f"{path} (no rule in the {self.name} key table)" for path in unmatched]
         missing: list[str] = []
         state: dict[str, np.ndarray] = {}
         for (rule_index, captured_items), slots in groups.items():
