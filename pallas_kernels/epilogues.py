@@ -46,7 +46,8 @@ import numpy as np
 from kroquant_jax.formats import QuantFormat, QuantizedArray, check_format, dequantize
 from pallas_kernels._compat import pl
 from pallas_kernels.w4a4_gemm import (Compute, OperandSpec, accumulate_tiles, add_gemm_terms, check_operands,
-                                      gemm_inputs, launch_gemm, lowrank_reference, round_up, split_gemm_refs)
+                                      check_tile_sizes, gemm_inputs, launch_gemm, lowrank_reference, round_up,
+                                      split_gemm_refs)
 
 __all__ = [
     "EPILOGUE_TILE",
@@ -93,10 +94,7 @@ class EpilogueBlockSizes:
     num_stages: int = 3
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k", "tile"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"EpilogueBlockSizes.{name}={v} must be a power of two >= 16")
+        check_tile_sizes(self, ("block_m", "block_n", "block_k", "tile"))
 
 
 #: Shared memory a program's pipelined operand tiles may take. The H200 allows 227 KiB (232448 bytes) per block;

@@ -80,6 +80,7 @@ __all__ = [
     "OperandSpec",
     "accumulate_tiles",
     "add_gemm_terms",
+    "check_tile_sizes",
     "check_operands",
     "choose_block_sizes",
     "dequantize_bf16",
@@ -121,12 +122,18 @@ class BlockSizes:
     n_sub: int = 1
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"BlockSizes.{name}={v} must be a power of two >= 16")
+        check_tile_sizes(self, ("block_m", "block_n", "block_k"))
         if self.block_k < 32:
             raise ValueError(f"BlockSizes.block_k={self.block_k} must be >= 32 (one MXFP4 block)")
+
+
+def check_tile_sizes(config, names: Sequence[str], minimum: int = 16) -> None:
+    """Raises a ``ValueError`` naming ``config``'s class and field unless each field ``names`` of it is a power of
+    two ``>= minimum`` (the tiles of a kernel: tensor-core shapes, ``pl.ds`` strides)."""
+    for name in names:
+        v = getattr(config, name)
+        if v < minimum or v & (v - 1):
+            raise ValueError(f"{type(config).__name__}.{name}={v} must be a power of two >= {minimum}")
 
 
 def choose_block_sizes(m: int, n: int, k: int, *, max_block_m: int = 128, block_n: int = 128,

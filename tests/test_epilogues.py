@@ -170,3 +170,5 @@ def test_default_tiles_fit_hopper_shared_memory():
         e.operand_smem_bytes("mxfp4", 64, 64, 128, 1)
     with pytest.raises(TypeError, match="default_block_sizes: fmt.*'bf16'"):
         e.default_block_sizes(64, 128, fmt="bf16")
+    with pytest.raises(ValueError, match="EpilogueBlockSizes.tile=96 must be a power of two >= 16"):
+        e.EpilogueBlockSizes(tile=96)
