@@ -80,8 +80,8 @@ __all__ = [
     "OperandSpec",
     "accumulate_tiles",
     "add_gemm_terms",
-    "check_tile_sizes",
     "check_operands",
+    "check_tile_sizes",
     "choose_block_sizes",
     "dequantize_bf16",
     "even_odd_permutation",
@@ -329,7 +329,6 @@ def gemm_inputs(a, w, spec: OperandSpec, *, m_pad: int, n_pad: int, k_pad: int, 
         args.append(jnp.pad(bias.astype(jnp.float32), (0, n_pad - n)).reshape(1, n_pad))
         in_specs.append(pl.BlockSpec((1, cols), lambda i, j: (0, j)))
     return args, in_specs, lowrank_packed
-
 
 
 class GemmRefs(NamedTuple):
