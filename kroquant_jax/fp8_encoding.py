@@ -54,10 +54,12 @@ __all__ = [
     "Fp8Rows",
     "block_exponents",
     "dequantize_rows",
+    "e4m3_bits",
     "even_odd_columns",
     "mxfp4_to_e4m3",
     "natural_columns",
     "per_token_e4m3",
+    "reference_exponent",
     "row_reference_exponent",
     "row_spans",
     "span_stats",
@@ -150,11 +152,18 @@ def _max_exponent(q: QuantizedArray) -> jax.Array:
     return jnp.max(jnp.where(b == F.E8M0_NAN, 0, b), axis=-1) - F.E8M0_BIAS
 
 
+def reference_exponent(max_byte: jax.Array) -> jax.Array:
+    """``e_ref int32`` from a row's largest non-NaN E8M0 byte (``int32``; 0 for a row without blocks above zero):
+    ``max_byte - 127 - 6`` clamped to ``[-126, 127]``. The one rule, shared by :func:`row_reference_exponent` and the
+    quantizer kernels' FP8 output mode (which take ``max_byte`` from their own block scales)."""
+    return jnp.clip(max_byte.astype(jnp.int32) - F.E8M0_BIAS - E4M3_TOP_OFFSET, -126, 127).astype(jnp.int32)
+
+
 def row_reference_exponent(q: QuantizedArray) -> jax.Array:
     """``e_ref int32 (...)``: each row's largest non-NaN block exponent minus 6, clamped to ``[-126, 127]`` (so an
     all-zero row gets -126)."""
     _check_mxfp4(q, "row_reference_exponent")
-    return jnp.clip(_max_exponent(q) - E4M3_TOP_OFFSET, -126, 127).astype(jnp.int32)
+    return reference_exponent(_max_exponent(q) + F.E8M0_BIAS)
 
 
 def row_spans(q: QuantizedArray) -> jax.Array:
@@ -180,47 +189,86 @@ def _check_order(order: str) -> None:
         raise ValueError(f"order={order!r} must be one of {ORDERS}")
 
 
-def _encode_nibbles(nib: jax.Array, byte: jax.Array, offset: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per element: E2M1 code ``nib`` (int32, low 4 bits), its block's E8M0 byte and offset -> (E4M3 value, exact f32
-    value in units of ``2**e_ref``). Elements that ``formats.dequantize`` flushes (f32 subnormals) and NaN blocks give
-    0 here (NaN blocks are marked by the caller)."""
+def e4m3_bits(nibbles: jax.Array, scale_byte: jax.Array, e_ref: jax.Array) -> jax.Array:
+    """The E4M3 bit pattern of one MXFP4 element against its row's reference exponent (integer ops only).
+
+    Args (broadcast together, any shape, integer dtypes): ``nibbles``: the E2M1 code (low 4 bits); ``scale_byte``: its
+    block's E8M0 byte; ``e_ref``: the row's reference exponent (:func:`reference_exponent`), with
+    ``scale_byte - 127 - e_ref <= 6`` for every non-NaN block (true for the row's own ``e_ref``).
+
+    Returns ``int32`` in ``[0, 255]``: ``e4m3(e2m1(code) * 2**(e_blk - e_ref))``, exact for offsets in ``[-8, 6]``,
+    rounded to the nearest subnormal (ties to even; below ``2**-10`` to a signed zero) below (the out-of-range policy);
+    ``0`` for elements that ``formats.dequantize`` flushes (f32 subnormal values), ``0x7F`` (NaN) for NaN blocks.
+    The one home of the re-encoding's arithmetic: :func:`mxfp4_to_e4m3` and the quantizer kernels' FP8 output mode
+    (``pallas_kernels.transform_quantize``) call it, so both write the same bytes.
+    """
+    nib = jnp.asarray(nibbles).astype(jnp.int32)
+    byte = jnp.asarray(scale_byte).astype(jnp.int32)
+    e_ref = jnp.asarray(e_ref).astype(jnp.int32)
+    mag_idx = nib & 7
+    e2, m1 = mag_idx >> 1, mag_idx & 1  # E2M1 exponent field and mantissa bit
+    sig = jnp.where(e2 > 0, 2 + m1, m1)  # |e2m1| = sig * 2**(max(e2, 1) - 2), sig in {0, 1, 2, 3}
+    big = (sig >= 2).astype(jnp.int32)
+    # the value in units of E4M3's subnormal step 2**-9: sig * 2**t
+    t = jnp.maximum(e2, 1) + (byte - F.E8M0_BIAS - e_ref) + 7
+    lead = t + big  # floor(log2) of the value in those units
+    normal = ((lead - 2) << 3) | jnp.where(sig == 3, 4, 0)  # E4M3 exponent field lead - 9 + 7, mantissa .100 or .000
+    n = jnp.clip(-t, 0, 8)  # bits shifted out below the subnormal step (sig < 4: 8 is as good as more)
+    kept = sig >> n
+    rest = sig & ((1 << n) - 1)
+    half = (1 << n) >> 1
+    up = (n > 0) & ((rest > half) | ((rest == half) & ((kept & 1) == 1)))  # round to nearest, ties to even
+    sub = jnp.where(t >= 0, sig << jnp.clip(t, 0, 7), kept + up.astype(jnp.int32))
+    mag = jnp.where(sig == 0, 0, jnp.where(lead >= 3, normal, sub))
+    # formats.dequantize flushes values below 2**-126 (floor(log2 |e2m1|) + e_blk < -126) to +0
+    flushed = (sig != 0) & (jnp.maximum(e2, 1) - 2 + big + byte - F.E8M0_BIAS < -126)
+    bits = jnp.where(flushed, 0, mag | ((nib & 8) << 4))
+    return jnp.where(byte == F.E8M0_NAN, _NAN_BYTE, bits)
+
+
+def _bits_to_e4m3(bits: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint8), jnp.float8_e4m3fn)
+
+
+def _exact_values(nib: jax.Array, byte: jax.Array, offset: jax.Array) -> jax.Array:
+    """Per element, the f32 value that :func:`e4m3_bits` encodes, in units of ``2**e_ref`` (0 for flushed elements
+    and NaN blocks): what the ``inexact`` count compares against."""
     floor_log2 = jnp.asarray(_E2M1_FLOOR_LOG2)[nib & 7]
     dead = (floor_log2 + byte - F.E8M0_BIAS < -126) | (byte == F.E8M0_NAN)
-    exact = jnp.where(dead, 0.0, F.e2m1_decode(nib) * _pow2(offset))  # <= 2 significant bits, exponent >= -31: exact
-    return exact.astype(jnp.float8_e4m3fn), exact  # round to nearest even; exact where the offset is in [-8, 6]
+    return jnp.where(dead, 0.0, F.e2m1_decode(nib) * _pow2(offset))  # <= 2 significant bits, exponent >= -31: exact
 
 
 def mxfp4_to_e4m3(q: QuantizedArray, *, order: str = "natural", count_inexact: bool = True) -> Fp8Rows:
     """Re-encode MXFP4 rows ``(..., d)`` as E4M3 bytes ``(..., d)`` and one power of two per row.
 
     ``value[..., j] = e2m1(code) * 2**(e_blk - e_ref)`` rounded to E4M3 (exact for block offsets in ``[-8, 6]``; the
-    out-of-range policy of the module docstring otherwise), ``scale = 2**e_ref``. ``order="even_odd"`` writes the low
-    nibbles then the high nibbles (no interleave; see :class:`Fp8Rows`). ``count_inexact``: count the elements the
-    rounding changed (one more reduction over the row; ``inexact = -1`` without). Any MXFP4 block size; pure jnp
-    (elementwise over the packed bytes plus a reduction over the row's scale bytes).
+    out-of-range policy of the module docstring otherwise; :func:`e4m3_bits`), ``scale = 2**e_ref``.
+    ``order="even_odd"`` writes the low nibbles then the high nibbles (no interleave; see :class:`Fp8Rows`).
+    ``count_inexact``: count the elements the rounding changed (one more reduction over the row; ``inexact = -1``
+    without). Any MXFP4 block size; pure jnp (elementwise over the packed bytes plus a reduction over the row's scale
+    bytes).
     """
     _check_mxfp4(q, "mxfp4_to_e4m3")
     _check_order(order)
     per_block = q.fmt.block_size // 2  # bytes per block
     e_ref = row_reference_exponent(q)  # (...)
     b = q.scales.astype(jnp.int32)  # (..., nb)
-    # Offsets below -30 round every E2M1 value to zero (6 * 2**-30 < 2**-10): clip so that 2**o is a normal f32.
-    offset = jnp.clip(b - F.E8M0_BIAS - e_ref[..., None], -30, 127)
-    byte_b, byte_o = jnp.repeat(b, per_block, axis=-1), jnp.repeat(offset, per_block, axis=-1)  # (..., d/2)
+    byte_b = jnp.repeat(b, per_block, axis=-1)  # (..., d/2)
     codes = q.codes.astype(jnp.int32)
-    lo, lo_exact = _encode_nibbles(codes & 15, byte_b, byte_o)  # elements 2i
-    hi, hi_exact = _encode_nibbles(codes >> 4, byte_b, byte_o)  # elements 2i + 1
-    nan_byte = byte_b == F.E8M0_NAN
-    nan_bits = jax.lax.bitcast_convert_type(jnp.full(lo.shape, _NAN_BYTE, jnp.uint8), jnp.float8_e4m3fn)
-    lo, hi = jnp.where(nan_byte, nan_bits, lo), jnp.where(nan_byte, nan_bits, hi)
+    lo_nib, hi_nib = codes & 15, codes >> 4  # elements 2i, 2i + 1
+    lo = _bits_to_e4m3(e4m3_bits(lo_nib, byte_b, e_ref[..., None]))
+    hi = _bits_to_e4m3(e4m3_bits(hi_nib, byte_b, e_ref[..., None]))
     if order == "even_odd":
         values = jnp.concatenate([lo, hi], axis=-1)
     else:
         values = jax.lax.stack([lo, hi], axis=lo.ndim).reshape(*lo.shape[:-1], -1) if lo.ndim else lo
     inexact = jnp.int32(-1)
     if count_inexact:
-        inexact = sum(jnp.sum(((v.astype(jnp.float32) != x) & ~nan_byte).astype(jnp.int32))
-                      for v, x in ((lo, lo_exact), (hi, hi_exact)))
+        # Offsets below -30 round every E2M1 value to zero (6 * 2**-30 < 2**-10): clip so that 2**o is a normal f32.
+        offset = jnp.repeat(jnp.clip(b - F.E8M0_BIAS - e_ref[..., None], -30, 127), per_block, axis=-1)
+        nan_byte = byte_b == F.E8M0_NAN
+        inexact = sum(jnp.sum(((v.astype(jnp.float32) != _exact_values(nib, byte_b, offset)) & ~nan_byte)
+                              .astype(jnp.int32)) for v, nib in ((lo, lo_nib), (hi, hi_nib)))
     scale = jnp.where(jnp.any(b == F.E8M0_NAN, axis=-1), jnp.nan, _pow2(e_ref))
     return Fp8Rows(values=values, scale=scale, inexact=inexact, order=order)
 

@@ -184,3 +184,19 @@ def test_per_token_e4m3():
     assert float(r.scale[3]) == 1.0 and np.all(vals[3] == 0)  # zero row
     assert np.isnan(float(r.scale[4]))  # Inf in the row: NaN scale, visible downstream
     assert int(r.inexact) == 0
+
+
+def test_e4m3_bits_equals_rounding_the_exact_value_for_every_code_byte_and_offset():
+    """The integer encoder (shared with the quantizer kernels' FP8 output) against f32 -> E4M3 rounding of the exact
+    value: every code x every E8M0 byte x every offset the row's own e_ref can give (6 down to far out of range)."""
+    nib, byte, off = np.meshgrid(np.arange(16), np.arange(256), np.arange(-40, 7), indexing="ij")
+    e_ref = byte - 127 - off
+    bits = np.asarray(E.e4m3_bits(jnp.asarray(nib), jnp.asarray(byte), jnp.asarray(e_ref)))
+    floor_log2 = np.array([127, -1, 0, 0, 1, 1, 2, 2])[nib & 7]
+    dead = (floor_log2 + byte - 127 < -126) | (byte == 255)
+    exact = np.where(dead, 0.0, F.E2M1_VALUES[nib].astype(np.float64) * 2.0 ** np.clip(off, -30, 127))
+    want = exact.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8).astype(np.int64)
+    want = np.where(byte == 255, 0x7F, want)
+    np.testing.assert_array_equal(bits, want)
+    assert bits.min() >= 0 and bits.max() <= 255
+    assert E.e4m3_bits(jnp.int32(7), jnp.int32(127), E.reference_exponent(jnp.int32(127))) == 0x7C  # 6 at +6: 384
