@@ -7,9 +7,15 @@ transform near the Hadamard init:
 * ``bf16_xla``: ``x W^T`` on bf16 operands, bf16 output (XLA / cuBLAS): the baseline.
 * ``dequant_layer``: the served default today: K2 transform + MXFP4 quantize kernel, ``h = x (R T^T)^T``, both packed
   operands decoded to bf16, one cuBLAS GEMM ``[Q(xT) | h] [W | L]^T`` (``w4a4_gemm.w4a4_matmul_dequant``).
-* ``fp8_w4a4``: the quantize kernel, the E4M3 re-encode (XLA), ``h``, one FP8 GEMM (f32 output), the epilogue
-  fusion (row/column powers of two, ``h L^T``, output bf16) (``fp8_gemm.fp8_linear_forward``), the weight
-  re-encoded once beforehand. ``fp8_w4a4_bf16gemm``: the FP8 GEMM writes bf16 (half the bytes, one more rounding).
+* ``fp8_w4a4``: the quantize kernel in its FP8 output mode (``act_encode="kernel"``: a pre-pass for the rows'
+  reference exponents, then the quantizing pass writes E4M3 + row powers of two), ``h``, one FP8 GEMM (f32 output),
+  the epilogue fusion (row/column powers of two, ``h L^T``, output bf16) (``fp8_gemm.fp8_linear_forward``), the
+  weight re-encoded once beforehand. ``fp8_w4a4_xla``: the same with the quantizer writing packed MXFP4 and an XLA
+  fusion re-encoding it (``act_encode="xla"``, the path before the FP8 output mode); ``fp8_w4a4_bf16gemm``: the FP8
+  GEMM writes bf16 (half the bytes, one more rounding).
+* ``quant_mxfp4`` / ``quant_fp8`` / ``quant_xla_reencode``: the activation side alone: the quantize kernel (packed
+  MXFP4), its FP8 output mode (pre-pass + quantizing pass), the kernel + XLA re-encode (the bytes of the last two are
+  compared: ``quant_fp8_bytes_equal``).
 * ``fp8_w4a4_precise``: the same with ``accumulation="precise"`` (partial sums promoted to fp32; GPU only).
 * ``fp8_w4a8``: ``x T`` in f32 (XLA) and per-token E4M3 activations, the same FP8 GEMM and epilogue.
 * ``fp8_gemm_only``: the FP8 GEMM alone on E4M3 operands, bf16 output: the floor of the FP8 strategies.
@@ -180,10 +186,20 @@ def variants(impl: str) -> dict:
         return G8.fp8_linear_forward(G8.Fp8Linear(layer.transform, layer.weight, layer.right, layer.left, None,
                                                   act="fp8"), s["x"], impl=impl)
 
+    def fp8_xla(s):
+        return G8.fp8_linear_forward(dataclasses.replace(s["layer8"], act_encode="xla"), s["x"], impl=impl)
+
+    def quant_fp8(s):
+        return TQ.transform_quantize_fp8(s["x"], s["transform"], MXFP4(), impl=impl, round_to_input=False).values
+
     return {
         "bf16_xla": lambda s: jnp.matmul(s["x"], s["w_bf16"].T),
         "dequant_layer": lambda s: G.w4a4_matmul_dequant(tq(s), s["qw"], lowrank=(h_of(s), s["left_q"])),
         "fp8_w4a4": lambda s: G8.fp8_linear_forward(s["layer8"], s["x"], impl=impl),
+        "fp8_w4a4_xla": fp8_xla,
+        "quant_mxfp4": lambda s: tq(s).codes,
+        "quant_fp8": quant_fp8,
+        "quant_xla_reencode": lambda s: FE.mxfp4_to_e4m3(tq(s), order="even_odd", count_inexact=False).values,
         "fp8_w4a4_bf16gemm": lambda s: G8.fp8_linear_forward(s["layer8"], s["x"], impl=impl, gemm_dtype=jnp.bfloat16),
         "fp8_w4a4_precise": lambda s: G8.fp8_linear_forward(s["layer8"], s["x"], impl=impl, accumulation="precise"),
         "fp8_w4a8": w4a8,
@@ -206,6 +222,12 @@ def exact_reference(s, xq, rows: int, act: str) -> np.ndarray:
         a = _rows(xq, rows)
     h = jnp.matmul(x, s["r_folded"].T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     return G8.fp8_matmul_reference(a, s["qw"], lowrank=(h, s["left_q"]))
+
+
+def _bits(y: jax.Array) -> jax.Array:
+    """An array's bit patterns (so that NaNs compare equal): E4M3 as uint8, f32 as int32, bf16 as int16."""
+    width = {1: jnp.uint8, 2: jnp.int16, 4: jnp.int32}[jnp.dtype(y.dtype).itemsize]
+    return jax.lax.bitcast_convert_type(y, width)
 
 
 def _rel(y, ref: np.ndarray) -> float:
@@ -274,10 +296,15 @@ def run_case(model, layer, n, k, m, *, impl, n_calls, check_rows, do_accuracy, k
     # checks against the exact float64 product of the same quantized operands (first check_rows rows of set 0)
     rows = min(check_rows, m)
     refs = {"mxfp4": exact_reference(sets[0], xq0, rows, "mxfp4"), "fp8": exact_reference(sets[0], xq0, rows, "fp8")}
-    for name in ("dequant_layer", "fp8_w4a4", "fp8_w4a4_bf16gemm", "fp8_w4a8"):
+    for name in ("dequant_layer", "fp8_w4a4", "fp8_w4a4_xla", "fp8_w4a4_bf16gemm", "fp8_w4a8"):
         if name in fns:
             y = fns[name](sets[0])[:rows]
             case["variants"][name]["rel_err_vs_exact"] = _rel(y, refs["fp8" if name == "fp8_w4a8" else "mxfp4"])
+    # the FP8 output mode writes the XLA re-encode's bytes, so the layer output is the same (all rows, every set)
+    for new, old, key in (("quant_fp8", "quant_xla_reencode", "quant_fp8_bytes_equal"),
+                          ("fp8_w4a4", "fp8_w4a4_xla", "fp8_w4a4_equal_to_xla_encode")):
+        if new in fns and old in fns:
+            case[key] = all(bool(jnp.array_equal(_bits(fns[new](s)), _bits(fns[old](s)))) for s in sets)
     if do_accuracy:
         case["accuracy_f32_out"] = accuracy(sets[0], xq0, rows)
     return case
@@ -297,7 +324,8 @@ def headline(result: dict) -> dict:
 
 
 def table(result: dict) -> str:
-    cols = ["bf16_xla", "dequant_layer", "fp8_w4a4", "fp8_w4a4_bf16gemm", "fp8_w4a8", "fp8_gemm_only"]
+    cols = ["bf16_xla", "dequant_layer", "fp8_w4a4", "fp8_w4a4_xla", "fp8_w4a4_bf16gemm", "fp8_w4a8", "fp8_gemm_only",
+            "quant_mxfp4", "quant_fp8", "quant_xla_reencode"]
     lines = ["| model | layer | m | n | k | " + " | ".join(f"{c} µs" for c in cols)
              + " | fp8_w4a4 / bf16 | quantizer µs (share of fp8_w4a4) | rel err dequant / w4a4 / w4a8 |",
              "| --- | --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in cols) + " | ---: | ---: | --- |"]
@@ -369,6 +397,9 @@ def main(argv=None):
             print(f"[{time.time() - t_start:6.1f} s] {model:12s} {layer:15s} m={m:5d} "
                   + " ".join(f"{nm}={v[nm]['us']:.1f}" for nm in v if "us" in v[nm])
                   + (f" ERROR {case['error'][:200]}" if "error" in case else ""), flush=True)
+            flags = {k: case[k] for k in ("quant_fp8_bytes_equal", "fp8_w4a4_equal_to_xla_encode") if k in case}
+            if flags:
+                print(f"    {flags}", flush=True)
             if "accuracy_f32_out" in case:
                 print(f"    accuracy (f32 out, rel err vs float64): {case['accuracy_f32_out']}", flush=True)
             save()

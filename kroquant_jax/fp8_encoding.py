@@ -73,6 +73,9 @@ E4M3_MIN_OFFSET = -8
 E4M3_SPAN = E4M3_TOP_OFFSET - E4M3_MIN_OFFSET
 _NO_BLOCK = -(2**20)  # "no nonzero block" sentinel for the max/min reductions
 _NAN_BYTE = 0x7F  # float8_e4m3fn NaN
+_F32_HALF_BITS = 0x3F000000  # 0.5
+_F32_2P14_BITS = 0x46800000  # 2**14
+_F32_2PM6_BITS = 0x3C800000  # 2**-6, E4M3's smallest normal
 _E2M1_FLOOR_LOG2 = np.array([127, -1, 0, 0, 1, 1, 2, 2], np.int32)  # magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6
 
 
@@ -190,7 +193,7 @@ def _check_order(order: str) -> None:
 
 
 def e4m3_bits(nibbles: jax.Array, scale_byte: jax.Array, e_ref: jax.Array) -> jax.Array:
-    """The E4M3 bit pattern of one MXFP4 element against its row's reference exponent (integer ops only).
+    """The E4M3 bit pattern of one MXFP4 element against its row's reference exponent (integer ops, one f32 add).
 
     Args (broadcast together, any shape, integer dtypes): ``nibbles``: the E2M1 code (low 4 bits); ``scale_byte``: its
     block's E8M0 byte; ``e_ref``: the row's reference exponent (:func:`reference_exponent`), with
@@ -204,24 +207,20 @@ def e4m3_bits(nibbles: jax.Array, scale_byte: jax.Array, e_ref: jax.Array) -> ja
     """
     nib = jnp.asarray(nibbles).astype(jnp.int32)
     byte = jnp.asarray(scale_byte).astype(jnp.int32)
-    e_ref = jnp.asarray(e_ref).astype(jnp.int32)
     mag_idx = nib & 7
-    e2, m1 = mag_idx >> 1, mag_idx & 1  # E2M1 exponent field and mantissa bit
-    sig = jnp.where(e2 > 0, 2 + m1, m1)  # |e2m1| = sig * 2**(max(e2, 1) - 2), sig in {0, 1, 2, 3}
-    big = (sig >= 2).astype(jnp.int32)
-    # the value in units of E4M3's subnormal step 2**-9: sig * 2**t
-    t = jnp.maximum(e2, 1) + (byte - F.E8M0_BIAS - e_ref) + 7
-    lead = t + big  # floor(log2) of the value in those units
-    normal = ((lead - 2) << 3) | jnp.where(sig == 3, 4, 0)  # E4M3 exponent field lead - 9 + 7, mantissa .100 or .000
-    n = jnp.clip(-t, 0, 8)  # bits shifted out below the subnormal step (sig < 4: 8 is as good as more)
-    kept = sig >> n
-    rest = sig & ((1 << n) - 1)
-    half = (1 << n) >> 1
-    up = (n > 0) & ((rest > half) | ((rest == half) & ((kept & 1) == 1)))  # round to nearest, ties to even
-    sub = jnp.where(t >= 0, sig << jnp.clip(t, 0, 7), kept + up.astype(jnp.int32))
-    mag = jnp.where(sig == 0, 0, jnp.where(lead >= 3, normal, sub))
+    # |e2m1| as f32 bits: 0, 0.5 (index 1), then (index << 22) + bits(0.5) = 1, 1.5, 2, 3, 4, 6
+    mag_bits = jnp.where(mag_idx < 2, mag_idx * _F32_HALF_BITS, (mag_idx << 22) + _F32_HALF_BITS)
+    # |e2m1| * 2**offset, a normal f32: offsets below -30 round every value to zero anyway (6 * 2**-30 < 2**-10)
+    offset = jnp.clip(byte - F.E8M0_BIAS - jnp.asarray(e_ref).astype(jnp.int32), -30, E4M3_TOP_OFFSET + 1)
+    v_bits = mag_bits + (offset << 23)
+    normal = (v_bits >> 20) - (120 << 3)  # E4M3 exponent field = f32's - 120; <= 2 significant bits: no rounding
+    # below 2**-6 (E4M3 subnormals): adding 2**14, whose f32 ulp is 2**-9, rounds to a multiple of 2**-9 (nearest,
+    # ties to even); the bits above 2**14's are that multiple
+    sub = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(v_bits, jnp.float32) + jnp.float32(2.0**14),
+                                       jnp.int32) - _F32_2P14_BITS
+    mag = jnp.where(mag_idx == 0, 0, jnp.where(v_bits >= _F32_2PM6_BITS, normal, sub))
     # formats.dequantize flushes values below 2**-126 (floor(log2 |e2m1|) + e_blk < -126) to +0
-    flushed = (sig != 0) & (jnp.maximum(e2, 1) - 2 + big + byte - F.E8M0_BIAS < -126)
+    flushed = (mag_idx != 0) & ((mag_bits >> 23) + byte < 2 * F.E8M0_BIAS - 126)
     bits = jnp.where(flushed, 0, mag | ((nib & 8) << 4))
     return jnp.where(byte == F.E8M0_NAN, _NAN_BYTE, bits)
 

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from kroquant_jax import formats as F
+from kroquant_jax import fp8_encoding as FE
 from kroquant_jax.formats import MXFP4, NVFP4, QuantFormat, ScaleMode
 
 __all__ = [
@@ -49,11 +50,16 @@ __all__ = [
     "e2m1_to_e4m3_bits",
     "e4m3_round",
     "is_nonfinite",
+    "max_live_byte",
+    "mx_block_bytes_pair",
+    "mx_block_bytes_tile",
     "mx_block_scale",
     "mx_decode_pair",
     "mx_quantize_pair",
     "mx_quantize_pair_lastaxis",
     "mx_quantize_tile",
+    "mx_quantize_tile_fp8",
+    "mx_quantize_pair_fp8",
     "nv_quantize_tile",
     "pack_pairs",
     "quantize_tile",
@@ -133,6 +139,17 @@ def e2m1_codes_fast(x: jax.Array, inv_scale: jax.Array) -> jax.Array:
     return idx | ((vb >> 28) & 8)
 
 
+def _mx_tile_codes(y: jax.Array, mode: ScaleMode) -> tuple[jax.Array, jax.Array]:
+    """``y float32 (R, w)`` -> (codes int32 ``(R, w)``, NaN blocks' codes zeroed; E8M0 bytes int32 ``(R, w/32)``)."""
+    r, w = y.shape
+    x = y.astype(jnp.float32).reshape(r, w // MX_BLOCK, MX_BLOCK)
+    abs_bits = jax.lax.bitcast_convert_type(x, jnp.int32) & _ABS_MASK
+    inv_scale, scale_byte = mx_block_scale(jnp.max(abs_bits, axis=-1), mode)  # (R, nb)
+    codes = e2m1_codes_fast(x, inv_scale[..., None])
+    codes = jnp.where((scale_byte == F.E8M0_NAN)[..., None], 0, codes)
+    return codes.reshape(r, w), scale_byte
+
+
 def mx_quantize_tile(y: jax.Array, mode: ScaleMode = ScaleMode.FLOOR) -> tuple[jax.Array, jax.Array]:
     """MXFP4 of a tile: ``y float32 (R, w)`` (``w % 32 == 0``) -> ``(packed uint8 (R, w/2), E8M0 uint8 (R, w/32))``.
 
@@ -140,13 +157,21 @@ def mx_quantize_tile(y: jax.Array, mode: ScaleMode = ScaleMode.FLOOR) -> tuple[j
     integer/f32 ops (the kernels are ALU-bound otherwise): the block max on the integer bits (non-finite blocks
     detected on the block, not per element), and :func:`e2m1_codes_fast`.
     """
-    r, w = y.shape
-    x = y.astype(jnp.float32).reshape(r, w // MX_BLOCK, MX_BLOCK)
-    abs_bits = jax.lax.bitcast_convert_type(x, jnp.int32) & _ABS_MASK
-    inv_scale, scale_byte = mx_block_scale(jnp.max(abs_bits, axis=-1), mode)  # (R, nb)
-    codes = e2m1_codes_fast(x, inv_scale[..., None])
-    codes = jnp.where((scale_byte == F.E8M0_NAN)[..., None], 0, codes)
-    return pack_pairs(codes.reshape(r, w)), scale_byte.astype(jnp.uint8)
+    codes, scale_byte = _mx_tile_codes(y, mode)
+    return pack_pairs(codes), scale_byte.astype(jnp.uint8)
+
+
+def _pair_codes(y_even: jax.Array, y_odd: jax.Array, mode: ScaleMode) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One 32-block per row as even/odd columns ``(R, 16)`` -> (even codes, odd codes int32 ``(R, 16)``, E8M0 byte
+    int32 ``(R, 1)``)."""
+    be = jax.lax.bitcast_convert_type(y_even, jnp.int32) & _ABS_MASK
+    bo = jax.lax.bitcast_convert_type(y_odd, jnp.int32) & _ABS_MASK
+    row_max = jnp.maximum(jnp.max(be, axis=1, keepdims=True), jnp.max(bo, axis=1, keepdims=True))  # (R, 1)
+    inv_scale, scale_byte = mx_block_scale(row_max, mode)
+    nan_block = scale_byte == F.E8M0_NAN
+    ce = jnp.where(nan_block, 0, e2m1_codes_fast(y_even, inv_scale))
+    co = jnp.where(nan_block, 0, e2m1_codes_fast(y_odd, inv_scale))
+    return ce, co, scale_byte
 
 
 def mx_quantize_pair(y_even: jax.Array, y_odd: jax.Array, mode: ScaleMode = ScaleMode.FLOOR
@@ -156,14 +181,71 @@ def mx_quantize_pair(y_even: jax.Array, y_odd: jax.Array, mode: ScaleMode = Scal
     Returns ``(packed uint8 (R, 16), E8M0 uint8 (R, 1))``; no reshape, so it runs in whatever register layout the
     tensor-core product left ``y_even``/``y_odd`` in (the Triton K1/K2 kernels' split product).
     """
+    ce, co, scale_byte = _pair_codes(y_even, y_odd, mode)
+    return (ce | (co << 4)).astype(jnp.uint8), scale_byte.astype(jnp.uint8)
+
+
+# FP8 output mode: the E4M3 re-encoding of the MXFP4 result against the row's reference exponent
+# (kroquant_jax.fp8_encoding: e4m3_bits, reference_exponent), written in the "even_odd" column order.
+
+
+def _block_bytes(abs_bits_max: jax.Array, mode: ScaleMode) -> jax.Array:
+    return mx_block_scale(abs_bits_max, mode)[1]
+
+
+def mx_block_bytes_tile(y: jax.Array, mode: ScaleMode = ScaleMode.FLOOR) -> jax.Array:
+    """The E8M0 bytes ``int32 (R, w/32)`` :func:`mx_quantize_tile` gives ``y float32 (R, w)`` (no codes)."""
+    r, w = y.shape
+    x = y.astype(jnp.float32).reshape(r, w // MX_BLOCK, MX_BLOCK)
+    return _block_bytes(jnp.max(jax.lax.bitcast_convert_type(x, jnp.int32) & _ABS_MASK, axis=-1), mode)
+
+
+def mx_block_bytes_pair(y_even: jax.Array, y_odd: jax.Array, mode: ScaleMode = ScaleMode.FLOOR) -> jax.Array:
+    """The E8M0 byte ``int32 (R, 1)`` :func:`mx_quantize_pair` gives one block (no codes)."""
     be = jax.lax.bitcast_convert_type(y_even, jnp.int32) & _ABS_MASK
     bo = jax.lax.bitcast_convert_type(y_odd, jnp.int32) & _ABS_MASK
-    row_max = jnp.maximum(jnp.max(be, axis=1, keepdims=True), jnp.max(bo, axis=1, keepdims=True))  # (R, 1)
-    inv_scale, scale_byte = mx_block_scale(row_max, mode)
-    nan_block = scale_byte == F.E8M0_NAN
-    ce = jnp.where(nan_block, 0, e2m1_codes_fast(y_even, inv_scale))
-    co = jnp.where(nan_block, 0, e2m1_codes_fast(y_odd, inv_scale))
-    return (ce | (co << 4)).astype(jnp.uint8), scale_byte.astype(jnp.uint8)
+    return _block_bytes(jnp.maximum(jnp.max(be, axis=1, keepdims=True), jnp.max(bo, axis=1, keepdims=True)), mode)
+
+
+def max_live_byte(scale_bytes: jax.Array) -> jax.Array:
+    """``int32 (R, 1)`` from E8M0 bytes ``(R, nb)``: the largest non-NaN byte, plus 256 if a block is NaN (what the
+    FP8 output mode's pre-pass records per row and column tile: the row's ``e_ref`` is
+    ``fp8_encoding.reference_exponent`` of the maximum over its tiles of the low 8 bits, its scale NaN if a tile has
+    bit 8 set)."""
+    b = scale_bytes.astype(jnp.int32)
+    nan = b == F.E8M0_NAN
+    live = jnp.max(jnp.where(nan, 0, b), axis=1, keepdims=True)
+    return live + 256 * jnp.max(nan.astype(jnp.int32), axis=1, keepdims=True)
+
+
+def _split_even_odd(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    r, w = v.shape
+    return jnp.unstack(v.reshape(r, w // 2, 2), axis=-1)
+
+
+def mx_quantize_tile_fp8(y: jax.Array, e_ref: jax.Array, mode: ScaleMode = ScaleMode.FLOOR
+                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """:func:`mx_quantize_tile` plus the E4M3 re-encoding: ``y float32 (R, w)``, ``e_ref int32 (R, 1)`` ->
+    ``(E4M3 bits of the even elements uint8 (R, w/2), of the odd elements uint8 (R, w/2), packed codes uint8
+    (R, w/2), E8M0 bytes uint8 (R, w/32))``; the bits are ``fp8_encoding.e4m3_bits`` of the codes."""
+    r, w = y.shape
+    codes, scale_byte = _mx_tile_codes(y, mode)
+    per_elem = jnp.broadcast_to(scale_byte[:, :, None], (r, w // MX_BLOCK, MX_BLOCK)).reshape(r, w)
+    ce, co = _split_even_odd(codes)
+    be, _ = _split_even_odd(per_elem)
+    lo = FE.e4m3_bits(ce, be, e_ref).astype(jnp.uint8)
+    hi = FE.e4m3_bits(co, be, e_ref).astype(jnp.uint8)
+    return lo, hi, (ce | (co << 4)).astype(jnp.uint8), scale_byte.astype(jnp.uint8)
+
+
+def mx_quantize_pair_fp8(y_even: jax.Array, y_odd: jax.Array, e_ref: jax.Array, mode: ScaleMode = ScaleMode.FLOOR
+                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """:func:`mx_quantize_pair` plus the E4M3 re-encoding: ``e_ref int32 (R, 1)`` -> ``(E4M3 bits of the even
+    elements uint8 (R, 16), of the odd ones uint8 (R, 16), packed codes uint8 (R, 16), E8M0 byte uint8 (R, 1))``."""
+    ce, co, scale_byte = _pair_codes(y_even, y_odd, mode)
+    lo = FE.e4m3_bits(ce, scale_byte, e_ref).astype(jnp.uint8)
+    hi = FE.e4m3_bits(co, scale_byte, e_ref).astype(jnp.uint8)
+    return lo, hi, (ce | (co << 4)).astype(jnp.uint8), scale_byte.astype(jnp.uint8)
 
 
 def mx_quantize_pair_lastaxis(y_even: jax.Array, y_odd: jax.Array, mode: ScaleMode = ScaleMode.FLOOR, *,

@@ -16,8 +16,10 @@ sums promoted to fp32 by the GEMM library) or fast mode, and ``k_split`` sums K 
 
 Weights are re-encoded once, at preparation (:func:`prepare_weight`): E4M3 bytes + one f32 per output row, ``o (d + 4)``
 bytes, against MXFP4's packed ``o d (1/2 + 1/32)`` (``weight_storage="mxfp4"`` keeps that and re-encodes per call, an
-XLA fusion). Activations: the fused transform + MXFP4 quantize kernel (``transform_quantize``), then the re-encode
-(XLA fusion). W4A8 (``act="fp8"``): ``x T`` in f32 (XLA) and per-token E4M3 (``amax / 448``), no MXFP4 step.
+XLA fusion). Activations: the fused transform + MXFP4 quantize kernel in its FP8 output mode
+(``transform_quantize.transform_quantize_fp8``: the quantizer writes the E4M3 bytes and the row powers of two itself,
+``act_encode="kernel"``), or the kernel's packed MXFP4 output re-encoded by an XLA fusion (``act_encode="xla"``); both
+give the GEMM the same bytes. W4A8 (``act="fp8"``): ``x T`` in f32 (XLA) and per-token E4M3 (``amax / 448``), no MXFP4 step.
 
 Out-of-range rows (span > 14 binades) are rounded to the nearest E4M3 value with a stated bound (see
 ``fp8_encoding``); ``return_inexact=True`` returns the number of affected elements beside the output.
@@ -44,6 +46,8 @@ from pallas_kernels.w4a4_gemm import dequantize_bf16
 __all__ = [
     "ACCUMULATIONS",
     "ACTIVATIONS",
+    "ACT_ENCODES",
+    "DEFAULT_ACT_ENCODE",
     "Fp8Linear",
     "Fp8Strategy",
     "Fp8W4A8Strategy",
@@ -64,6 +68,11 @@ Accumulation = Literal["default", "precise", "fast"]
 ACCUMULATIONS = ("default", "precise", "fast")
 #: ``"mxfp4"``: W4A4 (MXFP4 activations re-encoded in E4M3); ``"fp8"``: W4A8 (per-token E4M3 activations).
 ACTIVATIONS = ("mxfp4", "fp8")
+#: How W4A4 activations reach the FP8 GEMM: ``"kernel"``: the quantizer's FP8 output mode writes E4M3 + row powers of
+#: two (a pre-pass for the rows' reference exponents, then one quantizing pass); ``"xla"``: the quantizer writes packed
+#: MXFP4 and an XLA fusion re-encodes it (``fp8_encoding.mxfp4_to_e4m3``). The same bytes either way.
+ACT_ENCODES = ("kernel", "xla")
+DEFAULT_ACT_ENCODE = "kernel"
 Operand = Union[QuantizedArray, Fp8Rows]
 
 
@@ -209,7 +218,7 @@ def fp8_matmul_reference(a: Operand, w: Operand, *, lowrank: Optional[tuple] = N
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("transform", "weight", "right", "left", "bias"),
-                   meta_fields=("act", "swiglu_rows"))
+                   meta_fields=("act", "swiglu_rows", "act_encode"))
 @dataclasses.dataclass(frozen=True)
 class Fp8Linear:
     """A served W4A4 layer prepared for the FP8 GEMM (a pytree; stack it for ``lax.scan``).
@@ -222,6 +231,7 @@ class Fp8Linear:
       bias: ``(o,)`` f32 or None.
       act: ``"mxfp4"`` (W4A4) or ``"fp8"`` (W4A8) (static).
       swiglu_rows: rows in gate/up pairs (static).
+      act_encode: W4A4 only, one of :data:`ACT_ENCODES` (static).
     """
 
     transform: tq.PreparedTransform
@@ -231,6 +241,11 @@ class Fp8Linear:
     bias: Optional[jax.Array]
     act: str = "mxfp4"
     swiglu_rows: bool = False
+    act_encode: str = DEFAULT_ACT_ENCODE
+
+    def __post_init__(self):
+        if self.act_encode not in ACT_ENCODES:
+            raise ValueError(f"Fp8Linear: act_encode={self.act_encode!r} must be one of {ACT_ENCODES}")
 
     @property
     def in_features(self) -> int:
@@ -242,11 +257,15 @@ class Fp8Linear:
 
 
 def prepare_fp8_layer(served, *, act: Literal["mxfp4", "fp8"] = "mxfp4",
-                      weight_storage: Literal["e4m3", "mxfp4"] = "e4m3") -> Fp8Linear:
+                      weight_storage: Literal["e4m3", "mxfp4"] = "e4m3",
+                      act_encode: str = DEFAULT_ACT_ENCODE) -> Fp8Linear:
     """An :class:`Fp8Linear` from a served layer (``pallas_kernels.served.serve``'s result: ``transform``,
-    ``weight`` packed MXFP4, ``right``, ``left``, ``bias``, ``act_fmt``, ``swiglu_rows``), once, at load time."""
+    ``weight`` packed MXFP4, ``right``, ``left``, ``bias``, ``act_fmt``, ``swiglu_rows``), once, at load time.
+    ``act_encode``: see :data:`ACT_ENCODES`."""
     if act not in ACTIVATIONS:
         raise ValueError(f"prepare_fp8_layer: act={act!r} must be one of {ACTIVATIONS}")
+    if act_encode not in ACT_ENCODES:
+        raise ValueError(f"prepare_fp8_layer: act_encode={act_encode!r} must be one of {ACT_ENCODES}")
     wfmt = getattr(served.weight, "fmt", None)
     if not isinstance(wfmt, MXFP4) or (act == "mxfp4" and not isinstance(served.act_fmt, MXFP4)):
         raise TypeError(f"prepare_fp8_layer: layer ({served.out_features}, {served.in_features}) has weight format "
@@ -258,7 +277,8 @@ def prepare_fp8_layer(served, *, act: Literal["mxfp4", "fp8"] = "mxfp4",
     elif left is not None:
         left = jnp.asarray(left).astype(jnp.bfloat16)
     return Fp8Linear(transform=served.transform, weight=prepare_weight(served.weight, storage=weight_storage),
-                     right=served.right, left=left, bias=served.bias, act=act, swiglu_rows=bool(served.swiglu_rows))
+                     right=served.right, left=left, bias=served.bias, act=act, swiglu_rows=bool(served.swiglu_rows),
+                     act_encode=act_encode)
 
 
 def _swiglu_pairs(c: jax.Array) -> jax.Array:
@@ -278,10 +298,23 @@ def _check_op(layer: Fp8Linear, op: str, norm_weight, head_dim) -> None:
                          f"(head_dim,) = ({head_dim},), and head_dim must divide out_features={layer.out_features}")
 
 
-def _activations(layer: Fp8Linear, x2: jax.Array, impl: str, quant_blocks=None) -> Operand:
+def _activations(layer: Fp8Linear, x2: jax.Array, impl: str, quant_blocks=None, count: bool = False) -> Operand:
+    """The GEMM's activation operand: per-token E4M3 (W4A8), the quantizer's FP8 rows (``act_encode="kernel"``;
+    ``count``: with the out-of-range count, from the MXFP4 result the kernel also writes) or its packed MXFP4."""
     if layer.act == "fp8":
         xt = tq.reference_apply(x2.astype(jnp.float32), layer.transform)  # (m, d) f32, XLA
         return FE.per_token_e4m3(xt, order=operand_order(layer.weight))
+    if layer.act_encode == "kernel":
+        if operand_order(layer.weight) != "even_odd":
+            raise ValueError(f"fp8 linear ({layer.out_features}, {layer.in_features}): act_encode='kernel' writes the "
+                             f"activations in 'even_odd' K order, the weight is in {operand_order(layer.weight)!r}; "
+                             f"prepare the weight with order='even_odd' or use act_encode='xla'")
+        out = tq.transform_quantize_fp8(x2, layer.transform, MXFP4(), with_mxfp4=count, block_sizes=quant_blocks,
+                                        impl=impl, round_to_input=False)
+        if not count:
+            return out
+        rows, q = out
+        return dataclasses.replace(rows, inexact=FE.mxfp4_to_e4m3(q, count_inexact=True).inexact)
     return tq.transform_quantize(x2, layer.transform, MXFP4(), block_sizes=quant_blocks, impl=impl,
                                  round_to_input=False)
 
@@ -293,7 +326,8 @@ def fp8_linear_forward(layer: Fp8Linear, x: jax.Array, *, op: str = "none", norm
     """Eq. 11 on the FP8 tensor cores, then ``op``: ``x (..., d)`` -> ``(..., o)`` (``(..., o/2)`` for SwiGLU).
 
     W4A4: the fused transform + MXFP4 quantize kernel (``impl``: ``None`` = the kernel on a GPU, the reference
-    elsewhere; ``"pallas"``, ``"interpret"``, ``"reference"``), the E4M3 re-encode, ``h = x (R T^T)^T`` (bf16), the FP8
+    elsewhere; ``"pallas"``, ``"interpret"``, ``"reference"``) writing E4M3 itself or followed by the XLA re-encode
+    (``layer.act_encode``), ``h = x (R T^T)^T`` (bf16), the FP8
     GEMM with the epilogue of :func:`fp8_matmul` and the op as XLA ops on its f32 result (f32 math, one rounding to
     ``out_dtype`` at the end; the dequant strategy rounds its GEMM output to bf16 before the op). W4A8: ``x T`` in f32 and per-token E4M3 instead of the quantizer (``impl`` unused).
 
@@ -313,7 +347,7 @@ def fp8_linear_forward(layer: Fp8Linear, x: jax.Array, *, op: str = "none", norm
     x2 = x.reshape(-1, d)
     if x2.dtype not in (jnp.bfloat16, jnp.float16):
         x2 = x2.astype(jnp.bfloat16)
-    a = _activations(layer, x2, impl, quant_blocks)
+    a = _activations(layer, x2, impl, quant_blocks, count=return_inexact)
     lowrank = None
     if layer.left is not None:
         h = jnp.matmul(x2, layer.right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # (m, r)

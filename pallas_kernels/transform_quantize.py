@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kroquant_jax import formats as F
+from kroquant_jax import fp8_encoding as FE
 from kroquant_jax import transforms as T
 from kroquant_jax.formats import MXFP4, QuantFormat, QuantizedArray
 from kroquant_jax.transforms import kron_lu
@@ -72,6 +73,7 @@ __all__ = [
     "reference_transform_quantize",
     "transform_fake_quant",
     "transform_quantize",
+    "transform_quantize_fp8",
 ]
 
 KINDS = ("q4", "scale", "k1", "k2", "k2s", "fwht")
@@ -382,13 +384,14 @@ def _fwht_rows_axis(y: jax.Array) -> jax.Array:
 
 
 def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt, passes, amax_only, n_poison, round_y,
-            stage="quantize", interpret=False):
+            stage="quantize", interpret=False, emit="mxfp4", with_mxfp4=False):
     it = iter(refs)
     a_ref = next(it)
     inv_ref = next(it) if kind in ("scale", "k2s") else None
     k_ref = next(it) if kind == "k1" else None
     p_ref = next(it) if kind in ("k2", "k2s") else None
     ts_ref = next(it) if (fmt.has_tensor_scale and not amax_only) else None
+    er_ref = next(it) if emit == "fp8" else None
     for _ in range(n_poison):
         next(it)  # aliased output buffers (poison), never read
     out_refs = list(it)
@@ -419,6 +422,7 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt, passes, amax_only,
     # computed as its even and odd column halves and quantized as a pair (no reshape after the product).
     use_join = blockwise and chunk == 2 * BLOCK and not amax_only
     use_pair = (blockwise and not fmt.has_tensor_scale and not amax_only and stage == "quantize" and not use_join)
+    e_ref = load(er_ref, 1) if er_ref is not None else None  # (BR, 1) int32: the rows' reference exponents
 
     def block_matrix(b, parity=None):
         """The f32 ``(32, 32)`` block ``b`` (k1: loaded; k2/k2s: rebuilt), or its even/odd columns ``(32, 16)``."""
@@ -428,10 +432,39 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt, passes, amax_only,
         inv_col = inv_ref[pl.ds(b * BLOCK, BLOCK), :] if kind == "k2s" else None
         return _kron_block(lambda i: p_ref[b, i], inv_col, parity)
 
-    def store_codes(t, packed, scale_bytes):
-        q_ref, s_ref = out_refs
+    def store_codes(t, packed, scale_bytes, refs=None):
+        q_ref, s_ref = out_refs if refs is None else refs
         store(q_ref.at[:, pl.ds(t * (chunk // 2), chunk // 2)], packed)
         store(s_ref.at[:, pl.ds(t * (chunk // block), chunk // block)], scale_bytes)
+
+    def store_fp8(t, lo, hi, packed, scale_bytes):
+        """E4M3 bits of the chunk's even / odd elements into rows ``[:, 0]`` / ``[:, 1]`` of the ``(m, 2, d/2)``
+        output (the "even_odd" column order once reshaped to ``(m, d)``), and the MXFP4 result when asked."""
+        e8_ref = out_refs[0]
+        store(e8_ref.at[:, jnp.int32(0), pl.ds(t * (chunk // 2), chunk // 2)], lo)
+        store(e8_ref.at[:, jnp.int32(1), pl.ds(t * (chunk // 2), chunk // 2)], hi)
+        if with_mxfp4:
+            store_codes(t, packed, scale_bytes, refs=out_refs[1:])
+
+    def emit_tile(t, y):
+        """Quantize a ``(BR, chunk)`` tile of ``A T`` and store it in the output mode (or return its row maximum of
+        live block bytes: the FP8 mode's pre-pass)."""
+        if emit == "max_byte":
+            return fp4_tile.max_live_byte(fp4_tile.mx_block_bytes_tile(y, fmt.scale_mode))
+        if emit == "fp8":
+            store_fp8(t, *fp4_tile.mx_quantize_tile_fp8(y, e_ref, fmt.scale_mode))
+            return None
+        store_codes(t, *fp4_tile.mx_quantize_tile(y, fmt.scale_mode))
+        return None
+
+    def emit_pair(t, y_even, y_odd):
+        if emit == "max_byte":
+            return fp4_tile.max_live_byte(fp4_tile.mx_block_bytes_pair(y_even, y_odd, fmt.scale_mode))
+        if emit == "fp8":
+            store_fp8(t, *fp4_tile.mx_quantize_pair_fp8(y_even, y_odd, e_ref, fmt.scale_mode))
+            return None
+        store_codes(t, *fp4_tile.mx_quantize_pair(y_even, y_odd, fmt.scale_mode))
+        return None
 
     def process(t):
         """Chunk ``t`` of the tile: transform, quantize, store (or return the row maxima, ``amax_only``)."""
@@ -448,8 +481,7 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt, passes, amax_only,
             if stage == "transform":
                 store(out_refs[0].at[:, pl.ds(t * chunk, chunk)], y.astype(dtype))
                 return None
-            store_codes(t, *fp4_tile.mx_quantize_tile(y, fmt.scale_mode))
-            return None
+            return emit_tile(t, y)
         x = load(a_ref.at[:, pl.ds(t * chunk, chunk)], chunk)
         if use_pair:
             y_even = _dot_split(x, block_matrix(t, 0), passes)
@@ -457,8 +489,7 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt, passes, amax_only,
             if round_y:
                 y_even = y_even.astype(dtype).astype(jnp.float32)
                 y_odd = y_odd.astype(dtype).astype(jnp.float32)
-            store_codes(t, *fp4_tile.mx_quantize_pair(y_even, y_odd, fmt.scale_mode))
-            return None
+            return emit_pair(t, y_even, y_odd)
         if kind == "q4":
             y = x.astype(jnp.float32)
         elif kind == "scale":
@@ -477,19 +508,22 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt, passes, amax_only,
         if amax_only:
             yf = F.flush_subnormals(y)
             return jnp.max(jnp.abs(jnp.where(fp4_tile.is_nonfinite(yf), 0.0, yf)), axis=1, keepdims=True)
+        if emit != "mxfp4":
+            return emit_tile(t, y)
         store_codes(t, *fp4_tile.quantize_tile(fmt, y, tensor_scales, divide=exact_div))
         return None
 
-    if not amax_only and n_chunks > 1:
+    reduce_rows = amax_only or emit == "max_byte"
+    if not reduce_rows and n_chunks > 1:
         # A scf.for over the column chunks: Triton's software pipeliner can prefetch the next chunk's tile.
         jax.lax.fori_loop(0, n_chunks, lambda t, carry: (process(t), carry)[1], jnp.int32(0))
         return
     running_max = None
     for t in range(n_chunks):
         tile_max = process(t)
-        if amax_only:
+        if reduce_rows:
             running_max = tile_max if running_max is None else jnp.maximum(running_max, tile_max)
-    if amax_only:
+    if reduce_rows:
         store(out_refs[0].at[...], running_max)
 
 
@@ -512,15 +546,24 @@ def _check_kernel_inputs(a: jax.Array, t: PreparedTransform, fmt: QuantFormat) -
 
 
 def _pallas_call(a: jax.Array, t: PreparedTransform, fmt: QuantFormat, ts_pair: Optional[jax.Array],
-                 bs: BlockSizes, interpret: bool, poison: Optional[tuple[jax.Array, jax.Array]] = None,
-                 amax_only: bool = False, round_y: bool = True, stage: str = "quantize"):
+                 bs: BlockSizes, interpret: bool, poison: Optional[tuple] = None,
+                 amax_only: bool = False, round_y: bool = True, stage: str = "quantize", emit: str = "mxfp4",
+                 e_ref: Optional[jax.Array] = None, with_mxfp4: bool = False):
     """The kernel on ``A (m, d)``: ``(codes (m, d/2), scale bytes (m, d/block))`` or, with ``amax_only``, the f32
     row maxima of ``|A T|`` per column tile ``(m, d/BD)`` (for NVFP4's tensor scale).
 
     ``stage``: ``"quantize"`` (the kernel) or one of :data:`PROFILE_STAGES` (see :func:`kernel_stage`), which
-    return ``[out (m, d)]``."""
+    return ``[out (m, d)]``. ``emit`` (MXFP4 only): ``"mxfp4"`` (the codes and scales above), ``"max_byte"``
+    (``int32 (m, d/BD)``: per row and column tile, the largest non-NaN E8M0 byte the quantizer gives, plus 256 if a
+    block is NaN; the FP8 mode's pre-pass) or ``"fp8"`` (``uint8 (m, 2, d/2)``: the E4M3 bits of the even and odd
+    elements against ``e_ref int32 (m, 1)``, then, with ``with_mxfp4``, the codes and scales)."""
     if stage != "quantize" and stage not in PROFILE_STAGES:
         raise ValueError(f"stage={stage!r} must be 'quantize', 'transform' or 'copy'")
+    if emit not in ("mxfp4", "max_byte", "fp8") or (emit != "mxfp4" and (fmt.has_tensor_scale or amax_only
+                                                                          or stage != "quantize")):
+        raise ValueError(f"emit={emit!r} must be 'mxfp4', or 'max_byte' / 'fp8' for an MXFP4 quantizing kernel")
+    if (emit == "fp8") != (e_ref is not None):
+        raise ValueError("emit='fp8' takes the rows' reference exponents e_ref (m, 1), and only it")
     m, d = a.shape
     kind = t.kind
     block = fmt.block_size
@@ -552,31 +595,45 @@ def _pallas_call(a: jax.Array, t: PreparedTransform, fmt: QuantFormat, ts_pair: 
     if fmt.has_tensor_scale and not amax_only:
         args.append(ts_pair.astype(jnp.float32).reshape(1, 2))
         in_specs.append(pl.BlockSpec((1, 2), lambda i, j: (0, 0)))
-    if amax_only:
+    if emit == "fp8":
+        args.append(e_ref.astype(jnp.int32).reshape(m, 1))
+        in_specs.append(pl.BlockSpec((br, 1), lambda i, j: (i, 0)))
+    codes_specs = [pl.BlockSpec((br, bd // 2), lambda i, j: (i, j)),
+                   pl.BlockSpec((br, bd // block), lambda i, j: (i, j))]
+    codes_shapes = [jax.ShapeDtypeStruct((m, d // 2), jnp.uint8), jax.ShapeDtypeStruct((m, d // block), jnp.uint8)]
+    if emit == "max_byte":
+        out_shape = [jax.ShapeDtypeStruct((m, grid[1]), jnp.int32)]
+        out_specs = [pl.BlockSpec((br, 1), lambda i, j: (i, j))]
+    elif emit == "fp8":
+        out_shape = [jax.ShapeDtypeStruct((m, 2, d // 2), jnp.uint8)] + (codes_shapes if with_mxfp4 else [])
+        out_specs = [pl.BlockSpec((br, 2, bd // 2), lambda i, j: (i, 0, j))] + (codes_specs if with_mxfp4 else [])
+    elif amax_only:
         out_shape = [jax.ShapeDtypeStruct((m, grid[1]), jnp.float32)]
         out_specs = [pl.BlockSpec((br, 1), lambda i, j: (i, j))]
     elif stage != "quantize":
         out_shape = [jax.ShapeDtypeStruct((m, d), a.dtype)]
         out_specs = [pl.BlockSpec((br, bd), lambda i, j: (i, j))]
     else:
-        out_shape = [jax.ShapeDtypeStruct((m, d // 2), jnp.uint8), jax.ShapeDtypeStruct((m, d // block), jnp.uint8)]
-        out_specs = [pl.BlockSpec((br, bd // 2), lambda i, j: (i, j)),
-                     pl.BlockSpec((br, bd // block), lambda i, j: (i, j))]
+        out_shape, out_specs = codes_shapes, codes_specs
     aliases = {}
     n_poison = 0
-    if poison is not None and not amax_only and stage == "quantize":
-        n_poison = 2
-        aliases = {len(args): 0, len(args) + 1: 1}
+    if poison is not None and not amax_only and stage == "quantize" and emit != "max_byte":
+        if len(poison) != len(out_shape):
+            raise ValueError(f"poison_outputs: {len(poison)} arrays for the kernel's {len(out_shape)} outputs")
+        n_poison = len(poison)
+        aliases = {len(args) + k: k for k in range(n_poison)}
         args.extend(poison)
         in_specs.extend(out_specs)
     kernel = functools.partial(
         _kernel, kind=kind, m=m, block_rows=br, chunk=chunk, n_chunks=bd // chunk, fmt=fmt, passes=bs.dot_passes,
-        amax_only=amax_only, n_poison=n_poison, round_y=round_y, stage=stage, interpret=interpret)
+        amax_only=amax_only, n_poison=n_poison, round_y=round_y, stage=stage, interpret=interpret, emit=emit,
+        with_mxfp4=with_mxfp4)
     call = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
         input_output_aliases=aliases, interpret=interpret,
         compiler_params=None if interpret else triton_compiler_params(warps, bs.num_stages),
-        name=f"tq_{kind}_{fmt.name}{'_amax' if amax_only else ''}{'' if stage == 'quantize' else '_' + stage}")
+        name=f"tq_{kind}_{fmt.name}{'_amax' if amax_only else ''}{'' if stage == 'quantize' else '_' + stage}"
+             f"{'' if emit == 'mxfp4' else '_' + emit}")
     return call(*args)
 
 
@@ -694,6 +751,67 @@ def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), 
     if scales.dtype != fmt.scale_dtype:  # the kernel writes bytes
         scales = jax.lax.bitcast_convert_type(scales, fmt.scale_dtype)
     return QuantizedArray(codes=codes, scales=scales, tensor_scale=ts, fmt=fmt, dtype=np.dtype(a.dtype))
+
+
+def transform_quantize_fp8(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), *, with_mxfp4: bool = False,
+                           block_sizes: Optional[BlockSizes] = None, impl: Optional[str] = None,
+                           round_to_input: bool = True, poison_outputs: Optional[tuple] = None):
+    """``quantize(A T)`` written as FP8 rows: the kernel's FP8 output mode (the quantizer emits E4M3).
+
+    The result is bit for bit ``fp8_encoding.mxfp4_to_e4m3(transform_quantize(a, ...), order="even_odd",
+    count_inexact=False)``: per row one power of two ``2**e_ref`` with the row's largest block at offset +6, and the
+    E4M3 bytes of every MXFP4 value against it (``fp8_encoding.e4m3_bits``: exact where the row's block exponents span
+    <= 14 binades, the out-of-range policy otherwise; NaN blocks as E4M3 NaN and a NaN row scale).
+
+    ``e_ref`` needs the largest block of the whole row before the first byte is written, and a program of the kernel
+    sees a ``(BR, BD)`` tile (the tilings measured fastest keep ``BD`` at 32-256 columns: full-row programs leave the
+    GPU with ``m / BR`` programs, too few at m = 512). So it runs in two launches: a **pre-pass** (the same kernel
+    and tiling with ``emit="max_byte"``: the same transform and block maxima, no codes, no stores but one int32 per
+    row and tile) gives each row's largest block byte, ``fp8_encoding.reference_exponent`` turns it into ``e_ref``
+    (an XLA reduction over ``(m, d/BD)``), and the quantizing pass writes the E4M3 bytes (and, with ``with_mxfp4``,
+    the packed codes and scales) in one pass over ``A``. Both launches compute ``A T`` with the same traced code, so
+    the pre-pass bytes are the quantizer's.
+
+    Args:
+      a, transform, fmt, block_sizes, impl, round_to_input, poison_outputs: as :func:`transform_quantize` (``fmt``
+        MXFP4 only; ``poison_outputs``: ``(e4m3 bytes uint8 (m, 2, d/2)[, codes, scales])``, kernel paths).
+      with_mxfp4: also return the MXFP4 result.
+
+    Returns:
+      ``fp8_encoding.Fp8Rows`` (values ``float8_e4m3fn (..., d)`` in ``"even_odd"`` column order, scale ``(...)``,
+      ``inexact = -1``: not counted), and with ``with_mxfp4`` the ``QuantizedArray`` beside it.
+    """
+    F._check_dtype(a, "transform_quantize_fp8")
+    if not isinstance(fmt, MXFP4):
+        raise TypeError(f"transform_quantize_fp8: needs MXFP4, got {fmt!r} (NVFP4 values e2m1 * e4m3 are not exact "
+                        f"in E4M3)")
+    impl = _resolve_impl(a, impl)
+    a = jax.lax.stop_gradient(a)
+    lead, d = a.shape[:-1], a.shape[-1]
+    a2 = a.reshape(-1, d)
+    if impl == "reference" or a2.shape[0] == 0:
+        q = reference_transform_quantize(a, transform, fmt, round_to_input=round_to_input)
+        rows = FE.mxfp4_to_e4m3(q, order="even_odd", count_inexact=False)
+        return (rows, q) if with_mxfp4 else rows
+    _check_kernel_inputs(a2, transform, fmt)
+    m = a2.shape[0]
+    bs = block_sizes or default_block_sizes(transform.kind, m, d, a2.dtype)
+    interpret = impl == "interpret"
+    (tile_max,) = _pallas_call(a2, transform, fmt, None, bs, interpret, round_y=round_to_input, emit="max_byte")
+    e_ref = FE.reference_exponent(jnp.max(tile_max & 255, axis=1))  # (m,) from the largest live byte of the row
+    nan_row = jnp.max(tile_max >> 8, axis=1) > 0
+    outs = _pallas_call(a2, transform, fmt, None, bs, interpret, poison=poison_outputs, round_y=round_to_input,
+                        emit="fp8", e_ref=e_ref[:, None], with_mxfp4=with_mxfp4)
+    values = jax.lax.bitcast_convert_type(outs[0].reshape(*lead, d), jnp.float8_e4m3fn)
+    scale = jnp.where(nan_row, jnp.nan, F.pow2(e_ref)).reshape(lead)
+    rows = FE.Fp8Rows(values=values, scale=scale, inexact=jnp.int32(-1), order="even_odd")
+    if not with_mxfp4:
+        return rows
+    codes, scales = outs[1].reshape(*lead, d // 2), outs[2].reshape(*lead, d // fmt.block_size)
+    if scales.dtype != fmt.scale_dtype:  # the kernel writes bytes
+        scales = jax.lax.bitcast_convert_type(scales, fmt.scale_dtype)
+    q = QuantizedArray(codes=codes, scales=scales, tensor_scale=jnp.float32(1.0), fmt=fmt, dtype=np.dtype(a.dtype))
+    return rows, q
 
 
 def kernel_stage(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), *, stage: str,

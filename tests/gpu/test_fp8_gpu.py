@@ -98,3 +98,68 @@ def test_layer_with_quantizer_kernel_on_gpu():
         print(f"\n[fp8 layer {act}] rel err vs float64 {rel:.2e}, inexact {int(inexact)}")
         assert rel < 1e-3 and int(inexact) == 0
         assert int(jnp.max(FE.row_spans(qw))) <= FE.E4M3_SPAN
+
+
+def _span_rows(key, m, d):
+    """Random bf16 activations with outlier channels, rows scaled by powers of two on whole 32-column blocks (rows
+    spanning > 14 binades, tiny blocks), zero rows and a NaN."""
+    x = jax.random.normal(key, (m, d)) * jnp.where(jnp.arange(d) % 97 == 0, 20.0, 1.0)
+    e = jax.random.randint(jax.random.fold_in(key, 1), (m, d // 32), -5, 6)
+    e = e.at[1::9, 0].set(20).at[1::9, -1].set(-20).at[4::13, 2].set(-30)
+    x = x * jnp.repeat(2.0 ** e.astype(jnp.float32), 32, axis=1)
+    return x.at[2].set(0.0).at[7, 40].set(jnp.nan).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("kind,m,d", [("q4", 1000, 4608), ("scale", 333, 1024), ("k1", 1000, 4608),
+                                      ("k1", 8200, 4096), ("k2", 1000, 4608), ("k2s", 77, 512), ("fwht", 300, 4096)])
+def test_quantizer_fp8_output_bit_exact_on_gpu(kind, m, d):
+    """The kernel's FP8 output mode on the GPU: the bytes, row scales, codes and scales are those of the MXFP4 kernel
+    re-encoded by fp8_encoding (k1 at m = 8200, d = 4096: the 256-column pipelined tiling of large grids)."""
+    key = jax.random.PRNGKey(m * 7 + d + len(kind))
+    x = _span_rows(key, m, d)
+    if kind == "q4":
+        t = TQ.PreparedTransform.identity(d)
+    elif kind == "scale":
+        t = TQ.PreparedTransform.from_inv_scale(jnp.exp(0.3 * jax.random.normal(key, (d,))))
+    elif kind == "fwht":
+        t = TQ.PreparedTransform.fwht(d)
+    else:
+        params = jax.tree.map(lambda v: v * (1.0 + 0.1 * jax.random.normal(key, v.shape)), T.get("kron_lu").init(d))
+        t = TQ.prepare("kron_lu", params, d=d, kernel="k1" if kind == "k1" else None)
+        if kind == "k2s":
+            t = TQ.PreparedTransform.from_kron_params(t.kron_params(), jnp.exp(0.3 * jax.random.normal(key, (d,))))
+    assert t.kind == kind
+    q = TQ.transform_quantize(x, t, MXFP4(), round_to_input=False)
+    want = FE.mxfp4_to_e4m3(q, order="even_odd", count_inexact=False)
+    poison = (jnp.full((m, 2, d // 2), 0xA5, jnp.uint8), jnp.full((m, d // 2), 0xA5, jnp.uint8),
+              jnp.full((m, d // 32), 0xA5, jnp.uint8))
+    rows, q8 = jax.jit(lambda v, p: TQ.transform_quantize_fp8(v, t, MXFP4(), with_mxfp4=True, round_to_input=False,
+                                                              poison_outputs=p))(x, poison)
+    bits = lambda v: np.asarray(jax.lax.bitcast_convert_type(v, jnp.uint8))  # noqa: E731
+    np.testing.assert_array_equal(bits(rows.values), bits(want.values))
+    np.testing.assert_array_equal(np.asarray(rows.scale), np.asarray(want.scale))
+    np.testing.assert_array_equal(np.asarray(q8.codes), np.asarray(q.codes))
+    np.testing.assert_array_equal(np.asarray(q8.scales), np.asarray(q.scales))
+    only = TQ.transform_quantize_fp8(x, t, MXFP4(), round_to_input=False)
+    np.testing.assert_array_equal(bits(only.values), bits(want.values))
+    spans = np.asarray(FE.row_spans(q))
+    print(f"\n[fp8 mode {kind} {m}x{d}] rows out of range {(spans > FE.E4M3_SPAN).sum()} of {m}, "
+          f"inexact {int(FE.mxfp4_to_e4m3(q).inexact)}")
+
+
+def test_layer_act_encode_kernel_equals_xla_on_gpu():
+    m, n, k, r = 300, 512, 1024, 32
+    kx, kw, kl, kr, kt = jax.random.split(jax.random.PRNGKey(4), 5)
+    x = _span_rows(kx, m, k)
+    params = jax.tree.map(lambda v: v * (1.0 + 0.1 * jax.random.normal(kt, v.shape)), T.get("kron_lu").init(k))
+    transform = TQ.prepare("kron_lu", params, d=k)
+    qw = F.quantize(jax.random.normal(kw, (n, k)) / np.sqrt(k), MXFP4())
+    left = (jax.random.normal(kl, (n, r)) * 0.05).astype(jnp.bfloat16)
+    right = (jax.random.normal(kr, (r, k)) * 0.05).astype(jnp.bfloat16)
+    ys = {}
+    for enc in G8.ACT_ENCODES:
+        layer = G8.Fp8Linear(transform, G8.prepare_weight(qw), right, left, None, act_encode=enc)
+        ys[enc] = jax.jit(lambda lay, v: G8.fp8_linear_forward(lay, v, return_inexact=True))(layer, x)
+    np.testing.assert_array_equal(np.asarray(ys["kernel"][0].astype(jnp.float32)),
+                                  np.asarray(ys["xla"][0].astype(jnp.float32)))
+    assert int(ys["kernel"][1]) == int(ys["xla"][1]) > 0

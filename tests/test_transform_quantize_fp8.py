@@ -1,0 +1,121 @@
+"""CPU tests of the quantizer kernels' FP8 output mode (``transform_quantize.transform_quantize_fp8``), interpret mode.
+
+The kernel writes the E4M3 re-encoding of its own MXFP4 result: every byte, the row scales and (``with_mxfp4``) the
+codes and scales are compared bit for bit with ``fp8_encoding.mxfp4_to_e4m3`` of ``transform_quantize``'s output, on
+rows in range, rows whose block exponents span more than 14 binades (the out-of-range policy), zero rows, rows with
+a NaN block, and a ragged last row tile, for every kernel kind and the tilings the defaults pick.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kroquant_jax import fp8_encoding as FE
+from kroquant_jax.formats import MXFP4, NVFP4, ScaleMode
+from pallas_kernels import transform_quantize as tq
+from tq_cases import exact_activations, exact_transform
+
+SMALL = tq.BlockSizes(block_rows=16, block_cols=128)
+
+
+def _rows_with_spans(key, m, d, dtype, nan=True):
+    """Exact activations with per-row powers of two on whole 32-column blocks (the transforms act per block, so the
+    data stay exact): rows in range, rows spanning 20+ binades, zero rows and (``nan``) a row with a NaN."""
+    a = exact_activations(key, m, d, jnp.float32)
+    nb = d // 32
+    e = jax.random.randint(jax.random.fold_in(key, 1), (m, nb), -6, 7)  # spans <= 12 + transform growth
+    e = e.at[1::5, 0].set(18).at[1::5, nb - 1].set(-12)  # 30 binades: out of range
+    e = e.at[3::7, 1].set(-24)  # a tiny block beside normal ones
+    a = a * jnp.repeat(2.0 ** e.astype(jnp.float32), 32, axis=1)
+    a = a.at[2].set(0.0).at[m - 1].set(0.0)
+    if nan:
+        a = a.at[4, 5].set(jnp.nan)
+    return a.astype(dtype)
+
+
+def _bits(v):
+    return np.asarray(jax.lax.bitcast_convert_type(v, jnp.uint8))
+
+
+def _assert_rows_equal(got: FE.Fp8Rows, want: FE.Fp8Rows):
+    assert got.order == want.order == "even_odd" and got.values.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(_bits(got.values), _bits(want.values))
+    np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(want.scale))  # NaN == NaN here
+
+
+def _check(a, t, bs, fmt=MXFP4(), round_to_input=False):
+    m, d = a.shape
+    q = tq.transform_quantize(a, t, fmt, block_sizes=bs, impl="interpret", round_to_input=round_to_input)
+    want = FE.mxfp4_to_e4m3(q, order="even_odd", count_inexact=False)
+    # two poisoned starts of the E4M3 output (0xA5 with the MXFP4 outputs, 0x00 without): every byte is written
+    poison = (jnp.full((m, 2, d // 2), 0xA5, jnp.uint8), jnp.full((m, d // 2), 0xA5, jnp.uint8),
+              jnp.full((m, d // 32), 0xA5, jnp.uint8))
+    rows, q8 = tq.transform_quantize_fp8(a, t, fmt, with_mxfp4=True, block_sizes=bs, impl="interpret",
+                                         round_to_input=round_to_input, poison_outputs=poison)
+    _assert_rows_equal(rows, want)
+    np.testing.assert_array_equal(np.asarray(q8.codes), np.asarray(q.codes))
+    np.testing.assert_array_equal(np.asarray(q8.scales), np.asarray(q.scales))
+    only = tq.transform_quantize_fp8(a, t, fmt, block_sizes=bs, impl="interpret", round_to_input=round_to_input,
+                                     poison_outputs=(jnp.zeros((m, 2, d // 2), jnp.uint8),))
+    _assert_rows_equal(only, want)
+    assert int(only.inexact) == -1
+    return q, want
+
+
+@pytest.mark.parametrize("kind", tq.KINDS)
+def test_every_kind_bit_exact_against_the_reencoding(kind):
+    m, d = 21, 256  # ragged last 16-row tile, two 128-column tiles; K1: two 64-column joined chunks, K2: pairs
+    a = _rows_with_spans(jax.random.key(1), m, d, jnp.bfloat16)
+    t = exact_transform(kind, d, jax.random.key(2))
+    q, want = _check(a, t, SMALL)
+    if kind != "fwht":  # the full-width Hadamard mixes every block of the row: all spans are small
+        spans = np.asarray(FE.row_spans(q))
+        assert spans.max() > FE.E4M3_SPAN and (spans <= FE.E4M3_SPAN).sum() > m // 2  # both kinds of rows
+        assert int(FE.mxfp4_to_e4m3(q).inexact) > 0  # the out-of-range policy rounded something
+    assert np.isnan(np.asarray(want.scale)[4]) and np.isfinite(np.asarray(want.scale)[[0, 1, 2, 3, 5]]).all()
+    assert np.all(np.asarray(want.values[2].astype(jnp.float32)) == 0)  # a zero row
+        # and the same as re-encoding the jnp reference (exact data: the kernel's codes are the reference's; the
+        # FWHT's f32 butterflies over rows of mixed binades are not exact)
+        ref = FE.mxfp4_to_e4m3(tq.reference_transform_quantize(a, t, round_to_input=False),
+                               order="even_odd", count_inexact=False)
+        _assert_rows_equal(want, ref)
+
+
+@pytest.mark.parametrize("kind,m,d", [("k2", 70, 96), ("k1", 40, 512), ("scale", 40, 160)])
+def test_default_tilings_and_fp16(kind, m, d):
+    """The tilings ``default_block_sizes`` picks: K2 one block per program (d = 32 * 3), K1's large-grid tiling (256
+    columns walked two blocks at a time by the pipelined loop), Scale whole tiles; fp16 input, rounding A T to it,
+    EVEN scales."""
+    a = _rows_with_spans(jax.random.key(3), m, d, jnp.float16, nan=False)
+    t = exact_transform(kind, d, jax.random.key(4))
+    bs = tq.default_block_sizes(kind, m, d, jnp.float16)
+    if kind == "k1":  # the tiling default_block_sizes picks at >= 512 programs, with 16-row tiles
+        big = tq.default_block_sizes(kind, 64 * 512, d, jnp.float16)
+        assert big.block_cols == 256 and big.num_stages > 1
+        bs = tq.BlockSizes(block_rows=16, block_cols=256, num_warps=4, num_stages=3, dot_passes=big.dot_passes)
+    _check(a, t, bs, MXFP4(scale_mode=ScaleMode.EVEN), round_to_input=True)
+
+
+def test_general_data_same_bytes_as_the_kernels_mxfp4():
+    """Random (not exact) data with a learned K2 transform: the FP8 bytes re-encode the kernel's own codes."""
+    m, d = 48, 128
+    x = jax.random.normal(jax.random.key(5), (m, d)) * jnp.where(jnp.arange(d) % 37 == 0, 40.0, 1.0)
+    params = jax.tree.map(lambda v: v * (1 + 0.2 * jax.random.normal(jax.random.key(6), v.shape)),
+                          tq.T.KRON_LU.init(d))
+    _check(x.astype(jnp.bfloat16), tq.prepare("kron_lu", params), SMALL)
+
+
+def test_reference_path_leading_dims_and_errors():
+    a = _rows_with_spans(jax.random.key(7), 12, 64, jnp.bfloat16).reshape(3, 4, 64)
+    t = exact_transform("k2", 64, jax.random.key(8))
+    rows = tq.transform_quantize_fp8(a, t)  # CPU: the reference
+    assert rows.values.shape == (3, 4, 64) and rows.scale.shape == (3, 4)
+    kern = tq.transform_quantize_fp8(a, t, impl="interpret", block_sizes=SMALL)
+    assert kern.values.shape == (3, 4, 64) and kern.scale.shape == (3, 4)
+    _assert_rows_equal(kern, rows)
+    with pytest.raises(TypeError, match="MXFP4"):
+        tq.transform_quantize_fp8(a, t, NVFP4())
+    with pytest.raises(ValueError, match="poison"):
+        tq.transform_quantize_fp8(a, t, impl="interpret", poison_outputs=(jnp.zeros((12, 2, 32), jnp.uint8),),
+                                  with_mxfp4=True)
