@@ -13,9 +13,12 @@ transform near the Hadamard init:
   weight re-encoded once beforehand. ``fp8_w4a4_xla``: the same with the quantizer writing packed MXFP4 and an XLA
   fusion re-encoding it (``act_encode="xla"``, the path before the FP8 output mode); ``fp8_w4a4_bf16gemm``: the FP8
   GEMM writes bf16 (half the bytes, one more rounding).
-* ``quant_mxfp4`` / ``quant_fp8`` / ``quant_xla_reencode``: the activation side alone: the quantize kernel (packed
-  MXFP4), its FP8 output mode (pre-pass + quantizing pass), the kernel + XLA re-encode (the bytes of the last two are
-  compared: ``quant_fp8_bytes_equal``).
+  ``fp8_w4a4_two_phase``: the quantizer writes packed MXFP4, one Pallas kernel re-encodes it
+  (``act_encode="two_phase"``).
+* ``quant_mxfp4`` / ``quant_fp8`` / ``quant_two_phase`` / ``quant_xla_reencode``: the activation side alone: the
+  quantize kernel (packed MXFP4), its FP8 output mode (pre-pass + quantizing pass), the kernel + the Pallas re-encode,
+  the kernel + the XLA re-encode (bytes compared with the last: ``quant_*_bytes_equal``; the layer outputs:
+  ``fp8_w4a4*_equal_to_xla_encode``).
 * ``fp8_w4a4_precise``: the same with ``accumulation="precise"`` (partial sums promoted to fp32; GPU only).
 * ``fp8_w4a8``: ``x T`` in f32 (XLA) and per-token E4M3 activations, the same FP8 GEMM and epilogue.
 * ``fp8_gemm_only``: the FP8 GEMM alone on E4M3 operands, bf16 output: the floor of the FP8 strategies.
@@ -186,8 +189,8 @@ def variants(impl: str) -> dict:
         return G8.fp8_linear_forward(G8.Fp8Linear(layer.transform, layer.weight, layer.right, layer.left, None,
                                                   act="fp8"), s["x"], impl=impl)
 
-    def fp8_xla(s):
-        return G8.fp8_linear_forward(dataclasses.replace(s["layer8"], act_encode="xla"), s["x"], impl=impl)
+    def fp8_enc(s, enc):
+        return G8.fp8_linear_forward(dataclasses.replace(s["layer8"], act_encode=enc), s["x"], impl=impl)
 
     def quant_fp8(s):
         return TQ.transform_quantize_fp8(s["x"], s["transform"], MXFP4(), impl=impl, round_to_input=False).values
@@ -196,9 +199,11 @@ def variants(impl: str) -> dict:
         "bf16_xla": lambda s: jnp.matmul(s["x"], s["w_bf16"].T),
         "dequant_layer": lambda s: G.w4a4_matmul_dequant(tq(s), s["qw"], lowrank=(h_of(s), s["left_q"])),
         "fp8_w4a4": lambda s: G8.fp8_linear_forward(s["layer8"], s["x"], impl=impl),
-        "fp8_w4a4_xla": fp8_xla,
+        "fp8_w4a4_xla": lambda s: fp8_enc(s, "xla"),
+        "fp8_w4a4_two_phase": lambda s: fp8_enc(s, "two_phase"),
         "quant_mxfp4": lambda s: tq(s).codes,
         "quant_fp8": quant_fp8,
+        "quant_two_phase": lambda s: TQ.reencode_e4m3(tq(s), impl=impl).values,
         "quant_xla_reencode": lambda s: FE.mxfp4_to_e4m3(tq(s), order="even_odd", count_inexact=False).values,
         "fp8_w4a4_bf16gemm": lambda s: G8.fp8_linear_forward(s["layer8"], s["x"], impl=impl, gemm_dtype=jnp.bfloat16),
         "fp8_w4a4_precise": lambda s: G8.fp8_linear_forward(s["layer8"], s["x"], impl=impl, accumulation="precise"),
@@ -302,7 +307,9 @@ def run_case(model, layer, n, k, m, *, impl, n_calls, check_rows, do_accuracy, k
             case["variants"][name]["rel_err_vs_exact"] = _rel(y, refs["fp8" if name == "fp8_w4a8" else "mxfp4"])
     # the FP8 output mode writes the XLA re-encode's bytes, so the layer output is the same (all rows, every set)
     for new, old, key in (("quant_fp8", "quant_xla_reencode", "quant_fp8_bytes_equal"),
-                          ("fp8_w4a4", "fp8_w4a4_xla", "fp8_w4a4_equal_to_xla_encode")):
+                          ("quant_two_phase", "quant_xla_reencode", "quant_two_phase_bytes_equal"),
+                          ("fp8_w4a4", "fp8_w4a4_xla", "fp8_w4a4_equal_to_xla_encode"),
+                          ("fp8_w4a4_two_phase", "fp8_w4a4_xla", "fp8_w4a4_two_phase_equal_to_xla_encode")):
         if new in fns and old in fns:
             case[key] = all(bool(jnp.array_equal(_bits(fns[new](s)), _bits(fns[old](s)))) for s in sets)
     if do_accuracy:
@@ -324,8 +331,8 @@ def headline(result: dict) -> dict:
 
 
 def table(result: dict) -> str:
-    cols = ["bf16_xla", "dequant_layer", "fp8_w4a4", "fp8_w4a4_xla", "fp8_w4a4_bf16gemm", "fp8_w4a8", "fp8_gemm_only",
-            "quant_mxfp4", "quant_fp8", "quant_xla_reencode"]
+    cols = ["bf16_xla", "dequant_layer", "fp8_w4a4", "fp8_w4a4_two_phase", "fp8_w4a4_xla", "fp8_w4a4_bf16gemm",
+            "fp8_w4a8", "fp8_gemm_only", "quant_mxfp4", "quant_fp8", "quant_two_phase", "quant_xla_reencode"]
     lines = ["| model | layer | m | n | k | " + " | ".join(f"{c} µs" for c in cols)
              + " | fp8_w4a4 / bf16 | quantizer µs (share of fp8_w4a4) | rel err dequant / w4a4 / w4a8 |",
              "| --- | --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in cols) + " | ---: | ---: | --- |"]
@@ -397,7 +404,7 @@ def main(argv=None):
             print(f"[{time.time() - t_start:6.1f} s] {model:12s} {layer:15s} m={m:5d} "
                   + " ".join(f"{nm}={v[nm]['us']:.1f}" for nm in v if "us" in v[nm])
                   + (f" ERROR {case['error'][:200]}" if "error" in case else ""), flush=True)
-            flags = {k: case[k] for k in ("quant_fp8_bytes_equal", "fp8_w4a4_equal_to_xla_encode") if k in case}
+            flags = {k: v for k, v in case.items() if k.endswith(("_bytes_equal", "_equal_to_xla_encode"))}
             if flags:
                 print(f"    {flags}", flush=True)
             if "accuracy_f32_out" in case:

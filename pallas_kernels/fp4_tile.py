@@ -49,6 +49,7 @@ __all__ = [
     "e2m1_codes_fast",
     "e2m1_to_e4m3_bits",
     "e4m3_round",
+    "combine_live_bytes",
     "is_nonfinite",
     "max_live_byte",
     "mx_block_bytes_pair",
@@ -216,6 +217,12 @@ def max_live_byte(scale_bytes: jax.Array) -> jax.Array:
     nan = b == F.E8M0_NAN
     live = jnp.max(jnp.where(nan, 0, b), axis=1, keepdims=True)
     return live + 256 * jnp.max(nan.astype(jnp.int32), axis=1, keepdims=True)
+
+
+def combine_live_bytes(a: jax.Array, b: jax.Array) -> jax.Array:
+    """The :func:`max_live_byte` record of two column ranges of the same rows (``int32 (R, 1)`` each): the larger live
+    byte, NaN if either is (a plain maximum would let a NaN flag hide a larger byte)."""
+    return jnp.maximum(a & 255, b & 255) | (jnp.maximum(a >> 8, b >> 8) << 8)
 
 
 def _split_even_odd(v: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -18,8 +18,9 @@ Weights are re-encoded once, at preparation (:func:`prepare_weight`): E4M3 bytes
 bytes, against MXFP4's packed ``o d (1/2 + 1/32)`` (``weight_storage="mxfp4"`` keeps that and re-encodes per call, an
 XLA fusion). Activations: the fused transform + MXFP4 quantize kernel in its FP8 output mode
 (``transform_quantize.transform_quantize_fp8``: the quantizer writes the E4M3 bytes and the row powers of two itself,
-``act_encode="kernel"``), or the kernel's packed MXFP4 output re-encoded by an XLA fusion (``act_encode="xla"``); both
-give the GEMM the same bytes. W4A8 (``act="fp8"``): ``x T`` in f32 (XLA) and per-token E4M3 (``amax / 448``), no MXFP4 step.
+``act_encode="kernel"``), or the kernel's packed MXFP4 output re-encoded by one Pallas kernel
+(``act_encode="two_phase"``) or by an XLA fusion (``act_encode="xla"``); every way gives the GEMM the same bytes.
+W4A8 (``act="fp8"``): ``x T`` in f32 (XLA) and per-token E4M3 (``amax / 448``), no MXFP4 step.
 
 Out-of-range rows (span > 14 binades) are rounded to the nearest E4M3 value with a stated bound (see
 ``fp8_encoding``); ``return_inexact=True`` returns the number of affected elements beside the output.
@@ -69,9 +70,10 @@ ACCUMULATIONS = ("default", "precise", "fast")
 #: ``"mxfp4"``: W4A4 (MXFP4 activations re-encoded in E4M3); ``"fp8"``: W4A8 (per-token E4M3 activations).
 ACTIVATIONS = ("mxfp4", "fp8")
 #: How W4A4 activations reach the FP8 GEMM: ``"kernel"``: the quantizer's FP8 output mode writes E4M3 + row powers of
-#: two (a pre-pass for the rows' reference exponents, then one quantizing pass); ``"xla"``: the quantizer writes packed
-#: MXFP4 and an XLA fusion re-encodes it (``fp8_encoding.mxfp4_to_e4m3``). The same bytes either way.
-ACT_ENCODES = ("kernel", "xla")
+#: two (a pre-pass for the rows' reference exponents, then one quantizing pass); ``"two_phase"``: the quantizer writes
+#: packed MXFP4, one Pallas kernel re-encodes it (``transform_quantize.reencode_e4m3``); ``"xla"``: the same re-encode
+#: as an XLA fusion (``fp8_encoding.mxfp4_to_e4m3``). The same bytes every way.
+ACT_ENCODES = ("kernel", "two_phase", "xla")
 DEFAULT_ACT_ENCODE = "kernel"
 Operand = Union[QuantizedArray, Fp8Rows]
 
@@ -299,21 +301,30 @@ def _check_op(layer: Fp8Linear, op: str, norm_weight, head_dim) -> None:
 
 
 def _activations(layer: Fp8Linear, x2: jax.Array, impl: str, quant_blocks=None, count: bool = False) -> Operand:
-    """The GEMM's activation operand: per-token E4M3 (W4A8), the quantizer's FP8 rows (``act_encode="kernel"``;
-    ``count``: with the out-of-range count, from the MXFP4 result the kernel also writes) or its packed MXFP4."""
+    """The GEMM's activation operand: per-token E4M3 (W4A8), the quantizer's FP8 rows (``act_encode="kernel"``), its
+    MXFP4 re-encoded by the Pallas kernel (``"two_phase"``), or its packed MXFP4 (``"xla"``: ``fp8_matmul``
+    re-encodes). ``count``: the FP8 rows carry the out-of-range count (from the MXFP4 result)."""
     if layer.act == "fp8":
         xt = tq.reference_apply(x2.astype(jnp.float32), layer.transform)  # (m, d) f32, XLA
         return FE.per_token_e4m3(xt, order=operand_order(layer.weight))
+    if layer.act_encode != "xla" and operand_order(layer.weight) != "even_odd":
+        raise ValueError(f"fp8 linear ({layer.out_features}, {layer.in_features}): act_encode={layer.act_encode!r} "
+                         f"writes the activations in 'even_odd' K order, the weight is in "
+                         f"{operand_order(layer.weight)!r}; prepare the weight with order='even_odd' or use "
+                         f"act_encode='xla'")
     if layer.act_encode == "kernel":
-        if operand_order(layer.weight) != "even_odd":
-            raise ValueError(f"fp8 linear ({layer.out_features}, {layer.in_features}): act_encode='kernel' writes the "
-                             f"activations in 'even_odd' K order, the weight is in {operand_order(layer.weight)!r}; "
-                             f"prepare the weight with order='even_odd' or use act_encode='xla'")
         out = tq.transform_quantize_fp8(x2, layer.transform, MXFP4(), with_mxfp4=count, block_sizes=quant_blocks,
                                         impl=impl, round_to_input=False)
         if not count:
             return out
         rows, q = out
+        return dataclasses.replace(rows, inexact=FE.mxfp4_to_e4m3(q, count_inexact=True).inexact)
+    if layer.act_encode == "two_phase":
+        q = tq.transform_quantize(x2, layer.transform, MXFP4(), block_sizes=quant_blocks, impl=impl,
+                                  round_to_input=False)
+        rows = tq.reencode_e4m3(q, impl=impl)
+        if not count:
+            return rows
         return dataclasses.replace(rows, inexact=FE.mxfp4_to_e4m3(q, count_inexact=True).inexact)
     return tq.transform_quantize(x2, layer.transform, MXFP4(), block_sizes=quant_blocks, impl=impl,
                                  round_to_input=False)

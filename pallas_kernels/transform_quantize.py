@@ -14,6 +14,13 @@ Kernels (paper §3.5, §4.4, appendices A and B; docs/kernels.md), selected by :
 Every kernel reads ``A`` once and writes ``codes uint8 (m, d/2)`` (element ``2i`` in the low nibble) and the block
 scales (MXFP4: E8M0 bytes ``(m, d/32)``; NVFP4: E4M3 ``(m, d/16)`` plus the fp32 tensor scale) once.
 
+**FP8 output mode** (MXFP4, for the FP8 tensor-core GEMM: :func:`transform_quantize_fp8`): the kernel writes, in the
+same quantizing pass, the E4M3 bytes of its MXFP4 result against each row's reference exponent (largest block at
+offset +6, ``kroquant_jax.fp8_encoding``'s rule and per-element arithmetic ``e4m3_bits``) in the ``"even_odd"``
+column order, optionally the packed codes and scales too; the rows' reference exponents come from a pre-pass of the
+same kernel (``emit="max_byte"``). :func:`reencode_e4m3` is the two-phase alternative: packed MXFP4 re-encoded by one
+Pallas kernel.
+
 **Numerics (the "same math order" contract).** The reference is ``formats.quantize(apply_to_activations(A, blocks))``:
 the transform in f32, the result rounded to ``A.dtype``, then quantized. The kernels do the same: ``y`` in f32, cast to
 ``A.dtype`` and back, then the per-tile quantizer of :mod:`pallas_kernels.fp4_tile` (``mx_quantize_tile``,
@@ -38,6 +45,7 @@ from jax 0.11 but still shipped; see ``docs/kernels.md`` for why. Q4 and K1 also
 ``pallas_call(interpret=True)`` (what CPU CI tests).
 
 Public API: :class:`BlockSizes`, :class:`PreparedTransform` / :func:`prepare`, :func:`transform_quantize`,
+:func:`transform_quantize_fp8`, :func:`reencode_e4m3`,
 :func:`transform_fake_quant` (STE ``custom_vjp``), :func:`reference_transform_quantize`, :func:`reference_apply`.
 """
 
@@ -68,6 +76,7 @@ __all__ = [
     "kernel_stage",
     "PreparedTransform",
     "prepare",
+    "reencode_e4m3",
     "reference_apply",
     "split_block",
     "reference_transform_quantize",
@@ -521,8 +530,12 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt, passes, amax_only,
     running_max = None
     for t in range(n_chunks):
         tile_max = process(t)
-        if reduce_rows:
-            running_max = tile_max if running_max is None else jnp.maximum(running_max, tile_max)
+        if reduce_rows and running_max is None:
+            running_max = tile_max
+        elif amax_only:
+            running_max = jnp.maximum(running_max, tile_max)
+        elif reduce_rows:
+            running_max = fp4_tile.combine_live_bytes(running_max, tile_max)
     if reduce_rows:
         store(out_refs[0].at[...], running_max)
 
@@ -812,6 +825,93 @@ def transform_quantize_fp8(a: jax.Array, transform: PreparedTransform, fmt=MXFP4
         scales = jax.lax.bitcast_convert_type(scales, fmt.scale_dtype)
     q = QuantizedArray(codes=codes, scales=scales, tensor_scale=jnp.float32(1.0), fmt=fmt, dtype=np.dtype(a.dtype))
     return rows, q
+
+
+def _reencode_kernel(c_ref, s_ref, er_ref, o_ref, *, m, block_rows):
+    """One ``(BR, BC)`` tile of packed codes (+ their ``BC/16`` E8M0 bytes, the rows' ``e_ref``) -> the E4M3 bits of
+    its even / odd elements into ``o_ref[:, 0]`` / ``o_ref[:, 1]``."""
+    width = c_ref.shape[1]
+    row_mask = None
+    if m % block_rows:
+        rows = pl.program_id(0) * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
+        row_mask = rows < m
+
+    def load(ref):
+        if row_mask is None:
+            return ref[...]
+        return pltriton.load(ref, mask=jnp.broadcast_to(row_mask, ref.shape), other=0)
+
+    def store(ref, value):
+        if row_mask is None:
+            ref[...] = value
+        else:
+            pltriton.store(ref, value, mask=jnp.broadcast_to(row_mask, value.shape))
+
+    codes = load(c_ref).astype(jnp.int32)
+    nb = width // (BLOCK // 2)
+    byte = jnp.broadcast_to(load(s_ref).astype(jnp.int32)[:, :, None], (block_rows, nb, BLOCK // 2))
+    byte = byte.reshape(block_rows, width)
+    e_ref = load(er_ref)
+    store(o_ref.at[:, jnp.int32(0), :], FE.e4m3_bits(codes & 15, byte, e_ref).astype(jnp.uint8))
+    store(o_ref.at[:, jnp.int32(1), :], FE.e4m3_bits(codes >> 4, byte, e_ref).astype(jnp.uint8))
+
+
+def reencode_e4m3(q: QuantizedArray, *, impl: Optional[str] = None, block_rows: int = 32,
+                  block_cols: int = 256) -> "FE.Fp8Rows":
+    """``fp8_encoding.mxfp4_to_e4m3(q, order="even_odd", count_inexact=False)`` as one Pallas kernel (the second
+    phase of the two-phase FP8 activations: the quantizer writes packed MXFP4, this kernel its E4M3 bytes).
+
+    ``e_ref`` and the NaN rows come from an XLA reduction over the scale bytes ``(m, d/32)``; the kernel reads each
+    code byte once and writes its two E4M3 bytes (``fp8_encoding.e4m3_bits``) in the ``"even_odd"`` order.
+
+    Args:
+      q: MXFP4 ``QuantizedArray`` ``(..., d)`` (standard 32-element blocks).
+      impl: ``None`` (the kernel on a GPU, ``mxfp4_to_e4m3`` elsewhere), ``"pallas"``, ``"interpret"``,
+        ``"reference"``.
+      block_rows, block_cols: the tile, in rows and code bytes (powers of two; ``block_cols`` is cut to the largest
+        power of two >= 16 dividing ``d/2``).
+
+    Returns:
+      ``Fp8Rows`` (values ``(..., d)`` in ``"even_odd"`` order, scale ``(...)``, ``inexact = -1``).
+    """
+    if not isinstance(q, QuantizedArray) or not isinstance(q.fmt, MXFP4) or q.fmt.block_size != BLOCK:
+        raise TypeError(f"reencode_e4m3: needs an MXFP4 QuantizedArray with {BLOCK}-element blocks, got "
+                        f"{getattr(q, 'fmt', type(q).__name__)!r}")
+    for name, v in (("block_rows", block_rows), ("block_cols", block_cols)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"reencode_e4m3: {name}={v} must be a power of two >= 16")
+    if impl is None:
+        impl = "pallas" if on_gpu(q.codes) else "reference"
+    if impl not in ("pallas", "interpret", "reference"):
+        raise ValueError(f"impl={impl!r} must be None, 'pallas', 'interpret' or 'reference'")
+    lead, half = q.codes.shape[:-1], q.codes.shape[-1]
+    codes = q.codes.reshape(-1, half)
+    m = codes.shape[0]
+    if impl == "reference" or m == 0:
+        return FE.mxfp4_to_e4m3(q, order="even_odd", count_inexact=False)
+    scales = jax.lax.bitcast_convert_type(q.scales, jnp.uint8).reshape(m, -1)
+    b = scales.astype(jnp.int32)
+    e_ref = FE.reference_exponent(jnp.max(jnp.where(b == F.E8M0_NAN, 0, b), axis=1))
+    nan_row = jnp.any(b == F.E8M0_NAN, axis=1)
+    bc = 16
+    while bc * 2 <= block_cols and half % (bc * 2) == 0:
+        bc *= 2
+    if half % bc:
+        raise ValueError(f"reencode_e4m3: d/2 = {half} must be a multiple of 16")
+    grid = (pl.cdiv(m, block_rows), half // bc)
+    out = pl.pallas_call(
+        functools.partial(_reencode_kernel, m=m, block_rows=block_rows),
+        out_shape=jax.ShapeDtypeStruct((m, 2, half), jnp.uint8), grid=grid,
+        in_specs=[pl.BlockSpec((block_rows, bc), lambda i, j: (i, j)),
+                  pl.BlockSpec((block_rows, bc // (BLOCK // 2)), lambda i, j: (i, j)),
+                  pl.BlockSpec((block_rows, 1), lambda i, j: (i, 0))],
+        out_specs=pl.BlockSpec((block_rows, 2, bc), lambda i, j: (i, 0, j)),
+        interpret=impl == "interpret",
+        compiler_params=None if impl == "interpret" else triton_compiler_params(4, 1),
+        name="reencode_mxfp4_e4m3")(codes, scales, e_ref[:, None])
+    values = jax.lax.bitcast_convert_type(out.reshape(*lead, 2 * half), jnp.float8_e4m3fn)
+    scale = jnp.where(nan_row, jnp.nan, F.pow2(e_ref)).reshape(lead)
+    return FE.Fp8Rows(values=values, scale=scale, inexact=jnp.int32(-1), order="even_odd")
 
 
 def kernel_stage(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), *, stage: str,

@@ -285,8 +285,9 @@ def test_prepare_errors():
 
 @pytest.mark.parametrize("impl", ["reference", "interpret"])
 def test_quantizer_fp8_output_gives_the_same_layer_output(impl):
-    """act_encode="kernel" (the quantizer writes E4M3 + row powers of two) against "xla" (packed MXFP4 re-encoded by
-    XLA): the same GEMM operands, so the same output bit for bit, and the same out-of-range count."""
+    """act_encode="kernel" (the quantizer writes E4M3 + row powers of two) and "two_phase" (packed MXFP4 re-encoded by
+    a Pallas kernel) against "xla" (re-encoded by XLA): the same GEMM operands, so the same output bit for bit, and
+    the same out-of-range count."""
     s_layer = _served(20, 64, 128)
     x = _x(21, 19, 128)
     x = x.at[3, :32].multiply(2.0**20).at[5].set(0.0)  # an out-of-range row (before the transform) and a zero row
@@ -298,8 +299,9 @@ def test_quantizer_fp8_output_gives_the_same_layer_output(impl):
         if impl == "interpret":  # the kernel's FP8 mode (pre-pass + quantizing pass) runs only for "kernel"
             text = str(jax.make_jaxpr(lambda v, lay=layer: G8.fp8_linear_forward(lay, v, impl=impl))(x))
             assert ("_mxfp4_max_byte" in text and "_mxfp4_fp8" in text) == (enc == "kernel")
-    np.testing.assert_array_equal(np.asarray(y["kernel"][0]), np.asarray(y["xla"][0]))
-    assert int(y["kernel"][1]) == int(y["xla"][1]) > 0
+    for enc in ("kernel", "two_phase"):
+        np.testing.assert_array_equal(np.asarray(y[enc][0]), np.asarray(y["xla"][0]))
+        assert int(y[enc][1]) == int(y["xla"][1]) > 0
     assert G8.DEFAULT_ACT_ENCODE in G8.ACT_ENCODES
     with pytest.raises(ValueError, match="act_encode"):
         G8.prepare_fp8_layer(s_layer, act_encode="triton")
