@@ -7,12 +7,12 @@ transform near the Hadamard init:
 * ``bf16_xla``: ``x W^T`` on bf16 operands, bf16 output (XLA / cuBLAS): the baseline.
 * ``dequant_layer``: the served default today: K2 transform + MXFP4 quantize kernel, ``h = x (R T^T)^T``, both packed
   operands decoded to bf16, one cuBLAS GEMM ``[Q(xT) | h] [W | L]^T`` (``w4a4_gemm.w4a4_matmul_dequant``).
-* ``fp8_w4a4``: the quantize kernel in its FP8 output mode (``act_encode="kernel"``: a pre-pass for the rows'
-  reference exponents, then the quantizing pass writes E4M3 + row powers of two), ``h``, one FP8 GEMM (f32 output),
-  the epilogue fusion (row/column powers of two, ``h L^T``, output bf16) (``fp8_gemm.fp8_linear_forward``), the
-  weight re-encoded once beforehand. ``fp8_w4a4_xla``: the same with the quantizer writing packed MXFP4 and an XLA
-  fusion re-encoding it (``act_encode="xla"``, the path before the FP8 output mode); ``fp8_w4a4_bf16gemm``: the FP8
-  GEMM writes bf16 (half the bytes, one more rounding).
+* ``fp8_w4a4``: the layer as served (``fp8_gemm.DEFAULT_ACT_ENCODE``): the quantize kernel and the activations'
+  E4M3 encoding, ``h``, one FP8 GEMM (f32 output), the epilogue fusion (row/column powers of two, ``h L^T``, output
+  bf16) (``fp8_gemm.fp8_linear_forward``), the weight re-encoded once beforehand. The encodings explicitly:
+  ``fp8_w4a4_kernel`` (the quantizer's FP8 output mode, ``act_encode="kernel"``: a pre-pass for the rows' reference
+  exponents, then the quantizing pass writes E4M3 + row powers of two), ``fp8_w4a4_xla`` (packed MXFP4 re-encoded by
+  an XLA fusion); ``fp8_w4a4_bf16gemm``: the FP8 GEMM writes bf16 (half the bytes, one more rounding).
   ``fp8_w4a4_two_phase``: the quantizer writes packed MXFP4, one Pallas kernel re-encodes it
   (``act_encode="two_phase"``).
 * ``quant_mxfp4`` / ``quant_fp8`` / ``quant_two_phase`` / ``quant_xla_reencode``: the activation side alone: the
@@ -199,6 +199,7 @@ def variants(impl: str) -> dict:
         "bf16_xla": lambda s: jnp.matmul(s["x"], s["w_bf16"].T),
         "dequant_layer": lambda s: G.w4a4_matmul_dequant(tq(s), s["qw"], lowrank=(h_of(s), s["left_q"])),
         "fp8_w4a4": lambda s: G8.fp8_linear_forward(s["layer8"], s["x"], impl=impl),
+        "fp8_w4a4_kernel": lambda s: fp8_enc(s, "kernel"),
         "fp8_w4a4_xla": lambda s: fp8_enc(s, "xla"),
         "fp8_w4a4_two_phase": lambda s: fp8_enc(s, "two_phase"),
         "quant_mxfp4": lambda s: tq(s).codes,
@@ -301,7 +302,7 @@ def run_case(model, layer, n, k, m, *, impl, n_calls, check_rows, do_accuracy, k
     # checks against the exact float64 product of the same quantized operands (first check_rows rows of set 0)
     rows = min(check_rows, m)
     refs = {"mxfp4": exact_reference(sets[0], xq0, rows, "mxfp4"), "fp8": exact_reference(sets[0], xq0, rows, "fp8")}
-    for name in ("dequant_layer", "fp8_w4a4", "fp8_w4a4_xla", "fp8_w4a4_bf16gemm", "fp8_w4a8"):
+    for name in ("dequant_layer", "fp8_w4a4", "fp8_w4a4_kernel", "fp8_w4a4_xla", "fp8_w4a4_bf16gemm", "fp8_w4a8"):
         if name in fns:
             y = fns[name](sets[0])[:rows]
             case["variants"][name]["rel_err_vs_exact"] = _rel(y, refs["fp8" if name == "fp8_w4a8" else "mxfp4"])
@@ -309,6 +310,7 @@ def run_case(model, layer, n, k, m, *, impl, n_calls, check_rows, do_accuracy, k
     for new, old, key in (("quant_fp8", "quant_xla_reencode", "quant_fp8_bytes_equal"),
                           ("quant_two_phase", "quant_xla_reencode", "quant_two_phase_bytes_equal"),
                           ("fp8_w4a4", "fp8_w4a4_xla", "fp8_w4a4_equal_to_xla_encode"),
+                          ("fp8_w4a4_kernel", "fp8_w4a4_xla", "fp8_w4a4_kernel_equal_to_xla_encode"),
                           ("fp8_w4a4_two_phase", "fp8_w4a4_xla", "fp8_w4a4_two_phase_equal_to_xla_encode")):
         if new in fns and old in fns:
             case[key] = all(bool(jnp.array_equal(_bits(fns[new](s)), _bits(fns[old](s)))) for s in sets)
@@ -331,8 +333,8 @@ def headline(result: dict) -> dict:
 
 
 def table(result: dict) -> str:
-    cols = ["bf16_xla", "dequant_layer", "fp8_w4a4", "fp8_w4a4_two_phase", "fp8_w4a4_xla", "fp8_w4a4_bf16gemm",
-            "fp8_w4a8", "fp8_gemm_only", "quant_mxfp4", "quant_fp8", "quant_two_phase", "quant_xla_reencode"]
+    cols = ["bf16_xla", "dequant_layer", "fp8_w4a4", "fp8_w4a4_kernel", "fp8_w4a4_two_phase", "fp8_w4a4_xla",
+            "fp8_w4a4_bf16gemm", "fp8_w4a8", "fp8_gemm_only", "quant_mxfp4", "quant_fp8", "quant_two_phase", "quant_xla_reencode"]
     lines = ["| model | layer | m | n | k | " + " | ".join(f"{c} µs" for c in cols)
              + " | fp8_w4a4 / bf16 | quantizer µs (share of fp8_w4a4) | rel err dequant / w4a4 / w4a8 |",
              "| --- | --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in cols) + " | ---: | ---: | --- |"]

@@ -72,9 +72,10 @@ ACTIVATIONS = ("mxfp4", "fp8")
 #: How W4A4 activations reach the FP8 GEMM: ``"kernel"``: the quantizer's FP8 output mode writes E4M3 + row powers of
 #: two (a pre-pass for the rows' reference exponents, then one quantizing pass); ``"two_phase"``: the quantizer writes
 #: packed MXFP4, one Pallas kernel re-encodes it (``transform_quantize.reencode_e4m3``); ``"xla"``: the same re-encode
-#: as an XLA fusion (``fp8_encoding.mxfp4_to_e4m3``). The same bytes every way.
+#: as an XLA fusion (``fp8_encoding.mxfp4_to_e4m3``). The same bytes every way. The default is the way measured
+#: fastest (docs/w4a4.md, "The quantizer emits FP8"); the other two are opt-in.
 ACT_ENCODES = ("kernel", "two_phase", "xla")
-DEFAULT_ACT_ENCODE = "kernel"
+DEFAULT_ACT_ENCODE = "xla"
 Operand = Union[QuantizedArray, Fp8Rows]
 
 
