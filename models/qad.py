@@ -66,8 +66,8 @@ from models.layers import LinearHooks, linears
 
 __all__ = ["GuidanceSchedule", "QADConfig", "NonFiniteError", "student_from_model", "student_from_qlinears",
            "student_forward", "student_velocity", "teacher_target", "qad_loss", "noised_batch", "distillation_loss",
-           "make_optimizer", "with_state_dtype", "apply_gradients", "make_train_chunk", "init_state", "train",
-           "guided_sample", "student_sample", "export_qlinears", "colour_correct", "record_noise",
+           "make_optimizer", "with_state_dtype", "cast_floating", "apply_gradients", "make_train_chunk", "init_state",
+           "train", "guided_sample", "student_sample", "export_qlinears", "colour_correct", "record_noise",
            "save_checkpoint", "restore_checkpoint", "latest_checkpoint", "fingerprint"]
 
 FORMATS = {"mxfp4": formats.MXFP4, "nvfp4": formats.NVFP4}
@@ -381,7 +381,8 @@ def distillation_loss(predicted: jax.Array, target: jax.Array, flow_target: jax.
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _cast_floating(tree: Any, dtype: Any) -> Any:
+def cast_floating(tree: Any, dtype: Any) -> Any:
+    """``tree`` with its floating arrays cast to ``dtype`` (integer and key arrays as they are)."""
     return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
@@ -390,11 +391,11 @@ def with_state_dtype(inner: optax.GradientTransformation, dtype: Any) -> optax.G
     casts the state up, runs ``inner``, and stores the new state in ``dtype`` (bf16 moments halve their memory)."""
 
     def init(params):
-        return _cast_floating(inner.init(params), dtype)
+        return cast_floating(inner.init(params), dtype)
 
     def update(updates, state, params=None):
-        updates, state = inner.update(updates, _cast_floating(state, jnp.float32), params)
-        return updates, _cast_floating(state, dtype)
+        updates, state = inner.update(updates, cast_floating(state, jnp.float32), params)
+        return updates, cast_floating(state, dtype)
 
     return optax.GradientTransformation(init, update)
 

@@ -194,10 +194,6 @@ def _fsdp_student_linear(forward: Callable, replicated: NamedSharding, batch: Na
     return forward(layer, blocks, through, jax.lax.with_sharding_constraint(x, batch))
 
 
-def _cast(tree: Any, dtype: Any) -> Any:
-    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
-
-
 def build(base: ig.Ideogram4Config, config: ShardedQADConfig, mesh: Mesh | None = None) -> ShardedQAD:
     """The sharded QAD step of ``base`` (e.g. ``models.ideogram4.IDEOGRAM4``) under ``config`` on ``mesh`` (None:
     all devices). Validates the settings against the architecture and the mesh before anything is compiled.
@@ -258,7 +254,7 @@ def build(base: ig.Ideogram4Config, config: ShardedQADConfig, mesh: Mesh | None 
                             "bias": jnp.zeros((num_blocks, o), master),
                             "left": jnp.zeros((num_blocks, o, config.rank), master),
                             "right": jnp.zeros((num_blocks, config.rank, d), master)}
-        state = qad.init_state(_cast(teacher_rest, master), layers, qcfg, state_dtype=opt_dtype)
+        state = qad.init_state(qad.cast_floating(teacher_rest, master), layers, qcfg, state_dtype=opt_dtype)
         return state, {"teacher": teacher_rest, "kernels": kernels, "blocks": blocks}
 
     layout = sampling.prepare_ids([text_tokens] * batch_size, *config.grid, text_tokens)
@@ -284,7 +280,7 @@ def build(base: ig.Ideogram4Config, config: ShardedQADConfig, mesh: Mesh | None 
     def student_velocity(trainable: dict, frozen: dict, batch: dict, noisy: jax.Array,
                          sigma: jax.Array) -> jax.Array:
         arrays = (batch["position_ids"], None, batch["indicator"])
-        student = nnx.merge(student_graph, placeholders, _cast(trainable["model"], compute))
+        student = nnx.merge(student_graph, placeholders, qad.cast_floating(trainable["model"], compute))
         hooks = FusedLinearHooks({name: jax.tree_util.Partial(student_linear, layer, frozen["blocks"][name], through)
                                   for name, layer in trainable["layers"].items()}, stacked=True)
         text = sampling.prepare_branches(student, student, batch["text_features"], arrays, text_tokens)
