@@ -224,9 +224,10 @@ def calls_for(flops: float, target_s: float, *, minimum: int, maximum: int = 300
     return int(min(maximum, max(minimum, target_s / (flops / peak_flops + overhead_s))))
 
 
-def device_memory_gib() -> dict[str, float]:
-    """``{bytes_in_use, peak_bytes_in_use, bytes_limit}`` of the first local device in GiB (what it reports)."""
-    stats = jax.local_devices()[0].memory_stats() or {}
+def device_memory_gib(device: Optional[Any] = None) -> dict[str, float]:
+    """``{bytes_in_use, peak_bytes_in_use, bytes_limit}`` of ``device`` (None: the first local device) in GiB (what
+    it reports; empty where the device keeps no statistics, e.g. the CPU)."""
+    stats = (jax.local_devices()[0] if device is None else device).memory_stats() or {}
     return {key: stats[key] / 2**30 for key in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if key in stats}
 
 

@@ -67,6 +67,8 @@ class Ideogram4Config:
         param_dtype: dtype the parameters are created in; the linears (``models.layers.Linear``) compute in it.
         attention_impl: ``"xla"`` (any device) or ``"cudnn"`` (cuDNN flash attention; GPU, bf16/fp16 only).
         scan_layers: stack the blocks and run them with ``lax.scan`` (see the module docstring).
+        remat: rematerialise each block in the backward pass (``jax.checkpoint`` per block): a gradient keeps only
+            the blocks' inputs and recomputes the rest, instead of keeping every intermediate of every block.
     """
 
     in_channels: int = 128
@@ -83,6 +85,7 @@ class Ideogram4Config:
     param_dtype: Any = jnp.float32
     attention_impl: str = "xla"
     scan_layers: bool = False
+    remat: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "mrope_section", tuple(int(s) for s in self.mrope_section))
@@ -521,10 +524,16 @@ class Ideogram4Transformer(nnx.Module):
                 block_hooks = None if hooks is None else type(hooks).from_entries(block_entries)
                 return block(carry, mask, cos, sin, adaln_input, block_hooks), None  # (B, L, hidden)
 
-            hidden, _ = jax.lax.scan(run_block, hidden, (block_states, entries))  # (B, L, hidden)
+            body = jax.checkpoint(run_block, prevent_cse=False) if cfg.remat else run_block
+            hidden, _ = jax.lax.scan(body, hidden, (block_states, entries))  # (B, L, hidden)
         else:
             for block in self.layers:
-                hidden = block(hidden, mask, cos, sin, adaln_input, hooks)  # (B, L, hidden)
+                if cfg.remat:
+                    graph, state = nnx.split(block)
+                    hidden = jax.checkpoint(lambda h, s, g=graph: nnx.merge(g, s)(h, mask, cos, sin, adaln_input,
+                                                                                  hooks))(hidden, state)
+                else:
+                    hidden = block(hidden, mask, cos, sin, adaln_input, hooks)  # (B, L, hidden)
 
         return self.final_layer(hidden, adaln_input)  # (B, L, in_channels)
 

@@ -43,6 +43,7 @@ from models.ideogram4 import (
     SEQUENCE_PADDING_INDICATOR,
     Ideogram4Transformer,
 )
+from models.layers import LinearHooks
 from models.sampling import recorded, step_hooks
 
 DEFAULT_GUIDANCE_SCHEDULE: tuple[float, ...] = (7.0,) * 45 + (3.0,) * 3
@@ -251,22 +252,34 @@ def prepare_branches(cond: Ideogram4Transformer, uncond: Ideogram4Transformer, t
     return Branches(text_embeddings, uncond_text, position_ids, segment_ids, indicator)
 
 
-def guided_velocity(cond: Ideogram4Transformer, uncond: Ideogram4Transformer, branches: Branches,
-                     latents: jax.Array, model_time: jax.Array, guidance: jax.Array, num_text_slots: int) -> jax.Array:
-    """``g v_cond + (1 - g) v_uncond`` in float32 for ``latents (B, N, C)`` float32 at scalar ``model_time``."""
+def conditional_velocity(cond: Ideogram4Transformer, branches: Branches, latents: jax.Array, model_time: jax.Array,
+                         num_text_slots: int, hooks: LinearHooks | None = None) -> jax.Array:
+    """The conditional branch's velocity ``(B, N, C)`` float32 on the image tokens, for ``latents (B, N, C)``
+    float32 at ``model_time`` (scalar or ``(B,)``); ``hooks`` route the transformer's linears."""
     batch, _, channels = latents.shape
     dtype = cond.config.dtype
     t = jnp.broadcast_to(model_time.astype(jnp.float32), (batch,)).astype(dtype)  # (B,)
     text_padding = jnp.zeros((batch, num_text_slots, channels), jnp.float32)  # (B, T, C)
     cond_latents = jnp.concatenate([text_padding, latents], axis=1).astype(dtype)  # (B, L, C)
     cond_out = cond(cond_latents, t, None, branches.position_ids, branches.segment_ids, branches.indicator,
-                    text_embeddings=branches.text_embeddings)  # (B, L, C)
-    cond_v = cond_out[:, num_text_slots:].astype(jnp.float32)  # (B, N, C)
+                    text_embeddings=branches.text_embeddings, hooks=hooks)  # (B, L, C)
+    return cond_out[:, num_text_slots:].astype(jnp.float32)  # (B, N, C)
+
+
+def guided_velocity(cond: Ideogram4Transformer, uncond: Ideogram4Transformer, branches: Branches,
+                    latents: jax.Array, model_time: jax.Array, guidance: jax.Array, num_text_slots: int,
+                    hooks: LinearHooks | None = None) -> jax.Array:
+    """``g v_cond + (1 - g) v_uncond`` in float32 for ``latents (B, N, C)`` float32 at ``model_time`` (scalar or
+    ``(B,)``) and ``guidance`` (scalar or broadcastable to ``(B, N, C)``); ``hooks`` route both transformers'
+    linears (one set: the two branches of one model)."""
+    batch = latents.shape[0]
+    t = jnp.broadcast_to(model_time.astype(jnp.float32), (batch,))  # (B,)
+    cond_v = conditional_velocity(cond, branches, latents, t, num_text_slots, hooks)  # (B, N, C)
     uncond_segments = None if branches.segment_ids is None else branches.segment_ids[:, num_text_slots:]
-    uncond_v = uncond(latents.astype(uncond.config.dtype), t.astype(uncond.config.dtype), None,
-                      branches.position_ids[:, num_text_slots:], uncond_segments,
-                      branches.indicator[:, num_text_slots:],
-                      text_embeddings=branches.uncond_text_embeddings).astype(jnp.float32)  # (B, N, C)
+    uncond_v = uncond(latents.astype(uncond.config.dtype), t.astype(cond.config.dtype).astype(uncond.config.dtype),
+                      None, branches.position_ids[:, num_text_slots:], uncond_segments,
+                      branches.indicator[:, num_text_slots:], text_embeddings=branches.uncond_text_embeddings,
+                      hooks=hooks).astype(jnp.float32)  # (B, N, C)
     return guidance * cond_v + (1.0 - guidance) * uncond_v  # (B, N, C)
 
 

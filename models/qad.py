@@ -65,8 +65,9 @@ from models.testbed import model as testbed
 from models.layers import LinearHooks, linears
 
 __all__ = ["GuidanceSchedule", "QADConfig", "NonFiniteError", "student_from_model", "student_from_qlinears",
-           "student_velocity", "teacher_target", "qad_loss", "make_train_chunk", "init_state", "train",
-           "guided_sample", "student_sample", "export_qlinears", "colour_correct", "record_noise",
+           "student_forward", "student_velocity", "teacher_target", "qad_loss", "noised_batch", "distillation_loss",
+           "make_optimizer", "with_state_dtype", "cast_floating", "apply_gradients", "make_train_chunk", "init_state",
+           "train", "guided_sample", "student_sample", "export_qlinears", "colour_correct", "record_noise",
            "save_checkpoint", "restore_checkpoint", "latest_checkpoint", "fingerprint"]
 
 FORMATS = {"mxfp4": formats.MXFP4, "nvfp4": formats.NVFP4}
@@ -299,6 +300,16 @@ def student_from_qlinears(model: nnx.Module, qlayers: Mapping[str, Any]) -> tupl
     return layers, blocks, bool(kinds and kinds.pop())
 
 
+def student_forward(config: QADConfig, lowrank_quantized: bool) -> tuple[Callable, jax.Array]:
+    """``(forward, through)``: ``forward(layer, blocks, through, x)`` is :func:`student_linear` with the config's
+    format and STE rule; ``through`` is the float32 scalar that lets the STE gradient through the quantizers (1.0) or
+    gives them their true, zero derivative (0.0, ``ste="none"``: naive distillation)."""
+    rule = "identity" if config.ste == "none" else config.ste
+    forward = functools.partial(student_linear, fmt=config.quant_format, ste=rule,
+                                lowrank_quantized=lowrank_quantized)
+    return forward, jnp.float32(0.0 if config.ste == "none" else 1.0)
+
+
 def student_velocity(graphdef: Any, trainable: Mapping[str, Any], blocks: Mapping[str, jax.Array],
                      config: QADConfig, lowrank_quantized: bool, x: jax.Array, timestep: jax.Array,
                      context: jax.Array, mask: jax.Array) -> jax.Array:
@@ -306,10 +317,7 @@ def student_velocity(graphdef: Any, trainable: Mapping[str, Any], blocks: Mappin
 
     ``trainable = {"model": nnx state (the 16-bit parameters), "layers": {name: layer dict}}``."""
     model = nnx.merge(graphdef, trainable["model"])
-    through = jnp.float32(0.0 if config.ste == "none" else 1.0)
-    rule = "identity" if config.ste == "none" else config.ste
-    forward = functools.partial(student_linear, fmt=config.quant_format, ste=rule,
-                                lowrank_quantized=lowrank_quantized)
+    forward, through = student_forward(config, lowrank_quantized)
     overrides = {name: functools.partial(forward, layer, blocks[name], through)
                  for name, layer in trainable["layers"].items()}
     return model(x, context, timestep, encoder_attention_mask=mask, hooks=LinearHooks(overrides))
@@ -339,19 +347,33 @@ def qad_loss(trainable: Mapping[str, Any], blocks: Mapping[str, jax.Array], stud
     Both terms use the same noised input ``x_sigma = (1 - sigma) x0 + sigma eps`` (sigma logit-normal as in
     training); distill = MSE to :func:`teacher_target`, flow matching = MSE to ``eps - x0``.
     Returns ``(loss, {"distill", "flow_matching"})``."""
-    key_sigma, key_noise = jax.random.split(key)
-    flow = testbed.FlowMatchingConfig(logit_normal_mean=config.logit_normal_mean,
-                                      logit_normal_std=config.logit_normal_std, caption_dropout=0.0)
-    sigma = testbed.sample_sigmas(key_sigma, pixels.shape[0], flow)  # (b,)
-    noise = jax.random.normal(key_noise, pixels.shape, jnp.float32)  # (b, c, s, s)
-    s = sigma[:, None, None, None]
-    noisy = (1.0 - s) * pixels + s * noise  # (b, c, s, s)
+    sigma, noise, noisy = noised_batch(key, pixels, config)  # (b,), (b, c, s, s) x 2
     target = teacher_target(teacher_velocity, noisy, sigma, context, mask, null_context, null_mask, config.schedule)
     predicted = student_velocity(student_graphdef, trainable, blocks, config, lowrank_quantized, noisy,
                                  sigma * testbed.TIMESTEP_SCALE, context, mask).astype(jnp.float32)
+    return distillation_loss(predicted, target, noise - pixels, config.fm_weight)
+
+
+def noised_batch(key: jax.Array, clean: jax.Array, config: QADConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The noised inputs of both loss terms: ``sigma (b,)`` logit-normal (``config``'s mean and std, as in the
+    testbed's training), ``noise`` standard normal like ``clean (b, ...)``, and ``x_sigma = (1 - sigma) x0 + sigma
+    eps`` (float32; ``sigma = 1`` is pure noise)."""
+    key_sigma, key_noise = jax.random.split(key)
+    flow = testbed.FlowMatchingConfig(logit_normal_mean=config.logit_normal_mean,
+                                      logit_normal_std=config.logit_normal_std, caption_dropout=0.0)
+    sigma = testbed.sample_sigmas(key_sigma, clean.shape[0], flow)  # (b,)
+    noise = jax.random.normal(key_noise, clean.shape, jnp.float32)  # (b, ...)
+    s = sigma.reshape((-1,) + (1,) * (clean.ndim - 1))  # (b, 1, ...)
+    return sigma, noise, (1.0 - s) * clean + s * noise
+
+
+def distillation_loss(predicted: jax.Array, target: jax.Array, flow_target: jax.Array,
+                      fm_weight: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``mse(predicted, guided teacher target) + fm_weight * mse(predicted, flow-matching target)`` (float32 arrays of
+    one shape). Returns ``(loss, {"distill", "flow_matching"})``."""
     distill = jnp.mean(jnp.square(predicted - target))
-    flow_matching = jnp.mean(jnp.square(predicted - (noise - pixels)))
-    return distill + config.fm_weight * flow_matching, {"distill": distill, "flow_matching": flow_matching}
+    flow_matching = jnp.mean(jnp.square(predicted - flow_target))
+    return distill + fm_weight * flow_matching, {"distill": distill, "flow_matching": flow_matching}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -359,17 +381,54 @@ def qad_loss(trainable: Mapping[str, Any], blocks: Mapping[str, jax.Array], stud
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def make_optimizer(config: QADConfig) -> optax.GradientTransformation:
+def cast_floating(tree: Any, dtype: Any) -> Any:
+    """``tree`` with its floating arrays cast to ``dtype`` (integer and key arrays as they are)."""
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def with_state_dtype(inner: optax.GradientTransformation, dtype: Any) -> optax.GradientTransformation:
+    """``inner`` whose floating state (the AdamW moments) is stored in ``dtype`` and computed in float32: the update
+    casts the state up, runs ``inner``, and stores the new state in ``dtype`` (bf16 moments halve their memory)."""
+
+    def init(params):
+        return cast_floating(inner.init(params), dtype)
+
+    def update(updates, state, params=None):
+        updates, state = inner.update(updates, cast_floating(state, jnp.float32), params)
+        return updates, cast_floating(state, dtype)
+
+    return optax.GradientTransformation(init, update)
+
+
+def make_optimizer(config: QADConfig, state_dtype: Any = None) -> optax.GradientTransformation:
+    """AdamW with a linear warm-up and global-norm clipping; ``state_dtype`` (None: the parameters' dtype, float32
+    moments for float32 parameters) stores the moments in another dtype (:func:`with_state_dtype`)."""
     schedule = optax.linear_schedule(0.0, config.lr, max(config.warmup, 1))
-    return optax.chain(optax.clip_by_global_norm(config.clip_norm),
-                       optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=config.weight_decay))
+    optimizer = optax.chain(optax.clip_by_global_norm(config.clip_norm),
+                            optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=config.weight_decay))
+    return optimizer if state_dtype is None else with_state_dtype(optimizer, state_dtype)
 
 
-def init_state(student_state: Any, layers: Mapping[str, Any], config: QADConfig) -> dict:
-    """The training state pytree: ``{"trainable", "opt_state", "step", "key"}`` (key as raw uint32 key data)."""
+def init_state(student_state: Any, layers: Mapping[str, Any], config: QADConfig, state_dtype: Any = None) -> dict:
+    """The training state pytree: ``{"trainable", "opt_state", "step", "key"}`` (key as raw uint32 key data);
+    ``state_dtype``: the optimizer moments' dtype (:func:`make_optimizer`)."""
     trainable = {"model": student_state, "layers": jax.tree.map(jnp.asarray, dict(layers))}
-    return {"trainable": trainable, "opt_state": make_optimizer(config).init(trainable),
+    return {"trainable": trainable, "opt_state": make_optimizer(config, state_dtype).init(trainable),
             "step": jnp.asarray(0, jnp.int32), "key": jax.random.key_data(jax.random.key(config.seed))}
+
+
+def apply_gradients(state: dict, grads: Any, key: jax.Array, optimizer: optax.GradientTransformation,
+                    config: QADConfig) -> tuple[dict, jax.Array]:
+    """One optimizer step of :func:`init_state`'s ``state`` with ``grads`` (of ``state["trainable"]``); the
+    model's 16-bit parameters get zero gradients when ``config.train_rest`` is False; ``key`` becomes the state's
+    next PRNG key. Returns ``(new state, global gradient norm)``."""
+    if not config.train_rest:
+        grads = {**grads, "model": jax.tree.map(jnp.zeros_like, grads["model"])}
+    grad_norm = optax.tree_utils.tree_l2_norm(grads)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["trainable"])
+    trainable = optax.apply_updates(state["trainable"], updates)
+    return {"trainable": trainable, "opt_state": opt_state, "step": state["step"] + 1,
+            "key": jax.random.key_data(key)}, grad_norm
 
 
 def make_train_chunk(student_graphdef: Any, teacher_graphdef: Any, teacher_state: Any, blocks: Mapping[str, Any],
@@ -410,13 +469,7 @@ def _run_chunk(fixed: dict, state: dict, *, student_graphdef: Any, teacher_graph
         (loss, parts), grads = jax.value_and_grad(qad_loss, has_aux=True)(
             state["trainable"], blocks, student_graphdef, teacher_velocity, config, lowrank_quantized, pixels,
             context, mask, null_context, null_mask, key_loss)
-        if not config.train_rest:
-            grads = {**grads, "model": jax.tree.map(jnp.zeros_like, grads["model"])}
-        grad_norm = optax.tree_utils.tree_l2_norm(grads)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["trainable"])
-        trainable = optax.apply_updates(state["trainable"], updates)
-        new = {"trainable": trainable, "opt_state": opt_state, "step": state["step"] + 1,
-               "key": jax.random.key_data(key)}
+        new, grad_norm = apply_gradients(state, grads, key, optimizer, config)
         return new, {"loss": loss, "grad_norm": grad_norm, **parts}
 
     return jax.lax.scan(one_step, state, None, length=config.chunk)
