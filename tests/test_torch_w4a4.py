@@ -72,18 +72,17 @@ def test_fake_quant_and_dequantize_are_bit_for_bit_the_jax_formats(fmt):
 
 
 def _quantize_tiny(name: str):
-    """A tiny random model of family ``name`` and W4A4 layers of every kind for its linears with d % 32 == 0:
+    """A tiny random model of family ``name`` and W4A4 layers of every kind for five of its linears (d % 32 == 0):
     Hadamard-32 MXFP4; a random KroQuant transform with a packed (LoRaQ) rank-32 branch; NVFP4 with an f32
     (SVDQuant) rank-4 branch; identity with MXFP4 RCEIL activations and EVEN weights."""
     family = families.get(name)
     model = family.build(TINY[name], seed=1)
     key = jax.random.key(0)
     qlayers = {}
-    for i, (path, linear) in enumerate(linears(model, quantizable_only=True).items()):
+    eligible = [(p, l) for p, l in linears(model, quantizable_only=True).items() if l.in_features % 32 == 0]
+    for i, (path, linear) in enumerate(eligible[:3] + eligible[-2:]):  # 5 layers (SANA: both 1x1 convs) keep it fast
         w = np.asarray(linear.kernel[...], np.float32).T  # (o, d)
         o, d = w.shape
-        if d % 32:
-            continue
         b = None if linear.bias is None else np.asarray(linear.bias[...], np.float32)
         key, k1, k2, k3 = jax.random.split(key, 4)
         kind = i % 4
@@ -151,7 +150,7 @@ def test_torch_w4a4_forward_matches_the_jax_w4a4_forward(tmp_path, name):
     transformer = torch_w4a4.load_w4a4_transformer(folder)
     assert type(transformer).__name__ == family.class_name
     replaced = {n: m for n, m in transformer.named_modules() if isinstance(m, torch_w4a4.W4A4Linear)}
-    assert sorted(replaced) == sorted(qlayers) and len(qlayers) >= 7
+    assert sorted(replaced) == sorted(qlayers) and len(qlayers) == 5
     assert {m.conv1x1 for m in replaced.values()} == ({False, True} if name == "sana" else {False})
 
     rng = np.random.default_rng(0)
