@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["W4A4Linear", "dequantize", "fake_quant", "load_w4a4_transformer"]
+__all__ = ["W4A4Linear", "dequantize", "fake_quant", "load_w4a4_transformer", "w4a4_layer_from_state"]
 
 #: The folder format this module reads (``models.quantized_checkpoint.FORMAT_VERSION``).
 FORMAT_VERSION = 2
@@ -215,14 +215,18 @@ class W4A4Linear(nn.Module):
     the last three optional.
 
     Args:
+      input_pad: zero columns appended to the input (a linear whose width is not a multiple of the block, padded to
+        it: ``QLinearConfig.input_pad``); the layer takes inputs of width ``in_features - input_pad``.
       conv1x1: the layer replaces a 1x1 ``nn.Conv2d`` (SANA's GLUMBConv): inputs ``(b, d, h, w)``, channels first.
     """
 
     def __init__(self, blocks: torch.Tensor, weight: torch.Tensor, act_fmt: Mapping[str, Any],
                  lowrank_left: torch.Tensor | None = None, lowrank_right: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, conv1x1: bool = False):
+                 bias: torch.Tensor | None = None, input_pad: int = 0, conv1x1: bool = False):
         super().__init__()
         out_features, in_features = weight.shape
+        if not 0 <= input_pad < in_features:
+            raise ValueError(f"input_pad={input_pad} must be in [0, {in_features})")
         nb, n, _ = blocks.shape
         if nb * n != in_features:
             raise ValueError(f"transform blocks {tuple(blocks.shape)} do not fit a weight {tuple(weight.shape)}")
@@ -236,6 +240,7 @@ class W4A4Linear(nn.Module):
         if bias is not None and tuple(bias.shape) != (out_features,):
             raise ValueError(f"bias {tuple(bias.shape)} does not fit a weight {tuple(weight.shape)}")
         self.in_features, self.out_features, self.conv1x1 = in_features, out_features, conv1x1
+        self.input_pad = input_pad
         self.act_fmt = dict(act_fmt)
         for name, value in (("blocks", blocks), ("weight", weight), ("lowrank_left", lowrank_left),
                             ("lowrank_right", lowrank_right), ("bias", bias)):
@@ -245,15 +250,20 @@ class W4A4Linear(nn.Module):
         value = getattr(self, name)
         return None if value is None else value.view(torch.float32)
 
+    @property
+    def input_width(self) -> int:
+        """The width of the inputs the layer takes (``in_features - input_pad``)."""
+        return self.in_features - self.input_pad
+
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """``(..., d)`` -> ``(..., o)`` in ``x.dtype`` (computed in f32)."""
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"W4A4Linear: input of shape {tuple(x.shape)} does not match in_features="
-                             f"{self.in_features}")
+        """``(..., in_features - input_pad)`` -> ``(..., o)`` in ``x.dtype`` (computed in f32)."""
+        if x.shape[-1] != self.input_width:
+            raise ValueError(f"W4A4Linear: input of shape {tuple(x.shape)} does not match its width "
+                             f"{self.input_width} (in_features={self.in_features}, input_pad={self.input_pad})")
         blocks = self._f32("blocks")
         nb, n, _ = blocks.shape
-        xb = x.to(torch.float32).reshape(*x.shape[:-1], nb, n)
-        xt = torch.einsum("...bi,bij->...bj", xb, blocks).reshape(x.shape)  # x T, (..., d)
+        x32 = nn.functional.pad(x.to(torch.float32), (0, self.input_pad))  # (..., in_features)
+        xt = torch.einsum("...bi,bij->...bj", x32.reshape(*x.shape[:-1], nb, n), blocks).reshape(x32.shape)  # x T
         y = torch.matmul(fake_quant(xt, self.act_fmt), self._f32("weight").T)  # (..., o)
         if self.lowrank_left is not None:
             y = y + torch.matmul(torch.matmul(xt, self._f32("lowrank_right").T), self._f32("lowrank_left").T)
@@ -268,8 +278,9 @@ class W4A4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         rank = 0 if self.lowrank_left is None else self.lowrank_left.shape[1]
+        pad = f", input_pad={self.input_pad}" if self.input_pad else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, act={self.act_fmt['name']}, "
-                f"rank={rank}, bias={self.bias is not None}{', conv1x1' if self.conv1x1 else ''}")
+                f"rank={rank}, bias={self.bias is not None}{pad}{', conv1x1' if self.conv1x1 else ''}")
 
 
 def _stored_array(state: Mapping[str, torch.Tensor], prefix: str, meta: Mapping[str, Any], name: str, where: str
@@ -286,11 +297,11 @@ def _stored_array(state: Mapping[str, torch.Tensor], prefix: str, meta: Mapping[
         raise ValueError(f"{where}: layer {name!r}, {name}/{prefix}: {err}") from None
 
 
-def _w4a4_layer(name: str, state: Mapping[str, torch.Tensor], info: Mapping[str, Any], where: str,
-                conv1x1: bool) -> W4A4Linear:
-    """The :class:`W4A4Linear` of layer ``name`` from its arrays (``kroquant_jax.qlinear.to_state``'s keys) and its
-    ``quantization_config.json`` entry."""
-    meta = info["meta"]
+def w4a4_layer_from_state(name: str, state: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
+                          where: str = "quantized.safetensors", conv1x1: bool = False) -> W4A4Linear:
+    """The :class:`W4A4Linear` of layer ``name`` from its arrays and metadata (``kroquant_jax.qlinear.to_state``'s
+    keys and ``meta``, as ``quantized.safetensors`` and ``quantization_config.json`` store them); ``where`` names
+    the file in errors."""
     config = meta["config"]
 
     def dense(key):
@@ -311,7 +322,8 @@ def _w4a4_layer(name: str, state: Mapping[str, torch.Tensor], info: Mapping[str,
         raise ValueError(f"{where}: layer {name!r}: weight {tuple(weight.shape)}, its config says {expected}")
     try:
         return W4A4Linear(dense("blocks"), weight, config["act_fmt"], left, right,
-                          dense("bias") if meta["has_bias"] else None, conv1x1=conv1x1)
+                          dense("bias") if meta["has_bias"] else None, input_pad=config.get("input_pad", 0),
+                          conv1x1=conv1x1)
     except ValueError as err:
         raise ValueError(f"{where}: layer {name!r}: {err}") from None
 
@@ -421,11 +433,11 @@ def load_w4a4_transformer(directory: str | os.PathLike, dtype: torch.dtype | Non
         if not (conv1x1 or isinstance(target, nn.Linear)):
             raise ValueError(f"quantized layer {name!r}: a {type(target).__name__}, not an nn.Linear of {class_name}")
         prefix = f"{name}/"
-        layer = _w4a4_layer(name, {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}, info,
-                            str(where), conv1x1)
+        layer = w4a4_layer_from_state(name, {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)},
+                                      info["meta"], str(where), conv1x1)
         widths = (target.in_channels, target.out_channels) if conv1x1 else (target.in_features, target.out_features)
-        if widths != (layer.in_features, layer.out_features):
-            raise ValueError(f"quantized layer {name!r}: (in, out) = {(layer.in_features, layer.out_features)}, "
+        if widths != (layer.input_width, layer.out_features):
+            raise ValueError(f"quantized layer {name!r}: (in, out) = {(layer.input_width, layer.out_features)}, "
                              f"{class_name}'s module has {widths}")
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)

@@ -230,3 +230,22 @@ def test_bad_folders_raise_naming_the_key_or_file(tmp_path):
         torch_w4a4.load_w4a4_transformer(diffusers_dir)
     with pytest.raises(ValueError, match="no such folder"):
         torch_w4a4.load_w4a4_transformer(tmp_path / "missing")
+
+
+def test_padded_layer_from_state_matches_jax():
+    """A linear of width 80 padded to 96 (``--unaligned pad``) as stored, run in torch on width-80 inputs."""
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((24, 80)) * 0.1).astype(np.float32)
+    w_pad, _, pad = qlinear.pad_to_block(w, None, 32)
+    layer = qlinear.with_input_pad(qlinear.build_qlinear(w_pad, np.ones(24, np.float32), transform="hadamard32"),
+                                   pad)
+    state, meta = qlinear.to_state(layer)
+    module = torch_w4a4.w4a4_layer_from_state("ff", {k: torch.from_numpy(np.array(v)) for k, v in state.items()},
+                                              meta)
+    assert module.input_pad == 16 and module.input_width == 80 and "input_pad=16" in repr(module)
+    x = rng.standard_normal((2, 3, 80)).astype(np.float32)
+    expected = np.asarray(qlinear.qlinear_forward(layer, jnp.asarray(x)))
+    np.testing.assert_allclose(module(torch.from_numpy(x)).numpy(), expected, rtol=1e-5,
+                               atol=1e-5 * np.abs(expected).max())
+    with pytest.raises(ValueError, match="does not match its width 80 \\(in_features=96, input_pad=16\\)"):
+        module(torch.zeros(2, 96))
