@@ -65,6 +65,41 @@ class QuantizedCheckpoint:
 
         return quantize_model.qlinear_overrides(self.qlayers, forward)
 
+    def served_overrides(self, options: Any = None) -> dict:
+        """The linear overrides that run the W4A4 layers served (``pallas_kernels.served``: prepared once with
+        ``options.strategy``, then its packed forward; ``options.impl`` None runs the compiled kernels on a GPU and the
+        jnp reference elsewhere). A padded layer (``QLinearConfig.input_pad``) gets its inputs zero-padded first.
+
+        Raises:
+          ValueError: naming a layer the strategy cannot serve (e.g. activations and weight in other formats).
+        """
+        import functools
+
+        import jax
+
+        from pallas_kernels import served
+
+        options = served.ServeOptions() if options is None else options
+        out = {}
+        for name, layer in self.qlayers.items():
+            try:
+                prepared = served.serve(layer, strategy=options.strategy)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"layer {name!r}: strategy {options.strategy!r} cannot serve it: {err}") from None
+            out[name] = jax.tree_util.Partial(functools.partial(_served_forward, options=options,
+                                                                pad=layer.config.input_pad), prepared)
+        return out
+
+
+def _served_forward(layer: Any, x: Any, *, options: Any, pad: int) -> Any:
+    import jax.numpy as jnp
+
+    from pallas_kernels import served
+
+    if pad:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])  # (..., in_features)
+    return served.forward(layer, x, options=options)
+
 
 def save_quantized_checkpoint(directory: str | os.PathLike, model: Any, qlayers: Mapping[str, Any], *,
                               recipe_name: str, recipe: Any, reports: Mapping[str, Mapping] | None = None,

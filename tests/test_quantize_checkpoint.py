@@ -190,8 +190,8 @@ def test_generate_runs_the_quantized_folder_alone(runs, tmp_path):
                            str(prompts), "--out", str(tmp_path / "g"), "--quiet"], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "2 prompt(s) generated with the W4A4 model (rtn, 10 quantized layers; dpm_solver_pp_2m, 2 steps)" in \
-        proc.stderr
+    assert ("2 prompt(s) generated with the W4A4 model (rtn, 10 quantized layers, simulate; dpm_solver_pp_2m, "
+            "2 steps)") in proc.stderr
     with np.load(tmp_path / "g" / "latents.npz") as generated, np.load(out / "samples-rtn.npz") as evaluated:
         assert generated["latents"].shape == (2, 4, 8, 8)
         assert generated["seeds"][1] == evaluated["seeds"][0]
