@@ -45,8 +45,8 @@ from kroquant_jax.formats import (MXFP4, QuantFormat, QuantizedArray, check_fini
 from kroquant_jax.fileio import atomic_write_bytes
 
 __all__ = ["QLinearConfig", "QuantizedLinear", "QLinearStore", "build_qlinear", "effective_weight", "load_qlinear",
-           "lowrank_factors", "qlinear_forward", "qlinear_from_factors", "random_kron_params", "random_qlinear",
-           "restore_orbax", "save_orbax", "save_qlinear"]
+           "lowrank_factors", "pad_to_block", "qlinear_forward", "qlinear_from_factors", "random_kron_params",
+           "random_qlinear", "restore_orbax", "save_orbax", "save_qlinear", "with_input_pad"]
 
 Path = Literal["simulate", "packed"]
 
@@ -62,6 +62,9 @@ class QLinearConfig:
       act_fmt: format of the activations ``Q(x T)`` (the weight's format is in ``weight.fmt``).
       rank: low-rank branch rank ``r`` (0: no branch).
       ste: STE rule of the simulated activation quantizer.
+      input_pad: zero columns appended to the input before the transform: the layer stands for a linear of input
+        width ``in_features - input_pad`` (not a multiple of the block) padded to ``in_features`` (see
+        :func:`pad_to_block`, :func:`with_input_pad`); ``0`` for an aligned linear.
     """
 
     in_features: int
@@ -70,6 +73,12 @@ class QLinearConfig:
     act_fmt: QuantFormat = MXFP4()
     rank: int = 0
     ste: str = "identity"
+    input_pad: int = 0
+
+    @property
+    def input_width(self) -> int:
+        """The width of the inputs the layer takes (``in_features - input_pad``)."""
+        return self.in_features - self.input_pad
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -171,16 +180,18 @@ def qlinear_forward(layer: QuantizedLinear, x: jax.Array, path: Path = "simulate
 
     Args:
       layer: the calibrated layer.
-      x: ``(..., d)`` activations (f32/bf16/f16); the result has ``x.dtype``, computed in f32.
+      x: ``(..., d)`` activations (f32/bf16/f16) with ``d = in_features - input_pad`` (zero-padded to
+        ``in_features`` first when the layer is padded); the result has ``x.dtype``, computed in f32.
       path: ``"simulate"`` (fake quant with STE, differentiable in ``x``) or ``"packed"`` (codes + scales).
 
     Returns:
       ``(..., o)``.
     """
     cfg = layer.config
-    if x.shape[-1] != cfg.in_features:
+    if x.shape[-1] != cfg.input_width:
+        padded = f", zero-padded by input_pad={cfg.input_pad}" if cfg.input_pad else ""
         raise ValueError(f"qlinear_forward: input of shape {x.shape} does not match the layer's in_features="
-                         f"{cfg.in_features} (out_features={cfg.out_features}, transform {cfg.transform!r})")
+                         f"{cfg.in_features}{padded} (out_features={cfg.out_features}, transform {cfg.transform!r})")
     if path not in ("simulate", "packed"):
         raise ValueError(f"qlinear_forward: path={path!r} must be 'simulate' or 'packed'")
     return _forward(layer, x, path)
@@ -189,7 +200,10 @@ def qlinear_forward(layer: QuantizedLinear, x: jax.Array, path: Path = "simulate
 @functools.partial(jax.jit, static_argnames="path")
 def _forward(layer: QuantizedLinear, x: jax.Array, path: Path) -> jax.Array:
     cfg = layer.config
-    xt = transforms.apply_to_activations(x.astype(jnp.float32), layer.blocks)  # (..., d)
+    x32 = x.astype(jnp.float32)
+    if cfg.input_pad:
+        x32 = jnp.pad(x32, [(0, 0)] * (x.ndim - 1) + [(0, cfg.input_pad)])  # (..., in_features)
+    xt = transforms.apply_to_activations(x32, layer.blocks)  # (..., d)
     if path == "simulate":
         xq = fake_quant(xt, cfg.act_fmt, ste=cfg.ste)
     elif path == "packed":
@@ -204,6 +218,39 @@ def _forward(layer: QuantizedLinear, x: jax.Array, path: Path) -> jax.Array:
     if layer.bias is not None:
         y = y + layer.bias
     return y.astype(x.dtype)
+
+
+def pad_to_block(weight: np.ndarray, activations: Optional[np.ndarray], block: int
+                 ) -> tuple[np.ndarray, Optional[np.ndarray], int]:
+    """A linear whose input width ``d`` is not a multiple of ``block``, zero-padded to the next multiple ``d'``.
+
+    Zero weight columns met by zero input columns leave ``x W^T`` unchanged, so the padded layer computes the same
+    linear map; the transform and the FP4 blocks then see whole blocks.
+
+    Args:
+      weight: ``W (o, d)``.
+      activations: ``(n, d)`` input rows, or None.
+      block: the format's block.
+
+    Returns:
+      ``(W (o, d'), activations (n, d') or None, d' - d)`` (float32).
+    """
+    w = np.asarray(weight, np.float32)
+    pad = -w.shape[1] % block
+    a = None if activations is None else np.asarray(activations, np.float32)
+    if a is not None and a.shape[-1] != w.shape[1]:
+        raise ValueError(f"pad_to_block: activations {a.shape} and weight {w.shape} disagree on d")
+    if pad == 0:
+        return w, a, 0
+    return (np.pad(w, [(0, 0), (0, pad)]), None if a is None else np.pad(a, [(0, 0), (0, pad)]), pad)
+
+
+def with_input_pad(layer: QuantizedLinear, pad: int) -> QuantizedLinear:
+    """``layer`` (calibrated on inputs zero-padded by ``pad`` columns, :func:`pad_to_block`) taking the unpadded
+    inputs: its forward pads them (``QLinearConfig.input_pad``)."""
+    if not 0 <= pad < layer.config.in_features:
+        raise ValueError(f"with_input_pad: pad={pad} must be in [0, in_features={layer.config.in_features})")
+    return dataclasses.replace(layer, config=dataclasses.replace(layer.config, input_pad=pad))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -285,7 +332,8 @@ def to_state(layer: QuantizedLinear) -> tuple[dict, dict]:
     cfg = layer.config
     state = {"blocks": np.asarray(layer.blocks, np.float32)}
     meta = {"config": {"in_features": cfg.in_features, "out_features": cfg.out_features, "transform": cfg.transform,
-                       "act_fmt": cfg.act_fmt.to_json(), "rank": cfg.rank, "ste": cfg.ste},
+                       "act_fmt": cfg.act_fmt.to_json(), "rank": cfg.rank, "ste": cfg.ste,
+                       "input_pad": cfg.input_pad},
             "weight": _qa_state("weight", layer.weight, state), "has_params": layer.transform_params is not None,
             "has_bias": layer.bias is not None, "lowrank": None}
     if layer.transform_params is not None:
@@ -308,7 +356,8 @@ def from_state(state: Mapping[str, np.ndarray], meta: dict) -> QuantizedLinear:
     """Inverse of :func:`to_state`."""
     c = meta["config"]
     cfg = QLinearConfig(in_features=c["in_features"], out_features=c["out_features"], transform=c["transform"],
-                        act_fmt=QuantFormat.from_json(c["act_fmt"]), rank=c["rank"], ste=c["ste"])
+                        act_fmt=QuantFormat.from_json(c["act_fmt"]), rank=c["rank"], ste=c["ste"],
+                        input_pad=c.get("input_pad", 0))
     params = None
     if meta["has_params"]:
         template = transforms.get(cfg.transform).init(cfg.in_features)

@@ -3,9 +3,11 @@
 Layout of a folder written by :func:`save_quantized_checkpoint` (format version :data:`FORMAT_VERSION`):
 
 * ``config.json``: the model's diffusers config (``_class_name`` picks the family, ``models.families``).
-* ``model.safetensors``: every parameter of the model *except* the quantized linears' ``kernel`` and ``bias``, keyed
-  by its Flax NNX dotted path (``pos_embed.proj.kernel``, ``transformer_blocks.0.norm1...``; the path of a linear is
-  its diffusers key prefix), in the model's dtype, Flax layout (a linear's ``kernel`` is ``(in, out)``).
+* ``model.safetensors``: the model's diffusers state dict (diffusers keys, torch layout: a linear's ``weight`` is
+  ``(out, in)``, exactly what the family's ``to_diffusers_state`` writes), in the model's dtype, *without* the
+  quantized linears' ``weight`` and ``bias`` (a linear's NNX path is its diffusers key prefix, so layer ``NAME``
+  replaces ``NAME.weight`` / ``NAME.bias``). JAX (``models.families``) and torch (``models.torch_w4a4``) read it
+  alike.
 * ``quantized.safetensors``: for every quantized linear ``NAME``, the arrays of
   :func:`kroquant_jax.qlinear.to_state` under ``NAME/KEY``: ``NAME/blocks`` (the transform's blocks ``(d/n, n, n)``),
   ``NAME/transform_params.I`` (the parameterization's leaves), ``NAME/weight.codes`` ``uint8 (o, d/2)`` and
@@ -14,7 +16,8 @@ Layout of a folder written by :func:`save_quantized_checkpoint` (format version 
   ``NAME/bias``.
 * ``quantization_config.json``: ``format_version``, ``numerics_version`` (:data:`kroquant_jax.provenance
   .NUMERICS_VERSION`), ``class_name``, ``weight_format``, ``recipe`` (name) and ``settings`` (every recipe setting,
-  dotted), ``layers`` (``{NAME: {"meta": to_state's metadata, "heldout_error": float}}``), ``left_16bit``
+  dotted), ``layers`` (``{NAME: {"meta": to_state's metadata, "replaces": {diffusers key: shape}, "heldout_error":
+  float}}``), ``left_16bit``
   (``{NAME: reason}``) and ``extra`` (the writer's notes, e.g. the sampler of its evaluation).
 
 :func:`load_quantized_checkpoint` rebuilds the model (the quantized linears' 16-bit kernels are zeros: they are never
@@ -35,7 +38,7 @@ import numpy as np
 
 __all__ = ["FORMAT_VERSION", "QuantizedCheckpoint", "load_quantized_checkpoint", "save_quantized_checkpoint"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclasses.dataclass
@@ -62,9 +65,40 @@ class QuantizedCheckpoint:
 
         return quantize_model.qlinear_overrides(self.qlayers, forward)
 
+    def served_overrides(self, options: Any = None) -> dict:
+        """The linear overrides that run the W4A4 layers served (``pallas_kernels.served``: prepared once with
+        ``options.strategy``, then its packed forward; ``options.impl`` None runs the compiled kernels on a GPU and the
+        jnp reference elsewhere). A padded layer (``QLinearConfig.input_pad``) gets its inputs zero-padded first.
 
-def _quantized_params(names) -> set[str]:
-    return {f"{n}.{p}" for n in names for p in ("kernel", "bias")}
+        Raises:
+          ValueError: naming a layer the strategy cannot serve (e.g. activations and weight in other formats).
+        """
+        import functools
+
+        import jax
+
+        from pallas_kernels import served
+
+        options = served.ServeOptions() if options is None else options
+        out = {}
+        for name, layer in self.qlayers.items():
+            try:
+                prepared = served.serve(layer, strategy=options.strategy)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"layer {name!r}: strategy {options.strategy!r} cannot serve it: {err}") from None
+            out[name] = jax.tree_util.Partial(functools.partial(_served_forward, options=options,
+                                                                pad=layer.config.input_pad), prepared)
+        return out
+
+
+def _served_forward(layer: Any, x: Any, *, options: Any, pad: int) -> Any:
+    import jax.numpy as jnp
+
+    from pallas_kernels import served
+
+    if pad:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])  # (..., in_features)
+    return served.forward(layer, x, options=options)
 
 
 def save_quantized_checkpoint(directory: str | os.PathLike, model: Any, qlayers: Mapping[str, Any], *,
@@ -87,19 +121,23 @@ def save_quantized_checkpoint(directory: str | os.PathLike, model: Any, qlayers:
     from models import convert, families
     from models.layers import linears
 
-    diffusers_config = families.family_of(model).config_of(model).to_diffusers_config()
+    family = families.family_of(model)
+    diffusers_config = family.config_of(model).to_diffusers_config()
     available = linears(model)
     unknown = [n for n in qlayers if n not in available]
     if unknown:
         raise ValueError(f"quantized layer {unknown[0]!r} is not a linear of the model (e.g. {sorted(available)[:3]})")
-    skip = _quantized_params(qlayers)
-    params = {k: np.ascontiguousarray(np.asarray(v)) for k, v in convert.flat_state_dict(model).items()
-              if k not in skip}
+    params = {k: np.ascontiguousarray(v) for k, v in family.to_diffusers_state(model).items()}
     arrays, layers = {}, {}
     for name, layer in qlayers.items():
+        replaced = {k: list(params[k].shape) for k in (f"{name}.weight", f"{name}.bias") if k in params}
+        if f"{name}.weight" not in replaced:
+            raise ValueError(f"quantized layer {name!r}: no diffusers key {name}.weight in the model's state")
+        for key in replaced:
+            del params[key]
         state, meta = qlinear.to_state(layer)
         arrays.update({f"{name}/{k}": np.ascontiguousarray(v) for k, v in state.items()})
-        layers[name] = {"meta": meta}
+        layers[name] = {"meta": meta, "replaces": replaced}
         if reports and name in reports and reports[name].get("heldout_error") is not None:
             layers[name]["heldout_error"] = float(reports[name]["heldout_error"])
     first = next(iter(qlayers.values()), None)
@@ -113,7 +151,7 @@ def save_quantized_checkpoint(directory: str | os.PathLike, model: Any, qlayers:
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
         atomic_write_json(tmp / "config.json", diffusers_config)
-        convert.write_safetensors(tmp / "model.safetensors", params, metadata={"format": "kroquant-flax-params"})
+        convert.write_safetensors(tmp / "model.safetensors", params, metadata={"format": "kroquant-diffusers-params"})
         convert.write_safetensors(tmp / "quantized.safetensors", arrays, metadata={"format": "kroquant-qlinears"})
         atomic_write_json(tmp / "quantization_config.json", json.loads(json.dumps(config, default=float)))
         publishable(tmp)
@@ -133,7 +171,8 @@ def load_quantized_checkpoint(directory: str | os.PathLike, dtype: Any = None) -
       dtype: the model's dtype (default: the stored parameters' dtype).
 
     Raises:
-      ValueError: a missing file, another format version, or parameters that do not fit the config (named).
+      ValueError: a missing file or another format version (named). convert.ConversionError: parameters that do not
+        fit the config (every missing, unexpected and mis-shaped key).
     """
     from kroquant_jax import qlinear
     from models import convert, families
@@ -149,23 +188,20 @@ def load_quantized_checkpoint(directory: str | os.PathLike, dtype: Any = None) -
     config = json.loads((directory / "config.json").read_text())
     family = families.detect(config, str(directory / "config.json"))
     cfg = family.config_from_diffusers(config)
-    params = convert.read_safetensors(directory / "model.safetensors")
-    stored_dtype = next((v.dtype for v in params.values() if np.issubdtype(v.dtype, np.floating)), np.float32)
+    state = convert.read_safetensors(directory / "model.safetensors")
+    stored_dtype = next((v.dtype for v in state.values() if np.issubdtype(v.dtype, np.floating)), np.float32)
     np_dtype = convert.resolve_dtype(dtype) if dtype is not None else stored_dtype
-    build = lambda: family.construct(cfg, np_dtype)  # noqa: E731
-    shapes = convert.abstract_shapes(build)
     names = list(qconfig["layers"])
-    for key in sorted(_quantized_params(names)):
-        if key in shapes:
-            params[key] = np.zeros(shapes[key], np_dtype)  # placeholder: the W4A4 layer replaces this linear
-    params = {k: v.astype(np_dtype) if np.issubdtype(v.dtype, np.floating) else v for k, v in params.items()}
-    model = convert.merge_flat_state(build, params)
+    for name in names:
+        for key, shape in qconfig["layers"][name]["replaces"].items():
+            state[key] = np.zeros(shape, stored_dtype)  # placeholder: the W4A4 layer replaces this linear
+    model = family.from_diffusers_state(state, cfg, np_dtype)
     qlayers = {}
     arrays = convert.read_safetensors(directory / "quantized.safetensors")
     for name in names:
         prefix = f"{name}/"
-        state = {k[len(prefix):]: np.asarray(v) for k, v in arrays.items() if k.startswith(prefix)}
-        if not state:
+        layer_state = {k[len(prefix):]: np.asarray(v) for k, v in arrays.items() if k.startswith(prefix)}
+        if not layer_state:
             raise ValueError(f"{directory / 'quantized.safetensors'}: no arrays for layer {name!r}")
-        qlayers[name] = qlinear.from_state(state, qconfig["layers"][name]["meta"])
+        qlayers[name] = qlinear.from_state(layer_state, qconfig["layers"][name]["meta"])
     return QuantizedCheckpoint(family=family.name, cfg=cfg, model=model, qlayers=qlayers, config=qconfig)

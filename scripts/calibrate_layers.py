@@ -12,10 +12,14 @@ Examples::
     kroquant calibrate --synthetic dit --out runs/calib_synthetic
     # a captured layer set (models.capture / layerset.save_layer_set), a subset of methods, a resumable store
     kroquant calibrate --layers pixart_layers.npz --methods rtn kroquant kroquant+loraq --store runs/st
-    # quick CPU check
+    # quick check (seconds): the first layer of each shape, 3 methods, few steps and rows
     kroquant calibrate --synthetic tiny --fast
     # keep the compiled programs for the next run with the same shapes and settings (JAX's persistent cache)
     kroquant calibrate --synthetic dit --compile-cache ~/.cache/kroquant-jax
+
+``--fast`` is a smoke test, not a measurement: only the first layer of each weight shape, the methods rtn, hadamard32
+and kroquant unless ``--methods`` names others, 20 calibration steps, 128 + 32 + 64 rows, LoRaQ 30 + 10 steps at rank
+<= 32, a 5 x 5 SmoothQuant grid (any of these given explicitly wins); it prints what it kept.
 
 A ``--store`` folder is resumed only where its layers were computed from the same inputs and settings (each stored
 layer carries their fingerprint); otherwise the run is refused with the layer and what changed, unless ``--overwrite``.
@@ -43,6 +47,7 @@ EXAMPLES = ("--synthetic dit --out runs/calib_synthetic",
             "--layers pixart_layers.npz --methods rtn kroquant kroquant+loraq --store runs/st",
             "--synthetic tiny --fast")
 
+FAST_METHODS = ("rtn", "hadamard32", "kroquant")
 ALL_METHODS = ("rtn", "smoothquant", "hadamard32", "kroquant", "smoothed_kroquant", "rtn+loraq", "smoothquant+loraq",
                "hadamard32+loraq", "kroquant+loraq", "smoothed_kroquant+loraq", "svdquant")
 
@@ -121,11 +126,14 @@ def main(argv=None):
     src.add_argument("--layers", help="layer set file (.npz / .safetensors)")
     src.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="synthetic DiT-like layers")
     ap.add_argument("--synthetic-rows", type=positive_int, default=1536, help="activation rows per synthetic layer")
-    ap.add_argument("--methods", nargs="+", default=list(ALL_METHODS),
-                    help="recipes to compare, a low-rank one optionally with its own rank: kroquant+loraq@64")
+    ap.add_argument("--methods", nargs="+",
+                    help="recipes to compare, a low-rank one optionally with its own rank: kroquant+loraq@64 "
+                    f"(default: all {len(ALL_METHODS)}; with --fast: {' '.join(FAST_METHODS)})")
     ap.add_argument("--seed", type=int, default=0, help="seed of the row draws (and the synthetic layers)")
     calibrate.add_recipe_arguments(ap)
-    ap.add_argument("--fast", action="store_true", help="few steps, small rank and grid (a quick check)")
+    ap.add_argument("--fast", action="store_true",
+                    help="a smoke test in seconds: the first layer of each shape, 3 methods, 20 steps, 128 + 32 + 64 "
+                    "rows, LoRaQ rank <= 32 with 30 + 10 steps, a 5 x 5 SmoothQuant grid (explicit flags win)")
     ap.add_argument("--store", default=None, help="folder of resumable per-method stores")
     ap.add_argument("--overwrite", action="store_true",
                     help="recompute the layers of --store instead of refusing ones computed from other inputs")
@@ -138,9 +146,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.compile_cache:
         calibrate.enable_compile_cache(args.compile_cache)
-    if args.fast:
-        args.calib_steps, args.loraq_steps, args.rotation_steps, args.sq_grid = 20, 30, 10, 5
-        args.rank = 32 if args.rank is None else min(args.rank, 32)
+    if args.fast:  # each setting only where the user did not choose it
+        fast = {"calib_steps": 20, "loraq_steps": 30, "rotation_steps": 10, "sq_grid": 5, "calib_rows": 128,
+                "calib_validation": 32, "calib_test": 64, "rank": 32, "methods": list(FAST_METHODS)}
+        for key, value in fast.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+    if args.methods is None:
+        args.methods = list(ALL_METHODS)
     try:  # bad method names fail before any work
         recipes = {m: calibrate.recipe_from_args(m, args, seed=args.seed, progress=args.progress)
                    for m in args.methods}
@@ -153,6 +166,12 @@ def main(argv=None):
     else:
         layers = synthetic.synthetic_layer_set(SYNTHETIC[args.synthetic], n=args.synthetic_rows, seed=args.seed)
         source = f"synthetic:{args.synthetic}"
+    if args.fast:
+        kept = [group[0] for group in layerset.group_by_shape({n: layers[n][0] for n in layers}).values()]
+        layers = {n: layers[n] for n in layers if n in kept}
+        print(f"--fast: {len(layers)} layer(s), the first of each weight shape, methods {' '.join(args.methods)}; "
+              f"steps {args.calib_steps}, rows {args.calib_rows}+{args.calib_validation}+{args.calib_test} "
+              "(a smoke test, not a measurement)", file=sys.stderr)
     names = list(layers)
     dev = jax.local_devices()[0]
     meta = {"source": source, "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),

@@ -4,8 +4,11 @@
 
 Loads the self-contained folder (``models.quantized_checkpoint``: config, 16-bit weights, packed W4A4 layers), runs
 the family's sampler (by default the one recorded when the folder was written) with the W4A4 layers through their
-simulated path (``kroquant_jax.qlinear.qlinear_forward(path="simulate")``: the fake-quantized eq. 11, any device) and
-writes ``latents.npz`` (``latents (P, c, H, W)``, ``seeds (P,)``) to ``--out``; with ``--vae DIR`` (a diffusers
+simulated path (``--strategy simulate``, the default on a CPU: ``kroquant_jax.qlinear.qlinear_forward(path=
+"simulate")``, the fake-quantized eq. 11 in f32) or served (``--strategy dequant|kernel|mgpu|fp8|fp8_w4a8``, the
+default ``dequant`` on a GPU: ``pallas_kernels.served``, packed codes, bf16 activations; ``--impl`` picks the
+compiled kernels, the Pallas interpreter or the jnp reference, by default the kernels on a GPU and the reference
+elsewhere) and writes ``latents.npz`` (``latents (P, c, H, W)``, ``seeds (P,)``) to ``--out``; with ``--vae DIR`` (a diffusers
 AutoencoderKL folder, torch side) also ``images/w4a4_XXXX.png``. The prompt file has the layout of
 ``kroquant quantize-checkpoint --embeddings`` (``models.diffusers_io.encode_prompts``).
 """
@@ -45,6 +48,12 @@ def _parse(argv):
                         "of quantize-checkpoint's evaluation)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="model dtype (default: the stored one)")
+    parser.add_argument("--strategy", help="how the W4A4 layers run: simulate (fake quant, f32) or a served strategy "
+                        "of pallas_kernels.served (dequant, kernel, mgpu, fp8, fp8_w4a8) (default: simulate on a CPU, "
+                        "dequant on a GPU)")
+    parser.add_argument("--impl", choices=("pallas", "interpret", "reference"),
+                        help="served strategies: compiled Pallas kernels, the Pallas interpreter or the jnp reference "
+                        "(default: the kernels on a GPU, the reference elsewhere)")
     parser.add_argument("--vae", help="diffusers AutoencoderKL directory: decode the latents to PNGs (torch)")
     add_quiet(parser)
     args = parser.parse_args(argv)
@@ -67,6 +76,18 @@ def main(argv: list[str] | None = None) -> dict:
     from models import families
     from scripts.quantize_checkpoint import prompt_arrays, prompt_batches
 
+    from pallas_kernels import served
+
+    strategy = args.strategy or ("simulate" if jax.default_backend() == "cpu" else served.DEFAULT_STRATEGY)
+    if strategy not in ("simulate", *served.strategy_names()):
+        raise UserError(f"--strategy {strategy}: not simulate or a served strategy "
+                        f"({', '.join(served.strategy_names())})")
+    if strategy == "simulate" and args.impl:
+        raise UserError(f"--impl {args.impl} applies to served strategies, not --strategy simulate")
+    try:
+        options = None if strategy == "simulate" else served.ServeOptions(strategy=strategy, impl=args.impl)
+    except ValueError as err:
+        raise UserError(f"--strategy {strategy} --impl {args.impl}: {err}") from None
     loaded = load_quantized_checkpoint(args.checkpoint, args.dtype)
     recorded = loaded.config.get("extra", {})
     steps = args.steps or recorded.get("steps") or 20
@@ -82,7 +103,10 @@ def main(argv: list[str] | None = None) -> dict:
     graphdef, state = nnx.split(loaded.model)
     sample = jax.jit(family.make_sampler(graphdef, loaded.cfg, num_steps=steps, guidance_scale=guidance,
                                          latent_hw=latent_hw, shift=shift, solver=solver))
-    overrides = loaded.overrides()
+    try:
+        overrides = loaded.overrides() if options is None else loaded.served_overrides(options)
+    except ValueError as err:
+        raise UserError(f"--strategy {strategy}: {err}") from None
     indices = list(range(arrays["context"].shape[0]))
     latents, seeds = [], []
     for index, batch in tqdm(zip(indices, prompt_batches(arrays, indices, 1, dtype)), total=len(indices),
@@ -100,8 +124,9 @@ def main(argv: list[str] | None = None) -> dict:
         images = diffusers_io.decode_latents(args.vae, np.stack(latents), loaded.family)
         diffusers_io.save_pngs(images, out / "images", "w4a4_")
     print(f"{loaded.family}: {len(latents)} prompt(s) generated with the W4A4 model ({loaded.config['recipe']}, "
-          f"{len(loaded.qlayers)} quantized layers; {solver}, {steps} steps); outputs in {out}", file=sys.stderr)
-    return {"family": loaded.family, "solver": solver, "shift": shift, "steps": steps, "latent_hw": list(latent_hw),
+          f"{len(loaded.qlayers)} quantized layers, {strategy}; {solver}, {steps} steps); outputs in {out}",
+          file=sys.stderr)
+    return {"family": loaded.family, "strategy": strategy, "solver": solver, "shift": shift, "steps": steps, "latent_hw": list(latent_hw),
             "prompts": len(latents), "out": str(out)}
 
 

@@ -14,12 +14,14 @@ random embeddings (``--synthetic-prompts``).
 Everything that can be checked from the arguments and the model's config is checked before the capture (recipe name,
 low-rank rank vs ``min(o, d)``, a writable ``--out``, the prompt file, counts >= 1). Linears whose input width is not
 a multiple of the format's block (SANA's ``mlp_ratio 2.5`` gives d = 80 in some layers) stay 16-bit and are listed in
-the report (``left_16bit``).
+the report (``left_16bit``), or with ``--unaligned pad`` are quantized with their weight columns and captured inputs
+zero-padded to the next multiple (the padded layer computes the same linear map; its forward pads its inputs) and
+listed in the report (``padded``).
 
 Outputs in OUT (each file written atomically; RECIPE is the recipe name with ``+`` -> ``_``):
-``layer_set.safetensors`` + ``layer_set.json`` (the captured layer set and the capture settings it came from; a rerun
-with the same settings reuses it; ``--layer-set`` reuses another one, refused unless its weights are
-``--checkpoint``'s), ``qlayers-RECIPE/`` (the resumable per-layer store of ``kroquant_jax.calibrate``, each layer
+``layer_set.safetensors`` + ``layer_set.json`` (the captured layer set, padded layers padded, and the capture settings
+it came from; a rerun with the same settings reuses it; ``--layer-set`` reuses another one, refused unless its weights
+are ``--checkpoint``'s), ``qlayers-RECIPE/`` (the resumable per-layer store of ``kroquant_jax.calibrate``, each layer
 with the fingerprint of its inputs: a rerun resumes the layers whose weight, activations and recipe settings match
 and refuses the folder, naming the layer and what changed, when they do not, unless ``--overwrite``),
 ``quantized-RECIPE/`` (the self-contained quantized checkpoint of ``models.quantized_checkpoint``: config, 16-bit
@@ -85,9 +87,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "both models and not captured (unless there are no more than N prompts)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype")
     parser.add_argument("--seed", type=int, default=0, help="seed of the noise and the row draws")
-    parser.add_argument("--unaligned", default="keep-16bit", choices=("keep-16bit",),
+    parser.add_argument("--unaligned", default="keep-16bit", choices=("keep-16bit", "pad"),
                         help="linears whose input width is not a multiple of the format's block (32): keep-16bit "
-                        "leaves them unquantized and lists them in the report")
+                        "leaves them unquantized, pad zero-pads their weight and inputs to the block and quantizes "
+                        "them; both are listed in the report")
     parser.add_argument("--overwrite", action="store_true",
                         help="recompute everything in --out instead of refusing results made from other inputs")
     parser.add_argument("--vae", help="diffusers AutoencoderKL directory: decode the latents to PNGs (torch)")
@@ -147,40 +150,59 @@ def build_recipe(args):
         raise UserError(f"--recipe: {err}") from None
 
 
-def plan_layers(model, recipe, recipe_name: str) -> tuple[dict[str, tuple[np.ndarray, np.ndarray | None]],
-                                                          dict[str, str]]:
+def plan_layers(model, recipe, recipe_name: str, unaligned: str = "keep-16bit"
+                ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray | None]], dict[str, str], dict[str, int]]:
     """Which quantizable linears the recipe quantizes, checked from the model before any capture.
 
-    Returns ``({name: (W (o, d) float32, bias (o,) | None)}`` of the layers to quantize, ``{name: reason}`` of those
-    left 16-bit: an input width ``d`` that is not a multiple of the format's block). Raises a :class:`UserError`
-    naming the layer if the recipe's low-rank branch does not fit it (``rank > min(o, d)``, or a LoRaQ rank that is
-    not a multiple of the block).
+    Args:
+      unaligned: what to do with a linear whose input width ``d`` is not a multiple of the format's block:
+        ``"keep-16bit"`` (leave it) or ``"pad"`` (quantize it zero-padded to the block).
+
+    Returns ``({name: (W (o, d) float32, bias (o,) | None)}`` of the layers to quantize (unpadded), ``{name: reason}``
+    of those left 16-bit, ``{name: zero columns}`` of those padded). Raises a :class:`UserError` naming the layer if
+    the recipe's low-rank branch does not fit it (``rank > min(o, d)``, or a LoRaQ rank that is not a multiple of
+    the block).
     """
     from kroquant_jax import lowrank
     from models.layers import linears
 
     block = recipe.calibration.objective.fmt.block_size
-    quantized, left = {}, {}
+    quantized, left, pads = {}, {}, {}
     for name, layer in linears(model, quantizable_only=True).items():
         weight = np.asarray(layer.kernel[...], np.float32).T  # (o, d)
         o, d = weight.shape
         if d % block:
-            left[name] = f"input width {d} is not a multiple of the block {block}"
-            continue
+            if unaligned != "pad":
+                left[name] = f"input width {d} is not a multiple of the block {block}"
+                continue
+            pads[name] = -d % block
         if recipe.lowrank is not None:
             cfg = (recipe.loraq or lowrank.LoRaQConfig()) if recipe.lowrank == "loraq" else (
                 recipe.svdquant or lowrank.SVDQuantConfig())
             fmt = cfg.fmt if recipe.lowrank == "loraq" and cfg.quantize_branch else None
             try:
-                rank = lowrank.resolve_rank(cfg.rank, weight.shape, fmt and fmt.block_size, name)
-                lowrank.check_rank(name, weight.shape, rank, fmt)
+                shape = (o, d + pads.get(name, 0))
+                rank = lowrank.resolve_rank(cfg.rank, shape, fmt and fmt.block_size, name)
+                lowrank.check_rank(name, shape, rank, fmt)
             except ValueError as err:
                 raise UserError(f"--recipe {recipe_name}: {err}") from None
         quantized[name] = (weight, None if layer.bias is None else np.asarray(layer.bias[...], np.float32))
     if not quantized:
         raise UserError(f"no quantizable linear has an input width that is a multiple of {block} "
                         f"({len(left)} left 16-bit)")
-    return quantized, left
+    return quantized, left, pads
+
+
+def pad_layer_set(layer_set, pads: dict[str, int], block: int) -> dict:
+    """The layer set with the layers of ``pads`` zero-padded to the block (``kroquant_jax.qlinear.pad_to_block``)."""
+    from kroquant_jax.qlinear import pad_to_block
+
+    out = dict(layer_set)
+    for name in pads:
+        weight, bias, activations = layer_set[name]
+        weight, activations, _ = pad_to_block(weight, activations, block)
+        out[name] = (weight, bias, activations)
+    return out
 
 
 def check_layer_set(layer_set: dict, weights: dict, source: str, checkpoint: str) -> None:
@@ -313,7 +335,10 @@ def main(argv: list[str] | None = None) -> dict:
     arrays = prompt_arrays(args, family, cfg)
     dtype = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))[0].dtype
     count = arrays["context"].shape[0]
-    weights, left_16bit = plan_layers(model, recipe, args.recipe)
+    weights, left_16bit, pads = plan_layers(model, recipe, args.recipe, args.unaligned)
+    block = recipe.calibration.objective.fmt.block_size
+    widths = {n: weights[n][0].shape[1] for n in pads}
+    weights = {n: (qlinear.pad_to_block(w, None, block)[0], b) for n, (w, b) in weights.items()}  # what is calibrated
     names = list(weights)
     eval_count = min(args.eval_prompts, count)
     capture_indices = list(range(count - eval_count)) if count > eval_count else list(range(count))
@@ -349,12 +374,13 @@ def main(argv: list[str] | None = None) -> dict:
                                                seed=args.seed, shift=args.shift, solver=args.solver,
                                                layers=tuple(names), progress=not args.quiet)
         batches = prompt_batches(arrays, capture_indices, args.batch_size, dtype)
-        layer_set = capture.capture_layer_set(family, model, batches, capture_config)
+        layer_set = pad_layer_set(capture.capture_layer_set(family, model, batches, capture_config), pads, block)
         save_layer_set(str(cached), layer_set)
         atomic_write_json(cached_key, settings)
 
     # 2. calibrate (resumable store), 3. save the quantized layers
     qlayers, reports = quantize_with_store(layer_set, recipe, store, args.overwrite, "--out")
+    qlayers = {n: qlinear.with_input_pad(q, pads.get(n, 0)) for n, q in qlayers.items()}
     resumed = sum(bool(r.get("resumed")) for r in reports.values())
     from models.quantized_checkpoint import save_quantized_checkpoint
     save_quantized_checkpoint(out / f"quantized-{tag}", model, qlayers, recipe_name=args.recipe, recipe=recipe,
@@ -398,12 +424,14 @@ def main(argv: list[str] | None = None) -> dict:
               "solver": solver, "shift": shift,
               "guidance": args.guidance, "latent_hw": list(args.latent_hw), "layers": len(qlayers),
               "layers_resumed": resumed, "left_16bit": left_16bit,
+              "padded": {n: f"input width {widths[n]} zero-padded to {widths[n] + p}" for n, p in pads.items()},
               "prompts_captured": len(capture_indices), "per_prompt": per_prompt,
               "mean_latent_psnr_db": float(np.mean([p["latent_psnr_db"] for p in per_prompt])),
               "heldout_error": heldout}
     report_path = out / f"report-{tag}.json"
     _atomic_write(report_path, json.dumps(report, indent=2, default=float).encode("utf-8"))
     left = f"; {len(left_16bit)} left 16-bit (see the report)" if left_16bit else ""
+    left += f"; {len(pads)} zero-padded to the block (see the report)" if pads else ""
     print(f"{family.name}: {len(qlayers)} layers quantized with {args.recipe}{left}; mean latent PSNR W4A4 vs 16-bit "
           f"{report['mean_latent_psnr_db']:.2f} dB over {eval_count} prompt(s); outputs in {out}", file=sys.stderr)
     return report

@@ -107,3 +107,20 @@ def test_calibrate_cli_rejects_an_unknown_method_before_any_work(tmp_path, capsy
         calibrate_layers.main(["--synthetic", "tiny", "--methods", "rtn", "kroquant@32", "--out", str(tmp_path)])
     assert "low-rank branch" in capsys.readouterr().err
     assert not os.listdir(tmp_path)
+
+
+def test_fast_keeps_the_first_layer_of_each_shape_and_says_so(tmp_path, capsys):
+    from kroquant_jax import layerset, synthetic
+    from scripts import calibrate_layers
+
+    shapes = {"a.to_q": (64, 64), "a.to_k": (64, 64), "a.ff": (128, 64), "b.to_q": (64, 64), "b.ff": (128, 64)}
+    path = tmp_path / "layers.safetensors"
+    layerset.save_layer_set(str(path), synthetic.synthetic_layer_set(shapes, n=400, seed=1))
+    errors = calibrate_layers.main(["--layers", str(path), "--fast", "--methods", "rtn", "--calib-rows", "100",
+                                    "--out", str(tmp_path / "cal")])
+    assert list(errors) == ["rtn"] and list(errors["rtn"]) == ["a.ff", "a.to_k"]  # the file stores names sorted
+    assert "--fast: 2 layer(s), the first of each weight shape, methods rtn; steps 20, rows 100+32+64 (a smoke " \
+           "test, not a measurement)" in capsys.readouterr().err
+    args = json.loads((tmp_path / "cal" / "results.json").read_text())["meta"]["args"]
+    assert (args["calib_rows"], args["calib_test"], args["rank"], args["methods"]) == (100, 64, 32, ["rtn"])
+    assert calibrate_layers.FAST_METHODS == ("rtn", "hadamard32", "kroquant")

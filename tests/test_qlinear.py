@@ -168,3 +168,36 @@ def test_qlinear_from_factors_is_build_qlinear_bit_for_bit():
     w_tilde2 = transforms.apply_to_weights(w, transforms.get("kron_lu").inverse_blocks(params2))
     two = qlinear.qlinear_from_factors(w, params2, *qlinear.lowrank_factors(w_tilde2, k_lr, 32))
     np.testing.assert_array_equal(np.asarray(one.weight.codes), np.asarray(two.weight.codes))
+
+
+def test_padded_layer_computes_the_unaligned_linear(tmp_path):
+    """A linear of width 80 zero-padded to 96 (``pad_to_block`` + ``with_input_pad``) takes width-80 inputs, gives
+    the padded layer's output on zero-padded inputs bit for bit, approximates ``x W^T + b`` like an aligned layer,
+    and keeps its padding through storage."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((40, 80)) * 0.1).astype(np.float32)
+    b = rng.standard_normal(40).astype(np.float32)
+    a = rng.standard_normal((6, 80)).astype(np.float32)
+    w_pad, a_pad, pad = qlinear.pad_to_block(w, a, 32)
+    assert pad == 16 and w_pad.shape == (40, 96) and a_pad.shape == (6, 96)
+    np.testing.assert_array_equal(w_pad[:, 80:], 0.0)
+    np.testing.assert_array_equal(a_pad[:, :80], a)
+    inner = qlinear.build_qlinear(w_pad, b, transform="hadamard32")
+    layer = qlinear.with_input_pad(inner, pad)
+    assert layer.config.input_width == 80 and layer.config.in_features == 96
+    x = jnp.asarray(a)
+    y = qlinear.qlinear_forward(layer, x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(qlinear.qlinear_forward(inner, jnp.asarray(a_pad))))
+    exact = a @ w.T + b
+    assert np.linalg.norm(np.asarray(y) - exact) / np.linalg.norm(exact) < 0.2
+    with pytest.raises(ValueError, match="in_features=96, zero-padded by input_pad=16"):
+        qlinear.qlinear_forward(layer, jnp.asarray(a_pad))
+    qlinear.save_qlinear(str(tmp_path / "l.safetensors"), layer)
+    back, _ = qlinear.load_qlinear(str(tmp_path / "l.safetensors"))
+    assert back.config == layer.config
+    state, meta = qlinear.to_state(inner)
+    del meta["config"]["input_pad"]  # a layer stored before padding existed
+    assert qlinear.from_state(state, meta).config.input_pad == 0
+    assert qlinear.pad_to_block(w_pad, None, 32)[2] == 0
+    with pytest.raises(ValueError, match="pad=96 must be in"):
+        qlinear.with_input_pad(inner, 96)

@@ -1,6 +1,7 @@
 """`kroquant quantize-checkpoint` on tiny random checkpoints: stale results are refused (naming the layer and what
 changed), --overwrite recomputes, a matching rerun resumes and says so; everything checkable is checked before the
-capture; linears whose width is not a multiple of 32 stay 16-bit and are listed."""
+capture; linears whose width is not a multiple of 32 stay 16-bit or are zero-padded (--unaligned pad), and are
+listed."""
 
 import json
 import os
@@ -14,6 +15,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 from models import families, pixart, sana
+from models.quantized_checkpoint import load_quantized_checkpoint
 from scripts import cli, quantize_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,7 +156,17 @@ def test_unaligned_linears_stay_16bit_and_are_listed(tmp_path):
     assert report["left_16bit"] == {
         "transformer_blocks.0.ff.conv_point": "input width 80 is not a multiple of the block 32"}
     assert "transformer_blocks.0.ff.conv_point" not in report["heldout_error"] and report["layers"] >= 1
-    assert report["solver"] == "flow_euler" and report["shift"] == 3.0
+    assert report["solver"] == "flow_euler" and report["shift"] == 3.0 and report["padded"] == {}
+
+    padded = quantize_checkpoint.main(["--checkpoint", str(tmp_path / "sana"), "--out", str(tmp_path / "p"), *TINY,
+                                       "--unaligned", "pad"])
+    assert padded["left_16bit"] == {} and padded["layers"] == report["layers"] + 1
+    assert padded["padded"] == {"transformer_blocks.0.ff.conv_point": "input width 80 zero-padded to 96"}
+    assert padded["heldout_error"]["transformer_blocks.0.ff.conv_point"] < 1.0
+    assert padded["mean_latent_psnr_db"] > 0
+    loaded = load_quantized_checkpoint(tmp_path / "p" / "quantized-rtn")
+    config = loaded.qlayers["transformer_blocks.0.ff.conv_point"].config
+    assert (config.in_features, config.input_pad) == (96, 16)
 
 
 def test_generate_runs_the_quantized_folder_alone(runs, tmp_path):
@@ -178,8 +190,8 @@ def test_generate_runs_the_quantized_folder_alone(runs, tmp_path):
                            str(prompts), "--out", str(tmp_path / "g"), "--quiet"], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "2 prompt(s) generated with the W4A4 model (rtn, 10 quantized layers; dpm_solver_pp_2m, 2 steps)" in \
-        proc.stderr
+    assert ("2 prompt(s) generated with the W4A4 model (rtn, 10 quantized layers, simulate; dpm_solver_pp_2m, "
+            "2 steps)") in proc.stderr
     with np.load(tmp_path / "g" / "latents.npz") as generated, np.load(out / "samples-rtn.npz") as evaluated:
         assert generated["latents"].shape == (2, 4, 8, 8)
         assert generated["seeds"][1] == evaluated["seeds"][0]

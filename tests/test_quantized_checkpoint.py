@@ -82,3 +82,37 @@ def test_load_names_what_is_missing(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="no model.safetensors \\(not a quantized checkpoint folder"):
         load_quantized_checkpoint(tmp_path)
+
+
+def test_generate_runs_a_served_strategy(tmp_path):
+    """`kroquant generate --strategy dequant` (pallas_kernels.served, its jnp reference on the CPU) samples close to
+    the simulated path; bad --strategy / --impl choices are one-line errors."""
+    from scripts import generate
+    from scripts.common_args import UserError
+
+    module, cfg = MODELS["pixart"]
+    model = module.build(cfg, seed=2)
+    rng = np.random.default_rng(1)
+    layer_set = {}
+    for name, layer in list(linears(model, quantizable_only=True).items())[:4]:
+        w = np.asarray(layer.kernel[...], np.float32).T
+        b = None if layer.bias is None else np.asarray(layer.bias[...], np.float32)
+        layer_set[name] = (w, b, rng.standard_normal((40, w.shape[1])).astype(np.float32))
+    qlayers, _ = calibrate.quantize_layer_set(layer_set, RECIPE)
+    folder = tmp_path / "q"
+    save_quantized_checkpoint(folder, model, qlayers, recipe_name="hadamard32", recipe=RECIPE,
+                              extra={"solver": "flow_euler", "steps": 2, "latent_hw": [8, 8]})
+    prompts = tmp_path / "p.npz"
+    np.savez(prompts, **{k: np.asarray(v) for k, v in _prompts("pixart").items()})
+    common = ["--checkpoint", str(folder), "--prompts", str(prompts), "--quiet"]
+    simulated = generate.main([*common, "--out", str(tmp_path / "sim")])
+    dequant = generate.main([*common, "--out", str(tmp_path / "deq"), "--strategy", "dequant"])
+    assert (simulated["strategy"], dequant["strategy"]) == ("simulate", "dequant")
+    with np.load(tmp_path / "sim" / "latents.npz") as a, np.load(tmp_path / "deq" / "latents.npz") as b:
+        sim, deq = a["latents"], b["latents"]
+    assert np.isfinite(deq).all() and not np.array_equal(sim, deq)  # served: bf16 activations, another path
+    assert np.linalg.norm(deq - sim) / np.linalg.norm(sim) < 0.05
+    with pytest.raises(UserError, match="--strategy foo: not simulate or a served strategy \\(dequant"):
+        generate.main([*common, "--out", str(tmp_path / "x"), "--strategy", "foo"])
+    with pytest.raises(UserError, match="--impl reference applies to served strategies"):
+        generate.main([*common, "--out", str(tmp_path / "x"), "--impl", "reference"])
