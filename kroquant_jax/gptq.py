@@ -113,6 +113,16 @@ def _encode_on_scales(x: jax.Array, scales: jax.Array, tensor_scale: jax.Array, 
     return codes, values
 
 
+def _fix_zero_diagonal(h: jax.Array) -> jax.Array:
+    """``H`` with ``H_ii = 1`` where ``H_ii == 0`` (a column whose activation is always zero)."""
+    return h + jnp.diag(jnp.where(jnp.diagonal(h) == 0, jnp.float32(1.0), jnp.float32(0.0)))
+
+
+def _add_damping(h: jax.Array, damp: float) -> jax.Array:
+    """``H + damp * mean(diag H) * I``."""
+    return h + jnp.eye(h.shape[0], dtype=jnp.float32) * (damp * jnp.mean(jnp.diagonal(h)))
+
+
 def _group_permutation(h_diag: jax.Array, group: int) -> jax.Array:
     """Act-order in whole groups: groups by the sum of their ``diag(H)`` descending, columns inside a group by
     ``diag(H)`` descending. Returns the column permutation ``int32 (d,)``."""
@@ -149,14 +159,11 @@ def gptq_rounding(w: jax.Array, h: jax.Array, fmt: QuantFormat, *, damp: float =
     h = h.astype(jnp.float32)
     ts = jnp.asarray(fmt.tensor_scale(w), jnp.float32)
 
-    diag = jnp.diagonal(h)
-    h = h + jnp.diag(jnp.where(diag == 0, jnp.float32(1.0), jnp.float32(0.0)))
-    diag = jnp.diagonal(h)
+    h = _fix_zero_diagonal(h)
     if act_order:
-        perm = _group_permutation(diag, group)
-        w, h, diag = w[:, perm], h[perm][:, perm], diag[perm]
-    h = h + jnp.eye(d, dtype=jnp.float32) * (damp * jnp.mean(diag))
-    lower = jnp.linalg.cholesky(h)
+        perm = _group_permutation(jnp.diagonal(h), group)
+        w, h = w[:, perm], h[perm][:, perm]
+    lower = jnp.linalg.cholesky(_add_damping(h, damp))
     h_inv = jax.scipy.linalg.cho_solve((lower, True), jnp.eye(d, dtype=jnp.float32))
     u = jnp.linalg.cholesky(h_inv).T  # upper: H^-1 = U^T U
 
@@ -330,15 +337,6 @@ def hessian(a: jax.Array) -> jax.Array:
     return jnp.matmul(a.T, a, precision=_HIGHEST)
 
 
-def _damped_cholesky(h: jax.Array, damp: float) -> jax.Array:
-    """Lower ``C`` with ``C C^T = H + damp * mean(diag H) * I`` (the zero-diagonal fix of :func:`gptq_rounding`)."""
-    d = h.shape[0]
-    diag = jnp.diagonal(h)
-    h = h + jnp.diag(jnp.where(diag == 0, jnp.float32(1.0), jnp.float32(0.0)))
-    h = h + jnp.eye(d, dtype=jnp.float32) * (damp * jnp.mean(jnp.diagonal(h)))
-    return jnp.linalg.cholesky(h)
-
-
 def whitened_low_rank(e: jax.Array, h: jax.Array, rank: int, damp: float = 0.01,
                       method: str = "randomized") -> tuple[jax.Array, jax.Array]:
     """The rank-``rank`` branch ``L (o, r)``, ``R (r, d)`` minimising ``tr((E - L R) H (E - L R)^T)``, i.e. the
@@ -349,7 +347,7 @@ def whitened_low_rank(e: jax.Array, h: jax.Array, rank: int, damp: float = 0.01,
     ``vmap``-able; ``e (o, d)``, ``h (d, d)``.
     """
     e = e.astype(jnp.float32)
-    c = _damped_cholesky(h.astype(jnp.float32), damp)
+    c = jnp.linalg.cholesky(_add_damping(_fix_zero_diagonal(h.astype(jnp.float32)), damp))  # as GPTQ dampens H
     left, right_w = lowrank.low_rank_svd(jnp.matmul(e, c, precision=_HIGHEST), rank, method)
     right = jax.scipy.linalg.solve_triangular(c, right_w.T, trans="T", lower=True).T  # R' C^{-1}, (r, d)
     return left, right
