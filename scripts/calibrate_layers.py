@@ -44,7 +44,8 @@ EXAMPLES = ("--synthetic dit --out runs/calib_synthetic",
             "--synthetic tiny --fast")
 
 ALL_METHODS = ("rtn", "smoothquant", "hadamard32", "kroquant", "smoothed_kroquant", "rtn+loraq", "smoothquant+loraq",
-               "hadamard32+loraq", "kroquant+loraq", "smoothed_kroquant+loraq", "svdquant")
+               "hadamard32+loraq", "kroquant+loraq", "smoothed_kroquant+loraq", "svdquant", "smoothed_kroquant+gptq",
+               "smoothed_kroquant+gptq+loraq")
 
 SYNTHETIC = {
     # one attention projection and the two FFN projections of a PixArt-Σ-like block: d in {1152, 4608}
