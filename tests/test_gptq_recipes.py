@@ -1,6 +1,7 @@
 """GPTQ as the recipes' weight-rounding stage (kroquant_jax.calibrate ``+gptq``): names, held-out error against
 round-to-nearest, both orders with the low-rank branch, provenance, the stored layer."""
 
+import argparse
 import dataclasses
 
 import jax.numpy as jnp
@@ -47,6 +48,13 @@ def test_recipe_names_parse():
                                                                       "gptq_scales": "static"})
     assert r.gptq == GPTQConfig(damp=0.1, act_order=True, lowrank_order="gptq_first", scales="static")
     assert r.loraq.rank == 64 and r.smooth_init and r.transform == "smoothed_kron"
+    parser = argparse.ArgumentParser()
+    calibrate.add_recipe_arguments(parser)
+    args = parser.parse_args(["--gptq-damp", "0.1", "--gptq-act-order", "on", "--gptq-order", "gptq_first",
+                              "--gptq-scales", "static"])
+    assert calibrate.recipe_from_args("smoothed_kroquant+gptq+loraq@64", args) == r
+    assert calibrate.recipe_from_args("svdquant+gptq", parser.parse_args(["--gptq-act-order", "off"])).gptq == \
+        GPTQConfig(act_order=False)
     # the GPTQ settings only reach a recipe that runs GPTQ
     assert calibrate.recipe_from_args("smoothed_kroquant+loraq", {"gptq_damp": 0.1}).gptq is None
     with pytest.raises(ValueError, match="damp"):
