@@ -75,6 +75,9 @@ def settings_line(recipes: dict) -> str:
     parts += [f"LoRaQ rank {k} {s}+{t} steps" for k, s, t in loraq]
     svd = sorted({(r.svdquant.rank, r.svdquant.refine_steps) for r in recipes.values() if r.lowrank == "svd"})
     parts += [f"SVD rank {k}" + (f", {n} refinements" if n else "") for k, n in svd]
+    gptq = sorted({(g.damp, g.act_order, g.scales, g.lowrank_order) for g in (r.gptq for r in recipes.values())
+                   if g is not None})
+    parts += [f"GPTQ damp {d}" + (", act-order" if a else "") + f", {sc} scales, {o}" for d, a, sc, o in gptq]
     return ", ".join(parts)
 
 
