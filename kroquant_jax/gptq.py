@@ -64,7 +64,7 @@ import numpy as np
 
 from kroquant_jax import formats, lowrank
 from kroquant_jax.formats import QuantFormat, QuantizedArray
-from kroquant_jax.layerset import RunConfig, group_by_shape, program_config, progress_bar, run_stacked_padded
+from kroquant_jax.layerset import RunConfig, group_by_shape, program_config, run_groups
 
 __all__ = ["GPTQConfig", "GptqRounding", "default_block_size", "gptq_fake_quant", "gptq_layers", "gptq_quantize",
            "gptq_rounding", "hessian", "whitened_low_rank"]
@@ -378,23 +378,18 @@ def gptq_layers(weights: Mapping[str, np.ndarray], hessians: Mapping[str, np.nda
             _validate(jnp.asarray(w), jnp.asarray(hessians[name]), fmt, cfg.damp, cfg.block_size, cfg.scales)
         except (ValueError, TypeError) as err:
             raise ValueError(f"layer {name!r}: {err}") from None
-    fn = functools.partial(_gptq_program, cfg=(fmt, program_config(cfg)))
-    bar = progress_bar(len(weights), run.progress, "GPTQ")
+
+    def stack(names):
+        return [np.stack([np.asarray(m[n], np.float32) for n in names]) for m in (weights, hessians)]
+
+    res = run_groups(functools.partial(_gptq_program, cfg=(fmt, program_config(cfg))), group_by_shape(weights), stack,
+                     max_per_program=cfg.max_layers_per_program, run=run, pad_to=pad_to, desc="GPTQ")
     out = {}
-    try:
-        for names in group_by_shape(weights).values():
-            w = np.stack([np.asarray(weights[n], np.float32) for n in names])
-            h = np.stack([np.asarray(hessians[n], np.float32) for n in names])
-            res = run_stacked_padded(fn, [w, h], len(names), pad_to=pad_to, max_per_program=cfg.max_layers_per_program,
-                                     shard=run.shard, progress=bar)
-            for i, n in enumerate(names):
-                r = GptqRounding(*(np.asarray(x[i]) for x in res))
-                if not np.all(np.isfinite(r.values)):
-                    raise ValueError(f"layer {n!r}: gptq: h is not positive definite after dampening "
-                                     f"(damp={cfg.damp}); pass a larger damp")
-                out[n] = QuantizedArray(codes=np.asarray(formats.pack_nibbles(jnp.asarray(r.codes))), scales=r.scales,
-                                        tensor_scale=r.tensor_scale, fmt=fmt, dtype=np.dtype(np.float32))
-    finally:
-        if bar is not None:
-            bar.close()
+    for n in weights:
+        r = res[n]
+        if not np.all(np.isfinite(r.values)):
+            raise ValueError(f"layer {n!r}: gptq: h is not positive definite after dampening (damp={cfg.damp}); "
+                             f"pass a larger damp")
+        out[n] = QuantizedArray(codes=np.asarray(formats.pack_nibbles(jnp.asarray(r.codes))), scales=r.scales,
+                                tensor_scale=r.tensor_scale, fmt=fmt, dtype=np.dtype(np.float32))
     return {n: out[n] for n in weights}
