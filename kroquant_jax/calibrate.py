@@ -26,7 +26,8 @@ per layer:
    (``safeguard=True``), so a learned transform is never worse on validation rows than the fixed one it started
    from. The test rows give the reported error.
 
-A :class:`Recipe` is a whole method (SmoothQuant search, transform, low-rank branch; typed stage configs and one
+A :class:`Recipe` is a whole method (SmoothQuant search, transform, low-rank branch, weight rounding: to nearest or
+GPTQ; typed stage configs and one
 :class:`RunConfig` that every stage reads); :func:`get_recipe` names them, :func:`add_recipe_arguments` and
 :func:`recipe_from_args` build them from a command line, :func:`quantize_layer_set` runs one, resumably.
 
@@ -47,13 +48,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kroquant_jax import lowrank, objectives, smoothquant, transforms
+from kroquant_jax import formats, gptq, lowrank, objectives, smoothquant, transforms
+from kroquant_jax.gptq import GPTQConfig
 from kroquant_jax.layerset import (LayerData, LayerSet, RunConfig, as_layer_set, program_config, progress_bar,
                                    run_stacked_padded, stack_trees, take_tree)
 from kroquant_jax.lowrank import LoRaQConfig, SVDQuantConfig
 from kroquant_jax.smoothquant import SmoothQuantConfig
 
-__all__ = ["CalibrationConfig", "LayerCalibration", "LayerRows", "PAPER_LITERAL", "RECIPES", "Recipe", "RunConfig",
+__all__ = ["CalibrationConfig", "GPTQConfig", "LayerCalibration", "LayerRows", "PAPER_LITERAL", "RECIPES", "Recipe", "RunConfig",
            "add_recipe_arguments", "calibrate_layers", "calibration_program", "enable_compile_cache", "get_recipe",
            "layer_rows", "parse_rank", "quantize_layer_set", "recipe_from_args"]
 
@@ -376,7 +378,7 @@ def calibrate_layers(layer_set: LayerSet, config: CalibrationConfig = Calibratio
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Recipes: a transform (+ SmoothQuant init) (+ low-rank branch) -> {name: QuantizedLinear}, resumable.
+# Recipes: a transform (+ SmoothQuant init) (+ low-rank branch) (+ GPTQ) -> {name: QuantizedLinear}, resumable.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -395,6 +397,8 @@ class Recipe:
         ``None`` (default): the paper's 32 when the recipe has a low-rank branch (the search then models the deployed
         layer), 0 without one (plain SmoothQuant, searched for the plain 4-bit weight). It replaces
         ``smoothquant.svd_rank``.
+      gptq: ``None`` (the stored weight is rounded to nearest) or the :class:`kroquant_jax.gptq.GPTQConfig` of GPTQ
+        rounding with the Hessian of the transformed calibration rows (the ``+gptq`` suffix of :func:`get_recipe`).
       calibration: the calibration engine's settings; ``calibration.transform`` is ``None`` (filled in with
         ``transform``) or equal to ``transform`` (anything else raises).
       smoothquant, loraq, svdquant: the other stages' settings (each used only by the recipes that run the stage).
@@ -406,6 +410,7 @@ class Recipe:
     smooth_init: bool = False
     lowrank: Optional[Literal["loraq", "svd"]] = None
     smooth_svd_rank: Optional[int | float] = None
+    gptq: Optional[GPTQConfig] = None
     calibration: CalibrationConfig = CalibrationConfig(transform=None)
     smoothquant: SmoothQuantConfig = SmoothQuantConfig()
     loraq: LoRaQConfig = LoRaQConfig()
@@ -416,6 +421,8 @@ class Recipe:
         transforms.get(self.transform)
         if self.lowrank not in (None, "loraq", "svd"):
             raise ValueError(f"Recipe.lowrank={self.lowrank!r} must be None, 'loraq' or 'svd'")
+        if self.gptq is not None and not isinstance(self.gptq, GPTQConfig):
+            raise ValueError(f"Recipe.gptq={self.gptq!r} must be None or a GPTQConfig")
         if self.smooth_init and self.transform not in ("diagonal", "smoothed_kron"):
             raise ValueError(f"Recipe.smooth_init needs transform 'diagonal' or 'smoothed_kron', got "
                              f"{self.transform!r}")
@@ -426,7 +433,8 @@ class Recipe:
                              f"{self.calibration.transform!r} (leave calibration.transform None)")
 
 
-#: The methods of the paper's comparison (add ``+loraq`` to any name for the LoRaQ branch).
+#: The methods of the paper's comparison (add ``+loraq`` to any name for the LoRaQ branch, ``+gptq`` for GPTQ rounding;
+#: :func:`get_recipe`).
 RECIPES = {
     "rtn": Recipe(transform="identity", train=False),
     "smoothquant": Recipe(transform="diagonal", train=False, smooth_init=True),
@@ -437,15 +445,26 @@ RECIPES = {
 }
 
 
+#: The suffixes :func:`get_recipe` accepts after a base name, and what each changes.
+RECIPE_SUFFIXES = {"loraq": "the LoRaQ low-rank branch", "gptq": "GPTQ weight rounding (GPTQConfig())"}
+
+
 def get_recipe(name: str, **overrides) -> Recipe:
-    """``RECIPES[name]`` (``"<name>+loraq"`` adds the LoRaQ branch) with field ``overrides`` (a ``calibration``
-    override may leave its ``transform`` ``None``: the recipe's is filled in)."""
-    base, plus, extra = name.partition("+")
-    if base not in RECIPES or (plus and extra != "loraq"):
-        raise KeyError(f"unknown recipe {name!r}; available: {sorted(RECIPES)} (each also as '<name>+loraq')")
+    """``RECIPES[base]`` for ``name = "<base>[+suffix]..."`` with field ``overrides`` (a ``calibration`` override may
+    leave its ``transform`` ``None``: the recipe's is filled in).
+
+    Suffixes (:data:`RECIPE_SUFFIXES`, each at most once, in any order): ``+loraq`` adds the LoRaQ branch, ``+gptq``
+    rounds the stored weight with GPTQ (``gptq=GPTQConfig()``), e.g. ``smoothed_kroquant+gptq+loraq``,
+    ``svdquant+gptq``, ``rtn+gptq``."""
+    base, *extras = name.split("+")
+    if base not in RECIPES or any(e not in RECIPE_SUFFIXES for e in extras) or len(set(extras)) != len(extras):
+        raise KeyError(f"unknown recipe {name!r}; available: {sorted(RECIPES)}, each with the suffixes "
+                       f"{['+' + e for e in RECIPE_SUFFIXES]} (each at most once), e.g. 'smoothed_kroquant+gptq+loraq'")
     r = RECIPES[base]
-    if plus:
+    if "loraq" in extras:
         r = dataclasses.replace(r, lowrank="loraq")
+    if "gptq" in extras:
+        r = dataclasses.replace(r, gptq=GPTQConfig())
     if "calibration" in overrides and overrides["calibration"].transform is None:
         overrides["calibration"] = dataclasses.replace(overrides["calibration"], transform=r.transform)
     return dataclasses.replace(r, **overrides)
@@ -495,12 +514,20 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rotation-steps", type=int, help="LoRaQ Cayley rotation steps (default 500)")
     g.add_argument("--svd-refine", type=int, help="SVDQuant refinement candidates (default 0; paper: up to 100)")
     g.add_argument("--sq-grid", type=int, help="points per axis of SmoothQuant's (α, β) grid (default 11)")
+    g.add_argument("--gptq-damp", type=float, help="GPTQ dampening, relative to mean(diag H) (default 0.01)")
+    g.add_argument("--gptq-act-order", choices=("on", "off"), help="GPTQ act-order in whole scale groups (default off)")
+    g.add_argument("--gptq-scales", choices=("dynamic", "static"),
+                   help="GPTQ group scales from the error-updated (dynamic, default) or the original weights")
+    g.add_argument("--gptq-order", choices=("branch_first", "gptq_first"),
+                   help="GPTQ and the low-rank branch: branch fitted first, GPTQ of the residual (default), or GPTQ "
+                        "first, branch fitted to its error in the H-norm (kroquant_jax.gptq.GPTQConfig)")
 
 
 #: The destinations :func:`add_recipe_arguments` defines (the settings :func:`recipe_from_args` reads).
 _RECIPE_ARGUMENTS = ("calib_steps", "lr_schedule", "select_every", "regularizer_grad", "precision", "calib_rows",
                      "calib_validation", "calib_test", "max_layers_per_program", "rank", "smooth_svd_rank",
-                     "loraq_steps", "rotation_steps", "svd_refine", "sq_grid")
+                     "loraq_steps", "rotation_steps", "svd_refine", "sq_grid", "gptq_damp", "gptq_act_order",
+                     "gptq_scales", "gptq_order")
 
 
 def recipe_from_args(spec: str, args: argparse.Namespace | Mapping[str, Any], **run_fields) -> Recipe:
@@ -542,6 +569,11 @@ def recipe_from_args(spec: str, args: argparse.Namespace | Mapping[str, Any], **
                                                   num_test=args.calib_test), **run_fields)
     # Only the stages the recipe runs take their settings (so the others, and a recipe's hash, stay as named).
     loraq, svdquant, smooth, smooth_svd_rank = recipe.loraq, recipe.svdquant, recipe.smoothquant, recipe.smooth_svd_rank
+    gptq_cfg = recipe.gptq
+    if gptq_cfg is not None:
+        act_order = None if args.gptq_act_order is None else args.gptq_act_order in ("on", True)
+        gptq_cfg = dataclasses.replace(gptq_cfg, **given(damp=args.gptq_damp, act_order=act_order,
+                                                         scales=args.gptq_scales, lowrank_order=args.gptq_order))
     if recipe.lowrank == "loraq":
         loraq = dataclasses.replace(loraq, **given(steps=args.loraq_steps, rotation_steps=args.rotation_steps,
                                                    rank=rank))
@@ -554,7 +586,7 @@ def recipe_from_args(spec: str, args: argparse.Namespace | Mapping[str, Any], **
         if args.smooth_svd_rank is not None:
             smooth_svd_rank = args.smooth_svd_rank
     return dataclasses.replace(recipe, calibration=calibration, run=run, loraq=loraq, svdquant=svdquant,
-                               smoothquant=smooth, smooth_svd_rank=smooth_svd_rank)
+                               smoothquant=smooth, smooth_svd_rank=smooth_svd_rank, gptq=gptq_cfg)
 
 
 def _relative_error(y, ref) -> float:
@@ -596,35 +628,80 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
         w_t[n] = np.asarray(transforms.apply_to_weights(jnp.asarray(layer.weight), param.inverse_blocks(c.params)))
         rows = layer_rows(n, layer, run)
         a_test[n] = rows.test
-        if recipe.lowrank == "svd":
+        if recipe.lowrank == "svd" or recipe.gptq is not None:
             a_cal_t[n] = np.asarray(transforms.apply_to_activations(jnp.asarray(rows.calibration),
                                                                     param.blocks(c.params)))
-    branches, quantized_branch = {}, False
-    if recipe.lowrank == "loraq":
+    hessians = {n: np.asarray(gptq.hessian(a_cal_t[n])) for n in layers} if recipe.gptq is not None else {}
+    quantized_branch = recipe.lowrank == "loraq" and recipe.loraq.quantize_branch
+    rounded = {}
+    gptq_first = recipe.lowrank is not None and recipe.gptq is not None and recipe.gptq.lowrank_order == "gptq_first"
+    if gptq_first:
+        rounded, branches = _branches_after_gptq(w_t, hessians, recipe, fmt, run, pad_to)
+    elif recipe.lowrank == "loraq":
         branches = lowrank.loraq_layers(w_t, recipe.loraq, run=run, pad_to=pad_to)
-        quantized_branch = recipe.loraq.quantize_branch
     elif recipe.lowrank == "svd":
         branches = lowrank.svdquant_layers(w_t, a_cal_t, recipe.svdquant, run=run, pad_to=pad_to)
+    else:
+        branches = {}
+    lowranks = {n: (branches[n].left, branches[n].right) if n in branches else None for n in layers}
+    if recipe.gptq is not None and not gptq_first:  # GPTQ of the residual against the branch as stored
+        residuals = {n: np.asarray(qlinear.residual_weight(
+            layer.weight, transform=recipe.transform, transform_params=calib[n].params, lowrank=lowranks[n],
+            lowrank_quantized=quantized_branch)) for n, layer in layers.items()}
+        rounded = gptq.gptq_layers(residuals, hessians, fmt, recipe.gptq, run=run, pad_to=pad_to)
     out = {}
     forward = jax.jit(qlinear.qlinear_forward, static_argnames="path")
     for n, layer in layers.items():
-        lr = None
+        lr = lowranks[n]
         if n in branches:
-            lr = (branches[n].left, branches[n].right)
             reports[n].update(weight_error_init=float(branches[n].error_init),
                               weight_error_final=float(branches[n].error_final))
         q = qlinear.build_qlinear(layer.weight, layer.bias, transform=recipe.transform,
                                   transform_params=calib[n].params, lowrank=lr, lowrank_quantized=quantized_branch,
-                                  weight_fmt=fmt, act_fmt=fmt, name=n)
+                                  weight_fmt=fmt, act_fmt=fmt, quantized_weight=rounded.get(n), name=n)
         y = np.asarray(forward(q, jnp.asarray(a_test[n])))
         if layer.bias is not None:
             y = y - layer.bias
         ref = a_test[n].astype(np.float64) @ layer.weight.T.astype(np.float64)
         reports[n]["heldout_error"] = _relative_error(y, ref)
-        reports[n]["weight_error"] = float(lowrank.weight_error(jnp.asarray(w_t[n]), None, None, fmt)
-                                           if lr is None else np.float32(reports[n]["weight_error_final"]))
+        if recipe.gptq is not None:  # the layer as stored, Q + B, against W~
+            reports[n]["rounding"] = "gptq"
+            reports[n]["weight_error"] = _relative_error(np.asarray(qlinear.effective_weight(q)), w_t[n])
+        else:
+            reports[n]["weight_error"] = float(lowrank.weight_error(jnp.asarray(w_t[n]), None, None, fmt)
+                                               if lr is None else np.float32(reports[n]["weight_error_final"]))
         out[n] = q
     return out, reports
+
+
+def _branches_after_gptq(w_t: dict, hessians: dict, recipe: Recipe, fmt, run: RunConfig, pad_to: int
+                         ) -> tuple[dict, dict[str, lowrank.LowRank]]:
+    """``GPTQConfig.lowrank_order="gptq_first"``: GPTQ of each transformed weight ``W~`` (``Q``, the stored 4-bit
+    weight), then the recipe's branch (LoRaQ's rank and storage, or SVDQuant's) fitted to that rounding's error
+    ``E = W~ - Q`` in the ``H``-norm (:func:`kroquant_jax.gptq.whitened_low_rank`). Returns ``({name: Q}, {name:
+    LowRank})``; ``error_init`` / ``error_fit`` / ``error_final`` of a ``LowRank`` are the relative weight errors of
+    ``Q`` alone, with the branch, and with the branch as stored."""
+    cfg = recipe.gptq
+    first = gptq.gptq_layers(w_t, hessians, fmt, cfg, run=run, pad_to=pad_to)
+    if recipe.lowrank == "loraq":
+        rank_cfg, branch_fmt = recipe.loraq.rank, recipe.loraq.fmt if recipe.loraq.quantize_branch else None
+    else:
+        rank_cfg, branch_fmt = recipe.svdquant.rank, None
+    fit = jax.jit(gptq.whitened_low_rank, static_argnames=("rank", "damp"))
+    out = {}
+    for n, w in w_t.items():
+        rank = lowrank.resolve_rank(rank_cfg, w.shape, branch_fmt and branch_fmt.block_size, n)
+        lowrank.check_rank(n, w.shape, rank, branch_fmt)
+        w = jnp.asarray(w, jnp.float32)
+        err = w - formats.dequantize(first[n], jnp.float32)
+        left, right = fit(err, jnp.asarray(hessians[n]), rank=rank, damp=cfg.damp)
+        norm = max(float(jnp.linalg.norm(w)), float(np.finfo(np.float32).tiny))
+        e_init = float(jnp.linalg.norm(err)) / norm
+        e_fit = float(jnp.linalg.norm(err - lowrank.branch(left, right, None))) / norm
+        e_stored = float(jnp.linalg.norm(err - lowrank.branch(left, right, branch_fmt))) / norm
+        out[n] = lowrank.LowRank(np.asarray(left), np.asarray(right), np.float32(e_init), np.float32(e_fit),
+                                 np.float32(e_stored))
+    return first, out
 
 
 def quantize_layer_set(layer_set: LayerSet, recipe: Recipe | str = "kroquant", store=None,

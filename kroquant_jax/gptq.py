@@ -37,10 +37,15 @@ largest code is smaller gets a smaller power of two on which every value is stil
 re-derived from a group whose largest code is below 6 can be a scale on which the values are not all representable,
 so store :func:`gptq_quantize`'s array, not a re-quantization of the values.
 
-Composition (not wired into the recipes here): with an invertible transform ``T`` the layer computes
-``(A T)(W T^{-T})^T``; transform first, then GPTQ on ``W T^{-T}`` with ``H = (A T)^T (A T)``. A low-rank branch
-(LoRaQ / SVDQuant) can be fitted before GPTQ (GPTQ on the residual ``W - L1 L2``) or after (on ``W - Q``); which
-order is better is not measured yet.
+Composition (the recipes' ``+gptq`` stage, :class:`GPTQConfig`, ``kroquant_jax.calibrate``): with an invertible
+transform ``T`` the layer computes ``(A T)(W T^{-T})^T``; transform first, then GPTQ on ``W T^{-T}`` with
+``H = (A T)^T (A T)`` of the calibration rows (:func:`hessian`). With a low-rank branch ``B`` (LoRaQ / SVDQuant),
+``GPTQConfig.lowrank_order`` chooses the order: ``"branch_first"``: the recipe's own data-free fit of ``W T^{-T}``
+(LoRaQ / SVDQuant), then GPTQ of the residual ``W T^{-T} - B`` against the branch *as stored* (quantized for LoRaQ),
+so the error feedback also absorbs the branch's storage rounding;
+``"gptq_first"``: GPTQ of ``W T^{-T}`` first (``Q``, stored as it is), the branch the rank-``r`` fit of that
+rounding's error ``E`` in the ``H``-norm (:func:`whitened_low_rank`, minimising the calibration output error
+``||A T (E - B)^T||``); the branch's own storage rounding (LoRaQ's MXFP4) is then not compensated. ``docs/calibration.md`` ("GPTQ in the recipes") has the measurement that chose the default.
 
 Shapes: ``w (o, d)``, ``h (d, d)``; ``d`` a multiple of the group size. The core is pure and jits once per shape and
 option set; it ``vmap``s over a stack of layers of one shape (``w (L, o, d)``, ``h (L, d, d)``) with
@@ -49,18 +54,23 @@ option set; it ``vmap``s over a stack of layers of one shape (``w (L, o, d)``, `
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, Optional
+import dataclasses
+import functools
+from typing import Literal, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kroquant_jax import formats
+from kroquant_jax import formats, lowrank
 from kroquant_jax.formats import QuantFormat, QuantizedArray
+from kroquant_jax.layerset import RunConfig, group_by_shape, program_config, run_groups
 
-__all__ = ["GptqRounding", "default_block_size", "gptq_fake_quant", "gptq_quantize", "gptq_rounding"]
+__all__ = ["GPTQConfig", "GptqRounding", "default_block_size", "gptq_fake_quant", "gptq_layers", "gptq_quantize",
+           "gptq_rounding", "hessian", "whitened_low_rank"]
 
 ScalesMode = Literal["dynamic", "static"]
+LowRankOrder = Literal["branch_first", "gptq_first"]
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -103,6 +113,16 @@ def _encode_on_scales(x: jax.Array, scales: jax.Array, tensor_scale: jax.Array, 
     return codes, values
 
 
+def _fix_zero_diagonal(h: jax.Array) -> jax.Array:
+    """``H`` with ``H_ii = 1`` where ``H_ii == 0`` (a column whose activation is always zero)."""
+    return h + jnp.diag(jnp.where(jnp.diagonal(h) == 0, jnp.float32(1.0), jnp.float32(0.0)))
+
+
+def _add_damping(h: jax.Array, damp: float) -> jax.Array:
+    """``H + damp * mean(diag H) * I``."""
+    return h + jnp.eye(h.shape[0], dtype=jnp.float32) * (damp * jnp.mean(jnp.diagonal(h)))
+
+
 def _group_permutation(h_diag: jax.Array, group: int) -> jax.Array:
     """Act-order in whole groups: groups by the sum of their ``diag(H)`` descending, columns inside a group by
     ``diag(H)`` descending. Returns the column permutation ``int32 (d,)``."""
@@ -139,14 +159,11 @@ def gptq_rounding(w: jax.Array, h: jax.Array, fmt: QuantFormat, *, damp: float =
     h = h.astype(jnp.float32)
     ts = jnp.asarray(fmt.tensor_scale(w), jnp.float32)
 
-    diag = jnp.diagonal(h)
-    h = h + jnp.diag(jnp.where(diag == 0, jnp.float32(1.0), jnp.float32(0.0)))
-    diag = jnp.diagonal(h)
+    h = _fix_zero_diagonal(h)
     if act_order:
-        perm = _group_permutation(diag, group)
-        w, h, diag = w[:, perm], h[perm][:, perm], diag[perm]
-    h = h + jnp.eye(d, dtype=jnp.float32) * (damp * jnp.mean(diag))
-    lower = jnp.linalg.cholesky(h)
+        perm = _group_permutation(jnp.diagonal(h), group)
+        w, h = w[:, perm], h[perm][:, perm]
+    lower = jnp.linalg.cholesky(_add_damping(h, damp))
     h_inv = jax.scipy.linalg.cho_solve((lower, True), jnp.eye(d, dtype=jnp.float32))
     u = jnp.linalg.cholesky(h_inv).T  # upper: H^-1 = U^T U
 
@@ -273,3 +290,106 @@ def gptq_quantize(w: jax.Array, h: jax.Array, fmt: QuantFormat = formats.MXFP4()
     r = _run(w, h, fmt, damp, block_size, scales, act_order)
     return QuantizedArray(codes=formats.pack_nibbles(r.codes), scales=r.scales, tensor_scale=r.tensor_scale, fmt=fmt,
                           dtype=np.dtype(w.dtype))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The recipes' rounding stage: a frozen config, the Hessian, all layers of one shape in one vmapped program.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTQConfig:
+    """GPTQ as the weight-rounding stage of a recipe (``Recipe.gptq``; ``None`` there rounds to nearest).
+
+    Attributes:
+      damp, block_size, scales, act_order: as :func:`gptq_rounding`.
+      lowrank_order: with a low-rank branch, ``"branch_first"`` (the recipe's LoRaQ / SVDQuant fit of the transformed
+        weight, then GPTQ of the residual) or ``"gptq_first"`` (GPTQ of the transformed weight, the branch fitted to
+        its error in the ``H``-norm by :func:`whitened_low_rank`); see the module docstring. Ignored without a
+        branch.
+      max_layers_per_program: at most this many stacked layers per compiled program (memory bound).
+    """
+
+    damp: float = 0.01
+    block_size: Optional[int] = None
+    scales: ScalesMode = "dynamic"
+    act_order: bool = False
+    lowrank_order: LowRankOrder = "branch_first"
+    max_layers_per_program: int = 64
+
+    def __post_init__(self):
+        if not (np.isfinite(self.damp) and self.damp >= 0):
+            raise ValueError(f"GPTQConfig.damp={self.damp} must be a finite number >= 0")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ValueError(f"GPTQConfig.block_size={self.block_size} must be positive (or None)")
+        if self.scales not in ("dynamic", "static"):
+            raise ValueError(f"GPTQConfig.scales={self.scales!r} must be 'dynamic' or 'static'")
+        if self.lowrank_order not in ("branch_first", "gptq_first"):
+            raise ValueError(f"GPTQConfig.lowrank_order={self.lowrank_order!r} must be 'branch_first' or "
+                             f"'gptq_first'")
+        if self.max_layers_per_program < 1:
+            raise ValueError(f"GPTQConfig.max_layers_per_program={self.max_layers_per_program} must be >= 1")
+
+
+def hessian(a: jax.Array) -> jax.Array:
+    """``A^T A (d, d)`` float32 of activation rows ``a (n, d)`` (the transformed calibration rows ``A T``)."""
+    a = jnp.asarray(a, jnp.float32)
+    return jnp.matmul(a.T, a, precision=_HIGHEST)
+
+
+def whitened_low_rank(e: jax.Array, h: jax.Array, rank: int, damp: float = 0.01,
+                      method: str = "randomized") -> tuple[jax.Array, jax.Array]:
+    """The rank-``rank`` branch ``L (o, r)``, ``R (r, d)`` minimising ``tr((E - L R) H (E - L R)^T)``, i.e. the
+    calibration output error ``||A (E - L R)^T||_F^2`` for ``H = A^T A`` (dampened as GPTQ dampens it).
+
+    With ``C C^T = H`` (Cholesky): ``||(E - L R) C||_F`` is minimised by the truncated SVD of ``E C``
+    (:func:`kroquant_jax.lowrank.low_rank_svd`, balanced factors ``L``, ``R'``), and ``R = R' C^{-1}``. Pure,
+    ``vmap``-able; ``e (o, d)``, ``h (d, d)``.
+    """
+    e = e.astype(jnp.float32)
+    c = jnp.linalg.cholesky(_add_damping(_fix_zero_diagonal(h.astype(jnp.float32)), damp))  # as GPTQ dampens H
+    left, right_w = lowrank.low_rank_svd(jnp.matmul(e, c, precision=_HIGHEST), rank, method)
+    right = jax.scipy.linalg.solve_triangular(c, right_w.T, trans="T", lower=True).T  # R' C^{-1}, (r, d)
+    return left, right
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _gptq_program(w, h, cfg):
+    fmt, cfg = cfg
+    return jax.vmap(lambda x, y: gptq_rounding(x, y, fmt, damp=cfg.damp, block_size=cfg.block_size,
+                                               scales=cfg.scales, act_order=cfg.act_order))(w, h)
+
+
+def gptq_layers(weights: Mapping[str, np.ndarray], hessians: Mapping[str, np.ndarray],
+                fmt: QuantFormat = formats.MXFP4(), cfg: GPTQConfig = GPTQConfig(), *, run: RunConfig = RunConfig(),
+                pad_to: int = 1) -> dict[str, QuantizedArray]:
+    """GPTQ of every weight ``{name: W (o, d)}`` with its ``{name: H (d, d)}``: layers of one shape stacked,
+    ``vmap``-ed and sharded like the other stages (programs sized for at least ``min(pad_to,
+    cfg.max_layers_per_program)`` layers). Returns ``{name: QuantizedArray}`` of ``fmt`` (host numpy leaves), whose
+    ``dequantize`` is the rounded weight bit for bit.
+
+    Raises ``ValueError`` naming the layer for a shape that does not fit, non-finite input, or an ``H`` that is not
+    positive definite after dampening.
+    """
+    for name, w in weights.items():
+        if name not in hessians:
+            raise ValueError(f"gptq_layers: layer {name!r} has no Hessian")
+        try:
+            _validate(jnp.asarray(w), jnp.asarray(hessians[name]), fmt, cfg.damp, cfg.block_size, cfg.scales)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"layer {name!r}: {err}") from None
+
+    def stack(names):
+        return [np.stack([np.asarray(m[n], np.float32) for n in names]) for m in (weights, hessians)]
+
+    res = run_groups(functools.partial(_gptq_program, cfg=(fmt, program_config(cfg))), group_by_shape(weights), stack,
+                     max_per_program=cfg.max_layers_per_program, run=run, pad_to=pad_to, desc="GPTQ")
+    out = {}
+    for n in weights:
+        r = res[n]
+        if not np.all(np.isfinite(r.values)):
+            raise ValueError(f"layer {n!r}: gptq: h is not positive definite after dampening (damp={cfg.damp}); "
+                             f"pass a larger damp")
+        out[n] = QuantizedArray(codes=np.asarray(formats.pack_nibbles(jnp.asarray(r.codes))), scales=r.scales,
+                                tensor_scale=r.tensor_scale, fmt=fmt, dtype=np.dtype(np.float32))
+    return {n: out[n] for n in weights}

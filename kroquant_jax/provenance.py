@@ -100,7 +100,9 @@ def _short(value: Any) -> str:
 
 def describe_changes(stored: Optional[Mapping[str, Any]], current: Mapping[str, Any]) -> list[str]:
     """What differs between a stored fingerprint and the current one (only the keys ``current`` has); ``[]`` if they
-    match. A missing stored fingerprint (a result written before fingerprints existed) is a change."""
+    match. A missing stored fingerprint (a result written before fingerprints existed) is a change. A recipe setting
+    missing on one side counts as ``None`` (so adding an optional stage whose default is ``None`` to the recipes
+    leaves earlier results valid; its settings, once set, are changes)."""
     if not stored:
         return ["no fingerprint stored (written by an older version)"]
     changes = []
@@ -114,7 +116,9 @@ def describe_changes(stored: Optional[Mapping[str, Any]], current: Mapping[str, 
     if "recipe" in current:
         old, new = stored.get("recipe", {}), current["recipe"]
         for key in sorted(set(old) | set(new)):
-            if old.get(key, "<unset>") != new.get(key, "<unset>"):
+            # A setting one side lacks equals ``None`` on the other: a stage field added with default ``None``
+            # (absent stage, e.g. ``gptq``) keeps the results stored before the field existed.
+            if old.get(key) != new.get(key):
                 changes.append(f"recipe setting {key}: {_short(old.get(key, '<unset>'))} -> "
                                f"{_short(new.get(key, '<unset>'))}")
     return changes

@@ -46,7 +46,7 @@ from kroquant_jax.fileio import atomic_write_bytes
 
 __all__ = ["QLinearConfig", "QuantizedLinear", "QLinearStore", "build_qlinear", "effective_weight", "load_qlinear",
            "lowrank_factors", "pad_to_block", "qlinear_forward", "qlinear_from_factors", "random_kron_params",
-           "random_qlinear", "restore_orbax", "save_orbax", "save_qlinear", "with_input_pad"]
+           "random_qlinear", "residual_weight", "restore_orbax", "save_orbax", "save_qlinear", "with_input_pad"]
 
 Path = Literal["simulate", "packed"]
 
@@ -112,7 +112,8 @@ def _dense(x) -> Optional[jax.Array]:
 def build_qlinear(weight, bias=None, *, transform: str = "identity", transform_params=None,
                   lowrank: Optional[tuple] = None, lowrank_quantized: bool = True,
                   weight_fmt: QuantFormat = MXFP4(), act_fmt: QuantFormat = MXFP4(), lowrank_fmt: QuantFormat = MXFP4(),
-                  keep_params: bool = True, name: str = "layer") -> QuantizedLinear:
+                  keep_params: bool = True, quantized_weight: Optional[QuantizedArray] = None,
+                  name: str = "layer") -> QuantizedLinear:
     """Builds a :class:`QuantizedLinear` from a 16-bit layer and its calibration results.
 
     Args:
@@ -124,6 +125,10 @@ def build_qlinear(weight, bias=None, *, transform: str = "identity", transform_p
         is computed against the branch as stored, so it absorbs the branch's own quantization error.
       weight_fmt, act_fmt: formats of the residual weight and of the activations.
       keep_params: also keep ``transform_params`` (for the K2 kernel); else only the blocks.
+      quantized_weight: the stored 4-bit weight when the caller rounded it, a ``QuantizedArray (o, d)`` of
+        ``weight_fmt``: GPTQ of :func:`residual_weight` (``kroquant_jax.gptq.gptq_layers``), or a rounding of
+        ``W~`` that the branch was then fitted to (``GPTQConfig.lowrank_order="gptq_first"``). Default ``None``:
+        the residual ``W~ - B`` rounded to nearest (``formats.quantize``).
       name: layer name for error messages.
     """
     w = jnp.asarray(weight, jnp.float32)
@@ -151,9 +156,31 @@ def build_qlinear(weight, bias=None, *, transform: str = "identity", transform_p
     if b is not None and b.shape != (o,):
         raise ValueError(f"layer {name!r}: bias {b.shape} does not match weight {w.shape}")
     cfg = QLinearConfig(in_features=d, out_features=o, transform=transform, act_fmt=act_fmt, rank=rank)
-    return QuantizedLinear(blocks=blocks, transform_params=params if keep_params else None,
-                           weight=jax.jit(quantize, static_argnums=1)(w_t, weight_fmt), lowrank_left=left, lowrank_right=right, bias=b,
-                           config=cfg)
+    if quantized_weight is None:
+        quantized_weight = jax.jit(quantize, static_argnums=1)(w_t, weight_fmt)
+    elif not isinstance(quantized_weight, QuantizedArray) or quantized_weight.fmt != weight_fmt or \
+            quantized_weight.shape != (o, d):
+        got = (f"{quantized_weight.fmt.name} {quantized_weight.shape}" if isinstance(quantized_weight, QuantizedArray)
+               else type(quantized_weight).__name__)
+        raise ValueError(f"layer {name!r}: quantized_weight must be a QuantizedArray of {weight_fmt.name} ({o}, {d}), "
+                         f"got {got}")
+    return QuantizedLinear(blocks=blocks, transform_params=params if keep_params else None, weight=quantized_weight,
+                           lowrank_left=left, lowrank_right=right, bias=b, config=cfg)
+
+
+def residual_weight(weight, *, transform: str = "identity", transform_params=None, lowrank: Optional[tuple] = None,
+                    lowrank_quantized: bool = True, lowrank_fmt: QuantFormat = MXFP4()) -> jax.Array:
+    """The residual ``W T^{-T} - B (o, d)`` f32 that :func:`build_qlinear` rounds for the same arguments (``B`` the
+    branch as stored: ``Q(L) Q(R)`` when ``lowrank_quantized``, else ``L R``; ``0`` without a branch), for a caller
+    that rounds it itself (``quantized_weight``)."""
+    w = jnp.asarray(weight, jnp.float32)
+    params = transforms.get(transform).init(w.shape[1]) if transform_params is None else transform_params
+    left = right = None
+    if lowrank is not None:
+        left, right = (jnp.asarray(x, jnp.float32) for x in lowrank)
+    w_t, _, _ = _residual(w, params, left, right, transform=transform,
+                          lowrank_fmt=lowrank_fmt if lowrank_quantized else None)
+    return w_t
 
 
 @functools.partial(jax.jit, static_argnames=("transform", "lowrank_fmt"))

@@ -49,7 +49,8 @@ EXAMPLES = ("--synthetic dit --out runs/calib_synthetic",
 
 FAST_METHODS = ("rtn", "hadamard32", "kroquant")
 ALL_METHODS = ("rtn", "smoothquant", "hadamard32", "kroquant", "smoothed_kroquant", "rtn+loraq", "smoothquant+loraq",
-               "hadamard32+loraq", "kroquant+loraq", "smoothed_kroquant+loraq", "svdquant")
+               "hadamard32+loraq", "kroquant+loraq", "smoothed_kroquant+loraq", "svdquant", "smoothed_kroquant+gptq",
+               "smoothed_kroquant+gptq+loraq")
 
 SYNTHETIC = {
     # one attention projection and the two FFN projections of a PixArt-Σ-like block: d in {1152, 4608}
@@ -79,6 +80,9 @@ def settings_line(recipes: dict) -> str:
     parts += [f"LoRaQ rank {k} {s}+{t} steps" for k, s, t in loraq]
     svd = sorted({(r.svdquant.rank, r.svdquant.refine_steps) for r in recipes.values() if r.lowrank == "svd"})
     parts += [f"SVD rank {k}" + (f", {n} refinements" if n else "") for k, n in svd]
+    gptq = sorted({(g.damp, g.act_order, g.scales, g.lowrank_order) for g in (r.gptq for r in recipes.values())
+                   if g is not None})
+    parts += [f"GPTQ damp {d}" + (", act-order" if a else "") + f", {sc} scales, {o}" for d, a, sc, o in gptq]
     return ", ".join(parts)
 
 

@@ -57,7 +57,8 @@ from scripts.common_args import nonnegative_int, positive_int, quantize_with_sto
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "emoji_pixart"
 ALL_METHODS = ["rtn", "smoothquant", "hadamard32", "kroquant", "smoothed_kroquant", "rtn+loraq", "smoothquant+loraq",
-               "hadamard32+loraq", "kroquant+loraq", "smoothed_kroquant+loraq", "svdquant"]
+               "hadamard32+loraq", "kroquant+loraq", "smoothed_kroquant+loraq", "svdquant", "smoothed_kroquant+gptq",
+               "smoothed_kroquant+gptq+loraq"]
 
 
 EXAMPLES = ("--out runs/eval_testbed", "--out runs/x --methods rtn kroquant kroquant+loraq --rank 0.125",

@@ -68,7 +68,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     prompts.add_argument("--synthetic-prompts", type=positive_int, help="use N random prompt embeddings (smoke tests)")
     parser.add_argument("--synthetic-tokens", type=positive_int, default=8, help="tokens per synthetic prompt")
     parser.add_argument("--recipe", default="kroquant", help="kroquant_jax.calibrate recipe name (e.g. rtn, "
-                        "smoothquant, hadamard32, kroquant, svdquant, kroquant+loraq)")
+                        "smoothquant, hadamard32, kroquant, svdquant, kroquant+loraq, smoothed_kroquant+gptq+loraq)")
     calibrate.add_recipe_arguments(parser)
     parser.add_argument("--solver", choices=("dpm_solver_pp_2m", "flow_euler"),
                         help="default: DPM-Solver++ 2M for PixArt, flow Euler for SANA/FLUX; flow_euler for "
