@@ -100,10 +100,20 @@ def load(path: str | Path) -> dict[str, Figure]:
         raise HeadlineError(f"{path}: {e}") from None
 
 
-def update(path: str | Path, figures: Mapping[str, Figure]) -> dict[str, Figure]:
-    """Sets ``figures`` in the headline file at ``path`` (created if absent), keeping every other key; atomic."""
+def update(path: str | Path, figures: Mapping[str, Figure], replace_prefix: str | None = None) -> dict[str, Figure]:
+    """Sets ``figures`` in the headline file at ``path`` (created if absent), keeping every other key; atomic.
+
+    ``replace_prefix``: a run that replaces a whole family of figures (e.g. ``"demo_"``) also removes the keys with
+    that prefix that it does not set, so no figure of an earlier run of another shape stays behind."""
     path = Path(path)
     current = load(path) if path.exists() else {}
+    if replace_prefix is not None:
+        if not replace_prefix:
+            raise HeadlineError("replace_prefix must be a non-empty key prefix")
+        stray = sorted(k for k in figures if not k.startswith(replace_prefix))
+        if stray:
+            raise HeadlineError(f"replace_prefix {replace_prefix!r}: keys {stray} do not have it")
+        current = {k: f for k, f in current.items() if not k.startswith(replace_prefix)}
     for key, fig in figures.items():
         if not isinstance(fig, Figure):
             raise HeadlineError(f"headline key {key!r}: expected a Figure, got {type(fig).__name__}")
