@@ -172,6 +172,11 @@ TABLES: dict[str, dict] = {
                                    ("Hadamard-32", "hadamard32"), ("KroQuant", "kroquant"),
                                    ("KroQuant + LoRaQ", "kroquant_loraq")]],
     },
+    "demo-time": {
+        "header": ["run", "wall time"],
+        "rows": [["`kroquant demo`, default settings (capture, 4 calibrations, 5 x 10 images; imports excluded)",
+                  "{demo_wall_s:.0f} s"]],
+    },
     "testbed": {
         "header": ["method", "PSNR (dB) ↑, held-out captions", "SSIM ↑"],
         "rows": [[name, f"{{testbed_eval_psnr_db_{key}:.2f}} ± {{testbed_eval_psnr_sem_db_{key}:.2f}}",
