@@ -4,10 +4,15 @@ Loads the shipped emoji testbed DiT (``checkpoints/emoji_pixart``: a PixArt-Σ-a
 trained in JAX on real emoji bitmaps), captures calibration activations from a few training captions, calibrates
 round-to-nearest, block Hadamard-32, KroQuant, and KroQuant + LoRaQ (MXFP4 W4A4) with shortened schedules and a
 LoRaQ rank scaled to the layer width (``--rank 0.125``: rank 32 on the testbed's 256-wide layers, which is also
-what the paper's share, 128 of 1152 = 1/9, rounds to; ``--rank 128`` is the paper's absolute rank), generates
-held-out captions with the 16-bit and every W4A4 model on the same seeds, prints the table (PSNR, SSIM, chroma and
-saturation ratios against the 16-bit images, mean held-out per-layer output error) and writes ``grid.png``,
-``table.md`` and ``report.json`` to ``--out`` (default ``runs/demo``).
+what the paper's share, 128 of 1152 = 1/9, rounds to; ``--rank 128`` is the paper's absolute rank), and generates
+three groups of captions with the 16-bit and every W4A4 model on the same seeds: captions the testbed can draw
+(training captions calibration did not use, and held-out variants of a trained concept: another skin tone or gender
+of a trained emoji) and a few novel concepts it never saw, labelled as such (even its 16-bit images of those are not
+the caption; ``models.testbed.evaluation.select_caption_groups``). It prints the table (per group: PSNR ± its
+standard error over the group's captions against the 16-bit images, and of the 16-bit images against the dataset's
+glyphs; SSIM, chroma and saturation ratios; mean held-out per-layer output error) and writes ``grid.png`` (each row
+tagged with its group), ``table.md`` and ``report.json`` (the captions of each group) to ``--out`` (default
+``runs/demo``).
 
 This is ``scripts/eval_testbed.py`` with fast defaults; every option of that command is accepted and overrides the
 defaults, e.g. ``kroquant demo --checkpoint DIR --prompts PROMPTS.npz`` for your own pixel-space flow-matching
@@ -27,7 +32,10 @@ DEMO_DEFAULTS = [
     "--out", "runs/demo",
     "--methods", "rtn", "hadamard32", "kroquant", "kroquant+loraq",
     "--calib-captions", "8",
-    "--eval-captions", "6",
+    "--eval-captions", "0",
+    "--eval-train-captions", "4",
+    "--variant-captions", "4",
+    "--novel-captions", "2",
     "--steps", "12",
     "--rows-per-layer", "640",
     "--calib-rows", "384",

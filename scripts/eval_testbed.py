@@ -9,11 +9,15 @@
 2. Calibrate every method on that layer set (``kroquant_jax.calibrate.quantize_layer_set``, resumable per method:
    the calibrated layers are stored under ``--out``/qlayers in a folder named by the method and a hash of the capture
    settings and the recipe, so a rerun with other settings never picks up stale layers).
-3. Generate the evaluation captions (held-out records; optionally also ``--eval-train-captions`` training records
-   that calibration did not use) with the 16-bit model and with each W4A4 model, same seeds and sampler, and compare
-   with the 16-bit images: PSNR (mean and its standard error over captions), SSIM, chroma and saturation ratios
-   (``models.image_metrics``), plus the per-layer relative output errors on held-out rows (mean, max, and the mean
-   per layer type).
+3. Generate the evaluation captions with the 16-bit model and with each W4A4 model, same seeds and sampler, in
+   caption groups (``models.testbed.evaluation.select_caption_groups``, the first records of each kind in record
+   order): ``--eval-captions`` held-out records of both kinds, ``--eval-train-captions`` training records that
+   calibration did not use, ``--variant-captions`` held-out variants of a trained concept (another skin tone or
+   gender of a trained emoji: the testbed draws them) and ``--novel-captions`` held-out novel concepts (it cannot
+   draw them, even in 16 bits). Per group, compare with the 16-bit images: PSNR (mean and its standard error over
+   the group's captions), SSIM, chroma and saturation ratios (``models.image_metrics``); and the 16-bit images with
+   the dataset's glyphs (how well the model draws the group at all). Plus the per-layer relative output errors on
+   held-out rows (mean, max, and the mean per layer type).
 
 The recipe settings (``--calib-steps``, ``--rank``, ...) are :func:`kroquant_jax.calibrate.add_recipe_arguments`'s.
 The low-rank branch's rank (``--rank``, or ``<recipe>@<rank>`` for one method): an int (LoRaQ's default is the
@@ -25,8 +29,8 @@ paper's share, 128 of 1152 = 1/9, rounds to).
 (:func:`kroquant_jax.calibrate.enable_compile_cache`), so that a later run with the same shapes and settings loads
 its compiled programs instead of compiling them.
 
-Writes (atomically) ``report.json``, ``table.md`` and ``grid.png`` (rows = captions, columns = 16-bit + methods;
-``grid_train.png`` for the training captions) in ``--out``. The paper's FID, ImageReward and LPIPS need
+Writes (atomically) ``report.json`` (with the captions and records of each group), ``table.md`` and ``grid.png``
+(rows = captions tagged with their group, columns = dataset glyph, 16-bit, methods) in ``--out``. The paper's FID, ImageReward and LPIPS need
 Inception/BLIP/AlexNet weights from a hub: not offline here. Nothing here imports torch or diffusers (the checkpoint
 is read by ``models.convert``'s numpy safetensors reader), so it runs on a machine with jax alone.
 """
@@ -34,6 +38,7 @@ is read by ``models.convert``'s numpy safetensors reader), so it runs on a machi
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import sys
 import time
@@ -50,8 +55,9 @@ from kroquant_jax.timing import CompileWatch
 from models import families
 from models.layers import linears
 from models.testbed import data as testbed_data
-from models.testbed.evaluation import (capture_flow_layer_set, flow_sampler, generate, image_metrics_of,
-                                       layer_errors_summary, markdown_table, merge_outputs, write_outputs)
+from models.testbed.evaluation import (CAPTION_GROUPS, capture_flow_layer_set, flow_sampler, generate,
+                                       group_metrics, layer_errors_summary, markdown_table, merge_outputs,
+                                       select_caption_groups, write_outputs)
 from scripts.common_args import nonnegative_int, positive_int, quantize_with_store, verb_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,9 +95,14 @@ def build_parser(verb: str = "evaluate", description: str | None = None, example
                         help="recipes, a low-rank one optionally with its own rank: kroquant+loraq@128")
     calibrate.add_recipe_arguments(parser)
     parser.add_argument("--calib-captions", type=positive_int, default=32, help="training captions sampled for capture")
-    parser.add_argument("--eval-captions", type=positive_int, default=8, help="held-out captions generated per method")
+    parser.add_argument("--eval-captions", type=nonnegative_int, default=8,
+                        help="held-out captions (both kinds, record order) generated per method")
     parser.add_argument("--eval-train-captions", type=nonnegative_int, default=0,
-                        help="also generate this many training captions not used for calibration (own table/grid)")
+                        help="also generate this many training captions not used for calibration")
+    parser.add_argument("--variant-captions", type=nonnegative_int, default=0,
+                        help="held-out variants of a trained concept (instead of --eval-captions' mix)")
+    parser.add_argument("--novel-captions", type=nonnegative_int, default=0,
+                        help="held-out novel concepts, never trained (instead of --eval-captions' mix)")
     parser.add_argument("--steps", type=positive_int, default=20, help="Euler steps (capture and generation)")
     parser.add_argument("--guidance", type=float, default=3.0, help="CFG scale")
     parser.add_argument("--rows-per-layer", type=positive_int, default=1024, help="captured rows kept per layer")
@@ -121,15 +132,15 @@ def store_folder(out: Path, method: str, recipe, capture_key: str) -> Path:
     return out / "qlayers" / f"{method.replace('+', '_').replace('@', '_r')}-{digest}"
 
 
-def settings_line(args, names, calib_indices, eval_indices, train_indices) -> str:
-    train = f" and {len(train_indices)} training captions not used for calibration" if len(train_indices) else ""
+def settings_line(args, names, calib_indices, groups) -> str:
+    generated = ", ".join(f"{len(indices)} {CAPTION_GROUPS[gid].label}" for gid, indices in groups.items())
     return (f"{args.checkpoint}: {len(names)} linears W4A4 (MXFP4), capture from {len(calib_indices)} training "
             f"captions x {args.steps} Euler steps (CFG {args.guidance:g}, {args.rows_per_layer} rows/layer); "
             f"calibration rows {args.calib_rows or 'default'}, validation rows {args.calib_validation or 'default'}, "
             f"test rows {args.calib_test or 'default'}, KroQuant steps {args.calib_steps or 'default'}, LoRaQ steps "
             f"{args.loraq_steps or 'default'}+{args.rotation_steps or 'default'}, --rank {args.rank or 'default'}; "
-            f"metrics vs the 16-bit images of {len(eval_indices)} "
-            f"held-out captions{train}, same seeds (PSNR ± its standard error over captions); "
+            f"metrics vs the 16-bit images of the captions {generated}, same seeds (PSNR ± its standard error "
+            f"over the group's captions); "
             f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind})")
 
 
@@ -139,13 +150,14 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
     from kroquant_jax import provenance
     from models import quantize_model
 
+    started_run = time.perf_counter()
     args = parse_args(argv, verb, description, preset, examples)
     if args.compile_cache:
         calibrate.enable_compile_cache(args.compile_cache)  # before anything compiles
     out = Path(args.out)
     if args.merge:
         report = merge_outputs([Path(f) for f in args.merge], out, args.grid_rows)
-        print(markdown_table(report["results"], report["settings"]), flush=True)
+        print(markdown_table(report), flush=True)
         return 0
     out.mkdir(parents=True, exist_ok=True)
     prompts_path = args.prompts or str(Path(args.checkpoint) / "testbed_prompts.npz")
@@ -154,16 +166,16 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
     if cfg.in_channels != 3 or cfg.sample_size != dataset.image_size:
         raise ValueError(f"{args.checkpoint}: expects a pixel-space model of size {dataset.image_size} "
                          f"(in_channels 3), got in_channels {cfg.in_channels}, sample_size {cfg.sample_size}")
-    training = np.flatnonzero(~dataset.heldout)
-    calib_indices = training[:args.calib_captions]
-    eval_indices = np.flatnonzero(dataset.heldout)[:args.eval_captions]
-    train_indices = training[args.calib_captions:args.calib_captions + args.eval_train_captions]
-    if len(calib_indices) == 0 or len(eval_indices) == 0:
-        raise ValueError(f"{prompts_path}: needs training and held-out records "
-                         f"({len(calib_indices)} and {len(eval_indices)} selected)")
-    if len(train_indices) < args.eval_train_captions:
-        raise ValueError(f"{prompts_path}: --eval-train-captions {args.eval_train_captions} asks for more training "
-                         f"records than the {len(training)} - {len(calib_indices)} not used for calibration")
+    calib_indices = np.flatnonzero(~dataset.heldout)[:args.calib_captions]
+    if len(calib_indices) == 0:
+        raise ValueError(f"{prompts_path}: has no training records to calibrate on")
+    counts = {"train": args.eval_train_captions, "variant": args.variant_captions, "novel": args.novel_captions,
+              "heldout": args.eval_captions}
+    try:
+        groups = select_caption_groups(dataset, calib_indices, counts)
+    except ValueError as e:
+        raise ValueError(f"{prompts_path}: --eval-captions / --eval-train-captions / --variant-captions / "
+                         f"--novel-captions: {e}") from None
     names = list(linears(model, quantizable_only=True))[:args.layers]
     # bad method names fail before the capture
     recipes = {method: calibrate.recipe_from_args(method, args, progress=True) for method in args.methods}
@@ -196,14 +208,18 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
     graphdef, state = nnx.split(model)
     size, channels = cfg.sample_size, cfg.in_channels
     sample = flow_sampler(graphdef, args.steps, args.guidance, channels)
-    generated = np.concatenate([eval_indices, train_indices])  # held-out records first
-    held = slice(0, len(eval_indices))
+    generated = np.concatenate(list(groups.values()))  # (n,) the groups in order
+    targets = dataset.images[generated]  # (n, s, s, 3) the dataset's glyphs
     reference = generate(sample, state, dataset, generated, args.seed + 1000, channels, size)  # (n, s, s, 3)
-    results, images = {}, {"16-bit": reference}
-    report = {"settings": settings_line(args, names, calib_indices, eval_indices, train_indices),
-              "args": vars(args), "device": jax.devices()[0].device_kind, "capture_s": round(capture_s, 1),
-              "eval_captions": [str(c) for c in dataset.captions[eval_indices]],
-              "train_captions": [str(c) for c in dataset.captions[train_indices]], "results": results}
+    results, images = {}, {"dataset": targets, "16-bit": reference}
+    report = {"settings": settings_line(args, names, calib_indices, groups),
+              "args": vars(args), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "capture_s": round(capture_s, 1),
+              "calibration_captions": [str(c) for c in dataset.captions[calib_indices]],
+              "caption_groups": {gid: {"label": CAPTION_GROUPS[gid].label,
+                                       "captions": [str(c) for c in dataset.captions[indices]],
+                                       "records": [int(i) for i in indices]} for gid, indices in groups.items()},
+              "reference": group_metrics(reference, targets, groups), "results": results}
     for method, recipe in recipes.items():
         began = time.perf_counter()
         compile_watch = CompileWatch()
@@ -222,22 +238,23 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
         per_layer = summary.pop("per_layer_error")
         results[method] = {
             "low_rank_branch": branch,
-            **image_metrics_of(quantized[held], reference[held]),
+            "groups": group_metrics(quantized, reference, groups),
             **summary,
             "calibrate_s": round(calibrate_s, 1), "generate_s": round(generate_s, 1),
             "calibrate_compile_s": round(calibrate_compile_s, 1), "generate_compile_s": round(generate_compile_s, 1),
             "per_layer_error": per_layer,
         }
-        if len(train_indices):
-            results[method]["train"] = image_metrics_of(quantized[len(eval_indices):], reference[len(eval_indices):])
         images[method] = quantized
-        print(f"{method}: PSNR {results[method]['psnr_db']:.2f} dB, SSIM {results[method]['ssim']:.3f}, "
+        psnrs = ", ".join(f"{CAPTION_GROUPS[gid].tag} {m['psnr_db']:.2f}" for gid, m in results[method]["groups"].items())
+        print(f"{method}: PSNR (dB) {psnrs}, "
               f"layer error {results[method]['layer_error_mean']:.4f} (calibration {calibrate_s:.0f} s, "
               f"generation {generate_s:.0f} s; of which compilation {calibrate_compile_s:.0f} + "
               f"{generate_compile_s:.0f} s)", flush=True)
         write_outputs(out, report, images, args.grid_rows)
+    report["wall_s"] = round(time.perf_counter() - started_run, 1)
+    report["date_utc"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M")
     write_outputs(out, report, images, args.grid_rows)
-    print(markdown_table(results, report["settings"]), flush=True)
+    print(markdown_table(report), flush=True)
     return 0
 
 

@@ -85,6 +85,16 @@ def test_update_keeps_other_keys(tmp_path):
     assert not list(tmp_path.glob("*.tmp*")), "no temporary file left behind"
 
 
+def test_update_with_replace_prefix_drops_that_family_only(tmp_path):
+    path = tmp_path / "headline.json"
+    headline.update(path, {k: headline.Figure(**_figure(value=1.0)) for k in ("demo_old", "demo_kept", "other")})
+    headline.update(path, {"demo_kept": headline.Figure(**_figure(value=2.0))}, replace_prefix="demo_")
+    assert {k: f.value for k, f in headline.load(path).items()} == {"demo_kept": 2.0, "other": 1.0}
+    with pytest.raises(headline.HeadlineError, match="keys \\['other'\\] do not have it"):
+        headline.update(path, {"other": headline.Figure(**_figure(value=3.0))}, replace_prefix="demo_")
+    assert headline.load(path)["other"].value == 1.0, "a refused update writes nothing"
+
+
 def test_unmatched_marker_is_an_error():
     with pytest.raises(headline.HeadlineError, match="markers do not match"):
         headline.render_readme("<!-- headline:gpu -->\nx\n", {})

@@ -322,8 +322,9 @@ def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path):
     result = results["rtn"]
     assert len(result["per_layer_error"]) == 3
     assert 0.0 < result["layer_error_mean"] <= result["layer_error_max"] < 1.0
-    assert 10.0 < result["psnr_db"] < 99.0, "3 W4A4 linears change the images, but not beyond recognition"
-    assert 0.0 < result["ssim"] <= 1.0 and len(result["psnr_per_image_db"]) == 2
+    held = result["groups"]["heldout"]
+    assert 10.0 < held["psnr_db"] < 99.0, "3 W4A4 linears change the images, but not beyond recognition"
+    assert 0.0 < held["ssim"] <= 1.0 and len(held["psnr_per_image_db"]) == 2
     assert set(result["layer_error_by_type"]) == {"attn1.to_k", "attn1.to_out.0", "attn1.to_q"}
     # --rank 0.125 of the 256-wide layers is rank 32; "@64" overrides it for one method
     assert results["rtn"]["low_rank_branch"] == "none"
@@ -331,10 +332,11 @@ def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path):
     assert results["rtn+loraq@64"]["low_rank_branch"] == "LoRaQ r=64 (MXFP4)"
     errors = [results[m]["layer_error_mean"] for m in ("rtn", "rtn+loraq", "rtn+loraq@64")]
     assert errors[0] > errors[1] > errors[2], f"a larger LoRaQ branch must lower the layer error: {errors}"
-    assert len(report["train_captions"]) == 1 and 0.0 < result["train"]["ssim"] <= 1.0
+    assert [len(report["caption_groups"][g]["records"]) for g in ("train", "heldout")] == [1, 2]
+    assert 0.0 < result["groups"]["train"]["ssim"] <= 1.0
     table = (out / "table.md").read_text()
-    assert "| rtn | none |" in table and "Training captions not used for calibration" in table
-    assert (out / "grid.png").stat().st_size > 1000 and (out / "grid_train.png").stat().st_size > 1000
+    assert "| rtn | none |" in table and "training, not calibration (1)" in table
+    assert (out / "grid.png").stat().st_size > 1000
     stores = sorted(p.name.rsplit("-", 1)[0] for p in (out / "qlayers").iterdir())
     assert stores == ["rtn", "rtn_loraq", "rtn_loraq_r64"], "the calibrated layers are stored (resumable)"
 
@@ -355,7 +357,8 @@ def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path):
     assert list(report["results"]) == ["rtn+loraq", "rtn"]
     assert report["results"]["rtn"]["per_layer_error"] == results["rtn"]["per_layer_error"]
     with np.load(merged / "images.npz") as data:
-        assert list(data["titles"]) == ["16-bit", "rtn+loraq", "rtn"] and data["column0"].shape == (2, 32, 32, 3)
+        assert list(data["titles"]) == ["dataset", "16-bit", "rtn+loraq", "rtn"]
+        assert data["column0"].shape == (2, 32, 32, 3)
     assert "| rtn+loraq |" in (merged / "table.md").read_text() and (merged / "grid.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="methods \\['rtn'\\] are in"):
         evaluation.merge_outputs([other, other], tmp_path / "clash")

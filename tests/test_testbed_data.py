@@ -101,6 +101,7 @@ def test_dataset_arrays_and_roundtrip(few_glyph_dataset):
     for key in ("images", "context", "context_mask", "null_context", "null_mask", "captions", "sequences", "heldout"):
         np.testing.assert_array_equal(getattr(loaded, key), getattr(dataset, key), err_msg=key)
     assert loaded.max_tokens == 16 and loaded.image_size == 32
+    np.testing.assert_array_equal(loaded.trained_concept, td.trained_concepts(dataset.sequences, dataset.heldout))
     assert not list(path.parent.glob(".*tmp*")), "the atomic write left a temporary file"
 
 
@@ -132,3 +133,26 @@ def test_split_and_load_errors(few_glyph_dataset, tmp_path):
         td.load_dataset(bad)
     with pytest.raises(FileNotFoundError, match="build_emoji_dataset"):
         td.load_dataset(tmp_path / "missing.npz")
+
+
+def test_trained_concepts_tell_variants_of_trained_emoji_from_novel_ones(few_glyph_dataset, tmp_path):
+    """A held-out record is a variant of a trained concept when a training record shares its base emoji (skin tones
+    and gender signs removed); the flag survives the prompt subset, whose few training records alone could not tell."""
+    sequences = ["1F44D", "1F44D 1F3FC", "1F3C3 200D 2640", "1F3C3 1F3FD", "2699"]  # thumbs up x2, runner x2, gear
+    heldout = np.array([False, True, False, True, True])
+    np.testing.assert_array_equal(td.trained_concepts(sequences, heldout), [True, True, True, True, False])
+    dataset, _, _ = few_glyph_dataset
+    import dataclasses
+
+    flags = np.ones(dataset.num_examples, bool)
+    flags[dataset.heldout] = False
+    flagged = dataclasses.replace(dataset, trained_concept=flags)
+    assert td.prompt_subset(flagged, 0).trained_concept.tolist() == [False] * int(dataset.heldout.sum())
+    assert flagged.split(heldout=False).trained_concept.all()
+    with pytest.raises(ValueError, match="trained_concept.*training record"):
+        td.validate_dataset(dataclasses.replace(dataset, trained_concept=np.zeros(dataset.num_examples, bool)))
+    with pytest.raises(ValueError, match="trained_concept.*shape"):
+        td.validate_dataset(dataclasses.replace(dataset, trained_concept=np.ones(dataset.num_examples + 1, bool)))
+    older = tmp_path / "older.npz"  # a file written before the flag existed still loads, without it
+    td.write_dataset(dataclasses.replace(dataset, trained_concept=None), older)
+    assert td.load_dataset(older).trained_concept is None

@@ -159,7 +159,11 @@ class EmojiDataset:
     images: (n, s, s, 3) uint8 RGB. context: (n, L, 384) float16 MiniLM token hidden states, zero where the mask is 0.
     context_mask: (n, L) uint8, 1 for real tokens. null_context (L, 384) / null_mask (L,): the encoding of the empty
     caption "", the unconditional input for CFG (what a diffusers pipeline feeds as negative prompt).
-    captions, sequences: (n,) str. heldout: (n,) bool.
+    captions, sequences: (n,) str. heldout: (n,) bool. trained_concept: (n,) bool or None: the record's base emoji
+    (:func:`base_sequence`) is the base of a training record of the full dataset the file was built from (True for
+    every training record; for a held-out record: a variant of a trained concept, False: a novel concept). It is
+    computed when the full dataset is built and kept by :func:`prompt_subset`, whose few training records alone could
+    not tell; None for files written before it existed.
     """
 
     images: np.ndarray
@@ -172,6 +176,7 @@ class EmojiDataset:
     heldout: np.ndarray
     image_size: int
     max_tokens: int
+    trained_concept: np.ndarray | None = None
 
     @property
     def num_examples(self) -> int:
@@ -192,6 +197,7 @@ class EmojiDataset:
             captions=self.captions[keep],
             sequences=self.sequences[keep],
             heldout=self.heldout[keep],
+            trained_concept=None if self.trained_concept is None else self.trained_concept[keep],
         )
 
     def find(self, caption: str) -> int:
@@ -541,6 +547,14 @@ def encode_captions(captions: Sequence[str], max_tokens: int, batch_size: int = 
 
 # --------------------------------------------------------------------------------------------------------------------
 # The cached file
+def trained_concepts(sequences: Sequence[str], heldout: np.ndarray) -> np.ndarray:
+    """(n,) bool: record ``k``'s base emoji (:func:`base_sequence` of ``sequences[k]``, text form) is the base of a
+    training record (``heldout`` False) of these records."""
+    bases = [base_sequence(text_to_sequence(text)) for text in sequences]
+    trained = {base for base, held in zip(bases, heldout) if not held}
+    return np.array([base in trained for base in bases], dtype=bool)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 
 _ARRAY_KEYS = ("images", "context", "context_mask", "null_context", "null_mask", "captions", "sequences", "heldout")
@@ -564,6 +578,8 @@ def build_dataset(records: Sequence[EmojiRecord], config: EmojiDatasetConfig) ->
         heldout=np.array([record.heldout for record in records], dtype=bool),
         image_size=config.image_size,
         max_tokens=config.max_tokens,
+        trained_concept=trained_concepts([sequence_to_text(record.sequence) for record in records],
+                                         np.array([record.heldout for record in records], dtype=bool)),
     )
     validate_dataset(dataset)
     return dataset, truncated
@@ -594,6 +610,12 @@ def validate_dataset(dataset: EmojiDataset) -> None:
         array = getattr(dataset, key)
         if array.shape != shape or array.dtype != dtype:
             raise ValueError(f"dataset[{key!r}] has shape {array.shape} {array.dtype}, expected {shape} {np.dtype(dtype)}")
+    if dataset.trained_concept is not None:
+        array = dataset.trained_concept
+        if array.shape != (n,) or array.dtype != np.bool_:
+            raise ValueError(f"dataset['trained_concept'] has shape {array.shape} {array.dtype}, expected ({n},) bool")
+        if not np.all(array[~dataset.heldout]):
+            raise ValueError("dataset['trained_concept'] is False for a training record (its own concept is trained)")
     for key in ("captions", "sequences"):
         array = getattr(dataset, key)
         if array.shape != (n,) or array.dtype.kind != "U":
@@ -609,6 +631,7 @@ def write_dataset(dataset: EmojiDataset, path: str | os.PathLike, font_sha256: s
         np.savez_compressed(
             handle,
             **{key: getattr(dataset, key) for key in _ARRAY_KEYS},
+            **({} if dataset.trained_concept is None else {"trained_concept": dataset.trained_concept}),
             image_size=np.int32(dataset.image_size),
             max_tokens=np.int32(dataset.max_tokens),
             format_version=np.int32(DATASET_FORMAT_VERSION),
@@ -633,6 +656,7 @@ def load_dataset(path: str | os.PathLike) -> EmojiDataset:
             **{key: archive[key] for key in _ARRAY_KEYS},
             image_size=int(archive["image_size"]),
             max_tokens=int(archive["max_tokens"]),
+            trained_concept=archive["trained_concept"] if "trained_concept" in archive else None,  # optional key
         )
     validate_dataset(dataset)
     return dataset

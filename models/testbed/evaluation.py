@@ -12,15 +12,20 @@ thin mains over these functions:
   ratios; mean / max / per-layer-type (:func:`layer_type`) held-out layer errors;
 * :func:`heldout_groups`, :func:`nearest_outcome`: how generated held-out captions relate to the dataset (the
   generalisation study of ``scripts/testbed_generalisation.py``);
+* :data:`CAPTION_GROUPS`, :func:`select_caption_groups`, :func:`group_slices`, :func:`group_metrics`: which captions
+  a run generates (training captions calibration did not use, held-out variants of trained concepts, novel concepts,
+  or held-out captions of both kinds) and the image metrics per group;
 * :func:`markdown_table`, :func:`write_outputs`, :func:`load_outputs`, :func:`merge_outputs`: ``report.json``,
-  ``table.md``, ``images.npz``, ``grid.png`` / ``grid_train.png`` (atomic writes), and the merge of runs over
-  different methods.
+  ``table.md``, ``images.npz``, ``grid.png`` (atomic writes), and the merge of runs over different methods;
+* :func:`headline_figures`: a run's figures for ``benchmarks/results/headline.json`` (the README's demo table).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -28,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kroquant_jax.fileio import atomic_path, atomic_write_text
+from kroquant_jax.headline import Figure
 from models import image_metrics, sampling
 from models.capture import CaptureConfig, capture_layer_set
 from models.testbed import data as testbed_data
@@ -37,8 +43,30 @@ from models.testbed import model as testbed
 GROUPS = ("sibling in training", "novel concept")
 OUTCOMES = ("own glyph", "sibling", "other emoji")
 
-__all__ = ["GROUPS", "OUTCOMES", "heldout_groups", "nearest_outcome", "capture_flow_layer_set", "flow_sampler", "generate", "image_metrics_of", "layer_errors_summary",
-           "layer_type", "load_outputs", "markdown_table", "merge_outputs", "text_params", "write_outputs"]
+
+@dataclasses.dataclass(frozen=True)
+class CaptionGroup:
+    """One group of generated captions: ``label`` for tables, ``tag`` for the grid's caption column."""
+
+    label: str
+    tag: str
+
+
+#: The caption groups a run can generate (:func:`select_caption_groups`), by id, in the order they are generated,
+#: tabulated and drawn. The testbed draws training captions and held-out variants of a trained concept (another skin
+#: tone or gender sign of a trained emoji); it cannot draw a novel concept, even in 16 bits (docs/testbed.md).
+CAPTION_GROUPS = {
+    "train": CaptionGroup("training, not calibration", "training"),
+    "variant": CaptionGroup("held-out variant of a trained concept", "held-out variant"),
+    "novel": CaptionGroup("held-out novel concept, never trained", "NOVEL concept"),
+    "heldout": CaptionGroup("held-out (both kinds)", "held-out"),
+}
+
+__all__ = ["CAPTION_GROUPS", "CaptionGroup", "GROUPS", "OUTCOMES", "capture_flow_layer_set", "flow_sampler",
+           "generate", "group_metrics", "group_slices", "headline_figures", "heldout_groups", "image_metrics_of",
+           "layer_errors_summary", "layer_type", "load_outputs", "markdown_table", "merge_outputs", "method_key",
+           "nearest_outcome",
+           "select_caption_groups", "text_params", "write_outputs"]
 
 
 def flow_sampler(graphdef, num_steps: int, guidance: float, channels: int, hooks_factory=None):
@@ -113,25 +141,92 @@ def image_metrics_of(quantized: np.ndarray, reference: np.ndarray) -> dict:
             **image_metrics.color_ratios(q, ref), "psnr_per_image_db": [round(float(x), 3) for x in psnr]}
 
 
-def markdown_table(results: dict[str, dict], settings: str) -> str:
-    """The settings line, the method table (held-out captions), the training-caption table when there is one, and
-    the mean per-layer output error per layer type."""
-    lines = [settings, "",
-             "| method | low-rank branch | PSNR (dB) ↑ | SSIM ↑ | chroma ratio | saturation ratio "
-             "| layer error mean | layer error max | calibration (s) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+def select_caption_groups(dataset: testbed_data.EmojiDataset, calib_indices: np.ndarray,
+                          counts: Mapping[str, int]) -> dict[str, np.ndarray]:
+    """``{group id: record indices}`` to generate, in :data:`CAPTION_GROUPS` order, groups with a zero count left out.
+
+    Each group takes its first ``counts[id]`` records in record order (not picked by hand): ``"train"`` training
+    records not in ``calib_indices``, ``"variant"`` / ``"novel"`` the two kinds of held-out record
+    (:func:`heldout_groups`), ``"heldout"`` held-out records of both kinds. Raises naming the group when an id is
+    unknown, a count is negative or exceeds the records there are, when nothing is selected, or when two groups
+    would share a record (``"heldout"`` with ``"variant"`` / ``"novel"``); no group ever holds a calibration record.
+    """
+    unknown = sorted(set(counts) - set(CAPTION_GROUPS))
+    if unknown:
+        raise ValueError(f"unknown caption groups {unknown}; known: {list(CAPTION_GROUPS)}")
+    if any(n < 0 for n in counts.values()):
+        raise ValueError(f"caption group counts must be >= 0, got {dict(counts)}")
+    wanted = {gid: counts.get(gid, 0) for gid in CAPTION_GROUPS if counts.get(gid, 0) > 0}
+    if not wanted:
+        raise ValueError(f"no captions to generate: every caption group count is 0 ({dict(counts)})")
+    calib = set(int(i) for i in calib_indices)
+    pools = {"train": np.array([i for i in np.flatnonzero(~dataset.heldout) if int(i) not in calib], np.int64),
+             "heldout": np.flatnonzero(dataset.heldout)}
+    if "variant" in wanted or "novel" in wanted:
+        kinds = heldout_groups(dataset)
+        pools["variant"], pools["novel"] = kinds[GROUPS[0]], kinds[GROUPS[1]]
+    groups, taken = {}, {}
+    for gid, n in wanted.items():
+        pool = pools[gid]
+        if n > len(pool):
+            raise ValueError(f"caption group {gid!r} ({CAPTION_GROUPS[gid].label}): {n} captions asked for, the "
+                             f"dataset has {len(pool)}")
+        groups[gid] = pool[:n]
+        for i in groups[gid]:
+            if int(i) in calib:
+                raise ValueError(f"caption group {gid!r} would hold calibration record {int(i)}")
+            if int(i) in taken:
+                raise ValueError(f"caption groups {taken[int(i)]!r} and {gid!r} would both hold record {int(i)} "
+                                 f"({dataset.captions[i]!r}): ask for one or the other")
+            taken[int(i)] = gid
+    return groups
+
+
+def group_slices(caption_groups: Mapping[str, object]) -> dict[str, slice]:
+    """``{group id: slice}`` of each group in the generated images (groups concatenated in the given order);
+    ``caption_groups`` maps id -> record indices or the report's ``{"captions": [...], ...}`` record."""
+    slices, start = {}, 0
+    for gid, group in caption_groups.items():
+        n = len(group["captions"]) if isinstance(group, dict) else len(group)
+        slices[gid] = slice(start, start + n)
+        start += n
+    return slices
+
+
+def group_metrics(images: np.ndarray, reference: np.ndarray, caption_groups: Mapping[str, object]) -> dict:
+    """``{group id: image_metrics_of(images[group], reference[group])}`` (uint8 (n, s, s, 3), groups concatenated in
+    the order of ``caption_groups``, as :func:`group_slices`)."""
+    return {gid: image_metrics_of(images[part], reference[part]) for gid, part in group_slices(caption_groups).items()}
+
+
+def _psnr(metrics: dict) -> str:
+    return f"{metrics['psnr_db']:.2f} ± {metrics['psnr_sem_db']:.2f}"
+
+
+def markdown_table(report: dict) -> str:
+    """The settings line; PSNR (± its standard error over captions) per caption group for every method, with the
+    16-bit model against the dataset's glyphs as the first row (can the model draw the caption at all); SSIM and
+    colour ratios per group; the mean per-layer output error per layer type. ``report``: :func:`write_outputs`'."""
+    groups, results, reference = report["caption_groups"], report["results"], report["reference"]
+    heads = [f"{CAPTION_GROUPS[gid].label} ({len(g['captions'])})" for gid, g in groups.items()]
+    lines = [report["settings"], "",
+             "PSNR (dB) ↑ against the 16-bit images on the same seeds, ± its standard error over the captions of each "
+             "group (first row: the 16-bit images against the dataset's glyphs, i.e. how well the model draws the "
+             "group at all):", "",
+             "| method | low-rank branch | " + " | ".join(heads) + " | layer error mean | layer error max | "
+             "calibration (s) |", "| --- " * (len(heads) + 5) + "|",
+             "| 16-bit vs dataset glyph | — | " + " | ".join(_psnr(reference[gid]) for gid in groups) + " | — | — | — |"]
     for method, r in results.items():
-        lines.append(f"| {method} | {r['low_rank_branch']} | {r['psnr_db']:.2f} ± {r['psnr_sem_db']:.2f} | "
-                     f"{r['ssim']:.3f} | {r['chroma_ratio']:.3f} | {r['saturation_ratio']:.3f} | "
-                     f"{r['layer_error_mean']:.4f} | {r['layer_error_max']:.4f} | {r['calibrate_s']:.0f} |")
-    train = {method: r["train"] for method, r in results.items() if "train" in r}
-    if train:
-        lines += ["", "Training captions not used for calibration:", "",
-                  "| method | PSNR (dB) ↑ | SSIM ↑ | chroma ratio | saturation ratio |",
-                  "| --- | --- | --- | --- | --- |"]
-        for method, r in train.items():
-            lines.append(f"| {method} | {r['psnr_db']:.2f} ± {r['psnr_sem_db']:.2f} | {r['ssim']:.3f} | "
-                         f"{r['chroma_ratio']:.3f} | {r['saturation_ratio']:.3f} |")
+        lines.append(f"| {method} | {r['low_rank_branch']} | "
+                     + " | ".join(_psnr(r["groups"][gid]) for gid in groups)
+                     + f" | {r['layer_error_mean']:.4f} | {r['layer_error_max']:.4f} | {r['calibrate_s']:.0f} |")
+    lines += ["", "SSIM ↑ and colour ratios against the 16-bit images, per caption group:", "",
+              "| method | caption group | SSIM ↑ | chroma ratio | saturation ratio |", "| --- | --- | --- | --- | --- |"]
+    for method, r in [("16-bit vs dataset glyph", {"groups": reference}), *results.items()]:
+        for gid in groups:
+            m = r["groups"][gid]
+            lines.append(f"| {method} | {CAPTION_GROUPS[gid].label} | {m['ssim']:.3f} | {m['chroma_ratio']:.3f} | "
+                         f"{m['saturation_ratio']:.3f} |")
     if results:
         types = list(next(iter(results.values()))["layer_error_by_type"])
         lines += ["", "Mean held-out relative output error per layer type:", "",
@@ -142,24 +237,24 @@ def markdown_table(results: dict[str, dict], settings: str) -> str:
 
 
 def write_outputs(out: Path, report: dict, images: dict[str, np.ndarray], grid_rows: int | None = None) -> None:
-    """report.json, table.md, images.npz (the generated uint8 images per column), grid.png and grid_train.png of the
-    methods done so far (rewritten after each method, atomically). ``report`` holds ``settings``, ``eval_captions``,
-    ``train_captions`` and ``results``; ``images[title]``: (n_heldout + n_train, s, s, 3), held-out records first.
-    ``grid_rows``: at most this many captions per grid (all by default)."""
-    held, train = report["eval_captions"], report["train_captions"]
+    """report.json, table.md, images.npz (the uint8 images per column) and grid.png of the methods done so far
+    (rewritten after each method, atomically). ``report`` holds ``settings``, ``caption_groups`` (``{id: {"label",
+    "captions", "records"}}``, generation order), ``reference`` (the 16-bit images' metrics against the dataset's
+    glyphs per group) and ``results`` (per method, image metrics per group under ``"groups"``); ``images[title]``:
+    (n, s, s, 3), the groups concatenated in order (``"dataset"``: the glyphs, ``"16-bit"``, then the methods). The
+    grid has one row per caption, tagged with its group; ``grid_rows``: at most this many captions per group."""
     atomic_write_text(out / "report.json", json.dumps(report, indent=2))
-    atomic_write_text(out / "table.md", markdown_table(report["results"], report["settings"]))
+    atomic_write_text(out / "table.md", markdown_table(report))
     with atomic_path(out / "images.npz", suffix=".npz") as tmp:
         np.savez_compressed(tmp, titles=np.array(list(images)),
                             **{f"column{k}": v for k, v in enumerate(images.values())})
-    titles = list(images)
-    for file, captions, offset, what in (("grid.png", held, 0, "held-out"),
-                                         ("grid_train.png", train, len(held), "training (not calibration)")):
-        captions = captions[:grid_rows]
-        if captions:
-            rows = [[images[title][offset + k] for title in titles] for k in range(len(captions))]
-            testbed.save_caption_grid(str(out / file), captions, rows, titles,
-                                      title=f"W4A4 (MXFP4) vs 16-bit, {what} captions")
+    titles, captions, rows = list(images), [], []
+    for gid, part in group_slices(report["caption_groups"]).items():
+        for k, caption in list(enumerate(report["caption_groups"][gid]["captions"]))[:grid_rows]:
+            captions.append(f"[{CAPTION_GROUPS[gid].tag}] {caption}")
+            rows.append([images[title][part.start + k] for title in titles])
+    testbed.save_caption_grid(str(out / "grid.png"), captions, rows, titles,
+                              title="W4A4 (MXFP4) vs 16-bit; [tag]: caption group (NOVEL: never trained)")
 
 
 def load_outputs(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:
@@ -181,7 +276,7 @@ def merge_outputs(folders: list[Path], out: Path, grid_rows: int | None = None) 
     for folder in folders[1:]:
         other, other_images = load_outputs(folder)
         report["args"].append(other["args"])
-        for key in ("settings", "eval_captions", "train_captions"):
+        for key in ("settings", "caption_groups"):
             if other[key] != report[key]:
                 raise ValueError(f"merge: {folder}/report.json has another {key!r} than {folders[0]}:\n"
                                  f"  {other[key]!r}\n  {report[key]!r}")
@@ -191,21 +286,55 @@ def merge_outputs(folders: list[Path], out: Path, grid_rows: int | None = None) 
         if clash:
             raise ValueError(f"merge: methods {clash} are in {folder} and in an earlier folder")
         report["results"].update(other["results"])
-        images.update({t: v for t, v in other_images.items() if t != "16-bit"})
+        images.update({t: v for t, v in other_images.items() if t not in ("dataset", "16-bit")})
     out.mkdir(parents=True, exist_ok=True)
     write_outputs(out, report, images, grid_rows)
     return report
 
 
+def method_key(method: str) -> str:
+    """A method name as a headline key part: ``kroquant+loraq@64`` -> ``kroquant_loraq_r64``."""
+    return method.replace("+", "_").replace("@", "_r")
+
+
+def headline_figures(report: dict, prefix: str, *, device: str, command: str, source: str) -> dict:
+    """``{key: kroquant_jax.headline.Figure}`` of a run's report (:func:`write_outputs`): per caption group the PSNR,
+    its standard error and the SSIM of every method (``{prefix}_psnr_db_{group}_{method}``, ...) and of the 16-bit
+    images against the dataset's glyphs (method ``16bit``), the mean and max layer error per method, and the run's
+    wall time (``{prefix}_wall_s``). ``device``: the machine in words; ``source``: the report's copy under
+    ``benchmarks/results/``."""
+    for key in ("jax", "date_utc", "wall_s"):
+        if key not in report:
+            raise ValueError(f"headline_figures: the report has no {key!r} (written by an older kroquant evaluate)")
+
+    def figure(value, unit, higher_is_better):
+        return Figure(value=float(value), unit=unit, higher_is_better=higher_is_better, device=device,
+                      jax=report["jax"], date_utc=report["date_utc"], command=command, source=source)
+
+    figures = {f"{prefix}_wall_s": figure(report["wall_s"], "s", False)}
+    columns = [("16bit", {"groups": report["reference"]}), *((method_key(m), r) for m, r in report["results"].items())]
+    for key, r in columns:
+        for gid, m in r["groups"].items():
+            figures[f"{prefix}_psnr_db_{gid}_{key}"] = figure(m["psnr_db"], "dB", True)
+            if np.isfinite(m["psnr_sem_db"]):
+                figures[f"{prefix}_psnr_sem_db_{gid}_{key}"] = figure(m["psnr_sem_db"], "dB", False)
+            figures[f"{prefix}_ssim_{gid}_{key}"] = figure(m["ssim"], "fraction", True)
+        if key != "16bit":
+            figures[f"{prefix}_layer_error_mean_{key}"] = figure(r["layer_error_mean"], "fraction", False)
+            figures[f"{prefix}_layer_error_max_{key}"] = figure(r["layer_error_max"], "fraction", False)
+    return figures
+
+
 def heldout_groups(dataset: testbed_data.EmojiDataset) -> dict[str, np.ndarray]:
     """``{kind: indices of held-out records}`` in record order: ``"sibling in training"`` when the record's base emoji
     (``models.testbed.data.base_sequence``: skin tones and gender signs removed) is also the base of a training
-    record, ``"novel concept"`` when nothing in training shares its base."""
-    bases = [testbed_data.base_sequence(testbed_data.text_to_sequence(s)) for s in dataset.sequences]
-    trained = {base for base, held in zip(bases, dataset.heldout) if not held}
+    record of the full dataset (``dataset.trained_concept``), ``"novel concept"`` when nothing in training shares its
+    base. Raises when the dataset file predates ``trained_concept``."""
+    if dataset.trained_concept is None:
+        raise ValueError("the dataset has no 'trained_concept' array (written before it existed), so its held-out "
+                         "records cannot be told apart: rebuild it with `python -m scripts.build_emoji_dataset`")
     held = np.flatnonzero(dataset.heldout)
-    return {GROUPS[0]: np.array([i for i in held if bases[i] in trained], dtype=np.int64),
-            GROUPS[1]: np.array([i for i in held if bases[i] not in trained], dtype=np.int64)}
+    return {GROUPS[0]: held[dataset.trained_concept[held]], GROUPS[1]: held[~dataset.trained_concept[held]]}
 
 
 def nearest_outcome(image: np.ndarray, target: int, dataset: testbed_data.EmojiDataset, pool: np.ndarray,
