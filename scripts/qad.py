@@ -55,8 +55,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data", required=True, help="training records (.npz of kroquant build-emoji-dataset)")
     p.add_argument("--prompts", default=None, help="evaluation captions (default <checkpoint>/testbed_prompts.npz)")
     p.add_argument("--out", required=True, help="output folder (run folders, report, table, images)")
-    p.add_argument("--ptq-store", default=None, help="QLinearStore folder of a calibrated PTQ model (qad_ptq)")
-    p.add_argument("--ptq-name", default="ptq", help="the PTQ recipe's name in the tables (e.g. svdquant)")
+    p.add_argument("--ptq-store", nargs="+", default=[],
+                   help="QLinearStore folders of calibrated PTQ models: each is evaluated with CFG (two branches); "
+                        "qad_ptq / naive_ptq start from the first")
+    p.add_argument("--ptq-name", nargs="+", default=None,
+                   help="the PTQ recipes' names in the tables, one per --ptq-store (default: each folder's name "
+                        "without its hash, e.g. svdquant)")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:3]),
                    help="students trained: qad_ or naive_ (no gradient through the quantizers), from _16bit "
                         "(the 16-bit weights) or _ptq (the layers of --ptq-store)")
@@ -97,6 +101,12 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if any(v.endswith("_ptq") for v in args.variants) and not args.ptq_store:
         raise ValueError("--variants qad_ptq and naive_ptq need --ptq-store (a calibrated QLinearStore folder)")
+    names = args.ptq_name or [Path(folder).name.rsplit("-", 1)[0] for folder in args.ptq_store]
+    if len(names) != len(args.ptq_store) or len(set(names)) != len(names):
+        raise ValueError(f"--ptq-name {names} must give one distinct name per --ptq-store ({len(args.ptq_store)})")
+    for folder in args.ptq_store:
+        if not Path(folder).is_dir():
+            raise ValueError(f"--ptq-store {folder}: no such folder")
     began = time.perf_counter()
     cfg, teacher = families.PIXART.from_diffusers(args.checkpoint, "float32")
     prompts = testbed_data.load_dataset(args.prompts or str(Path(args.checkpoint) / "testbed_prompts.npz"))
@@ -120,10 +130,9 @@ def main(argv=None) -> int:
     size = cfg.sample_size
 
     # the PTQ layers and the inits (the 16-bit init gets the PTQ rank as an all-zero branch: same compiled step)
-    ptq = None
-    if args.ptq_store:
-        qlayers = QLinearStore(args.ptq_store).load_all()
-        ptq = qad.student_from_qlinears(teacher, qlayers)
+    ptq_models = {name: qad.student_from_qlinears(teacher, QLinearStore(folder).load_all())
+                  for name, folder in zip(names, args.ptq_store)}
+    ptq_name, ptq = next(iter(ptq_models.items())) if ptq_models else ("ptq", None)
     rank = 0 if ptq is None else next(iter(ptq[0].values()))["left"].shape[1]
     block = 1 if ptq is None else next(iter(ptq[1].values())).shape[-1]
     rtn_layers, rtn_blocks = qad.student_from_model(teacher, rank=rank, block=block)
@@ -165,18 +174,18 @@ def main(argv=None) -> int:
     reference = {s: images(teacher_images(noise_for(s))) for s in args.seeds}
     columns = {"16-bit CFG (teacher)": reference}
     passes = {"16-bit CFG (teacher)": 2 * args.sample_steps}
-    for name, (layers, blocks, packed) in inits.items():
+    for name, (layers, blocks, packed) in {"rtn": inits["16bit"], **ptq_models}.items():
         trainable = {"model": student_state, "layers": jax.tree.map(jnp.asarray, layers)}
-        title = f"{'rtn' if name == '16bit' else args.ptq_name} W4A4 CFG"
+        title = f"{name} W4A4 CFG"
         columns[title] = {s: images(cfg_images(trainable, blocks, packed, noise_for(s))) for s in args.seeds}
         passes[title] = 2 * args.sample_steps
     if ptq is not None:
-        title = f"{args.ptq_name} W4A4 CFG"
-        columns[f"{args.ptq_name} + colour correction"] = {
+        title = f"{ptq_name} W4A4 CFG"
+        columns[f"{ptq_name} + colour correction"] = {
             s: np.concatenate([qad.colour_correct(columns[title][s][held], reference[s][held]),
                                qad.colour_correct(columns[title][s][len(heldout):], reference[s][len(heldout):])])
             for s in args.seeds}
-        passes[f"{args.ptq_name} + colour correction"] = 2 * args.sample_steps
+        passes[f"{ptq_name} + colour correction"] = 2 * args.sample_steps
     setup_s = time.perf_counter() - began
     print(f"setup (reference and PTQ images): {setup_s:.0f} s", flush=True)
 
@@ -227,7 +236,7 @@ def main(argv=None) -> int:
         config = base if variant.startswith("qad") else dataclasses.replace(base, ste="none")
         chunk = qad.make_train_chunk(student_graph, teacher_graph, teacher_state, blocks, config, packed, data)
         state = qad.init_state(student_state, layers, config)
-        key_extra = {"init": init if init == "16bit" else f"{args.ptq_name}:{qad.fingerprint(layers)}",
+        key_extra = {"init": init if init == "16bit" else f"{ptq_name}:{qad.fingerprint(layers)}",
                      "data": qad.fingerprint(data), "checkpoint": str(Path(args.checkpoint).name),
                      "teacher": qad.fingerprint(teacher_state)}
 
