@@ -24,10 +24,13 @@ gradient reaches ``W~`` and the layers before. What is trained, frozen or recomp
   what ``kroquant_jax.formats.quantize`` does at export), never stored or trained.
 
 **Naive distillation** (the seed's control): the same quantized student and loss, but "no gradient flowed through the
-quantization": ``ste="none"`` gives both quantizers their true derivative, zero (a rounding function is flat almost
-everywhere). The quantized weights then stay frozen at their rounded start, and only the 16-bit parameters that are
-reachable without passing through a quantizer (biases, AdaLN, embeddings, ``proj_out``, the 16-bit low-rank branch)
-move.
+quantization - the student was frozen in its quantized state": ``ste="none"`` gives the weight quantizers (and those
+of a quantized low-rank branch) their true derivative, zero (a rounding function is flat almost everywhere), so the
+quantized weights stay frozen at their rounded start. The activation quantizers keep the STE: they sit on the path
+from the loss to every earlier layer, and a zero there would cut the chain rule at each linear's input, leaving the
+16-bit parameters (biases, AdaLN, embeddings, ``proj_out``, the 16-bit low-rank branch) a partial gradient that is
+not a descent direction of the loss (measured: the loss then rises, docs/qad.md). So the naive student trains exactly
+the parameters QAD trains minus the quantized weights, with QAD's gradient for them.
 
 **Loss**: ``mse(student, guided teacher) + fm_weight * mse(student, eps - x0)`` on the same noised real images
 (the flow-matching loss of ``models.testbed``; the seed found distillation alone not enough).
@@ -123,7 +126,7 @@ class QADConfig:
 
     fmt: ``"mxfp4"`` or ``"nvfp4"`` (weights, activations and a quantized low-rank branch).
     ste: ``"identity"`` (plain STE), ``"clipped"`` (zero gradient where saturated) or ``"none"`` (naive distillation:
-        the quantizers' true, zero derivative).
+        the weight quantizers' true, zero derivative; the activations keep the STE).
     fm_weight: lambda of the flow-matching term. schedule: the teacher's guidance.
     lr, warmup, clip_norm, weight_decay: AdamW (linear warm-up, then constant). batch_size: images per step.
     steps: total optimizer steps. chunk: steps per jitted call (and the granularity of the NaN check).
@@ -207,14 +210,15 @@ def student_linear(layer: Mapping[str, jax.Array], blocks: jax.Array, through: j
     Args:
         layer: ``{"weight": W~ (o, d), "bias": (o,), "left": L (o, r), "right": R (r, d)}`` (``r`` may be 0).
         blocks: the frozen transform ``T`` as blocks ``(d / n, n, n)``.
-        through: scalar, 1.0 lets the STE gradient through the quantizers, 0.0 blocks it (naive distillation).
+        through: scalar, 1.0 lets the STE gradient through the weight quantizers, 0.0 blocks it (naive
+            distillation: the quantized weights frozen); the activation quantizer always passes it.
         x: ``(..., d)``. fmt: the 4-bit format. ste: ``"identity"`` / ``"clipped"``.
         lowrank_quantized: the branch ``L``, ``R`` is fake-quantized too (LoRaQ) rather than 16-bit (SVDQuant).
     Returns:
         ``(..., o)`` in ``x.dtype``.
     """
     xt = transforms.apply_to_activations(x.astype(jnp.float32), blocks)  # (..., d)
-    xq = _quantize_ste(xt, fmt, ste, through)  # (..., d)
+    xq = formats.fake_quant(xt, fmt, ste=ste)  # (..., d): activations always pass the STE gradient (naive included)
     wq = _quantize_ste(layer["weight"].astype(jnp.float32), fmt, ste, through)  # (o, d)
     y = jnp.einsum("...d,od->...o", xq, wq)  # (..., o)
     left, right = layer["left"].astype(jnp.float32), layer["right"].astype(jnp.float32)  # (o, r), (r, d)
@@ -302,8 +306,8 @@ def student_from_qlinears(model: nnx.Module, qlayers: Mapping[str, Any]) -> tupl
 
 def student_forward(config: QADConfig, lowrank_quantized: bool) -> tuple[Callable, jax.Array]:
     """``(forward, through)``: ``forward(layer, blocks, through, x)`` is :func:`student_linear` with the config's
-    format and STE rule; ``through`` is the float32 scalar that lets the STE gradient through the quantizers (1.0) or
-    gives them their true, zero derivative (0.0, ``ste="none"``: naive distillation)."""
+    format and STE rule; ``through`` is the float32 scalar that lets the STE gradient through the weight quantizers
+    (1.0) or gives them their true, zero derivative (0.0, ``ste="none"``: naive distillation)."""
     rule = "identity" if config.ste == "none" else config.ste
     forward = functools.partial(student_linear, fmt=config.quant_format, ste=rule,
                                 lowrank_quantized=lowrank_quantized)
@@ -424,7 +428,7 @@ def apply_gradients(state: dict, grads: Any, key: jax.Array, optimizer: optax.Gr
     next PRNG key. Returns ``(new state, global gradient norm)``."""
     if not config.train_rest:
         grads = {**grads, "model": jax.tree.map(jnp.zeros_like, grads["model"])}
-    grad_norm = optax.tree_utils.tree_l2_norm(grads)
+    grad_norm = optax.tree_utils.tree_norm(grads)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["trainable"])
     trainable = optax.apply_updates(state["trainable"], updates)
     return {"trainable": trainable, "opt_state": opt_state, "step": state["step"] + 1,
@@ -527,9 +531,16 @@ def restore_checkpoint(path: Path, template: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+#: Raised whenever a change of the training numerics makes an earlier run folder's checkpoints mean something else
+#: (2: the naive control keeps the activation STE), so such a folder is refused instead of resumed.
+TRAINING_NUMERICS_VERSION = 2
+
+
 def run_key(config: QADConfig, extra: Mapping[str, Any]) -> dict:
-    """The settings a run folder is keyed by: the config and ``extra`` (initialisation, data, model fingerprints)."""
-    return {"config": config.to_json(), **{k: extra[k] for k in sorted(extra)}}
+    """The settings a run folder is keyed by: the config, ``extra`` (initialisation, data, model fingerprints) and
+    :data:`TRAINING_NUMERICS_VERSION`."""
+    return {"config": config.to_json(), "numerics_version": TRAINING_NUMERICS_VERSION,
+            **{k: extra[k] for k in sorted(extra)}}
 
 
 def fingerprint(tree: Any) -> str:

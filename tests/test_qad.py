@@ -298,3 +298,38 @@ def test_config_validation():
         qad.QADConfig(ste="soft")
     with pytest.raises(ValueError, match="multiples of chunk"):
         qad.QADConfig(steps=15, chunk=10)
+
+
+def test_naive_control_freezes_the_quantized_weights_and_keeps_the_rest_of_the_gradient(setup):
+    """ste="none": zero gradient for the quantized weights, and for every other parameter exactly the gradient of the
+    identity-STE student (the activation quantizers keep the STE, so the chain rule reaches the earlier layers)."""
+    teacher, student, data = setup
+    layers, blocks = qad.student_from_model(student)
+    t_graph, t_state = nnx.split(teacher)
+    s_graph, s_state = nnx.split(student)
+
+    def teacher_velocity(x, timestep, context, mask):
+        return nnx.merge(t_graph, t_state)(x, context, timestep, encoder_attention_mask=mask)
+
+    def grads_of(ste):
+        config = qad.QADConfig(fmt="mxfp4", ste=ste, batch_size=4, steps=2, chunk=2, save_every=2)
+
+        def loss(trainable):
+            return qad.qad_loss(trainable, blocks, s_graph, teacher_velocity, config, False,
+                                testbed.images_to_pixels(data["images"]), data["context"].astype(jnp.float32),
+                                data["context_mask"].astype(jnp.float32), data["null_context"].astype(jnp.float32),
+                                data["null_mask"].astype(jnp.float32), jax.random.key(0))[0]
+
+        return jax.grad(loss)(qad.init_state(s_state, layers, config)["trainable"])
+
+    naive, ste = grads_of("none"), grads_of("identity")
+    for name in naive["layers"]:
+        assert float(jnp.abs(naive["layers"][name]["weight"]).max()) == 0.0, name
+        assert float(jnp.abs(ste["layers"][name]["weight"]).max()) > 0.0, name
+        np.testing.assert_allclose(naive["layers"][name]["bias"], ste["layers"][name]["bias"], rtol=1e-5, atol=1e-8)
+    first_bias = naive["layers"][sorted(naive["layers"])[0]]["bias"]
+    assert float(jnp.abs(first_bias).max()) > 0.0  # an early layer is reached through the activation quantizers
+    flat_naive = jax.tree_util.tree_leaves_with_path(naive["model"])
+    flat_ste = dict(jax.tree_util.tree_leaves_with_path(ste["model"]))
+    for path, leaf in flat_naive:
+        np.testing.assert_allclose(leaf, flat_ste[path], rtol=1e-5, atol=1e-8, err_msg=jax.tree_util.keystr(path))
