@@ -41,7 +41,7 @@ import dataclasses
 import functools
 import math
 import os
-from typing import Any, Literal, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +57,7 @@ from kroquant_jax.smoothquant import SmoothQuantConfig
 
 __all__ = ["CalibrationConfig", "GPTQConfig", "LayerCalibration", "LayerRows", "PAPER_LITERAL", "RECIPES", "Recipe", "RunConfig",
            "add_recipe_arguments", "calibrate_layers", "calibration_program", "enable_compile_cache", "get_recipe",
-           "layer_rows", "parse_rank", "quantize_layer_set", "recipe_from_args"]
+           "layer_rows", "parse_rank", "quantize_layer_set", "recipe_from_args", "unused_stage_arguments"]
 
 
 def enable_compile_cache(directory: str, min_compile_seconds: Optional[float] = 0.0) -> str:
@@ -528,6 +528,33 @@ _RECIPE_ARGUMENTS = ("calib_steps", "lr_schedule", "select_every", "regularizer_
                      "calib_validation", "calib_test", "max_layers_per_program", "rank", "smooth_svd_rank",
                      "loraq_steps", "rotation_steps", "svd_refine", "sq_grid", "gptq_damp", "gptq_act_order",
                      "gptq_scales", "gptq_order")
+
+
+#: Stage settings of :func:`add_recipe_arguments` and the recipes that read them: a flag given for methods none of
+#: which runs its stage would be ignored, so :func:`unused_stage_arguments` names it instead.
+_STAGE_ARGUMENTS: dict[str, tuple[str, Callable[[Recipe], bool]]] = {
+    **{k: ("a '+gptq' recipe", lambda r: r.gptq is not None)
+       for k in ("gptq_damp", "gptq_act_order", "gptq_scales", "gptq_order")},
+    "loraq_steps": ("a '+loraq' recipe", lambda r: r.lowrank == "loraq"),
+    "rotation_steps": ("a '+loraq' recipe", lambda r: r.lowrank == "loraq"),
+    "svd_refine": ("svdquant", lambda r: r.lowrank == "svd"),
+    "rank": ("a recipe with a low-rank branch", lambda r: r.lowrank is not None),
+    "sq_grid": ("a recipe with the SmoothQuant search", lambda r: r.smooth_init),
+    "smooth_svd_rank": ("a recipe with the SmoothQuant search", lambda r: r.smooth_init),
+}
+
+
+def unused_stage_arguments(recipes: Mapping[str, Recipe], args: argparse.Namespace | Mapping[str, Any]) -> list[str]:
+    """One message per stage flag of :func:`add_recipe_arguments` that was given (not ``None``) although none of
+    ``recipes`` (``{method spec: Recipe}``) runs its stage, e.g. ``--gptq-damp`` for ``rtn kroquant``; empty when
+    every given flag is used. The entry points turn a non-empty list into a one-line error."""
+    given = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
+    messages = []
+    for dest, (needs, runs_stage) in _STAGE_ARGUMENTS.items():
+        if given.get(dest) is not None and not any(runs_stage(r) for r in recipes.values()):
+            flag = "--" + dest.replace("_", "-")
+            messages.append(f"{flag} applies to {needs}, and none of the methods ({', '.join(recipes)}) has that stage")
+    return messages
 
 
 def recipe_from_args(spec: str, args: argparse.Namespace | Mapping[str, Any], **run_fields) -> Recipe:

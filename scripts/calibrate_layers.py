@@ -150,6 +150,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.compile_cache:
         calibrate.enable_compile_cache(args.compile_cache)
+    chosen = dict(vars(args))  # the flags as the user gave them, before --fast fills in its settings
     if args.fast:  # each setting only where the user did not choose it
         fast = {"calib_steps": 20, "loraq_steps": 30, "rotation_steps": 10, "sq_grid": 5, "calib_rows": 128,
                 "calib_validation": 32, "calib_test": 64, "rank": 32, "methods": list(FAST_METHODS)}
@@ -163,6 +164,9 @@ def main(argv=None):
                    for m in args.methods}
     except ValueError as err:
         ap.error(str(err))
+    unused = calibrate.unused_stage_arguments(recipes, chosen)
+    if unused:
+        ap.error("; ".join(unused))
 
     if args.layers:
         layers = layerset.load_layer_set(args.layers)

@@ -145,9 +145,13 @@ def build_recipe(args):
     """The recipe of ``--recipe`` with the recipe flags (:func:`kroquant_jax.calibrate.add_recipe_arguments`) and the
     progress bar of ``--quiet``."""
     try:
-        return calibrate.recipe_from_args(args.recipe, args, progress=not args.quiet)
+        recipe = calibrate.recipe_from_args(args.recipe, args, progress=not args.quiet)
     except ValueError as err:
         raise UserError(f"--recipe: {err}") from None
+    unused = calibrate.unused_stage_arguments({args.recipe: recipe}, args)
+    if unused:
+        raise UserError("; ".join(unused))
+    return recipe
 
 
 def plan_layers(model, recipe, recipe_name: str, unaligned: str = "keep-16bit"

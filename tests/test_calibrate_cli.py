@@ -124,3 +124,31 @@ def test_fast_keeps_the_first_layer_of_each_shape_and_says_so(tmp_path, capsys):
     args = json.loads((tmp_path / "cal" / "results.json").read_text())["meta"]["args"]
     assert (args["calib_rows"], args["calib_test"], args["rank"], args["methods"]) == (100, 64, 32, ["rtn"])
     assert calibrate_layers.FAST_METHODS == ("rtn", "hadamard32", "kroquant")
+
+
+def test_stage_flags_for_methods_without_that_stage_are_refused(capsys):
+    """A stage flag (--gptq-*, --loraq-steps, --rank, --sq-grid, ...) that none of the methods reads would be ignored
+    silently: named instead, by the library check and as a one-line argparse error of ``kroquant calibrate``
+    (before any layer is loaded); --fast's own settings do not count as given."""
+    import pytest
+
+    from kroquant_jax import calibrate
+    from scripts import calibrate_layers
+
+    args = _parsed("--gptq-damp", "0.1", "--loraq-steps", "5", "--rank", "16", "--calib-steps", "3")
+    plain = {m: calibrate.recipe_from_args(m, args) for m in ("rtn", "kroquant")}
+    messages = calibrate.unused_stage_arguments(plain, args)
+    assert messages == ["--gptq-damp applies to a '+gptq' recipe, and none of the methods (rtn, kroquant) has that stage",
+                        "--loraq-steps applies to a '+loraq' recipe, and none of the methods (rtn, kroquant) has that "
+                        "stage",
+                        "--rank applies to a recipe with a low-rank branch, and none of the methods (rtn, kroquant) "
+                        "has that stage"]
+    used = {m: calibrate.recipe_from_args(m, args) for m in ("rtn", "kroquant+gptq+loraq")}
+    assert calibrate.unused_stage_arguments(used, args) == []
+    with pytest.raises(SystemExit) as err:
+        calibrate_layers.main(["--layers", "no-such-file.npz", "--methods", "rtn", "--gptq-order", "gptq_first"])
+    assert err.value.code == 2
+    assert "--gptq-order applies to a '+gptq' recipe, and none of the methods (rtn)" in capsys.readouterr().err
+    # --fast fills in --loraq-steps / --rank / --sq-grid for its methods (rtn hadamard32 kroquant): not the user's
+    assert calibrate.unused_stage_arguments(
+        {m: calibrate.recipe_from_args(m, {}) for m in calibrate_layers.FAST_METHODS}, _parsed()) == []
