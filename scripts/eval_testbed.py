@@ -2,6 +2,7 @@
 
     kroquant evaluate --out runs/eval_testbed            # every method (ALL_METHODS)
     kroquant evaluate --out runs/x --methods rtn kroquant kroquant+loraq kroquant+loraq@128 --rank 0.125
+    kroquant evaluate --out runs/eval_testbed --seeds 0 1 2   # the same run at three generation seeds
 
 1. Capture: sample the calibration captions (the training records of the prompt file) with the flow-matching Euler
    sampler and CFG, recording random input rows of every quantizable linear at every step (real caption tokens only,
@@ -9,15 +10,27 @@
 2. Calibrate every method on that layer set (``kroquant_jax.calibrate.quantize_layer_set``, resumable per method:
    the calibrated layers are stored under ``--out``/qlayers in a folder named by the method and a hash of the capture
    settings and the recipe, so a rerun with other settings never picks up stale layers).
-3. Generate the evaluation captions with the 16-bit model and with each W4A4 model, same seeds and sampler, in
-   caption groups (``models.testbed.evaluation.select_caption_groups``, the first records of each kind in record
-   order): ``--eval-captions`` held-out records of both kinds, ``--eval-train-captions`` training records that
-   calibration did not use, ``--variant-captions`` held-out variants of a trained concept (another skin tone or
-   gender of a trained emoji: the testbed draws them) and ``--novel-captions`` held-out novel concepts (it cannot
-   draw them, even in 16 bits). Per group, compare with the 16-bit images: PSNR (mean and its standard error over
+3. Generate the evaluation captions with the 16-bit model and with each W4A4 model, same seeds and sampler, at
+   every generation seed of ``--seeds`` (default: ``--seed`` alone), in caption groups
+   (``models.testbed.evaluation.select_caption_groups``, the first records of each kind in record order):
+   ``--eval-captions`` held-out records of both kinds, ``--eval-train-captions`` training records that calibration
+   did not use, ``--variant-captions`` held-out variants of a trained concept (another skin tone or gender of a
+   trained emoji: the testbed draws them) and ``--novel-captions`` held-out novel concepts (it cannot draw them, even
+   in 16 bits). Per group, compare with the 16-bit images: PSNR (mean and its standard error over
    the group's captions), SSIM, chroma and saturation ratios (``models.image_metrics``); and the 16-bit images with
    the dataset's glyphs (how well the model draws the group at all). Plus the per-layer relative output errors on
    held-out rows (mean, max, and the mean per layer type).
+
+Seeds: ``--seed`` seeds the capture (its noise and its row draws, so the calibrated layers depend on it) and is the
+default generation seed; ``--seeds S [S ...]`` are the generation seeds alone. Generation seed ``s`` draws record
+``i``'s start noise from ``fold_in(key(s + 1000), i)`` (the offset keeps it apart from the capture's noise), the same
+for the 16-bit and every W4A4 model, and every image is compared with the 16-bit image of the same caption and seed.
+With several seeds a group's PSNR is the mean over all its caption x seed images, ± the standard error over its
+captions of the per-caption means over seeds, and the report and table add the per-seed PSNR (the mean over the
+group's captions at each seed) with its spread over seeds (min, max, sample standard deviation)
+(``models.testbed.evaluation.seed_image_metrics``). The capture and the calibrated layers do not depend on
+``--seeds``: a rerun of an ``--out`` with other ``--seeds`` (and the same other settings) reuses them and only
+generates again.
 
 The recipe settings (``--calib-steps``, ``--rank``, ...) are :func:`kroquant_jax.calibrate.add_recipe_arguments`'s.
 The low-rank branch's rank (``--rank``, or ``<recipe>@<rank>`` for one method): an int (LoRaQ's default is the
@@ -29,8 +42,9 @@ paper's share, 128 of 1152 = 1/9, rounds to).
 (:func:`kroquant_jax.calibrate.enable_compile_cache`), so that a later run with the same shapes and settings loads
 its compiled programs instead of compiling them.
 
-Writes (atomically) ``report.json`` (with the captions and records of each group), ``table.md`` and ``grid.png``
-(rows = captions tagged with their group, columns = dataset glyph, 16-bit, methods) in ``--out``. The paper's FID, ImageReward and LPIPS need
+Writes (atomically) ``report.json`` (with the captions and records of each group), ``table.md``, ``images.npz``
+(every seed's images) and ``grid.png`` (the first generation seed; rows = captions tagged with their group, columns =
+dataset glyph, 16-bit, methods) in ``--out``. The paper's FID, ImageReward and LPIPS need
 Inception/BLIP/AlexNet weights from a hub: not offline here. Nothing here imports torch or diffusers (the checkpoint
 is read by ``models.convert``'s numpy safetensors reader), so it runs on a machine with jax alone.
 """
@@ -55,7 +69,7 @@ from kroquant_jax.timing import CompileWatch
 from models import families
 from models.layers import linears
 from models.testbed import data as testbed_data
-from models.testbed.evaluation import (CAPTION_GROUPS, capture_flow_layer_set, flow_sampler, generate,
+from models.testbed.evaluation import (CAPTION_GROUPS, capture_flow_layer_set, flow_sampler, generate_seeds,
                                        group_metrics, layer_errors_summary, markdown_table, merge_outputs,
                                        select_caption_groups, write_outputs)
 from scripts.common_args import nonnegative_int, positive_int, quantize_with_store, verb_parser
@@ -68,7 +82,11 @@ ALL_METHODS = ["rtn", "smoothquant", "hadamard32", "kroquant", "smoothed_kroquan
 
 
 EXAMPLES = ("--out runs/eval_testbed", "--out runs/x --methods rtn kroquant kroquant+loraq --rank 0.125",
+            "--out runs/eval_testbed --seeds 0 1 2",
             "--checkpoint DIR --prompts PROMPTS.npz --out runs/mine --methods rtn kroquant")
+
+#: Generation seed ``s`` draws its start noise from ``key(s + GENERATION_KEY_OFFSET)`` (apart from the capture's).
+GENERATION_KEY_OFFSET = 1000
 
 
 def parse_args(argv=None, verb: str = "evaluate", description: str | None = None, preset: Sequence[str] = (),
@@ -81,7 +99,13 @@ def parse_args(argv=None, verb: str = "evaluate", description: str | None = None
         defaults = vars(build_parser(verb, description, examples, out_required=False).parse_args(list(preset)))
         parser = build_parser(verb, description, examples, out_required=defaults["out"] is None)
         parser.set_defaults(**defaults)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.seeds is None:
+        args.seeds = [args.seed]  # the default generation seed is --seed (documented in --help)
+    repeated = sorted({s for s in args.seeds if args.seeds.count(s) > 1})
+    if repeated:
+        parser.error(f"--seeds: each generation seed once, got {args.seeds} (repeated: {repeated})")
+    return args
 
 
 def build_parser(verb: str = "evaluate", description: str | None = None, examples: Sequence[str] = EXAMPLES, *,
@@ -112,7 +136,14 @@ def build_parser(verb: str = "evaluate", description: str | None = None, example
     parser.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                         help="only merge the outputs of earlier runs (same settings, other methods; e.g. parallel "
                              "processes) into one report/table/grid in --out")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the noise and the row draws")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the capture (its noise and row draws: the calibrated layers depend on it) and "
+                             "the default generation seed")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, metavar="S",
+                        help="generation noise seeds (default: --seed): every caption is generated at each, by the "
+                             "16-bit and every W4A4 model; the report adds the per-seed PSNR and its spread over "
+                             "seeds. The capture and calibrated layers do not depend on them (a rerun of --out with "
+                             "other --seeds reuses them)")
     parser.add_argument("--layers", type=positive_int, default=None,
                         help="quantize only the first N quantizable linears")
     parser.add_argument("--overwrite", action="store_true",
@@ -133,6 +164,9 @@ def store_folder(out: Path, method: str, recipe, capture_key: str) -> Path:
 
 
 def settings_line(args, names, calib_indices, groups) -> str:
+    seeds = "" if len(args.seeds) == 1 else (f", generation seeds {' '.join(map(str, args.seeds))} (mean over "
+                                             "caption x seed images, standard error over captions of the per-caption "
+                                             "means)")
     generated = ", ".join(f"{len(indices)} {CAPTION_GROUPS[gid].label}" for gid, indices in groups.items())
     return (f"{args.checkpoint}: {len(names)} linears W4A4 (MXFP4), capture from {len(calib_indices)} training "
             f"captions x {args.steps} Euler steps (CFG {args.guidance:g}, {args.rows_per_layer} rows/layer); "
@@ -140,7 +174,7 @@ def settings_line(args, names, calib_indices, groups) -> str:
             f"test rows {args.calib_test or 'default'}, KroQuant steps {args.calib_steps or 'default'}, LoRaQ steps "
             f"{args.loraq_steps or 'default'}+{args.rotation_steps or 'default'}, --rank {args.rank or 'default'}; "
             f"metrics vs the 16-bit images of the captions {generated}, same seeds (PSNR ± its standard error "
-            f"over the group's captions); "
+            f"over the group's captions){seeds}; "
             f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind})")
 
 
@@ -197,6 +231,8 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
                    for n in names}
         if provenance.layer_set_mismatch(layer_set, weights) is not None:
             layer_set = None  # the checkpoint at this path changed since: capture again
+        else:
+            print(f"reused the capture {cache} (same capture settings)", file=sys.stderr)
     if layer_set is None:
         layer_set = capture_flow_layer_set(model, dataset, calib_indices, names, steps=args.steps,
                                            guidance=args.guidance, rows_per_layer=args.rows_per_layer,
@@ -210,16 +246,20 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
     sample = flow_sampler(graphdef, args.steps, args.guidance, channels)
     generated = np.concatenate(list(groups.values()))  # (n,) the groups in order
     targets = dataset.images[generated]  # (n, s, s, 3) the dataset's glyphs
-    reference = generate(sample, state, dataset, generated, args.seed + 1000, channels, size)  # (n, s, s, 3)
+    noise_seeds = [seed + GENERATION_KEY_OFFSET for seed in args.seeds]
+    num_seeds = len(noise_seeds)
+    reference = generate_seeds(sample, state, dataset, generated, noise_seeds, channels, size)  # (S * n, s, s, 3)
     results, images = {}, {"dataset": targets, "16-bit": reference}
     report = {"settings": settings_line(args, names, calib_indices, groups),
               "args": vars(args), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "seeds": list(args.seeds), "noise_seeds": noise_seeds,
               "capture_s": round(capture_s, 1),
               "calibration_captions": [str(c) for c in dataset.captions[calib_indices]],
               "caption_groups": {gid: {"label": CAPTION_GROUPS[gid].label,
                                        "captions": [str(c) for c in dataset.captions[indices]],
                                        "records": [int(i) for i in indices]} for gid, indices in groups.items()},
-              "reference": group_metrics(reference, targets, groups), "results": results}
+              "reference": group_metrics(reference, np.tile(targets, (num_seeds, 1, 1, 1)), groups, num_seeds),
+              "results": results}
     for method, recipe in recipes.items():
         began = time.perf_counter()
         compile_watch = CompileWatch()
@@ -232,20 +272,23 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
         quantize_model.check_overrides(model, overrides)
         began = time.perf_counter()
         compile_watch = CompileWatch()
-        quantized = generate(sample, state, dataset, generated, args.seed + 1000, channels, size, overrides)
+        quantized = generate_seeds(sample, state, dataset, generated, noise_seeds, channels, size, overrides)
         generate_s, generate_compile_s = time.perf_counter() - began, compile_watch.seconds()
         summary = layer_errors_summary({name: float(reports[name]["heldout_error"]) for name in names})
         per_layer = summary.pop("per_layer_error")
         results[method] = {
             "low_rank_branch": branch,
-            "groups": group_metrics(quantized, reference, groups),
+            "groups": group_metrics(quantized, reference, groups, num_seeds),
             **summary,
             "calibrate_s": round(calibrate_s, 1), "generate_s": round(generate_s, 1),
+            "resumed_layers": sum(bool(reports[name].get("resumed")) for name in names),  # loaded from the store
             "calibrate_compile_s": round(calibrate_compile_s, 1), "generate_compile_s": round(generate_compile_s, 1),
             "per_layer_error": per_layer,
         }
         images[method] = quantized
-        psnrs = ", ".join(f"{CAPTION_GROUPS[gid].tag} {m['psnr_db']:.2f}" for gid, m in results[method]["groups"].items())
+        psnrs = ", ".join(f"{CAPTION_GROUPS[gid].tag} {m['psnr_db']:.2f}"
+                          + (f" (seeds {m['psnr_seed_min_db']:.2f}-{m['psnr_seed_max_db']:.2f})" if num_seeds > 1
+                             else "") for gid, m in results[method]["groups"].items())
         print(f"{method}: PSNR (dB) {psnrs}, "
               f"layer error {results[method]['layer_error_mean']:.4f} (calibration {calibrate_s:.0f} s, "
               f"generation {generate_s:.0f} s; of which compilation {calibrate_compile_s:.0f} + "

@@ -369,6 +369,87 @@ def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path):
         evaluation.merge_outputs([out, other], tmp_path / "bad")
 
 
+def test_seed_image_metrics_match_a_manual_computation():
+    rng = np.random.default_rng(0)
+    ref = rng.integers(0, 256, (2, 3, 12, 12, 3), dtype=np.uint8)  # (seeds, captions, s, s, 3)
+    got = np.clip(ref.astype(np.int64) + rng.integers(-40, 41, ref.shape), 0, 255).astype(np.uint8)
+    m = evaluation.seed_image_metrics(got, ref)
+    psnr = np.array([[10 * np.log10(1 / np.mean((got[j, k] / 255 - ref[j, k] / 255) ** 2)) for k in range(3)]
+                     for j in range(2)])  # (seeds, captions)
+    assert m["psnr_db"] == pytest.approx(psnr.mean())
+    assert m["psnr_db_per_seed"] == pytest.approx(list(psnr.mean(axis=1)))
+    assert m["psnr_per_caption_db"] == pytest.approx(list(psnr.mean(axis=0)), abs=1e-3)
+    assert m["psnr_sem_db"] == pytest.approx(psnr.mean(axis=0).std(ddof=1) / np.sqrt(3)), "over captions, not images"
+    assert (m["psnr_seed_min_db"], m["psnr_seed_max_db"]) == pytest.approx((psnr.mean(1).min(), psnr.mean(1).max()))
+    assert m["psnr_seed_std_db"] == pytest.approx(psnr.mean(axis=1).std(ddof=1))
+    assert m["psnr_per_image_db"] == pytest.approx(list(psnr.ravel()), abs=1e-3), "seed-major"
+    flat = evaluation.image_metrics_of(got.reshape(6, 12, 12, 3), ref.reshape(6, 12, 12, 3))
+    assert (m["ssim"], m["chroma_ratio"]) == pytest.approx((flat["ssim"], flat["chroma_ratio"])), "over all images"
+    assert evaluation.seed_image_metrics(got[:1], ref[:1]) == evaluation.image_metrics_of(got[0], ref[0])
+    by_group = evaluation.group_metrics(got.reshape(6, 12, 12, 3), ref.reshape(6, 12, 12, 3), {"a": [0], "b": [1, 2]}, 2)
+    assert by_group["b"] == evaluation.seed_image_metrics(got[:, 1:], ref[:, 1:])
+    with pytest.raises(ValueError, match="4 seeds"):
+        evaluation.group_metrics(got.reshape(6, 12, 12, 3), ref.reshape(6, 12, 12, 3), {"a": [0]}, 4)
+
+
+def test_eval_seeds_flag_defaults_to_seed_and_refuses_repeats(capsys):
+    from scripts import eval_testbed
+
+    assert eval_testbed.parse_args(["--out", "x", "--seed", "5"]).seeds == [5]
+    assert eval_testbed.parse_args(["--out", "x", "--seed", "5", "--seeds", "0", "1"]).seeds == [0, 1]
+    with pytest.raises(SystemExit):
+        eval_testbed.parse_args(["--out", "x", "--seeds", "1", "2", "1"])
+    assert "--seeds" in capsys.readouterr().err
+
+
+def test_eval_script_seeds_rerun_reuses_calibration_and_reports_the_seed_spread(tmp_path, capfd):
+    import shutil
+
+    from scripts import eval_testbed
+
+    out, first = tmp_path / "eval", tmp_path / "first"
+    tiny = ["--out", str(out), "--calib-captions", "1", "--eval-captions", "2", "--steps", "2", "--batch-size", "1",
+            "--rows-per-layer", "128", "--calib-rows", "64", "--calib-validation", "32", "--calib-test", "32",
+            "--layers", "2", "--methods", "rtn"]
+    assert eval_testbed.main(tiny) == 0  # the default: one generation seed, --seed's
+    report = json.loads((out / "report.json").read_text())
+    held = report["results"]["rtn"]["groups"]["heldout"]
+    assert report["seeds"] == [0] and report["noise_seeds"] == [1000] and report["results"]["rtn"]["resumed_layers"] == 0
+    assert set(held) == {"psnr_db", "psnr_sem_db", "ssim", "chroma_ratio", "saturation_ratio", "psnr_per_image_db"}
+    _, images = evaluation.load_outputs(out)
+    assert images["rtn"].shape == (2, 32, 32, 3) and held == evaluation.image_metrics_of(images["rtn"], images["16-bit"])
+    assert "seed range" not in (out / "table.md").read_text()
+    shutil.copytree(out, first)
+    stores = {p: p.stat().st_mtime_ns for p in [out / "layer_set.safetensors", *(out / "qlayers").rglob("*")]}
+    capfd.readouterr()
+
+    # Other generation seeds: the capture and the calibrated layers are reused (untouched), only generation reruns.
+    assert eval_testbed.main(tiny + ["--seeds", "0", "3"]) == 0
+    err = capfd.readouterr().err
+    assert "reused the capture" in err and "rtn: resumed 2 of 2 layers" in err
+    assert {p: p.stat().st_mtime_ns for p in stores} == stores
+    assert sorted(p.name for p in (out / "qlayers").iterdir()) == sorted(p.name for p in (first / "qlayers").iterdir())
+    report = json.loads((out / "report.json").read_text())
+    assert report["seeds"] == [0, 3] and report["results"]["rtn"]["resumed_layers"] == 2
+    _, seeded = evaluation.load_outputs(out)
+    assert seeded["rtn"].shape == (4, 32, 32, 3) and seeded["dataset"].shape == (2, 32, 32, 3)
+    for title in ("16-bit", "rtn"):
+        np.testing.assert_array_equal(seeded[title][:2], images[title], err_msg=f"{title}: seed 0 as before")
+        assert not np.array_equal(seeded[title][2:], images[title]), f"{title}: seed 3 draws other noise"
+    held = report["results"]["rtn"]["groups"]["heldout"]
+    per_seed = [evaluation.image_metrics_of(seeded["rtn"][j:j + 2], seeded["16-bit"][j:j + 2])["psnr_db"]
+                for j in (0, 2)]
+    assert held["psnr_db_per_seed"] == pytest.approx(per_seed)
+    assert held["psnr_db_per_seed"][0] == pytest.approx(json.loads((first / "report.json").read_text())[
+        "results"]["rtn"]["groups"]["heldout"]["psnr_db"])
+    assert (held["psnr_seed_min_db"], held["psnr_seed_max_db"]) == pytest.approx((min(per_seed), max(per_seed)))
+    table = (out / "table.md").read_text()
+    assert "held-out: seed range" in table and "| seed 0 | seed 3 |" in table and "(reused)" in table
+
+    with pytest.raises(ValueError, match="--seeds 0 3.*--seeds 0"):
+        eval_testbed.main(["--out", str(tmp_path / "merged"), "--merge", str(first), str(out)])
+
+
 def test_prompt_subset_keeps_every_heldout_record_and_the_drawn_training_ones(prompts):
     sub = testbed_data.prompt_subset(prompts, 5, seed=1)
     assert sub.num_examples == int(prompts.heldout.sum()) + 5 and int((~sub.heldout).sum()) == 5

@@ -5,18 +5,21 @@ thin mains over these functions:
 
 * :func:`flow_sampler`: the jitted flow-matching Euler sampler with CFG (``models.sampling``), optionally with linear
   overrides (the W4A4 model is the same graph and the same compiled sampler);
-* :func:`text_params`, :func:`generate`: the denoiser's caption inputs and uint8 images of dataset records, with
-  per-record noise (a record gets the same noise whatever else is generated beside it);
+* :func:`text_params`, :func:`generate`, :func:`generate_seeds`: the denoiser's caption inputs and uint8 images of
+  dataset records, with per-record noise (a record gets the same noise whatever else is generated beside it), at one
+  noise seed or at several (the images of every seed, seed-major);
 * :func:`capture_flow_layer_set`: the calibration layer set of the training captions (``models.capture``);
-* :func:`image_metrics_of`, :func:`layer_errors_summary`: PSNR (with its standard error over captions), SSIM, colour
-  ratios; mean / max / per-layer-type (:func:`layer_type`) held-out layer errors;
+* :func:`image_metrics_of`, :func:`seed_image_metrics`, :func:`layer_errors_summary`: PSNR (with its standard error
+  over captions), SSIM, colour ratios, at one seed or over several (with the per-seed PSNR and its spread over
+  seeds); mean / max / per-layer-type (:func:`layer_type`) held-out layer errors;
 * :func:`heldout_groups`, :func:`nearest_outcome`: how generated held-out captions relate to the dataset (the
   generalisation study of ``scripts/testbed_generalisation.py``);
 * :data:`CAPTION_GROUPS`, :func:`select_caption_groups`, :func:`group_slices`, :func:`group_metrics`: which captions
   a run generates (training captions calibration did not use, held-out variants of trained concepts, novel concepts,
   or held-out captions of both kinds) and the image metrics per group;
-* :func:`markdown_table`, :func:`write_outputs`, :func:`load_outputs`, :func:`merge_outputs`: ``report.json``,
-  ``table.md``, ``images.npz``, ``grid.png`` (atomic writes), and the merge of runs over different methods;
+* :func:`markdown_table`, :func:`write_outputs`, :func:`load_outputs`, :func:`merge_outputs`, :func:`report_seeds`:
+  ``report.json``, ``table.md``, ``images.npz``, ``grid.png`` (atomic writes), the merge of runs over different
+  methods, and the generation seeds a report was made with;
 * :func:`headline_figures`: a run's figures for ``benchmarks/results/headline.json`` (the README's demo table).
 """
 
@@ -63,10 +66,10 @@ CAPTION_GROUPS = {
 }
 
 __all__ = ["CAPTION_GROUPS", "CaptionGroup", "GROUPS", "OUTCOMES", "capture_flow_layer_set", "flow_sampler",
-           "generate", "group_metrics", "group_slices", "headline_figures", "heldout_groups", "image_metrics_of",
-           "layer_errors_summary", "layer_type", "load_outputs", "markdown_table", "merge_outputs", "method_key",
-           "nearest_outcome",
-           "select_caption_groups", "text_params", "write_outputs"]
+           "generate", "generate_seeds", "group_metrics", "group_slices", "headline_figures", "heldout_groups",
+           "image_metrics_of", "layer_errors_summary", "layer_type", "load_outputs", "markdown_table", "merge_outputs",
+           "method_key", "nearest_outcome", "report_seeds", "seed_image_metrics", "select_caption_groups",
+           "text_params", "write_outputs"]
 
 
 def flow_sampler(graphdef, num_steps: int, guidance: float, channels: int, hooks_factory=None):
@@ -115,6 +118,13 @@ def generate(sample, state, dataset, indices, seed: int, channels: int, size: in
     return testbed.pixels_to_images(pixels)
 
 
+def generate_seeds(sample, state, dataset, indices, seeds, channels: int, size: int, overrides=None) -> np.ndarray:
+    """:func:`generate` at every noise seed of ``seeds`` -> uint8 images ``(len(seeds) * n, s, s, 3)``, seed-major
+    (rows ``[j * n, (j + 1) * n)`` are seed ``seeds[j]``; the same compiled sampler for every seed)."""
+    return np.concatenate([generate(sample, state, dataset, indices, seed, channels, size, overrides)
+                           for seed in seeds])
+
+
 def layer_type(name: str) -> str:
     """``transformer_blocks.3.attn1.to_q`` -> ``attn1.to_q`` (the block index dropped)."""
     return re.sub(r"^(transformer_blocks|single_transformer_blocks|blocks)\.\d+\.", "", name)
@@ -132,13 +142,52 @@ def layer_errors_summary(layer_errors: dict[str, float]) -> dict:
             "per_layer_error": dict(layer_errors)}
 
 
-def image_metrics_of(quantized: np.ndarray, reference: np.ndarray) -> dict:
-    """PSNR (mean, standard error over images, per image), SSIM, colour ratios of uint8 images vs the 16-bit ones."""
+def _sem(values: np.ndarray) -> float:
+    """The standard error of the mean of ``values`` (n,) (sample std / sqrt(n)); nan for fewer than two."""
+    return float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else float("nan")
+
+
+def _image_metrics(quantized: np.ndarray, reference: np.ndarray) -> tuple[np.ndarray, dict]:
+    """``(PSNR per image (n,), {ssim, chroma_ratio, saturation_ratio})`` of uint8 images (n, s, s, 3) against the
+    reference ones (SSIM: the mean over images; colour ratios: of the whole set)."""
     q, ref = quantized.astype(np.float64) / 255, reference.astype(np.float64) / 255
     psnr = np.minimum(image_metrics.psnr(q, ref), 99.0)  # (n,) identical images -> 99 dB, not inf
-    sem = float(psnr.std(ddof=1) / np.sqrt(len(psnr))) if len(psnr) > 1 else float("nan")
-    return {"psnr_db": float(psnr.mean()), "psnr_sem_db": sem, "ssim": float(np.mean(image_metrics.ssim(q, ref))),
-            **image_metrics.color_ratios(q, ref), "psnr_per_image_db": [round(float(x), 3) for x in psnr]}
+    return psnr, {"ssim": float(np.mean(image_metrics.ssim(q, ref))), **image_metrics.color_ratios(q, ref)}
+
+
+def image_metrics_of(quantized: np.ndarray, reference: np.ndarray) -> dict:
+    """PSNR (mean, standard error over images, per image), SSIM, colour ratios of uint8 images vs the 16-bit ones."""
+    psnr, rest = _image_metrics(quantized, reference)
+    return {"psnr_db": float(psnr.mean()), "psnr_sem_db": _sem(psnr), **rest,
+            "psnr_per_image_db": [round(float(x), 3) for x in psnr]}
+
+
+def seed_image_metrics(quantized: np.ndarray, reference: np.ndarray) -> dict:
+    """:func:`image_metrics_of` of the same captions generated at several noise seeds.
+
+    ``quantized``, ``reference``: uint8 ``(S, n, s, s, 3)``, seed ``j``'s image of caption ``k`` at ``[j, k]``, each
+    against the reference image of the same caption and seed. With one seed (``S == 1``) exactly
+    ``image_metrics_of(quantized[0], reference[0])``. With several: ``psnr_db`` the mean over all ``S * n`` images,
+    ``psnr_sem_db`` the standard error over the ``n`` captions of the per-caption means over seeds (the captions are
+    the independent samples; a caption's seeds are not), ``ssim`` / colour ratios over all images,
+    ``psnr_per_image_db`` every image seed-major, plus ``psnr_per_caption_db`` (n,) the per-caption means,
+    ``psnr_db_per_seed`` (S,) the mean over captions at each seed, and the spread of those per-seed means:
+    ``psnr_seed_min_db``, ``psnr_seed_max_db``, ``psnr_seed_std_db`` (sample standard deviation over seeds)."""
+    if quantized.shape != reference.shape or quantized.ndim != 5:
+        raise ValueError(f"seed_image_metrics: expects two (seeds, captions, s, s, 3) arrays of one shape, got "
+                         f"{quantized.shape} and {reference.shape}")
+    num_seeds, n = quantized.shape[:2]
+    if num_seeds == 1:
+        return image_metrics_of(quantized[0], reference[0])
+    flat = (-1, *quantized.shape[2:])
+    psnr, rest = _image_metrics(quantized.reshape(flat), reference.reshape(flat))  # (S * n,) seed-major
+    per_seed_image = psnr.reshape(num_seeds, n)  # (S, n)
+    per_caption, per_seed = per_seed_image.mean(axis=0), per_seed_image.mean(axis=1)  # (n,), (S,)
+    return {"psnr_db": float(psnr.mean()), "psnr_sem_db": _sem(per_caption), **rest,
+            "psnr_per_image_db": [round(float(x), 3) for x in psnr],
+            "psnr_per_caption_db": [round(float(x), 3) for x in per_caption],
+            "psnr_db_per_seed": [float(x) for x in per_seed], "psnr_seed_min_db": float(per_seed.min()),
+            "psnr_seed_max_db": float(per_seed.max()), "psnr_seed_std_db": float(per_seed.std(ddof=1))}
 
 
 def select_caption_groups(dataset: testbed_data.EmojiDataset, calib_indices: np.ndarray,
@@ -193,33 +242,91 @@ def group_slices(caption_groups: Mapping[str, object]) -> dict[str, slice]:
     return slices
 
 
-def group_metrics(images: np.ndarray, reference: np.ndarray, caption_groups: Mapping[str, object]) -> dict:
-    """``{group id: image_metrics_of(images[group], reference[group])}`` (uint8 (n, s, s, 3), groups concatenated in
-    the order of ``caption_groups``, as :func:`group_slices`)."""
-    return {gid: image_metrics_of(images[part], reference[part]) for gid, part in group_slices(caption_groups).items()}
+def group_metrics(images: np.ndarray, reference: np.ndarray, caption_groups: Mapping[str, object],
+                  num_seeds: int = 1) -> dict:
+    """``{group id: seed_image_metrics(images of the group, reference of the group)}``; ``images``, ``reference``:
+    uint8 ``(num_seeds * n, s, s, 3)``, seed-major as :func:`generate_seeds` (each seed's ``n`` images the groups
+    concatenated in the order of ``caption_groups``, as :func:`group_slices`). With one seed this is
+    ``{group id: image_metrics_of(images[group], reference[group])}``."""
+    if len(images) != len(reference) or len(images) % num_seeds:
+        raise ValueError(f"group_metrics: {len(images)} images and {len(reference)} reference images cannot be "
+                         f"{num_seeds} seeds of the same captions")
+    by_seed = images.reshape(num_seeds, -1, *images.shape[1:])  # (S, n, s, s, 3)
+    ref_by_seed = reference.reshape(num_seeds, -1, *reference.shape[1:])
+    return {gid: seed_image_metrics(by_seed[:, part], ref_by_seed[:, part])
+            for gid, part in group_slices(caption_groups).items()}
+
+
+def report_seeds(report: dict) -> list[int]:
+    """The generation seeds (``kroquant evaluate --seeds``) of a :func:`write_outputs` report; a report written
+    before ``--seeds`` existed was generated at its one ``--seed``."""
+    if "seeds" in report:
+        return [int(s) for s in report["seeds"]]
+    args = report["args"][0] if isinstance(report["args"], list) else report["args"]  # a merged report: a list
+    return [int(args["seed"])]
 
 
 def _psnr(metrics: dict) -> str:
     return f"{metrics['psnr_db']:.2f} ± {metrics['psnr_sem_db']:.2f}"
 
 
+def _seed_range(metrics: dict) -> str:
+    return f"{metrics['psnr_seed_min_db']:.2f}–{metrics['psnr_seed_max_db']:.2f}"
+
+
 def markdown_table(report: dict) -> str:
     """The settings line; PSNR (± its standard error over captions) per caption group for every method, with the
     16-bit model against the dataset's glyphs as the first row (can the model draw the caption at all); SSIM and
-    colour ratios per group; the mean per-layer output error per layer type. ``report``: :func:`write_outputs`'."""
+    colour ratios per group; the mean per-layer output error per layer type. ``report``: :func:`write_outputs`'.
+    The calibration seconds of a method whose layers were loaded from its store (``resumed_layers``) say so.
+
+    With several generation seeds (:func:`report_seeds`): the PSNR is the mean over every caption x seed image, ± the
+    standard error over the captions of the per-caption means (:func:`seed_image_metrics`); each group gets a
+    "seed range" column (the lowest and highest per-seed mean PSNR), and a second table lists the per-seed PSNR and
+    the standard deviation over seeds."""
     groups, results, reference = report["caption_groups"], report["results"], report["reference"]
-    heads = [f"{CAPTION_GROUPS[gid].label} ({len(g['captions'])})" for gid, g in groups.items()]
-    lines = [report["settings"], "",
-             "PSNR (dB) ↑ against the 16-bit images on the same seeds, ± its standard error over the captions of each "
+    seeds = report_seeds(report)
+    several = len(seeds) > 1
+    heads = []
+    for gid, g in groups.items():
+        heads.append(f"{CAPTION_GROUPS[gid].label} ({len(g['captions'])})")
+        if several:
+            heads.append(f"{CAPTION_GROUPS[gid].tag}: seed range")
+
+    def cells(metrics: dict) -> str:
+        return " | ".join(f"{_psnr(metrics[gid])} | {_seed_range(metrics[gid])}" if several else _psnr(metrics[gid])
+                          for gid in groups)
+
+    intro = ("PSNR (dB) ↑ against the 16-bit images on the same seeds, ± its standard error over the captions of each "
              "group (first row: the 16-bit images against the dataset's glyphs, i.e. how well the model draws the "
-             "group at all):", "",
+             "group at all):")
+    if several:
+        intro = (f"PSNR (dB) ↑ against the 16-bit image of the same caption and seed, at the generation seeds "
+                 f"{', '.join(map(str, seeds))}: the mean over every caption x seed image of the group, ± the "
+                 "standard error over the group's captions of the per-caption means over seeds; seed range: the "
+                 "lowest and highest per-seed mean (first row: the 16-bit images against the dataset's glyphs, i.e. "
+                 "how well the model draws the group at all):")
+    lines = [report["settings"], "", intro, "",
              "| method | low-rank branch | " + " | ".join(heads) + " | layer error mean | layer error max | "
              "calibration (s) |", "| --- " * (len(heads) + 5) + "|",
-             "| 16-bit vs dataset glyph | — | " + " | ".join(_psnr(reference[gid]) for gid in groups) + " | — | — | — |"]
+             "| 16-bit vs dataset glyph | — | " + cells(reference) + " | — | — | — |"]
     for method, r in results.items():
-        lines.append(f"| {method} | {r['low_rank_branch']} | "
-                     + " | ".join(_psnr(r["groups"][gid]) for gid in groups)
-                     + f" | {r['layer_error_mean']:.4f} | {r['layer_error_max']:.4f} | {r['calibrate_s']:.0f} |")
+        reused, total = r.get("resumed_layers", 0), len(r["per_layer_error"])  # layers loaded from the store
+        reused = "" if not reused else " (reused)" if reused == total else f" ({reused} of {total} reused)"
+        lines.append(f"| {method} | {r['low_rank_branch']} | " + cells(r["groups"])
+                     + f" | {r['layer_error_mean']:.4f} | {r['layer_error_max']:.4f} | "
+                     f"{r['calibrate_s']:.0f}{reused} |")
+    if several:
+        lines += ["", "PSNR (dB) per generation seed (the mean over the group's captions at that seed) and the "
+                  "standard deviation of those per-seed means:", "",
+                  "| method | caption group | " + " | ".join(f"seed {s}" for s in seeds) + " | std over seeds |",
+                  "| --- | --- |" + " --- |" * (len(seeds) + 1)]
+        for method, r in [("16-bit vs dataset glyph", {"groups": reference}), *results.items()]:
+            for gid in groups:
+                m = r["groups"][gid]
+                lines.append(f"| {method} | {CAPTION_GROUPS[gid].label} | "
+                             + " | ".join(f"{x:.2f}" for x in m["psnr_db_per_seed"])
+                             + f" | {m['psnr_seed_std_db']:.2f} |")
     lines += ["", "SSIM ↑ and colour ratios against the 16-bit images, per caption group:", "",
               "| method | caption group | SSIM ↑ | chroma ratio | saturation ratio |", "| --- | --- | --- | --- | --- |"]
     for method, r in [("16-bit vs dataset glyph", {"groups": reference}), *results.items()]:
@@ -239,22 +346,27 @@ def markdown_table(report: dict) -> str:
 def write_outputs(out: Path, report: dict, images: dict[str, np.ndarray], grid_rows: int | None = None) -> None:
     """report.json, table.md, images.npz (the uint8 images per column) and grid.png of the methods done so far
     (rewritten after each method, atomically). ``report`` holds ``settings``, ``caption_groups`` (``{id: {"label",
-    "captions", "records"}}``, generation order), ``reference`` (the 16-bit images' metrics against the dataset's
-    glyphs per group) and ``results`` (per method, image metrics per group under ``"groups"``); ``images[title]``:
-    (n, s, s, 3), the groups concatenated in order (``"dataset"``: the glyphs, ``"16-bit"``, then the methods). The
-    grid has one row per caption, tagged with its group; ``grid_rows``: at most this many captions per group."""
+    "captions", "records"}}``, generation order), ``seeds`` (the generation seeds, :func:`report_seeds`),
+    ``reference`` (the 16-bit images' metrics against the dataset's glyphs per group) and ``results`` (per method,
+    image metrics per group under ``"groups"``); ``images[title]``: the groups concatenated in order, ``"dataset"``
+    the glyphs (n, s, s, 3), then ``"16-bit"`` and the methods (S * n, s, s, 3), every seed's images seed-major
+    (:func:`generate_seeds`). images.npz holds ``titles``, ``seeds`` and ``column{k}``. The grid has one row per
+    caption of the first seed, tagged with its group; ``grid_rows``: at most this many captions per group."""
+    seeds = report_seeds(report)
     atomic_write_text(out / "report.json", json.dumps(report, indent=2))
     atomic_write_text(out / "table.md", markdown_table(report))
     with atomic_path(out / "images.npz", suffix=".npz") as tmp:
-        np.savez_compressed(tmp, titles=np.array(list(images)),
+        np.savez_compressed(tmp, titles=np.array(list(images)), seeds=np.array(seeds, np.int64),
                             **{f"column{k}": v for k, v in enumerate(images.values())})
     titles, captions, rows = list(images), [], []
     for gid, part in group_slices(report["caption_groups"]).items():
         for k, caption in list(enumerate(report["caption_groups"][gid]["captions"]))[:grid_rows]:
             captions.append(f"[{CAPTION_GROUPS[gid].tag}] {caption}")
             rows.append([images[title][part.start + k] for title in titles])
-    testbed.save_caption_grid(str(out / "grid.png"), captions, rows, titles,
-                              title="W4A4 (MXFP4) vs 16-bit; [tag]: caption group (NOVEL: never trained)")
+    title = "W4A4 (MXFP4) vs 16-bit; [tag]: caption group (NOVEL: never trained)"
+    if len(seeds) > 1:
+        title += f"; generation seed {seeds[0]} (of {', '.join(map(str, seeds))})"
+    testbed.save_caption_grid(str(out / "grid.png"), captions, rows, titles, title=title)
 
 
 def load_outputs(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:
@@ -268,13 +380,18 @@ def load_outputs(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:
 def merge_outputs(folders: list[Path], out: Path, grid_rows: int | None = None) -> dict:
     """One report/table/grid from runs of the same settings over different methods (e.g. parallel processes).
 
-    Every folder must have the same settings (except the wall-clock times), captions and 16-bit images (checked
-    bit for bit: the runs must have generated the same reference); methods are taken in the order given."""
+    Every folder must have the same generation seeds (``--seeds``), settings (except the wall-clock times), captions
+    and 16-bit images (checked bit for bit: the runs must have generated the same reference); methods are taken in
+    the order given."""
     report, images = load_outputs(folders[0])
+    seeds = report_seeds(report)
     report = {**report, "merged_from": [str(f) for f in folders], "results": dict(report["results"]),
-              "args": [report["args"]]}
+              "args": [report["args"]], "seeds": seeds}
     for folder in folders[1:]:
         other, other_images = load_outputs(folder)
+        if report_seeds(other) != seeds:
+            raise ValueError(f"merge: {folder} was generated at --seeds {' '.join(map(str, report_seeds(other)))}, "
+                             f"{folders[0]} at --seeds {' '.join(map(str, seeds))}: merge runs of the same seeds")
         report["args"].append(other["args"])
         for key in ("settings", "caption_groups"):
             if other[key] != report[key]:
@@ -299,9 +416,10 @@ def method_key(method: str) -> str:
 
 def headline_figures(report: dict, prefix: str, *, device: str, command: str, source: str) -> dict:
     """``{key: kroquant_jax.headline.Figure}`` of a run's report (:func:`write_outputs`): per caption group the PSNR,
-    its standard error and the SSIM of every method (``{prefix}_psnr_db_{group}_{method}``, ...) and of the 16-bit
-    images against the dataset's glyphs (method ``16bit``), the mean and max layer error per method, and the run's
-    wall time (``{prefix}_wall_s``). ``device``: the machine in words; ``source``: the report's copy under
+    its standard error, the SSIM and, with several generation seeds, the standard deviation of the per-seed PSNR
+    (``{prefix}_psnr_seed_std_db_{group}_{method}``) of every method (``{prefix}_psnr_db_{group}_{method}``, ...) and
+    of the 16-bit images against the dataset's glyphs (method ``16bit``), the mean and max layer error per method,
+    and the run's wall time (``{prefix}_wall_s``). ``device``: the machine in words; ``source``: the report's copy under
     ``benchmarks/results/``."""
     for key in ("jax", "date_utc", "wall_s"):
         if key not in report:
@@ -319,6 +437,8 @@ def headline_figures(report: dict, prefix: str, *, device: str, command: str, so
             if np.isfinite(m["psnr_sem_db"]):
                 figures[f"{prefix}_psnr_sem_db_{gid}_{key}"] = figure(m["psnr_sem_db"], "dB", False)
             figures[f"{prefix}_ssim_{gid}_{key}"] = figure(m["ssim"], "fraction", True)
+            if "psnr_seed_std_db" in m:  # several generation seeds
+                figures[f"{prefix}_psnr_seed_std_db_{gid}_{key}"] = figure(m["psnr_seed_std_db"], "dB", False)
         if key != "16bit":
             figures[f"{prefix}_layer_error_mean_{key}"] = figure(r["layer_error_mean"], "fraction", False)
             figures[f"{prefix}_layer_error_max_{key}"] = figure(r["layer_error_max"], "fraction", False)
