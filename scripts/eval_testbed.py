@@ -96,7 +96,7 @@ def parse_args(argv=None, verb: str = "evaluate", description: str | None = None
     preset gives it)."""
     parser = build_parser(verb, description, examples, out_required=True)
     if preset:
-        defaults = vars(build_parser(verb, description, examples, out_required=False).parse_args(list(preset)))
+        defaults = preset_defaults(preset, verb, description, examples)
         parser = build_parser(verb, description, examples, out_required=defaults["out"] is None)
         parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
@@ -106,6 +106,12 @@ def parse_args(argv=None, verb: str = "evaluate", description: str | None = None
     if repeated:
         parser.error(f"--seeds: each generation seed once, got {args.seeds} (repeated: {repeated})")
     return args
+
+
+def preset_defaults(preset: Sequence[str], verb: str = "evaluate", description: str | None = None,
+                    examples: Sequence[str] = EXAMPLES) -> dict:
+    """The option values a ``preset`` command line sets (every option; the others at their defaults)."""
+    return vars(build_parser(verb, description, examples, out_required=False).parse_args(list(preset)))
 
 
 def build_parser(verb: str = "evaluate", description: str | None = None, examples: Sequence[str] = EXAMPLES, *,
@@ -213,6 +219,12 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
     names = list(linears(model, quantizable_only=True))[:args.layers]
     # bad method names fail before the capture
     recipes = {method: calibrate.recipe_from_args(method, args, progress=True) for method in args.methods}
+    # a stage flag the user gave for methods without that stage is an error (the preset's own values are not)
+    preset_values = preset_defaults(preset, verb, description, examples) if preset else {}
+    chosen = {k: None if preset and v == preset_values.get(k) else v for k, v in vars(args).items()}
+    unused = calibrate.unused_stage_arguments(recipes, chosen)
+    if unused:
+        raise ValueError("; ".join(unused))
 
     from kroquant_jax.layerset import load_layer_set, save_layer_set
 

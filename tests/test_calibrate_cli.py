@@ -152,3 +152,19 @@ def test_stage_flags_for_methods_without_that_stage_are_refused(capsys):
     # --fast fills in --loraq-steps / --rank / --sq-grid for its methods (rtn hadamard32 kroquant): not the user's
     assert calibrate.unused_stage_arguments(
         {m: calibrate.recipe_from_args(m, {}) for m in calibrate_layers.FAST_METHODS}, _parsed()) == []
+
+
+def test_evaluate_and_demo_refuse_stage_flags_the_methods_do_not_use(tmp_path):
+    """`kroquant evaluate` / `kroquant demo` name a stage flag none of --methods uses, before the capture; the demo's
+    own preset stage settings (--rank, --loraq-steps, ...) are not the user's and pass with any methods."""
+    import pytest
+
+    from scripts import demo, eval_testbed
+
+    with pytest.raises(ValueError, match="--gptq-damp applies to a '\\+gptq' recipe, and none of the methods "
+                                         "\\(rtn\\) has that stage$"):
+        eval_testbed.main(["--out", str(tmp_path / "e"), "--methods", "rtn", "--gptq-damp", "0.1"])
+    with pytest.raises(ValueError, match="^--sq-grid applies to a recipe with the SmoothQuant search, and none of "
+                                         "the methods \\(rtn, kroquant\\) has that stage$"):
+        demo.main(["--out", str(tmp_path / "d"), "--methods", "rtn", "kroquant", "--sq-grid", "3"])
+    assert not (tmp_path / "e").exists() or not any((tmp_path / "e").iterdir())  # refused before any output
