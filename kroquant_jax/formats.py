@@ -210,12 +210,17 @@ class MXFP4(QuantFormat):
         return mxfp4_quantize_blocks(blocks, self.scale_mode)
 
     def dequantize_blocks(self, codes: jax.Array, scales: jax.Array, tensor_scale: jax.Array) -> jax.Array:
-        """Products with the E8M0 scale are exact power-of-two shifts; byte 0 is applied as ``(v * 2**-63) * 2**-64``
-        so that the results that are normal floats survive, then subnormal results are flushed."""
+        """Products with the E8M0 scale are exact power-of-two shifts; byte 0 (``2**-127``, a subnormal float) is
+        applied to the bits, as an exponent decrement of the values ``|v| >= 2`` whose results are normal floats
+        (the others are subnormal and flush to a signed zero), so no subnormal constant meets XLA's flush-to-zero and
+        compiled and eager results agree."""
         values = e2m1_decode(codes)
         b = scales.astype(jnp.int32)[..., None]
         scale_hi = jax.lax.bitcast_convert_type(jnp.clip(b, 1, 254) << 23, jnp.float32)
-        out = jnp.where(b == 0, (values * jnp.float32(2.0**-63)) * jnp.float32(2.0**-64), values * scale_hi)
+        times_2_to_minus_127 = jax.lax.bitcast_convert_type(
+            jax.lax.bitcast_convert_type(values, jnp.int32) - (127 << 23), jnp.float32)
+        tiny = jnp.where(jnp.abs(values) >= 2.0, times_2_to_minus_127, jnp.copysign(jnp.float32(0.0), values))
+        out = jnp.where(b == 0, tiny, values * scale_hi)
         out = jnp.where(b == E8M0_NAN, jnp.nan, out)
         return flush_subnormals(out)
 
@@ -564,16 +569,25 @@ def quantize(x: jax.Array, fmt: QuantFormat = MXFP4(), *, pad: bool = False,
     n_pad = _check_width(x.shape, fmt, pad, "quantize")
     if tensor_scale is not None and not fmt.has_tensor_scale:
         raise ValueError(f"quantize: {fmt.name} has no per-tensor scale; tensor_scale must be None")
-    x_in = x
+    packed, scales, ts = _quantize_arrays(x, None if tensor_scale is None else jnp.asarray(tensor_scale, jnp.float32),
+                                          fmt, n_pad)
+    return QuantizedArray(codes=packed, scales=scales, tensor_scale=ts, fmt=fmt, dtype=np.dtype(x.dtype))
+
+
+# The arithmetic of quantize / dequantize / fake_quant as one jitted program each (per shape, dtype and format):
+# called outside jit (calibration reports, checkpoint export, tests), the dozens of small ops would otherwise each be
+# compiled and dispatched on their own; inside a jitted caller the nested jit is inlined.
+@functools.partial(jax.jit, static_argnames=("fmt", "n_pad"))
+def _quantize_arrays(x: jax.Array, tensor_scale: Optional[jax.Array], fmt: QuantFormat,
+                     n_pad: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(packed codes (..., d' // 2), scales (..., d' // block), tensor scale float32 ())`` of ``x (..., d)``."""
     if n_pad:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n_pad)])
     block = fmt.block_size
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
-    ts = fmt.tensor_scale(x) if tensor_scale is None else jnp.asarray(tensor_scale, jnp.float32)
+    ts = fmt.tensor_scale(x) if tensor_scale is None else tensor_scale
     codes, scales = fmt.quantize_blocks(blocks, ts)
-    packed = pack_nibbles(codes.reshape(x.shape))
-    return QuantizedArray(codes=packed, scales=scales, tensor_scale=jnp.asarray(ts, jnp.float32), fmt=fmt,
-                          dtype=np.dtype(x_in.dtype))
+    return pack_nibbles(codes.reshape(x.shape)), scales, jnp.asarray(ts, jnp.float32)
 
 
 def dequantize(q: QuantizedArray, dtype=None) -> jax.Array:
@@ -582,7 +596,11 @@ def dequantize(q: QuantizedArray, dtype=None) -> jax.Array:
     The f32 reconstruction is exact (E2M1 value times a power of two / an E4M3 value); casting to bf16/f16 is exact
     too unless the value falls outside that dtype's range.
     """
-    dtype = q.dtype if dtype is None else dtype
+    return _dequantize_values(q, np.dtype(q.dtype if dtype is None else dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _dequantize_values(q: QuantizedArray, dtype: np.dtype) -> jax.Array:
     block = q.fmt.block_size
     codes = unpack_nibbles(q.codes)
     codes = codes.reshape(*codes.shape[:-1], codes.shape[-1] // block, block)
@@ -619,6 +637,7 @@ def _fake_quant_ste_bwd(fmt, ste, pad, saturated, g):
 
 
 _fake_quant_ste.defvjp(_fake_quant_ste_fwd, _fake_quant_ste_bwd)
+_fake_quant_jit = jax.jit(_fake_quant_ste, static_argnums=(1, 2, 3))
 
 
 def fake_quant(x: jax.Array, fmt: QuantFormat = MXFP4(), *, ste: SteMode = "identity", pad: bool = False) -> jax.Array:
@@ -636,7 +655,7 @@ def fake_quant(x: jax.Array, fmt: QuantFormat = MXFP4(), *, ste: SteMode = "iden
     _check_width(x.shape, fmt, pad, "fake_quant")
     if ste not in ("identity", "clipped"):
         raise ValueError(f"ste={ste!r} must be 'identity' or 'clipped'")
-    return _fake_quant_ste(x, fmt, ste, pad)
+    return _fake_quant_jit(x, fmt, ste, pad)
 
 
 def check_finite(x, name: str) -> None:
