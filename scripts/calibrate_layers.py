@@ -12,7 +12,7 @@ Examples::
     kroquant calibrate --synthetic dit --out runs/calib_synthetic
     # a captured layer set (models.capture / layerset.save_layer_set), a subset of methods, a resumable store
     kroquant calibrate --layers pixart_layers.npz --methods rtn kroquant kroquant+loraq --store runs/st
-    # quick check (seconds): the first layer of each shape, 3 methods, few steps and rows
+    # quick check (about half a minute of CPU, mostly compilation): the first layer of each shape, 3 methods
     kroquant calibrate --synthetic tiny --fast
     # keep the compiled programs for the next run with the same shapes and settings (JAX's persistent cache)
     kroquant calibrate --synthetic dit --compile-cache ~/.cache/kroquant-jax
