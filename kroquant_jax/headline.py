@@ -160,6 +160,25 @@ TABLES: dict[str, dict] = {
              "{ideogram4_bf16_forward_padded_ms:.1f} ms", "1.2x the bf16 roofline", "[ideogram4](docs/ideogram4.md)"],
         ],
     },
+    "distill": {
+        "header": ["what", "measured", "goal", "page"],
+        "rows": [
+            ["QAD: one-branch W4A4 (MXFP4) testbed student, from the SVDQuant layers, 600 steps; held-out captions vs "
+             "the 16-bit CFG images",
+             "{testbed_qad_psnr_heldout_db:.2f} dB at 20 forwards / image vs the best two-branch PTQ "
+             "{testbed_best_ptq_psnr_heldout_db:.2f} dB at 40; chroma ratio {testbed_qad_chroma_ratio:.3f}",
+             "beat every two-branch PTQ; chroma within 3% of 1", "[qad](docs/qad.md)"],
+            ["QAD training step of the whole Ideogram 4 (34 blocks, W4A4 student + bf16 teacher, both CFG branches, "
+             "1K layout), one H200",
+             "{ideogram4_qad_step_s_1gpu:.2f} s per step, {ideogram4_qad_peak_gib_1gpu:.1f} GiB peak (batch 1)",
+             "— (measured: what fits)", "[qad](docs/qad.md)"],
+            ["DMD2: 4-step one-branch testbed student, Fréchet distance to the real glyphs over the 16-bit teacher's "
+             "(20 steps x CFG)",
+             "{testbed_dmd2_4step_fd_ratio_vs_teacher:.2f}x (the teacher's weights at 4 steps, untrained: "
+             "{testbed_dmd2_untrained_4step_fd_ratio_vs_teacher:.2f}x)",
+             "≤ 1.10x", "[dmd2](docs/dmd2.md)"],
+        ],
+    },
     "demo": {
         "header": ["method", "PSNR (dB) ↑ training captions, not calibration",
                    "PSNR (dB) ↑ held-out variants of trained concepts", "PSNR (dB) ↑ NOVEL concepts, never trained",
