@@ -1,4 +1,4 @@
-"""The sharded Ideogram 4 QAD step (models.qad_sharded) on a tiny config: on 2 and 4 forced host devices it equals the
+"""The sharded Ideogram 4 QAD step (models.qad_sharded) on a tiny config: on 2 forced host devices it equals the
 single-device step, its parameters and optimizer moments are really split over the devices, remat does not change it,
 the hook-routed teacher equals the pipeline's guided velocity, and the benchmark main runs (subprocesses: the host
 device count must be set before jax starts)."""
@@ -32,7 +32,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     sys.path.insert(0, {repo!r})
     from models import ideogram4 as ig, qad, qad_sharded as qs
-    assert jax.local_device_count() == 4, jax.devices()
+    assert jax.local_device_count() == 2, jax.devices()
     W1 = "layers.feed_forward.w1"
 
     def config(remat):
@@ -46,7 +46,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     host = lambda tree: jax.tree.map(np.asarray, tree)
     start = host(state0)
     arrays, info = {{}}, {{}}
-    for name, n, remat in (("1", 1, True), ("2_noremat", 2, False), ("4", 4, True)):
+    for name, n, remat in (("1", 1, True), ("2_noremat", 2, False)):
         program = qs.build(base, config(remat), qs.make_mesh(jax.devices()[:n]))
         state = jax.device_put(start, program.state_shardings)
         frozen = jax.device_put(host(frozen0), program.frozen_shardings)
@@ -79,9 +79,10 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory):
-    """Two steps of one start state on 1 device (remat), 2 devices (no remat) and 4 devices (remat)."""
+    """Two steps of one start state on 1 device (remat) and on 2 devices (no remat): one comparison checks both the
+    sharding and remat, with one sharded program to compile."""
     out = tmp_path_factory.mktemp("qad_sharded") / "states.npz"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT.format(repo=str(REPO), exact=EXACT), str(out)],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -104,7 +105,7 @@ def test_sharded_step_equals_the_single_device_step(sharded_run):
     assert single.keys() == start.keys()
     moved = [k for k in single if "trainable" in k and single[k].size and not np.array_equal(single[k], start[k])]
     assert len(moved) > 20, moved  # the quantized weights and the 16-bit parameters moved
-    for name in ("2_noremat", "4"):
+    for name in ("2_noremat",):
         for step_single, step_sharded in zip(info["1"]["metrics"], info[name]["metrics"]):
             for key in ("loss", "distill", "flow_matching", "grad_norm"):
                 assert step_sharded[key] == pytest.approx(step_single[key], rel=2e-5, abs=1e-7), (name, key)
@@ -124,20 +125,18 @@ def test_sharded_step_equals_the_single_device_step(sharded_run):
 
 def test_parameters_and_moments_are_sharded(sharded_run):
     """w1's master weight (2, 96, 64) and its first moment are split along the 96 outputs, the teacher's kernel
-    (2, 64, 96) along the same 96; over 4 devices each holds a quarter, on one device the whole."""
+    (2, 64, 96) along the same 96; over 2 devices each holds a half, on one device the whole."""
     info, _ = sharded_run
-    four, two, one = info["4"], info["2_noremat"], info["1"]
-    assert four["weight"] == [[None, "fsdp", None], [2, 24, 64]]
-    assert four["mu"] == [[None, "fsdp", None], [2, 24, 64]]
-    assert four["kernel"] == [[None, None, "fsdp"], [2, 64, 24]]
-    assert four["devices"] == [4, 4]
-    assert two["weight"][1] == [2, 48, 64] and two["devices"] == [2, 2]
+    two, one = info["2_noremat"], info["1"]
+    assert two["weight"] == [[None, "fsdp", None], [2, 48, 64]]
+    assert two["mu"] == [[None, "fsdp", None], [2, 48, 64]]
+    assert two["kernel"] == [[None, None, "fsdp"], [2, 64, 48]]
+    assert two["devices"] == [2, 2]
     assert one["weight"][1] == [2, 96, 64] and one["devices"] == [1, 1]
     # what each device holds of the step's inputs (state, teacher, batch) shrinks with the devices (FSDP), and the
     # sharded programs gather weights (the per-block all-gathers of the linear hooks); one device gathers nothing
-    assert four["argument_bytes"] < 0.4 * one["argument_bytes"]
     assert two["argument_bytes"] < 0.65 * one["argument_bytes"]
-    assert four["all_gathers"] > 0 and two["all_gathers"] > 0 and one["all_gathers"] == 0
+    assert two["all_gathers"] > 0 and one["all_gathers"] == 0
 
 
 def test_fsdp_spec_rules():
