@@ -166,7 +166,8 @@ def test_resume_after_a_stop_is_bit_identical(setup, tmp_path):
 
 
 def test_refuses_a_run_folder_made_with_other_settings(setup, tmp_path):
-    config = qad.QADConfig(batch_size=4, steps=2, chunk=2, save_every=2)
+    # the resume test's optimizer settings: the same compiled chunk (one compilation through the persistent cache)
+    config = qad.QADConfig(batch_size=4, steps=2, chunk=2, save_every=2, lr=1e-3, warmup=1)
     chunk, state0, *_ = _run_parts(setup, config)
     qad.train(tmp_path, chunk, state0, config, {"init": "16-bit"}, progress=False)
     with pytest.raises(ValueError, match="other settings.*init"):
