@@ -533,6 +533,10 @@ def train(run_cycles, state: dict[str, Any], teacher: Params, run_dir: str | Pat
     resumed_from = manager.latest_step()
     if resumed_from is not None:
         state = manager.restore(resumed_from, args=ocp.args.StandardRestore(state))
+    # Orbax restores arrays committed to their devices, and jit lowers committed arguments with their shardings:
+    # commit a fresh state the same way, so that a fresh and a resumed run are one program (one entry of a
+    # persistent compilation cache, not two compilations).
+    state = jax.device_put(state, jax.tree.map(lambda leaf: leaf.sharding, state))
     cycle = 0 if resumed_from is None else resumed_from
     log_path = run_dir / "log.jsonl"
     with open(log_path, "a") as log:

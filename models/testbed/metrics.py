@@ -19,6 +19,7 @@ measure it. These metrics compare distributions and captions instead:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -146,12 +147,17 @@ def train_encoder(class_images: np.ndarray, config: EncoderConfig, progress: boo
     return graphdef, params
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _encode(graphdef, params, images: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint8 (b, s, s, 3) -> (features, logits): one compiled program per encoder structure and batch shape, with
+    the weights an argument (not constants folded into a fresh program at every call)."""
+    return nnx.merge(graphdef, params)(_pixels(images))
+
+
 def _batched(graphdef, params, images: np.ndarray, batch: int = 512) -> tuple[np.ndarray, np.ndarray]:
-    model = nnx.merge(graphdef, params)
-    run = jax.jit(lambda x: model(_pixels(x)))
     feats, logits = [], []
     for start in range(0, images.shape[0], batch):
-        f, l = run(images[start:start + batch])
+        f, l = _encode(graphdef, params, images[start:start + batch])
         feats.append(np.asarray(f))
         logits.append(np.asarray(l))
     return np.concatenate(feats), np.concatenate(logits)
