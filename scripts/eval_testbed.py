@@ -219,12 +219,13 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
     names = list(linears(model, quantizable_only=True))[:args.layers]
     # bad method names fail before the capture
     recipes = {method: calibrate.recipe_from_args(method, args, progress=True) for method in args.methods}
-    # a stage flag the user gave for methods without that stage is an error (the preset's own values are not)
+    # a stage flag the user gave for methods without that stage is said, not silently ignored (the preset's own values
+    # are not the user's); a note rather than an error, because runs to be merged share one command line and
+    # differ only in --methods
     preset_values = preset_defaults(preset, verb, description, examples) if preset else {}
     chosen = {k: None if preset and v == preset_values.get(k) else v for k, v in vars(args).items()}
-    unused = calibrate.unused_stage_arguments(recipes, chosen)
-    if unused:
-        raise ValueError("; ".join(unused))
+    for message in calibrate.unused_stage_arguments(recipes, chosen):
+        print(f"kroquant {verb}: note: {message}; it changes nothing in this run", file=sys.stderr, flush=True)
 
     from kroquant_jax.layerset import load_layer_set, save_layer_set
 
