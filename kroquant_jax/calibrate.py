@@ -547,7 +547,8 @@ _STAGE_ARGUMENTS: dict[str, tuple[str, Callable[[Recipe], bool]]] = {
 def unused_stage_arguments(recipes: Mapping[str, Recipe], args: argparse.Namespace | Mapping[str, Any]) -> list[str]:
     """One message per stage flag of :func:`add_recipe_arguments` that was given (not ``None``) although none of
     ``recipes`` (``{method spec: Recipe}``) runs its stage, e.g. ``--gptq-damp`` for ``rtn kroquant``; empty when
-    every given flag is used. The entry points turn a non-empty list into a one-line error."""
+    every given flag is used. ``kroquant calibrate`` / ``quantize-checkpoint`` turn a non-empty list into a one-line
+    error, ``kroquant evaluate`` / ``demo`` into a note (runs to be merged share one command line)."""
     given = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
     messages = []
     for dest, (needs, runs_stage) in _STAGE_ARGUMENTS.items():

@@ -8,7 +8,8 @@ Variants (each trained in its own run folder ``--out``/runs/<name>, resumable, k
 
 * ``qad_16bit``: the seed's QAD, student initialised from the 16-bit weights (RTN W4A4 at step 0);
 * ``qad_ptq``: the student initialised from the calibrated PTQ layers of ``--ptq-store`` (any recipe);
-* ``naive_16bit``: the seed's naive distillation (``ste="none"``: no gradient through the quantizers).
+* ``naive_16bit``: the seed's naive distillation (``ste="none"``: no gradient through the weight quantizers, so the
+  quantized weights stay frozen; ``models.qad``).
 * ``naive_ptq``: the naive distillation from the PTQ layers (not run by default).
 
 Evaluation: held-out captions (never trained on) and training captions that QAD did not train on, several seeds
@@ -62,8 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the PTQ recipes' names in the tables, one per --ptq-store (default: each folder's name "
                         "without its hash, e.g. svdquant)")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:3]),
-                   help="students trained: qad_ or naive_ (no gradient through the quantizers), from _16bit "
-                        "(the 16-bit weights) or _ptq (the layers of --ptq-store)")
+                   help="students trained: qad_ or naive_ (quantized weights frozen: no gradient through their "
+                        "quantizers), from _16bit (the 16-bit weights) or _ptq (the layers of --ptq-store)")
     p.add_argument("--fmt", choices=sorted(qad.FORMATS), default="mxfp4", help="W4A4 format of the students")
     p.add_argument("--ste", choices=("identity", "clipped"), default="identity", help="STE of the QAD students")
     p.add_argument("--steps", type=positive_int, default=1000, help="training steps per variant")
@@ -98,7 +99,6 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if any(v.endswith("_ptq") for v in args.variants) and not args.ptq_store:
         raise ValueError("--variants qad_ptq and naive_ptq need --ptq-store (a calibrated QLinearStore folder)")
     names = args.ptq_name or [Path(folder).name.rsplit("-", 1)[0] for folder in args.ptq_store]
@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     for folder in args.ptq_store:
         if not Path(folder).is_dir():
             raise ValueError(f"--ptq-store {folder}: no such folder")
+    out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     cfg, teacher = families.PIXART.from_diffusers(args.checkpoint, "float32")
     prompts = testbed_data.load_dataset(args.prompts or str(Path(args.checkpoint) / "testbed_prompts.npz"))

@@ -334,3 +334,24 @@ def test_naive_control_freezes_the_quantized_weights_and_keeps_the_rest_of_the_g
     flat_ste = dict(jax.tree_util.tree_leaves_with_path(ste["model"]))
     for path, leaf in flat_naive:
         np.testing.assert_allclose(leaf, flat_ste[path], rtol=1e-5, atol=1e-8, err_msg=jax.tree_util.keystr(path))
+
+
+def test_script_validates_its_ptq_stores_before_any_work(tmp_path):
+    """`kroquant qad --ptq-store A B`: each folder must exist, the names (given or each folder's name without its
+    hash) must be one per store and distinct; refused before the teacher is loaded and before --out is created."""
+    from scripts import qad as qad_script
+
+    a, b = tmp_path / "svdquant-0123", tmp_path / "x" / "svdquant-4567"
+    a.mkdir()
+    b.mkdir(parents=True)
+    out = tmp_path / "out"
+    common = ["--data", str(tmp_path / "none.npz"), "--out", str(out)]
+    with pytest.raises(ValueError, match="--ptq-store .*missing: no such folder"):
+        qad_script.main(common + ["--ptq-store", str(a), str(tmp_path / "missing")])
+    with pytest.raises(ValueError, match="one distinct name per --ptq-store"):
+        qad_script.main(common + ["--ptq-store", str(a), str(b)])  # both default to "svdquant"
+    with pytest.raises(ValueError, match="one distinct name per --ptq-store \\(2\\)"):
+        qad_script.main(common + ["--ptq-store", str(a), str(b), "--ptq-name", "only_one"])
+    with pytest.raises(ValueError, match="need --ptq-store"):
+        qad_script.main(common + ["--variants", "qad_ptq"])
+    assert not out.exists()
