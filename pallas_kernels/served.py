@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from typing import Any, ClassVar, Literal, Optional
 
 import jax
@@ -430,6 +431,14 @@ class MgpuStrategy(Strategy):
 
 
 _REGISTRY: dict[str, Strategy] = {}
+# Strategies of this package that live in their own modules (they import this one, so they are imported on first
+# lookup rather than here): every registry query sees them without the caller importing them first.
+_BUILTIN_STRATEGY_MODULES = ("pallas_kernels.fp8_gemm",)
+
+
+def _load_builtin_strategies() -> None:
+    for module in _BUILTIN_STRATEGY_MODULES:
+        importlib.import_module(module)
 
 
 def register_strategy(strategy: Strategy, *, replace: bool = False) -> Strategy:
@@ -449,6 +458,8 @@ def register_strategy(strategy: Strategy, *, replace: bool = False) -> Strategy:
 def get_strategy(name: str) -> Strategy:
     """The registered strategy ``name`` (a ValueError naming the registered ones otherwise)."""
     if name not in _REGISTRY:
+        _load_builtin_strategies()
+    if name not in _REGISTRY:
         raise ValueError(f"strategy={name!r} is not registered; choose from {', '.join(map(repr, _REGISTRY))} "
                          f"('dequant', the default: decode + one cuBLAS GEMM; 'kernel': the Pallas-Triton W4A4 "
                          f"kernels)")
@@ -456,7 +467,8 @@ def get_strategy(name: str) -> Strategy:
 
 
 def strategy_names() -> tuple[str, ...]:
-    """The registered strategies, in registration order."""
+    """The registered strategies, in registration order (the package's own ones always included)."""
+    _load_builtin_strategies()
     return tuple(_REGISTRY)
 
 

@@ -85,8 +85,8 @@ def test_load_names_what_is_missing(tmp_path):
 
 
 def test_generate_runs_a_served_strategy(tmp_path):
-    """`kroquant generate --strategy dequant` (pallas_kernels.served, its jnp reference on the CPU) samples close to
-    the simulated path; bad --strategy / --impl choices are one-line errors."""
+    """`kroquant generate --strategy dequant` and `--strategy fp8` (pallas_kernels.served, their jnp references on the
+    CPU) sample close to the simulated path; bad --strategy / --impl choices are one-line errors."""
     from scripts import generate
     from scripts.common_args import UserError
 
@@ -112,6 +112,11 @@ def test_generate_runs_a_served_strategy(tmp_path):
         sim, deq = a["latents"], b["latents"]
     assert np.isfinite(deq).all() and not np.array_equal(sim, deq)  # served: bf16 activations, another path
     assert np.linalg.norm(deq - sim) / np.linalg.norm(sim) < 0.05
+    fp8 = generate.main([*common, "--out", str(tmp_path / "fp8"), "--strategy", "fp8"])
+    assert fp8["strategy"] == "fp8"
+    with np.load(tmp_path / "fp8" / "latents.npz") as c:
+        assert np.isfinite(c["latents"]).all()
+        assert np.linalg.norm(c["latents"] - sim) / np.linalg.norm(sim) < 0.05
     with pytest.raises(UserError, match="--strategy foo: not simulate or a served strategy \\(dequant"):
         generate.main([*common, "--out", str(tmp_path / "x"), "--strategy", "foo"])
     with pytest.raises(UserError, match="--impl reference applies to served strategies"):

@@ -5,6 +5,9 @@ The served layers inside models (fused hooks, stacked hooks) are tested in ``tes
 """
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +130,17 @@ def test_a_registered_strategy_is_selected_by_name_and_validated(monkeypatch):
         S.register_strategy(Bad())
     with pytest.raises(TypeError, match="Strategy instance"):
         S.register_strategy(lambda *a: a)
+
+
+def test_the_packages_own_strategies_are_registered_without_importing_their_modules():
+    # `kroquant generate --strategy fp8` looks the name up through `served` alone: the FP8 strategies, which live in
+    # pallas_kernels/fp8_gemm.py, must be there without the caller importing that module first.
+    code = ("import sys; from pallas_kernels import served; assert 'pallas_kernels.fp8_gemm' not in sys.modules; "
+            "print(' '.join(served.strategy_names())); print(type(served.get_strategy('fp8_w4a8')).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout.split("\n")
+    assert set(out[0].split()) >= {"dequant", "kernel", "mgpu", "fp8", "fp8_w4a8"}
+    assert out[1] == "Fp8W4A8Strategy"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
