@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", required=True, help="quantized checkpoint folder (kroquant quantize-checkpoint)")
     p.add_argument("--prompts", required=True, help="prompt-embedding .npz (kroquant generate --prompts)")
     p.add_argument("--out", required=True, help="JSON record to write")
-    p.add_argument("--strategies", nargs="+", default=["simulate", "simulate@bfloat16", "dequant", "kernel", "fp8"],
+    p.add_argument("--strategies", nargs="+", default=["simulate", "simulate@bfloat16", "dequant", "kernel", "mgpu", "fp8", "fp8_w4a8"],
                    help="simulate first: the others are compared with it; STRATEGY@DTYPE runs the model in DTYPE "
                         "(simulate@bfloat16: the same fake-quant numerics on a bf16 model, i.e. how far bf16 "
                         "activations alone move the samples)")
@@ -62,6 +62,7 @@ def main(argv=None) -> int:
             except Exception as err:  # a strategy that fails is recorded, the others still run
                 record["strategies"][spec] = {"status": "error", "error": f"{type(err).__name__}: {err}"}
                 print(f"{spec:17s} error: {err}", flush=True)
+                atomic_write_json(args.out, record)
                 continue
             wall = time.perf_counter() - began
             with np.load(out / "latents.npz") as f:
