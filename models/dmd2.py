@@ -25,7 +25,10 @@ estimate and away from the fake score's. ``sigma`` is uniform in ``[dm_sigma_min
 
 **Two-timescale updates.** The fake score is updated every step, the generator every ``fake_updates_per_generator``
 -th step (DMD2's 5). One jitted *cycle* is one generator update followed by that many fake-score updates, the first
-of them on the very samples the generator update made (detached), as in DMD2's training loop.
+of them on the very samples the generator update made (detached), as in DMD2's training loop. Optionally the fake
+score first gets ``fake_warmup`` updates on the initial generator's samples (:func:`make_fake_warmup`, run once by
+:func:`train` on a fresh run), and its flow-matching noise levels are the teacher's logit-normal ones or uniform over
+the DM range (``fake_sigma_sampling``).
 
 **GAN (optional, ``gan_generator_weight > 0``).** A small head (:class:`GanHead`) reads the fake score's token
 features at ``gan_feature_layer`` (the input of that linear, a ``models.layers.LinearHooks`` recorder) and outputs one
@@ -62,9 +65,10 @@ from models.testbed import model as testbed
 from models.layers import LinearHooks
 
 __all__ = ["DMD2Config", "FlowModel", "GanHead", "DMD2Divergence", "pixart_flow_model", "x0_from_velocity",
-           "eps_from_velocity", "score_from_velocity", "FAKE_SIGMA_SAMPLING", "student_sigmas", "guided_velocity", "generate",
-           "backward_simulate", "dm_gradient", "dm_loss", "fake_score_loss", "gan_logits", "make_optimizers",
-           "init_state", "make_cycle", "make_fake_warmup", "train", "restore_state", "forward_passes_per_image"]
+           "eps_from_velocity", "score_from_velocity", "FAKE_SIGMA_SAMPLING", "student_sigmas",
+           "guided_velocity", "generate", "backward_simulate", "dm_gradient", "dm_loss", "fake_score_loss",
+           "gan_logits", "make_optimizers", "init_state", "make_cycle", "make_fake_warmup", "train", "restore_state",
+           "forward_passes_per_image"]
 
 FAKE_SIGMA_SAMPLING = ("logit_normal", "uniform")  # DMD2Config.fake_sigma_sampling
 

@@ -501,7 +501,8 @@ def test_fake_warmup_fits_the_initial_generator_once_and_leaves_it_unchanged(tmp
     warmup = dmd2.make_fake_warmup(TOY, config, None, _toy_sample_batch(b), (b, 1, 1, TOY_D))
     warm, metrics = warmup(state)
     assert float(metrics["finite"]) == 1.0 and int(warm["step"]) == 40
-    for before, after in zip(jax.tree_util.tree_leaves(state["generator"]), jax.tree_util.tree_leaves(warm["generator"])):
+    for before, after in zip(jax.tree_util.tree_leaves(state["generator"]),
+                             jax.tree_util.tree_leaves(warm["generator"])):
         assert np.array_equal(np.asarray(before), np.asarray(after))
     shift = np.abs(np.asarray(warm["critic"]["fake"]["m"][:TOY_C] - state["generator"]["m"][:TOY_C]))
     assert float(shift.max()) < 0.25  # the fake score moved from the teacher (0.5 away) to the generator
