@@ -25,7 +25,10 @@ estimate and away from the fake score's. ``sigma`` is uniform in ``[dm_sigma_min
 
 **Two-timescale updates.** The fake score is updated every step, the generator every ``fake_updates_per_generator``
 -th step (DMD2's 5). One jitted *cycle* is one generator update followed by that many fake-score updates, the first
-of them on the very samples the generator update made (detached), as in DMD2's training loop.
+of them on the very samples the generator update made (detached), as in DMD2's training loop. Optionally the fake
+score first gets ``fake_warmup`` updates on the initial generator's samples (:func:`make_fake_warmup`, run once by
+:func:`train` on a fresh run), and its flow-matching noise levels are the teacher's logit-normal ones or uniform over
+the DM range (``fake_sigma_sampling``).
 
 **GAN (optional, ``gan_generator_weight > 0``).** A small head (:class:`GanHead`) reads the fake score's token
 features at ``gan_feature_layer`` (the input of that linear, a ``models.layers.LinearHooks`` recorder) and outputs one
@@ -62,9 +65,12 @@ from models.testbed import model as testbed
 from models.layers import LinearHooks
 
 __all__ = ["DMD2Config", "FlowModel", "GanHead", "DMD2Divergence", "pixart_flow_model", "x0_from_velocity",
-           "eps_from_velocity", "score_from_velocity", "student_sigmas", "guided_velocity", "generate",
-           "backward_simulate", "dm_gradient", "dm_loss", "fake_score_loss", "gan_logits", "make_optimizers",
-           "init_state", "make_cycle", "train", "restore_state", "forward_passes_per_image"]
+           "eps_from_velocity", "score_from_velocity", "FAKE_SIGMA_SAMPLING", "student_sigmas",
+           "guided_velocity", "generate", "backward_simulate", "dm_gradient", "dm_loss", "fake_score_loss",
+           "gan_logits", "make_optimizers", "init_state", "make_cycle", "make_fake_warmup", "train", "restore_state",
+           "forward_passes_per_image"]
+
+FAKE_SIGMA_SAMPLING = ("logit_normal", "uniform")  # DMD2Config.fake_sigma_sampling
 
 Cond = Any  # a pytree of per-sample conditioning arrays (leading axis = batch)
 Params = Any
@@ -89,6 +95,11 @@ class DMD2Config:
     gan_feature_layer: the linear whose input (tokens (b, n, d)) feeds the GAN head.
     gan_max_sigma: GAN inputs are noised to a uniform level in [0, gan_max_sigma] (0: clean images).
     backward_simulation: False trains every step on pure noise (a one-step student whatever num_steps says).
+    fake_warmup: fake-score (+ discriminator) updates on the initial generator's samples before the first generator
+        update (0: none). The fake score starts as the unguided teacher; the warm-up lets it fit the generator first.
+    fake_sigma_sampling: noise levels of the fake score's flow-matching loss: ``"logit_normal"`` (the teacher's own
+        objective) or ``"uniform"`` in ``[dm_sigma_min, dm_sigma_max]`` (the levels the DM loss queries it at, as the
+        public DMD2 code trains its fake score on uniform timesteps).
     """
 
     num_steps: int = 4
@@ -109,6 +120,8 @@ class DMD2Config:
     gan_feature_layer: str = "transformer_blocks.5.ff.net.0.proj"
     gan_max_sigma: float = 0.0
     backward_simulation: bool = True
+    fake_warmup: int = 0
+    fake_sigma_sampling: str = "logit_normal"
 
     def __post_init__(self):
         if self.num_steps < 1:
@@ -127,6 +140,10 @@ class DMD2Config:
             raise ValueError("DMD2Config: GAN weights must be >= 0")
         if not 0.0 <= self.gan_max_sigma < 1.0:
             raise ValueError(f"DMD2Config: {self.gan_max_sigma=} must be in [0, 1)")
+        if self.fake_warmup < 0:
+            raise ValueError(f"DMD2Config: {self.fake_warmup=} must be >= 0")
+        if self.fake_sigma_sampling not in FAKE_SIGMA_SAMPLING:
+            raise ValueError(f"DMD2Config: {self.fake_sigma_sampling=} must be one of {FAKE_SIGMA_SAMPLING}")
 
     @property
     def gan(self) -> bool:
@@ -340,9 +357,14 @@ def dm_loss(model: FlowModel, real_params: Params, fake_params: Params, x0: jax.
     return loss, {"dm_grad_norm": jnp.sqrt(jnp.sum(jnp.square(grad)))}
 
 
-def fake_score_loss(model: FlowModel, fake_params: Params, x0: jax.Array, cond: Cond, key: jax.Array) -> jax.Array:
-    """The teacher's flow-matching loss (``models.testbed.flow_matching_loss``, logit-normal sigma, no caption
-    dropout) on detached generator samples x0 (b, c, h, w)."""
+def fake_score_loss(model: FlowModel, fake_params: Params, x0: jax.Array, cond: Cond, key: jax.Array,
+                    sigma_sampling: str = "logit_normal",
+                    sigma_range: tuple[float, float] = (0.0, 1.0)) -> jax.Array:
+    """The teacher's flow-matching loss (``models.testbed.flow_matching_loss``, no caption dropout) on detached
+    generator samples x0 (b, c, h, w); sigma logit-normal (the teacher's) or, with ``sigma_sampling="uniform"``,
+    uniform in ``sigma_range`` (see ``DMD2Config.fake_sigma_sampling``)."""
+    if sigma_sampling not in FAKE_SIGMA_SAMPLING:
+        raise ValueError(f"fake_score_loss: {sigma_sampling=} must be one of {FAKE_SIGMA_SAMPLING}")
     detached = jax.lax.stop_gradient(x0)
 
     def velocity_fn(x, timestep, context, mask):
@@ -353,8 +375,12 @@ def fake_score_loss(model: FlowModel, fake_params: Params, x0: jax.Array, cond: 
     flow = testbed.FlowMatchingConfig(caption_dropout=0.0)
     null_context = jnp.zeros(cond["context"].shape[1:], cond["context"].dtype)
     null_mask = jnp.zeros(cond["mask"].shape[1:], cond["mask"].dtype)
+    sigma = None
+    if sigma_sampling == "uniform":
+        key, key_sigma = jax.random.split(key)
+        sigma = jax.random.uniform(key_sigma, (x0.shape[0],), jnp.float32, sigma_range[0], sigma_range[1])
     return testbed.flow_matching_loss(velocity_fn, detached, cond["context"], cond["mask"], key, flow, null_context,
-                                      null_mask)
+                                      null_mask, sigma=sigma)
 
 
 def gan_logits(model: FlowModel, fake_params: Params, head_graphdef: nnx.GraphDef, head_params: Params,
@@ -402,22 +428,13 @@ def _finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree_util.tree_leaves(tree)]))
 
 
-def make_cycle(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef | None,
-               sample_batch: Callable[[jax.Array], tuple[Cond, jax.Array | None, Cond | None]],
-               image_shape: tuple[int, ...], cycles: int = 1):
-    """A jitted ``(state, teacher_params) -> (state, metrics)`` running ``cycles`` DMD2 cycles.
-
-    One cycle = one generator update, then ``config.fake_updates_per_generator`` fake-score (+ discriminator)
-    updates in one ``lax.scan`` (one compiled copy of the update), the first on the generator update's own (detached)
-    samples. The discriminator scores fake and real images in one batch.
-
-    sample_batch: ``key -> (cond, real_images (b, c, h, w) or None, real_cond or None)``: prompts for the generator
-        and, for the GAN, a batch of real images with their conditioning.
-    image_shape: (b, c, h, w) of the generator's batch.
-    metrics: means over the call of ``dm_loss``, ``dm_grad_norm``, ``fake_loss``, ``gan_g``, ``gan_d`` and ``finite``
-    (1.0 when every loss and parameter stayed finite).
-    """
-    gen_opt, critic_opt = make_optimizers(config)
+def _critic_parts(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef | None,
+                  sample_batch: Callable[[jax.Array], tuple[Cond, jax.Array | None, Cond | None]],
+                  image_shape: tuple[int, ...]):
+    """The pieces :func:`make_cycle` and :func:`make_fake_warmup` share: ``make_samples(generator, key, cond) -> x0``
+    (the generator's training samples, backward-simulated) and ``critic_update(state, x0, cond, key, real_images,
+    real_cond) -> (state, {"fake_loss", "gan_d"})`` (one fake-score + discriminator AdamW update)."""
+    _, critic_opt = make_optimizers(config)
 
     def make_samples(generator, key, cond):
         key_sim, _ = jax.random.split(key)
@@ -428,22 +445,10 @@ def make_cycle(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef
             sigma = jnp.ones((image_shape[0],), jnp.float32)
         return x0_from_velocity(x, model.apply(generator, x, sigma, cond), sigma)  # (b, c, h, w)
 
-    def generator_loss(generator, critic, teacher, key, cond):
-        key_sample, key_dm, key_gan = jax.random.split(key, 3)
-        x0 = make_samples(generator, key_sample, cond)
-        loss, aux = dm_loss(model, teacher, critic["fake"], x0, cond, key_dm, config)
-        gan_g = jnp.zeros(())
-        if config.gan_generator_weight > 0:
-            frozen = jax.lax.stop_gradient(critic)
-            logits = gan_logits(model, frozen["fake"], head_graphdef, frozen["head"], x0, cond, key_gan,
-                                config.gan_max_sigma)
-            gan_g = jnp.mean(jax.nn.softplus(-logits))
-        total = loss + config.gan_generator_weight * gan_g
-        return total, (x0, {"dm_loss": loss, "gan_g": gan_g, **aux})
-
     def critic_loss(critic, x0, cond, key, real_images, real_cond):
         key_fm, key_gan = jax.random.split(key)
-        loss = fake_score_loss(model, critic["fake"], x0, cond, key_fm)
+        loss = fake_score_loss(model, critic["fake"], x0, cond, key_fm, config.fake_sigma_sampling,
+                               (config.dm_sigma_min, config.dm_sigma_max))
         gan_d = jnp.zeros(())
         if config.gan_discriminator_weight > 0:  # fake and real in one batch: one fake-score forward
             b = x0.shape[0]
@@ -460,6 +465,74 @@ def make_cycle(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef
         updates, opt = critic_opt.update(grads, state["critic_opt"], state["critic"])
         critic = optax.apply_updates(state["critic"], updates)
         return {**state, "critic": critic, "critic_opt": opt, "step": state["step"] + 1}, aux
+
+    return make_samples, critic_update
+
+
+def make_fake_warmup(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef | None,
+                     sample_batch: Callable[[jax.Array], tuple[Cond, jax.Array | None, Cond | None]],
+                     image_shape: tuple[int, ...]):
+    """A jitted ``state -> (state, metrics)`` running ``config.fake_warmup`` fake-score (+ discriminator) updates on
+    fresh samples of the current generator (which it leaves unchanged), in one ``lax.scan``.
+
+    Arguments as :func:`make_cycle`. metrics: ``fake_loss_first`` / ``fake_loss_last`` (the flow-matching loss of the
+    first and last warm-up update), ``gan_d`` (mean) and ``finite``. Raises ValueError when ``config.fake_warmup``
+    is 0.
+    """
+    if config.fake_warmup < 1:
+        raise ValueError(f"make_fake_warmup: DMD2Config.fake_warmup is {config.fake_warmup}; nothing to warm up")
+    make_samples, critic_update = _critic_parts(model, config, head_graphdef, sample_batch, image_shape)
+
+    def warmup_step(state, k):
+        key_b, key_s, key_c = jax.random.split(jax.random.fold_in(jax.random.wrap_key_data(state["key"]), k), 3)
+        cond, real_images, real_cond = sample_batch(key_b)
+        x0 = jax.lax.stop_gradient(make_samples(state["generator"], key_s, cond))
+        return critic_update(state, x0, cond, key_c, real_images, real_cond)
+
+    @jax.jit
+    def run(state):
+        key_next, _ = jax.random.split(jax.random.wrap_key_data(state["key"]))
+        new, aux = jax.lax.scan(warmup_step, state, jnp.arange(config.fake_warmup))
+        new = {**new, "key": jax.random.key_data(key_next)}
+        metrics = {"fake_loss_first": aux["fake_loss"][0], "fake_loss_last": aux["fake_loss"][-1],
+                   "gan_d": jnp.mean(aux["gan_d"])}
+        finite = _finite(metrics) & _finite(new["critic"])
+        return new, {**metrics, "finite": finite.astype(jnp.float32)}
+
+    return run
+
+
+def make_cycle(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef | None,
+               sample_batch: Callable[[jax.Array], tuple[Cond, jax.Array | None, Cond | None]],
+               image_shape: tuple[int, ...], cycles: int = 1):
+    """A jitted ``(state, teacher_params) -> (state, metrics)`` running ``cycles`` DMD2 cycles.
+
+    One cycle = one generator update, then ``config.fake_updates_per_generator`` fake-score (+ discriminator)
+    updates in one ``lax.scan`` (one compiled copy of the update), the first on the generator update's own (detached)
+    samples. The discriminator scores fake and real images in one batch. (``config.fake_warmup`` is not run here:
+    see :func:`make_fake_warmup` and :func:`train`.)
+
+    sample_batch: ``key -> (cond, real_images (b, c, h, w) or None, real_cond or None)``: prompts for the generator
+        and, for the GAN, a batch of real images with their conditioning.
+    image_shape: (b, c, h, w) of the generator's batch.
+    metrics: means over the call of ``dm_loss``, ``dm_grad_norm``, ``fake_loss``, ``gan_g``, ``gan_d`` and ``finite``
+    (1.0 when every loss and parameter stayed finite).
+    """
+    gen_opt, _ = make_optimizers(config)
+    make_samples, critic_update = _critic_parts(model, config, head_graphdef, sample_batch, image_shape)
+
+    def generator_loss(generator, critic, teacher, key, cond):
+        key_sample, key_dm, key_gan = jax.random.split(key, 3)
+        x0 = make_samples(generator, key_sample, cond)
+        loss, aux = dm_loss(model, teacher, critic["fake"], x0, cond, key_dm, config)
+        gan_g = jnp.zeros(())
+        if config.gan_generator_weight > 0:
+            frozen = jax.lax.stop_gradient(critic)
+            logits = gan_logits(model, frozen["fake"], head_graphdef, frozen["head"], x0, cond, key_gan,
+                                config.gan_max_sigma)
+            gan_g = jnp.mean(jax.nn.softplus(-logits))
+        total = loss + config.gan_generator_weight * gan_g
+        return total, (x0, {"dm_loss": loss, "gan_g": gan_g, **aux})
 
     def one_cycle(state, teacher):
         key = jax.random.wrap_key_data(state["key"])
@@ -510,8 +583,13 @@ class DMD2Divergence(FloatingPointError):
 
 def train(run_cycles, state: dict[str, Any], teacher: Params, run_dir: str | Path, total_cycles: int,
           cycles_per_call: int, save_every_calls: int = 10, time_budget: float | None = None,
-          progress: bool = True, log_extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+          progress: bool = True, log_extra: dict[str, Any] | None = None,
+          warmup: Callable[[dict[str, Any]], tuple[dict[str, Any], dict[str, Any]]] | None = None,
+          ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run ``run_cycles`` (from :func:`make_cycle` with ``cycles=cycles_per_call``) until ``total_cycles`` cycles.
+
+    ``warmup`` (from :func:`make_fake_warmup`) runs once before the first cycle of a fresh run (not on resume: its
+    result is in the checkpoints), logged as a ``warmup`` line; a non-finite warm-up raises :class:`DMD2Divergence`.
 
     Resumes from the latest orbax checkpoint in ``run_dir/checkpoints`` (same structure as ``state``; continuing is
     bit-identical to an uninterrupted run, since the batch and noise keys live in the state). Saves every
@@ -542,8 +620,17 @@ def train(run_cycles, state: dict[str, Any], teacher: Params, run_dir: str | Pat
     with open(log_path, "a") as log:
         log.write(json.dumps({"event": "start", "cycle": cycle, "device": str(jax.devices()[0]),
                               "jax": jax.__version__, **(log_extra or {})}) + "\n")
-    bar = tqdm(total=total_cycles, initial=cycle, unit="cycle", disable=not progress, dynamic_ncols=True)
     began = time.perf_counter()
+    if warmup is not None and resumed_from is None:
+        state, metrics = warmup(state)
+        metrics = {k: float(v) for k, v in metrics.items()}
+        if metrics["finite"] != 1.0 or not all(math.isfinite(v) for v in metrics.values()):
+            raise DMD2Divergence(f"DMD2 fake-score warm-up diverged (a loss or parameter is NaN/Inf: {metrics}); "
+                                 "no checkpoint had been saved yet")
+        with open(log_path, "a") as log:
+            log.write(json.dumps({"event": "warmup", "fake_updates": int(state["step"]), **metrics,
+                                  "elapsed_s": round(time.perf_counter() - began, 2)}) + "\n")
+    bar = tqdm(total=total_cycles, initial=cycle, unit="cycle", disable=not progress, dynamic_ncols=True)
     calls = 0
     last_saved = resumed_from
     try:

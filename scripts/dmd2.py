@@ -93,6 +93,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="GAN loss weight of the discriminator (the fake score's head)")
     train.add_argument("--gan-max-sigma", type=float, default=0.0,
                        help="GAN inputs are noised to a uniform level in [0, this] (0: clean images)")
+    train.add_argument("--fake-warmup", type=nonnegative_int, default=DEFAULTS.fake_warmup,
+                       help="fake-score updates on the initial generator's samples before the first generator update "
+                            "(a fresh run only; 0: none)")
+    train.add_argument("--fake-sigma-sampling", choices=dmd2.FAKE_SIGMA_SAMPLING, default=DEFAULTS.fake_sigma_sampling,
+                       help="noise levels of the fake score's flow-matching loss: logit_normal (the teacher's "
+                            "objective) or uniform over --dm-sigma-range (as the public DMD2 code)")
     train.add_argument("--cycles-per-call", type=positive_int, default=10, help="generator updates per compiled call")
     train.add_argument("--save-every-calls", type=positive_int, default=50, help="checkpoint every N calls")
     train.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16",
@@ -124,7 +130,8 @@ def config_from(args: argparse.Namespace) -> dmd2.DMD2Config:
                      dm_sigma_min=args.dm_sigma_range[0], dm_sigma_max=args.dm_sigma_range[1],
                      guidance_sigma_range=tuple(args.guidance_sigma_range),
                      gan_generator_weight=args.gan_generator_weight,
-                     gan_discriminator_weight=args.gan_discriminator_weight, gan_max_sigma=args.gan_max_sigma)
+                     gan_discriminator_weight=args.gan_discriminator_weight, gan_max_sigma=args.gan_max_sigma,
+                     fake_warmup=args.fake_warmup, fake_sigma_sampling=args.fake_sigma_sampling)
     return dmd2.DMD2Config(num_steps=args.num_steps, guidance=args.guidance,
                            gan_feature_layer=args.gan_feature_layer, **extra)
 
@@ -168,8 +175,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     shape = (b, cfg.in_channels, cfg.sample_size, cfg.sample_size)
     run_cycles = dmd2.make_cycle(flow, config, head_graphdef, sample_batch, shape, cycles=args.cycles_per_call)
+    warmup = (dmd2.make_fake_warmup(flow, config, head_graphdef, sample_batch, shape) if config.fake_warmup
+              else None)
     total = -(-args.cycles // args.cycles_per_call) * args.cycles_per_call
-    state, summary = dmd2.train(run_cycles, state, teacher, args.run, total, args.cycles_per_call,
+    state, summary = dmd2.train(run_cycles, state, teacher, args.run, total, args.cycles_per_call, warmup=warmup,
                                 save_every_calls=args.save_every_calls, time_budget=args.time_budget,
                                 progress=not args.no_progress,
                                 log_extra={"config": dataclasses.asdict(config), "batch_size": b,

@@ -252,6 +252,10 @@ def test_config_validation():
         dmd2.DMD2Config(fake_updates_per_generator=0)
     with pytest.raises(ValueError, match="guidance_sigma_range"):
         dmd2.DMD2Config(guidance_sigma_range=(0.8, 0.2))
+    with pytest.raises(ValueError, match="fake_warmup"):
+        dmd2.DMD2Config(fake_warmup=-1)
+    with pytest.raises(ValueError, match="fake_sigma_sampling"):
+        dmd2.DMD2Config(fake_sigma_sampling="beta")
     with pytest.raises(ValueError, match="multiple of cycles_per_call"):
         dmd2.train(None, {}, None, "unused", 5, 2)
 
@@ -322,3 +326,279 @@ def test_script_trains_resumes_and_evaluates_a_tiny_teacher(tmp_path):
     assert report["systems"]["student@2"]["forward_passes_per_image"] == 2
     assert report["systems"]["teacher"]["fd_ratio_vs_teacher"] == 1.0
     assert (tmp_path / "eval" / "grid.png").stat().st_size > 1000
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Known-answer diagnostic: DMD2 through make_cycle on a conditional two-Gaussian toy with the exact teacher
+# --------------------------------------------------------------------------------------------------------------------
+# Data: class 0 ~ N((1, 0), 0.3^2 I), class 1 ~ N((-1, 0), 0.3^2 I) (a two-component mixture in 2-D, samples
+# (b, 1, 1, 2)); the unconditional branch (the CFG negative, the cond's row 2) ~ N(0, I). The teacher is the exact
+# flow-matching velocity of these Gaussians. One FlowModel serves all three networks: per class a mean m, a log-std
+# log_s and a gain t, with the denoiser x0(x, sigma) = m + (k(sigma, s) + sigma t) (x - (1 - sigma) m), where k is the
+# exact Gaussian posterior gain. t = 0 is the exact denoiser of N(m, s^2) (so the fake score can represent any
+# Gaussian exactly); at sigma = 1 the denoiser is x0 = m + t eps, so a 1-step generator samples N(m, t^2). The
+# generator starts as the teacher (t = 0): its 1-step samples are the class mean (std 0), its 4-step samples are
+# under-dispersed (std 0.155) -- the untrained student's blur.
+
+TOY_D, TOY_C = 2, 2
+TOY_MU = np.array([[1.0, 0.0], [-1.0, 0.0], [0.0, 0.0]], np.float32)  # (classes + null, D)
+TOY_S = np.array([0.3, 0.3, 1.0], np.float32)
+
+
+def toy_apply(params, x, sigma, cond):
+    w = cond["context"][:, 0, :]  # (b, C + 1) one-hot
+    m, s, t = w @ params["m"], jnp.exp(w @ params["log_s"]), w @ params["t"]  # (b, D) each
+    sig = sigma[:, None]
+    flat = x.reshape(x.shape[0], TOY_D)
+    gain = (1 - sig) * s ** 2 / ((1 - sig) ** 2 * s ** 2 + sig ** 2) + sig * t
+    x0 = m + gain * (flat - (1 - sig) * m)
+    return ((flat - x0) / sig).reshape(x.shape)  # v = (x - x0) / sigma
+
+
+def toy_cond(cls):
+    return {"context": jax.nn.one_hot(cls, TOY_C + 1)[:, None, :], "mask": jnp.ones((cls.shape[0], 1))}
+
+
+TOY = dmd2.FlowModel(apply=toy_apply, uncond=lambda cond: toy_cond(jnp.full((cond["mask"].shape[0],), TOY_C)))
+
+
+def toy_teacher():
+    return {"m": jnp.asarray(TOY_MU), "log_s": jnp.log(jnp.broadcast_to(jnp.asarray(TOY_S)[:, None], (3, TOY_D))),
+            "t": jnp.zeros((3, TOY_D))}
+
+
+def toy_train(config, chunks, b=256, chunk=50, state=None):
+    """``chunks`` calls of ``chunk`` cycles on random classes -> (state, per-call metrics)."""
+    def sample_batch(key):
+        return toy_cond(jax.random.randint(key, (b,), 0, TOY_C)), None, None
+
+    run = dmd2.make_cycle(TOY, config, None, sample_batch, (b, 1, 1, TOY_D), cycles=chunk)
+    teacher = toy_teacher()
+    state = dmd2.init_state(teacher, {}, config, seed=0) if state is None else state
+    history = []
+    for _ in range(chunks):
+        state, metrics = run(state, teacher)
+        assert float(metrics["finite"]) == 1.0
+        history.append({k: float(v) for k, v in metrics.items()})
+    return state, history
+
+
+def toy_moments(params, steps, n=4096):
+    """Mean (D,) and std (D,) of class 0's ``steps``-step student samples."""
+    x = dmd2.generate(TOY, params, jax.random.key(7), toy_cond(jnp.zeros((n,), jnp.int32)), (n, 1, 1, TOY_D), steps)
+    x = np.asarray(x).reshape(n, TOY_D)
+    return x.mean(0), x.std(0)
+
+
+def toy_w2(mean, std, target_mean=(1.0, 0.0), target_std=0.3):
+    """2-Wasserstein distance between N(mean, diag std^2) and class 0's N((1, 0), 0.3^2 I)."""
+    return float(np.sqrt(np.sum((mean - np.asarray(target_mean)) ** 2) + np.sum((std - target_std) ** 2)))
+
+
+def toy_guided_targets(guidance, sigma):
+    """The per-level distribution the CFG real score describes for class 0 along the guided axis: the guided denoiser
+    is linear, x0_g(x) = A + k_g x, the exact denoiser of N(M, S) iff k_g = (1-sigma) S / ((1-sigma)^2 S + sigma^2);
+    returns (M, S) per sigma (S < 0: no distribution has this denoiser at that level)."""
+    k_c = (1 - sigma) * 0.09 / ((1 - sigma) ** 2 * 0.09 + sigma ** 2)
+    k_u = (1 - sigma) / ((1 - sigma) ** 2 + sigma ** 2)
+    k_g = guidance * k_c + (1 - guidance) * k_u
+    variance = sigma ** 2 * k_g / ((1 - sigma) * (1 - (1 - sigma) * k_g))
+    mean = guidance * (1 - (1 - sigma) * k_c) / (1 - (1 - sigma) * k_g)
+    return mean, variance
+
+
+def test_toy_teacher_is_the_exact_flow_matching_velocity():
+    """The toy's teacher is the Bayes-optimal velocity: its flow-matching loss equals the irreducible loss computed
+    from the analytic posterior variance, and fake_score_loss feeds it sigma in the same units as dm_loss."""
+    n = 4096
+    cls = jnp.zeros((n,), jnp.int32)
+    x0 = jnp.asarray(TOY_MU[0]) + 0.3 * jax.random.normal(jax.random.key(0), (n, 1, 1, TOY_D))
+    key = jax.random.key(1)
+    loss = dmd2.fake_score_loss(TOY, toy_teacher(), x0, toy_cond(cls), key, "uniform", (0.5, 0.5 + 1e-7))
+    # E|v - v*|^2 = Var(x0 | x_sigma) / sigma^2 per element; Var = s^2 sigma^2 / ((1-sigma)^2 s^2 + sigma^2)
+    irreducible = 0.09 / (0.25 * 0.09 + 0.25)
+    np.testing.assert_allclose(float(loss), irreducible, rtol=0.03)
+    wrong = {**toy_teacher(), "m": toy_teacher()["m"] + 0.5}
+    assert float(dmd2.fake_score_loss(TOY, wrong, x0, toy_cond(cls), key, "uniform", (0.5, 0.5 + 1e-7))) > \
+        1.1 * irreducible
+
+
+def test_dmd2_without_guidance_converges_to_the_data_distribution_and_the_fake_score_tracks():
+    """The decisive check of the loss's sign, scale and the two-timescale wiring: guidance 1, the 1-step student
+    starts at std 0 (the class mean) and must reach N(mu, 0.3^2); the 4-step student (backward simulation) starts
+    under-dispersed and must move to the data too."""
+    config = dmd2.DMD2Config(num_steps=1, guidance=1.0, generator_lr=0.05, fake_lr=0.05, weight_decay=0.0)
+    before = toy_w2(*toy_moments(toy_teacher(), 1))
+    state, history = toy_train(config, chunks=4)
+    mean, std = toy_moments(state["generator"], 1)
+    after = toy_w2(mean, std)
+    assert before > 0.4 and after < 0.12, (before, after, mean, std)
+    np.testing.assert_allclose(np.abs(np.asarray(state["generator"]["t"][:TOY_C])), 0.3, atol=0.08)
+    # the fake score tracks the generator: its Gaussian is the generator's N(m, t^2)
+    fake = state["critic"]["fake"]
+    np.testing.assert_allclose(np.asarray(fake["m"][:TOY_C]), np.asarray(state["generator"]["m"][:TOY_C]), atol=0.1)
+    np.testing.assert_allclose(np.exp(np.asarray(fake["log_s"][:TOY_C])),
+                               np.abs(np.asarray(state["generator"]["t"][:TOY_C])), atol=0.08)
+
+    config4 = dataclasses.replace(config, num_steps=4, generator_lr=0.02, fake_lr=0.02)
+    mean0, std0 = toy_moments(toy_teacher(), 4)
+    before4 = toy_w2(mean0, std0)
+    state4, _ = toy_train(config4, chunks=4)
+    mean4, std4 = toy_moments(state4["generator"], 4)
+    assert float(std0.mean()) < 0.2 and before4 > 0.18
+    assert toy_w2(mean4, std4) < 0.5 * before4, (before4, mean4, std4)
+
+
+def test_dmd2_with_guidance_on_the_toy_interval_sharpens_full_range_extrapolates():
+    """CFG 2 on the toy. The guided field describes a sharpened Gaussian only at low noise (S > 0 for sigma <= 0.2,
+    S < 0 -- no distribution at all -- above 0.3). With guidance applied at sigma <= 0.2 the student converges to a
+    sharpened class (std below the data's 0.3, above the low-noise target's, mean between 1 and the guided mean).
+    With guidance at every level (the GPU runs' setting) the student's mean is extrapolated far beyond the data
+    (into the range of the per-level guided means), its spread along the guidance axis is *not* sharpened, and the
+    normalised DM gradient stays several times larger than without guidance: there is no distribution to converge to.
+    """
+    sigma = np.linspace(0.02, 0.98, 97)
+    mean_g, var_g = toy_guided_targets(2.0, sigma)
+    low = sigma <= 0.2
+    assert np.all(var_g[low] > 0) and np.all(var_g[sigma >= 0.3] < 0)
+    assert var_g[low].max() < 0.09 and mean_g[low].max() < 1.1  # sharpened, mean slightly pushed outwards
+
+    base = dict(num_steps=1, guidance=2.0, generator_lr=0.05, fake_lr=0.05, weight_decay=0.0)
+    interval, _ = toy_train(dmd2.DMD2Config(guidance_sigma_range=(0.0, 0.2), **base), chunks=4)
+    mean, std = toy_moments(interval["generator"], 1)
+    assert 0.97 < mean[0] < 1.12 and abs(mean[1]) < 0.08, mean
+    assert np.all(std > np.sqrt(var_g[low].min()) - 0.02) and np.all(std < 0.3) and np.mean(std) < 0.28, std
+
+    full, history = toy_train(dmd2.DMD2Config(**base), chunks=4)
+    mean, std = toy_moments(full["generator"], 1)
+    assert mean_g.min() + 0.2 < mean[0] < mean_g.max(), (mean, mean_g.min(), mean_g.max())
+    assert std[0] > 0.35, std  # not sharpened along the guidance axis
+    _, unguided = toy_train(dmd2.DMD2Config(**{**base, "guidance": 1.0}), chunks=4)
+    assert np.mean([h["dm_grad_norm"] for h in history[2:]]) > 2.5 * np.mean([h["dm_grad_norm"]
+                                                                              for h in unguided[2:]])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The fake-score options: warm-up and sigma sampling
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _toy_sample_batch(b):
+    return lambda key: (toy_cond(jax.random.randint(key, (b,), 0, TOY_C)), None, None)
+
+
+def test_fake_warmup_fits_the_initial_generator_once_and_leaves_it_unchanged(tmp_path):
+    import json
+
+    b = 128
+    config = dmd2.DMD2Config(num_steps=1, guidance=1.0, fake_updates_per_generator=2, generator_lr=0.01,
+                             fake_lr=0.05, weight_decay=0.0, fake_warmup=40)
+    teacher = toy_teacher()
+    state = dmd2.init_state(teacher, {}, config, seed=0)
+    # a generator away from the teacher: class means shifted by 0.5, 1-step std 0.3
+    state = {**state, "generator": {**teacher, "m": teacher["m"] + 0.5, "t": jnp.full((3, TOY_D), 0.3)}}
+    state = {**state, "gen_opt": dmd2.make_optimizers(config)[0].init(state["generator"])}
+    warmup = dmd2.make_fake_warmup(TOY, config, None, _toy_sample_batch(b), (b, 1, 1, TOY_D))
+    warm, metrics = warmup(state)
+    assert float(metrics["finite"]) == 1.0 and int(warm["step"]) == 40
+    for before, after in zip(jax.tree_util.tree_leaves(state["generator"]),
+                             jax.tree_util.tree_leaves(warm["generator"])):
+        assert np.array_equal(np.asarray(before), np.asarray(after))
+    shift = np.abs(np.asarray(warm["critic"]["fake"]["m"][:TOY_C] - state["generator"]["m"][:TOY_C]))
+    assert float(shift.max()) < 0.25  # the fake score moved from the teacher (0.5 away) to the generator
+    assert float(metrics["fake_loss_last"]) < float(metrics["fake_loss_first"])
+    assert not np.array_equal(np.asarray(warm["key"]), np.asarray(state["key"]))
+    with pytest.raises(ValueError, match="fake_warmup is 0"):
+        dmd2.make_fake_warmup(TOY, dataclasses.replace(config, fake_warmup=0), None, _toy_sample_batch(b),
+                              (b, 1, 1, TOY_D))
+
+    # train() runs it once, before the first cycle of a fresh run, and not again on resume
+    run = dmd2.make_cycle(TOY, config, None, _toy_sample_batch(b), (b, 1, 1, TOY_D), cycles=1)
+    _, summary = dmd2.train(run, state, teacher, tmp_path, 2, 1, save_every_calls=1, progress=False, warmup=warmup)
+    assert summary["fake_updates"] == 40 + 2 * 2
+    _, summary = dmd2.train(run, state, teacher, tmp_path, 3, 1, progress=False, warmup=warmup)
+    assert summary["resumed_from"] == 2 and summary["fake_updates"] == 40 + 3 * 2
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    warm_lines = [r for r in log if r["event"] == "warmup"]
+    assert len(warm_lines) == 1 and warm_lines[0]["fake_updates"] == 40
+
+
+def test_fake_sigma_sampling_uniform_stays_in_the_dm_range():
+    """A velocity that is exact for x0 = 0 (v = x / sigma = eps) plus a penalty outside [0.4, 0.6]: the uniform
+    fake-score loss over that range is exactly 0, the logit-normal one is not (it also checks that fake_score_loss
+    hands the model sigma in [0, 1], the units of dm_loss and of pixart_flow_model)."""
+    def apply(params, x, sigma, cond):
+        outside = ((sigma < 0.4) | (sigma > 0.6)).astype(jnp.float32)[:, None, None, None]
+        return x / sigma[:, None, None, None] + params["b"] * outside
+
+    model = dmd2.FlowModel(apply=apply, uncond=lambda cond: cond)
+    n = 512
+    x0, cond, key = jnp.zeros((n, 1, 1, TOY_D)), toy_cond(jnp.zeros((n,), jnp.int32)), jax.random.key(0)
+    params = {"b": jnp.asarray(10.0)}
+    uniform = dmd2.fake_score_loss(model, params, x0, cond, key, "uniform", (0.4, 0.6))
+    assert float(uniform) < 1e-8
+    assert float(dmd2.fake_score_loss(model, params, x0, cond, key, "logit_normal")) > 10.0
+    with pytest.raises(ValueError, match="sigma_sampling"):
+        dmd2.fake_score_loss(model, params, x0, cond, key, "beta")
+
+    # through make_cycle: DMD2Config.fake_sigma_sampling="uniform" trains the fake score only inside the DM range, so
+    # a parameter acting only outside it gets no gradient; with logit_normal it does
+    def toy_plus(params, x, sigma, cond):
+        return toy_apply(params, x, sigma, cond) + apply(params, x, sigma, cond) - x / sigma[:, None, None, None]
+
+    model = dmd2.FlowModel(apply=toy_plus, uncond=TOY.uncond)
+    b = 64
+    teacher = {**toy_teacher(), "b": jnp.asarray(0.0)}
+    moved = {}
+    for sampling in dmd2.FAKE_SIGMA_SAMPLING:
+        config = dmd2.DMD2Config(num_steps=1, guidance=1.0, fake_updates_per_generator=2, generator_lr=0.01,
+                                 fake_lr=0.05, weight_decay=0.0, dm_sigma_min=0.4, dm_sigma_max=0.6,
+                                 fake_sigma_sampling=sampling)
+        run = dmd2.make_cycle(model, config, None, _toy_sample_batch(b), (b, 1, 1, TOY_D))
+        new, _ = run(dmd2.init_state(teacher, {}, config, seed=0), teacher)
+        moved[sampling] = float(new["critic"]["fake"]["b"])
+    assert moved["uniform"] == 0.0 and moved["logit_normal"] != 0.0
+
+
+def test_script_flags_reach_the_config():
+    from scripts import dmd2 as script
+
+    args = script.parse_args(["train", "--data", "d", "--run", "r", "--fake-warmup", "7",
+                              "--fake-sigma-sampling", "uniform", "--dm-sigma-range", "0.1", "0.9"])
+    config = script.config_from(args)
+    assert config.fake_warmup == 7 and config.fake_sigma_sampling == "uniform"
+    assert (config.dm_sigma_min, config.dm_sigma_max) == (0.1, 0.9)
+    assert {"fake_warmup": 7, "fake_sigma_sampling": "uniform"}.items() <= dataclasses.asdict(config).items()
+    default = script.config_from(script.parse_args(["train", "--data", "d", "--run", "r"]))
+    assert default.fake_warmup == 0 and default.fake_sigma_sampling == "logit_normal"
+    with pytest.raises(SystemExit):
+        script.parse_args(["train", "--data", "d", "--run", "r", "--fake-sigma-sampling", "beta"])
+    with pytest.raises(SystemExit):
+        script.parse_args(["train", "--data", "d", "--run", "r", "--fake-warmup", "-1"])
+
+
+def test_pixart_scores_use_the_teachers_conventions():
+    """The real score of dm_loss is the teacher's own CFG sampler velocity (same timestep scale, null caption and
+    mask), and the fake score's loss is the teacher's training loss (same sigma convention) for the same key."""
+    cfg = dataclasses.replace(testbed.TESTBED_PIXART_CONFIG, num_layers=1, num_attention_heads=2,
+                              attention_head_dim=16, cross_attention_dim=32, sample_size=8, caption_channels=12)
+    model = families.PIXART.build(cfg, jnp.float32, seed=0)
+    graphdef, teacher = nnx.split(model)
+    b, t = 3, 4
+    null_context = jax.random.normal(jax.random.key(9), (t, 12))
+    null_mask = jnp.array([1.0, 1.0, 0.0, 0.0])
+    flow = dmd2.pixart_flow_model(graphdef, null_context, null_mask)
+    context = jax.random.normal(jax.random.key(0), (b, t, 12))
+    mask = jnp.array([[1.0, 1.0, 1.0, 0.0]] * b)
+    noise = jax.random.normal(jax.random.key(1), (b, 3, 8, 8))
+    velocity_fn = testbed.pixart_velocity_fn(model)
+    # one Euler step from sigma 1 to 0 is noise - v_cfg(sigma = 1)
+    euler = testbed.euler_sample(velocity_fn, noise, context, mask, null_context, null_mask, 1, 3.0)
+    guided = dmd2.guided_velocity(flow, teacher, noise, jnp.ones((b,)), {"context": context, "mask": mask}, 3.0)
+    np.testing.assert_allclose(noise - guided, euler, rtol=1e-5, atol=1e-5)
+    x0 = jax.random.uniform(jax.random.key(2), (b, 3, 8, 8), minval=-1, maxval=1)
+    key = jax.random.key(3)
+    ours = dmd2.fake_score_loss(flow, teacher, x0, {"context": context, "mask": mask}, key)
+    theirs = testbed.flow_matching_loss(velocity_fn, x0, context, mask, key,
+                                        testbed.FlowMatchingConfig(caption_dropout=0.0), null_context, null_mask)
+    np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-6)

@@ -92,19 +92,23 @@ def drop_captions(key: jax.Array, context: jax.Array, mask: jax.Array, null_cont
 
 def flow_matching_loss(velocity_fn: VelocityFn, pixels: jax.Array, context: jax.Array, mask: jax.Array,
                        key: jax.Array, config: FlowMatchingConfig, null_context: jax.Array,
-                       null_mask: jax.Array) -> jax.Array:
+                       null_mask: jax.Array, sigma: jax.Array | None = None) -> jax.Array:
     """Rectified-flow velocity MSE on a batch.
 
     Args:
         velocity_fn: ``(x (b, 3, s, s), timestep (b,) in [0, 1000], context (b, t, c), mask (b, t)) -> (b, 3, s, s)``.
         pixels: clean images (b, 3, s, s) in [-1, 1]. context, mask: caption tokens (b, t, c) and keep-mask (b, t).
         key: PRNG key (noise, sigma and caption dropout). null_context (t, c), null_mask (t,): the empty caption.
+        sigma: noise levels (b,) in (0, 1) to use instead of the logit-normal draw of ``config`` (None: the draw).
     Returns:
         the scalar loss (float32).
     """
     b = pixels.shape[0]
     key_sigma, key_noise, key_drop = jax.random.split(key, 3)
-    sigma = sample_sigmas(key_sigma, b, config)  # (b,)
+    if sigma is None:
+        sigma = sample_sigmas(key_sigma, b, config)  # (b,)
+    elif sigma.shape != (b,):
+        raise ValueError(f"flow_matching_loss: sigma has shape {sigma.shape}, expected ({b},)")
     noise = jax.random.normal(key_noise, pixels.shape, jnp.float32)  # (b, 3, s, s)
     context, mask = drop_captions(key_drop, context, mask, null_context, null_mask, config.caption_dropout)
     s = sigma[:, None, None, None]  # (b, 1, 1, 1)
