@@ -67,8 +67,8 @@ from kroquant_jax.fileio import atomic_write_text
 from models.testbed import model as testbed
 from models.layers import LinearHooks, linears
 
-__all__ = ["GuidanceSchedule", "QADConfig", "NonFiniteError", "student_from_model", "student_from_qlinears",
-           "student_forward", "student_velocity", "teacher_target", "qad_loss", "noised_batch", "distillation_loss",
+__all__ = ["BestIterate", "GuidanceSchedule", "QADConfig", "NonFiniteError", "student_from_model",
+           "student_from_qlinears", "student_forward", "student_velocity", "teacher_target", "qad_loss", "noised_batch", "distillation_loss",
            "make_optimizer", "with_state_dtype", "cast_floating", "apply_gradients", "make_train_chunk", "init_state",
            "train", "guided_sample", "student_sample", "export_qlinears", "colour_correct", "record_noise",
            "save_checkpoint", "restore_checkpoint", "latest_checkpoint", "fingerprint"]
@@ -529,6 +529,54 @@ def restore_checkpoint(path: Path, template: Any) -> Any:
     leaves = [jnp.asarray(flat[f"leaf_{i:05d}"]) if np.size(leaf) else jnp.zeros_like(leaf)
               for i, (_, leaf) in enumerate(named)]
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+class BestIterate:
+    """The trainable parameters of a run's best-scoring iterate, kept in ``run_dir/best`` (one checkpoint and its
+    ``best.json``: step, score, selection), so a resumed run selects among all of its iterates, not only those of the
+    last call.
+
+    ``selection`` says what the score measures (e.g. the validation captions, seed and sampler); a folder whose
+    iterate was selected by another measure is refused. Higher scores are better; ties keep the earlier iterate.
+    """
+
+    def __init__(self, run_dir: str | Path, selection: str):
+        self.folder = Path(run_dir) / "best"
+        self.selection = selection
+        self.step: int | None = None
+        self.score = -np.inf
+        self._trainable = None
+        meta = self.folder / "best.json"
+        if meta.exists():
+            stored = json.loads(meta.read_text())
+            if stored.get("selection") != selection:
+                raise ValueError(f"{self.folder}: its best iterate was selected by {stored.get('selection')!r}, this "
+                                 f"run selects by {selection!r}; use another --out or delete that folder")
+            self.step, self.score = int(stored["step"]), float(stored["score"])
+
+    def offer(self, step: int, trainable: Any, score: float) -> bool:
+        """Keep ``trainable`` (saved) if ``score`` is finite and beats the best so far; True when it was kept."""
+        if not np.isfinite(score) or score <= self.score:
+            return False
+        save_checkpoint(self.folder, {"step": jnp.asarray(step, jnp.int32), "trainable": trainable})
+        atomic_write_text(self.folder / "best.json",
+                          json.dumps({"step": int(step), "score": float(score), "selection": self.selection}))
+        self.step, self.score, self._trainable = int(step), float(score), trainable
+        return True
+
+    def trainable(self, template: Any) -> Any:
+        """The best iterate's trainable parameters, in the structure of ``template``."""
+        if self._trainable is not None:
+            return self._trainable
+        if self.step is None:
+            raise ValueError(f"{self.folder}: no iterate was scored (nothing to select)")
+        path = self.folder / f"step_{self.step:08d}"
+        if not (path / "paths.json").exists():
+            raise ValueError(f"{path}: the best iterate's checkpoint is missing (an interrupted save); delete "
+                             f"{self.folder} to select again")
+        restored = restore_checkpoint(path, {"step": jnp.asarray(0, jnp.int32), "trainable": template})
+        self._trainable = restored["trainable"]
+        return self._trainable
 
 
 #: Raised whenever a change of the training numerics makes an earlier run folder's checkpoints mean something else

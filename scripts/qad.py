@@ -16,6 +16,10 @@ Evaluation: held-out captions (never trained on) and training captions that QAD 
 each, 20 Euler steps; the reference is the 16-bit teacher with CFG; the PTQ models run both branches with CFG, the
 students one branch at guidance 1. Writes ``qad_report.json``, ``qad_table.md``, ``qad_grid.png``,
 ``qad_curves.png`` in ``--out``.
+
+Selection: every ``--curve-every`` steps the one-branch student is scored on ``--validation-captions`` further
+held-out captions (neither trained on nor evaluated); ``--select-best`` evaluates each student at its best-scoring
+iterate (``models.qad.BestIterate``, kept in its run folder) instead of the last, and the table names the step.
 """
 
 from __future__ import annotations
@@ -84,8 +88,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-train-captions", type=positive_int, default=16,
                    help="training captions evaluated (none of them trained on)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1000, 2000, 3000], help="noise seeds of the evaluation")
-    p.add_argument("--curve-every", type=positive_int, default=100, help="held-out PSNR every N steps for the curves")
-    p.add_argument("--curve-captions", type=positive_int, default=8, help="held-out captions of the curves")
+    p.add_argument("--curve-every", type=positive_int, default=100,
+                   help="validation PSNR every N steps (a multiple of --chunk), for the curves and --select-best")
+    p.add_argument("--validation-captions", type=positive_int, default=8,
+                   help="held-out captions after the evaluated ones (never trained on, never evaluated) that score "
+                        "the one-branch student during training, with the first seed")
+    p.add_argument("--select-best", action="store_true",
+                   help="evaluate each student at its best validation iterate (kept on disk, resumable) instead of "
+                        "its last")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p.parse_args(argv)
 
@@ -99,6 +109,9 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     out = Path(args.out)
+    if args.curve_every % args.chunk:
+        raise ValueError(f"--curve-every {args.curve_every} must be a multiple of --chunk {args.chunk} (the student is "
+                         "scored between compiled chunks)")
     if any(v.endswith("_ptq") for v in args.variants) and not args.ptq_store:
         raise ValueError("--variants qad_ptq and naive_ptq need --ptq-store (a calibrated QLinearStore folder)")
     names = args.ptq_name or [Path(folder).name.rsplit("-", 1)[0] for folder in args.ptq_store]
@@ -107,15 +120,28 @@ def main(argv=None) -> int:
     for folder in args.ptq_store:
         if not Path(folder).is_dir():
             raise ValueError(f"--ptq-store {folder}: no such folder")
+    prompts = testbed_data.load_dataset(args.prompts or str(Path(args.checkpoint) / "testbed_prompts.npz"))
+    all_heldout = np.flatnonzero(prompts.heldout)
+    if len(all_heldout) < args.eval_captions + args.validation_captions:
+        raise ValueError(f"--eval-captions {args.eval_captions} + --validation-captions {args.validation_captions}: "
+                         f"the prompts have only {len(all_heldout)} held-out captions")
     out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     cfg, teacher = families.PIXART.from_diffusers(args.checkpoint, "float32")
-    prompts = testbed_data.load_dataset(args.prompts or str(Path(args.checkpoint) / "testbed_prompts.npz"))
-    heldout = np.flatnonzero(prompts.heldout)[:args.eval_captions]
+    heldout = all_heldout[:args.eval_captions]
+    validation = all_heldout[args.eval_captions:args.eval_captions + args.validation_captions]
+    selection = (f"validation PSNR: held-out captions {args.eval_captions}..{args.eval_captions + len(validation) - 1}, "
+                 f"seed {args.seeds[0]}, {args.sample_steps} Euler steps")
+    # opened before the setup: a run folder whose best iterate was selected by another measure is refused now
+    bests = {v: qad.BestIterate(out / "runs" / v, selection) for v in args.variants} if args.select_best else {}
+    for variant, best in bests.items():
+        if best.step is None and qad.latest_checkpoint(out / "runs" / variant / "checkpoints") is not None:
+            raise ValueError(f"{out / 'runs' / variant}: trained without --select-best, so its earlier iterates were "
+                             "not kept; use another --out or drop --select-best")
     train_eval = np.flatnonzero(~prompts.heldout)[32:32 + args.eval_train_captions]  # not eval_testbed's calibration
     # training records: the training split of --data, minus every caption evaluated here
     full = testbed_data.load_dataset(args.data)
-    banned = set(prompts.captions[heldout]) | set(prompts.captions[train_eval])
+    banned = set(prompts.captions[heldout]) | set(prompts.captions[train_eval]) | set(prompts.captions[validation])
     keep = np.flatnonzero(~full.heldout & ~np.isin(full.captions, list(banned)))
     data = {"images": jnp.asarray(full.images[keep]), "context": jnp.asarray(full.context[keep]),
             "context_mask": jnp.asarray(full.context_mask[keep]), "null_context": jnp.asarray(full.null_context),
@@ -150,9 +176,12 @@ def main(argv=None) -> int:
     context, mask = _inputs(prompts, captions)
 
     @jax.jit
-    def teacher_images(noise):
+    def teacher_images_of(noise, context, mask):
         fn = testbed.pixart_velocity_fn(nnx.merge(teacher_graph, teacher_state))
         return qad.guided_sample(fn, noise, context, mask, null_context, null_mask, args.sample_steps, schedule)
+
+    def teacher_images(noise):
+        return teacher_images_of(noise, context, mask)
 
     def quantized_velocity(config, trainable, blocks, packed):
         return lambda x, t, c, m: qad.student_velocity(student_graph, trainable, blocks, config, packed, x, t, c, m)
@@ -190,10 +219,10 @@ def main(argv=None) -> int:
     setup_s = time.perf_counter() - began
     print(f"setup (reference and PTQ images): {setup_s:.0f} s", flush=True)
 
-    curve_idx = np.arange(min(args.curve_captions, len(heldout)))
-    curve_noise = noise_for(args.seeds[0])[curve_idx]
-    curve_ref = reference[args.seeds[0]][curve_idx]
-    curve_ctx, curve_mask = context[curve_idx], mask[curve_idx]
+    # the validation captions: score the students during training (curves, --select-best), never reported as results
+    curve_noise = qad.record_noise(args.seeds[0], validation, (cfg.in_channels, size, size))
+    curve_ctx, curve_mask = _inputs(prompts, validation)
+    curve_ref = images(teacher_images_of(curve_noise, curve_ctx, curve_mask))
     training = {}
     def write_all():
         """Images, metrics, report, table, grid and curves of what is done so far (rewritten after each stage)."""
@@ -216,7 +245,8 @@ def main(argv=None) -> int:
             results[title] = entry
         report = {"settings": vars(args), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                   "train_records": int(len(keep)), "heldout_captions": [str(c) for c in prompts.captions[heldout]],
-                  "train_eval_captions": [str(c) for c in prompts.captions[train_eval]], "setup_s": round(setup_s, 1),
+                  "train_eval_captions": [str(c) for c in prompts.captions[train_eval]],
+                  "validation_captions": [str(c) for c in prompts.captions[validation]], "setup_s": round(setup_s, 1),
                   "total_s": round(time.perf_counter() - began, 1), "results": results, "training": training,
                   "schedule": schedule.label()}
         atomic_write_text(out / "qad_report.json", json.dumps(report, indent=1))
@@ -241,26 +271,35 @@ def main(argv=None) -> int:
                      "data": qad.fingerprint(data), "checkpoint": str(Path(args.checkpoint).name),
                      "teacher": qad.fingerprint(teacher_state)}
 
-        def on_chunk(step, state, record, blocks=blocks, packed=packed):
+        run_dir = out / "runs" / variant
+        best = bests.get(variant)
+
+        def on_chunk(step, state, record, blocks=blocks, packed=packed, best=best):
             if step % args.curve_every == 0:
                 got = images(one_branch(state["trainable"], blocks, packed, curve_noise, curve_ctx, curve_mask))
-                record["heldout_psnr_db"] = image_metrics_of(got, curve_ref)["psnr_db"]
+                record["validation_psnr_db"] = image_metrics_of(got, curve_ref)["psnr_db"]
+                if best is not None:
+                    best.offer(step, state["trainable"], record["validation_psnr_db"])
 
         init_psnr = image_metrics_of(images(one_branch(state["trainable"], blocks, packed, curve_noise, curve_ctx,
                                                        curve_mask)), curve_ref)["psnr_db"]
+        if best is not None:
+            best.offer(0, state["trainable"], init_psnr)  # the init competes too
         t0 = time.perf_counter()
-        state, records = qad.train(out / "runs" / variant, chunk, state, config, key_extra,
+        state, records = qad.train(run_dir, chunk, state, config, key_extra,
                                    progress=not args.no_progress, on_chunk=on_chunk, time_budget=args.train_seconds)
         train_s = time.perf_counter() - t0
-        log = [json.loads(line) for line in (out / "runs" / variant / "log.jsonl").read_text().splitlines()]
+        log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+        trainable = state["trainable"] if best is None else best.trainable(state["trainable"])
         training[variant] = {"train_s_this_call": round(train_s, 1), "steps": int(state["step"]), "log": log,
-                             "config": config.to_json(), "init": init,
-                             "init_heldout_psnr_db": init_psnr}
-        columns[variant] = {s: images(one_branch(state["trainable"], blocks, packed, noise_for(s), context, mask))
+                             "config": config.to_json(), "init": init, "init_validation_psnr_db": init_psnr,
+                             "selected_step": int(state["step"]) if best is None else best.step,
+                             "selected_by": "last iterate" if best is None else selection}
+        columns[variant] = {s: images(one_branch(trainable, blocks, packed, noise_for(s), context, mask))
                             for s in args.seeds}
         passes[variant] = args.sample_steps
-        print(f"{variant}: {int(state['step'])} steps in {train_s:.0f} s, last loss {log[-1]['loss']:.4f}",
-              flush=True)
+        print(f"{variant}: {int(state['step'])} steps in {train_s:.0f} s, last loss {log[-1]['loss']:.4f}; "
+              f"evaluated at step {training[variant]['selected_step']}", flush=True)
         write_all()
 
     report = write_all()
@@ -276,6 +315,9 @@ def table(report: dict) -> str:
              "| train-caption PSNR (dB) | train-caption SSIM |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for title, r in report["results"].items():
         h, t = r["heldout"], r["train"]
+        trained = report["training"].get(title)
+        if trained is not None and trained.get("selected_step") not in (None, trained["steps"]):
+            title = f"{title} (best validation iterate: step {trained['selected_step']} of {trained['steps']})"
         lines.append(f"| {title} | {r['forward_passes_per_image']} | {h['psnr_db']:.2f} ± {h['psnr_sem_db']:.2f} | "
                      f"{h['ssim']:.3f} | {h['chroma_ratio']:.3f} | {h['saturation_ratio']:.3f} | "
                      f"{t['psnr_db']:.2f} ± {t['psnr_sem_db']:.2f} | {t['ssim']:.3f} |")
@@ -283,7 +325,7 @@ def table(report: dict) -> str:
 
 
 def curves(path: Path, training: dict) -> None:
-    """Loss (distillation and total) and the held-out PSNR of the one-branch student over steps, per variant."""
+    """Loss (distillation and total) and the validation PSNR of the one-branch student over steps, per variant."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,15 +335,15 @@ def curves(path: Path, training: dict) -> None:
     for variant, t in training.items():
         steps = [r["step"] for r in t["log"]]
         left.plot(steps, [r["distill"] for r in t["log"]], label=f"{variant} distill")
-        points = [(0, t["init_heldout_psnr_db"])] + [(r["step"], r["heldout_psnr_db"]) for r in t["log"]
-                                                     if "heldout_psnr_db" in r]
+        points = [(0, t["init_validation_psnr_db"])] + [(r["step"], r["validation_psnr_db"]) for r in t["log"]
+                                                        if "validation_psnr_db" in r]
         if points:
             right.plot(*zip(*points), marker="o", label=variant)
     left.set_yscale("log")
     left.set_xlabel("step")
     left.set_ylabel("distillation MSE (chunk mean)")
     right.set_xlabel("step")
-    right.set_ylabel("held-out PSNR vs teacher CFG (dB)")
+    right.set_ylabel("validation PSNR vs teacher CFG (dB)")
     left.legend(fontsize=7)
     right.legend(fontsize=7)
     figure.tight_layout()

@@ -354,4 +354,51 @@ def test_script_validates_its_ptq_stores_before_any_work(tmp_path):
         qad_script.main(common + ["--ptq-store", str(a), str(b), "--ptq-name", "only_one"])
     with pytest.raises(ValueError, match="need --ptq-store"):
         qad_script.main(common + ["--variants", "qad_ptq"])
+    with pytest.raises(ValueError, match="--curve-every 30 must be a multiple of --chunk 50"):
+        qad_script.main(common + ["--curve-every", "30", "--chunk", "50"])
+    with pytest.raises(ValueError, match="--eval-captions 10000 \\+ --validation-captions 8: the prompts have only"):
+        qad_script.main(common + ["--variants", "qad_16bit", "--eval-captions", "10000"])  # the shipped prompts
     assert not out.exists()
+
+
+def test_best_iterate_keeps_the_best_scored_iterate_across_resumes(tmp_path):
+    """`kroquant qad --select-best`: the best-scoring trainable state is saved, survives a resumed run (a new
+    BestIterate on the same folder restores it, bit for bit), and a folder selected by another measure is refused."""
+    def trainable(value):
+        return {"model": {"w": jnp.full((3, 4), value, jnp.float32)}, "layers": {"l": {"s": jnp.arange(5.0) * value}}}
+
+    best = qad.BestIterate(tmp_path, "validation PSNR: captions 24..31")
+    assert best.offer(0, trainable(0.0), 17.0)
+    assert best.offer(100, trainable(1.0), 18.5)
+    assert not best.offer(200, trainable(2.0), 18.5)  # a tie keeps the earlier iterate
+    assert not best.offer(300, trainable(3.0), float("nan"))
+    assert not best.offer(400, trainable(4.0), 18.0)
+    assert (best.step, best.score) == (100, 18.5)
+    resumed = qad.BestIterate(tmp_path, "validation PSNR: captions 24..31")
+    assert (resumed.step, resumed.score) == (100, 18.5)
+    got = resumed.trainable(trainable(9.0))
+    np.testing.assert_array_equal(np.asarray(got["model"]["w"]), np.ones((3, 4), np.float32))
+    np.testing.assert_array_equal(np.asarray(got["layers"]["l"]["s"]), np.arange(5.0))
+    assert not resumed.offer(500, trainable(5.0), 18.2)  # the stored score still counts after a resume
+    with pytest.raises(ValueError, match="selected by 'validation PSNR: captions 24..31', this run selects by"):
+        qad.BestIterate(tmp_path, "validation PSNR: captions 24..39")
+    with pytest.raises(ValueError, match="no iterate was scored"):
+        qad.BestIterate(tmp_path / "fresh", "x").trainable(trainable(0.0))
+
+
+def test_select_best_refuses_a_run_folder_it_cannot_select_in_honestly(tmp_path):
+    """`--select-best` on a run folder trained without it (its earlier iterates are gone), or whose best iterate was
+    selected on other validation captions: a one-line refusal before any image is sampled."""
+    from scripts import qad as qad_script
+
+    out = tmp_path / "out"
+    step = out / "runs" / "qad_16bit" / "checkpoints" / "step_00000100"
+    step.mkdir(parents=True)
+    (step / "paths.json").write_text("[]")
+    common = ["--data", str(tmp_path / "none.npz"), "--out", str(out), "--variants", "qad_16bit", "--select-best"]
+    with pytest.raises(ValueError, match="qad_16bit: trained without --select-best"):
+        qad_script.main(common)
+    qad.BestIterate(out / "runs" / "qad_16bit", "validation PSNR: held-out captions 24..31, seed 1000, 20 Euler "
+                    "steps").offer(0, {"w": jnp.zeros(2)}, 17.0)
+    with pytest.raises(ValueError, match="selected by .*24..31.*this run selects by .*24..27"):
+        qad_script.main(common + ["--validation-captions", "4"])
