@@ -621,15 +621,9 @@ def _relative_error(y, ref) -> float:
     return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), np.finfo(np.float32).tiny))
 
 
-# The per-layer host-side steps of _quantize_batch as one compiled program each (per shape, transform and format):
-# run eagerly, each of their dozen small ops (the transform's blocks, the einsum, the norms of the weight error) would
-# be compiled on its own for every new layer shape.
-@functools.partial(jax.jit, static_argnames="transform")
-def _transformed_weight(w: jax.Array, params, *, transform: str) -> jax.Array:
-    """``W T^{-T} (o, d)`` of ``w (o, d)`` under the ``transform`` parameters ``params``."""
-    return transforms.apply_to_weights(w, transforms.get(transform).inverse_blocks(params))
-
-
+# Per-layer host-side steps of _quantize_batch as one compiled program each (per shape, transform and format): run
+# eagerly, each of their small ops (the transform's blocks, the einsum, the norms of the weight error) would be
+# compiled on its own for every new layer shape.
 @functools.partial(jax.jit, static_argnames="transform")
 def _transformed_activations(a: jax.Array, params, *, transform: str) -> jax.Array:
     """``A T (n, d)`` of the rows ``a (n, d)`` under the ``transform`` parameters ``params``."""
@@ -670,7 +664,9 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
         reports[n].update(chosen=c.chosen, transform_validation_error=c.validation_error,
                           transform_test_error=c.test_error, candidates=dict(c.validation_errors),
                           candidates_test=dict(c.test_errors))
-        w_t[n] = np.asarray(_transformed_weight(jnp.asarray(layer.weight), c.params, transform=recipe.transform))
+        # W T^{-T}: the program that build_qlinear runs for a layer without a branch (so it compiles once for both)
+        w_t[n] = np.asarray(qlinear.residual_weight(layer.weight, transform=recipe.transform,
+                                                    transform_params=c.params, lowrank_quantized=False))
         rows = layer_rows(n, layer, run)
         a_test[n] = rows.test
         if recipe.lowrank == "svd" or recipe.gptq is not None:
