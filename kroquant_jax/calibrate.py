@@ -621,6 +621,18 @@ def _relative_error(y, ref) -> float:
     return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), np.finfo(np.float32).tiny))
 
 
+# Per-layer host-side steps of _quantize_batch as one compiled program each (per shape, transform and format): run
+# eagerly, each of their small ops (the transform's blocks, the einsum, the norms of the weight error) would be
+# compiled on its own for every new layer shape.
+@functools.partial(jax.jit, static_argnames="transform")
+def _transformed_activations(a: jax.Array, params, *, transform: str) -> jax.Array:
+    """``A T (n, d)`` of the rows ``a (n, d)`` under the ``transform`` parameters ``params``."""
+    return transforms.apply_to_activations(a, transforms.get(transform).blocks(params))
+
+
+_weight_error = jax.jit(lowrank.weight_error, static_argnames=("weight_fmt", "branch_fmt"))
+
+
 def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 1) -> tuple[dict, dict]:
     """All stages for a batch of layers (any shapes; programs sized for ``pad_to`` layers). Returns
     ``({name: QuantizedLinear}, {name: report})``."""
@@ -646,19 +658,20 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
                 inits[n] = [transforms.get(recipe.transform).init(layers[n].weight.shape[1]),
                             transforms.smoothed_kron.init_from_scales(res.gamma)]
     calib = calibrate_layers(layers, cal, inits=inits, run=run, pad_to=pad_to)
-    param = transforms.get(recipe.transform)
     w_t, a_cal_t, a_test = {}, {}, {}
     for n, layer in layers.items():
         c = calib[n]
         reports[n].update(chosen=c.chosen, transform_validation_error=c.validation_error,
                           transform_test_error=c.test_error, candidates=dict(c.validation_errors),
                           candidates_test=dict(c.test_errors))
-        w_t[n] = np.asarray(transforms.apply_to_weights(jnp.asarray(layer.weight), param.inverse_blocks(c.params)))
+        # W T^{-T}: the program that build_qlinear runs for a layer without a branch (so it compiles once for both)
+        w_t[n] = np.asarray(qlinear.residual_weight(layer.weight, transform=recipe.transform,
+                                                    transform_params=c.params, lowrank_quantized=False))
         rows = layer_rows(n, layer, run)
         a_test[n] = rows.test
         if recipe.lowrank == "svd" or recipe.gptq is not None:
-            a_cal_t[n] = np.asarray(transforms.apply_to_activations(jnp.asarray(rows.calibration),
-                                                                    param.blocks(c.params)))
+            a_cal_t[n] = np.asarray(_transformed_activations(jnp.asarray(rows.calibration), c.params,
+                                                             transform=recipe.transform))
     hessians = {n: np.asarray(gptq.hessian(a_cal_t[n])) for n in layers} if recipe.gptq is not None else {}
     quantized_branch = recipe.lowrank == "loraq" and recipe.loraq.quantize_branch
     rounded = {}
@@ -696,7 +709,7 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
             reports[n]["rounding"] = "gptq"
             reports[n]["weight_error"] = _relative_error(np.asarray(qlinear.effective_weight(q)), w_t[n])
         else:
-            reports[n]["weight_error"] = float(lowrank.weight_error(jnp.asarray(w_t[n]), None, None, fmt)
+            reports[n]["weight_error"] = float(_weight_error(jnp.asarray(w_t[n]), None, None, weight_fmt=fmt)
                                                if lr is None else np.float32(reports[n]["weight_error_final"]))
         out[n] = q
     return out, reports

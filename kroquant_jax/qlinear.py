@@ -137,7 +137,7 @@ def build_qlinear(weight, bias=None, *, transform: str = "identity", transform_p
     o, d = w.shape
     p = transforms.get(transform)
     params = p.init(d) if transform_params is None else transform_params
-    blocks = p.blocks(params)
+    blocks = _blocks(params, transform=transform)
     if blocks.shape[0] * blocks.shape[1] != d:
         raise ValueError(f"layer {name!r}: transform {transform!r} has width {blocks.shape[0] * blocks.shape[1]}, "
                          f"weight {w.shape}")
@@ -181,6 +181,12 @@ def residual_weight(weight, *, transform: str = "identity", transform_params=Non
     w_t, _, _ = _residual(w, params, left, right, transform=transform,
                           lowrank_fmt=lowrank_fmt if lowrank_quantized else None)
     return w_t
+
+
+@functools.partial(jax.jit, static_argnames="transform")
+def _blocks(params, *, transform):
+    """The ``(d / n, n, n)`` blocks of ``T``, one compiled program (eagerly, a Kronecker chain is a dozen small ones)."""
+    return transforms.get(transform).blocks(params)
 
 
 @functools.partial(jax.jit, static_argnames=("transform", "lowrank_fmt"))

@@ -12,7 +12,7 @@ Examples::
     kroquant calibrate --synthetic dit --out runs/calib_synthetic
     # a captured layer set (models.capture / layerset.save_layer_set), a subset of methods, a resumable store
     kroquant calibrate --layers pixart_layers.npz --methods rtn kroquant kroquant+loraq --store runs/st
-    # quick check (about half a minute of CPU, mostly compilation): the first layer of each shape, 3 methods
+    # quick check: the first layer of each shape, 3 methods (its time: compiling a program per method and shape)
     kroquant calibrate --synthetic tiny --fast
     # keep the compiled programs for the next run with the same shapes and settings (JAX's persistent cache)
     kroquant calibrate --synthetic dit --compile-cache ~/.cache/kroquant-jax
@@ -136,7 +136,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="seed of the row draws (and the synthetic layers)")
     calibrate.add_recipe_arguments(ap)
     ap.add_argument("--fast", action="store_true",
-                    help="a smoke test in seconds: the first layer of each shape, 3 methods, 20 steps, 128 + 32 + 64 "
+                    help="a smoke test (its time is mostly compiling one program per method and weight shape): the "
+                    "first layer of each shape, 3 methods, 20 steps, 128 + 32 + 64 "
                     "rows, LoRaQ rank <= 32 with 30 + 10 steps, a 5 x 5 SmoothQuant grid (explicit flags win)")
     ap.add_argument("--store", default=None, help="folder of resumable per-method stores")
     ap.add_argument("--overwrite", action="store_true",

@@ -446,3 +446,29 @@ def test_paper_literal_settings_are_the_old_engine():
         p = optax.apply_updates(p, upd)
     for x, y in zip(jax.tree.leaves(res.params), jax.tree.leaves(p)):
         np.testing.assert_allclose(x, np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+def test_quantizing_more_layers_of_the_same_shapes_compiles_nothing():
+    """quantize_layer_set compiles its programs once per layer shape, recipe and row split: other layers of the same
+    shapes (other names, other values) then compile no program at all. Catches the recompilations that make a run's
+    time grow with its layer count (a jit wrapper built per call around a closure, a data-dependent static argument,
+    a Python scalar baked into a program). Shapes of its own, so the first run compiles even after other tests."""
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    settings = {"calib_steps": 2, "calib_rows": 72, "calib_validation": 24, "calib_test": 24}
+    recipes = [calibrate.recipe_from_args(m, settings) for m in ("rtn", "hadamard32", "kroquant")]
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for recipe in recipes:
+            calibrate.quantize_layer_set(_layer_set(shapes=((24, 96), (56, 96)), n=160, seed=1), recipe)
+        first = len(compiles)
+        for recipe in recipes:
+            others = {f"other.{n}": v for n, v in _layer_set(shapes=((24, 96), (56, 96)), n=160, seed=2).items()}
+            calibrate.quantize_layer_set(others, recipe)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert first > 0 and len(compiles) == first

@@ -126,6 +126,31 @@ def test_fast_keeps_the_first_layer_of_each_shape_and_says_so(tmp_path, capsys):
     assert calibrate_layers.FAST_METHODS == ("rtn", "hadamard32", "kroquant")
 
 
+def test_fast_runs_every_stage_of_its_methods(tmp_path):
+    """--fast is smaller, not hollow: every FAST method runs end to end on the kept layer (rtn and hadamard32
+    evaluated, kroquant's transform trained for 20 steps on 128 rows and chosen against its Hadamard start), and the
+    table, results.json and plot are written."""
+    from kroquant_jax import layerset, synthetic
+    from scripts import calibrate_layers
+
+    path = tmp_path / "layers.safetensors"
+    layerset.save_layer_set(str(path), synthetic.synthetic_layer_set({"a.q": (64, 64), "b.q": (64, 64)}, n=300,
+                                                                     seed=2))
+    out = tmp_path / "cal"
+    errors = calibrate_layers.main(["--layers", str(path), "--fast", "--out", str(out)])
+    assert list(errors) == list(calibrate_layers.FAST_METHODS) and all(list(e) == ["a.q"] for e in errors.values())
+    saved = json.loads((out / "results.json").read_text())
+    reports = {m: saved["reports"][m]["a.q"] for m in errors}
+    assert {m: sorted(r["candidates"]) for m, r in reports.items()} == {
+        "rtn": ["init0"], "hadamard32": ["init0"], "kroquant": ["init0", "trained0"]}
+    assert reports["kroquant"]["chosen"] in ("init0", "trained0")
+    assert all(np.isfinite(r["heldout_error"]) and 0 < r["heldout_error"] < 1 for r in reports.values())
+    assert set(saved["seconds"]) == set(errors)
+    table = (out / "table.md").read_text()
+    assert "steps 20 (cosine lr, best of every 10), rows 128+32+64)" in table and "| a.q |" in table
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_stage_flags_for_methods_without_that_stage_are_refused(capsys):
     """A stage flag (--gptq-*, --loraq-steps, --rank, --sq-grid, ...) that none of the methods reads would be ignored
     silently: named instead, by the library check and as a one-line argparse error of ``kroquant calibrate``
