@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,3 +60,45 @@ def test_ideogram4_serving_torch_baseline_times_diffusers_model(tmp_path):
     assert saved["model"] == "diffusers.Ideogram4Transformer2DModel" and saved["errors"] == {}
     assert set(saved["timings_ms"]) == {"eager/padded", "eager/packed"}
     assert all(t["median_ms"] > 0 for t in saved["timings_ms"].values())
+
+
+def test_cross_attention_rows_are_the_caption_projection_of_every_training_caption(tmp_path):
+    """benchmarks/cross_attention_rows.py on the shipped testbed checkpoint and its prompt file: every attn2.to_k /
+    to_v layer gets the same rows, one per distinct real token of the training captions plus the empty caption's, and
+    those rows are what the model's caption projection gives (recomputed here for the first training caption)."""
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file
+
+    from kroquant_jax import layerset
+    from models import families
+    from models.testbed import data as testbed_data
+
+    checkpoint = REPO / "checkpoints" / "emoji_pixart"
+    _, model = families.PIXART.from_diffusers(str(checkpoint), "float32")
+    source = {}
+    for name in ("transformer_blocks.0.attn2.to_k", "transformer_blocks.0.attn2.to_v",
+                 "transformer_blocks.0.attn1.to_q"):
+        module = model
+        for part in name.split("."):
+            module = module[int(part)] if part.isdigit() else getattr(module, part)
+        w = np.asarray(module.kernel[...], np.float32).T
+        source[name] = (w, np.asarray(module.bias[...], np.float32), np.ones((4, w.shape[1]), np.float32))
+    layerset.save_layer_set(str(tmp_path / "src.safetensors"), source)
+    out = tmp_path / "xattn.safetensors"
+    prompts = checkpoint / "testbed_prompts.npz"
+    _run("cross_attention_rows.py", "--layer-set", str(tmp_path / "src.safetensors"), "--data", str(prompts),
+         "--out", str(out))
+    got = load_file(str(out))
+    assert sorted({k.rsplit("/", 1)[0] for k in got}) == ["transformer_blocks.0.attn2.to_k",
+                                                          "transformer_blocks.0.attn2.to_v"]
+    rows = got["transformer_blocks.0.attn2.to_k/activations"]
+    np.testing.assert_array_equal(rows, got["transformer_blocks.0.attn2.to_v/activations"])
+    np.testing.assert_array_equal(got["transformer_blocks.0.attn2.to_k/weight"],
+                                  source["transformer_blocks.0.attn2.to_k"][0])
+    data = testbed_data.load_dataset(str(prompts))
+    first = np.flatnonzero(~data.heldout)[0]
+    expected = np.asarray(model.caption_projection(jnp.asarray(data.context[first:first + 1], jnp.float32), None))[0]
+    expected = expected[np.asarray(data.context_mask[first]) > 0]
+    distance = np.sqrt(((expected[:, None, :] - rows[None]) ** 2).sum(-1)).min(axis=1)
+    assert distance.max() < 1e-5  # each of its real tokens is a row
+    assert len(rows) == len(np.unique(rows, axis=0)) and len(rows) > len(expected)
