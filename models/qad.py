@@ -68,7 +68,8 @@ from models.testbed import model as testbed
 from models.layers import LinearHooks, linears
 
 __all__ = ["BestIterate", "GuidanceSchedule", "QADConfig", "NonFiniteError", "student_from_model",
-           "student_from_qlinears", "student_forward", "student_velocity", "teacher_target", "qad_loss", "noised_batch", "distillation_loss",
+           "student_from_qlinears", "student_forward", "student_velocity", "teacher_target", "qad_loss",
+           "noised_batch", "distillation_loss",
            "make_optimizer", "with_state_dtype", "cast_floating", "apply_gradients", "make_train_chunk", "init_state",
            "train", "guided_sample", "student_sample", "export_qlinears", "colour_correct", "record_noise",
            "save_checkpoint", "restore_checkpoint", "latest_checkpoint", "fingerprint"]
