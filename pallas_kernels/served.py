@@ -255,6 +255,7 @@ class ServeOptions:
         if given:
             text = ", ".join(f"{n}={getattr(self, n)!r}" if isinstance(getattr(self, n), (bool, str)) else n
                              for n in given)
+            _load_builtin_strategies()  # name every strategy that reads them, the package's own included
             readers = sorted({s.name for s in _REGISTRY.values() if set(given) & s.options})
             raise ValueError(f"ServeOptions: {text} not read by strategy={self.strategy!r} (it would ignore them); "
                              f"they apply to strategy {' / '.join(map(repr, readers)) or '(none registered)'}")
