@@ -163,8 +163,8 @@ TABLES: dict[str, dict] = {
     "distill": {
         "header": ["what", "measured", "goal", "page"],
         "rows": [
-            ["QAD: one-branch W4A4 (MXFP4) testbed student, from calibrated PTQ layers (SmoothQuant + LoRaQ), "
-             "600 steps; held-out captions vs the 16-bit CFG images",
+            ["QAD: one-branch W4A4 (MXFP4) testbed student, from calibrated PTQ layers "
+             "(the recipe in docs/qad.md), 600 steps; held-out captions vs the 16-bit CFG images",
              "{testbed_qad_psnr_heldout_db:.2f} dB at 20 forwards / image vs the best two-branch PTQ "
              "{testbed_best_ptq_psnr_heldout_db:.2f} dB at 40; chroma ratio {testbed_qad_chroma_ratio:.3f}; "
              "naive-distillation control {testbed_naive_distill_psnr_heldout_db:.2f} dB",
