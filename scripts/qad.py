@@ -131,8 +131,9 @@ def main(argv=None) -> int:
     heldout = all_heldout[:args.eval_captions]
     validation = all_heldout[args.eval_captions:args.eval_captions + args.validation_captions]
     last = args.eval_captions + len(validation) - 1
-    selection = (f"validation PSNR: held-out captions {args.eval_captions}..{last}, seed {args.seeds[0]}, "
-                 f"{args.sample_steps} Euler steps")
+    captions_key = qad.fingerprint({"context": prompts.context[validation], "mask": prompts.context_mask[validation]})
+    selection = (f"validation PSNR: held-out captions {args.eval_captions}..{last} ({captions_key[:12]}), "
+                 f"seed {args.seeds[0]}, {args.sample_steps} Euler steps")
     # opened before the setup: a run folder whose best iterate was selected by another measure is refused now
     bests = {v: qad.BestIterate(out / "runs" / v, selection) for v in args.variants} if args.select_best else {}
     for variant, best in bests.items():
