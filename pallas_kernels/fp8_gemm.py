@@ -40,6 +40,7 @@ from kroquant_jax import fp8_encoding as FE
 from kroquant_jax.formats import MXFP4, QuantizedArray, dequantize
 from kroquant_jax.fp8_encoding import Fp8Rows
 from pallas_kernels import served
+from pallas_kernels.fp8_gemm_mgpu import fp8_matmul_mgpu
 from pallas_kernels import transform_quantize as tq
 from pallas_kernels.epilogues import rmsnorm_heads, swiglu
 from pallas_kernels.w4a4_gemm import dequantize_bf16
@@ -49,7 +50,9 @@ __all__ = [
     "ACTIVATIONS",
     "ACT_ENCODES",
     "DEFAULT_ACT_ENCODE",
+    "GEMMS",
     "Fp8Linear",
+    "Fp8MgpuStrategy",
     "Fp8Strategy",
     "Fp8W4A8Strategy",
     "fp8_linear_forward",
@@ -76,6 +79,10 @@ ACTIVATIONS = ("mxfp4", "fp8")
 #: fastest (docs/w4a4.md, "The quantizer emits FP8"); the other two are opt-in.
 ACT_ENCODES = ("kernel", "two_phase", "xla")
 DEFAULT_ACT_ENCODE = "xla"
+#: The GEMM of a layer: ``"xla"``: XLA's FP8 ``dot_general`` (cuBLASLt) with the epilogue and the low-rank GEMM as XLA
+#: ops; ``"mgpu"``: one Mosaic GPU kernel with the powers of two, the bias and ``h L^T`` in its epilogue
+#: (:mod:`pallas_kernels.fp8_gemm_mgpu`; its jnp mirror off the GPU).
+GEMMS = ("xla", "mgpu")
 Operand = Union[QuantizedArray, Fp8Rows]
 
 
@@ -334,7 +341,7 @@ def _activations(layer: Fp8Linear, x2: jax.Array, impl: str, quant_blocks=None, 
 def fp8_linear_forward(layer: Fp8Linear, x: jax.Array, *, op: str = "none", norm_weight=None,
                        head_dim: Optional[int] = None, eps: float = 1e-6, impl: Optional[str] = None,
                        accumulation: Accumulation = "default", gemm_dtype=jnp.float32, k_split: Optional[int] = None,
-                       out_dtype=None, return_inexact: bool = False, quant_blocks=None):
+                       out_dtype=None, return_inexact: bool = False, quant_blocks=None, gemm: str = "xla"):
     """Eq. 11 on the FP8 tensor cores, then ``op``: ``x (..., d)`` -> ``(..., o)`` (``(..., o/2)`` for SwiGLU).
 
     W4A4: the fused transform + MXFP4 quantize kernel (``impl``: ``None`` = the kernel on a GPU, the reference
@@ -343,6 +350,11 @@ def fp8_linear_forward(layer: Fp8Linear, x: jax.Array, *, op: str = "none", norm
     GEMM with the epilogue of :func:`fp8_matmul` and the op as XLA ops on its f32 result (f32 math, one rounding to
     ``out_dtype`` at the end; the dequant strategy rounds its GEMM output to bf16 before the op). W4A8: ``x T`` in f32 and per-token E4M3 instead of the quantizer (``impl`` unused).
 
+    ``gemm``: one of :data:`GEMMS`. ``"mgpu"`` runs the GEMM, the powers of two, the bias and ``h L^T`` as one Mosaic
+    GPU kernel (on a GPU; its jnp mirror elsewhere), writing ``out_dtype`` directly (f32 when an op follows, which then
+    runs in XLA as above); it takes the default accumulation only (``accumulation``, ``gemm_dtype``, ``k_split`` are
+    the XLA GEMM's settings).
+
     Returns ``(..., o)`` in ``out_dtype`` (default ``x.dtype``), and with ``return_inexact`` the count of elements the
     out-of-range policy rounded (activations of this call + the weight's, counted at preparation).
     """
@@ -350,6 +362,11 @@ def fp8_linear_forward(layer: Fp8Linear, x: jax.Array, *, op: str = "none", norm
     d = layer.in_features
     if x.shape[-1] != d:
         raise ValueError(f"fp8 linear ({layer.out_features}, {d}): input of shape {x.shape} has {x.shape[-1]} features")
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm={gemm!r} must be one of {GEMMS}")
+    if gemm == "mgpu" and (accumulation != "default" or gemm_dtype != jnp.float32 or k_split is not None):
+        raise ValueError(f"gemm='mgpu' takes the FP8 wgmma's accumulation only, got accumulation={accumulation!r}, "
+                         f"gemm_dtype={jnp.dtype(gemm_dtype).name}, k_split={k_split} (settings of gemm='xla')")
     if impl is None:
         impl = "pallas" if jax.default_backend() == "gpu" else "reference"
     if impl not in ("pallas", "interpret", "reference"):
@@ -364,10 +381,20 @@ def fp8_linear_forward(layer: Fp8Linear, x: jax.Array, *, op: str = "none", norm
     if layer.left is not None:
         h = jnp.matmul(x2, layer.right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # (m, r)
         lowrank = (h, layer.left)
-    # f32 through the epilogue and the op (XLA fuses them), one rounding to out_dtype at the end
-    y = fp8_matmul(a, layer.weight, lowrank=lowrank, bias=layer.bias, out_dtype=jnp.float32,
-                   accumulation=accumulation, gemm_dtype=gemm_dtype, k_split=k_split, return_inexact=return_inexact)
-    y, inexact = y if return_inexact else (y, None)
+    if gemm == "mgpu":  # one kernel; f32 out only when an op follows
+        order = operand_order(layer.weight)
+        ar, wr = _as_rows(a, "a", order, return_inexact), _as_rows(layer.weight, "w", order, return_inexact)
+        y = fp8_matmul_mgpu(ar, wr, lowrank=lowrank, bias=layer.bias,
+                            out_dtype=jnp.float32 if op != "none" else jnp.dtype(out_dtype))
+        inexact = None
+        if return_inexact:
+            counted = (ar.inexact >= 0) & (wr.inexact >= 0)
+            inexact = jnp.where(counted, ar.inexact + wr.inexact, -1)
+    else:  # f32 through the epilogue and the op (XLA fuses them), one rounding to out_dtype at the end
+        y = fp8_matmul(a, layer.weight, lowrank=lowrank, bias=layer.bias, out_dtype=jnp.float32,
+                       accumulation=accumulation, gemm_dtype=gemm_dtype, k_split=k_split,
+                       return_inexact=return_inexact)
+        y, inexact = y if return_inexact else (y, None)
     if op == "rmsnorm":
         y = rmsnorm_heads(y, norm_weight, head_dim=head_dim, eps=eps)
     elif op == "swiglu":
@@ -399,7 +426,7 @@ def fp8_linear_reference(layer: Fp8Linear, x: jax.Array, *, op: str = "none", no
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The served-layer strategies ("fp8": W4A4, "fp8_w4a8"), registered on import.
+# The served-layer strategies ("fp8": W4A4, "fp8_w4a8", "fp8_mgpu": W4A4 with the fused kernel), registered on import.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -442,6 +469,20 @@ class Fp8W4A8Strategy(Fp8Strategy):
     act = "fp8"
 
 
-for _strategy in (Fp8Strategy(), Fp8W4A8Strategy()):
+class Fp8MgpuStrategy(Fp8Strategy):
+    """W4A4 on the FP8 tensor cores with the epilogue fused: the ``"fp8"`` strategy's layer, its GEMM, powers of two,
+    bias and low-rank term as one Mosaic GPU kernel (``fp8_linear_forward(..., gemm="mgpu")``). Without an op the
+    kernel writes bf16 for bf16 activations (half the bytes of f32: the point of fusing), f32 otherwise; with an op
+    f32, and the op runs in XLA."""
+
+    name = "fp8_mgpu"
+
+    def forward(self, layer, x2, op, options, impl):
+        out_dtype = jnp.bfloat16 if op.name == "none" and x2.dtype == jnp.bfloat16 else jnp.float32
+        return fp8_linear_forward(layer, x2, op=op.name, norm_weight=op.norm_weight, head_dim=op.head_dim, eps=op.eps,
+                                  impl=impl, quant_blocks=options.quant_blocks, out_dtype=out_dtype, gemm="mgpu")
+
+
+for _strategy in (Fp8Strategy(), Fp8W4A8Strategy(), Fp8MgpuStrategy()):
     if _strategy.name not in served.strategy_names():
         served.register_strategy(_strategy)

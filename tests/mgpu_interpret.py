@@ -106,7 +106,8 @@ XLA_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
 def run_in_subprocess(cases: list[dict], timeout_s: float = 600.0) -> list[dict]:
-    """Runs :func:`_run_w4a4_case` for each case in a fresh interpreter process; returns their result dicts."""
+    """Runs each case in a fresh interpreter process (:func:`_run_fp8_case` for ``kind="fp8"``, else
+    :func:`_run_w4a4_case`); returns their result dicts."""
     import json
     import os
     import subprocess
@@ -160,9 +161,52 @@ def _run_w4a4_case(case: dict) -> dict:
             "max_abs_err": float(np.max(err)), "nonfinite": int(np.sum(~np.isfinite(out))), "races": races}
 
 
+def _run_fp8_case(case: dict) -> dict:
+    """One ``fp8_matmul_mgpu`` run (the fused FP8 GEMM: row/column powers of two, bias, low-rank ``h L^T``) in GPU
+    interpret mode against the float64 eq. 11 product of the same operands (``fp8_gemm.fp8_matmul_reference``): the
+    largest difference relative to the f32-summation bound (<= 1 passes), NaN/Inf count, race detector."""
+    import jax.numpy as jnp
+
+    from kroquant_jax import fp8_encoding as FE
+    from kroquant_jax.formats import MXFP4, quantize
+    from pallas_kernels import fp8_gemm as G
+    from pallas_kernels import fp8_gemm_mgpu as F
+
+    m, n, k, r = case["m"], case["n"], case["k"], case.get("rank", 0)
+    ka, kw, kb, kh, kl = jax.random.split(jax.random.key(case.get("seed", 0)), 5)
+    a = jax.random.normal(ka, (m, k)) * 2.0
+    a = a.at[:, 5].multiply(80.0).at[1, 40].set(-3.0e3).at[0, 0:32].set(0.0)  # outliers, huge value, zero block
+    a = a.at[min(2, m - 1), 32:64].multiply(1e-3)  # a small block (inside the 14-binade span)
+    w = jax.random.normal(kw, (n, k)) * 0.05
+    a8 = FE.mxfp4_to_e4m3(quantize(a, MXFP4()), order="even_odd")
+    w8 = FE.mxfp4_to_e4m3(quantize(w, MXFP4()), order="even_odd")
+    bias = jax.random.normal(kb, (n,)) if case.get("bias") else None
+    lowrank = None
+    if r:
+        lowrank = ((jax.random.normal(kh, (m, r)) * 0.5).astype(jnp.bfloat16),
+                   (jax.random.normal(kl, (n, r)) * 0.1).astype(jnp.bfloat16))
+    cfg = F.Fp8MgpuConfig(**case["config"])
+    with gpu_interpret() as params:
+        out = F.fp8_matmul_mgpu(a8, w8, lowrank=lowrank, bias=bias, config=cfg, impl="pallas", interpret=params,
+                                out_dtype=jnp.float32)
+        out = np.asarray(jax.block_until_ready(out))
+        races = races_found()
+    ref = G.fp8_matmul_reference(a8, w8, lowrank=lowrank, bias=bias)  # float64
+    absolute = lambda x: None if x is None else jnp.abs(jnp.asarray(x, jnp.float32))  # noqa: E731
+    p = G.fp8_matmul_reference(
+        FE.Fp8Rows(jnp.abs(a8.values.astype(jnp.float32)).astype(a8.values.dtype), a8.scale, a8.inexact, a8.order),
+        FE.Fp8Rows(jnp.abs(w8.values.astype(jnp.float32)).astype(w8.values.dtype), w8.scale, w8.inexact, w8.order),
+        lowrank=None if lowrank is None else (absolute(lowrank[0]), absolute(lowrank[1])), bias=absolute(bias))
+    bound = 2 * (k + r + 2) * 2.0**-24 * p + 1e-30
+    err = np.abs(out - ref)
+    return {"shape": list(out.shape), "max_err_over_bound": float(np.max(err / bound)),
+            "max_abs_err": float(np.max(err)), "nonfinite": int(np.sum(~np.isfinite(out))), "races": races}
+
+
 if __name__ == "__main__":
     import json
     import sys
 
     for c in json.loads(sys.argv[1]):
-        print("RESULT " + json.dumps(_run_w4a4_case(c)), flush=True)
+        run = _run_fp8_case if c.get("kind") == "fp8" else _run_w4a4_case
+        print("RESULT " + json.dumps(run(c)), flush=True)

@@ -1,0 +1,422 @@
+"""The FP8 W4A4 GEMM with its epilogue fused, through Pallas **Mosaic GPU** (Hopper: TMA, warp specialization, FP8
+``wgmma``).
+
+``out (m, n) = (A8 W8^T) * sa[:, None] * sw[None, :] + bias + h L^T`` in one kernel, where ``A8 (m, k)`` and
+``W8 (n, k)`` are the E4M3 re-encodings of MXFP4 rows (:class:`kroquant_jax.fp8_encoding.Fp8Rows`: bytes + one power of
+two per row, ``sa``, ``sw``), ``h (m, r)`` / ``L (n, r)`` the bf16 low-rank branch and ``bias (n,)`` f32. It replaces
+what XLA runs around its FP8 GEMM in :func:`pallas_kernels.fp8_gemm.fp8_matmul`: the f32 ``(m, n)`` GEMM output written
+and read back, the low-rank GEMM's own f32 ``(m, n)`` output, and the epilogue fusion (18 bytes of HBM traffic per
+output element instead of the 2 of a bf16 store; docs/w4a4.md, "What stands in the way").
+
+**Structure** (after jax's ``jax/experimental/pallas/ops/gpu/hopper_matmul_mgpu.py`` and
+:mod:`pallas_kernels.w4a4_gemm_mgpu`): a persistent grid over output tiles; per CTA one memory warpgroup streams the
+``A8 (tile_m, tile_k)`` and ``W8 (2 tile_n, tile_k)`` tiles through a ``max_concurrent_steps``-deep TMA pipeline, and
+two compute warpgroups each own a ``tile_m x tile_n`` f32 accumulator (adjacent column tiles of the CTA). Per K step a
+compute warpgroup issues one FP8 ``wgmma`` over the step (both operands in shared memory, K-major: FP8 ``wgmma`` takes
+no transposed operand, and ``A`` and ``W`` are both stored row-major over K). While the K loop runs, the warpgroup's
+own TMA copies bring its row scales, column scales, bias and the low-rank tiles into shared memory. After the loop
+one bf16 ``wgmma`` adds the low-rank product to the **same accumulator**, pre-scaled by the inverse powers of two
+(``h' = h / sa``, ``L' = L / sw``, exact: powers of two), so that the single scaling that follows restores it:
+``y = (A8 W8^T + h' L'^T) * sa sw^T + bias``. One accumulator, so a 128 x 128 tile per warpgroup keeps its registers
+(a second accumulator for ``h L^T`` would double them), and the low-rank product never leaves the SM. The result is
+rounded once to the output dtype and stored through shared memory by TMA.
+
+**Numerics.** The products of two E4M3 values of re-encoded MXFP4 rows have at most 4 significant bits, and the
+powers of two are exact, so the kernel differs from the exact eq. 11 product of the MXFP4 values only by the order and
+width of its additions: Hopper's FP8 ``wgmma`` accumulates in its own reduced-width adder (the accumulation XLA's
+default FP8 GEMM uses on the H200, ``fp8_gemm``'s ``accumulation="default"`` / ``"fast"``), and the low-rank term sits
+in that accumulator too. ``h'`` and ``L'`` are exact while ``h / sa`` and ``L / sw`` stay in bf16's normal range
+(bf16 has f32's exponent range). In the layer this holds: ``h = x (R T^T)^T`` is zero where ``x``'s row is (whose
+MXFP4 row has the smallest scale, ``2**-126``) and at most ``|x| |R|`` where ``Q(x T)`` is tiny, and the weight scales
+are those of trained rows; a caller passing an unrelated ``h`` must keep ``|h| / sa`` below ``2**127``. Scales that are
+not powers of two (W4A8's per-token ``amax / 448``) add one bf16 rounding to ``h'``. A zero scale (a per-token row of
+zeros) is replaced by 1 (its bytes are zero, so any scale is exact there);
+a NaN scale (a row with a non-finite input) gives a NaN row, as ``fp8_matmul``. The jnp mirror
+:func:`fp8_matmul_mgpu_reference` runs the same steps in f32 at HIGHEST precision.
+
+**Limits.** Both operands in the same K order (any: a GEMM sums over K); ``k`` a multiple of ``tile_k`` and ``n`` of
+``2 tile_n`` (the weight is padded otherwise: a copy per call, so prepare weights whose shapes fit), ragged ``m`` is
+padded to ``tile_m`` (a copy of the activations and of the output, only when ragged). ``r`` a multiple of 16
+(the bf16 ``wgmma`` K), at most 256. The served ops (q/k RMSNorm, SwiGLU) are not in the kernel: with an op the kernel
+writes f32 and the op runs in XLA (:func:`pallas_kernels.fp8_gemm.fp8_linear_forward`, ``gemm="mgpu"``).
+
+**CPU.** The kernel runs in jax's GPU interpret mode (``tests/test_fp8_gemm_mgpu.py`` through
+``tests/mgpu_interpret.py``) and its Mosaic GPU lowering for a CUDA target runs on the CPU; PTX generation, register
+allocation and timing need the GPU (``tests/gpu/test_fp8_gemm_mgpu_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Literal, Optional
+
+import jax
+import jax.numpy as jnp
+
+from kroquant_jax.fp8_encoding import Fp8Rows
+from pallas_kernels._compat import on_gpu, pl
+
+__all__ = ["Fp8MgpuConfig", "default_config", "fp8_matmul_mgpu", "fp8_matmul_mgpu_reference", "supports"]
+
+SMEM_LIMIT = 227 * 1024  # shared memory per CTA on Hopper (sm_90), bytes
+FP8_WGMMA_K = 32  # K of one FP8 wgmma instruction
+BF16_WGMMA_K = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8MgpuConfig:
+    """Tiling of the fused FP8 GEMM (static).
+
+    Attributes:
+      tile_m: rows per compute warpgroup and CTA (multiple of 64, the ``wgmma`` M).
+      tile_n: output columns per compute warpgroup (the CTA covers ``2 tile_n``), a multiple of ``epi_tile_n``, at most
+        256.
+      tile_k: K elements (bytes) per pipeline step, a multiple of 32 (one FP8 ``wgmma`` K); 128 gives the widest
+        (128-byte) swizzle.
+      max_concurrent_steps: TMA pipeline depth.
+      grid_minor_dim, grid_tile_width: order of the persistent loop over output tiles (``plgpu.planar_snake`` when
+        ``grid_tile_width > 1``, else row- or column-major).
+      epi_tile_m, epi_tile_n: output store tiles (shared memory -> TMA), dividing ``tile_m``, ``tile_n``.
+      epi_slots: output tiles in flight per warpgroup (1 or 2).
+      num_ctas: CTAs of the persistent grid (default: the SM count, or the tile count if smaller).
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 128
+    max_concurrent_steps: int = 2
+    grid_minor_dim: Literal["m", "n"] = "n"
+    grid_tile_width: int = 1
+    epi_tile_m: int = 64
+    epi_tile_n: int = 64
+    epi_slots: int = 1
+    num_ctas: Optional[int] = None
+
+    def __post_init__(self):
+        if self.tile_m <= 0 or self.tile_m % 64:
+            raise ValueError(f"Fp8MgpuConfig: tile_m={self.tile_m} must be a positive multiple of 64")
+        if not 0 < self.tile_n <= 256 or self.epi_tile_n % 8 or self.tile_n % self.epi_tile_n:
+            raise ValueError(f"Fp8MgpuConfig: tile_n={self.tile_n} must be in (0, 256] and a multiple of "
+                             f"epi_tile_n={self.epi_tile_n} (itself a multiple of 8)")
+        if self.epi_tile_m % 64 or self.tile_m % self.epi_tile_m:
+            raise ValueError(f"Fp8MgpuConfig: epi_tile_m={self.epi_tile_m} must be a multiple of 64 dividing "
+                             f"tile_m={self.tile_m}")
+        if self.tile_k <= 0 or self.tile_k % FP8_WGMMA_K:
+            raise ValueError(f"Fp8MgpuConfig: tile_k={self.tile_k} must be a positive multiple of {FP8_WGMMA_K}")
+        if self.grid_minor_dim not in ("m", "n") or self.grid_tile_width < 1 or self.max_concurrent_steps < 1:
+            raise ValueError(f"Fp8MgpuConfig: grid_minor_dim={self.grid_minor_dim!r} must be 'm' or 'n', "
+                             f"grid_tile_width={self.grid_tile_width} and max_concurrent_steps="
+                             f"{self.max_concurrent_steps} >= 1")
+        if self.epi_slots not in (1, 2):
+            raise ValueError(f"Fp8MgpuConfig: epi_slots={self.epi_slots} must be 1 or 2")
+
+    @property
+    def cta_n(self) -> int:
+        return 2 * self.tile_n
+
+    def smem_bytes(self, rank: int = 0, out_bytes: int = 2) -> int:
+        """Shared memory of the kernel's buffers: pipeline stages, the per-warpgroup low-rank tiles, output tiles,
+        vectors, and 1 KiB for the barriers and alignment. Hopper gives a CTA at most 227 KiB."""
+        stages = self.max_concurrent_steps * (self.tile_m + self.cta_n) * self.tile_k
+        lowrank = 2 * (self.tile_m + self.tile_n) * rank * 2
+        out = 2 * self.epi_slots * self.epi_tile_m * self.epi_tile_n * out_bytes
+        vectors = 2 * (self.tile_m + 2 * self.tile_n) * 4
+        return stages + lowrank + out + vectors + 1024
+
+
+def default_config(m: int, n: int, k: int, rank: int = 0, num_sms: int = 132) -> Fp8MgpuConfig:
+    """A tiling that fits: 128 x 128 per warpgroup (CTA 128 x 256), or 64-row tiles when 128-row CTA tiles would
+    leave SMs idle; ``tile_k`` 128 halved until it divides ``k``; as many pipeline stages (up to 4) as shared memory
+    holds beside the low-rank tiles, smaller tiles when even one stage does not fit (large ``rank``). A heuristic,
+    not tuned on the device."""
+    tk = 128
+    while tk > FP8_WGMMA_K and k % tk:
+        tk //= 2
+    tm = 128 if -(-m // 128) * -(-n // 256) >= num_sms else 64
+    shapes = [(tm, 128, tk), (64, 128, tk), (64, 64, min(tk, 64))]
+    for tile_m, tile_n, tile_k in shapes:
+        for steps in (4, 3, 2, 1):
+            cfg = Fp8MgpuConfig(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, max_concurrent_steps=steps)
+            if cfg.smem_bytes(rank) <= SMEM_LIMIT:
+                return cfg
+    return cfg  # nothing fits: fp8_matmul_mgpu names the shortfall
+
+
+def supports(m: int, n: int, k: int, cfg: Optional[Fp8MgpuConfig] = None) -> bool:
+    """Whether :func:`fp8_matmul_mgpu` runs ``(m, k) x (n, k)^T`` without padding an operand."""
+    cfg = cfg or default_config(m, n, k)
+    return m % cfg.tile_m == 0 and n % cfg.cta_n == 0 and k % cfg.tile_k == 0
+
+
+def _plgpu():
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415 - GPU-only module, imported lazily
+
+    return plgpu
+
+
+def _num_sms() -> int:
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+def _round_up(x: int, b: int) -> int:
+    return -(-x // b) * b
+
+
+def _tile_order(plgpu, lin, m_iters: int, n_iters: int, cfg: Fp8MgpuConfig):
+    """Linear output-tile index -> ``(m_idx, n_idx)`` (as :func:`pallas_kernels.w4a4_gemm_mgpu._tile_order`)."""
+    if cfg.grid_tile_width > 1:
+        return plgpu.planar_snake(lin, (m_iters, n_iters), 0 if cfg.grid_minor_dim == "m" else 1,
+                                  cfg.grid_tile_width)
+    if cfg.grid_minor_dim == "n":
+        return jax.lax.div(lin, jnp.int32(n_iters)), jax.lax.rem(lin, jnp.int32(n_iters))
+    return jax.lax.rem(lin, jnp.int32(m_iters)), jax.lax.div(lin, jnp.int32(m_iters))
+
+
+def _swizzled(plgpu, row_elems: int, itemsize: int):
+    swizzle = plgpu.find_swizzle(row_elems * itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, interpret: Any):
+    """``a8 e4m3 (m, k)``, ``sa f32 (m,)``, ``w8 e4m3 (n, k)``, ``sw f32 (n,)``, ``bias f32 (n,) | None``,
+    ``h bf16 (m, r) | None``, ``left bf16 (n, r) | None`` -> ``(m, n)``; ``m``, ``n``, ``k`` multiples of the tiles."""
+    plgpu = _plgpu()
+    m, k = a8.shape
+    n = w8.shape[0]
+    tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+    m_iters, n_iters, k_iters = m // tm, n // cfg.cta_n, k // tk
+    epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
+    out_bytes = jnp.dtype(out_dtype).itemsize
+    in_transforms = _swizzled(plgpu, tk, 1)
+    out_transforms = _swizzled(plgpu, epi_n, out_bytes)
+    has_bias, has_lowrank = bias is not None, h is not None
+    rank = h.shape[1] if has_lowrank else 0
+    # one barrier per copy and warpgroup: row scales, column scales, bias, h, L
+    vec_names = ["sa", "sw"] + (["bias"] if has_bias else []) + (["h", "left"] if has_lowrank else [])
+    n_vec = len(vec_names)
+
+    def kernel(a_gmem, sa_gmem, w_gmem, sw_gmem, *rest):
+        rest = list(rest)
+        out_gmem = rest.pop()
+        bias_gmem = rest.pop(0) if has_bias else None
+        h_gmem, left_gmem = (rest[0], rest[1]) if has_lowrank else (None, None)
+
+        def get_pipeline(body, compute_context):
+            return plgpu.emit_pipeline_warp_specialized(
+                body,
+                grid=(k_iters,),
+                memory_registers=40,
+                in_specs=[
+                    plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=in_transforms,
+                                    memory_space=plgpu.SMEM),
+                    plgpu.BlockSpec((cfg.cta_n, tk), lambda kk: (0, kk), transforms=in_transforms,
+                                    memory_space=plgpu.SMEM),
+                ],
+                wg_axis="wg",
+                num_compute_wgs=2,
+                max_concurrent_steps=cfg.max_concurrent_steps,
+                compute_context=compute_context,
+            )
+
+        ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not influence the allocations
+        scoped = dict(
+            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, w_gmem),
+            out_smem=plgpu.SMEM((2, cfg.epi_slots, epi_m, epi_n), out_dtype, transforms=out_transforms),
+            sa_smem=plgpu.SMEM((2, tm), jnp.float32),
+            sw_smem=plgpu.SMEM((2, tn), jnp.float32),
+            barriers=plgpu.Barrier(num_barriers=2 * n_vec),
+        )
+        if has_bias:
+            scoped["bias_smem"] = plgpu.SMEM((2, tn), jnp.float32)
+        if has_lowrank:
+            lr_transforms = _swizzled(plgpu, rank, 2)
+            scoped["h_smem"] = plgpu.SMEM((2, tm, rank), jnp.bfloat16, transforms=lr_transforms)
+            scoped["left_smem"] = plgpu.SMEM((2, tn, rank), jnp.bfloat16, transforms=lr_transforms)
+
+        @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
+        def _scope(pipeline_allocs, out_smem, sa_smem, sw_smem, barriers, bias_smem=None, h_smem=None,
+                   left_smem=None):
+            wg = jax.lax.axis_index("wg")
+
+            def barrier(name):
+                return barriers.at[wg * n_vec + vec_names.index(name)]
+
+            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
+            def _mn_loop(loop_info):
+                (lin,) = loop_info.index
+                m_idx, n_idx = _tile_order(plgpu, lin, m_iters, n_iters, cfg)
+                rows = pl.ds(m_idx * tm, tm)
+                cols = pl.ds(n_idx * cfg.cta_n + wg * tn, tn)  # this warpgroup's output columns
+                w_rows = pl.ds(wg * tn, tn)  # ... and its rows of the CTA's W tile
+
+                def compute_context(eval_pipeline):
+                    # The epilogue's operands, fetched while the K loop runs.
+                    plgpu.copy_gmem_to_smem(sa_gmem.at[rows], sa_smem.at[wg], barrier("sa"))
+                    plgpu.copy_gmem_to_smem(sw_gmem.at[cols], sw_smem.at[wg], barrier("sw"))
+                    if has_bias:
+                        plgpu.copy_gmem_to_smem(bias_gmem.at[cols], bias_smem.at[wg], barrier("bias"))
+                    if has_lowrank:
+                        plgpu.copy_gmem_to_smem(h_gmem.at[rows], h_smem.at[wg], barrier("h"))
+                        plgpu.copy_gmem_to_smem(left_gmem.at[cols], left_smem.at[wg], barrier("left"))
+
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+                    def y(acc_ref):
+                        eval_pipeline(acc_ref)  # acc = A8 W8^T
+                        if has_lowrank:  # acc += (h / sa) (L / sw)^T: one bf16 wgmma into the same accumulator
+                            plgpu.barrier_wait(barrier("h"))
+                            plgpu.barrier_wait(barrier("left"))
+                            plgpu.wgmma(acc_ref, h_smem.at[wg], plgpu.transpose_ref(left_smem.at[wg], (1, 0)))
+                        plgpu.barrier_wait(barrier("sa"))
+                        plgpu.barrier_wait(barrier("sw"))
+                        y = (acc_ref[...] * jax.lax.broadcast_in_dim(sa_smem[wg], (tm, tn), (0,))
+                             * jax.lax.broadcast_in_dim(sw_smem[wg], (tm, tn), (1,)))
+                        if has_bias:
+                            plgpu.barrier_wait(barrier("bias"))
+                            y = y + jax.lax.broadcast_in_dim(bias_smem[wg], (tm, tn), (1,))
+                        return y
+
+                    y = y.astype(out_dtype)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    for ei in range(tm // epi_m):
+                        for ej in range(tn // epi_n):
+                            slot = (ei * (tn // epi_n) + ej) % cfg.epi_slots
+                            plgpu.wait_smem_to_gmem(cfg.epi_slots - 1, wait_read_only=True)
+                            out_smem[wg, slot] = y[ei * epi_m:(ei + 1) * epi_m, ej * epi_n:(ej + 1) * epi_n]
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(
+                                out_smem.at[wg, slot],
+                                out_gmem.at[rows, cols].at[pl.ds(ei * epi_m, epi_m), pl.ds(ej * epi_n, epi_n)])
+
+                def mma_body(idxs, a_smem, w_smem, acc_ref):
+                    plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(w_smem.at[w_rows], (1, 0)))
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                get_pipeline(mma_body, compute_context)(
+                    a_gmem.at[rows, :], w_gmem.at[pl.ds(n_idx * cfg.cta_n, cfg.cta_n), :],
+                    allocations=pipeline_allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    tiles = m_iters * n_iters
+    num_ctas = min(cfg.num_ctas or _num_sms(), tiles)
+    f = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(num_ctas,),
+        grid_names=("cluster_grid",),
+        cluster=(1,),
+        cluster_names=("cluster",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **({} if interpret is None else {"interpret": interpret}),
+    )
+    args = [a8, sa, w8, sw] + ([bias] if has_bias else []) + ([h, left] if has_lowrank else [])
+    return f(*args)
+
+
+def _check(a: Fp8Rows, w: Fp8Rows, lowrank, bias) -> tuple[int, int, int, int]:
+    for x, what in ((a, "a"), (w, "w")):
+        if not isinstance(x, Fp8Rows) or x.values.ndim != 2:
+            raise TypeError(f"fp8_matmul_mgpu: {what} must be 2-D Fp8Rows (fp8_encoding.mxfp4_to_e4m3 / "
+                            f"fp8_gemm.prepare_weight), got {type(x).__name__} of shape {getattr(x, 'shape', None)}")
+    (m, k), (n, k_w) = a.shape, w.shape
+    if k != k_w:
+        raise ValueError(f"fp8_matmul_mgpu: reduction lengths differ: a {a.shape}, w {w.shape}")
+    if a.order != w.order:
+        raise ValueError(f"fp8_matmul_mgpu: a is in column order {a.order!r}, w in {w.order!r}; both operands of the "
+                         f"GEMM must share one K order")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"fp8_matmul_mgpu: bias {bias.shape} must be ({n},)")
+    r = 0
+    if lowrank is not None:
+        h, left = lowrank
+        if h.ndim != 2 or left.ndim != 2 or h.shape[0] != m or left.shape[0] != n or h.shape[1] != left.shape[1]:
+            raise ValueError(f"fp8_matmul_mgpu: lowrank=(h {h.shape}, L {left.shape}) must be (m={m}, r), (n={n}, r)")
+        r = h.shape[1]
+        if r % BF16_WGMMA_K or not 0 < r <= 256:
+            raise ValueError(f"fp8_matmul_mgpu: rank {r=} must be a multiple of {BF16_WGMMA_K} in (0, 256]")
+    return m, n, k, r
+
+
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "impl", "interpret"))
+def fp8_matmul_mgpu(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None, bias: Optional[jax.Array] = None,
+                    out_dtype=jnp.bfloat16, config: Optional[Fp8MgpuConfig] = None, impl: Optional[str] = None,
+                    interpret: Any = None) -> jax.Array:
+    """``(A8 W8^T) * sa sw^T + bias + h L^T`` in one Mosaic GPU kernel.
+
+    Args:
+      a: activations ``(m, k)`` as :class:`Fp8Rows` (``values`` E4M3, ``scale (m,)``).
+      w: weights ``(n, k)`` as :class:`Fp8Rows`, in the same K order as ``a``.
+      lowrank: ``(h (m, r), L (n, r))`` (cast to bf16) or None.
+      bias: ``(n,)`` or None (f32 in the epilogue).
+      out_dtype: bf16 (default) or f32.
+      config: :class:`Fp8MgpuConfig` (default :func:`default_config`).
+      impl: ``None`` (the kernel on a GPU, the jnp mirror elsewhere), ``"pallas"`` (the kernel; with ``interpret``,
+        GPU interpret mode on the CPU) or ``"reference"``.
+      interpret: passed to ``plgpu.kernel(interpret=...)`` (tests only).
+
+    Returns:
+      ``(m, n)`` in ``out_dtype``.
+    """
+    m, n, k, r = _check(a, w, lowrank, bias)
+    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"fp8_matmul_mgpu: out_dtype must be bfloat16 or float32, got {out_dtype}")
+    if impl is None:
+        impl = "pallas" if (interpret is not None or on_gpu()) else "reference"
+    if impl not in ("pallas", "reference"):
+        raise ValueError(f"fp8_matmul_mgpu: impl={impl!r} must be None, 'pallas' or 'reference'")
+    if impl == "reference":
+        return fp8_matmul_mgpu_reference(a, w, lowrank=lowrank, bias=bias, out_dtype=out_dtype)
+    cfg = config or default_config(m, n, k, r, _num_sms())
+    smem = cfg.smem_bytes(r, jnp.dtype(out_dtype).itemsize)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"fp8_matmul_mgpu: {cfg} needs {smem} bytes of shared memory at rank {r}, Hopper gives a "
+                         f"CTA {SMEM_LIMIT}: fewer max_concurrent_steps, a smaller tile_k or tile_m")
+    mp, np_, kp = _round_up(m, cfg.tile_m), _round_up(n, cfg.cta_n), _round_up(k, cfg.tile_k)
+
+    def pad(x, rows, cols=None):  # zero rows (and columns) at the end
+        widths = [(0, rows - x.shape[0])] + [(0, 0 if cols is None else cols - x.shape[1])] * (x.ndim - 1)
+        return x if all(wd == (0, 0) for wd in widths) else jnp.pad(x, widths)
+
+    a8, w8 = pad(a.values, mp, kp), pad(w.values, np_, kp)  # zero bytes contribute exactly 0
+    sa, sw = pad(_kernel_scale(a.scale), mp), pad(_kernel_scale(w.scale), np_)
+    b = None if bias is None else pad(bias.astype(jnp.float32), np_)
+    h = left = None
+    if lowrank is not None:
+        h, left = _prescaled_lowrank(lowrank, sa[:m], sw[:n])
+        h, left = pad(h, mp), pad(left, np_)
+    y = _call(a8, sa, w8, sw, b, h, left, cfg=cfg, out_dtype=jnp.dtype(out_dtype), interpret=interpret)
+    return y if y.shape == (m, n) else y[:m, :n]
+
+
+def _kernel_scale(scale: jax.Array) -> jax.Array:
+    """The rows' factors as the kernel uses them: f32, a zero (an all-zero row, any factor is exact) replaced by 1."""
+    scale = scale.astype(jnp.float32)
+    return jnp.where(scale == 0, jnp.float32(1), scale)
+
+
+def _prescaled_lowrank(lowrank: tuple, sa: jax.Array, sw: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(h / sa, L / sw)`` in bf16: the low-rank operands the kernel adds to the unscaled accumulator."""
+    h, left = lowrank
+    h = (h.astype(jnp.bfloat16).astype(jnp.float32) / sa[:, None]).astype(jnp.bfloat16)
+    left = (jnp.asarray(left).astype(jnp.bfloat16).astype(jnp.float32) / sw[:, None]).astype(jnp.bfloat16)
+    return h, left
+
+
+def fp8_matmul_mgpu_reference(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None,
+                              bias: Optional[jax.Array] = None, out_dtype=jnp.float32) -> jax.Array:
+    """jnp mirror of the kernel, in f32 at HIGHEST precision: ``(A8 W8^T + h' L'^T) * sa sw^T + bias`` with the
+    kernel's pre-scaled bf16 ``h' = h / sa``, ``L' = L / sw``; one rounding to ``out_dtype``."""
+    _check(a, w, lowrank, bias)
+    sa, sw = _kernel_scale(a.scale), _kernel_scale(w.scale)
+    acc = jnp.matmul(a.values.astype(jnp.float32), w.values.astype(jnp.float32).T, precision="highest")
+    if lowrank is not None:
+        h, left = _prescaled_lowrank(lowrank, sa, sw)
+        acc = acc + jnp.matmul(h.astype(jnp.float32), left.astype(jnp.float32).T, precision="highest")
+    y = acc * sa[:, None] * sw[None, :]
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(out_dtype)

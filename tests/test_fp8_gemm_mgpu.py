@@ -1,0 +1,191 @@
+"""CPU tests of the fused FP8 GEMM (``pallas_kernels/fp8_gemm_mgpu.py``).
+
+1. The jnp mirror (the kernel's steps: unscaled E4M3 product, pre-scaled bf16 low-rank term, one scaling, bias)
+   against the float64 eq. 11 product, with all-zero rows and NaN rows.
+2. The kernel itself in jax's GPU interpret mode (TMA pipeline, warpgroups, barriers, FP8 and bf16 ``wgmma``, a race
+   detector) in a subprocess (``tests/mgpu_interpret.py``), over tilings, ragged ``m``, several CTAs, bias and rank.
+3. The Mosaic GPU lowering for a CUDA target at Ideogram 4's shapes.
+4. The layer and the served strategy ``fp8_mgpu`` (``fp8_gemm.fp8_linear_forward(..., gemm="mgpu")``).
+5. Configuration and argument errors.
+
+The compiled kernel runs in ``tests/gpu/test_fp8_gemm_mgpu_gpu.py`` (``pytest -m gpu`` on the H200).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mgpu_interpret
+from kroquant_jax import fp8_encoding as FE
+from kroquant_jax.formats import MXFP4, quantize
+from pallas_kernels import fp8_gemm as G8
+from pallas_kernels import fp8_gemm_mgpu as F
+from pallas_kernels import served
+
+_OK, _REASON = mgpu_interpret.available()
+
+
+def _rows(x, order="even_odd"):
+    return FE.mxfp4_to_e4m3(quantize(x, MXFP4()), order=order)
+
+
+def _operands(seed, m, n, k, r):
+    ka, kw, kh, kl, kb = jax.random.split(jax.random.key(seed), 5)
+    a = (jax.random.normal(ka, (m, k)) * 2.0).at[:, 7].multiply(60.0).at[1].set(0.0)  # an all-zero row
+    w = jax.random.normal(kw, (n, k)) * 0.05
+    h = (jax.random.normal(kh, (m, r)) * 0.5).at[1].set(0.0)  # h = x R^T is zero where x is (the layer's h)
+    lowrank = (h.astype(jnp.bfloat16), (jax.random.normal(kl, (n, r)) * 0.1).astype(jnp.bfloat16))
+    return _rows(a), _rows(w), lowrank, jax.random.normal(kb, (n,))
+
+
+def test_mirror_equals_the_float64_product():
+    a8, w8, lowrank, bias = _operands(0, 40, 96, 128, 32)
+    y = np.asarray(F.fp8_matmul_mgpu_reference(a8, w8, lowrank=lowrank, bias=bias), np.float64)
+    ref = G8.fp8_matmul_reference(a8, w8, lowrank=lowrank, bias=bias)
+    assert float(a8.scale[1]) == 2.0**-126  # an all-zero row: the smallest scale, h / sa stays 0
+    np.testing.assert_allclose(y[1], np.asarray(bias, np.float64), rtol=1e-6)
+    rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    assert rel < 1e-6, rel
+    # off the GPU the wrapper runs the mirror; the layer's out dtype is honoured
+    got = F.fp8_matmul_mgpu(a8, w8, lowrank=lowrank, bias=bias)
+    assert got.dtype == jnp.bfloat16 and got.shape == (40, 96)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(
+        F.fp8_matmul_mgpu_reference(a8, w8, lowrank=lowrank, bias=bias, out_dtype=jnp.bfloat16)))
+
+
+def test_zero_scale_rows_give_their_low_rank_term_and_bias():
+    x = jax.random.normal(jax.random.key(5), (8, 64)).at[3].set(0.0)
+    a8 = FE.per_token_e4m3(x, order="even_odd")
+    assert float(a8.scale[3]) == 1.0  # the library's encoders give zero rows a non-zero scale; a caller's may not:
+    a8 = dataclasses.replace(a8, scale=a8.scale.at[3].set(0.0))  # the kernel takes 1 there (the bytes are zero)
+    w8 = _rows(jax.random.normal(jax.random.key(6), (16, 64)))
+    h = jnp.ones((8, 16)).at[3].set(0.0)
+    y = np.asarray(F.fp8_matmul_mgpu_reference(a8, w8, lowrank=(h, jnp.ones((16, 16))), bias=jnp.ones((16,))))
+    assert np.all(np.isfinite(y)) and np.all(y[3] == 1.0)
+
+
+def test_nan_rows_propagate():
+    a = jax.random.normal(jax.random.key(3), (8, 64)).at[2, 5].set(jnp.nan)
+    a8, w8 = _rows(a), _rows(jax.random.normal(jax.random.key(4), (16, 64)))
+    y = np.asarray(F.fp8_matmul_mgpu_reference(a8, w8, lowrank=(jnp.ones((8, 16)), jnp.ones((16, 16)))))
+    assert np.all(np.isnan(y[2])) and np.all(np.isfinite(np.delete(y, 2, axis=0)))
+
+
+SMALL = dict(tile_m=64, tile_n=64, tile_k=32, epi_tile_n=64)
+INTERPRET_CASES = [
+    ("ragged_m_3ctas_rank32_bias", dict(kind="fp8", m=100, n=256, k=128, rank=32, bias=True,
+                                        config=dict(SMALL, num_ctas=3))),
+    ("tm128_tk128_no_lowrank_2slots", dict(kind="fp8", m=128, n=128, k=256, rank=0, bias=False,
+                                           config=dict(SMALL, tile_m=128, tile_k=128, epi_tile_n=32, epi_slots=2,
+                                                       num_ctas=1))),
+]
+
+
+@pytest.mark.skipif(not _OK, reason=_REASON)
+def test_kernel_in_gpu_interpret_mode():
+    results = mgpu_interpret.run_in_subprocess([c for _, c in INTERPRET_CASES], timeout_s=900)
+    for (name, case), r in zip(INTERPRET_CASES, results):
+        assert r["shape"] == [case["m"], case["n"]], name
+        assert r["nonfinite"] == 0, (name, r)
+        assert r["max_err_over_bound"] <= 1.0, (name, r)
+        assert not r["races"], (name, r)
+
+
+@pytest.mark.parametrize("m,n,r,cfg", [
+    (512, 4608, 128, None),  # Ideogram 4's q at m = 512: the default tiling (64-row tiles)
+    (4096, 24576, 128, None),  # w1|w3 at m = 4096 (128-row tiles)
+    (4096, 4608, 0, F.Fp8MgpuConfig(max_concurrent_steps=3, grid_tile_width=4, epi_slots=2)),
+])
+def test_lowers_to_mosaic_gpu(m, n, r, cfg):
+    k = 4608
+    assert (cfg or F.default_config(m, n, k, r)).smem_bytes(r) <= F.SMEM_LIMIT
+    S = jax.ShapeDtypeStruct
+
+    def f(a8, sa, w8, sw, b, h, left):
+        a, w = FE.Fp8Rows(a8, sa, jnp.int32(0), "even_odd"), FE.Fp8Rows(w8, sw, jnp.int32(0), "even_odd")
+        return F.fp8_matmul_mgpu(a, w, lowrank=(h, left) if r else None, bias=b, config=cfg, impl="pallas")
+
+    args = (S((m, k), jnp.float8_e4m3fn), S((m,), jnp.float32), S((n, k), jnp.float8_e4m3fn), S((n,), jnp.float32),
+            S((n,), jnp.float32), S((m, max(r, 16)), jnp.bfloat16), S((n, max(r, 16)), jnp.bfloat16))
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and f"tensor<{m}x{n}xbf16>" in text
+
+
+def _quantized_layer(seed, o, d, rank=32):
+    from kroquant_jax import transforms
+    from kroquant_jax.qlinear import build_qlinear
+    kw, kt, kl, kr, kb = jax.random.split(jax.random.PRNGKey(seed), 5)
+    p = transforms.get("kron_lu")
+    params = jax.tree.map(lambda v: v + 0.05 * jax.random.normal(kt, v.shape), p.init(d))
+    layer = build_qlinear(jax.random.normal(kw, (o, d)) / np.sqrt(d), 0.3 * jax.random.normal(kb, (o,)),
+                          transform="kron_lu", transform_params=params,
+                          lowrank=(jax.random.normal(kl, (o, rank)) * 0.05, jax.random.normal(kr, (rank, d)) * 0.05))
+    return layer
+
+
+def test_layer_and_served_strategy():
+    qlayer = _quantized_layer(5, 64, 128)
+    layer = G8.prepare_fp8_layer(served.serve(qlayer))
+    x = (jax.random.normal(jax.random.PRNGKey(6), (20, 128)).at[:, 3].multiply(15.0)).astype(jnp.bfloat16)
+    y, inexact = G8.fp8_linear_forward(layer, x, out_dtype=jnp.float32, return_inexact=True, gemm="mgpu")
+    ref = G8.fp8_linear_reference(layer, x)
+    assert int(inexact) == 0
+    assert np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref) < 1e-6
+    assert "fp8_mgpu" in served.strategy_names()
+    mg = served.serve(qlayer, strategy="fp8_mgpu")
+    assert isinstance(mg, G8.Fp8Linear)
+    got = served.forward(mg, x, options=served.ServeOptions(strategy="fp8_mgpu", impl="interpret"))
+    assert got.dtype == jnp.bfloat16
+    want = G8.fp8_linear_forward(layer, x, impl="interpret", out_dtype=jnp.float32)
+    assert np.linalg.norm(np.asarray(got, np.float64) - np.asarray(want, np.float64)) <= 4e-3 * np.linalg.norm(ref)
+    # with an op the kernel writes f32 and the op runs in XLA: the same as the XLA GEMM's layer up to summation order
+    nw = 1.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(7), (32,))
+    norm = dict(op="rmsnorm", norm_weight=nw, head_dim=32, eps=1e-5)
+    a = G8.fp8_linear_forward(layer, x, out_dtype=jnp.float32, gemm="mgpu", **norm)
+    b = G8.fp8_linear_forward(layer, x, out_dtype=jnp.float32, **norm)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_config_and_argument_errors():
+    with pytest.raises(ValueError, match="tile_m"):
+        F.Fp8MgpuConfig(tile_m=96)
+    with pytest.raises(ValueError, match="tile_k"):
+        F.Fp8MgpuConfig(tile_k=48)
+    with pytest.raises(ValueError, match="tile_n"):
+        F.Fp8MgpuConfig(tile_n=512)
+    with pytest.raises(ValueError, match="epi_slots"):
+        F.Fp8MgpuConfig(epi_slots=3)
+    assert F.default_config(4096, 4608, 4608).tile_m == 128 and F.default_config(512, 4608, 4608).tile_m == 64
+    assert F.default_config(512, 4608, 4640).tile_k == 32
+    assert F.supports(4096, 4608, 4608) and not F.supports(4096, 4600, 4608)
+    for r in (0, 128, 256):
+        assert F.default_config(4096, 4608, 4608, r).smem_bytes(r) <= F.SMEM_LIMIT
+    # the model's count is at least Mosaic GPU's own (which refused 232,560 bytes for this one)
+    assert F.Fp8MgpuConfig(max_concurrent_steps=4, epi_slots=2).smem_bytes(0) > F.SMEM_LIMIT
+    a8, w8, lowrank, bias = _operands(1, 16, 32, 64, 16)
+    with pytest.raises(TypeError, match="Fp8Rows"):
+        F.fp8_matmul_mgpu(quantize(jnp.ones((16, 64)), MXFP4()), w8)
+    with pytest.raises(ValueError, match="reduction lengths"):
+        F.fp8_matmul_mgpu(a8, _rows(jnp.ones((32, 96))))
+    with pytest.raises(ValueError, match="column order"):
+        F.fp8_matmul_mgpu(a8, _rows(jnp.ones((32, 64)), order="natural"))
+    with pytest.raises(ValueError, match="bias"):
+        F.fp8_matmul_mgpu(a8, w8, bias=jnp.ones((3,)))
+    with pytest.raises(ValueError, match="lowrank"):
+        F.fp8_matmul_mgpu(a8, w8, lowrank=(lowrank[0], lowrank[1][:5]))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        F.fp8_matmul_mgpu(a8, w8, lowrank=(lowrank[0][:, :8], lowrank[1][:, :8]))
+    with pytest.raises(ValueError, match="impl"):
+        F.fp8_matmul_mgpu(a8, w8, impl="triton")
+    with pytest.raises(ValueError, match="shared memory"):
+        F.fp8_matmul_mgpu(a8, w8, lowrank=lowrank, impl="pallas",
+                          config=F.Fp8MgpuConfig(max_concurrent_steps=8, tile_k=128))
+    layer = G8.prepare_fp8_layer(served.serve(_quantized_layer(8, 32, 64, rank=32)))
+    x = jnp.ones((4, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="gemm="):
+        G8.fp8_linear_forward(layer, x, gemm="cublas")
+    with pytest.raises(ValueError, match="accumulation"):
+        G8.fp8_linear_forward(layer, x, gemm="mgpu", accumulation="precise")
