@@ -204,11 +204,11 @@ def settings_line(args, names, calib_indices, groups, text_captions: int | None 
                                              "caption x seed images, standard error over captions of the per-caption "
                                              "means)")
     generated = ", ".join(f"{len(indices)} {CAPTION_GROUPS[gid].label}" for gid, indices in groups.items())
+    text_rows = "" if text_captions is None else (f"; cross-attention keys/values from the caption projection of "
+                                                  f"{text_captions} distinct training captions + the empty caption")
     return (f"{args.checkpoint}: {len(names)} linears W4A4 (MXFP4), capture from {len(calib_indices)} training "
             f"captions x {args.steps} Euler steps (CFG {args.guidance:g}, {args.rows_per_layer} rows/layer"
-            + ("" if text_captions is None else f"; cross-attention keys/values from the caption projection of "
-               f"{text_captions} distinct training captions + the empty caption") + "); "
-            f"
+            f"{text_rows}); "
             f"calibration rows {args.calib_rows or 'default'}, validation rows {args.calib_validation or 'default'}, "
             f"test rows {args.calib_test or 'default'}, KroQuant steps {args.calib_steps or 'default'}, LoRaQ steps "
             f"{args.loraq_steps or 'default'}+{args.rotation_steps or 'default'}, --rank {args.rank or 'default'}; "
