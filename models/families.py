@@ -26,14 +26,48 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
 from models import convert, flux, ideogram4, ideogram4_sampling, pixart, sampling, sana
 from models.layers import InitKeys, host_init, linears
 
-__all__ = ["FLUX", "Family", "IDEOGRAM4", "PIXART", "REGISTRY", "SANA", "detect", "detect_dir", "family_of", "get",
-           "load_diffusers", "load_pipeline_transformers"]
+__all__ = ["CAPTION_KEYS_VALUES", "FLUX", "Family", "IDEOGRAM4", "PIXART", "REGISTRY", "SANA", "TextOnlyInputs",
+           "detect", "detect_dir", "family_of", "get", "load_diffusers", "load_pipeline_transformers"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TextOnlyInputs:
+    """The linears of a family whose input is a function of the text inputs alone.
+
+    Such an input does not depend on the image or the denoising step (PixArt-Σ and SANA: every block's cross-attention
+    ``attn2.to_k`` / ``attn2.to_v`` reads the projected caption), so sampling a few prompts records only the tokens of
+    those prompts, however many steps run; ``models.capture`` can instead compute these rows directly from the text
+    inputs of many more prompts (``CaptureConfig.text_rows_from_all_prompts``).
+
+    Attributes:
+        layers: ``model -> dotted paths`` of those linears, in graph order. The caption projection's own linears
+            (16-bit, never quantized) are not listed: they are captured from the sampling runs like any other layer.
+        inputs: ``(model, context (b, t, c)) -> (b, t, d)``, the input every one of ``layers`` reads, a pure function
+            computed token by token (row ``[i, k]`` depends on ``context[i, k]`` alone). The text mask never enters
+            it (the models use the mask only to bias the attention): it only says which rows are real tokens.
+    """
+
+    layers: Callable[[nnx.Module], tuple[str, ...]]
+    inputs: Callable[[nnx.Module, jax.Array], jax.Array]
+
+
+def _cross_attention_kv(model: nnx.Module) -> tuple[str, ...]:
+    """The paths of every block's cross-attention key and value projections (PixArt-Σ, SANA)."""
+    return tuple(linear.path for block in model.transformer_blocks if block.attn2 is not None
+                 for linear in (block.attn2.to_k, block.attn2.to_v))
+
+
+#: PixArt-Σ and SANA: the cross-attention keys / values read ``model.caption_context(context)`` (PixArt: the caption
+#: projection; SANA: the caption projection and its RMSNorm).
+CAPTION_KEYS_VALUES = TextOnlyInputs(layers=_cross_attention_kv,
+                                     inputs=lambda model, context: model.caption_context(context))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +92,13 @@ class Family:
         list_layout: ``cfg -> cfg`` of the layout the key table describes (Ideogram 4's scanned blocks are stored in
             the list layout); None = the config's own layout.
         stack: ``(flat params, cfg) -> flat params`` from the list layout to ``cfg``'s layout; ``unstack`` its inverse.
+        text_only: the linears whose input is a function of the text alone (:class:`TextOnlyInputs`), or None when
+            the family has none. FLUX.1 has none: its text stream's block linears (``add_q/k/v_proj``, ``to_add_out``,
+            ``ff_context``) read the context modulated by the timestep embedding (AdaLN-Zero), and after the first
+            block a context that the joint attention has mixed with the image tokens; only the 16-bit
+            ``context_embedder`` reads the text alone. Ideogram 4 has none: its text tokens are embedded
+            (``llm_cond_proj``, 16-bit) into the one packed sequence beside the image tokens, and every block linear
+            reads that sequence after timestep-modulated norms and joint self-attention.
     """
 
     name: str
@@ -73,6 +114,7 @@ class Family:
     list_layout: Callable[[Any], Any] | None = None
     stack: Callable[[dict, Any], dict] | None = None
     unstack: Callable[[dict, Any], dict] | None = None
+    text_only: TextOnlyInputs | None = None
 
     # -- configs ----------------------------------------------------------------------------------------------------
 
@@ -180,18 +222,21 @@ def _caption_widths(cfg: Any) -> dict[str, int]:
 _CAPTION_INPUTS = ("context", "mask", "uncond_context", "uncond_mask")
 
 def _dit_family(module: Any, config_type: type, model_type: type, presets: Mapping[str, Any],
-                prompt_inputs: tuple[str, ...], prompt_widths: Callable[[Any], dict[str, int]]) -> Family:
+                prompt_inputs: tuple[str, ...], prompt_widths: Callable[[Any], dict[str, int]],
+                text_only: TextOnlyInputs | None = None) -> Family:
     """A PixArt / SANA / FLUX family: its module's CLASS_NAME and KEY_TABLE, ``models.sampling.make_sampler``."""
     name = module.__name__.rsplit(".", 1)[-1]
     return Family(name=name, class_name=module.CLASS_NAME, config_type=config_type, new_model=_dit_model(model_type),
                   key_table=module.KEY_TABLE, presets=presets, sampler=functools.partial(sampling.make_sampler, name),
-                  prompt_inputs=prompt_inputs, prompt_widths=prompt_widths)
+                  prompt_inputs=prompt_inputs, prompt_widths=prompt_widths, text_only=text_only)
 
 
 PIXART = _dit_family(pixart, pixart.PixArtConfig, pixart.PixArtTransformer2DModel,
-                     {"PixArt-Sigma-XL-2-1024-MS": pixart.PIXART_SIGMA_XL_2_1024_MS}, _CAPTION_INPUTS, _caption_widths)
+                     {"PixArt-Sigma-XL-2-1024-MS": pixart.PIXART_SIGMA_XL_2_1024_MS}, _CAPTION_INPUTS, _caption_widths,
+                     CAPTION_KEYS_VALUES)
 SANA = _dit_family(sana, sana.SanaConfig, sana.SanaTransformer2DModel,
-                   {"Sana_1600M_1024px": sana.SANA_1600M_1024PX}, _CAPTION_INPUTS, _caption_widths)
+                   {"Sana_1600M_1024px": sana.SANA_1600M_1024PX}, _CAPTION_INPUTS, _caption_widths,
+                   CAPTION_KEYS_VALUES)
 FLUX = _dit_family(flux, flux.FluxConfig, flux.FluxTransformer2DModel, {"FLUX.1-schnell": flux.FLUX1_SCHNELL},
                    ("context", "pooled"),
                    lambda cfg: {"context": cfg.joint_attention_dim, "pooled": cfg.pooled_projection_dim})

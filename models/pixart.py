@@ -197,6 +197,18 @@ class PixArtTransformer2DModel(nnx.Module):
                             node[1].quantizable = True
         name_linears(self)
 
+    def caption_context(self, encoder_hidden_states: jax.Array, hooks: LinearHooks | None = None) -> jax.Array:
+        """The context every block's cross-attention reads: encoder_hidden_states (b, t, caption_channels) -> (b, t,
+        cross_attention_dim), the caption projection when the model has one, else the embeddings as they are.
+
+        Token by token (row ``[i, k]`` depends on ``encoder_hidden_states[i, k]`` alone) and independent of the image
+        and the timestep: the input of every ``attn2.to_k`` / ``attn2.to_v`` (``models.families.TextOnlyInputs``).
+        """
+        context = encoder_hidden_states.astype(self.proj_out.kernel.dtype)  # (b, t, c)
+        if self.caption_projection is None:
+            return context
+        return self.caption_projection(context, hooks)  # (b, t, dim)
+
     def __call__(self, hidden_states: jax.Array, encoder_hidden_states: jax.Array, timestep: jax.Array,
                  encoder_attention_mask: jax.Array | None = None, resolution: jax.Array | None = None,
                  aspect_ratio: jax.Array | None = None, hooks: LinearHooks | None = None) -> jax.Array:
@@ -208,9 +220,8 @@ class PixArtTransformer2DModel(nnx.Module):
         timestep = jnp.broadcast_to(jnp.asarray(timestep), (b,))  # (b,)
         x = self.pos_embed(hidden_states.astype(dtype))  # (b, n, dim)
         timestep6, embedded = self.adaln_single(timestep, resolution, aspect_ratio, dtype, hooks)  # (b, 6d), (b, d)
-        context = encoder_hidden_states.astype(dtype)  # (b, t, c)
-        if self.caption_projection is not None:
-            context = self.caption_projection(context, with_token_mask(hooks, encoder_attention_mask))  # (b, t, dim)
+        context = self.caption_context(encoder_hidden_states,
+                                       with_token_mask(hooks, encoder_attention_mask))  # (b, t, dim)
         context_bias = mask_to_bias(encoder_attention_mask)  # (b, 1, 1, t) or None
         for block in self.transformer_blocks:
             x = block(x, context, context_bias, timestep6, hooks, encoder_attention_mask)  # (b, n, dim)

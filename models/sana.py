@@ -188,6 +188,17 @@ class SanaTransformer2DModel(nnx.Module):
         self.proj_out = Linear(dim, cfg.patch_size ** 2 * cfg.resolved_out_channels, dtype=dtype, rngs=rngs)
         name_linears(self)
 
+    def caption_context(self, encoder_hidden_states: jax.Array, hooks: LinearHooks | None = None) -> jax.Array:
+        """The context every block's cross-attention reads: ``caption_norm(caption_projection(e))`` of
+        encoder_hidden_states (b, t, caption_channels) -> (b, t, dim).
+
+        Token by token (row ``[i, k]`` depends on ``encoder_hidden_states[i, k]`` alone: an MLP and an RMSNorm over the
+        features) and independent of the image and the timestep: the input of every ``attn2.to_k`` / ``attn2.to_v``
+        (``models.families.TextOnlyInputs``; their q/k norm comes after the projection).
+        """
+        context = self.caption_projection(encoder_hidden_states.astype(self.proj_out.kernel.dtype), hooks)  # (b, t, d)
+        return self.caption_norm(context)  # (b, t, dim)
+
     def __call__(self, hidden_states: jax.Array, encoder_hidden_states: jax.Array, timestep: jax.Array,
                  encoder_attention_mask: jax.Array | None = None, guidance: jax.Array | None = None,
                  hooks: LinearHooks | None = None) -> jax.Array:
@@ -205,9 +216,8 @@ class SanaTransformer2DModel(nnx.Module):
             timestep6, embedded = self.time_embed(timestep, jnp.broadcast_to(guidance, (b,)), dtype, hooks)
         else:
             timestep6, embedded = self.time_embed(timestep, None, None, dtype, hooks)  # (b, 6 dim), (b, dim)
-        context = self.caption_projection(encoder_hidden_states.astype(dtype),
-                                          with_token_mask(hooks, encoder_attention_mask))  # (b, t, dim)
-        context = self.caption_norm(context)  # (b, t, dim)
+        context = self.caption_context(encoder_hidden_states,
+                                       with_token_mask(hooks, encoder_attention_mask))  # (b, t, dim)
         context_bias = mask_to_bias(encoder_attention_mask)  # (b, 1, 1, t) or None
         for block in self.transformer_blocks:
             x = block(x, context, context_bias, timestep6, height // p, width // p, hooks,

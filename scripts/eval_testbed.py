@@ -6,7 +6,10 @@
 
 1. Capture: sample the calibration captions (the training records of the prompt file) with the flow-matching Euler
    sampler and CFG, recording random input rows of every quantizable linear at every step (real caption tokens only,
-   repeated rows once: ``models.testbed.evaluation.capture_flow_layer_set`` over ``models.capture``).
+   repeated rows once: ``models.testbed.evaluation.capture_flow_layer_set`` over ``models.capture``). With
+   ``--text-rows-from-all-prompts`` the cross-attention keys' / values' rows (a function of the caption alone) come
+   from the caption projection of every distinct training caption of ``--text-prompts`` (default ``--prompts``) and
+   the empty caption instead (docs/calibration.md, "Text-only layers").
 2. Calibrate every method on that layer set (``kroquant_jax.calibrate.quantize_layer_set``, resumable per method:
    the calibrated layers are stored under ``--out``/qlayers in a folder named by the method and a hash of the capture
    settings and the recipe, so a rerun with other settings never picks up stale layers).
@@ -71,7 +74,7 @@ from models.layers import linears
 from models.testbed import data as testbed_data
 from models.testbed.evaluation import (CAPTION_GROUPS, capture_flow_layer_set, flow_sampler, generate_seeds,
                                        group_metrics, layer_errors_summary, markdown_table, merge_outputs,
-                                       select_caption_groups, write_outputs)
+                                       select_caption_groups, training_caption_text, write_outputs)
 from scripts.common_args import nonnegative_int, positive_int, quantize_with_store, verb_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,6 +105,8 @@ def parse_args(argv=None, verb: str = "evaluate", description: str | None = None
     args = parser.parse_args(argv)
     if args.seeds is None:
         args.seeds = [args.seed]  # the default generation seed is --seed (documented in --help)
+    if args.text_prompts is not None and not args.text_rows_from_all_prompts:
+        parser.error("--text-prompts is read only with --text-rows-from-all-prompts")
     repeated = sorted({s for s in args.seeds if args.seeds.count(s) > 1})
     if repeated:
         parser.error(f"--seeds: each generation seed once, got {args.seeds} (repeated: {repeated})")
@@ -137,6 +142,16 @@ def build_parser(verb: str = "evaluate", description: str | None = None, example
     parser.add_argument("--guidance", type=float, default=3.0, help="CFG scale")
     parser.add_argument("--rows-per-layer", type=positive_int, default=1024, help="captured rows kept per layer")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="captions per sampling call (capture)")
+    parser.add_argument("--text-rows-from-all-prompts", action="store_true",
+                        help="the cross-attention keys' / values' rows (their input is the caption projection alone, "
+                             "the same at every step, so sampling --calib-captions captions sees only their few "
+                             "tokens) come from the caption projection of every real token of every distinct "
+                             "training caption of --text-prompts and of the empty caption; the other layers' rows "
+                             "are the same as without it (models.capture: text_rows_from_all_prompts)")
+    parser.add_argument("--text-prompts", metavar="NPZ", default=None,
+                        help="dataset .npz whose distinct training captions give those rows (with "
+                             "--text-rows-from-all-prompts; default: --prompts), e.g. the whole training set "
+                             "runs/emoji32.npz")
     parser.add_argument("--grid-rows", type=positive_int, default=None,
                         help="at most this many captions per grid (default all)")
     parser.add_argument("--merge", nargs="+", default=None, metavar="DIR",
@@ -169,13 +184,31 @@ def store_folder(out: Path, method: str, recipe, capture_key: str) -> Path:
     return out / "qlayers" / f"{method.replace('+', '_').replace('@', '_r')}-{digest}"
 
 
-def settings_line(args, names, calib_indices, groups) -> str:
+def capture_key(args, prompts_path: str, calib_indices, names, text_prompts=None) -> str:
+    """What the cached capture (``layer_set.safetensors``) and the method stores (:func:`store_folder`) depend on
+    besides the weights; with ``--text-rows-from-all-prompts`` also the digest of its ``text_prompts`` (so a capture
+    made with the option is never reused without it, nor with other captions, and vice versa)."""
+    from kroquant_jax.provenance import array_digest
+
+    # "real-tokens": the capture drops masked tokens and repeated rows (models.capture); older caches differ.
+    key = (f"real-tokens|{Path(args.checkpoint).resolve()}|{prompts_path}|{list(calib_indices)}|{args.steps}|"
+           f"{args.guidance}|{args.rows_per_layer}|{args.seed}|{names}")
+    if text_prompts is None:
+        return key
+    digest = hashlib.sha256("|".join(f"{k}:{array_digest(v)}" for k, v in sorted(text_prompts.items())).encode())
+    return f"{key}|text-rows-from-all-prompts:{digest.hexdigest()}"
+
+
+def settings_line(args, names, calib_indices, groups, text_captions: int | None = None) -> str:
     seeds = "" if len(args.seeds) == 1 else (f", generation seeds {' '.join(map(str, args.seeds))} (mean over "
                                              "caption x seed images, standard error over captions of the per-caption "
                                              "means)")
     generated = ", ".join(f"{len(indices)} {CAPTION_GROUPS[gid].label}" for gid, indices in groups.items())
+    text_rows = "" if text_captions is None else (f"; cross-attention keys/values from the caption projection of "
+                                                  f"{text_captions} distinct training captions + the empty caption")
     return (f"{args.checkpoint}: {len(names)} linears W4A4 (MXFP4), capture from {len(calib_indices)} training "
-            f"captions x {args.steps} Euler steps (CFG {args.guidance:g}, {args.rows_per_layer} rows/layer); "
+            f"captions x {args.steps} Euler steps (CFG {args.guidance:g}, {args.rows_per_layer} rows/layer"
+            f"{text_rows}); "
             f"calibration rows {args.calib_rows or 'default'}, validation rows {args.calib_validation or 'default'}, "
             f"test rows {args.calib_test or 'default'}, KroQuant steps {args.calib_steps or 'default'}, LoRaQ steps "
             f"{args.loraq_steps or 'default'}+{args.rotation_steps or 'default'}, --rank {args.rank or 'default'}; "
@@ -229,14 +262,20 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
 
     from kroquant_jax.layerset import load_layer_set, save_layer_set
 
+    text_prompts = None
+    if args.text_rows_from_all_prompts:  # checked before any capture
+        from models.capture import check_text_prompts
+
+        text_path = args.text_prompts or prompts_path
+        text_dataset = dataset if args.text_prompts is None else testbed_data.load_dataset(args.text_prompts)
+        text_prompts = training_caption_text(text_dataset)
+        check_text_prompts(families.PIXART, model, text_prompts, args.guidance != 1.0, f"--text-prompts {text_path}")
     started = time.perf_counter()
-    # "real-tokens": the capture drops masked tokens and repeated rows (models.capture); older caches differ.
-    capture_key = (f"real-tokens|{Path(args.checkpoint).resolve()}|{prompts_path}|{list(calib_indices)}|{args.steps}|"
-                   f"{args.guidance}|{args.rows_per_layer}|{args.seed}|{names}")
+    key = capture_key(args, prompts_path, calib_indices, names, text_prompts)
     cache = out / "layer_set.safetensors"
     cache_key_path = out / "layer_set.key"
     layer_set = None
-    if not args.overwrite and cache.exists() and cache_key_path.exists() and cache_key_path.read_text() == capture_key:
+    if not args.overwrite and cache.exists() and cache_key_path.exists() and cache_key_path.read_text() == key:
         layer_set = load_layer_set(str(cache))  # the same capture settings: reuse (methods resume from their stores)
         model_linears = linears(model)
         weights = {n: (np.asarray(model_linears[n].kernel[...], np.float32).T,
@@ -249,9 +288,9 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
     if layer_set is None:
         layer_set = capture_flow_layer_set(model, dataset, calib_indices, names, steps=args.steps,
                                            guidance=args.guidance, rows_per_layer=args.rows_per_layer,
-                                           seed=args.seed, batch_size=args.batch_size)
+                                           seed=args.seed, batch_size=args.batch_size, text_prompts=text_prompts)
         save_layer_set(str(cache), layer_set)
-        atomic_write_text(cache_key_path, capture_key)
+        atomic_write_text(cache_key_path, key)
     capture_s = time.perf_counter() - started
 
     graphdef, state = nnx.split(model)
@@ -263,7 +302,8 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
     num_seeds = len(noise_seeds)
     reference = generate_seeds(sample, state, dataset, generated, noise_seeds, channels, size)  # (S * n, s, s, 3)
     results, images = {}, {"dataset": targets, "16-bit": reference}
-    report = {"settings": settings_line(args, names, calib_indices, groups),
+    text_captions = None if text_prompts is None else len(text_prompts["context"])
+    report = {"settings": settings_line(args, names, calib_indices, groups, text_captions),
               "args": vars(args), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "seeds": list(args.seeds), "noise_seeds": noise_seeds,
               "capture_s": round(capture_s, 1),
@@ -276,7 +316,7 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
     for method, recipe in recipes.items():
         began = time.perf_counter()
         compile_watch = CompileWatch()
-        store = store_folder(out, method, recipe, capture_key)
+        store = store_folder(out, method, recipe, key)
         qlayers, reports = quantize_with_store(layer_set, recipe, str(store), args.overwrite, "--out", label=method)
         calibrate_s, calibrate_compile_s = time.perf_counter() - began, compile_watch.seconds()
         ranks = "/".join(str(r) for r in sorted({qlayers[name].config.rank for name in names}))

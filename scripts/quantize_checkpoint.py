@@ -20,7 +20,7 @@ listed in the report (``padded``).
 
 Outputs in OUT (each file written atomically; RECIPE is the recipe name with ``+`` -> ``_``):
 ``layer_set.safetensors`` + ``layer_set.json`` (the captured layer set, padded layers padded, and the capture settings
-it came from; a rerun with the same settings reuses it; ``--layer-set`` reuses another one, refused unless its weights
+it came from, ``--text-rows-from-all-prompts`` and the digest of ``--text-embeddings`` among them; a rerun with the same settings reuses it; ``--layer-set`` reuses another one, refused unless its weights
 are ``--checkpoint``'s), ``qlayers-RECIPE/`` (the resumable per-layer store of ``kroquant_jax.calibrate``, each layer
 with the fingerprint of its inputs: a rerun resumes the layers whose weight, activations and recipe settings match
 and refuses the folder, naming the layer and what changed, when they do not, unless ``--overwrite``),
@@ -83,6 +83,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--layer-set", help="reuse a captured layer set (.safetensors/.npz) instead of capturing; "
                         "its weights must be --checkpoint's")
     parser.add_argument("--batch-size", type=positive_int, default=1, help="prompts per sampling run")
+    parser.add_argument("--text-rows-from-all-prompts", action="store_true",
+                        help="PixArt-Sigma / SANA: the cross-attention keys' / values' rows (their input is the "
+                             "projected caption alone, the same at every step, so the sampling runs see only the "
+                             "captured prompts' few tokens) come from the caption projection of every real token of "
+                             "every captured prompt, or of --text-embeddings, and of the unconditional caption; the "
+                             "other layers' rows are the same as without it (models.capture: "
+                             "text_rows_from_all_prompts)")
+    parser.add_argument("--text-embeddings", metavar="NPZ",
+                        help="with --text-rows-from-all-prompts: a prompt .npz (the layout of --embeddings, e.g. "
+                             "many more prompts than are sampled) whose every prompt gives those rows")
     parser.add_argument("--eval-prompts", type=positive_int, default=4, help="the LAST N prompts are generated with "
                         "both models and not captured (unless there are no more than N prompts)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype")
@@ -219,19 +229,30 @@ def check_layer_set(layer_set: dict, weights: dict, source: str, checkpoint: str
                         f"--dtype?); capture again without --layer-set")
 
 
-def capture_settings(args, arrays: dict, capture_indices: list[int], names: list[str]) -> dict:
-    """What a captured layer set depends on besides the weights (stored beside it as ``layer_set.json``)."""
+def capture_settings(args, arrays: dict, capture_indices: list[int], names: list[str],
+                     text_arrays: dict | None = None) -> dict:
+    """What a captured layer set depends on besides the weights (stored beside it as ``layer_set.json``).
+
+    With ``--text-rows-from-all-prompts`` it also holds ``text_rows_from_all_prompts`` and the digests of the
+    ``text_arrays`` the text-only rows come from (``--text-embeddings``, or None for the captured prompts); without
+    it neither key is there, as in the settings of layer sets captured before the option existed."""
     from kroquant_jax.provenance import NUMERICS_VERSION, array_digest
 
     prompts = {k: array_digest(v if k.startswith("uncond_") else v[capture_indices]) for k, v in arrays.items()}
-    return {"numerics_version": NUMERICS_VERSION, "steps": args.steps, "guidance": args.guidance,
-            "latent_hw": list(args.latent_hw), "rows_per_layer": args.rows_per_layer, "seed": args.seed,
-            "shift": args.shift, "solver": args.solver, "batch_size": args.batch_size, "dtype": args.dtype,
-            "prompts": prompts, "layers": names}
+    settings = {"numerics_version": NUMERICS_VERSION, "steps": args.steps, "guidance": args.guidance,
+                "latent_hw": list(args.latent_hw), "rows_per_layer": args.rows_per_layer, "seed": args.seed,
+                "shift": args.shift, "solver": args.solver, "batch_size": args.batch_size, "dtype": args.dtype,
+                "prompts": prompts, "layers": names}
+    if args.text_rows_from_all_prompts:
+        settings["text_rows_from_all_prompts"] = True
+        settings["text_prompts"] = None if text_arrays is None else {k: array_digest(v) for k, v in
+                                                                      sorted(text_arrays.items())}
+    return settings
 
 
 def _settings_changes(stored: dict, current: dict) -> list[str]:
-    return [f"capture setting {k}: {stored.get(k)!r} -> {current.get(k)!r}" if k not in ("prompts", "layers")
+    return [f"capture setting {k}: {stored.get(k)!r} -> {current.get(k)!r}" if k not in ("prompts", "layers",
+                                                                                             "text_prompts")
             else f"capture {k}" for k in sorted(set(stored) | set(current)) if stored.get(k) != current.get(k)]
 
 
@@ -242,20 +263,51 @@ def _load(checkpoint: str, dtype: str):
     return families.load_diffusers(checkpoint, dtype)
 
 
+def read_prompt_file(path: str, max_prompts: int | None = None) -> dict[str, np.ndarray]:
+    """The arrays of a prompt ``.npz`` (the first ``max_prompts`` prompts), with the emoji testbed's prompt file
+    layout (``context_mask``, ``null_context``, ``null_mask``) renamed to the denoisers' keys."""
+    with np.load(path) as data:
+        arrays = {k: data[k] for k in data.files}
+    renames = (("mask", "context_mask"), ("uncond_context", "null_context"), ("uncond_mask", "null_mask"))
+    for ours, theirs in renames:  # the emoji testbed's prompt file layout
+        if ours not in arrays and theirs in arrays:
+            arrays[ours] = arrays[theirs] if theirs == "context_mask" else arrays[theirs][None]
+    if max_prompts:
+        arrays = {k: v[:max_prompts] if not k.startswith("uncond_") and v.ndim else v for k, v in arrays.items()}
+    return arrays
+
+
+def text_prompt_arrays(args, family, model, names: list[str]) -> dict[str, np.ndarray] | None:
+    """With ``--text-rows-from-all-prompts``: the text inputs of ``--text-embeddings`` (the keys the text-only rows
+    read, checked against the model by ``models.capture.check_text_prompts``), or None for the captured prompts;
+    None without the switch. A :class:`UserError` names the flag, file and key, and refuses the switch for a family
+    without text-only layers or when none of the layers ``names`` to quantize is one."""
+    from models import capture
+
+    if not args.text_rows_from_all_prompts:
+        return None
+    source = f"--text-embeddings {args.text_embeddings}" if args.text_embeddings else "--text-rows-from-all-prompts"
+    if family.text_only is None:
+        raise UserError(f"{source}: the {family.name} family has no linear whose input depends on the text alone")
+    declared = family.text_only.layers(model)
+    if not any(name in declared for name in names):
+        raise UserError(f"{source}: none of the {len(names)} layers to quantize reads the text alone (the "
+                        f"{family.name} family's: {list(declared[:2])}, ...)")
+    if not args.text_embeddings:
+        return None
+    arrays = {k: v for k, v in read_prompt_file(args.text_embeddings).items() if k in capture.TEXT_KEYS}
+    try:
+        return capture.check_text_prompts(family, model, arrays, args.guidance != 1.0, source)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+
+
 def prompt_arrays(args, family, cfg) -> dict[str, np.ndarray]:
     """The family's text inputs from ``args.embeddings`` (first ``args.max_prompts``) or ``args.synthetic_prompts``
     random ones, checked against the model's widths (a :class:`UserError` names the file, key and shape)."""
     widths = family.prompt_widths(cfg)
     if args.embeddings:
-        with np.load(args.embeddings) as data:
-            arrays = {k: data[k] for k in data.files}
-        renames = (("mask", "context_mask"), ("uncond_context", "null_context"), ("uncond_mask", "null_mask"))
-        for ours, theirs in renames:  # the emoji testbed's prompt file layout
-            if ours not in arrays and theirs in arrays:
-                arrays[ours] = arrays[theirs] if theirs == "context_mask" else arrays[theirs][None]
-        if args.max_prompts:
-            arrays = {k: v[:args.max_prompts] if not k.startswith("uncond_") and v.ndim else v
-                      for k, v in arrays.items()}
+        arrays = read_prompt_file(args.embeddings, args.max_prompts)
     else:
         rng = np.random.default_rng(args.seed)
         count, tokens = args.synthetic_prompts, args.synthetic_tokens
@@ -319,9 +371,14 @@ def main(argv: list[str] | None = None) -> dict:
     # validate everything that can be checked from the arguments and the config before the capture
     check_checkpoint_dir(args.checkpoint)
     recipe = build_recipe(args)
-    for flag, path in (("--embeddings", args.embeddings), ("--layer-set", args.layer_set), ("--vae", args.vae)):
+    for flag, path in (("--embeddings", args.embeddings), ("--layer-set", args.layer_set), ("--vae", args.vae),
+                       ("--text-embeddings", args.text_embeddings)):
         if path is not None and not Path(path).exists():
             raise UserError(f"{flag} {path}: no such file or folder")
+    if args.text_embeddings and not args.text_rows_from_all_prompts:
+        raise UserError("--text-embeddings is read only with --text-rows-from-all-prompts")
+    if args.text_rows_from_all_prompts and args.layer_set:
+        raise UserError("--text-rows-from-all-prompts is a capture option, and --layer-set captures nothing")
     check_out_dir(out)
     tag = args.recipe.replace("+", "_")
     from flax import nnx
@@ -344,13 +401,14 @@ def main(argv: list[str] | None = None) -> dict:
     widths = {n: weights[n][0].shape[1] for n in pads}
     weights = {n: (qlinear.pad_to_block(w, None, block)[0], b) for n, (w, b) in weights.items()}  # what is calibrated
     names = list(weights)
+    text_arrays = text_prompt_arrays(args, family, model, names)
     eval_count = min(args.eval_prompts, count)
     capture_indices = list(range(count - eval_count)) if count > eval_count else list(range(count))
 
     # a result folder made from other inputs is refused now, not after the capture
     store_dir = out / f"qlayers-{tag}"  # one resumable store per recipe
     store = qlinear.QLinearStore(str(store_dir))
-    settings = capture_settings(args, arrays, capture_indices, names)
+    settings = capture_settings(args, arrays, capture_indices, names, text_arrays)
     cached, cached_key = out / "layer_set.safetensors", out / "layer_set.json"
     stored_settings = json.loads(cached_key.read_text()) if cached_key.exists() else None
     if not args.overwrite:
@@ -376,9 +434,11 @@ def main(argv: list[str] | None = None) -> dict:
         capture_config = capture.CaptureConfig(num_steps=args.steps, guidance_scale=args.guidance,
                                                latent_hw=tuple(args.latent_hw), rows_per_layer=args.rows_per_layer,
                                                seed=args.seed, shift=args.shift, solver=args.solver,
-                                               layers=tuple(names), progress=not args.quiet)
+                                               layers=tuple(names), progress=not args.quiet,
+                                               text_rows_from_all_prompts=args.text_rows_from_all_prompts)
         batches = prompt_batches(arrays, capture_indices, args.batch_size, dtype)
-        layer_set = pad_layer_set(capture.capture_layer_set(family, model, batches, capture_config), pads, block)
+        captured = capture.capture_layer_set(family, model, batches, capture_config, text_arrays)
+        layer_set = pad_layer_set(captured, pads, block)
         save_layer_set(str(cached), layer_set)
         atomic_write_json(cached_key, settings)
 

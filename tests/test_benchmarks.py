@@ -102,3 +102,13 @@ def test_cross_attention_rows_are_the_caption_projection_of_every_training_capti
     distance = np.sqrt(((expected[:, None, :] - rows[None]) ** 2).sum(-1)).min(axis=1)
     assert distance.max() < 1e-5  # each of its real tokens is a row
     assert len(rows) == len(np.unique(rows, axis=0)) and len(rows) > len(expected)
+
+    # --all-layers: the other layers are written too, unchanged; --rows: a subset of the same rows
+    _run("cross_attention_rows.py", "--layer-set", str(tmp_path / "src.safetensors"), "--data", str(prompts),
+         "--out", str(out), "--all-layers", "--rows", "50")
+    everything = load_file(str(out))
+    np.testing.assert_array_equal(everything["transformer_blocks.0.attn1.to_q/activations"],
+                                  source["transformer_blocks.0.attn1.to_q"][2])
+    subset = everything["transformer_blocks.0.attn2.to_v/activations"]
+    assert subset.shape == (50, rows.shape[1])
+    assert all((rows == row).all(axis=1).any() for row in subset)

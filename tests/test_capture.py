@@ -1,5 +1,6 @@
 """Activation capture (layer sets) and W4A4 assembly through linear overrides, on tiny models."""
 
+import dataclasses
 import json
 
 import jax
@@ -309,3 +310,131 @@ def test_diffusers_io_encodes_prompts_with_a_local_pipeline(tmp_path):
     assert out["uncond_mask"].sum() == tokens.attention_mask[1].sum()
     with pytest.raises(ValueError, match="unknown family"):
         diffusers_io.encode_prompts(str(tmp_path), ["a"], "sd3")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Text-only layers from many prompts (CaptureConfig.text_rows_from_all_prompts)
+# --------------------------------------------------------------------------------------------------------------------
+
+def _many_prompts(count, channels=8, tokens=5, seed=3):
+    """``count`` captions with 1-4 real tokens each (the padded positions hold the sentinel 5.0) and a 2-token
+    unconditional caption, as ``text_prompts``."""
+    rng = np.random.default_rng(seed)
+    real = rng.integers(1, tokens, count)  # (P,)
+    mask = (np.arange(tokens)[None] < real[:, None]).astype(np.float32)  # (P, t)
+    context = np.where(mask[..., None] > 0, rng.standard_normal((count, tokens, channels)), 5.0)  # (P, t, c)
+    uncond_mask = (np.arange(tokens) < 2).astype(np.float32)[None]  # (1, t)
+    uncond = np.where(uncond_mask[..., None] > 0, rng.standard_normal((1, tokens, channels)), 5.0)  # (1, t, c)
+    return {"context": context.astype(np.float32), "mask": mask, "uncond_context": uncond.astype(np.float32),
+            "uncond_mask": uncond_mask}
+
+
+def _direct_text_rows(model, prompts, uncond=True):
+    """The distinct rows of ``model.caption_context`` of every real token, eagerly, and those of the padding."""
+    real, padding = [], []
+    for key in ("context", "uncond_context") if uncond else ("context",):
+        out = np.asarray(model.caption_context(jnp.asarray(prompts[key])))  # (P, t, d)
+        keep = prompts[key.replace("context", "mask")] > 0
+        real.append(out[keep])
+        padding.append(out[~keep])
+    return np.unique(np.concatenate(real), axis=0), np.concatenate(padding)
+
+
+def _same_row_set(got, expected):
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(np.unique(got, axis=0), expected, rtol=1e-5, atol=1e-6)  # jit vs eager: ulps
+
+
+@pytest.mark.parametrize("family", ["pixart", "sana"])
+def test_text_rows_are_the_caption_context_of_every_real_token_and_the_rest_is_unchanged(family):
+    build, cfg = (families.PIXART, PIXART) if family == "pixart" else (families.SANA, SANA)
+    model = build.build(cfg, seed=7)
+    sampled = _padded_prompts(1)
+    text = _many_prompts(11)
+    config = capture.CaptureConfig(num_steps=2, latent_hw=(8, 8), rows_per_layer=200, seed=2,
+                                   solver="flow_euler" if family == "pixart" else None)
+    plain = capture.capture_layer_set(family, model, sampled, config)
+    with_text = capture.capture_layer_set(
+        family, model, sampled, dataclasses.replace(config, text_rows_from_all_prompts=True, text_batch_size=4), text)
+    declared = build.text_only.layers(model)
+    kv = [n for n in plain if ".attn2.to_k" in n or ".attn2.to_v" in n]
+    assert set(declared) == set(kv) and len(kv) == 2 * cfg.num_layers
+    expected, padding = _direct_text_rows(model, text)
+    assert expected.shape[0] == text["mask"].sum() + 2  # every real token is a distinct row
+    for name, (weight, bias, rows) in with_text.items():
+        assert weight is plain[name][0] or np.array_equal(weight, plain[name][0])
+        if name in declared:
+            _same_row_set(rows, expected)
+            assert len(np.unique(rows, axis=0)) == rows.shape[0]
+            # no padding token's row: the sentinel inputs give rows far from every real one
+            assert not np.isclose(padding[:, None], rows[None], rtol=1e-4, atol=1e-5).all(-1).any()
+            assert rows.shape[0] > plain[name][2].shape[0]  # the sampled capture saw one caption's 3 + 1 tokens
+        else:  # every other layer: exactly the rows of the capture without the option
+            np.testing.assert_array_equal(rows, plain[name][2], err_msg=name)
+
+    # without text_prompts: the prompts of the sampled batches (+ their unconditional caption, with CFG)
+    default = capture.capture_layer_set(family, model, sampled,
+                                        dataclasses.replace(config, text_rows_from_all_prompts=True))
+    sampled_text = {k: np.asarray(v) for k, v in sampled[0].items()}
+    _same_row_set(default[kv[0]][2], _direct_text_rows(model, sampled_text)[0])
+    # CFG off: the unconditional caption is not sampled, so it gives no rows either
+    no_cfg = capture.text_only_rows(family, model, text, max_rows=500, seed=0, uses_cfg=False)
+    _same_row_set(no_cfg[0], _direct_text_rows(model, text, uncond=False)[0])
+
+
+def test_text_rows_subset_is_seeded_and_does_not_depend_on_the_batching():
+    model = families.PIXART.build(PIXART, seed=8)
+    text = _many_prompts(9)
+    full, distinct = capture.text_only_rows("pixart", model, text, max_rows=1000, seed=0, uses_cfg=True)
+    assert distinct == full.shape[0] == text["mask"].sum() + 2
+    subsets = {}
+    for seed, batch in ((0, 2), (0, 9), (1, 4)):
+        rows, count = capture.text_only_rows("pixart", model, text, max_rows=6, seed=seed, uses_cfg=True,
+                                             batch_size=batch)
+        assert rows.shape == (6, 32) and count == distinct
+        assert all(np.isclose(full, row, rtol=1e-5, atol=1e-6).all(axis=1).any() for row in rows)
+        subsets[seed, batch] = np.unique(rows, axis=0)
+    np.testing.assert_allclose(subsets[0, 2], subsets[0, 9], rtol=1e-5, atol=1e-6)  # same seed, other batches
+    assert subsets[0, 2].shape != subsets[1, 4].shape or not np.allclose(subsets[0, 2], subsets[1, 4])
+    # repeated captions and the unconditional caption broadcast to every prompt add no row
+    doubled = {"context": np.concatenate([text["context"]] * 2), "mask": np.concatenate([text["mask"]] * 2),
+               "uncond_context": np.repeat(text["uncond_context"], 5, 0),
+               "uncond_mask": np.repeat(text["uncond_mask"], 5, 0)}
+    again, count = capture.text_only_rows("pixart", model, doubled, max_rows=1000, seed=0, uses_cfg=True)
+    assert count == distinct
+    _same_row_set(again, np.unique(full, axis=0))
+
+
+def test_text_rows_bad_input_raises_before_sampling():
+    model = families.PIXART.build(PIXART, seed=9)
+    sampled = _padded_prompts(1)
+    text = _many_prompts(3)
+    on = capture.CaptureConfig(num_steps=1, latent_hw=(8, 8), text_rows_from_all_prompts=True)
+
+    def fails(prompts, match, config=on, family="pixart", capture_model=model):
+        with pytest.raises(ValueError, match=match):
+            capture.capture_layer_set(family, capture_model, sampled, config, prompts)
+
+    fails(text, r"text_prompts are only read with CaptureConfig\(text_rows_from_all_prompts=True\)",
+          config=dataclasses.replace(on, text_rows_from_all_prompts=False))
+    fails({**text, "mask": text["mask"][:, :4]}, r"text_prompts\['mask'\]: shape \(3, 4\) does not match "
+          r"'context''s \(prompts, tokens\) = \(3, 5\)")
+    fails({**text, "mask": text["mask"] * 2}, r"text_prompts\['mask'\]: holds values other than 0 and 1")
+    fails({**text, "context": text["context"][..., :6]}, r"text_prompts\['context'\]: shape \(3, 5, 6\), the "
+          r"model's text-only layers need \(prompts >= 1, tokens, 8\)")
+    fails({**text, "context": np.where(text["mask"][..., None] > 0, np.nan, text["context"])},
+          r"text_prompts\['context'\]: holds non-finite values")
+    fails({k: v for k, v in text.items() if not k.startswith("uncond")},
+          r"lacks 'uncond_context' \(CFG samples the unconditional caption too\)")
+    fails({**text, "context_mask": text["mask"]}, r"unknown keys \['context_mask'\]")
+    fails({**text, "mask": 0 * text["mask"], "uncond_mask": 0 * text["uncond_mask"]}, "every token is masked")
+    fails(text, r"none of the 1 recorded layers reads the text alone \(the pixart family's: "
+          r"\['transformer_blocks.0.attn2.to_k', 'transformer_blocks.0.attn2.to_v'\]",
+          config=dataclasses.replace(on, layers=("transformer_blocks.0.attn1.to_q",)))
+    flux_cfg = flux.FluxConfig(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                               num_attention_heads=2, joint_attention_dim=8, pooled_projection_dim=4,
+                               axes_dims_rope=(4, 4, 8))
+    with pytest.raises(ValueError, match="the flux family has no linear whose input depends on the text alone"):
+        capture.capture_layer_set("flux", families.FLUX.build(flux_cfg),
+                                  [{"context": jnp.ones((1, 3, 8)), "pooled": jnp.ones((1, 4))}], on)
+    assert families.FLUX.text_only is None and families.IDEOGRAM4.text_only is None

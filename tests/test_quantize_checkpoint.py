@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -70,6 +71,7 @@ def test_matching_rerun_reuses_and_says_so(runs, tmp_path, capsys):
     (["--calib-rows", "12"], "(recipe setting run.num_rows: 16 -> 12; 9 more stored layer(s) differ too)"),
     (["--steps", "3"], "(capture setting steps: 2 -> 3)"),
     (["--synthetic-prompts", "3"], "(capture prompts)"),
+    (["--text-rows-from-all-prompts"], "(capture setting text_rows_from_all_prompts: None -> True)"),
 ])
 def test_rerun_with_other_inputs_is_refused_before_the_capture(runs, tmp_path, capsys, change, expected):
     out = _copy(runs, tmp_path)
@@ -193,3 +195,55 @@ def test_generate_runs_the_quantized_folder_alone(runs, tmp_path):
         assert generated["latents"].shape == (2, 4, 8, 8)
         assert generated["seeds"][1] == evaluated["seeds"][0]
         np.testing.assert_array_equal(generated["latents"][1], evaluated["latents_w4a4"][0])
+
+
+def _text_embeddings(path, prompts=6, tokens=4, channels=8, seed=0):
+    rng = np.random.default_rng(seed)
+    mask = (np.arange(tokens)[None] < rng.integers(1, tokens + 1, prompts)[:, None]).astype(np.float32)
+    np.savez(path, context=rng.standard_normal((prompts, tokens, channels)).astype(np.float32), mask=mask,
+             uncond_context=np.zeros((1, tokens, channels), np.float32), uncond_mask=np.ones((1, tokens), np.float32))
+    return int(mask.sum()) + 1  # distinct real rows: every real token, and the all-zero unconditional caption's
+
+
+def test_text_rows_from_all_prompts_capture_and_its_store_key(runs, tmp_path, capsys):
+    from kroquant_jax.layerset import load_layer_set
+
+    text = tmp_path / "text.npz"
+    distinct = _text_embeddings(text)
+    out = tmp_path / "out"
+    argv = ["--checkpoint", str(runs / "a"), "--out", str(out), *TINY, "--rows-per-layer", "64"]
+    quantize_checkpoint.main(argv + ["--text-rows-from-all-prompts", "--text-embeddings", str(text)])
+    settings = json.loads((out / "layer_set.json").read_text())
+    assert settings["text_rows_from_all_prompts"] is True and set(settings["text_prompts"]) == {
+        "context", "mask", "uncond_context", "uncond_mask"}
+    layer_set = load_layer_set(str(out / "layer_set.safetensors"))
+    plain = load_layer_set(str(runs / "out_a" / "layer_set.safetensors"))
+    assert layer_set["transformer_blocks.0.attn2.to_k"].activations.shape == (distinct, 32)
+    assert layer_set["transformer_blocks.0.attn2.to_v"].activations.shape == (distinct, 32)
+    assert plain["transformer_blocks.0.attn2.to_k"].activations.shape[0] < distinct
+    # vice versa: a store made with the option is refused without it (and with other text embeddings)
+    assert cli.main(["quantize-checkpoint", *argv]) == 1
+    assert "(capture text_prompts; capture setting text_rows_from_all_prompts: True -> None)" in \
+        capsys.readouterr().err
+    _text_embeddings(text, seed=1)
+    assert cli.main(["quantize-checkpoint", *argv, "--text-rows-from-all-prompts", "--text-embeddings",
+                     str(text)]) == 1
+    assert "(capture text_prompts)" in capsys.readouterr().err
+
+
+def test_text_rows_bad_input_is_refused_before_any_work(runs, tmp_path, capsys):
+    a, out = str(runs / "a"), str(tmp_path / "o")
+    text = tmp_path / "text.npz"
+    _text_embeddings(text)
+    assert _error(["--checkpoint", a, "--out", out, *TINY, "--text-embeddings", str(text)], capsys) == (
+        "--text-embeddings is read only with --text-rows-from-all-prompts")
+    assert _error(["--checkpoint", a, "--out", out, *TINY, "--text-rows-from-all-prompts", "--layer-set",
+                   str(runs / "out_a" / "layer_set.safetensors")], capsys) == (
+        "--text-rows-from-all-prompts is a capture option, and --layer-set captures nothing")
+    with np.load(text) as data:
+        arrays = dict(data)
+    np.savez(text, **{**arrays, "mask": arrays["mask"][:, :3]})
+    assert _error(["--checkpoint", a, "--out", out, *TINY, "--text-rows-from-all-prompts", "--text-embeddings",
+                   str(text)], capsys) == (
+        f"--text-embeddings {text}['mask']: shape (6, 3) does not match 'context''s (prompts, tokens) = (6, 4)")
+    assert not (tmp_path / "o" / "layer_set.safetensors").exists()  # nothing was captured

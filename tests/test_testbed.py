@@ -256,6 +256,46 @@ def test_checkpoint_capture_records_only_real_caption_tokens(jax_model, prompts)
     assert layer_set["transformer_blocks.0.ff.net.2"][2].shape[0] == 512
 
 
+def test_checkpoint_text_rows_are_every_training_caption_token(jax_model, prompts):
+    """--text-rows-from-all-prompts on the shipped model: the cross-attention keys / values get the caption projection
+    of every real token of every distinct training caption + the empty caption; the other layers are unchanged."""
+    _, jax_model = jax_model
+    indices = np.flatnonzero(~prompts.heldout)[:2]
+    names = ["transformer_blocks.0.attn2.to_k", "transformer_blocks.1.attn2.to_v", "transformer_blocks.0.ff.net.2"]
+    text = evaluation.training_caption_text(prompts)
+    assert text["context"].shape[0] == len(np.unique(prompts.captions[~prompts.heldout]))
+    options = dict(steps=2, guidance=3.0, rows_per_layer=100_000, seed=0, batch_size=2)
+    plain = evaluation.capture_flow_layer_set(jax_model, prompts, indices, names, **options)
+    layer_set = evaluation.capture_flow_layer_set(jax_model, prompts, indices, names, **options, text_prompts=text)
+    projected = np.asarray(jax_model.caption_projection(jnp.asarray(text["context"])))  # (P, t, 256)
+    null = np.asarray(jax_model.caption_projection(jnp.asarray(text["uncond_context"])))[0]  # (t, 256)
+    real = np.unique(np.concatenate([projected[text["mask"] > 0], null[text["uncond_mask"][0] > 0]]), axis=0)
+    for name in names[:2]:
+        rows = layer_set[name][2]
+        assert rows.shape == real.shape and rows.shape[0] > 10 * plain[name][2].shape[0]
+        np.testing.assert_allclose(np.unique(rows, axis=0), real, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(layer_set[names[2]][2], plain[names[2]][2])
+
+
+def test_eval_text_rows_flags_change_the_capture_key(tmp_path, capsys):
+    from scripts import eval_testbed
+
+    args = eval_testbed.parse_args(["--out", "x"])
+    assert not args.text_rows_from_all_prompts and args.text_prompts is None
+    with pytest.raises(SystemExit):
+        eval_testbed.parse_args(["--out", "x", "--text-prompts", "data.npz"])
+    assert "--text-prompts is read only with --text-rows-from-all-prompts" in capsys.readouterr().err
+    on = eval_testbed.parse_args(["--out", "x", "--text-rows-from-all-prompts", "--text-prompts", "data.npz"])
+    assert on.text_rows_from_all_prompts and on.text_prompts == "data.npz"
+    text = {"context": np.ones((2, 3, 4)), "mask": np.ones((2, 3))}
+    keys = [eval_testbed.capture_key(args, "p.npz", [0, 1], ["a"]),
+            eval_testbed.capture_key(args, "p.npz", [0, 1], ["a"], text),
+            eval_testbed.capture_key(args, "p.npz", [0, 1], ["a"], {**text, "mask": np.zeros((2, 3))})]
+    assert len(set(keys)) == 3 and keys[1].startswith(keys[0])  # without the option: the key of earlier runs
+    stores = {eval_testbed.store_folder(tmp_path, "kroquant", None, key) for key in keys}
+    assert len(stores) == 3  # a method's store made without the option is never resumed with it, nor vice versa
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The training script: a few CPU steps, resume, export loadable by diffusers
 # --------------------------------------------------------------------------------------------------------------------

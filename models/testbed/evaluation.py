@@ -8,7 +8,8 @@ thin mains over these functions:
 * :func:`text_params`, :func:`generate`, :func:`generate_seeds`: the denoiser's caption inputs and uint8 images of
   dataset records, with per-record noise (a record gets the same noise whatever else is generated beside it), at one
   noise seed or at several (the images of every seed, seed-major);
-* :func:`capture_flow_layer_set`: the calibration layer set of the training captions (``models.capture``);
+* :func:`capture_flow_layer_set`: the calibration layer set of the training captions (``models.capture``), and
+  :func:`training_caption_text`: every distinct training caption's text inputs, for its text-only layers' rows;
 * :func:`image_metrics_of`, :func:`seed_image_metrics`, :func:`layer_errors_summary`: PSNR (with its standard error
   over captions), SSIM, colour ratios, at one seed or over several (with the per-seed PSNR and its spread over
   seeds); mean / max / per-layer-type (:func:`layer_type`) held-out layer errors;
@@ -69,7 +70,7 @@ __all__ = ["CAPTION_GROUPS", "CaptionGroup", "GROUPS", "OUTCOMES", "capture_flow
            "generate", "generate_seeds", "group_metrics", "group_slices", "headline_figures", "heldout_groups",
            "image_metrics_of", "layer_errors_summary", "layer_type", "load_outputs", "markdown_table", "merge_outputs",
            "method_key", "nearest_outcome", "report_seeds", "seed_image_metrics", "select_caption_groups",
-           "text_params", "write_outputs"]
+           "text_params", "training_caption_text", "write_outputs"]
 
 
 def flow_sampler(graphdef, num_steps: int, guidance: float, channels: int, hooks_factory=None):
@@ -91,18 +92,39 @@ def text_params(dataset: testbed_data.EmojiDataset, indices: np.ndarray) -> dict
     }
 
 
+def training_caption_text(dataset: testbed_data.EmojiDataset) -> dict[str, np.ndarray]:
+    """The text inputs of every distinct training caption (held-out records left out) and of the empty caption, as
+    ``models.capture.check_text_prompts`` reads them: ``context (P, t, 384)``, ``mask (P, t)``, ``uncond_context (1,
+    t, 384)``, ``uncond_mask (1, t)`` (P = the number of distinct training captions, first records first)."""
+    train = np.flatnonzero(~dataset.heldout)
+    _, first = np.unique(dataset.captions[train], return_index=True)
+    records = train[np.sort(first)]
+    if len(records) == 0:
+        raise ValueError("the dataset has no training records")
+    return {"context": np.asarray(dataset.context[records], np.float32),
+            "mask": np.asarray(dataset.context_mask[records], np.float32),
+            "uncond_context": np.asarray(dataset.null_context[None], np.float32),
+            "uncond_mask": np.asarray(dataset.null_mask[None], np.float32)}
+
+
 def capture_flow_layer_set(model, dataset: testbed_data.EmojiDataset, indices: np.ndarray, names: list[str], *,
-                           steps: int, guidance: float, rows_per_layer: int, seed: int, batch_size: int
+                           steps: int, guidance: float, rows_per_layer: int, seed: int, batch_size: int,
+                           text_prompts: Mapping[str, np.ndarray] | None = None
                            ) -> dict[str, tuple[np.ndarray, np.ndarray | None, np.ndarray]]:
     """``{name: (W (o, d), bias (o,), A_rows (n, d))}`` from flow-matching sampling runs over the records ``indices``
     (``models.capture.capture_layer_set`` with the flow-Euler PixArt sampler, ``batch_size`` captions per run; only
-    real caption tokens are recorded and repeated rows are kept once, see ``models.capture``)."""
+    real caption tokens are recorded and repeated rows are kept once, see ``models.capture``).
+
+    ``text_prompts`` (e.g. :func:`training_caption_text` of the whole training set): the cross-attention keys' /
+    values' rows come from the caption projection of every real token of these prompts
+    (``CaptureConfig.text_rows_from_all_prompts``), the other layers' rows are the same as without it."""
     batches = [indices[start:start + batch_size] for start in range(0, len(indices), batch_size)]
     size = model.cfg.sample_size
     config = CaptureConfig(num_steps=steps, guidance_scale=guidance, latent_hw=(size, size),
                            rows_per_layer=rows_per_layer, seed=seed, layers=tuple(names), solver="flow_euler",
-                           progress=True)
-    return capture_layer_set("pixart", model, [text_params(dataset, batch) for batch in batches], config)
+                           progress=True, text_rows_from_all_prompts=text_prompts is not None)
+    return capture_layer_set("pixart", model, [text_params(dataset, batch) for batch in batches], config,
+                             text_prompts)
 
 
 
