@@ -2,8 +2,10 @@
 
 Three networks of one architecture, as pytrees of parameters beside one shared model (``FlowModel``):
 
-* **generator** ``G``: the few-step student, initialised from the teacher. At a student step of noise level
-  ``sigma_i`` it predicts a velocity, turned into a clean image ``x0 = x - sigma_i v``.
+* **generator** ``G``: the few-step student, initialised from the teacher (16-bit), or from a calibrated PTQ store as
+  a W4A4 student (:class:`W4A4Generator`, :func:`load_ptq_store`): every quantizable linear in W4A4 fake quant with
+  the straight-through estimator, exactly the forward of the QAD student (``models.qad.student_velocity``). At a
+  student step of noise level ``sigma_i`` it predicts a velocity, turned into a clean image ``x0 = x - sigma_i v``.
 * **real score**: the frozen teacher with classifier-free guidance (``DMD2Config.guidance`` applied where the noise
   level lies in ``guidance_sigma_range``, scale 1 outside: a guidance-interval schedule).
 * **fake score**: a trainable copy of the teacher, trained with the teacher's flow-matching loss on detached
@@ -48,10 +50,11 @@ network, and 1 and 2 steps use levels of the 4-step grid.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,14 +64,18 @@ import numpy as np
 import optax
 from flax import nnx
 
+from kroquant_jax.fileio import atomic_write_json
+from models import qad
+from models.testbed import data as testbed_data
 from models.testbed import model as testbed
-from models.layers import LinearHooks
+from models.layers import LinearHooks, linears
 
 __all__ = ["DMD2Config", "FlowModel", "GanHead", "DMD2Divergence", "pixart_flow_model", "x0_from_velocity",
            "eps_from_velocity", "score_from_velocity", "FAKE_SIGMA_SAMPLING", "student_sigmas",
            "guided_velocity", "generate", "backward_simulate", "dm_gradient", "dm_loss", "fake_score_loss",
            "gan_logits", "make_optimizers", "init_state", "make_cycle", "make_fake_warmup", "train", "restore_state",
-           "forward_passes_per_image"]
+           "forward_passes_per_image", "W4A4Generator", "PTQStore", "load_ptq_store", "generator_key",
+           "check_run_key", "RunKeyMismatch"]
 
 FAKE_SIGMA_SAMPLING = ("logit_normal", "uniform")  # DMD2Config.fake_sigma_sampling
 
@@ -179,19 +186,51 @@ class _FeatureRecorder:
         self.value = x
 
 
+@dataclasses.dataclass(frozen=True)
+class W4A4Generator:
+    """The frozen parts of a W4A4 generator (the QAD student's forward, ``models.qad.student_velocity``).
+
+    blocks: ``{layer: (d / n, n, n)}`` the online transform ``T`` of each quantizable linear (frozen).
+    quant: a :class:`models.qad.QADConfig` whose ``fmt`` (the store's W4A4 format) and ``ste`` (the STE rule) the
+        forward uses; its training fields are not read here.
+    lowrank_quantized: the low-rank branch is fake-quantized too (LoRaQ) rather than 16-bit (SVDQuant).
+
+    The generator's parameters are then ``{"model": nnx state (the 16-bit parameters), "layers": {layer: {"weight"
+    W~ (o, d), "bias" (o,), "left" L (o, r), "right" R (r, d)}}}`` (``models.qad.student_from_qlinears``).
+    """
+
+    blocks: Mapping[str, jax.Array]
+    quant: qad.QADConfig
+    lowrank_quantized: bool
+
+
 def pixart_flow_model(graphdef: nnx.GraphDef, null_context: jax.Array, null_mask: jax.Array,
-                      feature_layer: str | None = None, compute_dtype: Any = jnp.float32) -> FlowModel:
+                      feature_layer: str | None = None, compute_dtype: Any = jnp.float32,
+                      w4a4: W4A4Generator | None = None) -> FlowModel:
     """The testbed PixArt as a :class:`FlowModel`; ``cond = {"context": (b, t, c), "mask": (b, t)}``.
 
     Parameters are cast to ``compute_dtype`` for the forward pass (fp32 masters stay in the optimizer); the
     velocity comes back in fp32. ``feature_layer``: dotted path of a linear whose input feeds the GAN head.
+    ``w4a4``: the model is the W4A4 student instead (parameters as :class:`W4A4Generator` says; the 16-bit
+    parameters are cast to ``compute_dtype``, the quantized layers compute in fp32 from their fp32 masters); it has
+    no ``apply_features`` (the GAN head reads the 16-bit fake score).
     """
+    if w4a4 is not None and feature_layer is not None:
+        raise ValueError("pixart_flow_model: a W4A4 generator has no GAN features (feature_layer must be None)")
+
+    def cast(tree):
+        return jax.tree.map(lambda p: p.astype(compute_dtype), tree)
 
     def forward(params, x, sigma, cond, hooks):
-        low = jax.tree.map(lambda p: p.astype(compute_dtype), params)
-        model = nnx.merge(graphdef, low)
-        out = model(x.astype(compute_dtype), cond["context"].astype(compute_dtype), sigma * testbed.TIMESTEP_SCALE,
-                    encoder_attention_mask=cond["mask"], hooks=hooks)  # (b, 3, s, s)
+        x, context = x.astype(compute_dtype), cond["context"].astype(compute_dtype)
+        timestep = sigma * testbed.TIMESTEP_SCALE
+        if w4a4 is None:
+            out = nnx.merge(graphdef, cast(params))(x, context, timestep, encoder_attention_mask=cond["mask"],
+                                                    hooks=hooks)  # (b, 3, s, s)
+        else:
+            trainable = {"model": cast(params["model"]), "layers": params["layers"]}
+            out = qad.student_velocity(graphdef, trainable, w4a4.blocks, w4a4.quant, w4a4.lowrank_quantized, x,
+                                       timestep, context, cond["mask"])  # (b, 3, s, s)
         return out.astype(jnp.float32)
 
     def apply(params, x, sigma, cond):
@@ -210,6 +249,139 @@ def pixart_flow_model(graphdef: nnx.GraphDef, null_context: jax.Array, null_mask
                 "mask": jnp.broadcast_to(null_mask.astype(cond["mask"].dtype), (b,) + null_mask.shape)}
 
     return FlowModel(apply=apply, uncond=uncond, apply_features=apply_features if feature_layer else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class PTQStore:
+    """A calibrated PTQ store read for a W4A4 generator (:func:`load_ptq_store`).
+
+    path: the folder (absolute). sha256: the content hash of its layer files (names and bytes).
+    generator: the initial generator parameters (see :class:`W4A4Generator`). w4a4: its frozen parts.
+    """
+
+    path: str
+    sha256: str
+    generator: dict[str, Any]
+    w4a4: W4A4Generator
+
+
+def _quantized_shapes(prefix: str, rows: int, cols: int, block: int) -> dict[str, tuple[int, ...]]:
+    """The safetensors keys and shapes of a packed ``(rows, cols)`` array (``kroquant_jax.qlinear``'s layout)."""
+    return {f"{prefix}.codes": (rows, cols // 2), f"{prefix}.scales": (rows, cols // block),
+            f"{prefix}.tensor_scale": (1,)}
+
+
+def _check_layer_file(path: Path, name: str, out_features: int, in_features: int) -> str:
+    """Check one ``QLinearStore`` file against the model's linear ``name`` ``(o, d)`` before it is decoded.
+
+    Returns the layer's W4A4 format name. Raises ValueError naming the file, the layer and the key.
+    """
+    from safetensors import safe_open
+
+    o, d = out_features, in_features
+    where = f"--ptq-store file {path} (layer {name})"
+    with safe_open(str(path), framework="numpy") as f:
+        meta = json.loads((f.metadata() or {}).get("qlinear", "null"))
+        if not isinstance(meta, dict) or "config" not in meta or "weight" not in meta:
+            raise ValueError(f"{where}: no 'qlinear' metadata (not written by kroquant_jax.qlinear.QLinearStore)")
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    config = meta["config"]
+    if (config.get("out_features"), config.get("in_features")) != (o, d):
+        raise ValueError(f"{where}: its config is ({config.get('out_features')}, {config.get('in_features')}), the "
+                         f"model's linear is ({o}, {d})")
+    if config.get("input_pad", 0):
+        raise ValueError(f"{where}: input_pad {config['input_pad']} is not supported by the W4A4 generator")
+    fmt = config["act_fmt"]
+    if meta["weight"]["fmt"] != fmt:
+        raise ValueError(f"{where}: weight format {meta['weight']['fmt']} differs from the activation format {fmt}")
+    block = int(fmt["block_size"])
+    expected = dict(_quantized_shapes("weight", o, d, block))
+    blocks = shapes.get("blocks")
+    if blocks is None or len(blocks) != 3 or blocks[1] != blocks[2] or blocks[0] * blocks[1] != d:
+        raise ValueError(f"{where}: key 'blocks' has shape {blocks}, expected (d / n, n, n) with d = {d}")
+    if meta.get("has_bias"):
+        expected["bias"] = (o,)
+    lowrank = meta.get("lowrank")
+    if lowrank is not None:
+        rank = int(config["rank"])
+        if lowrank.get("quantized"):
+            for side in ("left", "right"):
+                if lowrank[side]["fmt"] != fmt:
+                    raise ValueError(f"{where}: lowrank_{side} format {lowrank[side]['fmt']} differs from {fmt}")
+            expected.update(_quantized_shapes("lowrank_left", o, rank, block))
+            expected.update(_quantized_shapes("lowrank_right", rank, d, block))
+        else:
+            expected.update({"lowrank_left": (o, rank), "lowrank_right": (rank, d)})
+    for key, shape in expected.items():
+        if key not in shapes:
+            raise ValueError(f"{where}: key {key!r} is missing (expected shape {shape})")
+        if shapes[key] != shape:
+            raise ValueError(f"{where}: key {key!r} has shape {shapes[key]}, expected {shape}")
+    return str(fmt["name"])
+
+
+def load_ptq_store(folder: str | Path, model: nnx.Module) -> PTQStore:
+    """Read and validate a calibrated PTQ store (a ``kroquant_jax.qlinear.QLinearStore`` folder, any recipe, as
+    ``kroquant qad --ptq-store`` reads it) as the initial W4A4 generator of ``model`` (the 16-bit teacher).
+
+    Every quantizable linear of ``model`` must have exactly one layer file of matching shapes, all in one W4A4 format
+    (MXFP4 or NVFP4 with that format's default scale rule); checked file by file before any layer is decoded, so a
+    bad store fails in seconds with a ValueError naming the file, the layer and the key. The generator is then
+    ``models.qad.student_from_qlinears`` (``W~ = W T^{-T} - L R`` from the 16-bit weight, the branch and the bias as
+    stored, the blocks frozen) beside the teacher's 16-bit parameters; the forward uses QAD's plain STE.
+    """
+    from safetensors import safe_open
+
+    from kroquant_jax.qlinear import load_qlinear
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"--ptq-store {folder}: no such folder")
+    files = sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith("."))
+    if not files:
+        raise ValueError(f"--ptq-store {folder}: no layer files (*.safetensors)")
+    wanted = linears(model, quantizable_only=True)
+    by_name, digest = {}, hashlib.sha256()
+    for path in files:
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                meta = json.loads((f.metadata() or {}).get("qlinear", "{}"))
+        except Exception as error:  # a truncated or foreign file: name it
+            raise ValueError(f"--ptq-store file {path}: not a readable safetensors layer ({error})") from error
+        name = meta.get("extra", {}).get("name")
+        if name is None:
+            raise ValueError(f"--ptq-store file {path}: no layer name in its metadata")
+        if name in by_name:
+            raise ValueError(f"--ptq-store {folder}: layer {name} is stored twice ({by_name[name].name}, {path.name})")
+        if name not in wanted:
+            raise ValueError(f"--ptq-store file {path}: layer {name} is not a quantizable linear of the teacher")
+        by_name[name] = path
+        digest.update(f"{path.name}|{testbed_data.file_sha256(path)}\n".encode())
+    missing = [name for name in wanted if name not in by_name]
+    if missing:
+        raise ValueError(f"--ptq-store {folder}: no layer file for {len(missing)} quantizable linear(s) of the "
+                         f"teacher, e.g. {missing[:3]}")
+    fmt_names = {name: _check_layer_file(by_name[name], name, linear.out_features, linear.in_features)
+                 for name, linear in wanted.items()}
+    if len(set(fmt_names.values())) > 1:
+        raise ValueError(f"--ptq-store {folder}: layers in several formats {sorted(set(fmt_names.values()))}")
+    fmt = next(iter(fmt_names.values()))
+    if fmt not in qad.FORMATS:
+        raise ValueError(f"--ptq-store {folder}: format {fmt!r} is not one of {sorted(qad.FORMATS)}")
+    qlayers = {}
+    for name, path in by_name.items():
+        layer, _ = load_qlinear(str(path))
+        if layer.config.act_fmt != qad.FORMATS[fmt]():
+            raise ValueError(f"--ptq-store file {path} (layer {name}): format {layer.config.act_fmt} is not the "
+                             f"default {qad.FORMATS[fmt]()} the QAD student's forward uses")
+        qlayers[name] = layer
+    layers, blocks, lowrank_quantized = qad.student_from_qlinears(model, qlayers)
+    _, params = nnx.split(model)
+    generator = {"model": jax.tree.map(lambda p: jnp.array(p, jnp.float32), params),
+                 "layers": jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), layers)}
+    w4a4 = W4A4Generator(blocks={k: jnp.asarray(v, jnp.float32) for k, v in blocks.items()},
+                         quant=qad.QADConfig(fmt=fmt, ste="identity"), lowrank_quantized=lowrank_quantized)
+    return PTQStore(path=str(folder.absolute()), sha256=digest.hexdigest(), generator=generator, w4a4=w4a4)
 
 
 class GanHead(nnx.Module):
@@ -413,11 +585,17 @@ def make_optimizers(config: DMD2Config) -> tuple[optax.GradientTransformation, o
     return one(config.generator_lr), one(config.fake_lr)
 
 
-def init_state(teacher_params: Params, head_params: Params, config: DMD2Config, seed: int) -> dict[str, Any]:
+def init_state(teacher_params: Params, head_params: Params, config: DMD2Config, seed: int,
+               generator: Params | None = None) -> dict[str, Any]:
     """Training state: generator and fake score copied from the teacher, the GAN head, both optimizer states, the step
-    counter (fake-score updates done) and the PRNG key as raw ``uint32`` data (checkpointable)."""
+    counter (fake-score updates done) and the PRNG key as raw ``uint32`` data (checkpointable).
+
+    ``generator``: other initial generator parameters (e.g. :attr:`PTQStore.generator`, a W4A4 student) instead of
+    the teacher's; every leaf of it is trained. The fake score is the teacher's copy either way.
+    """
     gen_opt, fake_opt = make_optimizers(config)
-    generator = jax.tree.map(lambda p: jnp.array(p, jnp.float32), teacher_params)
+    generator = jax.tree.map(lambda p: jnp.array(p, jnp.float32),
+                             teacher_params if generator is None else generator)
     critic = {"fake": jax.tree.map(lambda p: jnp.array(p, jnp.float32), teacher_params), "head": head_params}
     return {"generator": generator, "critic": critic, "gen_opt": gen_opt.init(generator),
             "critic_opt": fake_opt.init(critic), "step": jnp.asarray(0, jnp.int32),
@@ -430,20 +608,21 @@ def _finite(tree) -> jax.Array:
 
 def _critic_parts(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef | None,
                   sample_batch: Callable[[jax.Array], tuple[Cond, jax.Array | None, Cond | None]],
-                  image_shape: tuple[int, ...]):
+                  image_shape: tuple[int, ...], generator_model: FlowModel):
     """The pieces :func:`make_cycle` and :func:`make_fake_warmup` share: ``make_samples(generator, key, cond) -> x0``
-    (the generator's training samples, backward-simulated) and ``critic_update(state, x0, cond, key, real_images,
-    real_cond) -> (state, {"fake_loss", "gan_d"})`` (one fake-score + discriminator AdamW update)."""
+    (the generator's training samples through ``generator_model``, backward-simulated) and ``critic_update(state, x0,
+    cond, key, real_images, real_cond) -> (state, {"fake_loss", "gan_d"})`` (one fake-score + discriminator AdamW
+    update through ``model``)."""
     _, critic_opt = make_optimizers(config)
 
     def make_samples(generator, key, cond):
         key_sim, _ = jax.random.split(key)
         if config.backward_simulation and config.num_steps > 1:
-            x, sigma = backward_simulate(model, generator, key_sim, cond, image_shape, config.num_steps)
+            x, sigma = backward_simulate(generator_model, generator, key_sim, cond, image_shape, config.num_steps)
         else:
             x = jax.random.normal(key_sim, image_shape, jnp.float32)
             sigma = jnp.ones((image_shape[0],), jnp.float32)
-        return x0_from_velocity(x, model.apply(generator, x, sigma, cond), sigma)  # (b, c, h, w)
+        return x0_from_velocity(x, generator_model.apply(generator, x, sigma, cond), sigma)  # (b, c, h, w)
 
     def critic_loss(critic, x0, cond, key, real_images, real_cond):
         key_fm, key_gan = jax.random.split(key)
@@ -471,17 +650,18 @@ def _critic_parts(model: FlowModel, config: DMD2Config, head_graphdef: nnx.Graph
 
 def make_fake_warmup(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef | None,
                      sample_batch: Callable[[jax.Array], tuple[Cond, jax.Array | None, Cond | None]],
-                     image_shape: tuple[int, ...]):
+                     image_shape: tuple[int, ...], generator_model: FlowModel | None = None):
     """A jitted ``state -> (state, metrics)`` running ``config.fake_warmup`` fake-score (+ discriminator) updates on
     fresh samples of the current generator (which it leaves unchanged), in one ``lax.scan``.
 
-    Arguments as :func:`make_cycle`. metrics: ``fake_loss_first`` / ``fake_loss_last`` (the flow-matching loss of the
-    first and last warm-up update), ``gan_d`` (mean) and ``finite``. Raises ValueError when ``config.fake_warmup``
-    is 0.
+    Arguments (``generator_model`` included) as :func:`make_cycle`. metrics: ``fake_loss_first`` /
+    ``fake_loss_last`` (the flow-matching loss of the first and last warm-up update), ``gan_d`` (mean) and
+    ``finite``. Raises ValueError when ``config.fake_warmup`` is 0.
     """
     if config.fake_warmup < 1:
         raise ValueError(f"make_fake_warmup: DMD2Config.fake_warmup is {config.fake_warmup}; nothing to warm up")
-    make_samples, critic_update = _critic_parts(model, config, head_graphdef, sample_batch, image_shape)
+    make_samples, critic_update = _critic_parts(model, config, head_graphdef, sample_batch, image_shape,
+                                                model if generator_model is None else generator_model)
 
     def warmup_step(state, k):
         key_b, key_s, key_c = jax.random.split(jax.random.fold_in(jax.random.wrap_key_data(state["key"]), k), 3)
@@ -504,7 +684,7 @@ def make_fake_warmup(model: FlowModel, config: DMD2Config, head_graphdef: nnx.Gr
 
 def make_cycle(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef | None,
                sample_batch: Callable[[jax.Array], tuple[Cond, jax.Array | None, Cond | None]],
-               image_shape: tuple[int, ...], cycles: int = 1):
+               image_shape: tuple[int, ...], cycles: int = 1, generator_model: FlowModel | None = None):
     """A jitted ``(state, teacher_params) -> (state, metrics)`` running ``cycles`` DMD2 cycles.
 
     One cycle = one generator update, then ``config.fake_updates_per_generator`` fake-score (+ discriminator)
@@ -515,11 +695,14 @@ def make_cycle(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef
     sample_batch: ``key -> (cond, real_images (b, c, h, w) or None, real_cond or None)``: prompts for the generator
         and, for the GAN, a batch of real images with their conditioning.
     image_shape: (b, c, h, w) of the generator's batch.
+    generator_model: the generator's network when it is not ``model`` (the real and fake scores' network), e.g. the
+        W4A4 student of ``pixart_flow_model(..., w4a4=...)``; None: ``model``.
     metrics: means over the call of ``dm_loss``, ``dm_grad_norm``, ``fake_loss``, ``gan_g``, ``gan_d`` and ``finite``
     (1.0 when every loss and parameter stayed finite).
     """
     gen_opt, _ = make_optimizers(config)
-    make_samples, critic_update = _critic_parts(model, config, head_graphdef, sample_batch, image_shape)
+    make_samples, critic_update = _critic_parts(model, config, head_graphdef, sample_batch, image_shape,
+                                                model if generator_model is None else generator_model)
 
     def generator_loss(generator, critic, teacher, key, cond):
         key_sample, key_dm, key_gan = jax.random.split(key, 3)
@@ -581,11 +764,59 @@ class DMD2Divergence(FloatingPointError):
     """A loss or parameter became NaN/Inf; the last good checkpoint is kept."""
 
 
+class RunKeyMismatch(ValueError):
+    """A run folder's checkpoints were made from another generator initialisation than this call's."""
+
+
+RUN_KEY_FILE = "dmd2_run.json"
+#: The key of a run folder with checkpoints and no key file: made before runs were keyed, when every generator
+#: started from the teacher.
+TEACHER_KEY = {"generator": "teacher"}
+
+
+def generator_key(store: PTQStore | None) -> dict[str, Any]:
+    """What a run folder is keyed by: the generator's initialisation, the teacher (``store`` None) or a PTQ store
+    (its content hash and folder name, which are compared, and its absolute path, recorded)."""
+    if store is None:
+        return dict(TEACHER_KEY)
+    return {"generator": {"ptq_store": Path(store.path).name, "sha256": store.sha256}, "ptq_store_path": store.path}
+
+
+def _describe(key: Mapping[str, Any]) -> str:
+    generator = key["generator"]
+    if generator == "teacher":
+        return "the 16-bit teacher (no --ptq-store)"
+    return f"--ptq-store {key.get('ptq_store_path', generator['ptq_store'])} (sha256 {generator['sha256'][:12]})"
+
+
+def check_run_key(run_dir: str | Path, key: Mapping[str, Any], write: bool) -> None:
+    """Refuse a run folder made from another generator initialisation (:class:`RunKeyMismatch`, one line).
+
+    The stored key is ``run_dir/dmd2_run.json``, or :data:`TEACHER_KEY` for a folder with checkpoints and no key;
+    only the ``generator`` entries are compared (a moved copy of the same store resumes). ``write``: store ``key``
+    when the folder has none (a fresh run).
+    """
+    run_dir = Path(run_dir)
+    path = run_dir / RUN_KEY_FILE
+    if path.exists():
+        stored = json.loads(path.read_text())
+    elif (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        stored = TEACHER_KEY
+    else:
+        stored = None
+    if stored is not None and stored["generator"] != json.loads(json.dumps(key["generator"])):
+        raise RunKeyMismatch(f"{run_dir}: its generator was initialised from {_describe(stored)}, this call's from "
+                             f"{_describe(key)}; use another --run or the same --ptq-store")
+    if stored is None and write:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, dict(key))
+
+
 def train(run_cycles, state: dict[str, Any], teacher: Params, run_dir: str | Path, total_cycles: int,
           cycles_per_call: int, save_every_calls: int = 10, time_budget: float | None = None,
           progress: bool = True, log_extra: dict[str, Any] | None = None,
           warmup: Callable[[dict[str, Any]], tuple[dict[str, Any], dict[str, Any]]] | None = None,
-          ) -> tuple[dict[str, Any], dict[str, Any]]:
+          run_key: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run ``run_cycles`` (from :func:`make_cycle` with ``cycles=cycles_per_call``) until ``total_cycles`` cycles.
 
     ``warmup`` (from :func:`make_fake_warmup`) runs once before the first cycle of a fresh run (not on resume: its
@@ -595,6 +826,10 @@ def train(run_cycles, state: dict[str, Any], teacher: Params, run_dir: str | Pat
     bit-identical to an uninterrupted run, since the batch and noise keys live in the state). Saves every
     ``save_every_calls`` calls and at the end; a non-finite loss or parameter raises :class:`DMD2Divergence` without
     saving the bad state. Appends one JSON line per call to ``run_dir/log.jsonl``.
+
+    ``run_key`` (:func:`generator_key`; None: the teacher's) is checked against the folder's before anything is
+    restored (:func:`check_run_key`: a folder made from another initialisation raises :class:`RunKeyMismatch`) and
+    stored in a fresh folder.
 
     Returns ``(state, summary)``; summary has ``cycles``, ``generator_updates``, ``fake_updates``, ``elapsed_s``,
     ``resumed_from``.
@@ -606,7 +841,7 @@ def train(run_cycles, state: dict[str, Any], teacher: Params, run_dir: str | Pat
         raise ValueError(f"train: total_cycles {total_cycles} must be a multiple of cycles_per_call "
                          f"{cycles_per_call}")
     run_dir = Path(run_dir).absolute()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    check_run_key(run_dir, TEACHER_KEY if run_key is None else run_key, write=True)
     manager = ocp.CheckpointManager(run_dir / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=2))
     resumed_from = manager.latest_step()
     if resumed_from is not None:
@@ -670,11 +905,14 @@ def train(run_cycles, state: dict[str, Any], teacher: Params, run_dir: str | Pat
     return state, summary
 
 
-def restore_state(run_dir: str | Path, template: dict[str, Any]) -> tuple[dict[str, Any], int]:
+def restore_state(run_dir: str | Path, template: dict[str, Any],
+                  run_key: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], int]:
     """The latest checkpoint of a :func:`train` run -> ``(state, cycles done)``; ``template`` gives the structure
-    (e.g. :func:`init_state` of the same teacher). Raises FileNotFoundError when the run has no checkpoint."""
+    (e.g. :func:`init_state` of the same teacher and generator). ``run_key`` (None: the teacher's) is checked first
+    (:func:`check_run_key`). Raises FileNotFoundError when the run has no checkpoint."""
     import orbax.checkpoint as ocp
 
+    check_run_key(run_dir, TEACHER_KEY if run_key is None else run_key, write=False)
     directory = Path(run_dir).absolute() / "checkpoints"
     manager = ocp.CheckpointManager(directory)
     step = manager.latest_step()

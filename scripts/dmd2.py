@@ -6,13 +6,18 @@
     kroquant dmd2 evaluate --data runs/dmd2_prompts.npz --reference runs/dmd2_reference.npz --run runs/dmd2 \\
         --out runs/dmd2_eval
 
-``train``: generator and fake score start from the teacher (``--teacher``, a diffusers PixArt directory); prompts are
-the training records of ``--data``; the GAN's real images are the same records' images. Method: ``models/dmd2.py``.
+``train``: generator and fake score start from the teacher (``--teacher``, a diffusers PixArt directory); with
+``--ptq-store DIR`` (a calibrated ``QLinearStore`` folder, as ``kroquant qad --ptq-store`` reads) the generator is the
+W4A4 student initialised from it instead (every quantizable linear in W4A4 fake quant with the STE, the QAD student's
+forward; the fake and real scores stay 16-bit). Prompts are the training records of ``--data``; the GAN's real images
+are the same records' images. Method: ``models/dmd2.py``. A run folder is keyed by the generator's initialisation:
+resuming it (or evaluating it) with another ``--ptq-store``, or none, is refused.
 ``evaluate``: the teacher (Euler, ``--teacher-steps`` x 2 CFG branches), the teacher's weights used as a 4-step
-student without training, and the trained student at 1, 2, 4, 8 steps: Fréchet distance of in-domain encoder features
-to the real training images and to the teacher's samples, caption accuracy, seed diversity, nearest-image outcomes,
-wall time per image, a grid PNG and ``report.json``. The encoder (``models/testbed/metrics.py``) is trained on the
-reference images once and cached (``--encoder-dir``).
+student without training, with ``--ptq-store`` also the untrained W4A4 generator (the PTQ model at ``--num-steps``
+steps, one branch), and the trained student at 1, 2, 4, 8 steps (W4A4 fake quant with ``--ptq-store``): Fréchet
+distance of in-domain encoder features to the real training images and to the teacher's samples, caption accuracy,
+seed diversity, nearest-image outcomes, wall time per image, a grid PNG and ``report.json``. The encoder
+(``models/testbed/metrics.py``) is trained on the reference images once and cached (``--encoder-dir``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +50,8 @@ DEFAULTS = dmd2.DMD2Config()
 
 EXAMPLES = ("reference --data runs/emoji32.npz --out runs/dmd2_reference.npz",
             "train --data runs/dmd2_prompts.npz --run runs/dmd2 --time-budget 60",
+            "train --data runs/dmd2_prompts.npz --run runs/dmd2_w4a4 --ptq-store runs/ptq_stores/qlayers/RECIPE-HASH "
+            "--time-budget 60",
             "evaluate --data runs/dmd2_prompts.npz --reference runs/dmd2_reference.npz --run runs/dmd2 "
             "--out runs/dmd2_eval")
 
@@ -61,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                       EXAMPLES[1].split(" ", 1)[1]),
             "evaluate": ("Compare the teacher, the untrained and the trained student on in-domain metrics.\n\n"
                          "Fréchet distance, caption accuracy, seed diversity, nearest-image outcomes and wall time "
-                         "per image;\nreport.json and grid.png in --out.", EXAMPLES[2].split(" ", 1)[1])}
+                         "per image;\nreport.json and grid.png in --out.", EXAMPLES[3].split(" ", 1)[1])}
     for name, (doc, example) in docs.items():
         p = action_parser(sub, "dmd2", name, doc, (example,))
         p.add_argument("--data", required=True, help="dataset or prompt-subset .npz (kroquant build-emoji-dataset)")
@@ -73,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--seed", type=int, default=0, help="seed of the initialisation, the batches and the noise")
         p.add_argument("--gan-feature-layer", default=DEFAULTS.gan_feature_layer,
                        help="the linear whose input tokens feed the GAN head")
+        p.add_argument("--ptq-store", default=None,
+                       help="calibrated PTQ QLinearStore folder (any recipe): the generator is the W4A4 student "
+                            "initialised from it (fake quant with the STE); the run is keyed by it")
     train = sub.choices["train"]
     train.add_argument("--cycles", type=positive_int, default=100000,
                        help="generator updates (each with --ratio fake updates)")
@@ -136,30 +147,61 @@ def config_from(args: argparse.Namespace) -> dmd2.DMD2Config:
                            gan_feature_layer=args.gan_feature_layer, **extra)
 
 
-def setup(args: argparse.Namespace, compute_dtype):
-    """Teacher, dataset, the FlowModel and the template training state."""
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What both actions build: the teacher, the dataset, the networks and the template training state.
+
+    flow: the real and fake scores' network (16-bit); generator_flow: the generator's (``flow`` itself, or the W4A4
+    student with ``--ptq-store``); store: the PTQ store read (None without ``--ptq-store``); run_key: the run
+    folder's key (``models.dmd2.generator_key``).
+    """
+
+    cfg: Any
+    graphdef: Any
+    teacher: Any
+    dataset: Any
+    flow: dmd2.FlowModel
+    generator_flow: dmd2.FlowModel
+    head_graphdef: Any
+    config: dmd2.DMD2Config
+    state: dict
+    store: dmd2.PTQStore | None
+    run_key: dict
+
+
+def setup(args: argparse.Namespace, compute_dtype) -> Setup:
+    """Teacher, dataset, the FlowModels and the template training state (the PTQ store is read and validated here,
+    before anything is compiled)."""
     cfg, model = families.PIXART.from_diffusers(args.teacher, "float32")
     layers = linears(model)
     if args.gan_feature_layer not in layers:
         raise KeyError(f"--gan-feature-layer {args.gan_feature_layer!r} is not a linear of {args.teacher}")
+    store = None if args.ptq_store is None else dmd2.load_ptq_store(args.ptq_store, model)
     graphdef, teacher = nnx.split(model)
     dataset = testbed_data.load_dataset(args.data)
     if cfg.sample_size != dataset.image_size:
         raise ValueError(f"{args.teacher}: sample_size {cfg.sample_size} != {args.data} image size "
                          f"{dataset.image_size}")
-    flow = dmd2.pixart_flow_model(graphdef, jnp.asarray(dataset.null_context, jnp.float32),
-                                  jnp.asarray(dataset.null_mask, jnp.float32), args.gan_feature_layer, compute_dtype)
+    null_context = jnp.asarray(dataset.null_context, jnp.float32)
+    null_mask = jnp.asarray(dataset.null_mask, jnp.float32)
+    flow = dmd2.pixart_flow_model(graphdef, null_context, null_mask, args.gan_feature_layer, compute_dtype)
+    generator_flow = flow if store is None else dmd2.pixart_flow_model(graphdef, null_context, null_mask, None,
+                                                                       compute_dtype, w4a4=store.w4a4)
     head = dmd2.GanHead(layers[args.gan_feature_layer].in_features, rngs=nnx.Rngs(args.seed))
     head_graphdef, head_params = nnx.split(head)
     config = config_from(args)
-    state = dmd2.init_state(teacher, head_params, config, args.seed)
-    return cfg, graphdef, teacher, dataset, flow, head_graphdef, config, state
+    state = dmd2.init_state(teacher, head_params, config, args.seed,
+                            generator=None if store is None else store.generator)
+    return Setup(cfg=cfg, graphdef=graphdef, teacher=teacher, dataset=dataset, flow=flow,
+                 generator_flow=generator_flow, head_graphdef=head_graphdef, config=config, state=state, store=store,
+                 run_key=dmd2.generator_key(store))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     compute_dtype = jnp.dtype(args.compute_dtype)
-    cfg, _, teacher, dataset, flow, head_graphdef, config, state = setup(args, compute_dtype)
-    train = dataset.split(heldout=False)
+    built = setup(args, compute_dtype)
+    cfg, config, flow, head_graphdef = built.cfg, built.config, built.flow, built.head_graphdef
+    train = built.dataset.split(heldout=False)
     images = jnp.asarray(train.images)  # (n, s, s, 3) uint8
     context = jnp.asarray(train.context)  # (n, t, 384) fp16, cast per batch
     mask = jnp.asarray(train.context_mask, jnp.float32)  # (n, t)
@@ -174,15 +216,16 @@ def cmd_train(args: argparse.Namespace) -> int:
                 {"context": context[real].astype(jnp.float32), "mask": mask[real]})
 
     shape = (b, cfg.in_channels, cfg.sample_size, cfg.sample_size)
-    run_cycles = dmd2.make_cycle(flow, config, head_graphdef, sample_batch, shape, cycles=args.cycles_per_call)
-    warmup = (dmd2.make_fake_warmup(flow, config, head_graphdef, sample_batch, shape) if config.fake_warmup
-              else None)
+    run_cycles = dmd2.make_cycle(flow, config, head_graphdef, sample_batch, shape, cycles=args.cycles_per_call,
+                                 generator_model=built.generator_flow)
+    warmup = (dmd2.make_fake_warmup(flow, config, head_graphdef, sample_batch, shape,
+                                    generator_model=built.generator_flow) if config.fake_warmup else None)
     total = -(-args.cycles // args.cycles_per_call) * args.cycles_per_call
-    state, summary = dmd2.train(run_cycles, state, teacher, args.run, total, args.cycles_per_call, warmup=warmup,
-                                save_every_calls=args.save_every_calls, time_budget=args.time_budget,
-                                progress=not args.no_progress,
+    state, summary = dmd2.train(run_cycles, built.state, built.teacher, args.run, total, args.cycles_per_call,
+                                warmup=warmup, save_every_calls=args.save_every_calls, time_budget=args.time_budget,
+                                progress=not args.no_progress, run_key=built.run_key,
                                 log_extra={"config": dataclasses.asdict(config), "batch_size": b,
-                                           "prompts": n, "teacher": str(args.teacher)})
+                                           "prompts": n, "teacher": str(args.teacher), **built.run_key})
     summary = {**summary, "batch_size": b, "generator_updates": summary["cycles"],
                "images_per_s_generator": round(summary["cycles"] * b / max(summary["elapsed_s"], 1e-9), 1)}
     print(json.dumps(summary), flush=True)
@@ -196,10 +239,11 @@ def _noise(seed: int, indices: np.ndarray, shape: tuple[int, ...]) -> jax.Array:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    built = setup(args, jnp.float32)
+    cfg, graphdef, teacher, dataset = built.cfg, built.graphdef, built.teacher, built.dataset
+    state, cycle = dmd2.restore_state(args.run, built.state, run_key=built.run_key)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg, graphdef, teacher, dataset, flow, _, _, template = setup(args, jnp.float32)
-    state, cycle = dmd2.restore_state(args.run, template)
     ref_images, ref_heldout, _ = emoji_metrics.load_reference_images(args.reference)
     _, class_images = emoji_metrics.glyph_classes(ref_images)
     encoder_config = emoji_metrics.EncoderConfig(steps=args.encoder_steps, batch_size=args.encoder_batch_size)
@@ -220,9 +264,19 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         return testbed.euler_sample(testbed.pixart_velocity_fn(nnx.merge(graphdef, params)), noise, context, mask,
                                     null_context, null_mask, args.teacher_steps, args.guidance)
 
-    student_jits = {steps: jax.jit(lambda params, key, cond, steps=steps: dmd2.generate(
-        flow, params, key, cond, (cond["mask"].shape[0],) + channel_shape, steps))
-        for steps in sorted(set(args.student_steps) | {args.num_steps})}
+    def student_jits(flow):
+        return {steps: jax.jit(lambda params, key, cond, steps=steps: dmd2.generate(
+            flow, params, key, cond, (cond["mask"].shape[0],) + channel_shape, steps))
+            for steps in sorted(set(args.student_steps) | {args.num_steps})}
+
+    # the untrained 16-bit student (the teacher's weights), the untrained W4A4 generator (the PTQ model) and the
+    # trained student, each through its own network
+    score_jits = student_jits(built.flow)
+    generator_jits = score_jits if built.store is None else student_jits(built.generator_flow)
+    samplers = {"untrained": (score_jits, teacher)}
+    if built.store is not None:
+        samplers["untrained_w4a4"] = (generator_jits, built.store.generator)
+    samplers["student"] = (generator_jits, state["generator"])
 
     def run_system(name, seed):
         images, began = [], None
@@ -234,8 +288,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                 pixels = teacher_sample(teacher, _noise(seed, chunk, channel_shape), cond["context"], cond["mask"])
             else:
                 kind, steps = name.split("@")
-                params = teacher if kind == "untrained" else state["generator"]
-                pixels = student_jits[int(steps)](params, jax.random.fold_in(jax.random.key(seed), start), cond)
+                jits, params = samplers[kind]
+                pixels = jits[int(steps)](params, jax.random.fold_in(jax.random.key(seed), start), cond)
             pixels = jax.block_until_ready(pixels)
             if began is None:  # the first batch compiles; time the rest
                 began = time.perf_counter()
@@ -245,7 +299,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         timed = sum(len(x) for x in images[timed_from:])
         return np.concatenate(images), (seconds / timed if timed else None)
 
-    systems = ["teacher", f"untrained@{args.num_steps}"] + [f"student@{s}" for s in args.student_steps]
+    controls = [f"{kind}@{args.num_steps}" for kind in samplers if kind != "student"]
+    systems = ["teacher", *controls] + [f"student@{s}" for s in args.student_steps]
     samples, report = {}, {"systems": {}}
     pool = dataset.images.astype(np.float32) / 255
     bases = [testbed_data.base_sequence(testbed_data.text_to_sequence(s)) for s in dataset.sequences]
@@ -278,14 +333,17 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         "student_cycles": cycle, "fake_updates": int(state["step"]), "seeds": [args.seed, args.seed + 1],
         "encoder_top1_on_real_glyphs": real_accuracy, "classes": int(class_images.shape[0]),
         "real_reference_images": int(real_features.shape[0]), "jax": jax.__version__,
-        "device": str(jax.devices()[0])}
+        "device": str(jax.devices()[0]), "generator_forward": "16-bit" if built.store is None else
+        f"W4A4 {built.store.w4a4.quant.fmt} fake quant (STE), one branch", **built.run_key}
     atomic_write_json(out / "report.json", report)
     rows_idx = np.arange(min(args.grid_rows, len(train_indices)))
     rows = [[dataset.images[train_indices[k]]] + [samples[name][k] for name in systems] for k in rows_idx]
-    titles = ["dataset", f"teacher {args.teacher_steps}x2", f"untrained {args.num_steps}"] + [
+    control_titles = {"untrained": f"untrained {args.num_steps}", "untrained_w4a4": f"PTQ W4A4 {args.num_steps}"}
+    titles = ["dataset", f"teacher {args.teacher_steps}x2"] + [control_titles[c.split("@")[0]] for c in controls] + [
         f"DMD2 {s}" for s in args.student_steps]
+    student = "DMD2 student" if built.store is None else "W4A4 DMD2 student"
     testbed.save_caption_grid(str(out / "grid.png"), [str(dataset.captions[train_indices[k]]) for k in rows_idx],
-                              rows, titles, title=f"teacher (Euler, CFG {args.guidance:g}) vs DMD2 student "
+                              rows, titles, title=f"teacher (Euler, CFG {args.guidance:g}) vs {student} "
                                                   f"({cycle} generator updates)")
     print(json.dumps(report["settings"]), flush=True)
     return 0

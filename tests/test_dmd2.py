@@ -206,6 +206,37 @@ def test_student_sampler_and_backward_simulation():
     assert dmd2.forward_passes_per_image(20, 3.0) == 40 and dmd2.forward_passes_per_image(4, 1.0) == 4
 
 
+def test_a_generator_of_its_own_network_is_used_wherever_the_generator_runs():
+    """``generator_model`` (the W4A4 generator's network) serves every generator forward of make_cycle and
+    make_fake_warmup (backward simulation included) and nothing else: a generator whose parameters are wrapped in
+    another structure, with a network that unwraps them, trains bit-identically to the plain one."""
+    wrapped = dmd2.FlowModel(apply=lambda p, x, sigma, cond: gaussian_apply(p["inner"], x, sigma, cond),
+                             uncond=GAUSSIAN.uncond)
+    b = 16
+    config = dmd2.DMD2Config(num_steps=2, guidance=1.5, fake_updates_per_generator=2, generator_lr=0.01,
+                             fake_lr=0.01, fake_warmup=3)
+
+    def sample_batch(key):
+        return gcond(b), None, None
+
+    teacher = gparams(2.0)
+    plain = dmd2.init_state(teacher, {}, config, seed=0, generator=gparams(0.5))
+    boxed = dmd2.init_state(teacher, {}, config, seed=0, generator={"inner": gparams(0.5)})
+    results = []
+    for model, state in ((None, plain), (wrapped, boxed)):
+        warm, _ = dmd2.make_fake_warmup(GAUSSIAN, config, None, sample_batch, (b, 1, 1, D), generator_model=model)(
+            state)
+        new, metrics = dmd2.make_cycle(GAUSSIAN, config, None, sample_batch, (b, 1, 1, D), cycles=2,
+                                       generator_model=model)(warm, teacher)
+        assert float(metrics["finite"]) == 1.0
+        results.append(new)
+    assert not np.array_equal(np.asarray(results[0]["generator"]["m"]), np.asarray(plain["generator"]["m"]))
+    np.testing.assert_array_equal(np.asarray(results[1]["generator"]["inner"]["m"]),
+                                  np.asarray(results[0]["generator"]["m"]))
+    np.testing.assert_array_equal(np.asarray(results[1]["critic"]["fake"]["m"]),
+                                  np.asarray(results[0]["critic"]["fake"]["m"]))
+
+
 def test_train_resume_is_bit_identical(tmp_path):
     config = dmd2.DMD2Config(num_steps=2, guidance=1.5, fake_updates_per_generator=2, generator_lr=0.01,
                              fake_lr=0.01)
@@ -295,8 +326,146 @@ def test_pixart_cycle_with_gan_and_guidance_interval():
     assert x.shape == (b, 3, 8, 8)
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# The W4A4 generator from a calibrated PTQ store (the QAD student's forward)
+# --------------------------------------------------------------------------------------------------------------------
+
+W4A4_TINY = dataclasses.replace(testbed.TESTBED_PIXART_CONFIG, num_layers=1, num_attention_heads=2,
+                                attention_head_dim=16, cross_attention_dim=32, sample_size=8, caption_channels=12)
+
+
+def write_ptq_store(model, folder, seed=0):
+    """A LoRaQ-like calibrated store of every quantizable linear of ``model``: a random diagonal (SmoothQuant-style)
+    transform and a packed MXFP4 rank-32 branch, written with QLinearStore as the calibration scripts do."""
+    from kroquant_jax.qlinear import QLinearStore, build_qlinear
+    from models.layers import linears
+
+    rng = np.random.default_rng(seed)
+    store = QLinearStore(str(folder))
+    for name, linear in linears(model, quantizable_only=True).items():
+        w = np.asarray(linear.kernel[...], np.float32).T  # (o, d)
+        o, d = w.shape
+        branch = (0.1 * rng.standard_normal((o, 32)).astype(np.float32),
+                  rng.standard_normal((32, d)).astype(np.float32))
+        params = {"log_gamma": jnp.asarray(0.3 * rng.standard_normal(d), jnp.float32)}
+        store.save(name, build_qlinear(w, np.asarray(linear.bias[...]), transform="diagonal", transform_params=params,
+                                       lowrank=branch, lowrank_quantized=True, name=name))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def w4a4_store(tmp_path_factory):
+    """The tiny teacher and a calibrated store of it (written once per module)."""
+    model = families.PIXART.build(W4A4_TINY, jnp.float32, seed=0)
+    return model, write_ptq_store(model, tmp_path_factory.mktemp("w4a4") / "smoothquant_loraq-0")
+
+
+def _w4a4_setup(w4a4_store):
+    model, folder = w4a4_store
+    graphdef, teacher = nnx.split(model)
+    b, t = 2, 4
+    null_context, null_mask = jnp.zeros((t, 12)), jnp.array([1.0, 1.0, 0.0, 0.0])
+    cond = {"context": jax.random.normal(jax.random.key(0), (b, t, 12)), "mask": jnp.array([[1.0, 1.0, 1.0, 0.0]] * b)}
+    return model, folder, graphdef, teacher, null_context, null_mask, cond
+
+
+def test_w4a4_generator_is_the_qad_student_and_its_gradient_reaches_every_quantized_weight(w4a4_store):
+    from kroquant_jax.qlinear import QLinearStore
+    from models import qad
+
+    model, folder, graphdef, teacher, null_context, null_mask, cond = _w4a4_setup(w4a4_store)
+    store = dmd2.load_ptq_store(folder, model)
+    assert store.w4a4.quant.fmt == "mxfp4" and store.w4a4.lowrank_quantized
+    flow = dmd2.pixart_flow_model(graphdef, null_context, null_mask, w4a4=store.w4a4)
+    x = jax.random.normal(jax.random.key(1), (2, 3, 8, 8))
+    sigma = jnp.array([0.9, 0.3])
+
+    def loss(generator):
+        velocity = flow.apply(generator, x, sigma, cond)
+        return jnp.sum(jnp.square(velocity)), velocity
+
+    (_, ours), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(store.generator)
+    # the QAD student on the same store, through models.qad alone
+    layers, blocks, packed = qad.student_from_qlinears(model, QLinearStore(str(folder)).load_all())
+    theirs = jax.jit(lambda trainable: qad.student_velocity(
+        graphdef, trainable, blocks, qad.QADConfig(fmt="mxfp4", ste="identity"), packed, x,
+        sigma * testbed.TIMESTEP_SCALE, cond["context"], cond["mask"]))({"model": teacher, "layers": layers})
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-6, atol=1e-6)
+    sixteen = jax.jit(dmd2.pixart_flow_model(graphdef, null_context, null_mask).apply)(teacher, x, sigma, cond)
+    assert float(jnp.abs(ours - sixteen).max()) > 1e-3  # the quantizers are on
+    # the STE: every quantized weight and both packed branch factors get a non-zero gradient
+    for name, layer in grads["layers"].items():
+        for key in ("weight", "left", "right", "bias"):
+            assert float(jnp.abs(layer[key]).max()) > 0.0, (name, key)
+    assert all(float(jnp.abs(g).max()) == 0.0 for g in  # the stored kernels of quantized linears are unused
+               jax.tree_util.tree_leaves(grads["model"]["transformer_blocks"][0]["attn1"]["to_q"]))
+    assert float(jnp.abs(grads["model"]["proj_out"]["kernel"][...]).max()) > 0.0  # the 16-bit rest trains
+
+
+def test_a_run_folder_is_keyed_by_the_generators_ptq_store(w4a4_store, tmp_path):
+    import shutil
+
+    model, folder = w4a4_store
+    other = write_ptq_store(model, tmp_path / "other-store", seed=1)
+    store, second = dmd2.load_ptq_store(folder, model), dmd2.load_ptq_store(other, model)
+    moved = dmd2.load_ptq_store(shutil.copytree(folder, tmp_path / "copy" / folder.name), model)
+    assert store.sha256 != second.sha256 and store.sha256 == moved.sha256
+    run = tmp_path / "run"
+    dmd2.check_run_key(run, dmd2.generator_key(store), write=True)
+    dmd2.check_run_key(run, dmd2.generator_key(moved), write=False)  # the same content, moved: accepted
+    with pytest.raises(dmd2.RunKeyMismatch, match=r"initialised from --ptq-store .*smoothquant_loraq-0 .*this "
+                                                  r"call's from --ptq-store .*other-store"):
+        dmd2.check_run_key(run, dmd2.generator_key(second), write=False)
+    with pytest.raises(dmd2.RunKeyMismatch, match=r"this call's from the 16-bit teacher \(no --ptq-store\)"):
+        dmd2.check_run_key(run, dmd2.generator_key(None), write=False)
+    legacy = tmp_path / "legacy"  # checkpoints made before runs were keyed: a teacher-initialised generator
+    (legacy / "checkpoints" / "5").mkdir(parents=True)
+    with pytest.raises(dmd2.RunKeyMismatch, match="initialised from the 16-bit teacher"):
+        dmd2.check_run_key(legacy, dmd2.generator_key(store), write=True)
+    dmd2.check_run_key(legacy, dmd2.generator_key(None), write=True)
+
+
+def test_a_bad_ptq_store_is_refused_naming_the_file_layer_and_key(w4a4_store, tmp_path):
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    model, folder = w4a4_store
+    files = {p.name.split("-")[0]: p for p in folder.glob("*.safetensors")}
+    with pytest.raises(ValueError, match="--ptq-store .*nowhere: no such folder"):
+        dmd2.load_ptq_store(tmp_path / "nowhere", model)
+
+    def rewrite(path, change):
+        with safe_open(str(path), framework="numpy") as f:
+            metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        save_file(change(tensors), str(path), metadata=metadata)
+
+    bad = {}
+    for case in ("shape", "missing_key", "missing_layer", "foreign"):
+        bad[case] = shutil.copytree(folder, tmp_path / f"bad_{case}")
+    target = "transformer_blocks.0.ff.net.2"
+    rewrite(bad["shape"] / files[target].name, lambda t: {**t, "bias": t["bias"][:5]})
+    rewrite(bad["missing_key"] / files[target].name,
+            lambda t: {k: v for k, v in t.items() if k != "lowrank_right.scales"})
+    (bad["missing_layer"] / files["transformer_blocks.0.attn2.to_v"].name).unlink()
+    (bad["foreign"] / "notes.safetensors").write_text("not a tensor file")
+    with pytest.raises(ValueError, match=rf"file .*{files[target].name} \(layer {target}\): key 'bias' has shape "
+                                         r"\(5,\), expected \(32,\)"):
+        dmd2.load_ptq_store(bad["shape"], model)
+    with pytest.raises(ValueError, match=rf"\(layer {target}\): key 'lowrank_right.scales' is missing"):
+        dmd2.load_ptq_store(bad["missing_key"], model)
+    with pytest.raises(ValueError, match=r"no layer file for 1 quantizable linear\(s\) of the teacher, e\.g\. "
+                                         r"\['transformer_blocks\.0\.attn2\.to_v'\]"):
+        dmd2.load_ptq_store(bad["missing_layer"], model)
+    with pytest.raises(ValueError, match="notes.safetensors: not a readable safetensors layer"):
+        dmd2.load_ptq_store(bad["foreign"], model)
+
+
 def test_script_trains_resumes_and_evaluates_a_tiny_teacher(tmp_path):
-    """`kroquant dmd2` end to end on a 1-block teacher and the shipped prompt file (smoke test of the wiring)."""
+    """`kroquant dmd2` end to end on a 1-block teacher and the shipped prompt file (smoke test of the wiring): a W4A4
+    run from a PTQ store trained, resumed and evaluated (with the 16-bit and the PTQ controls), and its run key (the
+    16-bit generator's script path differs only in the generator's FlowModel)."""
     import json
     from pathlib import Path
 
@@ -305,26 +474,47 @@ def test_script_trains_resumes_and_evaluates_a_tiny_teacher(tmp_path):
     prompts = Path(__file__).resolve().parent.parent / "checkpoints" / "emoji_pixart" / "testbed_prompts.npz"
     cfg = dataclasses.replace(testbed.TESTBED_PIXART_CONFIG, num_layers=1, num_attention_heads=2,
                               attention_head_dim=16, cross_attention_dim=32)
-    families.PIXART.to_diffusers(families.PIXART.build(cfg, jnp.float32, seed=0), tmp_path / "teacher")
-    common = ["--data", str(prompts), "--teacher", str(tmp_path / "teacher"), "--run", str(tmp_path / "run"),
-              "--num-steps", "2", "--gan-feature-layer", "transformer_blocks.0.ff.net.0.proj"]
+    model = families.PIXART.build(cfg, jnp.float32, seed=0)
+    families.PIXART.to_diffusers(model, tmp_path / "teacher")
+    store = write_ptq_store(model, tmp_path / "smoothquant_loraq-0123")
+    common = ["--data", str(prompts), "--teacher", str(tmp_path / "teacher"), "--num-steps", "1",
+              "--gan-feature-layer", "transformer_blocks.0.ff.net.0.proj"]
     train = ["train", *common, "--batch-size", "2", "--ratio", "2", "--cycles-per-call", "1", "--no-progress",
              "--gan-generator-weight", "0.01", "--gan-discriminator-weight", "0.1", "--compute-dtype", "float32"]
-    assert script.main([*train, "--cycles", "1"]) == 0
-    assert script.main([*train, "--cycles", "2"]) == 0
-    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    w4a4 = ["--run", str(tmp_path / "w4a4"), "--ptq-store", str(store)]
+    assert script.main([*train, *w4a4, "--cycles", "1"]) == 0
+    assert script.main([*train, *w4a4, "--cycles", "2"]) == 0
+    log = [json.loads(line) for line in (tmp_path / "w4a4" / "log.jsonl").read_text().splitlines()]
     assert [r["cycle"] for r in log if r["event"] == "start"] == [0, 1]
+    assert log[0]["generator"]["sha256"] == json.loads((tmp_path / "w4a4" / "dmd2_run.json").read_text())[
+        "generator"]["sha256"]
+    # the generator trained is the W4A4 one: its quantized layers' master weights moved from the store's
+    built = script.setup(script.parse_args([*train, *w4a4]), jnp.float32)
+    trained, cycles = dmd2.restore_state(tmp_path / "w4a4", built.state, run_key=built.run_key)
+    layer = "transformer_blocks.0.attn1.to_q"
+    assert cycles == 2 and not np.array_equal(np.asarray(trained["generator"]["layers"][layer]["weight"]),
+                                              np.asarray(built.store.generator["layers"][layer]["weight"]))
+    # a run folder is not resumed or evaluated with another generator initialisation
+    with pytest.raises(dmd2.RunKeyMismatch, match="initialised from --ptq-store .*this call's from the 16-bit teacher"):
+        script.main([*train, *w4a4[:2], "--cycles", "3"])
     assert script.main(["reference", "--data", str(prompts), "--out", str(tmp_path / "ref.npz")]) == 0
-    assert script.main(["evaluate", *common, "--reference", str(tmp_path / "ref.npz"), "--out",
-                        str(tmp_path / "eval"), "--samples", "4", "--batch-size", "2", "--teacher-steps", "2",
-                        "--student-steps", "1", "2", "--encoder-dir", str(tmp_path / "enc"), "--encoder-steps", "50",
-                        "--encoder-batch-size", "4", "--nearest", "2", "--grid-rows", "2"]) == 0
+    evaluate = ["evaluate", *common, "--reference", str(tmp_path / "ref.npz"), "--samples", "4", "--batch-size", "2",
+                "--teacher-steps", "2", "--student-steps", "1", "--encoder-dir", str(tmp_path / "enc"),
+                "--encoder-steps", "50", "--encoder-batch-size", "4", "--nearest", "2", "--grid-rows", "2"]
+    with pytest.raises(dmd2.RunKeyMismatch, match="this call's from the 16-bit teacher"):
+        script.main([*evaluate, *w4a4[:2], "--out", str(tmp_path / "refused")])
+    assert not (tmp_path / "refused").exists()
+    assert script.main([*evaluate, *w4a4, "--out", str(tmp_path / "eval")]) == 0
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
-    assert set(report["systems"]) == {"teacher", "untrained@2", "student@1", "student@2"}
-    assert report["settings"]["student_cycles"] == 2
+    assert set(report["systems"]) == {"teacher", "untrained@1", "untrained_w4a4@1", "student@1"}
+    assert report["settings"]["student_cycles"] == 2 and report["settings"]["generator"]["sha256"] == log[0][
+        "generator"]["sha256"] and report["settings"]["generator_forward"].startswith("W4A4 mxfp4")
     assert report["systems"]["teacher"]["forward_passes_per_image"] == 4
-    assert report["systems"]["student@2"]["forward_passes_per_image"] == 2
+    assert report["systems"]["untrained_w4a4@1"]["forward_passes_per_image"] == 1
+    assert report["systems"]["student@1"]["forward_passes_per_image"] == 1
     assert report["systems"]["teacher"]["fd_ratio_vs_teacher"] == 1.0
+    # the PTQ control is not the 16-bit untrained student (its layers are quantized)
+    assert report["systems"]["untrained_w4a4@1"]["fd_teacher"] != report["systems"]["untrained@1"]["fd_teacher"]
     assert (tmp_path / "eval" / "grid.png").stat().st_size > 1000
 
 
