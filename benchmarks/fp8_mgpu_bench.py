@@ -1,0 +1,102 @@
+"""The fused FP8 GEMM (``pallas_kernels/fp8_gemm_mgpu.py``) on the H200: checked, then timed against XLA's FP8 GEMM
+with its epilogue (``fp8_gemm.fp8_matmul``: powers of two, bias, the bf16 ``h L^T`` GEMM) and a bf16 GEMM.
+
+Operands: MXFP4 activations (outlier channels) and weights re-encoded in E4M3 (``even_odd`` order), rank-128 bf16
+low-rank branch, f32 bias, bf16 output; shapes of Ideogram 4 (q 4608 x 4608, w1|w3 24576 x 4608, w2 4608 x 12288) at
+m = 4096 and 512. Device time (CUPTI, ``kroquant_jax.timing.device_time``: median per call over rotating input sets
+after warm-up). Check: the kernel's output against its jnp mirror (the same math in f32 at HIGHEST precision) and
+against the XLA path, relative L2. A failing shape is recorded with its error and the run goes on.
+
+    python3 benchmarks/fp8_mgpu_bench.py --out $OUT/fp8_mgpu_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {"q": (4608, 4608), "w13": (24576, 4608), "w2": (4608, 12288)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON record to write")
+    p.add_argument("--layers", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--ms", nargs="+", type=int, default=[4096, 512])
+    p.add_argument("--rank", type=int, default=128)
+    p.add_argument("--n-iter", type=int, default=20)
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kroquant_jax import fp8_encoding as FE
+    from kroquant_jax import timing
+    from kroquant_jax.fileio import atomic_write_json
+    from kroquant_jax.formats import MXFP4, quantize
+    from pallas_kernels import fp8_gemm as G8
+    from pallas_kernels import fp8_gemm_mgpu as F
+
+    quant = jax.jit(lambda x: FE.mxfp4_to_e4m3(quantize(x, MXFP4()), order="even_odd"))
+    record = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M"),
+              "command": "python3 benchmarks/fp8_mgpu_bench.py " + " ".join(argv or sys.argv[1:]), "cases": []}
+    for name in args.layers:
+        n, k = SHAPES[name]
+        for m in args.ms:
+            case = {"layer": name, "m": m, "n": n, "k": k, "rank": args.rank}
+            try:
+                keys = jax.random.split(jax.random.key(m + n), 4)
+                w = jax.random.normal(keys[0], (n, k)) / np.sqrt(k)
+                w8 = quant(w)
+                left = (jax.random.normal(keys[1], (n, args.rank)) * 0.05).astype(jnp.bfloat16)
+                bias = jax.random.normal(keys[2], (n,)) * 0.1
+                wb = w.astype(jnp.bfloat16)
+                sets = []
+                for s in range(3):
+                    ka, kh = jax.random.split(jax.random.fold_in(keys[3], s))
+                    a = jax.random.normal(ka, (m, k)) * jnp.where(jnp.arange(k) % 97 == 0, 20.0, 1.0)
+                    h = (jax.random.normal(kh, (m, args.rank)) * 0.5).astype(jnp.bfloat16)
+                    sets.append((quant(a), h, a.astype(jnp.bfloat16)))
+                fused = jax.jit(lambda s: F.fp8_matmul_mgpu(s[0], w8, lowrank=(s[1], left), bias=bias))
+                xla = jax.jit(lambda s: G8.fp8_matmul(s[0], w8, lowrank=(s[1], left), bias=bias))
+                bf16 = jax.jit(lambda s: jnp.dot(s[2], wb.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+                y = np.asarray(fused(sets[0]), np.float64)
+                mirror = np.asarray(F.fp8_matmul_mgpu_reference(sets[0][0], w8, lowrank=(sets[0][1], left),
+                                                                bias=bias, out_dtype=jnp.bfloat16), np.float64)
+                y_xla = np.asarray(xla(sets[0]), np.float64)
+                case["rel_err_vs_mirror"] = float(np.linalg.norm(y - mirror) / np.linalg.norm(mirror))
+                case["rel_err_vs_xla"] = float(np.linalg.norm(y - y_xla) / np.linalg.norm(y_xla))
+                case["finite"] = bool(np.all(np.isfinite(y)))
+                case["config"] = str(F.default_config(m, n, k, args.rank))
+                for label, fn in (("bf16", bf16), ("fp8_xla", xla), ("fp8_mgpu", fused)):
+                    t = timing.device_time(fn, sets, n_iter=args.n_iter)
+                    case[f"{label}_us"] = t.us
+                    case[f"{label}_method"] = t.method
+                case["mgpu_speedup_vs_bf16"] = case["bf16_us"] / case["fp8_mgpu_us"]
+                case["mgpu_speedup_vs_fp8_xla"] = case["fp8_xla_us"] / case["fp8_mgpu_us"]
+                case["status"] = "ok"
+            except Exception as err:  # noqa: BLE001 - recorded; the other shapes still run
+                case["status"] = f"{type(err).__name__}: {str(err)[:600]}"
+                case["traceback"] = traceback.format_exc()[-3000:]
+            record["cases"].append(case)
+            atomic_write_json(args.out, record)
+            print(json.dumps({k2: v for k2, v in case.items() if k2 != "traceback"}), flush=True)
+    print("| layer | m | bf16 µs | FP8 XLA µs | FP8 fused µs | fused / bf16 | rel err vs mirror |")
+    for c in record["cases"]:
+        if c["status"] == "ok":
+            print(f"| {c['layer']} | {c['m']} | {c['bf16_us']:.1f} | {c['fp8_xla_us']:.1f} | {c['fp8_mgpu_us']:.1f} | "
+                  f"{c['mgpu_speedup_vs_bf16']:.2f}x | {c['rel_err_vs_mirror']:.1e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
