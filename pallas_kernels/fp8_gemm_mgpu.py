@@ -56,6 +56,7 @@ import jax.numpy as jnp
 
 from kroquant_jax.fp8_encoding import Fp8Rows
 from pallas_kernels._compat import on_gpu, pl
+from pallas_kernels.w4a4_gemm_mgpu import _num_sms, _plgpu, _round_up, _tile_order  # the shared Mosaic GPU set-up
 
 __all__ = ["Fp8MgpuConfig", "default_config", "fp8_matmul_mgpu", "fp8_matmul_mgpu_reference", "supports"]
 
@@ -147,30 +148,6 @@ def supports(m: int, n: int, k: int, cfg: Optional[Fp8MgpuConfig] = None) -> boo
     """Whether :func:`fp8_matmul_mgpu` runs ``(m, k) x (n, k)^T`` without padding an operand."""
     cfg = cfg or default_config(m, n, k)
     return m % cfg.tile_m == 0 and n % cfg.cta_n == 0 and k % cfg.tile_k == 0
-
-
-def _plgpu():
-    from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415 - GPU-only module, imported lazily
-
-    return plgpu
-
-
-def _num_sms() -> int:
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
-
-
-def _round_up(x: int, b: int) -> int:
-    return -(-x // b) * b
-
-
-def _tile_order(plgpu, lin, m_iters: int, n_iters: int, cfg: Fp8MgpuConfig):
-    """Linear output-tile index -> ``(m_idx, n_idx)`` (as :func:`pallas_kernels.w4a4_gemm_mgpu._tile_order`)."""
-    if cfg.grid_tile_width > 1:
-        return plgpu.planar_snake(lin, (m_iters, n_iters), 0 if cfg.grid_minor_dim == "m" else 1,
-                                  cfg.grid_tile_width)
-    if cfg.grid_minor_dim == "n":
-        return jax.lax.div(lin, jnp.int32(n_iters)), jax.lax.rem(lin, jnp.int32(n_iters))
-    return jax.lax.rem(lin, jnp.int32(m_iters)), jax.lax.div(lin, jnp.int32(m_iters))
 
 
 def _swizzled(plgpu, row_elems: int, itemsize: int):
