@@ -50,6 +50,7 @@ __all__ = [
     "linears",
     "name_linears",
     "rope_frequencies",
+    "run_blocks_scanned",
     "sincos_pos_embed_2d",
     "timestep_embedding",
     "with_token_mask",
@@ -246,6 +247,71 @@ def linears(model: nnx.Module, quantizable_only: bool = False) -> dict[str, Line
         if isinstance(node, Linear) and (node.quantizable or not quantizable_only):
             found[".".join(str(p) for p in path)] = node
     return found
+
+
+def run_blocks_scanned(blocks: list[nnx.Module], x: jax.Array, hooks: LinearHooks | None,
+                call: Callable[[nnx.Module, jax.Array, LinearHooks | None], jax.Array]) -> jax.Array:
+    """``x = call(block, x, hooks)`` for each of ``blocks`` in turn, run as ONE ``lax.scan`` over their stacked
+    parameters: XLA compiles one block (and its hooks) instead of ``len(blocks)`` copies. The result equals the
+    Python loop's up to floating-point reassociation.
+
+    ``blocks`` must share one structure (parameter shapes and dtypes; their :attr:`Linear.path` names differ). Inside
+    the scan each step is a block rebuilt from the first block's structure, so its linears report the FIRST block's
+    paths: an override of ``blocks[i]``'s linear ``<prefix_i>.<suffix>`` reaches it as ``<prefix_0>.<suffix>``.
+
+    Hooks: every block must override the same linears (by suffix), each with a ``jax.tree_util.Partial`` of one
+    function and one pytree structure across blocks (its arrays are stacked and sliced per step, e.g. a layer's
+    weights and transform). A recorder, a fused hook table or a ``functools.partial`` override (whose arrays are
+    hidden from the scan) raise ValueError. Overrides of linears outside ``blocks`` are not used here (the caller
+    runs those linears itself, outside the scan). The token mask of ``hooks`` is kept.
+
+    The stacked parameters are a copy made per call (one model's block parameters more memory while it runs).
+    """
+    if not blocks:
+        return x
+    if hooks is not None and (hooks.recorder is not None or isinstance(hooks, FusedLinearHooks)):
+        raise ValueError("run_blocks_scanned: a recorder or fused hooks cannot run under the scan (run the blocks in "
+                         "a loop)")
+    graphdef, first = nnx.split(blocks[0])
+    states = [first] + [nnx.split(block)[1] for block in blocks[1:]]
+    reference = jax.tree.structure(first)
+    for i, state in enumerate(states):
+        if jax.tree.structure(state) != reference or any(
+                (a.shape, a.dtype) != (b.shape, b.dtype) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(state))):
+            raise ValueError(f"run_blocks_scanned: block {i} has another parameter structure than block 0")
+    # {suffix: path} of each block's linears
+    suffixes = [{".".join(str(p) for p in path): node.path for path, node in nnx.iter_graph(block)
+                 if isinstance(node, Linear)} for block in blocks]
+    overrides = {} if hooks is None else dict(hooks.overrides)
+    per_block = []
+    for i, table in enumerate(suffixes):
+        mine = {suffix: overrides.pop(path) for suffix, path in table.items() if path in overrides}
+        if per_block and set(mine) != set(per_block[0]):
+            raise ValueError(f"run_blocks_scanned: block {i} overrides {sorted(mine)}, block 0 overrides "
+                             f"{sorted(per_block[0])}: every block must override the same linears")
+        for suffix, fn in mine.items():
+            if not isinstance(fn, jax.tree_util.Partial):
+                raise ValueError(f"run_blocks_scanned: the override of {table[suffix]} must be a "
+                                 f"jax.tree_util.Partial (its arrays are stacked over the blocks), got "
+                                 f"{type(fn).__name__}")
+            if jax.tree.structure(fn) != jax.tree.structure(per_block[0][suffix] if per_block else fn):
+                raise ValueError(f"run_blocks_scanned: the override of {table[suffix]} has another function or "
+                                 f"pytree structure than block 0's")
+        per_block.append(mine)
+    stacked_state = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
+    stacked_overrides = jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_block) if per_block[0] else {}
+    names = suffixes[0]
+    token_mask = None if hooks is None else hooks.token_mask
+
+    def step(x, sliced):
+        state, entries = sliced
+        block = nnx.merge(graphdef, state)
+        inner = None if hooks is None else LinearHooks({names[s]: fn for s, fn in entries.items()},
+                                                       token_mask=token_mask)
+        return call(block, x, inner), None
+
+    x, _ = jax.lax.scan(step, x, (stacked_state, stacked_overrides))
+    return x
 
 
 def layer_norm(x: jax.Array, eps: float) -> jax.Array:

@@ -21,8 +21,8 @@ from flax import nnx
 
 from models import convert
 from models.convert import linear_rules, param_rules, rule
-from models.layers import (Attention, FeedForward, LayerNorm, Linear, LinearHooks, PatchEmbed,
-                           TextProjection, TimestepEmbedding, layer_norm, mask_to_bias, name_linears,
+from models.layers import (Attention, FeedForward, LayerNorm, Linear, LinearHooks, PatchEmbed, TextProjection,
+                           TimestepEmbedding, layer_norm, mask_to_bias, name_linears, run_blocks_scanned,
                            timestep_embedding, unpatchify, with_token_mask)
 
 __all__ = ["PIXART_SIGMA_XL_2_1024_MS", "PixArtConfig", "PixArtTransformer2DModel", "KEY_TABLE", "from_diffusers",
@@ -211,9 +211,14 @@ class PixArtTransformer2DModel(nnx.Module):
 
     def __call__(self, hidden_states: jax.Array, encoder_hidden_states: jax.Array, timestep: jax.Array,
                  encoder_attention_mask: jax.Array | None = None, resolution: jax.Array | None = None,
-                 aspect_ratio: jax.Array | None = None, hooks: LinearHooks | None = None) -> jax.Array:
+                 aspect_ratio: jax.Array | None = None, hooks: LinearHooks | None = None,
+                 scan_blocks: bool = False) -> jax.Array:
         """hidden_states (b, c, H, W), encoder_hidden_states (b, t, caption_channels), timestep (b,) in [0, 1000),
-        encoder_attention_mask (b, t) 1 = keep, resolution (b, 2), aspect_ratio (b, 1) -> (b, out_channels, H, W)."""
+        encoder_attention_mask (b, t) 1 = keep, resolution (b, 2), aspect_ratio (b, 1) -> (b, out_channels, H, W).
+
+        ``scan_blocks``: run the transformer blocks as one ``lax.scan`` (:func:`models.layers.run_blocks_scanned`:
+        one compiled block; overrides of block linears must then be ``jax.tree_util.Partial`` s, and the hooks may
+        not record)."""
         cfg = self.cfg
         b, _, height, width = hidden_states.shape
         dtype = self.proj_out.kernel.dtype
@@ -223,8 +228,14 @@ class PixArtTransformer2DModel(nnx.Module):
         context = self.caption_context(encoder_hidden_states,
                                        with_token_mask(hooks, encoder_attention_mask))  # (b, t, dim)
         context_bias = mask_to_bias(encoder_attention_mask)  # (b, 1, 1, t) or None
-        for block in self.transformer_blocks:
-            x = block(x, context, context_bias, timestep6, hooks, encoder_attention_mask)  # (b, n, dim)
+        if scan_blocks:
+            def run_block(block, x, block_hooks):
+                return block(x, context, context_bias, timestep6, block_hooks, encoder_attention_mask)
+
+            x = run_blocks_scanned(list(self.transformer_blocks), x, hooks, run_block)  # (b, n, dim)
+        else:
+            for block in self.transformer_blocks:
+                x = block(x, context, context_bias, timestep6, hooks, encoder_attention_mask)  # (b, n, dim)
         shift, scale = jnp.split(self.scale_shift_table[...][None] + embedded[:, None], 2, axis=1)  # (b, 1, dim)
         x = layer_norm(x, 1e-6) * (1 + scale) + shift  # (b, n, dim)
         x = self.proj_out(x, hooks)  # (b, n, p p out)

@@ -320,12 +320,14 @@ def student_velocity(graphdef: Any, trainable: Mapping[str, Any], blocks: Mappin
                      context: jax.Array, mask: jax.Array) -> jax.Array:
     """The student's velocity ``(b, c, s, s)`` (conditional branch; its quantized linears through the STE).
 
-    ``trainable = {"model": nnx state (the 16-bit parameters), "layers": {name: layer dict}}``."""
+    ``trainable = {"model": nnx state (the 16-bit parameters), "layers": {name: layer dict}}``. The transformer
+    blocks run as one ``lax.scan`` (``scan_blocks=True``): XLA compiles one block's fake quantizers and STEs, not
+    one copy per block."""
     model = nnx.merge(graphdef, trainable["model"])
     forward, through = student_forward(config, lowrank_quantized)
-    overrides = {name: functools.partial(forward, layer, blocks[name], through)
+    overrides = {name: jax.tree_util.Partial(forward, layer, blocks[name], through)
                  for name, layer in trainable["layers"].items()}
-    return model(x, context, timestep, encoder_attention_mask=mask, hooks=LinearHooks(overrides))
+    return model(x, context, timestep, encoder_attention_mask=mask, hooks=LinearHooks(overrides), scan_blocks=True)
 
 
 def teacher_target(teacher_velocity: testbed.VelocityFn, x: jax.Array, sigma: jax.Array, context: jax.Array,
