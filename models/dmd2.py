@@ -225,8 +225,10 @@ def pixart_flow_model(graphdef: nnx.GraphDef, null_context: jax.Array, null_mask
         x, context = x.astype(compute_dtype), cond["context"].astype(compute_dtype)
         timestep = sigma * testbed.TIMESTEP_SCALE
         if w4a4 is None:
+            # without hooks the blocks run under one lax.scan (one compiled block); a GAN feature recorder needs
+            # the loop
             out = nnx.merge(graphdef, cast(params))(x, context, timestep, encoder_attention_mask=cond["mask"],
-                                                    hooks=hooks)  # (b, 3, s, s)
+                                                    hooks=hooks, scan_blocks=hooks is None)  # (b, 3, s, s)
         else:
             trainable = {"model": cast(params["model"]), "layers": params["layers"]}
             out = qad.student_velocity(graphdef, trainable, w4a4.blocks, w4a4.quant, w4a4.lowrank_quantized, x,
