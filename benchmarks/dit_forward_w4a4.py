@@ -53,7 +53,6 @@ import functools
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -65,24 +64,24 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from kroquant_jax import timing  # noqa: E402
-from kroquant_jax.fileio import atomic_write_json  # noqa: E402
+from kroquant_jax.fileio import StagedResults  # noqa: E402
 from kroquant_jax.qlinear import QuantizedLinear, qlinear_forward  # noqa: E402
 from models import ideogram4 as ig  # noqa: E402
 from models import ideogram4_sampling as sampling  # noqa: E402
 from models import ideogram4_serving as serving  # noqa: E402
-from models.quantize_model import (FusedLinearHooks, build_stacked_qlinears, layer_at, qlinear_overrides,  # noqa: E402
-                                   serve_stacked, served_hooks, split_qlinear_overrides)
+from models.quantize_model import (FusedLinearHooks, layer_at, qlinear_overrides,  # noqa: E402
+                                   split_qlinear_overrides)
 from pallas_kernels import epilogues as E  # noqa: E402
 from pallas_kernels import served as S  # noqa: E402
 from pallas_kernels import w4a4_gemm as G  # noqa: E402
+from scripts.common_args import choice_list  # noqa: E402
 
 TRANSFORM = "kron_lu"
 #: Timed forwards, in the order they run (``--variants`` picks a subset; ``w4a4_unfused`` is optional).
 VARIANTS = ("bf16", "w4a4_dequant", "w4a4_fp8", "w4a4_fused", "w4a4_unfused")
 # Block linears of the scanned model (paths of the one stacked block) and how the W4A4 forward runs them.
-PLAIN = ("layers.attention.to_v", "layers.attention.to_out.0", "layers.feed_forward.w2")
-NORMED = ("layers.attention.to_q", "layers.attention.to_k")
-GATE, UP = "layers.feed_forward.w1", "layers.feed_forward.w3"
+PLAIN, NORMED = serving.BLOCK_PLAIN, serving.BLOCK_NORMED
+GATE, UP = serving.BLOCK_GATE, serving.BLOCK_UP
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -204,19 +203,11 @@ def _tiles_json(bs: Any) -> Any:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _variants(text: str) -> tuple[str, ...]:
-    names = tuple(v.strip() for v in text.split(",") if v.strip())
-    bad = [v for v in names if v not in VARIANTS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)}")
-    return tuple(v for v in VARIANTS if v in names)  # the run order
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", choices=("full", "tiny"), default="full")
     parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU validation)")
-    parser.add_argument("--variants", type=_variants, default=VARIANTS,
+    parser.add_argument("--variants", type=choice_list(VARIANTS, "variant"), default=VARIANTS,
                         help=f"comma-separated subset of {','.join(VARIANTS)} (run in that order; default all)")
     parser.add_argument("--blocks", type=int, default=None,
                         help="build only this many of the model's transformer blocks (default all: 34; tiny: 2)")
@@ -263,20 +254,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command_args": list(sys.argv[1:] if argv is None else argv),
         "timings_ms": {}, "bf16_over": {}, "compile_s": {}, "errors": {}, "checks": {}, "finite": {}}
 
-    def save() -> None:
-        payload["elapsed_s"] = time.perf_counter() - start
-        atomic_write_json(out_path, payload)
-
-    def stage(name: str, fn) -> Any:
-        try:
-            return fn()
-        except Exception as err:  # noqa: BLE001 - recorded, the run goes on
-            payload["errors"][name] = f"{type(err).__name__}: {err}"[:3000]
-            traceback.print_exc()
-            return None
-        finally:
-            save()
-            print(f"[{time.perf_counter() - start:6.1f} s] {name} done", flush=True)
+    results = StagedResults(out_path, payload, start)  # saved after each stage; a stage's error is recorded
+    save, stage = results.save, results.stage
 
     def within_budget(name: str) -> bool:
         if time.perf_counter() - start < args.budget_s:
@@ -287,21 +266,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # The model (random bf16 weights on the device) and its quantized layers.
     graphdef, (state,), payload["init_s"] = serving.random_states(cfg, (0,))
     model = nnx.merge(graphdef, state)
-    blocks = model.layers
-    linear = {"layers.attention.to_q": blocks.attention.to_q, "layers.attention.to_k": blocks.attention.to_k,
-              "layers.attention.to_v": blocks.attention.to_v, "layers.attention.to_out.0": blocks.attention.to_out[0],
-              GATE: blocks.feed_forward.w1, UP: blocks.feed_forward.w3, PLAIN[2]: blocks.feed_forward.w2}
     t0 = time.perf_counter()
-    key = jax.random.key(123)
-    q: dict[str, QuantizedLinear] = {}
-    for i, path in enumerate((*NORMED, *PLAIN)):
-        q[path] = build_stacked_qlinears((linear[path].kernel[...],), jax.random.fold_in(key, i), rank)
-    q[GATE] = build_stacked_qlinears((linear[GATE].kernel[...], linear[UP].kernel[...]), jax.random.fold_in(key, 99), rank)
-    served = {path: serve_stacked(layer, swiglu=path == GATE) for path, layer in q.items()}
+    q: dict[str, QuantizedLinear] = serving.build_block_qlinears(model, jax.random.key(123), rank)
+    served = serving.serve_block_layers(q)
     if "w4a4_fp8" in args.variants:
-        from pallas_kernels import fp8_gemm  # noqa: F401  (registers the "fp8" strategy)
-
-        served_fp8 = {path: serve_stacked(layer, swiglu=path == GATE, strategy="fp8") for path, layer in q.items()}
+        served_fp8 = serving.serve_block_layers(q, "fp8")
         timing.block(served_fp8)
     timing.block((q, served))
     payload["build_quantized_s"] = time.perf_counter() - t0
@@ -343,17 +312,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "swiglu": _tiles_json(opts["swiglu_blocks"])}
 
     # The forwards: the served layers as hooks of the scanned model (stacked entries).
-    tables = ({p: served[p] for p in PLAIN}, {p: served[p] for p in NORMED}, {GATE: served[GATE]})
     kernel = S.ServeOptions(strategy="kernel", impl=impl, gemm_blocks=opts["gemm_blocks"])
     entries = {
-        "w4a4_dequant": served_hooks(*tables, options=S.ServeOptions(impl=impl), stacked=True).entries(),
-        **({"w4a4_fp8": served_hooks({p: served_fp8[p] for p in PLAIN}, {p: served_fp8[p] for p in NORMED},
-                                     {GATE: served_fp8[GATE]}, options=S.ServeOptions(strategy="fp8", impl=impl),
-                                     stacked=True).entries()} if "w4a4_fp8" in args.variants else {}),
-        "w4a4_fused": served_hooks(*tables, options=dataclasses.replace(
-            kernel, fused=True, norm_blocks=opts["norm_blocks"], swiglu_blocks=opts["swiglu_blocks"]),
-            stacked=True).entries(),
-        "w4a4_unfused": served_hooks(*tables, options=dataclasses.replace(kernel, fused=False), stacked=True).entries(),
+        "w4a4_dequant": serving.block_served_hooks(served, S.ServeOptions(impl=impl)).entries(),
+        **({"w4a4_fp8": serving.block_served_hooks(served_fp8, S.ServeOptions(strategy="fp8", impl=impl)).entries()}
+           if "w4a4_fp8" in args.variants else {}),
+        "w4a4_fused": serving.block_served_hooks(served, dataclasses.replace(
+            kernel, fused=True, norm_blocks=opts["norm_blocks"], swiglu_blocks=opts["swiglu_blocks"])).entries(),
+        "w4a4_unfused": serving.block_served_hooks(served, dataclasses.replace(kernel, fused=False)).entries(),
         "simulate": FusedLinearHooks({**qlinear_overrides({p: q[p] for p in (*NORMED, *PLAIN)}),
                                       **split_qlinear_overrides(q[GATE], [GATE, UP])}, stacked=True).entries(),
     }

@@ -4,19 +4,25 @@ A reader never sees a half-written file and an interrupted run never destroys th
 writes into a temporary file in the target's folder (same filesystem), flushes it, gives it the usual permissions
 and renames it onto the target with ``os.replace``. On any error the temporary file is removed and the target is
 left as it was.
+
+:class:`StagedResults` is the benchmarks' results file on top of it: a dict saved after every stage, so a timeout keeps
+what finished, and a stage that raises records its error instead of ending the run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import tempfile
+import time
+import traceback
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-__all__ = ["DIR_MODE", "FILE_MODE", "atomic_path", "atomic_write_bytes", "atomic_write_json", "atomic_write_text",
-           "publishable"]
+__all__ = ["DIR_MODE", "FILE_MODE", "StagedResults", "atomic_path", "atomic_write_bytes", "atomic_write_json",
+           "atomic_write_text", "publishable"]
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755
@@ -70,3 +76,43 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int = 2, sort_keys: bool = True) -> None:
     """Writes ``obj`` as JSON (with a final newline) to ``path`` atomically."""
     atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")
+
+
+class StagedResults:
+    """A run's results dict, written atomically to ``path`` (JSON) after every stage.
+
+    :meth:`stage` ``(name, fn)`` runs ``fn()`` and returns its value; when it raises, the error (``"Type: message"``,
+    at most 3000 characters) goes to ``payload["errors"][name]``, the traceback to stderr, and it returns None: one
+    failing stage does not end the run. Either way the payload is saved (:meth:`save`: with ``elapsed_s``, seconds
+    since ``start``, a ``time.perf_counter()`` value, default now; ``before_save(payload)`` first, e.g. to update
+    derived entries) and ``log`` gets ``"[elapsed s] name done"`` (default: printed and flushed, a progress line;
+    ``None``: nothing).
+    """
+
+    def __init__(self, path: str | os.PathLike, payload: dict[str, Any], start: float | None = None, *,
+                 before_save: Callable[[dict[str, Any]], None] | None = None,
+                 log: Callable[[str], None] | None = functools.partial(print, flush=True)):
+        self.path = Path(path)
+        self.payload = payload
+        self.start = time.perf_counter() if start is None else start
+        self.before_save = before_save
+        self.log = log
+        payload.setdefault("errors", {})
+
+    def save(self) -> None:
+        self.payload["elapsed_s"] = time.perf_counter() - self.start
+        if self.before_save is not None:
+            self.before_save(self.payload)
+        atomic_write_json(self.path, self.payload)
+
+    def stage(self, name: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as err:  # noqa: BLE001 - recorded, the run goes on
+            self.payload["errors"][name] = f"{type(err).__name__}: {err}"[:3000]
+            traceback.print_exc()
+            return None
+        finally:
+            self.save()
+            if self.log is not None:
+                self.log(f"[{time.perf_counter() - self.start:6.1f} s] {name} done")

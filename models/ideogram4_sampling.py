@@ -13,6 +13,9 @@ What the pipeline does, and what this module reproduces (numbers and arithmetic 
   whole sequence, the unconditional one on the image tokens; guided velocity ``v = g_i v_cond + (1 - g_i) v_uncond``
   in float32; Euler ``x <- x + (sigma_{i+1} - sigma_i) (-v)`` (the pipeline passes ``-v`` to the scheduler).
   The default guidance schedule is 7.0 for 45 steps, then 3.0 for 3 (:data:`DEFAULT_GUIDANCE_SCHEDULE`).
+* **One branch.** Not the pipeline: :func:`unguided_denoise_loop` runs the conditional transformer alone (a student
+  with the guidance folded into its weights), one forward per step, optionally through linear hooks (served W4A4
+  layers).
 
 One exact saving over the pipeline: the text conditioning ``llm_cond_proj(norm(features)) * mask`` does not depend on
 the step, so it is computed once per prompt (:meth:`Ideogram4Transformer.embed_text`) instead of at every step, and the
@@ -222,10 +225,11 @@ def grid_for(height: int, width: int) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class Branches:
-    """Precomputed per-prompt inputs of the two transformers (a pytree of arrays; see :func:`prepare_branches`)."""
+    """Precomputed per-prompt inputs of the two transformers (a pytree of arrays; see :func:`prepare_branches`), or
+    of the conditional one alone (:func:`prepare_conditional`: ``uncond_text_embeddings`` is None)."""
 
     text_embeddings: jax.Array  # (B, L, hidden) conditional branch
-    uncond_text_embeddings: jax.Array  # (B, N, hidden)
+    uncond_text_embeddings: jax.Array | None  # (B, N, hidden); None: one branch
     position_ids: jax.Array  # (B, L, 3)
     segment_ids: jax.Array | None  # (B, L) or None (single segment)
     indicator: jax.Array  # (B, L)
@@ -243,13 +247,21 @@ def prepare_branches(cond: Ideogram4Transformer, uncond: Ideogram4Transformer, t
         text_features: ``(B, T, llm_features_dim)`` text region of the sequence (``T = num_text_slots``).
         layout_arrays: ``(position_ids (B, L, 3), segment_ids (B, L) or None, indicator (B, L))``.
     """
+    conditional = prepare_conditional(cond, text_features, layout_arrays, num_text_slots)
+    uncond_text = uncond.embed_text(None, layout_arrays[2][:, num_text_slots:])  # (B, N, hidden)
+    return dataclasses.replace(conditional, uncond_text_embeddings=uncond_text)
+
+
+def prepare_conditional(cond: Ideogram4Transformer, text_features: jax.Array,
+                        layout_arrays: tuple[jax.Array, jax.Array | None, jax.Array], num_text_slots: int) -> Branches:
+    """The conditional branch's per-prompt inputs alone (``uncond_text_embeddings`` None), for one-branch sampling;
+    the text projection runs here once. Shapes as in :func:`prepare_branches`."""
     position_ids, segment_ids, indicator = layout_arrays
     text_region = cond.embed_text(text_features, indicator[:, :num_text_slots])  # (B, T, hidden)
     # Image positions carry zero features in the pipeline: their contribution is exactly bias * [text token].
     image_region = cond.embed_text(None, indicator[:, num_text_slots:])  # (B, N, hidden)
     text_embeddings = jnp.concatenate([text_region, image_region], axis=1)  # (B, L, hidden)
-    uncond_text = uncond.embed_text(None, indicator[:, num_text_slots:])  # (B, N, hidden)
-    return Branches(text_embeddings, uncond_text, position_ids, segment_ids, indicator)
+    return Branches(text_embeddings, None, position_ids, segment_ids, indicator)
 
 
 def conditional_velocity(cond: Ideogram4Transformer, branches: Branches, latents: jax.Array, model_time: jax.Array,
@@ -319,13 +331,57 @@ def denoise_loop(cond: Ideogram4Transformer, uncond: Ideogram4Transformer, noise
     cond_graph, cond_state = nnx.split(cond)
     uncond_graph, uncond_state = nnx.split(uncond)
 
-    def step(latents, per_step):
-        model_time, sigma, sigma_next, g = per_step
-        velocity = guided_velocity(nnx.merge(cond_graph, cond_state), nnx.merge(uncond_graph, uncond_state),
-                                   branches, latents, model_time, g, num_text_slots)  # (B, N, C)
-        return euler_step(latents, velocity, sigma, sigma_next), None
+    def velocity(latents, model_time, g):
+        return guided_velocity(nnx.merge(cond_graph, cond_state), nnx.merge(uncond_graph, uncond_state),
+                               branches, latents, model_time, g, num_text_slots)  # (B, N, C)
 
-    latents, _ = jax.lax.scan(step, noise.astype(jnp.float32), (model_times, sigmas[:-1], sigmas[1:], guidance))
+    return _euler_scan(velocity, noise, sigmas, model_times, guidance)  # (B, N, C)
+
+
+def unguided_denoise_loop(cond: Ideogram4Transformer, noise: jax.Array, text_features: jax.Array,
+                          layout_arrays: tuple[jax.Array, jax.Array | None, jax.Array], sigmas: jax.Array,
+                          model_times: jax.Array, num_text_slots: int, hooks: LinearHooks | None = None) -> jax.Array:
+    """One branch: the conditional transformer alone, no guidance, as one ``lax.scan`` over the steps (pure; call it
+    under jit). For a student with the guidance folded into its weights (the QAD / DMD2 students): one forward per
+    step, ``x <- x + (sigma_{i+1} - sigma_i) (-v_cond)``; the same latents as :func:`denoise_loop` at guidance 1
+    (``1 v_cond + 0 v_uncond``) without the unconditional transformer. The text projection runs once, inside.
+
+    Args:
+        cond: the (conditional) transformer.
+        noise: ``(B, N, in_channels)`` initial latents, ``N = grid_h * grid_w``.
+        text_features: ``(B, T, llm_features_dim)`` the text region (``T = num_text_slots``).
+        layout_arrays: ``(position_ids (B, T + N, 3), segment_ids (B, T + N) or None, indicator (B, T + N))``
+            (:func:`layout_arrays`).
+        sigmas: ``(S + 1,)`` float32 decreasing, the last one 0; model_times: ``(S,)`` float32 (a
+            :class:`FlowSchedule`'s, whose guidance is not used).
+        hooks: routes ``cond``'s linears at every step (e.g. served W4A4 layers; ``FusedLinearHooks(stacked=True)``
+            for a ``scan_layers`` model). Build them inside the caller's jit from traced entries
+            (``FusedLinearHooks.from_entries``) so the layers' arrays are arguments, not constants.
+    Returns:
+        ``(B, N, in_channels)`` float32 denoised latents.
+    """
+    if sigmas.shape != (model_times.shape[0] + 1,):
+        raise ValueError(f"sigmas {sigmas.shape} must be (steps + 1,) for model_times {model_times.shape}")
+    conditional = prepare_conditional(cond, text_features, layout_arrays, num_text_slots)
+    cond_graph, cond_state = nnx.split(cond)
+
+    def velocity(latents, model_time):
+        return conditional_velocity(nnx.merge(cond_graph, cond_state), conditional, latents, model_time,
+                                    num_text_slots, hooks)  # (B, N, C)
+
+    return _euler_scan(velocity, noise, sigmas, model_times)  # (B, N, C)
+
+
+def _euler_scan(velocity: Any, noise: jax.Array, sigmas: jax.Array, model_times: jax.Array,
+                *per_step: jax.Array) -> jax.Array:
+    """``x <- euler_step(x, velocity(x, model_times[i], *per_step[i]), sigmas[i], sigmas[i + 1])`` for every step,
+    one ``lax.scan``: ``noise (B, N, C)`` -> ``(B, N, C)`` float32; ``per_step`` arrays have a leading ``(S,)``."""
+
+    def step(latents, xs):
+        model_time, sigma, sigma_next, *extra = xs
+        return euler_step(latents, velocity(latents, model_time, *extra), sigma, sigma_next), None
+
+    latents, _ = jax.lax.scan(step, noise.astype(jnp.float32), (model_times, sigmas[:-1], sigmas[1:], *per_step))
     return latents  # (B, N, C)
 
 

@@ -6,18 +6,35 @@ What the serving benchmarks (``benchmarks/ideogram4_serving.py``, ``benchmarks/d
   initialiser (compiled once, run per seed), so a 9.28 B-parameter model never crosses the host.
 * :func:`forward_flops`: matmul FLOPs of one forward (2 per multiply-add; attention as dense ``4 L^2 hidden`` per
   layer), for rooflines.
+* The served W4A4 blocks of a ``scan_layers`` model (``benchmarks/dit_forward_w4a4.py``,
+  ``benchmarks/ideogram4_stack.py``): :func:`build_block_qlinears` (the 7 quantizable linears of every block as 6
+  stacked W4A4 layers, ``w1 | w3`` fused, built on the device from the model's kernels: the real layer math, stand-in
+  calibration), :func:`serve_block_layers` (their served form on one strategy) and :func:`block_served_hooks` (the
+  stacked hooks that run them: q / k with their per-head RMSNorm, ``w1 | w3`` with the SwiGLU, the rest plain).
 """
 
 from __future__ import annotations
 
 import time
 
+from typing import Any
+
 import jax
 from flax import nnx
 
 from models import ideogram4 as ig
+from models.layers import FusedLinearHooks
+from models.quantize_model import build_stacked_qlinears, serve_stacked, served_hooks
 
-__all__ = ["forward_flops", "random_states"]
+__all__ = ["BLOCK_GATE", "BLOCK_NORMED", "BLOCK_PLAIN", "BLOCK_UP", "block_served_hooks", "build_block_qlinears",
+           "forward_flops", "random_states", "serve_block_layers"]
+
+#: The quantizable linears of the scanned model's one stacked block (paths with ``scan_layers=True``), by how the
+#: served W4A4 forward runs them: plain; with the per-head RMSNorm after them; the gate and up projections, one fused
+#: ``[w1; w3]`` layer (keyed by the gate) with the SwiGLU after it.
+BLOCK_PLAIN = ("layers.attention.to_v", "layers.attention.to_out.0", "layers.feed_forward.w2")
+BLOCK_NORMED = ("layers.attention.to_q", "layers.attention.to_k")
+BLOCK_GATE, BLOCK_UP = "layers.feed_forward.w1", "layers.feed_forward.w3"
 
 
 def forward_flops(cfg: ig.Ideogram4Config, tokens: int, text_projection_tokens: int) -> dict[str, float]:
@@ -44,3 +61,47 @@ def random_states(cfg: ig.Ideogram4Config, seeds: tuple[int, ...]) -> tuple[nnx.
         states.append(init(jax.random.key(seed)))
         jax.block_until_ready(states[-1])
     return graphdef, states, time.perf_counter() - start
+
+
+def build_block_qlinears(model: ig.Ideogram4Transformer, key: jax.Array, rank: int) -> dict[str, Any]:
+    """Stacked W4A4 layers (``kroquant_jax.qlinear.QuantizedLinear`` with a leading ``num_layers`` axis) of every
+    block's quantizable linears, built on the device from the model's bf16 kernels (``build_stacked_qlinears``: the
+    real layer math, a random KroQuant transform and randomized low-rank factors of ``rank`` as the calibration).
+
+    Returns ``{path: layer}`` for :data:`BLOCK_NORMED` and :data:`BLOCK_PLAIN` (``(o, d)`` each) and
+    :data:`BLOCK_GATE` (the fused ``[w1; w3]`` ``(2 intermediate, hidden)``); layer ``i`` of those paths draws its
+    key from ``fold_in(key, i)``, the fused one from ``fold_in(key, 99)``.
+    """
+    if not model.config.scan_layers:
+        raise ValueError("build_block_qlinears needs the stacked blocks of a scan_layers=True model, got "
+                         f"scan_layers={model.config.scan_layers}")
+    blocks = model.layers
+    kernels = {"layers.attention.to_q": blocks.attention.to_q, "layers.attention.to_k": blocks.attention.to_k,
+               "layers.attention.to_v": blocks.attention.to_v, "layers.attention.to_out.0": blocks.attention.to_out[0],
+               "layers.feed_forward.w2": blocks.feed_forward.w2}
+    layers = {path: build_stacked_qlinears((kernels[path].kernel[...],), jax.random.fold_in(key, i), rank)
+              for i, path in enumerate((*BLOCK_NORMED, *BLOCK_PLAIN))}
+    gate_up = (blocks.feed_forward.w1.kernel[...], blocks.feed_forward.w3.kernel[...])
+    layers[BLOCK_GATE] = build_stacked_qlinears(gate_up, jax.random.fold_in(key, 99), rank)
+    return layers
+
+
+def serve_block_layers(layers: dict[str, Any], strategy: str = "dequant") -> dict[str, Any]:
+    """The served form of :func:`build_block_qlinears`' layers on ``strategy`` (``pallas_kernels.served``: e.g.
+    ``"dequant"``, ``"kernel"`` or ``"fp8"``), same keys and leading layer axis; :data:`BLOCK_GATE` prepared for the
+    SwiGLU (gate/up row pairs)."""
+    return {path: serve_stacked(layer, swiglu=path == BLOCK_GATE, strategy=strategy)
+            for path, layer in layers.items()}
+
+
+def block_served_hooks(served: dict[str, Any], options: Any = None) -> FusedLinearHooks:
+    """Stacked hooks (``FusedLinearHooks(stacked=True)``) running :func:`serve_block_layers`' layers with one
+    ``pallas_kernels.served.ServeOptions`` (``None``: the default strategy; it must be the one they were served
+    for): :data:`BLOCK_PLAIN` plain, :data:`BLOCK_NORMED` with the model's per-head RMSNorm, :data:`BLOCK_GATE` with
+    the SwiGLU (replacing ``w1`` and ``w3``). Pass ``.entries()`` through jit and rebuild with
+    ``FusedLinearHooks.from_entries(entries, stacked=True)`` inside."""
+    missing = sorted({*BLOCK_PLAIN, *BLOCK_NORMED, BLOCK_GATE} - set(served))
+    if missing:
+        raise ValueError(f"block_served_hooks: no served layer for {missing} (have {sorted(served)})")
+    return served_hooks({p: served[p] for p in BLOCK_PLAIN}, {p: served[p] for p in BLOCK_NORMED},
+                        {BLOCK_GATE: served[BLOCK_GATE]}, options=options, stacked=True)

@@ -8,10 +8,10 @@ option's default, and ends with examples written as ``kroquant <verb> ...``. Cou
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+from typing import Callable, Sequence
 
-__all__ = ["HelpFormatter", "UserError", "action_parser", "add_quiet", "nonnegative_int", "positive_int",
-           "quantize_with_store", "verb_parser"]
+__all__ = ["HelpFormatter", "UserError", "action_parser", "add_quiet", "choice_list", "nonnegative_int",
+           "positive_int", "quantize_with_store", "verb_parser"]
 
 
 class UserError(Exception):
@@ -72,6 +72,22 @@ def positive_int(text: str) -> int:
 def nonnegative_int(text: str) -> int:
     """An ``int >= 0`` (argparse ``type=``; the error names the flag)."""
     return _int_at_least(text, 0, ">= 0")
+
+
+def choice_list(choices: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]]:
+    """An argparse ``type=``: a comma-separated non-empty subset of ``choices`` -> that subset in the order of
+    ``choices`` (a run order); an unknown name is an error naming it, the ``what`` (e.g. ``"variant"``) and the
+    choices."""
+    choices = tuple(choices)
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(v.strip() for v in text.split(",") if v.strip())
+        bad = [v for v in names if v not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what}(s) {bad or text!r}; choose from {', '.join(choices)}")
+        return tuple(v for v in choices if v in names)
+
+    return parse
 
 
 def quantize_with_store(layer_set, recipe, store, overwrite: bool, flag: str, label: str = ""):

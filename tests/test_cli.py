@@ -168,3 +168,16 @@ def test_generate_refuses_what_is_not_a_quantized_folder(tmp_path, capsys):
                      str(tmp_path / "o")]) == 1
     assert capsys.readouterr().err == (f"kroquant generate: error: {tmp_path / 'q'}: no model.safetensors (not a "
                                        f"quantized checkpoint folder written by kroquant)\n")
+
+
+def test_choice_list_keeps_the_choices_order_and_names_unknown_names():
+    import argparse
+
+    from scripts.common_args import choice_list
+
+    parse = choice_list(("a", "b", "c"), "system")
+    assert parse(" c, a ") == ("a", "c")
+    for text, named in (("a,x", "['x']"), (",", "','")):
+        with pytest.raises(argparse.ArgumentTypeError, match=rf"unknown system\(s\) {re.escape(named)}; choose from "
+                                                            r"a, b, c"):
+            parse(text)

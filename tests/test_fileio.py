@@ -43,3 +43,22 @@ def test_suffix_for_extension_sniffing_writers(tmp_path):
         np.savez(tmp, x=np.arange(3))
     assert np.load(target)["x"].tolist() == [0, 1, 2]
     assert os.listdir(tmp_path) == ["state.npz"]
+
+
+def test_staged_results_save_after_each_stage_and_record_errors(tmp_path, capsys):
+    path = tmp_path / "run.json"
+    payload = {"done": []}
+    lines = []
+    results = fileio.StagedResults(path, payload, before_save=lambda p: p.__setitem__("count", len(p["done"])),
+                                   log=lines.append)
+    assert results.stage("first", lambda: payload["done"].append("first") or 7) == 7
+    assert json.loads(path.read_text())["done"] == ["first"]
+
+    def broken():
+        raise ValueError("bad shape (3, 4)")
+
+    assert results.stage("second", broken) is None  # recorded, not raised
+    saved = json.loads(path.read_text())
+    assert saved["errors"] == {"second": "ValueError: bad shape (3, 4)"} and saved["count"] == 1
+    assert saved["elapsed_s"] >= 0 and "Traceback" in capsys.readouterr().err
+    assert [line.split("] ")[1] for line in lines] == ["first done", "second done"]
