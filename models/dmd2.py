@@ -2,10 +2,13 @@
 
 Three networks of one architecture, as pytrees of parameters beside one shared model (``FlowModel``):
 
-* **generator** ``G``: the few-step student, initialised from the teacher (16-bit), or from a calibrated PTQ store as
-  a W4A4 student (:class:`W4A4Generator`, :func:`load_ptq_store`): every quantizable linear in W4A4 fake quant with
+* **generator** ``G``: the few-step student, initialised from the teacher (16-bit), or as a W4A4 student
+  (:class:`W4A4Generator`) from a calibrated PTQ store (:func:`load_ptq_store`) or from a quantized checkpoint folder
+  such as an exported QAD student (:func:`load_init_checkpoint`): every quantizable linear in W4A4 fake quant with
   the straight-through estimator, exactly the forward of the QAD student (``models.qad.student_velocity``). At a
   student step of noise level ``sigma_i`` it predicts a velocity, turned into a clean image ``x0 = x - sigma_i v``.
+  A trained W4A4 generator becomes a quantized checkpoint folder again with :func:`plan_export` / :func:`export_run`
+  (``kroquant dmd2 export``).
 * **real score**: the frozen teacher with classifier-free guidance (``DMD2Config.guidance`` applied where the noise
   level lies in ``guidance_sigma_range``, scale 1 outside: a guidance-interval schedule).
 * **fake score**: a trainable copy of the teacher, trained with the teacher's flow-matching loss on detached
@@ -74,8 +77,9 @@ __all__ = ["DMD2Config", "FlowModel", "GanHead", "DMD2Divergence", "pixart_flow_
            "eps_from_velocity", "score_from_velocity", "FAKE_SIGMA_SAMPLING", "student_sigmas",
            "guided_velocity", "generate", "backward_simulate", "dm_gradient", "dm_loss", "fake_score_loss",
            "gan_logits", "make_optimizers", "init_state", "make_cycle", "make_fake_warmup", "train", "restore_state",
-           "forward_passes_per_image", "W4A4Generator", "PTQStore", "load_ptq_store", "generator_key",
-           "check_run_key", "RunKeyMismatch"]
+           "forward_passes_per_image", "W4A4Generator", "PTQStore", "load_ptq_store", "load_init_checkpoint",
+           "generator_key", "check_run_key", "RunKeyMismatch", "restore_generator", "ExportPlan", "plan_export",
+           "export_run"]
 
 FAKE_SIGMA_SAMPLING = ("logit_normal", "uniform")  # DMD2Config.fake_sigma_sampling
 
@@ -255,9 +259,10 @@ def pixart_flow_model(graphdef: nnx.GraphDef, null_context: jax.Array, null_mask
 
 @dataclasses.dataclass(frozen=True)
 class PTQStore:
-    """A calibrated PTQ store read for a W4A4 generator (:func:`load_ptq_store`).
+    """The initialisation of a W4A4 generator: a calibrated PTQ store (:func:`load_ptq_store`, ``kind``
+    ``"ptq_store"``) or a quantized checkpoint folder (:func:`load_init_checkpoint`, ``kind`` ``"init_checkpoint"``).
 
-    path: the folder (absolute). sha256: the content hash of its layer files (names and bytes).
+    path: the folder (absolute). sha256: the content hash of its files (names and bytes).
     generator: the initial generator parameters (see :class:`W4A4Generator`). w4a4: its frozen parts.
     """
 
@@ -265,6 +270,12 @@ class PTQStore:
     sha256: str
     generator: dict[str, Any]
     w4a4: W4A4Generator
+    kind: str = "ptq_store"
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag that names such a folder."""
+        return "--init-checkpoint" if self.kind == "init_checkpoint" else "--ptq-store"
 
 
 def _quantized_shapes(prefix: str, rows: int, cols: int, block: int) -> dict[str, tuple[int, ...]]:
@@ -280,13 +291,19 @@ def _check_layer_file(path: Path, name: str, out_features: int, in_features: int
     """
     from safetensors import safe_open
 
-    o, d = out_features, in_features
     where = f"--ptq-store file {path} (layer {name})"
     with safe_open(str(path), framework="numpy") as f:
         meta = json.loads((f.metadata() or {}).get("qlinear", "null"))
         if not isinstance(meta, dict) or "config" not in meta or "weight" not in meta:
             raise ValueError(f"{where}: no 'qlinear' metadata (not written by kroquant_jax.qlinear.QLinearStore)")
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    return _check_layer_meta(meta, shapes, where, out_features, in_features)
+
+
+def _check_layer_meta(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], where: str, o: int,
+                      d: int) -> str:
+    """Check one layer's ``kroquant_jax.qlinear.to_state`` metadata and its arrays' shapes ``{key: shape}`` against
+    the model's linear ``(o, d)``. Returns the W4A4 format name; raises ValueError starting with ``where``."""
     config = meta["config"]
     if (config.get("out_features"), config.get("in_features")) != (o, d):
         raise ValueError(f"{where}: its config is ({config.get('out_features')}, {config.get('in_features')}), the "
@@ -384,6 +401,147 @@ def load_ptq_store(folder: str | Path, model: nnx.Module) -> PTQStore:
     w4a4 = W4A4Generator(blocks={k: jnp.asarray(v, jnp.float32) for k, v in blocks.items()},
                          quant=qad.QADConfig(fmt=fmt, ste="identity"), lowrank_quantized=lowrank_quantized)
     return PTQStore(path=str(folder.absolute()), sha256=digest.hexdigest(), generator=generator, w4a4=w4a4)
+
+
+def _dense_f32(x: Any) -> jax.Array:
+    """A packed ``kroquant_jax.formats.QuantizedArray`` dequantized, or a dense array, as float32."""
+    from kroquant_jax import formats
+
+    if isinstance(x, formats.QuantizedArray):
+        return formats.dequantize(x, jnp.float32)
+    return jnp.asarray(x, jnp.float32)
+
+
+#: The files of a quantized checkpoint folder (``models.quantized_checkpoint``) that its run key hashes.
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "quantized.safetensors", "quantization_config.json")
+
+
+def load_init_checkpoint(folder: str | Path, model: nnx.Module) -> PTQStore:
+    """Read and validate a quantized checkpoint folder (``models.quantized_checkpoint``, e.g. a QAD student written
+    by ``kroquant qad --export-dir`` or a generator by ``kroquant dmd2 export``) as the initial W4A4 generator of
+    ``model`` (the 16-bit teacher, which gives the architecture; its weights are not used).
+
+    The folder must be a model of the teacher's family and config, with a packed layer for every quantizable linear
+    of the teacher, all in one W4A4 format (MXFP4 or NVFP4 with that format's default scale rule); its metadata and
+    array shapes are checked layer by layer before anything is decoded (ValueError naming the file, the layer and
+    the key). The generator then starts from what the folder holds:
+
+    * ``"model"``: its 16-bit rest (``model.safetensors``, fp32; the quantized linears' stored kernels are zero
+      placeholders, never used);
+    * ``"layers"``: ``W~`` = the dequantized packed residual (the folder keeps the codes, not the fp32 master, so
+      training resumes from the rounded value; re-quantizing it returns the same MXFP4 codes, so the initial forward
+      is the folder's simulate forward), the bias, the low-rank branch (dequantized when packed); the blocks
+      ``T`` are frozen as for a PTQ store.
+
+    ``sha256`` hashes the names and bytes of :data:`CHECKPOINT_FILES`.
+    """
+    from safetensors import safe_open
+
+    from kroquant_jax import formats
+    from models import convert, families
+    from models.quantized_checkpoint import FORMAT_VERSION, load_quantized_checkpoint
+
+    flag = "--init-checkpoint"
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {folder}: no such folder")
+    for name in CHECKPOINT_FILES:
+        if not (folder / name).is_file():
+            raise ValueError(f"{flag} {folder}: no {name} (not a quantized checkpoint folder written by kroquant; a "
+                             "QLinearStore folder of layer files is a --ptq-store)")
+    texts = {}
+    for name in ("config.json", "quantization_config.json"):
+        try:
+            texts[name] = json.loads((folder / name).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"{flag} file {folder / name}: not JSON ({error})") from None
+    qconfig, diffusers_config = texts["quantization_config.json"], texts["config.json"]
+    if qconfig.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{flag} file {folder / 'quantization_config.json'}: format_version "
+                         f"{qconfig.get('format_version')!r}, this library reads {FORMAT_VERSION}")
+    family = families.family_of(model)
+    theirs = families.detect(diffusers_config, f"{flag} file {folder / 'config.json'}")
+    if theirs is not family:
+        raise ValueError(f"{flag} file {folder / 'config.json'}: a {theirs.name} model, the teacher is {family.name}")
+    cfg, ours = theirs.config_from_diffusers(diffusers_config), family.config_of(model)
+    differing = [f.name for f in dataclasses.fields(ours) if getattr(cfg, f.name) != getattr(ours, f.name)]
+    if differing:
+        field = differing[0]
+        raise ValueError(f"{flag} file {folder / 'config.json'}: {field} is {getattr(cfg, field)!r}, the teacher's is "
+                         f"{getattr(ours, field)!r} (differing: {differing})")
+    wanted = linears(model, quantizable_only=True)
+    stored = qconfig.get("layers") or {}
+    foreign = [name for name in stored if name not in wanted]
+    if foreign:
+        raise ValueError(f"{flag} file {folder / 'quantization_config.json'}: layer {foreign[0]} is not a "
+                         "quantizable linear of the teacher")
+    missing = [name for name in wanted if name not in stored]
+    if missing:
+        raise ValueError(f"{flag} {folder}: no quantized layer for {len(missing)} quantizable linear(s) of the "
+                         f"teacher, e.g. {missing[:3]} (a W4A4 generator quantizes every one)")
+    arrays_path = folder / "quantized.safetensors"
+    try:
+        with safe_open(str(arrays_path), framework="numpy") as f:
+            all_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as error:  # a truncated or foreign file: name it
+        raise ValueError(f"{flag} file {arrays_path}: not a readable safetensors file ({error})") from error
+    fmt_names = {}
+    for name, linear in wanted.items():
+        prefix = f"{name}/"
+        shapes = {k[len(prefix):]: shape for k, shape in all_shapes.items() if k.startswith(prefix)}
+        meta = stored[name].get("meta") if isinstance(stored[name], Mapping) else None
+        where = f"{flag} file {arrays_path} (layer {name})"
+        if not isinstance(meta, Mapping) or "config" not in meta or "weight" not in meta:
+            raise ValueError(f"{flag} file {folder / 'quantization_config.json'} (layer {name}): no layer metadata")
+        fmt_names[name] = _check_layer_meta(meta, shapes, where, linear.out_features, linear.in_features)
+    by_format = {fmt: name for name, fmt in fmt_names.items()}
+    if len(by_format) > 1:
+        raise ValueError(f"{flag} {folder}: layers in several formats ("
+                         + ", ".join(f"{name} is {fmt}" for fmt, name in sorted(by_format.items())) + ")")
+    fmt = next(iter(by_format))
+    if fmt not in qad.FORMATS:
+        raise ValueError(f"{flag} {folder}: format {fmt!r} is not one of {sorted(qad.FORMATS)}")
+    try:
+        loaded = load_quantized_checkpoint(folder, "float32")
+    except convert.ConversionError as error:
+        raise ValueError(f"{flag} file {folder / 'model.safetensors'}: {str(error).splitlines()[0]}") from None
+    kinds = {name: q.lowrank_quantized for name, q in loaded.qlayers.items() if q.lowrank_left is not None}
+    if len(set(kinds.values())) > 1:
+        packed = next(name for name, k in kinds.items() if k)
+        plain = next(name for name, k in kinds.items() if not k)
+        raise ValueError(f"{flag} {folder}: mixed low-rank branches (layer {packed} packed, {plain} 16-bit)")
+    layers, blocks = {}, {}
+    for name, q in loaded.qlayers.items():
+        if q.config.act_fmt != qad.FORMATS[fmt]():
+            raise ValueError(f"{arrays_path} (layer {name}): format {q.config.act_fmt} is not the default "
+                             f"{qad.FORMATS[fmt]()} the QAD student's forward uses")
+        o, d = q.config.out_features, q.config.in_features
+        if q.lowrank_left is None:
+            left, right = np.zeros((o, 0), np.float32), np.zeros((0, d), np.float32)
+        else:
+            left, right = _dense_f32(q.lowrank_left), _dense_f32(q.lowrank_right)  # (o, r), (r, d)
+        layers[name] = {"weight": formats.dequantize(q.weight, jnp.float32),  # (o, d): the rounded residual
+                        "bias": jnp.zeros((o,), jnp.float32) if q.bias is None else jnp.asarray(q.bias, jnp.float32),
+                        "left": jnp.asarray(left, jnp.float32), "right": jnp.asarray(right, jnp.float32)}
+        blocks[name] = jnp.asarray(q.blocks, jnp.float32)
+    _, teacher_state = nnx.split(model)
+    _, state = nnx.split(loaded.model)
+    ours_leaves = {jax.tree_util.keystr(path): leaf
+                   for path, leaf in jax.tree_util.tree_flatten_with_path(teacher_state)[0]}
+    for path, leaf in ((jax.tree_util.keystr(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(state)[0]):
+        if path not in ours_leaves or np.shape(ours_leaves[path]) != np.shape(leaf):
+            raise ValueError(f"{flag} file {folder / 'model.safetensors'}: parameter {path} has shape {np.shape(leaf)}"
+                             f", the teacher's {np.shape(ours_leaves[path]) if path in ours_leaves else 'none'}")
+    if jax.tree.structure(state) != jax.tree.structure(teacher_state):
+        raise ValueError(f"{flag} file {folder / 'model.safetensors'}: its parameter tree differs from the teacher's")
+    digest = hashlib.sha256()
+    for name in CHECKPOINT_FILES:
+        digest.update(f"{name}|{testbed_data.file_sha256(folder / name)}\n".encode())
+    generator = {"model": jax.tree.map(lambda p: jnp.array(p, jnp.float32), state), "layers": layers}
+    w4a4 = W4A4Generator(blocks=blocks, quant=qad.QADConfig(fmt=fmt, ste="identity"),
+                         lowrank_quantized=bool(kinds and next(iter(kinds.values()))))
+    return PTQStore(path=str(folder.absolute()), sha256=digest.hexdigest(), generator=generator, w4a4=w4a4,
+                    kind="init_checkpoint")
 
 
 class GanHead(nnx.Module):
@@ -777,18 +935,26 @@ TEACHER_KEY = {"generator": "teacher"}
 
 
 def generator_key(store: PTQStore | None) -> dict[str, Any]:
-    """What a run folder is keyed by: the generator's initialisation, the teacher (``store`` None) or a PTQ store
-    (its content hash and folder name, which are compared, and its absolute path, recorded)."""
+    """What a run folder is keyed by: the generator's initialisation, the teacher (``store`` None), a PTQ store or a
+    quantized checkpoint folder (its content hash and folder name, which are compared, and its absolute path,
+    recorded): ``{"generator": {"ptq_store" | "init_checkpoint": name, "sha256": hex}, "<kind>_path": path}``."""
     if store is None:
         return dict(TEACHER_KEY)
-    return {"generator": {"ptq_store": Path(store.path).name, "sha256": store.sha256}, "ptq_store_path": store.path}
+    return {"generator": {store.kind: Path(store.path).name, "sha256": store.sha256}, f"{store.kind}_path": store.path}
+
+
+def _init_kind(generator: Mapping[str, Any]) -> str:
+    """``"ptq_store"`` or ``"init_checkpoint"``: the kind of a W4A4 generator key's initialisation."""
+    return "init_checkpoint" if "init_checkpoint" in generator else "ptq_store"
 
 
 def _describe(key: Mapping[str, Any]) -> str:
     generator = key["generator"]
     if generator == "teacher":
         return "the 16-bit teacher (no --ptq-store)"
-    return f"--ptq-store {key.get('ptq_store_path', generator['ptq_store'])} (sha256 {generator['sha256'][:12]})"
+    kind = _init_kind(generator)
+    flag = "--init-checkpoint" if kind == "init_checkpoint" else "--ptq-store"
+    return f"{flag} {key.get(f'{kind}_path', generator[kind])} (sha256 {generator['sha256'][:12]})"
 
 
 def check_run_key(run_dir: str | Path, key: Mapping[str, Any], write: bool) -> None:
@@ -808,7 +974,7 @@ def check_run_key(run_dir: str | Path, key: Mapping[str, Any], write: bool) -> N
         stored = None
     if stored is not None and stored["generator"] != json.loads(json.dumps(key["generator"])):
         raise RunKeyMismatch(f"{run_dir}: its generator was initialised from {_describe(stored)}, this call's from "
-                             f"{_describe(key)}; use another --run or the same --ptq-store")
+                             f"{_describe(key)}; use another --run or the same --ptq-store / --init-checkpoint")
     if stored is None and write:
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, dict(key))
@@ -924,3 +1090,123 @@ def restore_state(run_dir: str | Path, template: dict[str, Any],
     state = manager.restore(step, args=ocp.args.StandardRestore(template))
     manager.close()
     return state, int(step)
+
+
+def restore_generator(run_dir: str | Path, template: Params,
+                      run_key: Mapping[str, Any] | None = None) -> tuple[Params, int]:
+    """The generator of the latest checkpoint of a :func:`train` run -> ``(generator params, cycles done)``, read
+    alone (an orbax partial restore: the critic and the optimizer states are not needed to export it); ``template``
+    is the initial generator (e.g. :attr:`PTQStore.generator`) giving the structure. ``run_key`` (None: the
+    teacher's) is checked first (:func:`check_run_key`). Raises FileNotFoundError when the run has no checkpoint."""
+    import orbax.checkpoint as ocp
+
+    check_run_key(run_dir, TEACHER_KEY if run_key is None else run_key, write=False)
+    directory = Path(run_dir).absolute() / "checkpoints"
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: no DMD2 checkpoint (run `kroquant dmd2 train --run {run_dir}` first)")
+    manager = ocp.CheckpointManager(directory)
+    try:
+        step = manager.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"{directory}: no DMD2 checkpoint (run `kroquant dmd2 train --run {run_dir}` "
+                                    "first)")
+        restored = manager.restore(step, args=ocp.args.PyTreeRestore(item={"generator": template},
+                                                                     partial_restore=True))
+    finally:
+        manager.close()
+    return restored["generator"], int(step)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportPlan:
+    """What :func:`export_run` needs, read from a run folder without loading any weights (:func:`plan_export`).
+
+    run_dir, out: the run and the folder to write (absolute). key: the run's stored key (``dmd2_run.json``).
+    init_kind: ``"ptq_store"`` or ``"init_checkpoint"``. init_path: the generator's initialisation folder (the one
+    recorded in the key unless another location was given). teacher: the teacher folder the last training call used
+    (from ``log.jsonl``; None if not recorded). config: that call's :class:`DMD2Config`. cycle: the latest
+    checkpoint's cycle.
+    """
+
+    run_dir: Path
+    out: Path
+    key: dict
+    init_kind: str
+    init_path: str
+    teacher: str | None
+    config: DMD2Config
+    cycle: int
+
+
+def plan_export(run_dir: str | Path, out: str | Path, overwrite: bool = False,
+                init_path: str | Path | None = None, init_kind: str | None = None) -> ExportPlan:
+    """Validate a ``kroquant dmd2 export`` before anything is loaded: the run folder, its key (a W4A4 generator:
+    a 16-bit one, trained without ``--ptq-store`` / ``--init-checkpoint``, has no quantized layers to export), a
+    checkpoint, the recorded training config, and ``out`` (absent or empty unless ``overwrite``).
+
+    ``init_path``: where the generator's initialisation folder is now, when it moved (its SHA-256 is still checked
+    against the run's key by :func:`export_run`), of ``init_kind`` (``"ptq_store"`` / ``"init_checkpoint"``, the
+    flag it was given with; it must be the run's). Raises ValueError (one line, naming the flag and the folder)."""
+    import orbax.checkpoint as ocp
+
+    run_dir = Path(run_dir).absolute()
+    if not (run_dir / "checkpoints").is_dir():
+        raise ValueError(f"--run {run_dir}: no DMD2 run there (no checkpoints folder)")
+    key_path = run_dir / RUN_KEY_FILE
+    key = json.loads(key_path.read_text()) if key_path.exists() else dict(TEACHER_KEY)
+    if key["generator"] == "teacher":
+        raise ValueError(f"--run {run_dir}: its generator is 16-bit (trained without --ptq-store or "
+                         "--init-checkpoint), so it has no W4A4 layers to export as a quantized checkpoint")
+    manager = ocp.CheckpointManager(run_dir / "checkpoints")
+    cycle = manager.latest_step()
+    manager.close()
+    if cycle is None:
+        raise ValueError(f"--run {run_dir}: no checkpoint saved yet")
+    starts = []
+    if (run_dir / "log.jsonl").exists():
+        records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]
+        starts = [r for r in records if r.get("event") == "start" and "config" in r]
+    if not starts:
+        raise ValueError(f"--run {run_dir}: log.jsonl records no training config (not a `kroquant dmd2 train` run)")
+    recorded = dict(starts[-1]["config"])
+    recorded["guidance_sigma_range"] = tuple(recorded["guidance_sigma_range"])
+    kind = _init_kind(key["generator"])
+    if init_kind is not None and init_kind != kind:
+        raise ValueError(f"--{init_kind.replace('_', '-')} {init_path}: the run {run_dir} was initialised from "
+                         f"{_describe(key)}")
+    out = qad.check_export_dir(Path(out).absolute(), overwrite)
+    return ExportPlan(run_dir=run_dir, out=out, key=key, init_kind=kind,
+                      init_path=str(init_path if init_path is not None else key.get(f"{kind}_path",
+                                                                                    key["generator"][kind])),
+                      teacher=starts[-1].get("teacher"), config=DMD2Config(**recorded), cycle=int(cycle))
+
+
+def export_run(plan: ExportPlan, model: nnx.Module) -> dict[str, Any]:
+    """Write the latest checkpoint's W4A4 generator of ``plan``'s run as a quantized checkpoint folder
+    (``models.qad.export_student_checkpoint``: its trained 16-bit rest and packed layers; ``kroquant generate``
+    serves it, ``--init-checkpoint`` starts from it).
+
+    ``model``: the 16-bit teacher (architecture; for a PTQ store also the start of ``W~``). The initialisation
+    folder is read again (:func:`load_ptq_store` / :func:`load_init_checkpoint`) for the frozen transforms and the
+    format, and its key must be the run's (:class:`RunKeyMismatch` otherwise). The folder records the DMD2 config as
+    its recipe settings and, under ``extra``, the run, the cycle, the initialisation (name, SHA-256, path), the
+    teacher and the student's sampler (``steps`` = the trained step count, flow Euler at guidance 1: the
+    deterministic counterpart of the re-noising sampler :func:`generate`, on the same noise levels).
+
+    Returns ``{"out", "cycle", "layers", "format", "init"}``.
+    """
+    load = load_init_checkpoint if plan.init_kind == "init_checkpoint" else load_ptq_store
+    store = load(plan.init_path, model)
+    key = generator_key(store)
+    generator, cycle = restore_generator(plan.run_dir, store.generator, key)
+    graphdef, _ = nnx.split(model)
+    extra = {"trained_by": "kroquant dmd2 train", "run": str(plan.run_dir), "cycle": cycle,
+             "steps": plan.config.num_steps, "init": key["generator"], "init_path": store.path,
+             "teacher": plan.teacher,
+             "sampler_note": "trained with DMD2's re-noising sampler (x0, fresh noise) at sigma 1, (K-1)/K, ..., 1/K; "
+                             "flow_euler at guidance 1 with these steps is its deterministic counterpart"}
+    qlayers = qad.export_student_checkpoint(plan.out, graphdef, generator, store.w4a4.blocks, store.w4a4.quant,
+                                            store.w4a4.lowrank_quantized, recipe_name="dmd2", recipe=plan.config,
+                                            extra=extra)
+    return {"out": str(plan.out), "cycle": cycle, "layers": len(qlayers), "format": store.w4a4.quant.fmt,
+            "init": key["generator"]}

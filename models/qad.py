@@ -37,7 +37,10 @@ the parameters QAD trains minus the quantized weights, with QAD's gradient for t
 
 **Inference**: the student alone, guidance 1, one forward per step (:func:`student_sample`); on the CPU through the
 simulated (fake quant) path; :func:`export_qlinears` gives ``kroquant_jax.qlinear.QuantizedLinear`` layers (packed
-codes) for ``models.quantize_model.qlinear_overrides`` or the GPU's served layers.
+codes) for ``models.quantize_model.qlinear_overrides`` or the GPU's served layers, and
+:func:`export_student_checkpoint` writes the whole student (its trained 16-bit rest and those layers) as a
+self-contained quantized checkpoint folder (``models.quantized_checkpoint``) that ``kroquant generate`` serves and
+``kroquant dmd2 train --init-checkpoint`` starts from.
 
 Training (:func:`train`): one jitted chunk of optimizer steps (optax AdamW, global-norm clipping), a tqdm bar, orbax
 checkpoints of the whole state (parameters, optimizer, step, PRNG key), resumable with identical results, a
@@ -71,7 +74,8 @@ __all__ = ["BestIterate", "GuidanceSchedule", "QADConfig", "NonFiniteError", "st
            "student_from_qlinears", "student_forward", "student_velocity", "teacher_target", "qad_loss",
            "noised_batch", "distillation_loss",
            "make_optimizer", "with_state_dtype", "cast_floating", "apply_gradients", "make_train_chunk", "init_state",
-           "train", "guided_sample", "student_sample", "export_qlinears", "colour_correct", "record_noise",
+           "train", "guided_sample", "student_sample", "export_qlinears", "check_export_dir",
+           "export_student_checkpoint", "colour_correct", "record_noise",
            "save_checkpoint", "restore_checkpoint", "latest_checkpoint", "fingerprint"]
 
 FORMATS = {"mxfp4": formats.MXFP4, "nvfp4": formats.NVFP4}
@@ -745,6 +749,69 @@ def export_qlinears(layers: Mapping[str, Mapping[str, jax.Array]], blocks: Mappi
                                     lowrank_right=right if rank else None,
                                     bias=jnp.asarray(layer["bias"], jnp.float32), config=cfg)
     return out
+
+
+def check_export_dir(directory: str | Path, overwrite: bool, flag: str = "--out",
+                     overwrite_flag: str = "--overwrite") -> Path:
+    """Refuse to export onto an existing non-empty folder unless ``overwrite`` (checked before any expensive work).
+
+    Raises:
+        ValueError: naming ``flag`` and the folder (a file there, or a non-empty folder without ``overwrite``).
+    """
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{flag} {directory}: exists and is not a folder")
+    if directory.is_dir() and any(directory.iterdir()) and not overwrite:
+        raise ValueError(f"{flag} {directory}: exists and is not empty; pass {overwrite_flag} to replace it")
+    return directory
+
+
+def export_student_checkpoint(directory: str | Path, graphdef: Any, trainable: Mapping[str, Any],
+                              blocks: Mapping[str, jax.Array], quant: QADConfig, lowrank_quantized: bool, *,
+                              recipe_name: str, recipe: Any, extra: Mapping[str, Any] | None = None
+                              ) -> dict[str, Any]:
+    """Write a trained W4A4 student (QAD's, or DMD2's W4A4 generator) as a quantized checkpoint folder
+    (``models.quantized_checkpoint.save_quantized_checkpoint``: atomic, a temporary folder renamed onto
+    ``directory``, replacing an older one; use :func:`check_export_dir` first to refuse one).
+
+    ``model.safetensors`` holds the student's trained 16-bit rest (``trainable["model"]`` merged into ``graphdef``,
+    in its dtype: the fp32 masters), without the quantized linears' stored kernels and biases, which the student
+    never uses; ``quantized.safetensors`` holds :func:`export_qlinears` of ``trainable["layers"]`` (packed in
+    ``quant.fmt``; their forward is :func:`student_linear`'s, so the folder's simulate forward is the student's
+    fake-quant velocity). The fp32 master ``W~`` is not stored, only its codes: the format holds what is served.
+
+    Args:
+        directory: the folder to write.
+        graphdef: the student's (the teacher's) nnx graph definition.
+        trainable: ``{"model": nnx state, "layers": {name: {"weight" (o, d), "bias" (o,), "left" (o, r),
+            "right" (r, d)}}}`` (:func:`init_state`'s ``trainable``; DMD2's W4A4 generator parameters).
+        blocks: ``{name: (d / n, n, n)}`` the frozen transforms. quant: the W4A4 format (``fmt``) of the layers.
+        lowrank_quantized: the branch is packed (LoRaQ) rather than 16-bit (SVDQuant).
+        recipe_name, recipe: the ``recipe`` name and the training config whose settings are recorded (the
+            :class:`QADConfig` trained, or a ``models.dmd2.DMD2Config``).
+        extra: notes stored under ``extra`` (e.g. the step, the initialisation and its SHA-256, the teacher); the
+            sampler the student is meant for is added unless given: ``solver`` ``flow_euler``, ``shift`` 1,
+            ``guidance`` 1 (one branch: CFG is folded into the student).
+    Returns:
+        the exported ``{name: kroquant_jax.qlinear.QuantizedLinear}``.
+    Raises:
+        ValueError: a layer that is not a quantizable linear of the model (named).
+    """
+    from models.quantized_checkpoint import save_quantized_checkpoint  # noqa: PLC0415
+
+    model = nnx.merge(graphdef, trainable["model"])
+    quantizable = linears(model, quantizable_only=True)
+    foreign = sorted(set(trainable["layers"]) - set(quantizable))
+    if foreign:
+        raise ValueError(f"export_student_checkpoint: layer {foreign[0]!r} is not a quantizable linear of the model")
+    qlayers = export_qlinears(trainable["layers"], blocks, quant, lowrank_quantized)
+    left = {name: "not a layer of the student (ran 16-bit)" for name in quantizable if name not in qlayers}
+    notes = {"solver": "flow_euler", "shift": 1.0, "guidance": 1.0,
+             "student": {"fmt": quant.fmt, "ste": quant.ste, "lowrank_quantized": bool(lowrank_quantized)},
+             **dict(extra or {})}
+    save_quantized_checkpoint(directory, model, qlayers, recipe_name=recipe_name, recipe=recipe, left_16bit=left,
+                              extra=notes)
+    return qlayers
 
 
 def _ycbcr(rgb: np.ndarray) -> np.ndarray:

@@ -5,19 +5,25 @@
     kroquant dmd2 train --data runs/dmd2_prompts.npz --run runs/dmd2 --time-budget 60
     kroquant dmd2 evaluate --data runs/dmd2_prompts.npz --reference runs/dmd2_reference.npz --run runs/dmd2 \\
         --out runs/dmd2_eval
+    kroquant dmd2 export --run runs/dmd2_w4a4 --out runs/dmd2_w4a4_checkpoint
 
 ``train``: generator and fake score start from the teacher (``--teacher``, a diffusers PixArt directory); with
 ``--ptq-store DIR`` (a calibrated ``QLinearStore`` folder, as ``kroquant qad --ptq-store`` reads) the generator is the
 W4A4 student initialised from it instead (every quantizable linear in W4A4 fake quant with the STE, the QAD student's
-forward; the fake and real scores stay 16-bit). Prompts are the training records of ``--data``; the GAN's real images
+forward; the fake and real scores stay 16-bit); with ``--init-checkpoint DIR`` (a quantized checkpoint folder, e.g. a
+QAD student of ``kroquant qad --export-dir``) the W4A4 generator starts from that folder's 16-bit rest and packed
+layers (``models.dmd2.load_init_checkpoint``). Prompts are the training records of ``--data``; the GAN's real images
 are the same records' images. Method: ``models/dmd2.py``. A run folder is keyed by the generator's initialisation:
-resuming it (or evaluating it) with another ``--ptq-store``, or none, is refused.
+resuming it (or evaluating it) with another ``--ptq-store`` / ``--init-checkpoint``, or none, is refused.
 ``evaluate``: the teacher (Euler, ``--teacher-steps`` x 2 CFG branches), the teacher's weights used as a 4-step
 student without training, with ``--ptq-store`` also the untrained W4A4 generator (the PTQ model at ``--num-steps``
 steps, one branch), and the trained student at 1, 2, 4, 8 steps (W4A4 fake quant with ``--ptq-store``): Fréchet
 distance of in-domain encoder features to the real training images and to the teacher's samples, caption accuracy,
 seed diversity, nearest-image outcomes, wall time per image, a grid PNG and ``report.json``. The encoder
 (``models/testbed/metrics.py``) is trained on the reference images once and cached (``--encoder-dir``).
+``export``: a W4A4 run's latest generator as a quantized checkpoint folder (``models.quantized_checkpoint``: its
+trained 16-bit rest and packed layers) that ``kroquant generate`` serves and ``--init-checkpoint`` starts from; a
+16-bit run (no ``--ptq-store`` / ``--init-checkpoint``) is refused.
 """
 
 from __future__ import annotations
@@ -53,11 +59,14 @@ EXAMPLES = ("reference --data runs/emoji32.npz --out runs/dmd2_reference.npz",
             "train --data runs/dmd2_prompts.npz --run runs/dmd2_w4a4 --ptq-store runs/ptq_stores/qlayers/RECIPE-HASH "
             "--time-budget 60",
             "evaluate --data runs/dmd2_prompts.npz --reference runs/dmd2_reference.npz --run runs/dmd2 "
-            "--out runs/dmd2_eval")
+            "--out runs/dmd2_eval",
+            "train --data runs/dmd2_prompts.npz --run runs/dmd2_from_qad --init-checkpoint runs/qad/export/qad_ptq "
+            "--time-budget 60",
+            "export --run runs/dmd2_w4a4 --out runs/dmd2_w4a4_checkpoint")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The options of ``kroquant dmd2 reference | train | evaluate``."""
+    """The options of ``kroquant dmd2 reference | train | evaluate | export``."""
     parser = verb_parser("dmd2", __doc__, EXAMPLES)
     sub = parser.add_subparsers(dest="action", required=True)
     ref = action_parser(sub, "dmd2", "reference",
@@ -81,9 +90,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--seed", type=int, default=0, help="seed of the initialisation, the batches and the noise")
         p.add_argument("--gan-feature-layer", default=DEFAULTS.gan_feature_layer,
                        help="the linear whose input tokens feed the GAN head")
-        p.add_argument("--ptq-store", default=None,
-                       help="calibrated PTQ QLinearStore folder (any recipe): the generator is the W4A4 student "
-                            "initialised from it (fake quant with the STE); the run is keyed by it")
+        init = p.add_mutually_exclusive_group()
+        init.add_argument("--ptq-store", default=None,
+                          help="calibrated PTQ QLinearStore folder (any recipe): the generator is the W4A4 student "
+                               "initialised from it (fake quant with the STE); the run is keyed by it")
+        init.add_argument("--init-checkpoint", default=None,
+                          help="quantized checkpoint folder (kroquant qad --export-dir, kroquant dmd2 export): the "
+                               "generator is the W4A4 student starting from its 16-bit rest and packed layers; the "
+                               "run is keyed by it")
     train = sub.choices["train"]
     train.add_argument("--cycles", type=positive_int, default=100000,
                        help="generator updates (each with --ratio fake updates)")
@@ -131,6 +145,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     evaluate.add_argument("--nearest", type=nonnegative_int, default=128,
                           help="samples per system for the nearest-image check")
     evaluate.add_argument("--grid-rows", type=positive_int, default=8, help="captions shown in grid.png")
+    export = action_parser(sub, "dmd2", "export",
+                           "Write a W4A4 run's latest generator as a quantized checkpoint folder (kroquant generate).",
+                           (EXAMPLES[5].split(" ", 1)[1],))
+    export.add_argument("--run", required=True, help="training folder of a W4A4 generator (--ptq-store or "
+                        "--init-checkpoint)")
+    export.add_argument("--out", required=True, help="quantized checkpoint folder to write")
+    export.add_argument("--overwrite", action="store_true", help="replace --out when it exists and is not empty")
+    export.add_argument("--teacher", default=None, help="diffusers PixArt directory (default: the one the run's last "
+                        "training call recorded)")
+    moved = export.add_mutually_exclusive_group()
+    moved.add_argument("--ptq-store", default=None, help="where the run's PTQ store is now, if it moved (default: the "
+                       "path the run recorded; its SHA-256 must match the run's)")
+    moved.add_argument("--init-checkpoint", default=None, help="where the run's initial checkpoint folder is now, if "
+                       "it moved (default: the recorded path; its SHA-256 must match the run's)")
     return parser.parse_args(argv)
 
 
@@ -152,8 +180,8 @@ class Setup:
     """What both actions build: the teacher, the dataset, the networks and the template training state.
 
     flow: the real and fake scores' network (16-bit); generator_flow: the generator's (``flow`` itself, or the W4A4
-    student with ``--ptq-store``); store: the PTQ store read (None without ``--ptq-store``); run_key: the run
-    folder's key (``models.dmd2.generator_key``).
+    student with ``--ptq-store`` / ``--init-checkpoint``); store: the initialisation read (None without either);
+    run_key: the run folder's key (``models.dmd2.generator_key``).
     """
 
     cfg: Any
@@ -170,13 +198,17 @@ class Setup:
 
 
 def setup(args: argparse.Namespace, compute_dtype) -> Setup:
-    """Teacher, dataset, the FlowModels and the template training state (the PTQ store is read and validated here,
-    before anything is compiled)."""
+    """Teacher, dataset, the FlowModels and the template training state (the PTQ store or initial checkpoint is read
+    and validated here, before anything is compiled)."""
     cfg, model = families.PIXART.from_diffusers(args.teacher, "float32")
     layers = linears(model)
     if args.gan_feature_layer not in layers:
         raise KeyError(f"--gan-feature-layer {args.gan_feature_layer!r} is not a linear of {args.teacher}")
-    store = None if args.ptq_store is None else dmd2.load_ptq_store(args.ptq_store, model)
+    store = None
+    if args.ptq_store is not None:
+        store = dmd2.load_ptq_store(args.ptq_store, model)
+    elif args.init_checkpoint is not None:
+        store = dmd2.load_init_checkpoint(args.init_checkpoint, model)
     graphdef, teacher = nnx.split(model)
     dataset = testbed_data.load_dataset(args.data)
     if cfg.sample_size != dataset.image_size:
@@ -338,7 +370,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     atomic_write_json(out / "report.json", report)
     rows_idx = np.arange(min(args.grid_rows, len(train_indices)))
     rows = [[dataset.images[train_indices[k]]] + [samples[name][k] for name in systems] for k in rows_idx]
-    control_titles = {"untrained": f"untrained {args.num_steps}", "untrained_w4a4": f"PTQ W4A4 {args.num_steps}"}
+    init_title = "PTQ" if built.store is None or built.store.kind == "ptq_store" else "initial"
+    control_titles = {"untrained": f"untrained {args.num_steps}",
+                      "untrained_w4a4": f"{init_title} W4A4 {args.num_steps}"}
     titles = ["dataset", f"teacher {args.teacher_steps}x2"] + [control_titles[c.split("@")[0]] for c in controls] + [
         f"DMD2 {s}" for s in args.student_steps]
     student = "DMD2 student" if built.store is None else "W4A4 DMD2 student"
@@ -349,8 +383,23 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """``kroquant dmd2 export``: validated (run, key, checkpoint, --out) before the teacher is loaded."""
+    moved_kind = "ptq_store" if args.ptq_store is not None else "init_checkpoint" if args.init_checkpoint else None
+    plan = dmd2.plan_export(args.run, args.out, args.overwrite, init_path=args.ptq_store or args.init_checkpoint,
+                            init_kind=moved_kind)
+    teacher = args.teacher or plan.teacher or str(DEFAULT_TEACHER)
+    if not Path(teacher).is_dir():
+        raise ValueError(f"--teacher {teacher}: no such folder (the run recorded {plan.teacher!r})")
+    _, model = families.PIXART.from_diffusers(teacher, "float32")
+    print(json.dumps(dmd2.export_run(plan, model)), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.action == "export":
+        return cmd_export(args)
     if args.action == "reference":
         data = testbed_data.load_dataset(args.data)
         emoji_metrics.write_reference_images(args.out, data.images, data.heldout, data.sequences)

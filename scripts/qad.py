@@ -20,6 +20,12 @@ students one branch at guidance 1. Writes ``qad_report.json``, ``qad_table.md``,
 Selection: every ``--curve-every`` steps the one-branch student is scored on ``--validation-captions`` further
 held-out captions (neither trained on nor evaluated); ``--select-best`` evaluates each student at its best-scoring
 iterate (``models.qad.BestIterate``, kept in its run folder) instead of the last, and the table names the step.
+
+Export: ``--export-dir DIR`` writes each trained student (the iterate evaluated: its best with ``--select-best``,
+else its last) as a quantized checkpoint folder ``DIR/<variant>`` (``models.qad.export_student_checkpoint``: its
+trained 16-bit rest and packed W4A4 layers), which ``kroquant generate`` serves (one branch, guidance 1) and
+``kroquant dmd2 train --init-checkpoint`` starts from. An existing non-empty ``DIR/<variant>`` is refused before
+any work unless ``--overwrite-export``.
 """
 
 from __future__ import annotations
@@ -49,7 +55,9 @@ REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("qad_16bit", "qad_ptq", "naive_16bit", "naive_ptq")
 EXAMPLES = ("--out runs/qad --data runs/qad_data/emoji32_qad.npz --ptq-store runs/ptq_svd/qlayers/svdquant-HASH "
             "--steps 1000",
-            "--out runs/qad_quick --data runs/qad_data/emoji32_qad.npz --variants qad_16bit --train-seconds 300")
+            "--out runs/qad_quick --data runs/qad_data/emoji32_qad.npz --variants qad_16bit --train-seconds 300",
+            "--out runs/qad --data runs/qad_data/emoji32_qad.npz --ptq-store runs/ptq_svd/qlayers/svdquant-HASH "
+            "--variants qad_ptq --select-best --export-dir runs/qad/export")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,6 +104,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--select-best", action="store_true",
                    help="evaluate each student at its best validation iterate (kept on disk, resumable) instead of "
                         "its last")
+    p.add_argument("--export-dir", default=None,
+                   help="write each trained student (its evaluated iterate) as a quantized checkpoint folder "
+                        "DIR/<variant> (kroquant generate; kroquant dmd2 train --init-checkpoint)")
+    p.add_argument("--overwrite-export", action="store_true",
+                   help="replace existing non-empty --export-dir/<variant> folders")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p.parse_args(argv)
 
@@ -120,6 +133,9 @@ def main(argv=None) -> int:
     for folder in args.ptq_store:
         if not Path(folder).is_dir():
             raise ValueError(f"--ptq-store {folder}: no such folder")
+    exports = {} if args.export_dir is None else {
+        v: qad.check_export_dir(Path(args.export_dir) / v, args.overwrite_export, "--export-dir",
+                                "--overwrite-export") for v in args.variants}
     prompts = testbed_data.load_dataset(args.prompts or str(Path(args.checkpoint) / "testbed_prompts.npz"))
     all_heldout = np.flatnonzero(prompts.heldout)
     if len(all_heldout) < args.eval_captions + args.validation_captions:
@@ -297,6 +313,17 @@ def main(argv=None) -> int:
                              "config": config.to_json(), "init": init, "init_validation_psnr_db": init_psnr,
                              "selected_step": int(state["step"]) if best is None else best.step,
                              "selected_by": "last iterate" if best is None else selection}
+        if variant in exports:
+            init_folder = None if init == "16bit" else str(Path(args.ptq_store[0]).absolute())
+            qad.export_student_checkpoint(
+                exports[variant], student_graph, trainable, blocks, config, packed, recipe_name=variant,
+                recipe=config, extra={"trained_by": "kroquant qad", "variant": variant,
+                                      "step": training[variant]["selected_step"],
+                                      "selected_by": training[variant]["selected_by"], "init": key_extra["init"],
+                                      "ptq_store": init_folder, "teacher": str(Path(args.checkpoint).absolute()),
+                                      "teacher_fingerprint": key_extra["teacher"], "data": key_extra["data"],
+                                      "steps": args.sample_steps})
+            training[variant]["export"] = str(exports[variant])
         columns[variant] = {s: images(one_branch(trainable, blocks, packed, noise_for(s), context, mask))
                             for s in args.seeds}
         passes[variant] = args.sample_steps
