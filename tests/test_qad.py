@@ -87,8 +87,9 @@ def test_guided_sample_equals_testbed_euler_for_constant_schedule(setup):
     assert float(jnp.max(jnp.abs(scheduled - reference))) > 1e-4  # the schedule changes the trajectory
 
 
-@pytest.mark.parametrize("ste", ["identity", "clipped", "none"])
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+# Each STE rule once and each format at least once (pairwise, not all six: each case compiles the whole QAD loss's
+# gradient, ~25 s on a 2-core CPU); the clipped rule's elementwise behaviour is tested for MXFP4 below.
+@pytest.mark.parametrize(("fmt", "ste"), [("mxfp4", "identity"), ("nvfp4", "clipped"), ("mxfp4", "none")])
 def test_ste_gradient_reaches_quantized_weights_only_with_ste(setup, ste, fmt):
     config = qad.QADConfig(fmt=fmt, ste=ste, batch_size=4, steps=2, chunk=2, save_every=2)
     teacher, student, data = setup
