@@ -63,6 +63,7 @@ __all__ = [
     "QuantFormat",
     "QuantizedArray",
     "ScaleMode",
+    "as_float32",
     "check_finite",
     "check_format",
     "dequantize",
@@ -597,6 +598,14 @@ def dequantize(q: QuantizedArray, dtype=None) -> jax.Array:
     too unless the value falls outside that dtype's range.
     """
     return _dequantize_values(q, np.dtype(q.dtype if dtype is None else dtype))
+
+
+def as_float32(x: QuantizedArray | jax.Array | np.ndarray) -> jax.Array:
+    """``x`` as float32 values of its shape: a :class:`QuantizedArray` dequantized, a dense array cast. For the
+    parts of a layer that are packed or dense depending on the recipe (e.g. a LoRaQ vs an SVDQuant low-rank branch)."""
+    if isinstance(x, QuantizedArray):
+        return dequantize(x, jnp.float32)
+    return jnp.asarray(x).astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))

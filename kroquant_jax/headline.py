@@ -169,7 +169,8 @@ TABLES: dict[str, dict] = {
              "{testbed_qad_psnr_heldout_db:.2f} dB at 20 forwards / image (an earlier run of the same settings: "
              "{testbed_qad_psnr_heldout_db_earlier_run:.2f} dB) vs the best two-branch PTQ "
              "{testbed_best_ptq_psnr_heldout_db:.2f} dB at 40; chroma ratio {testbed_qad_chroma_ratio:.3f}; "
-             "naive-distillation control {testbed_naive_distill_psnr_heldout_db:.2f} dB (fm weight 0.25, 1,023 records)",
+             "naive-distillation control {testbed_naive_distill_psnr_heldout_db:.2f} dB "
+             "(fm weight 0.25, 1,023 records)",
              "beat every two-branch PTQ; chroma within 3% of 1", "[qad](docs/qad.md)"],
             ["QAD training step of the whole Ideogram 4 (34 blocks, W4A4 student + bf16 teacher, both CFG branches, "
              "1K layout), one H200",
@@ -179,7 +180,8 @@ TABLES: dict[str, dict] = {
              "layers, 185 generator updates; Fréchet distance to the real glyphs over the 16-bit teacher's "
              "(20 steps x CFG 3)",
              "{testbed_dmd2_4step_fd_ratio_vs_teacher:.2f}x at {testbed_stack_forward_passes_ratio:.0f}x fewer "
-             "forward passes (the PTQ model itself at 4 steps: {testbed_dmd2_ptq_w4a4_4step_fd_ratio_vs_teacher:.2f}x); "
+             "forward passes (the PTQ model itself at 4 steps: "
+             "{testbed_dmd2_ptq_w4a4_4step_fd_ratio_vs_teacher:.2f}x); "
              "caption accuracy {testbed_dmd2_4step_caption_accuracy:.3f} vs the teacher's "
              "{testbed_dmd2_teacher_caption_accuracy:.3f}",
              "≤ 1.10x", "[dmd2](docs/dmd2.md)"],

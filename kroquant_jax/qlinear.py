@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kroquant_jax import transforms
-from kroquant_jax.formats import (MXFP4, QuantFormat, QuantizedArray, check_finite, dequantize, fake_quant,
-                                  quantize)
+from kroquant_jax.formats import (MXFP4, QuantFormat, QuantizedArray, as_float32, check_finite, dequantize,
+                                  fake_quant, quantize)
 from kroquant_jax.fileio import atomic_write_bytes
 
 __all__ = ["QLinearConfig", "QuantizedLinear", "QLinearStore", "build_qlinear", "effective_weight", "load_qlinear",
@@ -99,14 +99,6 @@ class QuantizedLinear:
     @property
     def lowrank_quantized(self) -> bool:
         return isinstance(self.lowrank_left, QuantizedArray)
-
-
-def _dense(x) -> Optional[jax.Array]:
-    if x is None:
-        return None
-    if isinstance(x, QuantizedArray):
-        return dequantize(x, jnp.float32)
-    return jnp.asarray(x, jnp.float32)
 
 
 def build_qlinear(weight, bias=None, *, transform: str = "identity", transform_params=None,
@@ -196,7 +188,7 @@ def _residual(w, params, left, right, *, transform, lowrank_fmt):
     if left is not None:
         if lowrank_fmt is not None:
             left, right = quantize(left, lowrank_fmt), quantize(right, lowrank_fmt)
-        w_t = w_t - jnp.matmul(_dense(left), _dense(right), precision="highest")
+        w_t = w_t - jnp.matmul(as_float32(left), as_float32(right), precision="highest")
     return w_t, left, right
 
 
@@ -204,7 +196,7 @@ def effective_weight(layer: QuantizedLinear) -> jax.Array:
     """The transformed weight the layer represents, ``Q(W~ - L R) + L R`` ``(o, d)`` (f32)."""
     w = dequantize(layer.weight, jnp.float32)
     if layer.lowrank_left is not None:
-        w = w + jnp.matmul(_dense(layer.lowrank_left), _dense(layer.lowrank_right), precision="highest")
+        w = w + jnp.matmul(as_float32(layer.lowrank_left), as_float32(layer.lowrank_right), precision="highest")
     return w
 
 
@@ -246,8 +238,8 @@ def _forward(layer: QuantizedLinear, x: jax.Array, path: Path) -> jax.Array:
     w = dequantize(layer.weight, jnp.float32)  # (o, d)
     y = jnp.einsum("...d,od->...o", xq, w, precision="highest")
     if layer.lowrank_left is not None:
-        h = jnp.einsum("...d,rd->...r", xt, _dense(layer.lowrank_right), precision="highest")  # 16-bit branch input
-        y = y + jnp.einsum("...r,or->...o", h, _dense(layer.lowrank_left), precision="highest")
+        h = jnp.einsum("...d,rd->...r", xt, as_float32(layer.lowrank_right), precision="highest")  # 16-bit branch input
+        y = y + jnp.einsum("...r,or->...o", h, as_float32(layer.lowrank_left), precision="highest")
     if layer.bias is not None:
         y = y + layer.bias
     return y.astype(x.dtype)

@@ -403,15 +403,6 @@ def load_ptq_store(folder: str | Path, model: nnx.Module) -> PTQStore:
     return PTQStore(path=str(folder.absolute()), sha256=digest.hexdigest(), generator=generator, w4a4=w4a4)
 
 
-def _dense_f32(x: Any) -> jax.Array:
-    """A packed ``kroquant_jax.formats.QuantizedArray`` dequantized, or a dense array, as float32."""
-    from kroquant_jax import formats
-
-    if isinstance(x, formats.QuantizedArray):
-        return formats.dequantize(x, jnp.float32)
-    return jnp.asarray(x, jnp.float32)
-
-
 #: The files of a quantized checkpoint folder (``models.quantized_checkpoint``) that its run key hashes.
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "quantized.safetensors", "quantization_config.json")
 
@@ -519,7 +510,7 @@ def load_init_checkpoint(folder: str | Path, model: nnx.Module) -> PTQStore:
         if q.lowrank_left is None:
             left, right = np.zeros((o, 0), np.float32), np.zeros((0, d), np.float32)
         else:
-            left, right = _dense_f32(q.lowrank_left), _dense_f32(q.lowrank_right)  # (o, r), (r, d)
+            left, right = formats.as_float32(q.lowrank_left), formats.as_float32(q.lowrank_right)  # (o, r), (r, d)
         layers[name] = {"weight": formats.dequantize(q.weight, jnp.float32),  # (o, d): the rounded residual
                         "bias": jnp.zeros((o,), jnp.float32) if q.bias is None else jnp.asarray(q.bias, jnp.float32),
                         "left": jnp.asarray(left, jnp.float32), "right": jnp.asarray(right, jnp.float32)}

@@ -234,10 +234,6 @@ def student_linear(layer: Mapping[str, jax.Array], blocks: jax.Array, through: j
     return (y + layer["bias"]).astype(x.dtype)
 
 
-def _dense(x: Any) -> jax.Array:
-    return formats.dequantize(x, jnp.float32) if isinstance(x, formats.QuantizedArray) else jnp.asarray(x, jnp.float32)
-
-
 def _zero_bias(o: int) -> np.ndarray:
     return np.zeros((o,), np.float32)
 
@@ -300,7 +296,8 @@ def student_from_qlinears(model: nnx.Module, qlayers: Mapping[str, Any]) -> tupl
         if q.lowrank_left is None:
             left, right = jnp.zeros((o, 0)), jnp.zeros((0, d))
         else:
-            left, right = _dense(q.lowrank_left), _dense(q.lowrank_right)  # (o, r), (r, d), dequantized if packed
+            # (o, r), (r, d), dequantized if packed
+            left, right = formats.as_float32(q.lowrank_left), formats.as_float32(q.lowrank_right)
             residual = residual - jnp.matmul(left, right, precision="highest")
         bias = _zero_bias(o) if q.bias is None else np.asarray(q.bias, np.float32)
         layers[name] = {"weight": np.asarray(residual), "bias": bias, "left": np.asarray(left, np.float32),

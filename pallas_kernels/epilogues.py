@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kroquant_jax.formats import QuantFormat, QuantizedArray, check_format, dequantize
+from kroquant_jax.formats import QuantFormat, QuantizedArray, as_float32, check_format, dequantize
 from pallas_kernels._compat import pl
 from pallas_kernels.w4a4_gemm import (Compute, OperandSpec, accumulate_tiles, add_gemm_terms, check_operands,
                                       check_tile_sizes, gemm_inputs, launch_gemm, lowrank_reference, round_up,
@@ -218,17 +218,11 @@ def swiglu(c: jax.Array) -> jax.Array:
     return (g * jax.nn.sigmoid(g) * u).astype(c.dtype)
 
 
-def _dense(x) -> jax.Array:
-    if isinstance(x, QuantizedArray):
-        return dequantize(x, jnp.float32)
-    return jnp.asarray(x).astype(jnp.float32)
-
-
 def gemm_reference(a, w, *, lowrank=None, bias=None, out_dtype=jnp.float32) -> jax.Array:
     """``A W^T [+ h L^T] [+ b]`` in f32 (operands dequantized if packed; 16-bit operands taken as bf16)."""
     if not isinstance(a, QuantizedArray):
         a, w = jnp.asarray(a).astype(jnp.bfloat16), jnp.asarray(w).astype(jnp.bfloat16)
-    y = jnp.matmul(_dense(a), _dense(w).T, precision="highest")
+    y = jnp.matmul(as_float32(a), as_float32(w).T, precision="highest")
     if lowrank is not None:
         y = y + lowrank_reference(*lowrank)
     if bias is not None:

@@ -62,7 +62,7 @@ from typing import Any, ClassVar, Literal, Optional
 import jax
 import jax.numpy as jnp
 
-from kroquant_jax.formats import MXFP4, QuantFormat, QuantizedArray, dequantize
+from kroquant_jax.formats import MXFP4, QuantFormat, QuantizedArray, as_float32, dequantize
 from pallas_kernels import transform_quantize as tq
 from pallas_kernels._compat import on_gpu
 from pallas_kernels.epilogues import (EpilogueBlockSizes, gemm_reference, gemm_rmsnorm, gemm_swiglu, permute_rows,
@@ -157,12 +157,6 @@ def prepare_layer_transform(layer, kernel: Optional[str] = None) -> tq.PreparedT
     return tq.PreparedTransform.from_blocks(blocks)
 
 
-def _dense_f32(x) -> jax.Array:
-    if isinstance(x, QuantizedArray):
-        return dequantize(x, jnp.float32)
-    return jnp.asarray(x).astype(jnp.float32)
-
-
 def serve_layer(layer, *, swiglu: bool = False, transform_kernel: Optional[str] = None) -> ServedLinear:
     """The :class:`ServedLinear` of a ``kroquant_jax.qlinear.QuantizedLinear`` ``(o, d)`` (what the built-in
     strategies' :meth:`Strategy.prepare` returns; see :func:`serve`)."""
@@ -182,7 +176,7 @@ def serve_layer(layer, *, swiglu: bool = False, transform_kernel: Optional[str] 
         if not packed:
             left = (dequantize(left, jnp.float32) if isinstance(left, QuantizedArray) else jnp.asarray(left))
             left = left.astype(jnp.bfloat16)
-        r_dense = _dense_f32(layer.lowrank_right)  # (r, d) f32
+        r_dense = as_float32(layer.lowrank_right)  # (r, d) f32
         blocks = jnp.asarray(layer.blocks, jnp.float32)  # (d/n, n, n): (x T)_b = x_b K_b
         nb, n, _ = blocks.shape
         rank = r_dense.shape[0]

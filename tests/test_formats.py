@@ -413,3 +413,15 @@ def test_divide_rn_catches_a_one_ulp_error():
     got = np.asarray(F.divide_rn(x, y))
     with pytest.raises(AssertionError, match="1 of 2 quotients differ"):
         assert_division_exact(got.copy() + np.float32([0.0, 1.0]) * np.spacing(got[1]), x, y, "planted")
+
+
+def test_as_float32_dequantizes_packed_and_casts_dense():
+    x = jax.random.normal(jax.random.key(7), (4, 64), jnp.float32) * 3
+    for fmt in (F.MXFP4(), F.NVFP4()):
+        q = F.quantize(x, fmt)
+        got = F.as_float32(q)
+        assert got.dtype == jnp.float32 and got.shape == x.shape
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(F.dequantize(q, jnp.float32)))
+        assert not np.array_equal(np.asarray(got), np.asarray(x))  # rounded, not the input passed through
+    dense = F.as_float32(np.arange(6, dtype=np.int32).reshape(2, 3))
+    assert dense.dtype == jnp.float32 and dense.tolist() == [[0, 1, 2], [3, 4, 5]]
