@@ -3,7 +3,7 @@
 One conditional forward of ``models.ideogram4.IDEOGRAM4`` (9.28 B parameters, random bf16 weights generated on the
 device, blocks stacked and run by ``lax.scan``), batch 1, the packed 1K layout of ``benchmarks/ideogram4_serving.py``
 (128 text + 64 x 64 image tokens = 4224 tokens, no mask, cuDNN attention), text projection included. Variants
-(``--variants``, default all four; ``w4a4_unfused`` only while within ``--budget-s``):
+(``--variants``, default all; ``w4a4_unfused`` only while within ``--budget-s``):
 
 * ``bf16``: the plain forward (XLA / cuBLAS linears).
 * ``w4a4_dequant``: every quantizable linear (the 7 per block) replaced by its W4A4 layer (paper eq. 11) on the
@@ -16,6 +16,11 @@ device, blocks stacked and run by ``lax.scan``), batch 1, the packed 1K layout o
   that epilogue (``projection_norm`` hooks), ``w1 | w3`` one fused ``(24576, 4608)`` layer with the SwiGLU in its
   epilogue (``swiglu`` hook); ``to_v``, ``to_out.0``, ``w2`` plain.
 * ``w4a4_unfused``: the Triton kernels, the norm and the SwiGLU as XLA ops after the plain W4A4 GEMM.
+* ``w4a4_fp8``: the served FP8 strategy (``strategy="fp8"``): the MXFP4 operands re-encoded in E4M3, XLA's FP8 GEMM,
+  the powers of two, bias and the bf16 ``h L^T`` GEMM in XLA fusions after it.
+* ``w4a4_fp8_mgpu``: the same FP8 layers on the fused Mosaic GPU kernel (``strategy="fp8_mgpu"``,
+  ``pallas_kernels/fp8_gemm_mgpu.py``: powers of two, bias and ``h L^T`` in the GEMM's accumulator and epilogue; with
+  a norm or the SwiGLU the kernel writes f32 and the op runs in XLA).
 
 ``--blocks N`` builds the model with the real config but only ``N`` of its 34 blocks (random weights either way):
 the blocks are identical in shape and work, so block time scales with ``N``; the text projection, embeddings and
@@ -78,7 +83,7 @@ from scripts.common_args import choice_list  # noqa: E402
 
 TRANSFORM = "kron_lu"
 #: Timed forwards, in the order they run (``--variants`` picks a subset; ``w4a4_unfused`` is optional).
-VARIANTS = ("bf16", "w4a4_dequant", "w4a4_fp8", "w4a4_fused", "w4a4_unfused")
+VARIANTS = ("bf16", "w4a4_dequant", "w4a4_fp8", "w4a4_fp8_mgpu", "w4a4_fused", "w4a4_unfused")
 # Block linears of the scanned model (paths of the one stacked block) and how the W4A4 forward runs them.
 PLAIN, NORMED = serving.BLOCK_PLAIN, serving.BLOCK_NORMED
 GATE, UP = serving.BLOCK_GATE, serving.BLOCK_UP
@@ -269,9 +274,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     q: dict[str, QuantizedLinear] = serving.build_block_qlinears(model, jax.random.key(123), rank)
     served = serving.serve_block_layers(q)
-    if "w4a4_fp8" in args.variants:
+    if {"w4a4_fp8", "w4a4_fp8_mgpu"} & set(args.variants):
         served_fp8 = serving.serve_block_layers(q, "fp8")
         timing.block(served_fp8)
+    if "w4a4_fp8_mgpu" in args.variants:
+        served_mgpu = serving.serve_block_layers(q, "fp8_mgpu")
+        timing.block(served_mgpu)
     timing.block((q, served))
     payload["build_quantized_s"] = time.perf_counter() - t0
     payload["memory_gib_after_build"] = timing.device_memory_gib()
@@ -317,6 +325,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "w4a4_dequant": serving.block_served_hooks(served, S.ServeOptions(impl=impl)).entries(),
         **({"w4a4_fp8": serving.block_served_hooks(served_fp8, S.ServeOptions(strategy="fp8", impl=impl)).entries()}
            if "w4a4_fp8" in args.variants else {}),
+        **({"w4a4_fp8_mgpu": serving.block_served_hooks(served_mgpu, S.ServeOptions(strategy="fp8_mgpu",
+                                                                                    impl=impl)).entries()}
+           if "w4a4_fp8_mgpu" in args.variants else {}),
         "w4a4_fused": serving.block_served_hooks(served, dataclasses.replace(
             kernel, fused=True, norm_blocks=opts["norm_blocks"], swiglu_blocks=opts["swiglu_blocks"])).entries(),
         "w4a4_unfused": serving.block_served_hooks(served, dataclasses.replace(kernel, fused=False)).entries(),
@@ -357,6 +368,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     def compare() -> None:
         for a, b in (("w4a4_fp8", "w4a4_dequant"), ("w4a4_fp8", "bf16"), ("w4a4_fp8", "simulate"),
+                     ("w4a4_fp8_mgpu", "w4a4_fp8"), ("w4a4_fp8_mgpu", "bf16"),
                      ("w4a4_dequant", "w4a4_fused"), ("w4a4_dequant", "w4a4_unfused"), ("w4a4_fused", "w4a4_unfused"),
                      ("w4a4_dequant", "simulate"), ("w4a4_fused", "simulate"), ("w4a4_unfused", "simulate"),
                      ("bf16", "simulate"), ("w4a4_dequant", "bf16"), ("w4a4_fused", "bf16")):

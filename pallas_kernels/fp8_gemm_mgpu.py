@@ -14,8 +14,10 @@ output element instead of the 2 of a bf16 store; docs/w4a4.md, "What stands in t
 two compute warpgroups each own a ``tile_m x tile_n`` f32 accumulator (adjacent column tiles of the CTA). Per K step a
 compute warpgroup issues one FP8 ``wgmma`` over the step (both operands in shared memory, K-major: FP8 ``wgmma`` takes
 no transposed operand, and ``A`` and ``W`` are both stored row-major over K). While the K loop runs, the warpgroup's
-own TMA copies bring its row scales, column scales, bias and the low-rank tiles into shared memory. After the loop
-one bf16 ``wgmma`` adds the low-rank product to the **same accumulator**, pre-scaled by the inverse powers of two
+own TMA copies bring its row scales, column scales, bias and the first chunk of the low-rank tiles into shared memory
+(``lowrank_chunk`` rank columns: the whole rank of 128 would take 128 KiB of the 227 and leave one pipeline stage).
+After the loop bf16 ``wgmma`` s, one per rank chunk (the next chunk fetched behind each), add the low-rank product to
+the **same accumulator**, pre-scaled by the inverse powers of two
 (``h' = h / sa``, ``L' = L / sw``, exact: powers of two), so that the single scaling that follows restores it:
 ``y = (A8 W8^T + h' L'^T) * sa sw^T + bias``. One accumulator, so a 128 x 128 tile per warpgroup keeps its registers
 (a second accumulator for ``h L^T`` would double them), and the low-rank product never leaves the SM. The result is
@@ -81,6 +83,10 @@ class Fp8MgpuConfig:
       epi_tile_m, epi_tile_n: output store tiles (shared memory -> TMA), dividing ``tile_m``, ``tile_n``.
       epi_slots: output tiles in flight per warpgroup (1 or 2).
       num_ctas: CTAs of the persistent grid (default: the SM count, or the tile count if smaller).
+      lowrank_chunk: rank columns of ``h`` / ``L`` held in shared memory at a time (a multiple of 16 dividing the
+        rank; None: the whole rank). The first chunk is fetched while the K loop runs, the others one after another
+        behind the low-rank ``wgmma`` of the previous chunk: smaller chunks free shared memory for pipeline stages
+        at the price of one exposed copy latency per further chunk and output tile.
     """
 
     tile_m: int = 128
@@ -93,6 +99,7 @@ class Fp8MgpuConfig:
     epi_tile_n: int = 64
     epi_slots: int = 1
     num_ctas: Optional[int] = None
+    lowrank_chunk: Optional[int] = None
 
     def __post_init__(self):
         if self.tile_m <= 0 or self.tile_m % 64:
@@ -111,6 +118,13 @@ class Fp8MgpuConfig:
                              f"{self.max_concurrent_steps} >= 1")
         if self.epi_slots not in (1, 2):
             raise ValueError(f"Fp8MgpuConfig: epi_slots={self.epi_slots} must be 1 or 2")
+        if self.lowrank_chunk is not None and (self.lowrank_chunk <= 0 or self.lowrank_chunk % BF16_WGMMA_K):
+            raise ValueError(f"Fp8MgpuConfig: lowrank_chunk={self.lowrank_chunk} must be a positive multiple of "
+                             f"{BF16_WGMMA_K} (the bf16 wgmma K) or None")
+
+    def chunk(self, rank: int) -> int:
+        """Rank columns per low-rank load at ``rank`` (0 without a low-rank branch)."""
+        return min(rank, self.lowrank_chunk or rank)
 
     @property
     def cta_n(self) -> int:
@@ -120,7 +134,7 @@ class Fp8MgpuConfig:
         """Shared memory of the kernel's buffers: pipeline stages, the per-warpgroup low-rank tiles, output tiles,
         vectors, and 1 KiB for the barriers and alignment. Hopper gives a CTA at most 227 KiB."""
         stages = self.max_concurrent_steps * (self.tile_m + self.cta_n) * self.tile_k
-        lowrank = 2 * (self.tile_m + self.tile_n) * rank * 2
+        lowrank = 2 * (self.tile_m + self.tile_n) * self.chunk(rank) * 2
         out = 2 * self.epi_slots * self.epi_tile_m * self.epi_tile_n * out_bytes
         vectors = 2 * (self.tile_m + 2 * self.tile_n) * 4
         return stages + lowrank + out + vectors + 1024
@@ -128,19 +142,24 @@ class Fp8MgpuConfig:
 
 def default_config(m: int, n: int, k: int, rank: int = 0, num_sms: int = 132) -> Fp8MgpuConfig:
     """A tiling that fits: 128 x 128 per warpgroup (CTA 128 x 256), or 64-row tiles when 128-row CTA tiles would
-    leave SMs idle; ``tile_k`` 128 halved until it divides ``k``; as many pipeline stages (up to 4) as shared memory
-    holds beside the low-rank tiles, smaller tiles when even one stage does not fit (large ``rank``). A heuristic,
-    not tuned on the device."""
+    leave SMs idle; ``tile_k`` 128 halved until it divides ``k``; then the deepest TMA pipeline (up to 4 stages)
+    that shared memory holds beside the low-rank tiles, taking the low-rank branch in rank chunks of at least 32
+    (and 32-column output tiles) when the whole rank would leave fewer stages; smaller tiles when even one stage does
+    not fit."""
     tk = 128
     while tk > FP8_WGMMA_K and k % tk:
         tk //= 2
     tm = 128 if -(-m // 128) * -(-n // 256) >= num_sms else 64
+    chunks = [None] + [c for c in (64, 32) if rank > c and rank % c == 0]
     shapes = [(tm, 128, tk), (64, 128, tk), (64, 64, min(tk, 64))]
     for tile_m, tile_n, tile_k in shapes:
         for steps in (4, 3, 2, 1):
-            cfg = Fp8MgpuConfig(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, max_concurrent_steps=steps)
-            if cfg.smem_bytes(rank) <= SMEM_LIMIT:
-                return cfg
+            for chunk in chunks:
+                for epi_n in (64, 32):
+                    cfg = Fp8MgpuConfig(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, max_concurrent_steps=steps,
+                                        epi_tile_n=epi_n, lowrank_chunk=chunk)
+                    if cfg.smem_bytes(rank) <= SMEM_LIMIT:
+                        return cfg
     return cfg  # nothing fits: fp8_matmul_mgpu names the shortfall
 
 
@@ -169,6 +188,8 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
     out_transforms = _swizzled(plgpu, epi_n, out_bytes)
     has_bias, has_lowrank = bias is not None, h is not None
     rank = h.shape[1] if has_lowrank else 0
+    rc = cfg.chunk(rank)  # rank columns per low-rank load
+    n_chunks = rank // rc if rank else 0
     # one barrier per copy and warpgroup: row scales, column scales, bias, h, L
     vec_names = ["sa", "sw"] + (["bias"] if has_bias else []) + (["h", "left"] if has_lowrank else [])
     n_vec = len(vec_names)
@@ -207,9 +228,9 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
         if has_bias:
             scoped["bias_smem"] = plgpu.SMEM((2, tn), jnp.float32)
         if has_lowrank:
-            lr_transforms = _swizzled(plgpu, rank, 2)
-            scoped["h_smem"] = plgpu.SMEM((2, tm, rank), jnp.bfloat16, transforms=lr_transforms)
-            scoped["left_smem"] = plgpu.SMEM((2, tn, rank), jnp.bfloat16, transforms=lr_transforms)
+            lr_transforms = _swizzled(plgpu, rc, 2)
+            scoped["h_smem"] = plgpu.SMEM((2, tm, rc), jnp.bfloat16, transforms=lr_transforms)
+            scoped["left_smem"] = plgpu.SMEM((2, tn, rc), jnp.bfloat16, transforms=lr_transforms)
 
         @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
         def _scope(pipeline_allocs, out_smem, sa_smem, sw_smem, barriers, bias_smem=None, h_smem=None,
@@ -227,23 +248,30 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
                 cols = pl.ds(n_idx * cfg.cta_n + wg * tn, tn)  # this warpgroup's output columns
                 w_rows = pl.ds(wg * tn, tn)  # ... and its rows of the CTA's W tile
 
+                def lowrank_copy(c):  # rank columns [c rc, (c + 1) rc) of this tile's h and L
+                    plgpu.copy_gmem_to_smem(h_gmem.at[rows, pl.ds(c * rc, rc)], h_smem.at[wg], barrier("h"))
+                    plgpu.copy_gmem_to_smem(left_gmem.at[cols, pl.ds(c * rc, rc)], left_smem.at[wg], barrier("left"))
+
                 def compute_context(eval_pipeline):
-                    # The epilogue's operands, fetched while the K loop runs.
+                    # The epilogue's operands (and the first low-rank chunk), fetched while the K loop runs.
                     plgpu.copy_gmem_to_smem(sa_gmem.at[rows], sa_smem.at[wg], barrier("sa"))
                     plgpu.copy_gmem_to_smem(sw_gmem.at[cols], sw_smem.at[wg], barrier("sw"))
                     if has_bias:
                         plgpu.copy_gmem_to_smem(bias_gmem.at[cols], bias_smem.at[wg], barrier("bias"))
                     if has_lowrank:
-                        plgpu.copy_gmem_to_smem(h_gmem.at[rows], h_smem.at[wg], barrier("h"))
-                        plgpu.copy_gmem_to_smem(left_gmem.at[cols], left_smem.at[wg], barrier("left"))
+                        lowrank_copy(0)
 
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
                     def y(acc_ref):
                         eval_pipeline(acc_ref)  # acc = A8 W8^T
-                        if has_lowrank:  # acc += (h / sa) (L / sw)^T: one bf16 wgmma into the same accumulator
+                        # acc += (h / sa) (L / sw)^T: bf16 wgmmas into the same accumulator, one per rank chunk
+                        for c in range(n_chunks):
                             plgpu.barrier_wait(barrier("h"))
                             plgpu.barrier_wait(barrier("left"))
                             plgpu.wgmma(acc_ref, h_smem.at[wg], plgpu.transpose_ref(left_smem.at[wg], (1, 0)))
+                            if c + 1 < n_chunks:  # the buffers are free once the wgmma has read them
+                                plgpu.wgmma_wait(0)
+                                lowrank_copy(c + 1)
                         plgpu.barrier_wait(barrier("sa"))
                         plgpu.barrier_wait(barrier("sw"))
                         y = (acc_ref[...] * jax.lax.broadcast_in_dim(sa_smem[wg], (tm, tn), (0,))
@@ -348,6 +376,8 @@ def fp8_matmul_mgpu(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None, 
     if impl == "reference":
         return fp8_matmul_mgpu_reference(a, w, lowrank=lowrank, bias=bias, out_dtype=out_dtype)
     cfg = config or default_config(m, n, k, r, _num_sms())
+    if r and r % cfg.chunk(r):
+        raise ValueError(f"fp8_matmul_mgpu: rank {r=} must be a multiple of lowrank_chunk={cfg.lowrank_chunk}")
     smem = cfg.smem_bytes(r, jnp.dtype(out_dtype).itemsize)
     if smem > SMEM_LIMIT:
         raise ValueError(f"fp8_matmul_mgpu: {cfg} needs {smem} bytes of shared memory at rank {r}, Hopper gives a "

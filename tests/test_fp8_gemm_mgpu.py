@@ -76,8 +76,8 @@ def test_nan_rows_propagate():
 
 SMALL = dict(tile_m=64, tile_n=64, tile_k=32, epi_tile_n=64)
 INTERPRET_CASES = [
-    ("ragged_m_3ctas_rank32_bias", dict(kind="fp8", m=100, n=256, k=128, rank=32, bias=True,
-                                        config=dict(SMALL, num_ctas=3))),
+    ("ragged_m_3ctas_rank32_in_2_chunks_bias", dict(kind="fp8", m=100, n=256, k=128, rank=32, bias=True,
+                                                    config=dict(SMALL, num_ctas=3, lowrank_chunk=16))),
     ("tm128_tk128_no_lowrank_2slots", dict(kind="fp8", m=128, n=128, k=256, rank=0, bias=False,
                                            config=dict(SMALL, tile_m=128, tile_k=128, epi_tile_n=32, epi_slots=2,
                                                        num_ctas=1))),
@@ -98,6 +98,7 @@ def test_kernel_in_gpu_interpret_mode():
     (512, 4608, 128, None),  # Ideogram 4's q at m = 512: the default tiling (64-row tiles)
     (4096, 24576, 128, None),  # w1|w3 at m = 4096 (128-row tiles)
     (4096, 4608, 0, F.Fp8MgpuConfig(max_concurrent_steps=3, grid_tile_width=4, epi_slots=2)),
+    (4096, 4608, 128, F.Fp8MgpuConfig(max_concurrent_steps=2, lowrank_chunk=32)),  # 4 chunks of 32
 ])
 def test_lowers_to_mosaic_gpu(m, n, r, cfg):
     k = 4608
@@ -163,6 +164,12 @@ def test_config_and_argument_errors():
     assert F.supports(4096, 4608, 4608) and not F.supports(4096, 4600, 4608)
     for r in (0, 128, 256):
         assert F.default_config(4096, 4608, 4608, r).smem_bytes(r) <= F.SMEM_LIMIT
+    # rank 128 whole would leave one pipeline stage; in chunks of 64 three fit
+    cfg = F.default_config(4096, 4608, 4608, 128)
+    assert (cfg.max_concurrent_steps, cfg.chunk(128)) == (3, 64)
+    assert F.Fp8MgpuConfig(max_concurrent_steps=3).smem_bytes(128) > F.SMEM_LIMIT
+    with pytest.raises(ValueError, match="lowrank_chunk"):
+        F.Fp8MgpuConfig(lowrank_chunk=24)
     # the model's count is at least Mosaic GPU's own (which refused 232,560 bytes for this one)
     assert F.Fp8MgpuConfig(max_concurrent_steps=4, epi_slots=2).smem_bytes(0) > F.SMEM_LIMIT
     a8, w8, lowrank, bias = _operands(1, 16, 32, 64, 16)
@@ -180,6 +187,9 @@ def test_config_and_argument_errors():
         F.fp8_matmul_mgpu(a8, w8, lowrank=(lowrank[0][:, :8], lowrank[1][:, :8]))
     with pytest.raises(ValueError, match="impl"):
         F.fp8_matmul_mgpu(a8, w8, impl="triton")
+    with pytest.raises(ValueError, match="lowrank_chunk"):  # rank 48 in chunks of 32
+        F.fp8_matmul_mgpu(a8, w8, lowrank=(jnp.ones((16, 48)), jnp.ones((32, 48))), impl="pallas",
+                          config=F.Fp8MgpuConfig(lowrank_chunk=32))
     with pytest.raises(ValueError, match="shared memory"):
         F.fp8_matmul_mgpu(a8, w8, lowrank=lowrank, impl="pallas",
                           config=F.Fp8MgpuConfig(max_concurrent_steps=8, tile_k=128))
