@@ -15,7 +15,9 @@ QAD student of ``kroquant qad --export-dir``) the W4A4 generator starts from tha
 layers (``models.dmd2.load_init_checkpoint``). Prompts are the training records of ``--data``; the GAN's real images
 are the same records' images. Method: ``models/dmd2.py``. A run folder is keyed by the generator's initialisation:
 resuming it (or evaluating it) with another ``--ptq-store`` / ``--init-checkpoint``, or none, is refused.
-``evaluate``: the teacher (Euler, ``--teacher-steps`` x 2 CFG branches), the teacher's weights used as a 4-step
+``evaluate``: the teacher (Euler, ``--teacher-steps`` x 2 CFG branches; the reference system), the same teacher
+unguided (``--teacher-steps`` x 1 branch, CFG 1: the distribution a ``--guidance 1`` real score targets; left out when
+``--guidance`` is 1), the teacher's weights used as a 4-step
 student without training, with ``--ptq-store`` also the untrained W4A4 generator (the PTQ model at ``--num-steps``
 steps, one branch), and the trained student at 1, 2, 4, 8 steps (W4A4 fake quant with ``--ptq-store``): Fréchet
 distance of in-domain encoder features to the real training images and to the teacher's samples, caption accuracy,
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -291,10 +294,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     null_context = jnp.asarray(dataset.null_context, jnp.float32)
     null_mask = jnp.asarray(dataset.null_mask, jnp.float32)
 
-    @jax.jit
-    def teacher_sample(params, noise, context, mask):
+    @functools.partial(jax.jit, static_argnames="guidance")
+    def teacher_sample(params, noise, context, mask, guidance):
         return testbed.euler_sample(testbed.pixart_velocity_fn(nnx.merge(graphdef, params)), noise, context, mask,
-                                    null_context, null_mask, args.teacher_steps, args.guidance)
+                                    null_context, null_mask, args.teacher_steps, guidance)
+
+    # the teacher with CFG (the reference system) and, as a control, unguided: one branch, the distribution the
+    # student's real score targets under --guidance 1
+    teacher_guidance = {"teacher": args.guidance, **({"teacher_unguided": 1.0} if args.guidance != 1.0 else {})}
 
     def student_jits(flow):
         return {steps: jax.jit(lambda params, key, cond, steps=steps: dmd2.generate(
@@ -316,8 +323,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             chunk = train_indices[start:start + args.batch_size]
             cond = {"context": jnp.asarray(dataset.context[chunk], jnp.float32),
                     "mask": jnp.asarray(dataset.context_mask[chunk], jnp.float32)}
-            if name == "teacher":
-                pixels = teacher_sample(teacher, _noise(seed, chunk, channel_shape), cond["context"], cond["mask"])
+            if name in teacher_guidance:
+                pixels = teacher_sample(teacher, _noise(seed, chunk, channel_shape), cond["context"], cond["mask"],
+                                        teacher_guidance[name])
             else:
                 kind, steps = name.split("@")
                 jits, params = samplers[kind]
@@ -332,7 +340,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         return np.concatenate(images), (seconds / timed if timed else None)
 
     controls = [f"{kind}@{args.num_steps}" for kind in samplers if kind != "student"]
-    systems = ["teacher", *controls] + [f"student@{s}" for s in args.student_steps]
+    systems = [*teacher_guidance, *controls] + [f"student@{s}" for s in args.student_steps]
     samples, report = {}, {"systems": {}}
     pool = dataset.images.astype(np.float32) / 255
     bases = [testbed_data.base_sequence(testbed_data.text_to_sequence(s)) for s in dataset.sequences]
@@ -348,12 +356,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             teacher_features = features[0]
         outcomes = collections.Counter(emoji_metrics.nearest_outcome(image, int(i), dataset, pool, bases)[0]
                                        for image, i in zip(first[:args.nearest], train_indices[:args.nearest]))
-        steps = args.teacher_steps if name == "teacher" else int(name.split("@")[1])
+        steps = args.teacher_steps if name in teacher_guidance else int(name.split("@")[1])
         report["systems"][name] = {
             **metrics, "seed_diversity": emoji_metrics.seed_diversity(features, real_features),
             "nearest": {o: outcomes[o] for o in emoji_metrics.OUTCOMES},
-            "forward_passes_per_image": dmd2.forward_passes_per_image(steps, args.guidance if name == "teacher"
-                                                                      else 1.0),
+            "forward_passes_per_image": dmd2.forward_passes_per_image(steps, teacher_guidance.get(name, 1.0)),
             "wall_s_per_image": per_image_s}
         print(name, json.dumps(report["systems"][name]), flush=True)
     teacher_fd = report["systems"]["teacher"]["fd_real"]
@@ -373,8 +380,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     init_title = "PTQ" if built.store is None or built.store.kind == "ptq_store" else "initial"
     control_titles = {"untrained": f"untrained {args.num_steps}",
                       "untrained_w4a4": f"{init_title} W4A4 {args.num_steps}"}
-    titles = ["dataset", f"teacher {args.teacher_steps}x2"] + [control_titles[c.split("@")[0]] for c in controls] + [
-        f"DMD2 {s}" for s in args.student_steps]
+    teacher_titles = [f"teacher {args.teacher_steps}x{dmd2.forward_passes_per_image(1, g)}"
+                      + ("" if name == "teacher" else " CFG 1") for name, g in teacher_guidance.items()]
+    titles = (["dataset", *teacher_titles] + [control_titles[c.split("@")[0]] for c in controls]
+              + [f"DMD2 {s}" for s in args.student_steps])
     student = "DMD2 student" if built.store is None else "W4A4 DMD2 student"
     testbed.save_caption_grid(str(out / "grid.png"), [str(dataset.captions[train_indices[k]]) for k in rows_idx],
                               rows, titles, title=f"teacher (Euler, CFG {args.guidance:g}) vs {student} "

@@ -506,10 +506,12 @@ def test_script_trains_resumes_and_evaluates_a_tiny_teacher(tmp_path):
     assert not (tmp_path / "refused").exists()
     assert script.main([*evaluate, *w4a4, "--out", str(tmp_path / "eval")]) == 0
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
-    assert set(report["systems"]) == {"teacher", "untrained@1", "untrained_w4a4@1", "student@1"}
+    # the default --guidance is not 1, so the unguided teacher is evaluated as a control
+    assert set(report["systems"]) == {"teacher", "teacher_unguided", "untrained@1", "untrained_w4a4@1", "student@1"}
     assert report["settings"]["student_cycles"] == 2 and report["settings"]["generator"]["sha256"] == log[0][
         "generator"]["sha256"] and report["settings"]["generator_forward"].startswith("W4A4 mxfp4")
     assert report["systems"]["teacher"]["forward_passes_per_image"] == 4
+    assert report["systems"]["teacher_unguided"]["forward_passes_per_image"] == 2
     assert report["systems"]["untrained_w4a4@1"]["forward_passes_per_image"] == 1
     assert report["systems"]["student@1"]["forward_passes_per_image"] == 1
     assert report["systems"]["teacher"]["fd_ratio_vs_teacher"] == 1.0
