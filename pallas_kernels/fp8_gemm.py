@@ -40,7 +40,7 @@ from kroquant_jax import fp8_encoding as FE
 from kroquant_jax.formats import MXFP4, QuantizedArray, dequantize
 from kroquant_jax.fp8_encoding import Fp8Rows
 from pallas_kernels import served
-from pallas_kernels.fp8_gemm_mgpu import fp8_matmul_mgpu
+from pallas_kernels.fp8_gemm_mgpu import fp8_matmul_mgpu, prescale_left
 from pallas_kernels import transform_quantize as tq
 from pallas_kernels.epilogues import rmsnorm_heads, swiglu
 from pallas_kernels.w4a4_gemm import dequantize_bf16
@@ -227,7 +227,8 @@ def fp8_matmul_reference(a: Operand, w: Operand, *, lowrank: Optional[tuple] = N
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("transform", "weight", "right", "left", "bias"),
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("transform", "weight", "right", "left", "bias", "left_over_scale"),
                    meta_fields=("act", "swiglu_rows", "act_encode"))
 @dataclasses.dataclass(frozen=True)
 class Fp8Linear:
@@ -242,6 +243,9 @@ class Fp8Linear:
       act: ``"mxfp4"`` (W4A4) or ``"fp8"`` (W4A8) (static).
       swiglu_rows: rows in gate/up pairs (static).
       act_encode: W4A4 only, one of :data:`ACT_ENCODES` (static).
+      left_over_scale: ``L / sw`` ``(o, r)`` bf16, the fused kernel's low-rank operand
+        (``fp8_gemm_mgpu.prescale_left``), made once by the ``"fp8_mgpu"`` strategy's preparation (``o r`` bf16 more
+        memory, one elementwise pass less per call); None elsewhere.
     """
 
     transform: tq.PreparedTransform
@@ -252,6 +256,7 @@ class Fp8Linear:
     act: str = "mxfp4"
     swiglu_rows: bool = False
     act_encode: str = DEFAULT_ACT_ENCODE
+    left_over_scale: Optional[jax.Array] = None
 
     def __post_init__(self):
         if self.act_encode not in ACT_ENCODES:
@@ -292,8 +297,13 @@ def prepare_fp8_layer(served, *, act: Literal["mxfp4", "fp8"] = "mxfp4",
 
 
 def _swiglu_pairs(c: jax.Array) -> jax.Array:
-    """SwiGLU on gate/up pairs (columns ``2i`` gate, ``2i + 1`` up: the served SwiGLU layer's row order)."""
-    return swiglu(jnp.concatenate([c[:, 0::2], c[:, 1::2]], axis=1))
+    """SwiGLU on gate/up pairs (columns ``2i`` gate, ``2i + 1`` up: the served SwiGLU layer's row order), in f32,
+    returned in ``c.dtype``: ``(m, 2f)`` -> ``(m, f)``. The pairs are read in place (one elementwise fusion over
+    ``c``), not gathered into a gate | up copy first."""
+    m, n = c.shape
+    pairs = c.reshape(m, n // 2, 2).astype(jnp.float32)
+    g, u = pairs[..., 0], pairs[..., 1]
+    return (g * jax.nn.sigmoid(g) * u).astype(c.dtype)
 
 
 def _check_op(layer: Fp8Linear, op: str, norm_weight, head_dim) -> None:
@@ -351,9 +361,10 @@ def fp8_linear_forward(layer: Fp8Linear, x: jax.Array, *, op: str = "none", norm
     ``out_dtype`` at the end; the dequant strategy rounds its GEMM output to bf16 before the op). W4A8: ``x T`` in f32 and per-token E4M3 instead of the quantizer (``impl`` unused).
 
     ``gemm``: one of :data:`GEMMS`. ``"mgpu"`` runs the GEMM, the powers of two, the bias and ``h L^T`` as one Mosaic
-    GPU kernel (on a GPU; its jnp mirror elsewhere), writing ``out_dtype`` directly (f32 when an op follows, which then
-    runs in XLA as above); it takes the default accumulation only (``accumulation``, ``gemm_dtype``, ``k_split`` are
-    the XLA GEMM's settings).
+    GPU kernel (on a GPU; its jnp mirror elsewhere), writing ``out_dtype`` directly; an op then runs in XLA in f32 on
+    that output and rounds to ``out_dtype`` again (with bf16, the roundings of a bf16 linear followed by its norm or
+    SwiGLU); it takes the default accumulation only (``accumulation``, ``gemm_dtype``, ``k_split`` are the XLA GEMM's
+    settings).
 
     Returns ``(..., o)`` in ``out_dtype`` (default ``x.dtype``), and with ``return_inexact`` the count of elements the
     out-of-range policy rounded (activations of this call + the weight's, counted at preparation).
@@ -381,11 +392,14 @@ def fp8_linear_forward(layer: Fp8Linear, x: jax.Array, *, op: str = "none", norm
     if layer.left is not None:
         h = jnp.matmul(x2, layer.right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # (m, r)
         lowrank = (h, layer.left)
-    if gemm == "mgpu":  # one kernel; f32 out only when an op follows
+    if gemm == "mgpu":  # one kernel writing out_dtype; an op reads that
         order = operand_order(layer.weight)
         ar, wr = _as_rows(a, "a", order, return_inexact), _as_rows(layer.weight, "w", order, return_inexact)
-        y = fp8_matmul_mgpu(ar, wr, lowrank=lowrank, bias=layer.bias,
-                            out_dtype=jnp.float32 if op != "none" else jnp.dtype(out_dtype))
+        prescaled = lowrank is not None and layer.left_over_scale is not None
+        if prescaled:
+            lowrank = (lowrank[0], layer.left_over_scale)
+        y = fp8_matmul_mgpu(ar, wr, lowrank=lowrank, bias=layer.bias, out_dtype=jnp.dtype(out_dtype),
+                            left_prescaled=prescaled)
         inexact = None
         if return_inexact:
             counted = (ar.inexact >= 0) & (wr.inexact >= 0)
@@ -471,14 +485,21 @@ class Fp8W4A8Strategy(Fp8Strategy):
 
 class Fp8MgpuStrategy(Fp8Strategy):
     """W4A4 on the FP8 tensor cores with the epilogue fused: the ``"fp8"`` strategy's layer, its GEMM, powers of two,
-    bias and low-rank term as one Mosaic GPU kernel (``fp8_linear_forward(..., gemm="mgpu")``). Without an op the
-    kernel writes bf16 for bf16 activations (half the bytes of f32: the point of fusing), f32 otherwise; with an op
-    f32, and the op runs in XLA."""
+    bias and low-rank term as one Mosaic GPU kernel (``fp8_linear_forward(..., gemm="mgpu")``). The kernel writes
+    bf16 for bf16 activations (half the bytes of f32: the point of fusing), f32 otherwise; a norm or SwiGLU then runs
+    in XLA (f32 math) on that output, as it does after a bf16 linear."""
 
     name = "fp8_mgpu"
 
+    def prepare(self, layer, *, swiglu: bool = False, transform_kernel: Optional[str] = None) -> Fp8Linear:
+        """The ``"fp8"`` layer plus the kernel's ``L / sw``, made once here."""
+        fp8 = super().prepare(layer, swiglu=swiglu, transform_kernel=transform_kernel)
+        if fp8.left is None or not isinstance(fp8.weight, Fp8Rows):
+            return fp8
+        return dataclasses.replace(fp8, left_over_scale=prescale_left(fp8.left, fp8.weight))
+
     def forward(self, layer, x2, op, options, impl):
-        out_dtype = jnp.bfloat16 if op.name == "none" and x2.dtype == jnp.bfloat16 else jnp.float32
+        out_dtype = jnp.bfloat16 if x2.dtype == jnp.bfloat16 else jnp.float32
         return fp8_linear_forward(layer, x2, op=op.name, norm_weight=op.norm_weight, head_dim=op.head_dim, eps=op.eps,
                                   impl=impl, quant_blocks=options.quant_blocks, out_dtype=out_dtype, gemm="mgpu")
 

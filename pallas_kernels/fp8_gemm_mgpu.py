@@ -39,8 +39,9 @@ a NaN scale (a row with a non-finite input) gives a NaN row, as ``fp8_matmul``. 
 **Limits.** Both operands in the same K order (any: a GEMM sums over K); ``k`` a multiple of ``tile_k`` and ``n`` of
 ``2 tile_n`` (the weight is padded otherwise: a copy per call, so prepare weights whose shapes fit), ragged ``m`` is
 padded to ``tile_m`` (a copy of the activations and of the output, only when ragged). ``r`` a multiple of 16
-(the bf16 ``wgmma`` K), at most 256. The served ops (q/k RMSNorm, SwiGLU) are not in the kernel: with an op the kernel
-writes f32 and the op runs in XLA (:func:`pallas_kernels.fp8_gemm.fp8_linear_forward`, ``gemm="mgpu"``).
+(the bf16 ``wgmma`` K), at most 256. The served ops (q/k RMSNorm, SwiGLU) are not in the kernel: it writes the layer's
+output dtype (bf16 on the served strategy) and the op runs in XLA on it
+(:func:`pallas_kernels.fp8_gemm.fp8_linear_forward`, ``gemm="mgpu"``).
 
 **CPU.** The kernel runs in jax's GPU interpret mode (``tests/test_fp8_gemm_mgpu.py`` through
 ``tests/mgpu_interpret.py``) and its Mosaic GPU lowering for a CUDA target runs on the CPU; PTX generation, register
@@ -60,7 +61,8 @@ from kroquant_jax.fp8_encoding import Fp8Rows
 from pallas_kernels._compat import on_gpu, pl
 from pallas_kernels.w4a4_gemm_mgpu import _num_sms, _plgpu, _round_up, _tile_order  # the shared Mosaic GPU set-up
 
-__all__ = ["Fp8MgpuConfig", "default_config", "fp8_matmul_mgpu", "fp8_matmul_mgpu_reference", "supports"]
+__all__ = ["Fp8MgpuConfig", "default_config", "fp8_matmul_mgpu", "fp8_matmul_mgpu_reference", "prescale_left",
+           "supports"]
 
 SMEM_LIMIT = 227 * 1024  # shared memory per CTA on Hopper (sm_90), bytes
 FP8_WGMMA_K = 32  # K of one FP8 wgmma instruction
@@ -140,25 +142,28 @@ class Fp8MgpuConfig:
         return stages + lowrank + out + vectors + 1024
 
 
-def default_config(m: int, n: int, k: int, rank: int = 0, num_sms: int = 132) -> Fp8MgpuConfig:
-    """A tiling that fits: 128 x 128 per warpgroup (CTA 128 x 256), or 64-row tiles when 128-row CTA tiles would
-    leave SMs idle; ``tile_k`` 128 halved until it divides ``k``; then the deepest TMA pipeline (up to 4 stages)
-    that shared memory holds beside the low-rank tiles, taking the low-rank branch in rank chunks of at least 32
-    (and 32-column output tiles) when the whole rank would leave fewer stages; smaller tiles when even one stage does
-    not fit."""
+def default_config(m: int, n: int, k: int, rank: int = 0, num_sms: int = 132, out_bytes: int = 2) -> Fp8MgpuConfig:
+    """The tiling chosen from the H200 sweeps of the Ideogram 4 shapes (``docs/w4a4.md``): 128 x 128 per warpgroup
+    (CTA 128 x 256; 64-row tiles only when ``m <= 64``, where 128 rows would be half padding), output tiles walked
+    in a planar snake of width 4, ``tile_k`` 128 halved until it divides ``k``. Then the first pipeline depth that
+    shared memory holds beside the low-rank tiles and ``out_bytes``-wide output tiles, in the order 3, 4, 2, 1
+    stages with a low-rank branch (3 stages with rank chunks of 64 beat 4 with chunks of 16 and the whole rank with
+    fewer stages) and 4, 3, 2, 1 without; for each depth the whole rank, then chunks of 64, 32, 16, and output
+    tiles 64, 32, 16 columns wide. Smaller tiles when even one stage does not fit."""
     tk = 128
     while tk > FP8_WGMMA_K and k % tk:
         tk //= 2
-    tm = 128 if -(-m // 128) * -(-n // 256) >= num_sms else 64
-    chunks = [None] + [c for c in (64, 32) if rank > c and rank % c == 0]
+    tm = 64 if m <= 64 else 128
+    depths = (3, 4, 2, 1) if rank else (4, 3, 2, 1)
+    chunks = [None] + [c for c in (64, 32, 16) if rank > c and rank % c == 0]
     shapes = [(tm, 128, tk), (64, 128, tk), (64, 64, min(tk, 64))]
     for tile_m, tile_n, tile_k in shapes:
-        for steps in (4, 3, 2, 1):
+        for steps in depths:
             for chunk in chunks:
-                for epi_n in (64, 32):
+                for epi_n in (64, 32, 16):
                     cfg = Fp8MgpuConfig(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, max_concurrent_steps=steps,
-                                        epi_tile_n=epi_n, lowrank_chunk=chunk)
-                    if cfg.smem_bytes(rank) <= SMEM_LIMIT:
+                                        grid_tile_width=4, epi_tile_n=epi_n, lowrank_chunk=chunk)
+                    if cfg.smem_bytes(rank, out_bytes) <= SMEM_LIMIT:
                         return cfg
     return cfg  # nothing fits: fp8_matmul_mgpu names the shortfall
 
@@ -194,7 +199,7 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
     vec_names = ["sa", "sw"] + (["bias"] if has_bias else []) + (["h", "left"] if has_lowrank else [])
     n_vec = len(vec_names)
 
-    def kernel(a_gmem, sa_gmem, w_gmem, sw_gmem, *rest):
+    def fp8_gemm_fused(a_gmem, sa_gmem, w_gmem, sw_gmem, *rest):  # the name profilers show
         rest = list(rest)
         out_gmem = rest.pop()
         bias_gmem = rest.pop(0) if has_bias else None
@@ -307,7 +312,7 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
     tiles = m_iters * n_iters
     num_ctas = min(cfg.num_ctas or _num_sms(), tiles)
     f = plgpu.kernel(
-        kernel,
+        fp8_gemm_fused,
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(num_ctas,),
         grid_names=("cluster_grid",),
@@ -346,10 +351,10 @@ def _check(a: Fp8Rows, w: Fp8Rows, lowrank, bias) -> tuple[int, int, int, int]:
     return m, n, k, r
 
 
-@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "impl", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "impl", "interpret", "left_prescaled"))
 def fp8_matmul_mgpu(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None, bias: Optional[jax.Array] = None,
                     out_dtype=jnp.bfloat16, config: Optional[Fp8MgpuConfig] = None, impl: Optional[str] = None,
-                    interpret: Any = None) -> jax.Array:
+                    interpret: Any = None, left_prescaled: bool = False) -> jax.Array:
     """``(A8 W8^T) * sa sw^T + bias + h L^T`` in one Mosaic GPU kernel.
 
     Args:
@@ -362,6 +367,7 @@ def fp8_matmul_mgpu(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None, 
       impl: ``None`` (the kernel on a GPU, the jnp mirror elsewhere), ``"pallas"`` (the kernel; with ``interpret``,
         GPU interpret mode on the CPU) or ``"reference"``.
       interpret: passed to ``plgpu.kernel(interpret=...)`` (tests only).
+      left_prescaled: ``lowrank``'s ``L`` is already :func:`prescale_left`'s ``L / sw`` (made once at load).
 
     Returns:
       ``(m, n)`` in ``out_dtype``.
@@ -374,8 +380,9 @@ def fp8_matmul_mgpu(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None, 
     if impl not in ("pallas", "reference"):
         raise ValueError(f"fp8_matmul_mgpu: impl={impl!r} must be None, 'pallas' or 'reference'")
     if impl == "reference":
-        return fp8_matmul_mgpu_reference(a, w, lowrank=lowrank, bias=bias, out_dtype=out_dtype)
-    cfg = config or default_config(m, n, k, r, _num_sms())
+        return fp8_matmul_mgpu_reference(a, w, lowrank=lowrank, bias=bias, out_dtype=out_dtype,
+                                         left_prescaled=left_prescaled)
+    cfg = config or default_config(m, n, k, r, _num_sms(), jnp.dtype(out_dtype).itemsize)
     if r and r % cfg.chunk(r):
         raise ValueError(f"fp8_matmul_mgpu: rank {r=} must be a multiple of lowrank_chunk={cfg.lowrank_chunk}")
     smem = cfg.smem_bytes(r, jnp.dtype(out_dtype).itemsize)
@@ -393,7 +400,7 @@ def fp8_matmul_mgpu(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None, 
     b = None if bias is None else pad(bias.astype(jnp.float32), np_)
     h = left = None
     if lowrank is not None:
-        h, left = _prescaled_lowrank(lowrank, sa[:m], sw[:n])
+        h, left = _prescaled_lowrank(lowrank, sa[:m], sw[:n], left_prescaled)
         h, left = pad(h, mp), pad(left, np_)
     y = _call(a8, sa, w8, sw, b, h, left, cfg=cfg, out_dtype=jnp.dtype(out_dtype), interpret=interpret)
     return y if y.shape == (m, n) else y[:m, :n]
@@ -405,23 +412,36 @@ def _kernel_scale(scale: jax.Array) -> jax.Array:
     return jnp.where(scale == 0, jnp.float32(1), scale)
 
 
-def _prescaled_lowrank(lowrank: tuple, sa: jax.Array, sw: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(h / sa, L / sw)`` in bf16: the low-rank operands the kernel adds to the unscaled accumulator."""
+def _over_rows(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x (rows, r) / scale (rows,)`` in bf16 (``x`` rounded to bf16 first)."""
+    return (jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32) / scale[:, None]).astype(jnp.bfloat16)
+
+
+def prescale_left(left: jax.Array, w: Fp8Rows) -> jax.Array:
+    """``L / sw`` ``(n, r)`` bf16: the kernel's weight-side low-rank operand, made once when a layer is prepared
+    (pass it as ``lowrank=(h, L')`` with ``left_prescaled=True``) instead of in every call."""
+    return _over_rows(left, _kernel_scale(w.scale))
+
+
+def _prescaled_lowrank(lowrank: tuple, sa: jax.Array, sw: jax.Array,
+                       left_prescaled: bool = False) -> tuple[jax.Array, jax.Array]:
+    """``(h / sa, L / sw)`` in bf16: the low-rank operands the kernel adds to the unscaled accumulator (``L`` as given
+    when ``left_prescaled``)."""
     h, left = lowrank
-    h = (h.astype(jnp.bfloat16).astype(jnp.float32) / sa[:, None]).astype(jnp.bfloat16)
-    left = (jnp.asarray(left).astype(jnp.bfloat16).astype(jnp.float32) / sw[:, None]).astype(jnp.bfloat16)
-    return h, left
+    return _over_rows(h, sa), (jnp.asarray(left).astype(jnp.bfloat16) if left_prescaled else _over_rows(left, sw))
 
 
 def fp8_matmul_mgpu_reference(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None,
-                              bias: Optional[jax.Array] = None, out_dtype=jnp.float32) -> jax.Array:
+                              bias: Optional[jax.Array] = None, out_dtype=jnp.float32,
+                              left_prescaled: bool = False) -> jax.Array:
     """jnp mirror of the kernel, in f32 at HIGHEST precision: ``(A8 W8^T + h' L'^T) * sa sw^T + bias`` with the
-    kernel's pre-scaled bf16 ``h' = h / sa``, ``L' = L / sw``; one rounding to ``out_dtype``."""
+    kernel's pre-scaled bf16 ``h' = h / sa``, ``L' = L / sw`` (given, with ``left_prescaled``); one rounding to
+    ``out_dtype``."""
     _check(a, w, lowrank, bias)
     sa, sw = _kernel_scale(a.scale), _kernel_scale(w.scale)
     acc = jnp.matmul(a.values.astype(jnp.float32), w.values.astype(jnp.float32).T, precision="highest")
     if lowrank is not None:
-        h, left = _prescaled_lowrank(lowrank, sa, sw)
+        h, left = _prescaled_lowrank(lowrank, sa, sw, left_prescaled)
         acc = acc + jnp.matmul(h.astype(jnp.float32), left.astype(jnp.float32).T, precision="highest")
     y = acc * sa[:, None] * sw[None, :]
     if bias is not None:

@@ -24,6 +24,7 @@ from kroquant_jax.formats import MXFP4, quantize
 from pallas_kernels import fp8_gemm as G8
 from pallas_kernels import fp8_gemm_mgpu as F
 from pallas_kernels import served
+from pallas_kernels.epilogues import rmsnorm_heads, swiglu
 
 _OK, _REASON = mgpu_interpret.available()
 
@@ -94,25 +95,28 @@ def test_kernel_in_gpu_interpret_mode():
         assert not r["races"], (name, r)
 
 
-@pytest.mark.parametrize("m,n,r,cfg", [
-    (512, 4608, 128, None),  # Ideogram 4's q at m = 512: the default tiling (64-row tiles)
-    (4096, 24576, 128, None),  # w1|w3 at m = 4096 (128-row tiles)
-    (4096, 4608, 0, F.Fp8MgpuConfig(max_concurrent_steps=3, grid_tile_width=4, epi_slots=2)),
-    (4096, 4608, 128, F.Fp8MgpuConfig(max_concurrent_steps=2, lowrank_chunk=32)),  # 4 chunks of 32
+@pytest.mark.parametrize("m,n,r,cfg,out_dtype", [
+    (512, 4608, 128, None, jnp.bfloat16),  # Ideogram 4's q at m = 512: the default tiling
+    (4096, 24576, 128, None, jnp.float32),  # w1|w3 at m = 4096 with f32 output (SwiGLU after it): 16-column tiles
+    (4096, 4608, 0, F.Fp8MgpuConfig(max_concurrent_steps=3, grid_tile_width=4, epi_slots=2), jnp.bfloat16),
+    (4096, 4608, 128, F.Fp8MgpuConfig(max_concurrent_steps=2, lowrank_chunk=32), jnp.bfloat16),  # 4 chunks of 32
 ])
-def test_lowers_to_mosaic_gpu(m, n, r, cfg):
+def test_lowers_to_mosaic_gpu(m, n, r, cfg, out_dtype):
     k = 4608
-    assert (cfg or F.default_config(m, n, k, r)).smem_bytes(r) <= F.SMEM_LIMIT
+    out_bytes = jnp.dtype(out_dtype).itemsize
+    assert (cfg or F.default_config(m, n, k, r, out_bytes=out_bytes)).smem_bytes(r, out_bytes) <= F.SMEM_LIMIT
     S = jax.ShapeDtypeStruct
 
     def f(a8, sa, w8, sw, b, h, left):
         a, w = FE.Fp8Rows(a8, sa, jnp.int32(0), "even_odd"), FE.Fp8Rows(w8, sw, jnp.int32(0), "even_odd")
-        return F.fp8_matmul_mgpu(a, w, lowrank=(h, left) if r else None, bias=b, config=cfg, impl="pallas")
+        return F.fp8_matmul_mgpu(a, w, lowrank=(h, left) if r else None, bias=b, config=cfg, impl="pallas",
+                                 out_dtype=out_dtype)
 
     args = (S((m, k), jnp.float8_e4m3fn), S((m,), jnp.float32), S((n, k), jnp.float8_e4m3fn), S((n,), jnp.float32),
             S((n,), jnp.float32), S((m, max(r, 16)), jnp.bfloat16), S((n, max(r, 16)), jnp.bfloat16))
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text and f"tensor<{m}x{n}xbf16>" in text
+    dtype_name = "bf16" if out_bytes == 2 else "f32"
+    assert "mosaic_gpu" in text and f"tensor<{m}x{n}x{dtype_name}>" in text
 
 
 def _quantized_layer(seed, o, d, rank=32):
@@ -138,16 +142,45 @@ def test_layer_and_served_strategy():
     assert "fp8_mgpu" in served.strategy_names()
     mg = served.serve(qlayer, strategy="fp8_mgpu")
     assert isinstance(mg, G8.Fp8Linear)
+    # L / sw made once at preparation: the same bytes as the per-call division
+    assert mg.left_over_scale is not None and mg.left_over_scale.dtype == jnp.bfloat16
+    per_call = dataclasses.replace(mg, left_over_scale=None)
+    np.testing.assert_array_equal(
+        np.asarray(G8.fp8_linear_forward(mg, x, gemm="mgpu", out_dtype=jnp.float32)),
+        np.asarray(G8.fp8_linear_forward(per_call, x, gemm="mgpu", out_dtype=jnp.float32)))
+    doubled = dataclasses.replace(mg, left_over_scale=2 * mg.left_over_scale)  # it is the operand the GEMM uses
+    assert not np.array_equal(np.asarray(G8.fp8_linear_forward(doubled, x, gemm="mgpu", out_dtype=jnp.float32)),
+                              np.asarray(G8.fp8_linear_forward(mg, x, gemm="mgpu", out_dtype=jnp.float32)))
     got = served.forward(mg, x, options=served.ServeOptions(strategy="fp8_mgpu", impl="interpret"))
     assert got.dtype == jnp.bfloat16
     want = G8.fp8_linear_forward(layer, x, impl="interpret", out_dtype=jnp.float32)
     assert np.linalg.norm(np.asarray(got, np.float64) - np.asarray(want, np.float64)) <= 4e-3 * np.linalg.norm(ref)
-    # with an op the kernel writes f32 and the op runs in XLA: the same as the XLA GEMM's layer up to summation order
+    # an op runs in XLA on the kernel's output: with f32 out the same as the XLA GEMM's layer up to summation order
     nw = 1.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(7), (32,))
     norm = dict(op="rmsnorm", norm_weight=nw, head_dim=32, eps=1e-5)
     a = G8.fp8_linear_forward(layer, x, out_dtype=jnp.float32, gemm="mgpu", **norm)
     b = G8.fp8_linear_forward(layer, x, out_dtype=jnp.float32, **norm)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    # with bf16 out (the served strategy's choice for bf16 activations) on the kernel's bf16 output, as after a bf16
+    # linear
+    y16 = G8.fp8_linear_forward(layer, x, out_dtype=jnp.bfloat16, gemm="mgpu")
+    normed = G8.fp8_linear_forward(layer, x, out_dtype=jnp.bfloat16, gemm="mgpu", **norm)
+    np.testing.assert_array_equal(np.asarray(normed, np.float32),
+                                  np.asarray(rmsnorm_heads(y16, nw, head_dim=32, eps=1e-5), np.float32))
+    served_normed = served.forward(mg, x, op="rmsnorm", norm_weight=nw, head_dim=32, eps=1e-5,
+                                   options=served.ServeOptions(strategy="fp8_mgpu"))
+    assert served_normed.dtype == jnp.bfloat16
+    # jitted, XLA may keep the f32 value between the kernel's output and the norm (excess precision): within bf16
+    diff = np.asarray(served_normed, np.float32) - np.asarray(normed, np.float32)
+    assert np.linalg.norm(diff) <= 4e-3 * np.linalg.norm(np.asarray(normed, np.float32))
+
+
+def test_swiglu_pairs_reads_gate_up_pairs_in_place():
+    c = jax.random.normal(jax.random.PRNGKey(8), (6, 16)).astype(jnp.bfloat16)
+    gathered = swiglu(jnp.concatenate([c[:, 0::2], c[:, 1::2]], axis=1))  # gate | up, then SiLU(gate) * up
+    got = G8._swiglu_pairs(c)
+    assert got.shape == (6, 8) and got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(gathered, np.float32))
 
 
 def test_config_and_argument_errors():
@@ -159,14 +192,20 @@ def test_config_and_argument_errors():
         F.Fp8MgpuConfig(tile_n=512)
     with pytest.raises(ValueError, match="epi_slots"):
         F.Fp8MgpuConfig(epi_slots=3)
-    assert F.default_config(4096, 4608, 4608).tile_m == 128 and F.default_config(512, 4608, 4608).tile_m == 64
+    assert F.default_config(4096, 4608, 4608).tile_m == 128 and F.default_config(512, 4608, 4608).tile_m == 128
+    assert F.default_config(64, 4608, 4608).tile_m == 64
     assert F.default_config(512, 4608, 4640).tile_k == 32
     assert F.supports(4096, 4608, 4608) and not F.supports(4096, 4600, 4608)
     for r in (0, 128, 256):
-        assert F.default_config(4096, 4608, 4608, r).smem_bytes(r) <= F.SMEM_LIMIT
+        for out_bytes in (2, 4):
+            assert F.default_config(4096, 4608, 4608, r, out_bytes=out_bytes).smem_bytes(r, out_bytes) <= F.SMEM_LIMIT
     # rank 128 whole would leave one pipeline stage; in chunks of 64 three fit
     cfg = F.default_config(4096, 4608, 4608, 128)
-    assert (cfg.max_concurrent_steps, cfg.chunk(128)) == (3, 64)
+    assert (cfg.max_concurrent_steps, cfg.chunk(128), cfg.epi_tile_n) == (3, 64, 32)
+    # f32 output tiles take twice the bytes: narrower ones keep the three stages (this default overflowed before)
+    cfg32 = F.default_config(4096, 4608, 4608, 128, out_bytes=4)
+    assert (cfg32.max_concurrent_steps, cfg32.chunk(128), cfg32.epi_tile_n) == (3, 64, 16)
+    assert cfg.smem_bytes(128, 4) > F.SMEM_LIMIT
     assert F.Fp8MgpuConfig(max_concurrent_steps=3).smem_bytes(128) > F.SMEM_LIMIT
     with pytest.raises(ValueError, match="lowrank_chunk"):
         F.Fp8MgpuConfig(lowrank_chunk=24)

@@ -39,7 +39,7 @@ CASES = {  # m, n, k, rank, config (None: default_config)
     "ragged_whole_rank_one_stage": (333, 1024, 1024, 128, F.Fp8MgpuConfig(max_concurrent_steps=1)),
     "chunks_of_32_two_slots": (640, 1536, 2048, 128, F.Fp8MgpuConfig(max_concurrent_steps=2, lowrank_chunk=32,
                                                                       epi_slots=2, epi_tile_n=32)),
-    "no_lowrank_four_stages": (1024, 2048, 4608, 0, F.Fp8MgpuConfig(max_concurrent_steps=4)),
+    "no_lowrank_four_stages": (1024, 2048, 4608, 0, F.Fp8MgpuConfig(max_concurrent_steps=4, epi_tile_n=32)),
 }
 
 
