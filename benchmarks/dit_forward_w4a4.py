@@ -19,8 +19,11 @@ device, blocks stacked and run by ``lax.scan``), batch 1, the packed 1K layout o
 * ``w4a4_fp8``: the served FP8 strategy (``strategy="fp8"``): the MXFP4 operands re-encoded in E4M3, XLA's FP8 GEMM,
   the powers of two, bias and the bf16 ``h L^T`` GEMM in XLA fusions after it.
 * ``w4a4_fp8_mgpu``: the same FP8 layers on the fused Mosaic GPU kernel (``strategy="fp8_mgpu"``,
-  ``pallas_kernels/fp8_gemm_mgpu.py``: powers of two, bias and ``h L^T`` in the GEMM's accumulator and epilogue; with
-  a norm or the SwiGLU the kernel writes f32 and the op runs in XLA).
+  ``pallas_kernels/fp8_gemm_mgpu.py``: powers of two, bias and ``h L^T`` in the GEMM's accumulator and epilogue; the
+  kernel writes bf16, a norm or the SwiGLU then runs in XLA on it, as after a bf16 linear).
+
+``--kernels`` adds a CUPTI profile of each timed forward: device time per kernel name (a kernel in the scanned block
+sums over the blocks), the costliest names, and the total device time per forward beside the wall time.
 
 ``--blocks N`` builds the model with the real config but only ``N`` of its 34 blocks (random weights either way):
 the blocks are identical in shape and work, so block time scales with ``N``; the text projection, embeddings and
@@ -84,6 +87,7 @@ from scripts.common_args import choice_list  # noqa: E402
 TRANSFORM = "kron_lu"
 #: Timed forwards, in the order they run (``--variants`` picks a subset; ``w4a4_unfused`` is optional).
 VARIANTS = ("bf16", "w4a4_dequant", "w4a4_fp8", "w4a4_fp8_mgpu", "w4a4_fused", "w4a4_unfused")
+KERNEL_ROWS = 16  # --kernels: the costliest kernel names kept per forward
 # Block linears of the scanned model (paths of the one stacked block) and how the W4A4 forward runs them.
 PLAIN, NORMED = serving.BLOCK_PLAIN, serving.BLOCK_NORMED
 GATE, UP = serving.BLOCK_GATE, serving.BLOCK_UP
@@ -227,6 +231,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="optional stages (epilogue tile choice, layer checks, the --check simulation, the "
                              "unfused W4A4 forward) start only before this many seconds")
     parser.add_argument("--no-tune", action="store_true")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also profile each timed forward (CUPTI): device time per kernel name, summed over the "
+                             "blocks, median of 3 calls")
     parser.add_argument("--out", default=None, help="JSON (default $OUT/dit_forward_w4a4.json, else /tmp)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -257,7 +264,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "method": f"median of {args.repeats} repeats of {args.inner} back-to-back calls after a warm-up call "
                   "(AOT-compiled, block_until_ready per repeat)",
         "command_args": list(sys.argv[1:] if argv is None else argv),
-        "timings_ms": {}, "bf16_over": {}, "compile_s": {}, "errors": {}, "checks": {}, "finite": {}}
+        "timings_ms": {}, "bf16_over": {}, "compile_s": {}, "errors": {}, "checks": {}, "finite": {},
+        "kernels": {}}
 
     results = StagedResults(out_path, payload, start)  # saved after each stage; a stage's error is recorded
     save, stage = results.save, results.stage
@@ -358,6 +366,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                               / payload["timings_ms"][name]["median_ms"])
             print(f"  {name:14s} {payload['timings_ms'][name]['median_ms']:9.2f} ms  ({blocks_n} of "
                   f"{base.num_layers} blocks)", flush=True)
+        if timed and args.kernels:
+            t = timing.device_time(lambda _: compiled(*call_args), [None], n_iter=3, warmup=0)
+            payload["kernels"][name] = {"device_ms": t.us / 1e3, "method": t.method, "top_ms": {
+                k: v / 1e3 for k, v in sorted(t.kernels_us.items(), key=lambda kv: -kv[1])[:KERNEL_ROWS]}}
 
     for name in args.variants:
         if name != "w4a4_unfused":
@@ -409,6 +421,10 @@ def print_table(payload: dict[str, Any]) -> None:
         print(f"  forward {name:14s} {timing['median_ms']:9.2f} ms  (bf16 / this = "
               f"{'' if ratio is None else f'{ratio:.2f}x'}; compile {payload['compile_s'].get(name, float('nan')):.1f}"
               f" s)")
+    for name, prof in payload.get("kernels", {}).items():
+        print(f"  kernels of {name}: {prof['device_ms']:.2f} ms device time per forward ({prof['method']})")
+        for kernel, ms in prof["top_ms"].items():
+            print(f"    {ms:8.3f} ms  {kernel}")
     for name, tile in payload.get("epilogue_tiles", {}).items():
         print(f"  kernel {name:48s} {tile.get('us', float('nan')):10.1f} us")
     print(f"  finite outputs: {payload['finite']}")

@@ -20,6 +20,8 @@ included, as ONE AOT-compiled jitted call):
   ``w4a4_fp8`` variant from the conditional transformer's weights (``ideogram4_serving.build_block_qlinears``: the
   real layer math, stand-in calibration; ``serve_block_layers(..., "fp8")``, ``block_served_hooks``: q / k with their
   RMSNorm, ``w1 | w3`` with the SwiGLU): against ``bf16_4x1`` it is the FP8 forward's factor.
+* ``w4a4_fp8_mgpu_4x1``: the same layers on the ``"fp8_mgpu"`` strategy: each GEMM with its powers of two, bias
+  and low-rank term as one Mosaic GPU kernel (``pallas_kernels/fp8_gemm_mgpu.py``; off the GPU its jnp mirror).
 * ``w4a4_dequant_4x1`` (optional, only while within ``--budget-s``): the same layers on the default strategy
   (dequantize + one cuBLAS GEMM).
 
@@ -77,7 +79,7 @@ from scripts.common_args import choice_list, positive_int  # noqa: E402
 
 #: ``{system: (steps, branches, served strategy or None for bf16)}``, in the order they run.
 SYSTEMS = {"bf16_48x2": (48, 2, None), "bf16_4x1": (4, 1, None), "w4a4_fp8_4x1": (4, 1, "fp8"),
-           "w4a4_dequant_4x1": (4, 1, "dequant")}
+           "w4a4_fp8_mgpu_4x1": (4, 1, "fp8_mgpu"), "w4a4_dequant_4x1": (4, 1, "dequant")}
 OPTIONAL = ("w4a4_dequant_4x1",)  # run only while within --budget-s
 BASELINE = "bf16_48x2"
 REFERENCE_4X1 = "bf16_4x1"
