@@ -42,7 +42,7 @@ from kroquant_jax.fp8_encoding import Fp8Rows
 from pallas_kernels import served
 from pallas_kernels.fp8_gemm_mgpu import fp8_matmul_mgpu, prescale_left
 from pallas_kernels import transform_quantize as tq
-from pallas_kernels.epilogues import rmsnorm_heads, swiglu
+from pallas_kernels.epilogues import rmsnorm_heads
 from pallas_kernels.w4a4_gemm import dequantize_bf16
 
 __all__ = [
@@ -296,16 +296,6 @@ def prepare_fp8_layer(served, *, act: Literal["mxfp4", "fp8"] = "mxfp4",
                      act_encode=act_encode)
 
 
-def _swiglu_pairs(c: jax.Array) -> jax.Array:
-    """SwiGLU on gate/up pairs (columns ``2i`` gate, ``2i + 1`` up: the served SwiGLU layer's row order), in f32,
-    returned in ``c.dtype``: ``(m, 2f)`` -> ``(m, f)``. The pairs are read in place (one elementwise fusion over
-    ``c``), not gathered into a gate | up copy first."""
-    m, n = c.shape
-    pairs = c.reshape(m, n // 2, 2).astype(jnp.float32)
-    g, u = pairs[..., 0], pairs[..., 1]
-    return (g * jax.nn.sigmoid(g) * u).astype(c.dtype)
-
-
 def _check_op(layer: Fp8Linear, op: str, norm_weight, head_dim) -> None:
     if op not in ("none", "rmsnorm", "swiglu"):
         raise ValueError(f"op={op!r} must be 'none', 'rmsnorm' or 'swiglu'")
@@ -412,7 +402,7 @@ def fp8_linear_forward(layer: Fp8Linear, x: jax.Array, *, op: str = "none", norm
     if op == "rmsnorm":
         y = rmsnorm_heads(y, norm_weight, head_dim=head_dim, eps=eps)
     elif op == "swiglu":
-        y = _swiglu_pairs(y)
+        y = served.swiglu_pairs(y)
     y = y.reshape(*lead, y.shape[-1]).astype(out_dtype)
     return (y, inexact) if return_inexact else y
 
@@ -435,7 +425,7 @@ def fp8_linear_reference(layer: Fp8Linear, x: jax.Array, *, op: str = "none", no
     if op == "rmsnorm":
         y = np.asarray(rmsnorm_heads(jnp.asarray(y, jnp.float32), norm_weight, head_dim=head_dim, eps=eps), np.float64)
     elif op == "swiglu":
-        y = np.asarray(_swiglu_pairs(jnp.asarray(y, jnp.float32)), np.float64)
+        y = np.asarray(served.swiglu_pairs(jnp.asarray(y, jnp.float32)), np.float64)
     return y
 
 

@@ -293,8 +293,9 @@ class OpCall:
                              f"and head_dim must divide out_features={layer.out_features}")
 
 
-def _swiglu_pairs(c: jax.Array) -> jax.Array:
-    """``SiLU(c[:, 0::2]) * c[:, 1::2]`` in f32 (gate/up pairs adjacent), returned in ``c.dtype``."""
+def swiglu_pairs(c: jax.Array) -> jax.Array:
+    """``SiLU(c[:, 0::2]) * c[:, 1::2]`` in f32 (gate/up pairs adjacent: a ``swiglu_rows`` layer's output columns),
+    returned in ``c.dtype``: ``(m, 2f)`` -> ``(m, f)``; the pairs are read in place, not gathered into a copy."""
     cf = c.astype(jnp.float32).reshape(c.shape[0], -1, 2)
     return (jax.nn.silu(cf[..., 0]) * cf[..., 1]).astype(c.dtype)
 
@@ -305,7 +306,7 @@ def apply_op(y: jax.Array, op: OpCall) -> jax.Array:
     if op.name == "rmsnorm":
         return rmsnorm_heads(y, op.norm_weight, head_dim=op.head_dim, eps=op.eps)
     if op.name == "swiglu":
-        return _swiglu_pairs(y)
+        return swiglu_pairs(y)
     return y
 
 

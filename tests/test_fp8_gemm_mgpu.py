@@ -178,7 +178,7 @@ def test_layer_and_served_strategy():
 def test_swiglu_pairs_reads_gate_up_pairs_in_place():
     c = jax.random.normal(jax.random.PRNGKey(8), (6, 16)).astype(jnp.bfloat16)
     gathered = swiglu(jnp.concatenate([c[:, 0::2], c[:, 1::2]], axis=1))  # gate | up, then SiLU(gate) * up
-    got = G8._swiglu_pairs(c)
+    got = served.swiglu_pairs(c)
     assert got.shape == (6, 8) and got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(gathered, np.float32))
 
