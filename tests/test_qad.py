@@ -51,10 +51,14 @@ def _fixed_loss(setup, state, config, s_graph, t_graph, t_state, blocks, key=123
     def teacher_velocity(x, timestep, context, mask):
         return nnx.merge(t_graph, t_state)(x, context, timestep, encoder_attention_mask=mask)
 
-    loss, parts = qad.qad_loss(state["trainable"], blocks, s_graph, teacher_velocity, config, False,
-                               testbed.images_to_pixels(data["images"]), data["context"].astype(jnp.float32),
-                               data["context_mask"].astype(jnp.float32), data["null_context"].astype(jnp.float32),
-                               data["null_mask"].astype(jnp.float32), jax.random.key(key))
+    @jax.jit  # one program (eager, every primitive of the loss compiles on its own)
+    def loss_of(trainable):
+        return qad.qad_loss(trainable, blocks, s_graph, teacher_velocity, config, False,
+                            testbed.images_to_pixels(data["images"]), data["context"].astype(jnp.float32),
+                            data["context_mask"].astype(jnp.float32), data["null_context"].astype(jnp.float32),
+                            data["null_mask"].astype(jnp.float32), jax.random.key(key))
+
+    loss, parts = loss_of(state["trainable"])
     return float(loss), {k: float(v) for k, v in parts.items()}
 
 
@@ -88,7 +92,7 @@ def test_guided_sample_equals_testbed_euler_for_constant_schedule(setup):
 
 
 # Each STE rule once and each format at least once (pairwise, not all six: each case compiles the whole QAD loss's
-# gradient, ~25 s on a 2-core CPU); the clipped rule's elementwise behaviour is tested for MXFP4 below.
+# gradient); the clipped rule's elementwise behaviour is tested for MXFP4 below.
 @pytest.mark.parametrize(("fmt", "ste"), [("mxfp4", "identity"), ("nvfp4", "clipped"), ("mxfp4", "none")])
 def test_ste_gradient_reaches_quantized_weights_only_with_ste(setup, ste, fmt):
     config = qad.QADConfig(fmt=fmt, ste=ste, batch_size=4, steps=2, chunk=2, save_every=2)
@@ -107,7 +111,7 @@ def test_ste_gradient_reaches_quantized_weights_only_with_ste(setup, ste, fmt):
                             data["context_mask"].astype(jnp.float32), data["null_context"].astype(jnp.float32),
                             data["null_mask"].astype(jnp.float32), jax.random.key(0))[0]
 
-    grads = jax.grad(loss)(state["trainable"])
+    grads = jax.jit(jax.grad(loss))(state["trainable"])
     weight_grads = [float(jnp.abs(g["weight"]).max()) for g in grads["layers"].values()]
     assert len(weight_grads) == 10 * TINY.num_layers
     if ste == "none":
@@ -137,14 +141,18 @@ def test_clipped_ste_zeroes_saturated_elements():
     assert float(jnp.abs(g_plain).sum()) > 0
 
 
+# The training settings of the loss, resume, refusal and NaN tests: the step count aside, one compiled chunk program
+# (through the persistent cache). The distillation term only: the flow-matching term of random images has a large
+# irreducible part; CFG 6: the tiny random model's branches differ little, so a weak guidance leaves little to learn.
+TRAIN = dict(batch_size=4, chunk=2, save_every=2, lr=1e-3, warmup=1, fm_weight=0.0,
+             schedule=qad.GuidanceSchedule(6.0, 6.0))
+
+
 def test_few_steps_reduce_the_loss(setup):
-    # the distillation term: the flow-matching term of random images has a large irreducible part
-    # CFG 6: the tiny random model's branches differ little, so a weak guidance leaves little to learn
-    config = qad.QADConfig(batch_size=4, steps=40, chunk=10, save_every=40, lr=1e-3, warmup=1, fm_weight=0.0,
-                           schedule=qad.GuidanceSchedule(6.0, 6.0))
+    config = qad.QADConfig(steps=40, **TRAIN)
     chunk, state, s_graph, t_graph, t_state, blocks = _run_parts(setup, config)
     before, _ = _fixed_loss(setup, state, config, s_graph, t_graph, t_state, blocks)
-    for _ in range(4):
+    for _ in range(config.steps // config.chunk):
         state, metrics = chunk(state)
     after, _ = _fixed_loss(setup, state, config, s_graph, t_graph, t_state, blocks)
     assert int(state["step"]) == 40
@@ -152,7 +160,7 @@ def test_few_steps_reduce_the_loss(setup):
 
 
 def test_resume_after_a_stop_is_bit_identical(setup, tmp_path):
-    config = qad.QADConfig(batch_size=4, steps=6, chunk=2, save_every=2, lr=1e-3, warmup=1)
+    config = qad.QADConfig(steps=6, **TRAIN)
     chunk, state0, *_ = _run_parts(setup, config)
     full, _ = qad.train(tmp_path / "full", chunk, state0, config, {"init": "x"}, progress=False)
     part, records = qad.train(tmp_path / "split", chunk, state0, config, {"init": "x"}, progress=False, stop_after=2)
@@ -167,8 +175,7 @@ def test_resume_after_a_stop_is_bit_identical(setup, tmp_path):
 
 
 def test_refuses_a_run_folder_made_with_other_settings(setup, tmp_path):
-    # the resume test's optimizer settings: the same compiled chunk (one compilation through the persistent cache)
-    config = qad.QADConfig(batch_size=4, steps=2, chunk=2, save_every=2, lr=1e-3, warmup=1)
+    config = qad.QADConfig(steps=2, **TRAIN)
     chunk, state0, *_ = _run_parts(setup, config)
     qad.train(tmp_path, chunk, state0, config, {"init": "16-bit"}, progress=False)
     with pytest.raises(ValueError, match="other settings.*init"):
@@ -179,7 +186,7 @@ def test_refuses_a_run_folder_made_with_other_settings(setup, tmp_path):
 
 
 def test_nan_stops_training_and_keeps_the_last_good_checkpoint(setup, tmp_path):
-    config = qad.QADConfig(batch_size=4, steps=8, chunk=2, save_every=2, lr=1e-3, warmup=1)
+    config = qad.QADConfig(steps=8, **TRAIN)
     chunk, state0, *_ = _run_parts(setup, config)
     good = {}
 
@@ -265,8 +272,12 @@ def test_student_at_guidance_one_learns_the_guided_teacher(setup):
                                 one["null_mask"].astype(jnp.float32), config.schedule)
     conditional = teacher_fn(noisy, sigma * 1000, ctx, mask)
 
+    @jax.jit  # one program for both calls (eager, every primitive of the student compiles on its own)
+    def student_velocity(trainable):
+        return qad.student_velocity(s_graph, trainable, blocks, config, False, noisy, sigma * 1000, ctx, mask)
+
     def student_error(state):
-        v = qad.student_velocity(s_graph, state["trainable"], blocks, config, False, noisy, sigma * 1000, ctx, mask)
+        v = student_velocity(state["trainable"])
         return float(jnp.mean((v - guided) ** 2)), float(jnp.mean((v - conditional) ** 2))
 
     gap = float(jnp.mean((guided - conditional) ** 2))
@@ -322,7 +333,7 @@ def test_naive_control_freezes_the_quantized_weights_and_keeps_the_rest_of_the_g
                                 data["context_mask"].astype(jnp.float32), data["null_context"].astype(jnp.float32),
                                 data["null_mask"].astype(jnp.float32), jax.random.key(0))[0]
 
-        return jax.grad(loss)(qad.init_state(s_state, layers, config)["trainable"])
+        return jax.jit(jax.grad(loss))(qad.init_state(s_state, layers, config)["trainable"])
 
     naive, ste = grads_of("none"), grads_of("identity")
     for name in naive["layers"]:
@@ -433,11 +444,13 @@ def test_scanned_student_equals_the_block_loop_in_value_and_gradient():
         return qad.student_velocity(graph, trainable, blocks, config, False, x, timestep, context, mask)
 
     trainable = {"model": state, "layers": layers}
-    ours, theirs = scanned(trainable), looped(trainable)
+    # each side's value and gradient in one jitted program (eager, every primitive compiles on its own)
+    (_, ours), grad_ours = jax.jit(jax.value_and_grad(lambda t: (jnp.sum(scanned(t) ** 2), scanned(t)),
+                                                      has_aux=True))(trainable)
+    (_, theirs), grad_theirs = jax.jit(jax.value_and_grad(lambda t: (jnp.sum(looped(t) ** 2), looped(t)),
+                                                          has_aux=True))(trainable)
     assert float(jnp.abs(theirs).max()) > 0.1
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-5, atol=1e-5)
-    grad_ours = jax.grad(lambda t: jnp.sum(scanned(t) ** 2))(trainable)
-    grad_theirs = jax.grad(lambda t: jnp.sum(looped(t) ** 2))(trainable)
     # per leaf, up to reassociation (leaves with a vanishing true gradient, e.g. a key bias, are rounding noise)
     largest = max(float(jnp.abs(b).max()) for b in jax.tree.leaves(grad_theirs))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grad_ours), jax.tree.leaves(grad_theirs)):
