@@ -40,6 +40,7 @@ from kroquant_jax import fp8_encoding as FE
 from kroquant_jax.formats import MXFP4, QuantizedArray, dequantize
 from kroquant_jax.fp8_encoding import Fp8Rows
 from pallas_kernels import served
+from pallas_kernels import fp8_gemm_mgpu as MG
 from pallas_kernels.fp8_gemm_mgpu import fp8_matmul_mgpu, prescale_left
 from pallas_kernels import transform_quantize as tq
 from pallas_kernels.epilogues import rmsnorm_heads
@@ -229,7 +230,7 @@ def fp8_matmul_reference(a: Operand, w: Operand, *, lowrank: Optional[tuple] = N
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=("transform", "weight", "right", "left", "bias", "left_over_scale"),
-                   meta_fields=("act", "swiglu_rows", "act_encode"))
+                   meta_fields=("act", "swiglu_rows", "act_encode", "swiglu_group"))
 @dataclasses.dataclass(frozen=True)
 class Fp8Linear:
     """A served W4A4 layer prepared for the FP8 GEMM (a pytree; stack it for ``lax.scan``).
@@ -246,6 +247,9 @@ class Fp8Linear:
       left_over_scale: ``L / sw`` ``(o, r)`` bf16, the fused kernel's low-rank operand
         (``fp8_gemm_mgpu.prescale_left``), made once by the ``"fp8_mgpu"`` strategy's preparation (``o r`` bf16 more
         memory, one elementwise pass less per call); None elsewhere.
+      swiglu_group: 0 (a ``swiglu_rows`` layer's rows in gate/up pairs) or G: rows in groups of G, gates then ups
+        (``fp8_gemm_mgpu.swiglu_halves_order``), the order the fused kernel's SwiGLU epilogue reads (static; set by
+        the ``"fp8_mgpu"`` strategy's preparation, runs only with ``gemm="mgpu"``).
     """
 
     transform: tq.PreparedTransform
@@ -257,6 +261,7 @@ class Fp8Linear:
     swiglu_rows: bool = False
     act_encode: str = DEFAULT_ACT_ENCODE
     left_over_scale: Optional[jax.Array] = None
+    swiglu_group: int = 0
 
     def __post_init__(self):
         if self.act_encode not in ACT_ENCODES:
@@ -375,6 +380,9 @@ def fp8_linear_forward(layer: Fp8Linear, x: jax.Array, *, op: str = "none", norm
     out_dtype = x.dtype if out_dtype is None else out_dtype
     lead = x.shape[:-1]
     x2 = x.reshape(-1, d)
+    if layer.swiglu_group and gemm != "mgpu":
+        raise ValueError(f"fp8 linear ({layer.out_features}, {d}): rows in the fused kernel's SwiGLU order "
+                         f"(swiglu_group={layer.swiglu_group}) run with gemm='mgpu' only, got gemm={gemm!r}")
     if x2.dtype not in (jnp.bfloat16, jnp.float16):
         x2 = x2.astype(jnp.bfloat16)
     a = _activations(layer, x2, impl, quant_blocks, count=return_inexact)
@@ -382,14 +390,15 @@ def fp8_linear_forward(layer: Fp8Linear, x: jax.Array, *, op: str = "none", norm
     if layer.left is not None:
         h = jnp.matmul(x2, layer.right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # (m, r)
         lowrank = (h, layer.left)
-    if gemm == "mgpu":  # one kernel writing out_dtype; an op reads that
+    fused_swiglu = op == "swiglu" and layer.swiglu_group > 0
+    if gemm == "mgpu":  # one kernel writing out_dtype (the SwiGLU in it, for a swiglu_group layer); an op reads that
         order = operand_order(layer.weight)
         ar, wr = _as_rows(a, "a", order, return_inexact), _as_rows(layer.weight, "w", order, return_inexact)
         prescaled = lowrank is not None and layer.left_over_scale is not None
         if prescaled:
             lowrank = (lowrank[0], layer.left_over_scale)
         y = fp8_matmul_mgpu(ar, wr, lowrank=lowrank, bias=layer.bias, out_dtype=jnp.dtype(out_dtype),
-                            left_prescaled=prescaled)
+                            left_prescaled=prescaled, swiglu_group=layer.swiglu_group if fused_swiglu else None)
         inexact = None
         if return_inexact:
             counted = (ar.inexact >= 0) & (wr.inexact >= 0)
@@ -401,10 +410,31 @@ def fp8_linear_forward(layer: Fp8Linear, x: jax.Array, *, op: str = "none", norm
         y, inexact = y if return_inexact else (y, None)
     if op == "rmsnorm":
         y = rmsnorm_heads(y, norm_weight, head_dim=head_dim, eps=eps)
-    elif op == "swiglu":
+    elif op == "swiglu" and not fused_swiglu:
         y = served.swiglu_pairs(y)
     y = y.reshape(*lead, y.shape[-1]).astype(out_dtype)
     return (y, inexact) if return_inexact else y
+
+
+def _swiglu_rows(y, layer: Fp8Linear):
+    """The SwiGLU on a GEMM output whose columns are in ``layer``'s row order (pairs or the kernel's groups)."""
+    return MG.swiglu_halves(y, layer.swiglu_group) if layer.swiglu_group else served.swiglu_pairs(y)
+
+
+def with_kernel_swiglu_rows(layer: Fp8Linear, group: int = MG.SWIGLU_GROUP) -> Fp8Linear:
+    """A ``swiglu_rows`` layer (gate/up pairs, re-encoded weight) with its rows (weight, bias, ``L``, ``L / sw``) in
+    the fused kernel's SwiGLU order (``fp8_gemm_mgpu.swiglu_halves_order``), ``swiglu_group=group``: the kernel then
+    applies the SwiGLU in its epilogue and writes half the columns. Other layers, and those whose ``out_features``
+    is not a multiple of ``2 group`` (whole groups per CTA tile), are returned unchanged: their SwiGLU runs in XLA on
+    the pairs."""
+    if (not layer.swiglu_rows or layer.swiglu_group or not isinstance(layer.weight, Fp8Rows)
+            or layer.out_features % (2 * group)):
+        return layer
+    order = jnp.asarray(MG.swiglu_halves_order(layer.out_features, group))
+    take = lambda x: None if x is None else x[order]  # noqa: E731
+    weight = dataclasses.replace(layer.weight, values=layer.weight.values[order], scale=layer.weight.scale[order])
+    return dataclasses.replace(layer, weight=weight, bias=take(layer.bias), left=take(layer.left),
+                               left_over_scale=take(layer.left_over_scale), swiglu_group=group)
 
 
 def fp8_linear_reference(layer: Fp8Linear, x: jax.Array, *, op: str = "none", norm_weight=None,
@@ -425,7 +455,7 @@ def fp8_linear_reference(layer: Fp8Linear, x: jax.Array, *, op: str = "none", no
     if op == "rmsnorm":
         y = np.asarray(rmsnorm_heads(jnp.asarray(y, jnp.float32), norm_weight, head_dim=head_dim, eps=eps), np.float64)
     elif op == "swiglu":
-        y = np.asarray(served.swiglu_pairs(jnp.asarray(y, jnp.float32)), np.float64)
+        y = np.asarray(_swiglu_rows(jnp.asarray(y, jnp.float32), layer), np.float64)
     return y
 
 
@@ -476,17 +506,25 @@ class Fp8W4A8Strategy(Fp8Strategy):
 class Fp8MgpuStrategy(Fp8Strategy):
     """W4A4 on the FP8 tensor cores with the epilogue fused: the ``"fp8"`` strategy's layer, its GEMM, powers of two,
     bias and low-rank term as one Mosaic GPU kernel (``fp8_linear_forward(..., gemm="mgpu")``). The kernel writes
-    bf16 for bf16 activations (half the bytes of f32: the point of fusing), f32 otherwise; a norm or SwiGLU then runs
-    in XLA (f32 math) on that output, as it does after a bf16 linear."""
+    bf16 for bf16 activations (half the bytes of f32: the point of fusing), f32 otherwise; the q/k norm then runs in
+    XLA (f32 math) on that output, as it does after a bf16 linear. A SwiGLU layer is prepared in the kernel's row
+    order (:func:`with_kernel_swiglu_rows`) and its SwiGLU runs in the kernel's epilogue (half the output bytes)."""
 
     name = "fp8_mgpu"
 
     def prepare(self, layer, *, swiglu: bool = False, transform_kernel: Optional[str] = None) -> Fp8Linear:
-        """The ``"fp8"`` layer plus the kernel's ``L / sw``, made once here."""
+        """The ``"fp8"`` layer plus the kernel's ``L / sw``, made once here; a SwiGLU layer's rows in the order of
+        the kernel's SwiGLU epilogue (:func:`with_kernel_swiglu_rows`)."""
         fp8 = super().prepare(layer, swiglu=swiglu, transform_kernel=transform_kernel)
-        if fp8.left is None or not isinstance(fp8.weight, Fp8Rows):
-            return fp8
-        return dataclasses.replace(fp8, left_over_scale=prescale_left(fp8.left, fp8.weight))
+        if fp8.left is not None and isinstance(fp8.weight, Fp8Rows):
+            fp8 = dataclasses.replace(fp8, left_over_scale=prescale_left(fp8.left, fp8.weight))
+        return with_kernel_swiglu_rows(fp8)
+
+    def reference(self, layer, x2, op):
+        if op.name != "swiglu" or not layer.swiglu_group:
+            return super().reference(layer, x2, op)
+        y = super().reference(layer, x2, dataclasses.replace(op, name="none"))  # columns in the kernel's order
+        return MG.swiglu_halves(y, layer.swiglu_group)
 
     def forward(self, layer, x2, op, options, impl):
         out_dtype = jnp.bfloat16 if x2.dtype == jnp.bfloat16 else jnp.float32

@@ -39,9 +39,11 @@ a NaN scale (a row with a non-finite input) gives a NaN row, as ``fp8_matmul``. 
 **Limits.** Both operands in the same K order (any: a GEMM sums over K); ``k`` a multiple of ``tile_k`` and ``n`` of
 ``2 tile_n`` (the weight is padded otherwise: a copy per call, so prepare weights whose shapes fit), ragged ``m`` is
 padded to ``tile_m`` (a copy of the activations and of the output, only when ragged). ``r`` a multiple of 16
-(the bf16 ``wgmma`` K), at most 256. The served ops (q/k RMSNorm, SwiGLU) are not in the kernel: it writes the layer's
-output dtype (bf16 on the served strategy) and the op runs in XLA on it
-(:func:`pallas_kernels.fp8_gemm.fp8_linear_forward`, ``gemm="mgpu"``).
+(the bf16 ``wgmma`` K), at most 256. The SwiGLU runs in the epilogue when the weight's rows are in groups of ``tile_n``
+(``swiglu_group``: the first half of each group gates, the second half the ups of the same features,
+:func:`swiglu_halves_order`): each warpgroup's tile then holds both halves of its features, and the kernel writes
+``(m, n/2)``. The q/k RMSNorm is not in the kernel: it writes the layer's output dtype (bf16 on the served
+strategy) and the norm runs in XLA on it (:func:`pallas_kernels.fp8_gemm.fp8_linear_forward`, ``gemm="mgpu"``).
 
 **CPU.** The kernel runs in jax's GPU interpret mode (``tests/test_fp8_gemm_mgpu.py`` through
 ``tests/mgpu_interpret.py``) and its Mosaic GPU lowering for a CUDA target runs on the CPU; PTX generation, register
@@ -56,15 +58,17 @@ from typing import Any, Literal, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kroquant_jax.fp8_encoding import Fp8Rows
 from pallas_kernels._compat import on_gpu, pl
 from pallas_kernels.w4a4_gemm_mgpu import _num_sms, _plgpu, _round_up, _tile_order  # the shared Mosaic GPU set-up
 
 __all__ = ["Fp8MgpuConfig", "default_config", "fp8_matmul_mgpu", "fp8_matmul_mgpu_reference", "prescale_left",
-           "supports"]
+           "supports", "swiglu_halves", "swiglu_halves_order"]
 
 SMEM_LIMIT = 227 * 1024  # shared memory per CTA on Hopper (sm_90), bytes
+SWIGLU_GROUP = 128  # rows per SwiGLU group (gates | ups) that a served layer is prepared in: the default tile_n
 FP8_WGMMA_K = 32  # K of one FP8 wgmma instruction
 BF16_WGMMA_K = 16
 
@@ -142,14 +146,16 @@ class Fp8MgpuConfig:
         return stages + lowrank + out + vectors + 1024
 
 
-def default_config(m: int, n: int, k: int, rank: int = 0, num_sms: int = 132, out_bytes: int = 2) -> Fp8MgpuConfig:
+def default_config(m: int, n: int, k: int, rank: int = 0, num_sms: int = 132, out_bytes: int = 2,
+                   tile_n: Optional[int] = None) -> Fp8MgpuConfig:
     """The tiling chosen from the H200 sweeps of the Ideogram 4 shapes (``docs/w4a4.md``): 128 x 128 per warpgroup
     (CTA 128 x 256; 64-row tiles only when ``m <= 64``, where 128 rows would be half padding), output tiles walked
     in a planar snake of width 4, ``tile_k`` 128 halved until it divides ``k``. Then the first pipeline depth that
     shared memory holds beside the low-rank tiles and ``out_bytes``-wide output tiles, in the order 3, 4, 2, 1
     stages with a low-rank branch (3 stages with rank chunks of 64 beat 4 with chunks of 16 and the whole rank with
     fewer stages) and 4, 3, 2, 1 without; for each depth the whole rank, then chunks of 64, 32, 16, and output
-    tiles 64, 32, 16 columns wide. Smaller tiles when even one stage does not fit."""
+    tiles 64, 32, 16 columns wide. Smaller tiles when even one stage does not fit. ``tile_n``: only tilings with
+    that many columns per warpgroup (the SwiGLU epilogue's group)."""
     tk = 128
     while tk > FP8_WGMMA_K and k % tk:
         tk //= 2
@@ -157,6 +163,8 @@ def default_config(m: int, n: int, k: int, rank: int = 0, num_sms: int = 132, ou
     depths = (3, 4, 2, 1) if rank else (4, 3, 2, 1)
     chunks = [None] + [c for c in (64, 32, 16) if rank > c and rank % c == 0]
     shapes = [(tm, 128, tk), (64, 128, tk), (64, 64, min(tk, 64))]
+    if tile_n is not None:
+        shapes = [s for s in shapes if s[1] == tile_n] or [(tm, tile_n, tk), (64, tile_n, tk)]
     for tile_m, tile_n, tile_k in shapes:
         for steps in depths:
             for chunk in chunks:
@@ -179,9 +187,10 @@ def _swizzled(plgpu, row_elems: int, itemsize: int):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, interpret: Any):
+def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, interpret: Any, epilogue: str = "none"):
     """``a8 e4m3 (m, k)``, ``sa f32 (m,)``, ``w8 e4m3 (n, k)``, ``sw f32 (n,)``, ``bias f32 (n,) | None``,
-    ``h bf16 (m, r) | None``, ``left bf16 (n, r) | None`` -> ``(m, n)``; ``m``, ``n``, ``k`` multiples of the tiles."""
+    ``h bf16 (m, r) | None``, ``left bf16 (n, r) | None`` -> ``(m, n)`` (``(m, n/2)`` with ``epilogue="swiglu"``);
+    ``m``, ``n``, ``k`` multiples of the tiles."""
     plgpu = _plgpu()
     m, k = a8.shape
     n = w8.shape[0]
@@ -192,6 +201,8 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
     in_transforms = _swizzled(plgpu, tk, 1)
     out_transforms = _swizzled(plgpu, epi_n, out_bytes)
     has_bias, has_lowrank = bias is not None, h is not None
+    swiglu = epilogue == "swiglu"
+    out_tn = tn // 2 if swiglu else tn  # output columns per warpgroup tile
     rank = h.shape[1] if has_lowrank else 0
     rc = cfg.chunk(rank)  # rank columns per low-rank load
     n_chunks = rank // rc if rank else 0
@@ -286,17 +297,22 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
                             y = y + jax.lax.broadcast_in_dim(bias_smem[wg], (tm, tn), (1,))
                         return y
 
+                    out_cols = cols
+                    if swiglu:  # the tile's rows are [gates | ups] of tn / 2 features: SiLU(g) u, f32 math
+                        g, u = y[:, :out_tn], y[:, out_tn:]
+                        y = g / (1.0 + jnp.exp(-g)) * u
+                        out_cols = pl.ds(n_idx * tn + wg * out_tn, out_tn)
                     y = y.astype(out_dtype)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     for ei in range(tm // epi_m):
-                        for ej in range(tn // epi_n):
-                            slot = (ei * (tn // epi_n) + ej) % cfg.epi_slots
+                        for ej in range(out_tn // epi_n):
+                            slot = (ei * (out_tn // epi_n) + ej) % cfg.epi_slots
                             plgpu.wait_smem_to_gmem(cfg.epi_slots - 1, wait_read_only=True)
                             out_smem[wg, slot] = y[ei * epi_m:(ei + 1) * epi_m, ej * epi_n:(ej + 1) * epi_n]
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(
                                 out_smem.at[wg, slot],
-                                out_gmem.at[rows, cols].at[pl.ds(ei * epi_m, epi_m), pl.ds(ej * epi_n, epi_n)])
+                                out_gmem.at[rows, out_cols].at[pl.ds(ei * epi_m, epi_m), pl.ds(ej * epi_n, epi_n)])
 
                 def mma_body(idxs, a_smem, w_smem, acc_ref):
                     plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(w_smem.at[w_rows], (1, 0)))
@@ -313,7 +329,7 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
     num_ctas = min(cfg.num_ctas or _num_sms(), tiles)
     f = plgpu.kernel(
         fp8_gemm_fused,
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((m, n // 2 if swiglu else n), out_dtype),
         grid=(num_ctas,),
         grid_names=("cluster_grid",),
         cluster=(1,),
@@ -351,11 +367,13 @@ def _check(a: Fp8Rows, w: Fp8Rows, lowrank, bias) -> tuple[int, int, int, int]:
     return m, n, k, r
 
 
-@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "impl", "interpret", "left_prescaled"))
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "impl", "interpret", "left_prescaled",
+                                             "swiglu_group"))
 def fp8_matmul_mgpu(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None, bias: Optional[jax.Array] = None,
                     out_dtype=jnp.bfloat16, config: Optional[Fp8MgpuConfig] = None, impl: Optional[str] = None,
-                    interpret: Any = None, left_prescaled: bool = False) -> jax.Array:
-    """``(A8 W8^T) * sa sw^T + bias + h L^T`` in one Mosaic GPU kernel.
+                    interpret: Any = None, left_prescaled: bool = False,
+                    swiglu_group: Optional[int] = None) -> jax.Array:
+    """``(A8 W8^T) * sa sw^T + bias + h L^T`` in one Mosaic GPU kernel (then, with ``swiglu_group``, the SwiGLU).
 
     Args:
       a: activations ``(m, k)`` as :class:`Fp8Rows` (``values`` E4M3, ``scale (m,)``).
@@ -368,11 +386,17 @@ def fp8_matmul_mgpu(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None, 
         GPU interpret mode on the CPU) or ``"reference"``.
       interpret: passed to ``plgpu.kernel(interpret=...)`` (tests only).
       left_prescaled: ``lowrank``'s ``L`` is already :func:`prescale_left`'s ``L / sw`` (made once at load).
+      swiglu_group: the rows of ``w`` (and of ``bias``, ``L``) come in groups of this many, the first half gates and
+        the second half ups of the same features (:func:`swiglu_halves_order`); the epilogue applies
+        ``SiLU(gate) * up`` in f32 and writes ``(m, n/2)`` in feature order. Needs ``config.tile_n == swiglu_group``
+        (the default config takes it) and ``n`` a multiple of ``2 * swiglu_group``.
 
     Returns:
-      ``(m, n)`` in ``out_dtype``.
+      ``(m, n)`` (``(m, n/2)`` with ``swiglu_group``) in ``out_dtype``.
     """
     m, n, k, r = _check(a, w, lowrank, bias)
+    if swiglu_group is not None and (swiglu_group <= 0 or swiglu_group % 2 or n % (2 * swiglu_group)):
+        raise ValueError(f"fp8_matmul_mgpu: {swiglu_group=} must be even and 2 * swiglu_group must divide n={n}")
     if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         raise ValueError(f"fp8_matmul_mgpu: out_dtype must be bfloat16 or float32, got {out_dtype}")
     if impl is None:
@@ -381,10 +405,13 @@ def fp8_matmul_mgpu(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None, 
         raise ValueError(f"fp8_matmul_mgpu: impl={impl!r} must be None, 'pallas' or 'reference'")
     if impl == "reference":
         return fp8_matmul_mgpu_reference(a, w, lowrank=lowrank, bias=bias, out_dtype=out_dtype,
-                                         left_prescaled=left_prescaled)
-    cfg = config or default_config(m, n, k, r, _num_sms(), jnp.dtype(out_dtype).itemsize)
+                                         left_prescaled=left_prescaled, swiglu_group=swiglu_group)
+    cfg = config or default_config(m, n, k, r, _num_sms(), jnp.dtype(out_dtype).itemsize, tile_n=swiglu_group)
     if r and r % cfg.chunk(r):
         raise ValueError(f"fp8_matmul_mgpu: rank {r=} must be a multiple of lowrank_chunk={cfg.lowrank_chunk}")
+    if swiglu_group is not None and (cfg.tile_n != swiglu_group or (swiglu_group // 2) % cfg.epi_tile_n):
+        raise ValueError(f"fp8_matmul_mgpu: {swiglu_group=} needs tile_n == swiglu_group and epi_tile_n dividing "
+                         f"swiglu_group / 2, got tile_n={cfg.tile_n}, epi_tile_n={cfg.epi_tile_n}")
     smem = cfg.smem_bytes(r, jnp.dtype(out_dtype).itemsize)
     if smem > SMEM_LIMIT:
         raise ValueError(f"fp8_matmul_mgpu: {cfg} needs {smem} bytes of shared memory at rank {r}, Hopper gives a "
@@ -402,8 +429,31 @@ def fp8_matmul_mgpu(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None, 
     if lowrank is not None:
         h, left = _prescaled_lowrank(lowrank, sa[:m], sw[:n], left_prescaled)
         h, left = pad(h, mp), pad(left, np_)
-    y = _call(a8, sa, w8, sw, b, h, left, cfg=cfg, out_dtype=jnp.dtype(out_dtype), interpret=interpret)
-    return y if y.shape == (m, n) else y[:m, :n]
+    y = _call(a8, sa, w8, sw, b, h, left, cfg=cfg, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
+              epilogue="none" if swiglu_group is None else "swiglu")
+    n_out = n if swiglu_group is None else n // 2  # padded n is a multiple of cta_n: whole groups
+    return y if y.shape == (m, n_out) else y[:m, :n_out]
+
+
+def swiglu_halves_order(n: int, group: int) -> np.ndarray:
+    """The row order that :func:`fp8_matmul_mgpu`'s ``swiglu_group`` reads, from gate/up pairs: ``order[j]`` is the
+    pair-order row (gate of feature ``f`` at ``2f``, its up at ``2f + 1``) that goes to row ``j``; row ``j`` of group
+    ``t`` holds the gate (first half) or the up (second half) of feature ``t * group / 2 + j % (group / 2)``."""
+    if group <= 0 or group % 2 or n % group:
+        raise ValueError(f"swiglu_halves_order: {group=} must be even and divide {n=}")
+    j = np.arange(n)
+    t, within = j // group, j % group
+    half = group // 2
+    return 2 * (t * half + within % half) + (within >= half)
+
+
+def swiglu_halves(y: jax.Array, group: int) -> jax.Array:
+    """``SiLU(gate) * up`` in f32 on ``y (m, n)`` whose columns are in :func:`swiglu_halves_order` ``group`` order,
+    returned in ``y.dtype``: ``(m, n/2)`` in feature order (the kernel's epilogue, as jnp)."""
+    m, n = y.shape
+    parts = y.astype(jnp.float32).reshape(m, n // group, 2, group // 2)
+    g, u = parts[:, :, 0], parts[:, :, 1]
+    return (g / (1.0 + jnp.exp(-g)) * u).reshape(m, n // 2).astype(y.dtype)
 
 
 def _kernel_scale(scale: jax.Array) -> jax.Array:
@@ -433,10 +483,10 @@ def _prescaled_lowrank(lowrank: tuple, sa: jax.Array, sw: jax.Array,
 
 def fp8_matmul_mgpu_reference(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None,
                               bias: Optional[jax.Array] = None, out_dtype=jnp.float32,
-                              left_prescaled: bool = False) -> jax.Array:
+                              left_prescaled: bool = False, swiglu_group: Optional[int] = None) -> jax.Array:
     """jnp mirror of the kernel, in f32 at HIGHEST precision: ``(A8 W8^T + h' L'^T) * sa sw^T + bias`` with the
-    kernel's pre-scaled bf16 ``h' = h / sa``, ``L' = L / sw`` (given, with ``left_prescaled``); one rounding to
-    ``out_dtype``."""
+    kernel's pre-scaled bf16 ``h' = h / sa``, ``L' = L / sw`` (given, with ``left_prescaled``), then with
+    ``swiglu_group`` :func:`swiglu_halves`; one rounding to ``out_dtype``."""
     _check(a, w, lowrank, bias)
     sa, sw = _kernel_scale(a.scale), _kernel_scale(w.scale)
     acc = jnp.matmul(a.values.astype(jnp.float32), w.values.astype(jnp.float32).T, precision="highest")
@@ -446,4 +496,6 @@ def fp8_matmul_mgpu_reference(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple
     y = acc * sa[:, None] * sw[None, :]
     if bias is not None:
         y = y + bias.astype(jnp.float32)
+    if swiglu_group is not None:
+        y = swiglu_halves(y, swiglu_group)
     return y.astype(out_dtype)

@@ -186,9 +186,10 @@ def _run_fp8_case(case: dict) -> dict:
         lowrank = ((jax.random.normal(kh, (m, r)) * 0.5).astype(jnp.bfloat16),
                    (jax.random.normal(kl, (n, r)) * 0.1).astype(jnp.bfloat16))
     cfg = F.Fp8MgpuConfig(**case["config"])
+    group = case.get("swiglu_group")
     with gpu_interpret() as params:
         out = F.fp8_matmul_mgpu(a8, w8, lowrank=lowrank, bias=bias, config=cfg, impl="pallas", interpret=params,
-                                out_dtype=jnp.float32)
+                                out_dtype=jnp.float32, swiglu_group=group)
         out = np.asarray(jax.block_until_ready(out))
         races = races_found()
     ref = G.fp8_matmul_reference(a8, w8, lowrank=lowrank, bias=bias)  # float64
@@ -198,6 +199,13 @@ def _run_fp8_case(case: dict) -> dict:
         FE.Fp8Rows(jnp.abs(w8.values.astype(jnp.float32)).astype(w8.values.dtype), w8.scale, w8.inexact, w8.order),
         lowrank=None if lowrank is None else (absolute(lowrank[0]), absolute(lowrank[1])), bias=absolute(bias))
     bound = 2 * (k + r + 2) * 2.0**-24 * p + 1e-30
+    if group is not None:  # SiLU(g) u in float64 on the halves; the GEMM's bound carried through it, plus its rounding
+        split = lambda x: np.asarray(x, np.float64).reshape(m, n // group, 2, group // 2)  # noqa: E731
+        (g, u), (bg, bu) = (np.moveaxis(split(x), 2, 0) for x in (ref, bound))
+        silu = g / (1.0 + np.exp(-g))
+        ref = (silu * u).reshape(m, n // 2)
+        bound = (1.1 * np.abs(u) * bg + np.abs(silu) * bu + 8 * 2.0**-24 * np.abs(ref.reshape(g.shape))
+                 ).reshape(m, n // 2) + 1e-30
     err = np.abs(out - ref)
     return {"shape": list(out.shape), "max_err_over_bound": float(np.max(err / bound)),
             "max_abs_err": float(np.max(err)), "nonfinite": int(np.sum(~np.isfinite(out))), "races": races}

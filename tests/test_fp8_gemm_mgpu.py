@@ -82,6 +82,9 @@ INTERPRET_CASES = [
     ("tm128_tk128_no_lowrank_2slots", dict(kind="fp8", m=128, n=128, k=256, rank=0, bias=False,
                                            config=dict(SMALL, tile_m=128, tile_k=128, epi_tile_n=32, epi_slots=2,
                                                        num_ctas=1))),
+    # the SwiGLU epilogue: rows in groups of tile_n (gates | ups), output (m, n/2)
+    ("swiglu_group64_ragged_m_rank32_bias", dict(kind="fp8", m=70, n=256, k=64, rank=32, bias=True, swiglu_group=64,
+                                                 config=dict(SMALL, epi_tile_n=32, num_ctas=2))),
 ]
 
 
@@ -89,19 +92,20 @@ INTERPRET_CASES = [
 def test_kernel_in_gpu_interpret_mode():
     results = mgpu_interpret.run_in_subprocess([c for _, c in INTERPRET_CASES], timeout_s=900)
     for (name, case), r in zip(INTERPRET_CASES, results):
-        assert r["shape"] == [case["m"], case["n"]], name
+        assert r["shape"] == [case["m"], case["n"] // (2 if case.get("swiglu_group") else 1)], name
         assert r["nonfinite"] == 0, (name, r)
         assert r["max_err_over_bound"] <= 1.0, (name, r)
         assert not r["races"], (name, r)
 
 
-@pytest.mark.parametrize("m,n,r,cfg,out_dtype", [
-    (512, 4608, 128, None, jnp.bfloat16),  # Ideogram 4's q at m = 512: the default tiling
-    (4096, 24576, 128, None, jnp.float32),  # w1|w3 at m = 4096 with f32 output (SwiGLU after it): 16-column tiles
-    (4096, 4608, 0, F.Fp8MgpuConfig(max_concurrent_steps=3, grid_tile_width=4, epi_slots=2), jnp.bfloat16),
-    (4096, 4608, 128, F.Fp8MgpuConfig(max_concurrent_steps=2, lowrank_chunk=32), jnp.bfloat16),  # 4 chunks of 32
+@pytest.mark.parametrize("m,n,r,cfg,out_dtype,group", [
+    (512, 4608, 128, None, jnp.bfloat16, None),  # Ideogram 4's q at m = 512: the default tiling
+    (4096, 24576, 128, None, jnp.float32, None),  # w1|w3 at m = 4096 with f32 output: 16-column output tiles
+    (4096, 24576, 128, None, jnp.bfloat16, 128),  # w1|w3 with the SwiGLU in the epilogue: (4096, 12288) out
+    (4096, 4608, 0, F.Fp8MgpuConfig(max_concurrent_steps=3, grid_tile_width=4, epi_slots=2), jnp.bfloat16, None),
+    (4096, 4608, 128, F.Fp8MgpuConfig(max_concurrent_steps=2, lowrank_chunk=32), jnp.bfloat16, None),  # 4 chunks
 ])
-def test_lowers_to_mosaic_gpu(m, n, r, cfg, out_dtype):
+def test_lowers_to_mosaic_gpu(m, n, r, cfg, out_dtype, group):
     k = 4608
     out_bytes = jnp.dtype(out_dtype).itemsize
     assert (cfg or F.default_config(m, n, k, r, out_bytes=out_bytes)).smem_bytes(r, out_bytes) <= F.SMEM_LIMIT
@@ -110,13 +114,13 @@ def test_lowers_to_mosaic_gpu(m, n, r, cfg, out_dtype):
     def f(a8, sa, w8, sw, b, h, left):
         a, w = FE.Fp8Rows(a8, sa, jnp.int32(0), "even_odd"), FE.Fp8Rows(w8, sw, jnp.int32(0), "even_odd")
         return F.fp8_matmul_mgpu(a, w, lowrank=(h, left) if r else None, bias=b, config=cfg, impl="pallas",
-                                 out_dtype=out_dtype)
+                                 out_dtype=out_dtype, swiglu_group=group)
 
     args = (S((m, k), jnp.float8_e4m3fn), S((m,), jnp.float32), S((n, k), jnp.float8_e4m3fn), S((n,), jnp.float32),
             S((n,), jnp.float32), S((m, max(r, 16)), jnp.bfloat16), S((n, max(r, 16)), jnp.bfloat16))
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     dtype_name = "bf16" if out_bytes == 2 else "f32"
-    assert "mosaic_gpu" in text and f"tensor<{m}x{n}x{dtype_name}>" in text
+    assert "mosaic_gpu" in text and f"tensor<{m}x{n // 2 if group else n}x{dtype_name}>" in text
 
 
 def _quantized_layer(seed, o, d, rank=32):
@@ -238,3 +242,45 @@ def test_config_and_argument_errors():
         G8.fp8_linear_forward(layer, x, gemm="cublas")
     with pytest.raises(ValueError, match="accumulation"):
         G8.fp8_linear_forward(layer, x, gemm="mgpu", accumulation="precise")
+
+
+def test_swiglu_layer_runs_the_swiglu_in_the_kernel():
+    """The fp8_mgpu strategy prepares a SwiGLU layer's rows in the kernel's order (groups of 128: gates | ups) and
+    runs the SwiGLU in the GEMM's epilogue: the same output as the XLA FP8 strategy's gate/up pairs."""
+    qlayer = _quantized_layer(9, 512, 128)
+    x = (jax.random.normal(jax.random.PRNGKey(10), (24, 128)).at[:, 7].multiply(12.0)).astype(jnp.bfloat16)
+    pairs = served.serve(qlayer, strategy="fp8", swiglu=True)
+    fused = served.serve(qlayer, strategy="fp8_mgpu", swiglu=True)
+    assert (pairs.swiglu_group, fused.swiglu_group) == (0, F.SWIGLU_GROUP)
+    order = F.swiglu_halves_order(512, F.SWIGLU_GROUP)
+    np.testing.assert_array_equal(np.asarray(fused.weight.values, np.float32),
+                                  np.asarray(pairs.weight.values, np.float32)[order])
+    np.testing.assert_array_equal(np.asarray(fused.bias), np.asarray(pairs.bias)[order])
+    want = served.forward(pairs, x, op="swiglu", options=served.ServeOptions(strategy="fp8"), out_dtype=jnp.float32)
+    got = served.forward(fused, x, op="swiglu", options=served.ServeOptions(strategy="fp8_mgpu"),
+                         out_dtype=jnp.float32)
+    assert got.shape == want.shape == (24, 256)
+    # the same f32 math in another summation order (the mirror's pre-scaled low-rank term)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-3, atol=2e-3 * float(jnp.max(jnp.abs(want))))
+    ref = served.reference(fused, x, op="swiglu", strategy="fp8_mgpu", out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-3, atol=2e-3 * float(jnp.max(jnp.abs(ref))))
+    f64 = G8.fp8_linear_reference(fused, x, op="swiglu")
+    assert np.linalg.norm(np.asarray(got, np.float64) - f64) <= 1e-3 * np.linalg.norm(f64)
+    with pytest.raises(ValueError, match="gemm='mgpu' only"):
+        G8.fp8_linear_forward(fused, x, op="swiglu")
+    # out_features not a multiple of 2 x 128: the pairs stay, the SwiGLU runs in XLA
+    small = served.serve(_quantized_layer(9, 192, 128), strategy="fp8_mgpu", swiglu=True)
+    assert small.swiglu_group == 0
+    assert served.forward(small, x, op="swiglu", options=served.ServeOptions(strategy="fp8_mgpu")).shape == (24, 96)
+
+
+def test_swiglu_epilogue_arguments():
+    a8, w8, lowrank, bias = _operands(2, 8, 256, 64, 16)
+    with pytest.raises(ValueError, match="2 \\* swiglu_group must divide n"):
+        F.fp8_matmul_mgpu(a8, w8, swiglu_group=96, impl="pallas")
+    with pytest.raises(ValueError, match="tile_n == swiglu_group"):
+        F.fp8_matmul_mgpu(a8, w8, swiglu_group=64, config=F.Fp8MgpuConfig(tile_n=128), impl="pallas")
+    assert F.default_config(4096, 24576, 4608, 128, tile_n=128).tile_n == 128
+    assert F.default_config(4096, 256, 64, 0, tile_n=64).tile_n == 64
+    with pytest.raises(ValueError, match="group"):
+        F.swiglu_halves_order(100, 8)

@@ -3,7 +3,7 @@ tests/gpu/test_fp8_gemm_mgpu_gpu.py`` on the H200).
 
 The compiled kernel against its jnp mirror (the same steps in f32 at HIGHEST precision) and the float64 eq. 11
 product, over the default tilings of Ideogram 4's shapes, the low-rank branch whole and in rank chunks, ragged ``m``,
-several output tiles per CTA, a NaN row and an all-zero row. Every output is checked, so an unwritten tile
+several output tiles per CTA, a NaN row and an all-zero row, the SwiGLU epilogue. Every output is checked, so an unwritten tile
 (uninitialised memory) fails.
 """
 
@@ -63,3 +63,17 @@ def test_nan_row_on_gpu():
     a = jax.random.normal(jax.random.key(1), (256, 1024)).at[5, 3].set(jnp.nan)
     out = np.asarray(F.fp8_matmul_mgpu(_rows(a), w8, lowrank=lowrank, bias=bias, impl="pallas"))
     assert np.all(np.isnan(out[5])) and np.all(np.isfinite(np.delete(out, 5, axis=0)))
+
+
+@pytest.mark.parametrize("m,out_dtype", [(4096, jnp.bfloat16), (333, jnp.float32)])
+def test_swiglu_epilogue_equals_mirror_on_gpu(m, out_dtype):
+    """w1|w3 of Ideogram 4 with the SwiGLU in the epilogue (rows in groups of 128: gates | ups), default tiling."""
+    n, k, r = 24576, 4608, 128
+    a8, w8, lowrank, bias = _operands(11, m, n, k, r)
+    out = F.fp8_matmul_mgpu(a8, w8, lowrank=lowrank, bias=bias, impl="pallas", out_dtype=out_dtype,
+                            swiglu_group=F.SWIGLU_GROUP)
+    mirror = F.fp8_matmul_mgpu_reference(a8, w8, lowrank=lowrank, bias=bias, swiglu_group=F.SWIGLU_GROUP)
+    out, mirror = np.asarray(out, np.float64), np.asarray(mirror, np.float64)
+    assert out.shape == (m, n // 2) and np.all(np.isfinite(out))
+    tol = 4e-3 if out_dtype == jnp.bfloat16 else 1e-4  # bf16 output rounding / f32 summation order
+    assert np.linalg.norm(out - mirror) / np.linalg.norm(mirror) < tol
