@@ -20,7 +20,11 @@ device, blocks stacked and run by ``lax.scan``), batch 1, the packed 1K layout o
   the powers of two, bias and the bf16 ``h L^T`` GEMM in XLA fusions after it.
 * ``w4a4_fp8_mgpu``: the same FP8 layers on the fused Mosaic GPU kernel (``strategy="fp8_mgpu"``,
   ``pallas_kernels/fp8_gemm_mgpu.py``: powers of two, bias and ``h L^T`` in the GEMM's accumulator and epilogue; the
-  kernel writes bf16, a norm or the SwiGLU then runs in XLA on it, as after a bf16 linear).
+  kernel writes bf16, a norm then runs in XLA on it, as after a bf16 linear; w1|w3's SwiGLU in the kernel's
+  epilogue).
+* ``w4a4_fp8_mgpu_two_phase``, ``w4a4_fp8_mgpu_kernel_encode``: the same layers with the activations' E4M3 operand
+  made by the Pallas re-encode kernel (``act_encode="two_phase"``) or by the quantizer itself (``"kernel"``) instead
+  of XLA's fusion (``ACT_ENCODES`` in ``pallas_kernels/fp8_gemm.py``; the same bytes).
 
 ``--kernels`` adds a CUPTI profile of each timed forward: device time per kernel name (a kernel in the scanned block
 sums over the blocks), the costliest names, and the total device time per forward beside the wall time.
@@ -86,7 +90,10 @@ from scripts.common_args import choice_list  # noqa: E402
 
 TRANSFORM = "kron_lu"
 #: Timed forwards, in the order they run (``--variants`` picks a subset; ``w4a4_unfused`` is optional).
-VARIANTS = ("bf16", "w4a4_dequant", "w4a4_fp8", "w4a4_fp8_mgpu", "w4a4_fused", "w4a4_unfused")
+VARIANTS = ("bf16", "w4a4_dequant", "w4a4_fp8", "w4a4_fp8_mgpu", "w4a4_fp8_mgpu_two_phase",
+            "w4a4_fp8_mgpu_kernel_encode", "w4a4_fused", "w4a4_unfused")
+#: The fused-kernel variants and the ``Fp8Linear.act_encode`` of their layers (None: the strategy's default).
+MGPU_ENCODES = {"w4a4_fp8_mgpu": None, "w4a4_fp8_mgpu_two_phase": "two_phase", "w4a4_fp8_mgpu_kernel_encode": "kernel"}
 KERNEL_ROWS = 16  # --kernels: the costliest kernel names kept per forward
 # Block linears of the scanned model (paths of the one stacked block) and how the W4A4 forward runs them.
 PLAIN, NORMED = serving.BLOCK_PLAIN, serving.BLOCK_NORMED
@@ -282,10 +289,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     q: dict[str, QuantizedLinear] = serving.build_block_qlinears(model, jax.random.key(123), rank)
     served = serving.serve_block_layers(q)
-    if {"w4a4_fp8", "w4a4_fp8_mgpu"} & set(args.variants):
+    mgpu_variants = [v for v in MGPU_ENCODES if v in args.variants]
+    if "w4a4_fp8" in args.variants or mgpu_variants:
         served_fp8 = serving.serve_block_layers(q, "fp8")
         timing.block(served_fp8)
-    if "w4a4_fp8_mgpu" in args.variants:
+    if mgpu_variants:
         served_mgpu = serving.serve_block_layers(q, "fp8_mgpu")
         timing.block(served_mgpu)
     timing.block((q, served))
@@ -333,9 +341,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "w4a4_dequant": serving.block_served_hooks(served, S.ServeOptions(impl=impl)).entries(),
         **({"w4a4_fp8": serving.block_served_hooks(served_fp8, S.ServeOptions(strategy="fp8", impl=impl)).entries()}
            if "w4a4_fp8" in args.variants else {}),
-        **({"w4a4_fp8_mgpu": serving.block_served_hooks(served_mgpu, S.ServeOptions(strategy="fp8_mgpu",
-                                                                                    impl=impl)).entries()}
-           if "w4a4_fp8_mgpu" in args.variants else {}),
+        **{name: serving.block_served_hooks(
+            served_mgpu if MGPU_ENCODES[name] is None else {
+                p: dataclasses.replace(layer, act_encode=MGPU_ENCODES[name]) for p, layer in served_mgpu.items()},
+            S.ServeOptions(strategy="fp8_mgpu", impl=impl)).entries() for name in mgpu_variants},
         "w4a4_fused": serving.block_served_hooks(served, dataclasses.replace(
             kernel, fused=True, norm_blocks=opts["norm_blocks"], swiglu_blocks=opts["swiglu_blocks"])).entries(),
         "w4a4_unfused": serving.block_served_hooks(served, dataclasses.replace(kernel, fused=False)).entries(),
@@ -381,6 +390,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def compare() -> None:
         for a, b in (("w4a4_fp8", "w4a4_dequant"), ("w4a4_fp8", "bf16"), ("w4a4_fp8", "simulate"),
                      ("w4a4_fp8_mgpu", "w4a4_fp8"), ("w4a4_fp8_mgpu", "bf16"),
+                     ("w4a4_fp8_mgpu_two_phase", "w4a4_fp8_mgpu"), ("w4a4_fp8_mgpu_kernel_encode", "w4a4_fp8_mgpu"),
                      ("w4a4_dequant", "w4a4_fused"), ("w4a4_dequant", "w4a4_unfused"), ("w4a4_fused", "w4a4_unfused"),
                      ("w4a4_dequant", "simulate"), ("w4a4_fused", "simulate"), ("w4a4_unfused", "simulate"),
                      ("bf16", "simulate"), ("w4a4_dequant", "bf16"), ("w4a4_fused", "bf16")):
@@ -418,7 +428,7 @@ def print_table(payload: dict[str, Any]) -> None:
              if payload["blocks"] < payload["model_blocks"] else ""))
     for name, timing in payload["timings_ms"].items():
         ratio = payload["bf16_over"].get(name)
-        print(f"  forward {name:14s} {timing['median_ms']:9.2f} ms  (bf16 / this = "
+        print(f"  forward {name:28s} {timing['median_ms']:9.2f} ms  (bf16 / this = "
               f"{'' if ratio is None else f'{ratio:.2f}x'}; compile {payload['compile_s'].get(name, float('nan')):.1f}"
               f" s)")
     for name, prof in payload.get("kernels", {}).items():
