@@ -450,7 +450,7 @@ def test_eval_script_seeds_rerun_reuses_calibration_and_reports_the_seed_spread(
     out, first = tmp_path / "eval", tmp_path / "first"
     tiny = ["--out", str(out), "--calib-captions", "1", "--eval-captions", "2", "--steps", "2", "--batch-size", "1",
             "--rows-per-layer", "128", "--calib-rows", "64", "--calib-validation", "32", "--calib-test", "32",
-            "--layers", "2", "--methods", "rtn"]
+            "--layers", "3", "--methods", "rtn"]  # the settings of the tiny run above: its compiled programs
     assert eval_testbed.main(tiny) == 0  # the default: one generation seed, --seed's
     report = json.loads((out / "report.json").read_text())
     held = report["results"]["rtn"]["groups"]["heldout"]
@@ -466,11 +466,11 @@ def test_eval_script_seeds_rerun_reuses_calibration_and_reports_the_seed_spread(
     # Other generation seeds: the capture and the calibrated layers are reused (untouched), only generation reruns.
     assert eval_testbed.main(tiny + ["--seeds", "0", "3"]) == 0
     err = capfd.readouterr().err
-    assert "reused the capture" in err and "rtn: resumed 2 of 2 layers" in err
+    assert "reused the capture" in err and "rtn: resumed 3 of 3 layers" in err
     assert {p: p.stat().st_mtime_ns for p in stores} == stores
     assert sorted(p.name for p in (out / "qlayers").iterdir()) == sorted(p.name for p in (first / "qlayers").iterdir())
     report = json.loads((out / "report.json").read_text())
-    assert report["seeds"] == [0, 3] and report["results"]["rtn"]["resumed_layers"] == 2
+    assert report["seeds"] == [0, 3] and report["results"]["rtn"]["resumed_layers"] == 3
     _, seeded = evaluation.load_outputs(out)
     assert seeded["rtn"].shape == (4, 32, 32, 3) and seeded["dataset"].shape == (2, 32, 32, 3)
     for title in ("16-bit", "rtn"):
