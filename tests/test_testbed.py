@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from models import families, pixart
 from models.testbed import data as testbed_data
@@ -80,10 +81,12 @@ def test_shipped_model_samples_its_captions(jax_model, prompts):
     context = np.concatenate([train.context[train_indices], held.context[[held_index]]]).astype(np.float32)
     mask = np.concatenate([train.context_mask[train_indices], held.context_mask[[held_index]]])
     noise = jax.random.normal(jax.random.key(0), (4, 3, 32, 32), jnp.float32)
-    sample = jax.jit(lambda n, c, m: testbed.euler_sample(
-        testbed.pixart_velocity_fn(model), n, c, m, jnp.asarray(prompts.null_context, jnp.float32),
+    graphdef, state = nnx.split(model)
+    # the weights an argument: closed over, XLA would fold the whole checkpoint into the program as constants
+    sample = jax.jit(lambda s, n, c, m: testbed.euler_sample(
+        testbed.pixart_velocity_fn(nnx.merge(graphdef, s)), n, c, m, jnp.asarray(prompts.null_context, jnp.float32),
         jnp.asarray(prompts.null_mask), num_steps=10, guidance=3.0))
-    images = testbed.pixels_to_images(sample(noise, jnp.asarray(context), jnp.asarray(mask)))  # (4, 32, 32, 3)
+    images = testbed.pixels_to_images(sample(state, noise, jnp.asarray(context), jnp.asarray(mask)))  # (4, 32, 32, 3)
     targets = np.concatenate([train.images[train_indices], held.images[[held_index]]]).astype(np.float32) / 255
     samples = images.astype(np.float32) / 255
     errors = ((samples[:, None] - targets[None]) ** 2).mean(axis=(2, 3, 4))  # (sample, target)
