@@ -79,10 +79,17 @@ def test_pixart_cfg_sampling_is_jitted_seeded_and_guided():
 
     # one denoiser call equals the hand-made guidance combination of two separate model calls
     x = jax.random.normal(jax.random.key(5), (2, 4, 8, 8))
-    guided, _ = sampling.pixart_denoiser(graphdef, 3.0, 4)(params, x, jnp.float32(500.0), jnp.int32(0))
-    t = jnp.full((2,), 500.0)
-    cond = model(x, params["context"], t, params["mask"])[:, :4]
-    uncond = model(x, params["uncond_context"], t, params["uncond_mask"])[:, :4]
+
+    @jax.jit  # one program for the three calls (eager, every primitive of the model compiles on its own)
+    def denoiser_and_branches(params, x):
+        guided, _ = sampling.pixart_denoiser(graphdef, 3.0, 4)(params, x, jnp.float32(500.0), jnp.int32(0))
+        t = jnp.full((2,), 500.0)
+        model = nnx.merge(graphdef, params["model"])
+        cond = model(x, params["context"], t, params["mask"])[:, :4]
+        uncond = model(x, params["uncond_context"], t, params["uncond_mask"])[:, :4]
+        return guided, cond, uncond
+
+    guided, cond, uncond = denoiser_and_branches(params, x)
     np.testing.assert_allclose(np.asarray(guided), np.asarray(uncond + 3.0 * (cond - uncond)), rtol=1e-5,
                                atol=1e-5)
 
