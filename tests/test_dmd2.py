@@ -783,14 +783,20 @@ def test_pixart_scores_use_the_teachers_conventions():
     context = jax.random.normal(jax.random.key(0), (b, t, 12))
     mask = jnp.array([[1.0, 1.0, 1.0, 0.0]] * b)
     noise = jax.random.normal(jax.random.key(1), (b, 3, 8, 8))
-    velocity_fn = testbed.pixart_velocity_fn(model)
-    # one Euler step from sigma 1 to 0 is noise - v_cfg(sigma = 1)
-    euler = testbed.euler_sample(velocity_fn, noise, context, mask, null_context, null_mask, 1, 3.0)
-    guided = dmd2.guided_velocity(flow, teacher, noise, jnp.ones((b,)), {"context": context, "mask": mask}, 3.0)
-    np.testing.assert_allclose(noise - guided, euler, rtol=1e-5, atol=1e-5)
     x0 = jax.random.uniform(jax.random.key(2), (b, 3, 8, 8), minval=-1, maxval=1)
     key = jax.random.key(3)
-    ours = dmd2.fake_score_loss(flow, teacher, x0, {"context": context, "mask": mask}, key)
-    theirs = testbed.flow_matching_loss(velocity_fn, x0, context, mask, key,
-                                        testbed.FlowMatchingConfig(caption_dropout=0.0), null_context, null_mask)
+
+    @jax.jit  # one program for the four computations (eager, every primitive of the model compiles on its own)
+    def both_conventions(teacher):
+        velocity_fn = testbed.pixart_velocity_fn(nnx.merge(graphdef, teacher))
+        # one Euler step from sigma 1 to 0 is noise - v_cfg(sigma = 1)
+        euler = testbed.euler_sample(velocity_fn, noise, context, mask, null_context, null_mask, 1, 3.0)
+        guided = dmd2.guided_velocity(flow, teacher, noise, jnp.ones((b,)), {"context": context, "mask": mask}, 3.0)
+        ours = dmd2.fake_score_loss(flow, teacher, x0, {"context": context, "mask": mask}, key)
+        theirs = testbed.flow_matching_loss(velocity_fn, x0, context, mask, key,
+                                            testbed.FlowMatchingConfig(caption_dropout=0.0), null_context, null_mask)
+        return euler, guided, ours, theirs
+
+    euler, guided, ours, theirs = both_conventions(teacher)
+    np.testing.assert_allclose(noise - guided, euler, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-6)
