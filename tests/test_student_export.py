@@ -54,8 +54,8 @@ def trained_student(model, seed):
     the teacher's (so an export that dropped the trained rest or layers would not match)."""
     layers, blocks, packed = qad.student_from_qlinears(model, ptq_layers(model, seed))
     _, state = nnx.split(model)
-    keys = iter(jax.random.split(jax.random.key(seed), 1000))
-    rest = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(next(keys), p.shape, p.dtype), state)
+    rng = np.random.default_rng(1000 + seed)  # numpy: jax.random would compile a sampler per parameter shape
+    rest = jax.tree.map(lambda p: p + jnp.asarray(0.05 * rng.standard_normal(p.shape), p.dtype), state)
     layers = {n: {**l, "weight": l["weight"] * 1.1, "bias": l["bias"] + 0.1} for n, l in layers.items()}
     return {"model": rest, "layers": jax.tree.map(jnp.asarray, layers)}, blocks, packed
 
@@ -123,7 +123,8 @@ def test_exported_student_is_a_quantized_checkpoint_whose_forward_is_the_student
     simulate = np.asarray(checkpoint_velocity(loaded, loaded.overrides(), x, sigma, context, mask))
     scale = float(np.abs(ours).max())
     np.testing.assert_allclose(simulate, ours, rtol=1e-4, atol=1e-4 * scale)
-    sixteen = np.asarray(world["teacher"](x, context, sigma * testbed.TIMESTEP_SCALE, encoder_attention_mask=mask))
+    sixteen = np.asarray(jax.jit(lambda state: nnx.merge(world["graphdef"], state)(  # jitted: one program, not eager
+        x, context, sigma * testbed.TIMESTEP_SCALE, encoder_attention_mask=mask))(world["teacher_state"]))
     assert np.abs(ours - sixteen).max() > 1e-2 * scale  # the quantizers (and the trained rest) are on
     dequant = np.asarray(checkpoint_velocity(loaded, loaded.served_overrides(served.ServeOptions(strategy="dequant")),
                                              x, sigma, context, mask))
