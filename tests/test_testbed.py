@@ -61,13 +61,17 @@ def test_diffusers_loads_checkpoint_and_matches_jax_port(jax_model, prompts):
                                     encoder_attention_mask=torch.from_numpy(mask),
                                     added_cond_kwargs={"resolution": None, "aspect_ratio": None},
                                     return_dict=False)[0].numpy()
-    ours = np.asarray(model(jnp.asarray(x), jnp.asarray(context), jnp.asarray(timestep),
-                            encoder_attention_mask=jnp.asarray(mask)))
+    graphdef, state = nnx.split(model)
+    # jitted with the weights an argument (eager, every primitive compiles on its own; closed over, the checkpoint
+    # would be folded into the program as constants)
+    forward = jax.jit(lambda state, *a, **k: nnx.merge(graphdef, state)(*a, **k))
+    ours = np.asarray(forward(state, jnp.asarray(x), jnp.asarray(context), jnp.asarray(timestep),
+                              encoder_attention_mask=jnp.asarray(mask)))
     assert ours.shape == reference.shape == (3, 3, 32, 32)
     relative = np.linalg.norm(ours - reference) / np.linalg.norm(reference)
     assert relative < 1e-5, relative
     # The mask matters: dropping it changes the output (so the comparison above exercised it).
-    unmasked = np.asarray(model(jnp.asarray(x), jnp.asarray(context), jnp.asarray(timestep)))
+    unmasked = np.asarray(forward(state, jnp.asarray(x), jnp.asarray(context), jnp.asarray(timestep)))
     assert np.linalg.norm(unmasked - reference) / np.linalg.norm(reference) > 1e-3
 
 
