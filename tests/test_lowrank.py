@@ -144,11 +144,11 @@ def test_loraq_fractional_rank_gives_each_shape_its_own_rank():
 def test_best_init_is_the_better_of_the_two_candidates():
     """init="best" runs both decompositions through one lax.map: it must return the candidate with the lower fit loss,
     exactly as the single-candidate inits compute it."""
+    no_train = dict(steps=0, rotation_steps=0, quantize_branch=False)
+    fit = jax.jit(lambda x, init: lowrank.loraq_fit(x, lowrank.LoRaQConfig(rank=32, init=init, **no_train)),
+                  static_argnums=1)  # one jitted function for both layers: each init compiles once
     for n, w in _weights(("a", "b"), 96, 128).items():
         w = jnp.asarray(w)
-        no_train = dict(steps=0, rotation_steps=0, quantize_branch=False)
-        fit = jax.jit(lambda x, init: lowrank.loraq_fit(x, lowrank.LoRaQConfig(rank=32, init=init, **no_train)),
-                      static_argnums=1)
         best, err, wgt = fit(w, "best"), fit(w, "svd_error"), fit(w, "svd_weight")
         pick = err if float(err.error_init) <= float(wgt.error_init) else wgt
         np.testing.assert_allclose(float(best.error_init), min(float(err.error_init), float(wgt.error_init)),
