@@ -100,15 +100,15 @@ def make_train_chunk(graphdef, optimizer, flow: testbed.FlowMatchingConfig, data
 def sample_captions(graphdef, params, dataset: testbed_data.EmojiDataset, indices: np.ndarray, seed: int,
                     num_steps: int, guidance: float) -> np.ndarray:
     """Sample the captions ``dataset.captions[indices]`` (fixed seed) -> (n, s, s, 3) uint8."""
-    model = nnx.merge(graphdef, params)
     size = dataset.image_size
     noise = jax.random.normal(jax.random.key(seed), (len(indices), 3, size, size), jnp.float32)  # (n, 3, s, s)
 
     @jax.jit
-    def run(noise, context, mask):
-        return testbed.euler_sample(testbed.pixart_velocity_fn(model), noise, context, mask,
+    def run(params, noise, context, mask):  # the weights an argument: closed over, XLA would fold them in as constants
+        return testbed.euler_sample(testbed.pixart_velocity_fn(nnx.merge(graphdef, params)), noise, context, mask,
                                     jnp.asarray(dataset.null_context, jnp.float32), jnp.asarray(dataset.null_mask),
                                     num_steps, guidance)
 
-    pixels = run(noise, jnp.asarray(dataset.context[indices], jnp.float32), jnp.asarray(dataset.context_mask[indices]))
+    pixels = run(params, noise, jnp.asarray(dataset.context[indices], jnp.float32),
+                 jnp.asarray(dataset.context_mask[indices]))
     return testbed.pixels_to_images(pixels)
