@@ -493,7 +493,7 @@ class Fp8Strategy(served.Strategy):
             y = y + jnp.matmul(h.astype(jnp.float32), layer.left.astype(jnp.float32).T, precision="highest")
         if layer.bias is not None:
             y = y + layer.bias.astype(jnp.float32)
-        return served.apply_op(y, op)
+        return _swiglu_rows(y, layer) if op.name == "swiglu" else served.apply_op(y, op)
 
 
 class Fp8W4A8Strategy(Fp8Strategy):
@@ -519,12 +519,6 @@ class Fp8MgpuStrategy(Fp8Strategy):
         if fp8.left is not None and isinstance(fp8.weight, Fp8Rows):
             fp8 = dataclasses.replace(fp8, left_over_scale=prescale_left(fp8.left, fp8.weight))
         return with_kernel_swiglu_rows(fp8)
-
-    def reference(self, layer, x2, op):
-        if op.name != "swiglu" or not layer.swiglu_group:
-            return super().reference(layer, x2, op)
-        y = super().reference(layer, x2, dataclasses.replace(op, name="none"))  # columns in the kernel's order
-        return MG.swiglu_halves(y, layer.swiglu_group)
 
     def forward(self, layer, x2, op, options, impl):
         out_dtype = jnp.bfloat16 if x2.dtype == jnp.bfloat16 else jnp.float32
