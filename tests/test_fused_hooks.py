@@ -425,6 +425,22 @@ def _run_benchmark(*argv: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900)
 
 
+def test_benchmark_fused_fp8_variants_and_kernel_profile(tmp_path):
+    """The fused-kernel variants (its jnp mirror off the GPU) with the activations' E4M3 made by XLA and by the Pallas
+    re-encode: the same bytes, so the same forward; --kernels records a profile per timed forward."""
+    run = _run_benchmark("--preset", "tiny", "--variants", "bf16,w4a4_fp8_mgpu,w4a4_fp8_mgpu_two_phase", "--blocks",
+                         "1", "--no-tune", "--kernels", "--repeats", "1", "--inner", "1",
+                         "--out", str(tmp_path / "forward.json"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved = json.loads((tmp_path / "forward.json").read_text())
+    names = ["bf16", "w4a4_fp8_mgpu", "w4a4_fp8_mgpu_two_phase"]
+    assert saved["errors"] == {} and saved["finite"] == dict.fromkeys(names, True)
+    assert saved["checks"]["forward w4a4_fp8_mgpu_two_phase vs w4a4_fp8_mgpu"] == 0.0
+    assert 0 < saved["checks"]["forward w4a4_fp8_mgpu vs bf16"] < 0.5
+    assert set(saved["kernels"]) == set(names) and all(k["device_ms"] > 0 for k in saved["kernels"].values())
+    assert "kernels of w4a4_fp8_mgpu:" in run.stdout
+
+
 def test_benchmark_tiny_run(tmp_path):
     """The H200 script end to end on the tiny config (a subprocess): the dequant forward on one of the 2 blocks, the
     transform + quantize kernel interpreted, with the --check simulation; the FP8 strategy's forward beside it."""
