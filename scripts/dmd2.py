@@ -303,10 +303,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     # student's real score targets under --guidance 1
     teacher_guidance = {"teacher": args.guidance, **({"teacher_unguided": 1.0} if args.guidance != 1.0 else {})}
 
+    def student_sample(flow, params, key, cond, steps):
+        return dmd2.generate(flow, params, key, cond, (cond["mask"].shape[0],) + channel_shape, steps)
+
     def student_jits(flow):
-        return {steps: jax.jit(lambda params, key, cond, steps=steps: dmd2.generate(
-            flow, params, key, cond, (cond["mask"].shape[0],) + channel_shape, steps))
-            for steps in sorted(set(args.student_steps) | {args.num_steps})}
+        return {steps: jax.jit(functools.partial(student_sample, flow, steps=steps))
+                for steps in sorted(set(args.student_steps) | {args.num_steps})}
 
     # the untrained 16-bit student (the teacher's weights), the untrained W4A4 generator (the PTQ model) and the
     # trained student, each through its own network
@@ -316,6 +318,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if built.store is not None:
         samplers["untrained_w4a4"] = (generator_jits, built.store.generator)
     samplers["student"] = (generator_jits, state["generator"])
+    # the restored checkpoint's arrays are committed to a device, the teacher's and the store's are not, and jit
+    # compiles one program per argument placement: every system's parameters are placed as the checkpoint's, so the
+    # controls and the student share one compiled sampler per network and step count
+    placement = jax.tree.leaves(state["generator"])[0].sharding
+    samplers = {kind: (jits, jax.device_put(params, placement)) for kind, (jits, params) in samplers.items()}
 
     def run_system(name, seed):
         images, began = [], None

@@ -12,6 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
+from kroquant_jax.timing import recorded_compilations
 from models import dmd2, families, pixart
 from models.testbed import model as testbed
 
@@ -504,7 +505,11 @@ def test_script_trains_resumes_and_evaluates_a_tiny_teacher(tmp_path):
     with pytest.raises(dmd2.RunKeyMismatch, match="this call's from the 16-bit teacher"):
         script.main([*evaluate, *w4a4[:2], "--out", str(tmp_path / "refused")])
     assert not (tmp_path / "refused").exists()
-    assert script.main([*evaluate, *w4a4, "--out", str(tmp_path / "eval")]) == 0
+    with recorded_compilations("student_sample") as compiled:
+        assert script.main([*evaluate, *w4a4, "--out", str(tmp_path / "eval")]) == 0
+    # one sampler per network at the one step count: the 16-bit control's, and the W4A4 one that the PTQ control
+    # and the restored student share (not compiled again for the checkpoint's committed arrays)
+    assert compiled == ["jit(student_sample)"] * 2
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     # the default --guidance is not 1, so the unguided teacher is evaluated as a control
     assert set(report["systems"]) == {"teacher", "teacher_unguided", "untrained@1", "untrained_w4a4@1", "student@1"}
