@@ -74,7 +74,7 @@ __all__ = ["BestIterate", "GuidanceSchedule", "QADConfig", "NonFiniteError", "st
            "student_from_qlinears", "student_forward", "student_velocity", "teacher_target", "qad_loss",
            "noised_batch", "distillation_loss",
            "make_optimizer", "with_state_dtype", "cast_floating", "apply_gradients", "make_train_chunk", "init_state",
-           "train", "guided_sample", "student_sample", "export_qlinears", "check_export_dir",
+           "train", "guided_sample", "teacher_sampler", "student_sample", "export_qlinears", "check_export_dir",
            "export_student_checkpoint", "colour_correct", "record_noise",
            "save_checkpoint", "restore_checkpoint", "latest_checkpoint", "fingerprint"]
 
@@ -707,6 +707,20 @@ def guided_sample(velocity_fn: testbed.VelocityFn, noise: jax.Array, context: ja
 
     pixels, _ = jax.lax.scan(step, noise.astype(jnp.float32), jnp.arange(num_steps))
     return pixels
+
+
+def teacher_sampler(graphdef: Any, null_context: jax.Array, null_mask: jax.Array, num_steps: int,
+                    schedule: GuidanceSchedule) -> Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]:
+    """The 16-bit teacher's :func:`guided_sample`, jitted: ``(state, noise, context, mask) -> pixels``, ``state`` the
+    teacher's nnx state. The weights are an argument: closed over, XLA would fold them into the program as constants
+    (and compile it slowly)."""
+
+    @jax.jit
+    def teacher_sample(state, noise, context, mask):
+        velocity_fn = testbed.pixart_velocity_fn(nnx.merge(graphdef, state))
+        return guided_sample(velocity_fn, noise, context, mask, null_context, null_mask, num_steps, schedule)
+
+    return teacher_sample
 
 
 def student_sample(velocity_fn: testbed.VelocityFn, noise: jax.Array, context: jax.Array, mask: jax.Array,

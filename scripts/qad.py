@@ -193,18 +193,15 @@ def main(argv=None) -> int:
 
     context, mask = _inputs(prompts, captions)
 
-    @jax.jit
-    def teacher_images_of(noise, context, mask):
-        fn = testbed.pixart_velocity_fn(nnx.merge(teacher_graph, teacher_state))
-        return qad.guided_sample(fn, noise, context, mask, null_context, null_mask, args.sample_steps, schedule)
+    teacher_sample = qad.teacher_sampler(teacher_graph, null_context, null_mask, args.sample_steps, schedule)
 
     def teacher_images(noise):
-        return teacher_images_of(noise, context, mask)
+        return teacher_sample(teacher_state, noise, context, mask)
 
     def quantized_velocity(config, trainable, blocks, packed):
         return lambda x, t, c, m: qad.student_velocity(student_graph, trainable, blocks, config, packed, x, t, c, m)
 
-    def cfg_images(trainable, blocks, packed, noise):
+    def cfg_images(trainable, blocks, packed, noise, context, mask):
         fn = quantized_velocity(base, trainable, blocks, packed)
         return qad.guided_sample(fn, noise, context, mask, null_context, null_mask, args.sample_steps, schedule)
 
@@ -225,7 +222,8 @@ def main(argv=None) -> int:
     for name, (layers, blocks, packed) in {"rtn": inits["16bit"], **ptq_models}.items():
         trainable = {"model": student_state, "layers": jax.tree.map(jnp.asarray, layers)}
         title = f"{name} W4A4 CFG"
-        columns[title] = {s: images(cfg_images(trainable, blocks, packed, noise_for(s))) for s in args.seeds}
+        columns[title] = {s: images(cfg_images(trainable, blocks, packed, noise_for(s), context, mask))
+                          for s in args.seeds}
         passes[title] = 2 * args.sample_steps
     if ptq is not None:
         title = f"{ptq_name} W4A4 CFG"
@@ -240,7 +238,7 @@ def main(argv=None) -> int:
     # the validation captions: score the students during training (curves, --select-best), never reported as results
     curve_noise = qad.record_noise(args.seeds[0], validation, (cfg.in_channels, size, size))
     curve_ctx, curve_mask = _inputs(prompts, validation)
-    curve_ref = images(teacher_images_of(curve_noise, curve_ctx, curve_mask))
+    curve_ref = images(teacher_sample(teacher_state, curve_noise, curve_ctx, curve_mask))
     training = {}
     def write_all():
         """Images, metrics, report, table, grid and curves of what is done so far (rewritten after each stage)."""

@@ -1,11 +1,13 @@
 """Checks on what a traced program computes, for the tests: every matmul (``dot_general``) of a function, nested
-jaxprs included (scan, while, cond, pjit, custom_jvp/vjp, custom_linear_solve), and the precision it asks for."""
+jaxprs included (scan, while, cond, pjit, custom_jvp/vjp, custom_linear_solve), and the precision it asks for; and
+which arrays a lowered program holds as constants (:func:`folded_leaves`: weights a jitted function closed over)."""
 
 from __future__ import annotations
 
 import re
 
 import jax
+import numpy as np
 from jax.extend import core as jex_core
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -60,3 +62,18 @@ def assert_every_dot_highest(fn, *args, min_dots: int = 1, must_include: str | N
     bad_hlo = [line.strip() for line in hlo if not re.search(r"precision = \[HIGHEST, HIGHEST\]", line)]
     assert not bad_hlo, f"{len(bad_hlo)} of {len(hlo)} StableHLO dot_generals without HIGHEST: {bad_hlo[:5]}"
     return dots
+
+
+def folded_leaves(lowered_text: str, tree, min_size: int = 128) -> list[str]:
+    """The paths of the leaves of ``tree`` whose bytes are a constant of ``lowered_text`` (``jit(...).lower(...)
+    .as_text()``): arrays the function closed over, which XLA gets as constants folded into the program, instead of
+    taking them as arguments. Leaves of fewer than ``min_size`` elements (MLIR prints small constants as decimals,
+    not as the bytes) and leaves of one repeated value (printed as a splat) are not looked for."""
+    found = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        value = np.asarray(leaf)
+        if value.size < min_size or (value == value.flat[0]).all():
+            continue
+        if f'dense<"0x{value.tobytes().hex().upper()}">' in lowered_text:
+            found.append(jax.tree_util.keystr(path))
+    return found

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxpr_checks import folded_leaves  # tests/jaxpr_checks.py
 from kroquant_jax import formats
 from kroquant_jax.qlinear import build_qlinear, qlinear_forward
 from models import families, pixart, qad
@@ -78,7 +79,7 @@ def test_guidance_schedule():
         qad.GuidanceSchedule(0.5, 1.0)
 
 
-def test_guided_sample_equals_testbed_euler_for_constant_schedule(setup):
+def test_guided_sample_equals_testbed_euler_for_constant_schedule_and_the_teacher_sampler_is_it(setup):
     teacher, _, data = setup
     noise = jax.random.normal(jax.random.key(0), (2, 3, 8, 8))
     fn = testbed.pixart_velocity_fn(teacher)
@@ -89,6 +90,13 @@ def test_guided_sample_equals_testbed_euler_for_constant_schedule(setup):
     np.testing.assert_allclose(np.asarray(ours), np.asarray(reference), rtol=1e-5, atol=1e-5)
     scheduled = qad.guided_sample(fn, *args, qad.GuidanceSchedule(3.0, 1.0))
     assert float(jnp.max(jnp.abs(scheduled - reference))) > 1e-4  # the schedule changes the trajectory
+    # the jitted teacher sampler (scripts/qad.py's reference images) samples the same, with the teacher's weights an
+    # argument, not constants folded into its program (which the check does see in a closure over them)
+    graph, state = nnx.split(teacher)
+    sample = qad.teacher_sampler(graph, *args[3:], qad.GuidanceSchedule(3.0, 1.0))
+    np.testing.assert_allclose(np.asarray(sample(state, *args[:3])), np.asarray(scheduled), rtol=1e-5, atol=1e-5)
+    assert folded_leaves(sample.lower(state, *args[:3]).as_text(), state) == []
+    assert folded_leaves(jax.jit(lambda x: sample(state, x, *args[1:3])).lower(noise).as_text(), state)
 
 
 # Each STE rule once and each format at least once (pairwise, not all six: each case compiles the whole QAD loss's
