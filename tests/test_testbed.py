@@ -350,6 +350,25 @@ def test_train_script_runs_resumes_and_exports(tmp_path):
     assert exported.config.num_layers == 1
 
 
+def test_sample_captions_compiles_once_for_every_seed(prompts):
+    """train-testbed's sample grids: one seed's call of sample_captions compiles the sampler, the next seed's calls
+    compile nothing (the same program, the weights an argument of it)."""
+    import dataclasses
+
+    from kroquant_jax.timing import recorded_compilations
+    from models.testbed import training
+
+    cfg = dataclasses.replace(testbed.TESTBED_PIXART_CONFIG, num_layers=1, num_attention_heads=2,
+                              attention_head_dim=16, cross_attention_dim=32)
+    graphdef, params = nnx.split(families.PIXART.build(cfg, jnp.float32, seed=0))
+    indices = np.arange(2)
+    first = training.sample_captions(graphdef, params, prompts, indices, 0, 2, 3.0)
+    with recorded_compilations() as compiled:
+        second = training.sample_captions(graphdef, params, prompts, indices, 1, 2, 3.0)
+    assert compiled == []
+    assert first.shape == second.shape == (2, 32, 32, 3) and not np.array_equal(first, second)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The end-to-end W4A4 evaluation command (tiny setting)
 # --------------------------------------------------------------------------------------------------------------------

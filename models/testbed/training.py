@@ -8,6 +8,7 @@ pytree path (:func:`save_train_state`, atomic) and resumed from it (:func:`load_
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
@@ -97,18 +98,21 @@ def make_train_chunk(graphdef, optimizer, flow: testbed.FlowMatchingConfig, data
 
     return train_chunk
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "guidance"))
+def _sample_captions(params, noise, context, mask, null_context, null_mask, *, graphdef, num_steps: int,
+                     guidance: float):
+    # one module-level program for every call of the same shapes and settings (e.g. one per seed of a grid); the
+    # weights an argument: closed over, XLA would fold them in as constants
+    return testbed.euler_sample(testbed.pixart_velocity_fn(nnx.merge(graphdef, params)), noise, context, mask,
+                                null_context, null_mask, num_steps, guidance)
+
 def sample_captions(graphdef, params, dataset: testbed_data.EmojiDataset, indices: np.ndarray, seed: int,
                     num_steps: int, guidance: float) -> np.ndarray:
     """Sample the captions ``dataset.captions[indices]`` (fixed seed) -> (n, s, s, 3) uint8."""
     size = dataset.image_size
     noise = jax.random.normal(jax.random.key(seed), (len(indices), 3, size, size), jnp.float32)  # (n, 3, s, s)
-
-    @jax.jit
-    def run(params, noise, context, mask):  # the weights an argument: closed over, XLA would fold them in as constants
-        return testbed.euler_sample(testbed.pixart_velocity_fn(nnx.merge(graphdef, params)), noise, context, mask,
-                                    jnp.asarray(dataset.null_context, jnp.float32), jnp.asarray(dataset.null_mask),
-                                    num_steps, guidance)
-
-    pixels = run(params, noise, jnp.asarray(dataset.context[indices], jnp.float32),
-                 jnp.asarray(dataset.context_mask[indices]))
+    pixels = _sample_captions(params, noise, jnp.asarray(dataset.context[indices], jnp.float32),
+                              jnp.asarray(dataset.context_mask[indices]),
+                              jnp.asarray(dataset.null_context, jnp.float32), jnp.asarray(dataset.null_mask),
+                              graphdef=graphdef, num_steps=num_steps, guidance=guidance)
     return testbed.pixels_to_images(pixels)
