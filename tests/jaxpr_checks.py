@@ -77,3 +77,19 @@ def folded_leaves(lowered_text: str, tree, min_size: int = 128) -> list[str]:
         if f'dense<"0x{value.tobytes().hex().upper()}">' in lowered_text:
             found.append(jax.tree_util.keystr(path))
     return found
+
+
+def jit_constants(fn, *args) -> list:
+    """The constants of the jitted functions that ``fn(*args)`` calls (the ``consts`` of every closed jaxpr in the
+    equations of ``jax.make_jaxpr(fn)(*args)``, nested ones included): arrays such a function closed over, which XLA
+    folds into its program, where an argument would be passed in at the call."""
+    found = []
+    for eqn in _equations(jax.make_jaxpr(fn)(*args).jaxpr):
+        stack = list(eqn.params.values())
+        while stack:
+            value = stack.pop()
+            if isinstance(value, jex_core.ClosedJaxpr):
+                found.extend(value.consts)
+            elif isinstance(value, (tuple, list)):
+                stack.extend(value)
+    return found

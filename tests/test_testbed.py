@@ -323,6 +323,32 @@ def synthetic_dataset(path: Path) -> None:
     testbed_data.write_dataset(dataset, path)
 
 
+def test_train_chunk_takes_the_training_set_as_an_argument(tmp_path):
+    """make_train_chunk's jitted program gets the training set as arguments, not as constants folded into it."""
+    import dataclasses
+
+    from jaxpr_checks import jit_constants  # tests/jaxpr_checks.py
+    from models.testbed import training
+
+    synthetic_dataset(tmp_path / "tiny.npz")
+    dataset = testbed_data.load_dataset(tmp_path / "tiny.npz")
+    data = {"images": jnp.asarray(dataset.images), "context": jnp.asarray(dataset.context),
+            "context_mask": jnp.asarray(dataset.context_mask), "null_context": jnp.asarray(dataset.null_context),
+            "null_mask": jnp.asarray(dataset.null_mask)}
+    cfg = dataclasses.replace(testbed.TESTBED_PIXART_CONFIG, num_layers=1, num_attention_heads=2,
+                              attention_head_dim=16, cross_attention_dim=32)
+    graphdef, params = nnx.split(training.build_model(cfg, 0))
+    optimizer = training.make_optimizer(1e-4, 1, 0.0)
+    state = {"params": params, "ema": params, "opt_state": optimizer.init(params), "step": jnp.asarray(0, jnp.int32),
+             "key": jax.random.key(0)}
+    chunk = training.make_train_chunk(graphdef, optimizer, testbed.FlowMatchingConfig(), data, 2, 1, 0.99,
+                                      jnp.float32)
+    constants = jit_constants(chunk, state)
+    folded = [name for name, array in data.items()
+              if any(np.shape(c) == array.shape and np.array_equal(np.asarray(c), array) for c in constants)]
+    assert folded == []
+
+
 def test_train_script_runs_resumes_and_exports(tmp_path):
     from scripts import train_testbed
 

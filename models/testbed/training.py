@@ -71,19 +71,19 @@ def make_train_chunk(graphdef, optimizer, flow: testbed.FlowMatchingConfig, data
     """A jitted function running ``chunk`` optimizer steps: state -> (state, mean loss over the chunk)."""
     num_examples = data["images"].shape[0]
 
-    def loss_fn(params, images, context, mask, key):
+    def loss_fn(params, images, context, mask, key, null_context, null_mask):
         low = jax.tree.map(lambda p: p.astype(compute_dtype), params)
         model = nnx.merge(graphdef, low)
         pixels = testbed.images_to_pixels(images)  # (b, 3, s, s)
         return testbed.flow_matching_loss(testbed.pixart_velocity_fn(model), pixels, context.astype(compute_dtype),
-                                          mask, key, flow, data["null_context"].astype(compute_dtype),
-                                          data["null_mask"])
+                                          mask, key, flow, null_context.astype(compute_dtype), null_mask)
 
-    def one_step(state, _):
+    def one_step(state, data):
         key, key_batch, key_loss = jax.random.split(state["key"], 3)
         index = jax.random.randint(key_batch, (batch_size,), 0, num_examples)  # (b,)
         loss, grads = jax.value_and_grad(loss_fn)(state["params"], data["images"][index], data["context"][index],
-                                                  data["context_mask"][index], key_loss)
+                                                  data["context_mask"][index], key_loss, data["null_context"],
+                                                  data["null_mask"])
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         step = state["step"] + 1
@@ -92,9 +92,12 @@ def make_train_chunk(graphdef, optimizer, flow: testbed.FlowMatchingConfig, data
         return {"params": params, "ema": ema, "opt_state": opt_state, "step": step, "key": key}, loss
 
     @jax.jit
-    def train_chunk(state):
-        state, losses = jax.lax.scan(one_step, state, None, length=chunk)
+    def run(state, data):  # the training set an argument: closed over, XLA would fold it in as constants
+        state, losses = jax.lax.scan(lambda state, _: one_step(state, data), state, None, length=chunk)
         return state, losses.mean()
+
+    def train_chunk(state):
+        return run(state, data)
 
     return train_chunk
 
