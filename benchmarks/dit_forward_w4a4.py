@@ -25,6 +25,11 @@ device, blocks stacked and run by ``lax.scan``), batch 1, the packed 1K layout o
 * ``w4a4_fp8_mgpu_two_phase``, ``w4a4_fp8_mgpu_kernel_encode``: the same layers with the activations' E4M3 operand
   made by the Pallas re-encode kernel (``act_encode="two_phase"``) or by the quantizer itself (``"kernel"``) instead
   of XLA's fusion (``ACT_ENCODES`` in ``pallas_kernels/fp8_gemm.py``; the same bytes).
+* ``w4a4_fp8_mgpu_one_launch``: the quantizer writes the E4M3 operand itself in one launch of whole-row programs
+  (``act_encode="one_launch"``).
+* ``w4a4_fp8_mgpu_k2``: the same layers with each transform prepared as K2 (the blocks rebuilt from the
+  Kronecker-LU parameters in registers in every program) instead of the strategy's K1 (its dense 32 x 32 blocks,
+  made once in the kernel's f32 product order): the same bytes, a different quantizer kernel.
 
 ``--kernels`` adds a CUPTI profile of each timed forward: device time per kernel name (a kernel in the scanned block
 sums over the blocks), the costliest names, and the total device time per forward beside the wall time.
@@ -62,11 +67,12 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import gzip
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -91,9 +97,13 @@ from scripts.common_args import choice_list  # noqa: E402
 TRANSFORM = "kron_lu"
 #: Timed forwards, in the order they run (``--variants`` picks a subset; ``w4a4_unfused`` is optional).
 VARIANTS = ("bf16", "w4a4_dequant", "w4a4_fp8", "w4a4_fp8_mgpu", "w4a4_fp8_mgpu_two_phase",
-            "w4a4_fp8_mgpu_kernel_encode", "w4a4_fused", "w4a4_unfused")
-#: The fused-kernel variants and the ``Fp8Linear.act_encode`` of their layers (None: the strategy's default).
-MGPU_ENCODES = {"w4a4_fp8_mgpu": None, "w4a4_fp8_mgpu_two_phase": "two_phase", "w4a4_fp8_mgpu_kernel_encode": "kernel"}
+            "w4a4_fp8_mgpu_kernel_encode", "w4a4_fp8_mgpu_one_launch", "w4a4_fp8_mgpu_k2", "w4a4_fused",
+            "w4a4_unfused")
+#: The fused-kernel variants: the ``Fp8Linear.act_encode`` of their layers (None: the strategy's default) and the
+#: ``transform_kernel`` they are served with (None: the strategy's K1).
+MGPU_VARIANTS = {"w4a4_fp8_mgpu": (None, None), "w4a4_fp8_mgpu_two_phase": ("two_phase", None),
+                 "w4a4_fp8_mgpu_kernel_encode": ("kernel", None), "w4a4_fp8_mgpu_one_launch": ("one_launch", None),
+                 "w4a4_fp8_mgpu_k2": (None, "k2")}
 KERNEL_ROWS = 16  # --kernels: the costliest kernel names kept per forward
 # Block linears of the scanned model (paths of the one stacked block) and how the W4A4 forward runs them.
 PLAIN, NORMED = serving.BLOCK_PLAIN, serving.BLOCK_NORMED
@@ -103,6 +113,13 @@ GATE, UP = serving.BLOCK_GATE, serving.BLOCK_UP
 # ---------------------------------------------------------------------------------------------------------------------
 # Checks and timing.
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def mgpu_variant(served_mgpu: dict, act_encode: Optional[str]) -> dict:
+    """The fused-kernel layers with another activation encode (:data:`MGPU_VARIANTS`; None: as served)."""
+    if act_encode is None:
+        return served_mgpu
+    return {path: dataclasses.replace(layer, act_encode=act_encode) for path, layer in served_mgpu.items()}
 
 
 def rel_err(y: jax.Array, ref: jax.Array) -> float:
@@ -241,6 +258,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--kernels", action="store_true",
                         help="also profile each timed forward (CUPTI): device time per kernel name, summed over the "
                              "blocks, median of 3 calls")
+    parser.add_argument("--hlo-dir", default=None,
+                        help="also write each forward's optimized HLO (gzipped text) into this folder")
     parser.add_argument("--out", default=None, help="JSON (default $OUT/dit_forward_w4a4.json, else /tmp)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -289,13 +308,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     q: dict[str, QuantizedLinear] = serving.build_block_qlinears(model, jax.random.key(123), rank)
     served = serving.serve_block_layers(q)
-    mgpu_variants = [v for v in MGPU_ENCODES if v in args.variants]
+    mgpu_variants = [v for v in MGPU_VARIANTS if v in args.variants]
     if "w4a4_fp8" in args.variants or mgpu_variants:
         served_fp8 = serving.serve_block_layers(q, "fp8")
         timing.block(served_fp8)
-    if mgpu_variants:
-        served_mgpu = serving.serve_block_layers(q, "fp8_mgpu")
-        timing.block(served_mgpu)
+    served_mgpu = {}  # transform_kernel -> the fused-kernel layers
+    for kernel_name in dict.fromkeys(MGPU_VARIANTS[v][1] for v in mgpu_variants):
+        served_mgpu[kernel_name] = serving.serve_block_layers(q, "fp8_mgpu", transform_kernel=kernel_name)
+        timing.block(served_mgpu[kernel_name])
     timing.block((q, served))
     payload["build_quantized_s"] = time.perf_counter() - t0
     payload["memory_gib_after_build"] = timing.device_memory_gib()
@@ -341,10 +361,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "w4a4_dequant": serving.block_served_hooks(served, S.ServeOptions(impl=impl)).entries(),
         **({"w4a4_fp8": serving.block_served_hooks(served_fp8, S.ServeOptions(strategy="fp8", impl=impl)).entries()}
            if "w4a4_fp8" in args.variants else {}),
-        **{name: serving.block_served_hooks(
-            served_mgpu if MGPU_ENCODES[name] is None else {
-                p: dataclasses.replace(layer, act_encode=MGPU_ENCODES[name]) for p, layer in served_mgpu.items()},
-            S.ServeOptions(strategy="fp8_mgpu", impl=impl)).entries() for name in mgpu_variants},
+        **{name: serving.block_served_hooks(mgpu_variant(served_mgpu[MGPU_VARIANTS[name][1]], MGPU_VARIANTS[name][0]),
+                                            S.ServeOptions(strategy="fp8_mgpu", impl=impl)).entries()
+           for name in mgpu_variants},
         "w4a4_fused": serving.block_served_hooks(served, dataclasses.replace(
             kernel, fused=True, norm_blocks=opts["norm_blocks"], swiglu_blocks=opts["swiglu_blocks"])).entries(),
         "w4a4_unfused": serving.block_served_hooks(served, dataclasses.replace(kernel, fused=False)).entries(),
@@ -377,8 +396,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"{base.num_layers} blocks)", flush=True)
         if timed and args.kernels:
             t = timing.device_time(lambda _: compiled(*call_args), [None], n_iter=3, warmup=0)
-            payload["kernels"][name] = {"device_ms": t.us / 1e3, "method": t.method, "top_ms": {
-                k: v / 1e3 for k, v in sorted(t.kernels_us.items(), key=lambda kv: -kv[1])[:KERNEL_ROWS]}}
+            top = sorted(t.kernels_us.items(), key=lambda kv: -kv[1])[:KERNEL_ROWS]
+            payload["kernels"][name] = {"device_ms": t.us / 1e3, "method": t.method,
+                                        "top_ms": {k: v / 1e3 for k, v in top},
+                                        "launches": {k: t.kernel_launches.get(k, 0) for k, _ in top}}
+        if args.hlo_dir:
+            hlo = Path(args.hlo_dir) / f"dit_forward_{name}.hlo.txt.gz"
+            hlo.parent.mkdir(parents=True, exist_ok=True)
+            with gzip.open(hlo, "wt") as f:
+                f.write(compiled.as_text())
 
     for name in args.variants:
         if name != "w4a4_unfused":
@@ -391,6 +417,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for a, b in (("w4a4_fp8", "w4a4_dequant"), ("w4a4_fp8", "bf16"), ("w4a4_fp8", "simulate"),
                      ("w4a4_fp8_mgpu", "w4a4_fp8"), ("w4a4_fp8_mgpu", "bf16"),
                      ("w4a4_fp8_mgpu_two_phase", "w4a4_fp8_mgpu"), ("w4a4_fp8_mgpu_kernel_encode", "w4a4_fp8_mgpu"),
+                     ("w4a4_fp8_mgpu_k2", "w4a4_fp8_mgpu"), ("w4a4_fp8_mgpu_one_launch", "w4a4_fp8_mgpu"),
                      ("w4a4_dequant", "w4a4_fused"), ("w4a4_dequant", "w4a4_unfused"), ("w4a4_fused", "w4a4_unfused"),
                      ("w4a4_dequant", "simulate"), ("w4a4_fused", "simulate"), ("w4a4_unfused", "simulate"),
                      ("bf16", "simulate"), ("w4a4_dequant", "bf16"), ("w4a4_fused", "bf16")):
@@ -434,7 +461,7 @@ def print_table(payload: dict[str, Any]) -> None:
     for name, prof in payload.get("kernels", {}).items():
         print(f"  kernels of {name}: {prof['device_ms']:.2f} ms device time per forward ({prof['method']})")
         for kernel, ms in prof["top_ms"].items():
-            print(f"    {ms:8.3f} ms  {kernel}")
+            print(f"    {ms:8.3f} ms  {prof.get('launches', {}).get(kernel, 0):5d}x  {kernel}")
     for name, tile in payload.get("epilogue_tiles", {}).items():
         print(f"  kernel {name:48s} {tile.get('us', float('nan')):10.1f} us")
     print(f"  finite outputs: {payload['finite']}")

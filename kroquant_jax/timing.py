@@ -57,12 +57,14 @@ class DeviceTime:
         ``"wallclock"`` (no GPU kernel events: the median of 5 wall-clock loops of ``n_iter`` calls).
       kernels: names (first 60 characters) of the kernels of one call.
       kernels_us: ``{kernel name: median µs per call}`` (:func:`per_call_breakdown`; empty without a per-call split).
+      kernel_launches: ``{kernel name: launches per call}`` (same names; empty without a per-call split).
     """
 
     us: float
     method: str
     kernels: tuple[str, ...] = ()
     kernels_us: dict = dataclasses.field(default_factory=dict)
+    kernel_launches: dict = dataclasses.field(default_factory=dict)
 
 
 def gpu_kernel_events(trace_dir: str) -> list[tuple[int, int, str]]:
@@ -127,8 +129,12 @@ def device_time(fn: Callable, inputs: Sequence, *, n_iter: int = 60, warmup: int
     if events and len(events) % n_iter == 0:
         per = len(events) // n_iter
         sums = [sum(ev[1] for ev in events[i * per:(i + 1) * per]) / 1e3 for i in range(n_iter)]
+        launches: dict[str, int] = {}
+        for _, _, name in events[:per]:
+            launches[name[:80]] = launches.get(name[:80], 0) + 1
         return DeviceTime(statistics.median(sums), f"cupti({per} kernels/call)",
-                          tuple(sorted({ev[2][:60] for ev in events[:per]})), per_call_breakdown(events, n_iter))
+                          tuple(sorted({ev[2][:60] for ev in events[:per]})), per_call_breakdown(events, n_iter),
+                          launches)
     if events:
         return DeviceTime(sum(ev[1] for ev in events) / 1e3 / n_iter, "cupti(total/n)",
                           tuple(sorted({e[2][:60] for e in events})[:4]))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 
-from typing import Any
+from typing import Any, Optional
 
 import jax
 from flax import nnx
@@ -86,11 +86,13 @@ def build_block_qlinears(model: ig.Ideogram4Transformer, key: jax.Array, rank: i
     return layers
 
 
-def serve_block_layers(layers: dict[str, Any], strategy: str = "dequant") -> dict[str, Any]:
+def serve_block_layers(layers: dict[str, Any], strategy: str = "dequant",
+                       transform_kernel: Optional[str] = None) -> dict[str, Any]:
     """The served form of :func:`build_block_qlinears`' layers on ``strategy`` (``pallas_kernels.served``: e.g.
     ``"dequant"``, ``"kernel"`` or ``"fp8"``), same keys and leading layer axis; :data:`BLOCK_GATE` prepared for the
-    SwiGLU (gate/up row pairs)."""
-    return {path: serve_stacked(layer, swiglu=path == BLOCK_GATE, strategy=strategy)
+    SwiGLU (gate/up row pairs); ``transform_kernel`` (``"k1"`` / ``"k2"``; None: the strategy's choice) as
+    ``served.serve``'s."""
+    return {path: serve_stacked(layer, swiglu=path == BLOCK_GATE, strategy=strategy, transform_kernel=transform_kernel)
             for path, layer in layers.items()}
 
 

@@ -204,13 +204,16 @@ def build_stacked_qlinears(kernels: tuple[jax.Array, ...], key: jax.Array, rank:
     return jax.lax.map(one, (kernels, keys))
 
 
-@functools.partial(jax.jit, static_argnames=("swiglu", "strategy"))
-def serve_stacked(layers: Any, swiglu: bool = False, strategy: str = "dequant") -> Any:
+@functools.partial(jax.jit, static_argnames=("swiglu", "strategy", "transform_kernel"))
+def serve_stacked(layers: Any, swiglu: bool = False, strategy: str = "dequant",
+                  transform_kernel: str | None = None) -> Any:
     """``pallas_kernels.served.serve`` of every layer of a stacked ``QuantizedLinear`` (leading layer axis) ->
-    the stacked prepared layer of ``strategy`` (a ``ServedLinear``, or e.g. the FP8 strategy's ``Fp8Linear``)."""
+    the stacked prepared layer of ``strategy`` (a ``ServedLinear``, or e.g. the FP8 strategy's ``Fp8Linear``);
+    ``transform_kernel`` as ``serve``'s (None: the strategy's choice)."""
     from pallas_kernels import served
 
-    return jax.vmap(lambda layer: served.serve(layer, swiglu=swiglu, strategy=strategy))(layers)
+    return jax.vmap(lambda layer: served.serve(layer, swiglu=swiglu, strategy=strategy,
+                                               transform_kernel=transform_kernel))(layers)
 
 
 def layer_at(tree: Any, i: int) -> Any:

@@ -18,7 +18,8 @@ Weights are re-encoded once, at preparation (:func:`prepare_weight`): E4M3 bytes
 bytes, against MXFP4's packed ``o d (1/2 + 1/32)`` (``weight_storage="mxfp4"`` keeps that and re-encodes per call, an
 XLA fusion). Activations: the fused transform + MXFP4 quantize kernel in its FP8 output mode
 (``transform_quantize.transform_quantize_fp8``: the quantizer writes the E4M3 bytes and the row powers of two itself,
-``act_encode="kernel"``), or the kernel's packed MXFP4 output re-encoded by one Pallas kernel
+in two launches, ``act_encode="kernel"``, or in one, ``"one_launch"``), or the kernel's packed MXFP4 output
+re-encoded by one Pallas kernel
 (``act_encode="two_phase"``) or by an XLA fusion (``act_encode="xla"``); every way gives the GEMM the same bytes.
 W4A8 (``act="fp8"``): ``x T`` in f32 (XLA) and per-token E4M3 (``amax / 448``), no MXFP4 step.
 
@@ -74,11 +75,12 @@ ACCUMULATIONS = ("default", "precise", "fast")
 #: ``"mxfp4"``: W4A4 (MXFP4 activations re-encoded in E4M3); ``"fp8"``: W4A8 (per-token E4M3 activations).
 ACTIVATIONS = ("mxfp4", "fp8")
 #: How W4A4 activations reach the FP8 GEMM: ``"kernel"``: the quantizer's FP8 output mode writes E4M3 + row powers of
-#: two (a pre-pass for the rows' reference exponents, then one quantizing pass); ``"two_phase"``: the quantizer writes
+#: two (a pre-pass for the rows' reference exponents, then one quantizing pass); ``"one_launch"``: the same in one
+#: launch of whole-row programs (``transform_quantize_fp8(..., one_launch=True)``); ``"two_phase"``: the quantizer writes
 #: packed MXFP4, one Pallas kernel re-encodes it (``transform_quantize.reencode_e4m3``); ``"xla"``: the same re-encode
 #: as an XLA fusion (``fp8_encoding.mxfp4_to_e4m3``). The same bytes every way. The default is the way measured
-#: fastest (docs/w4a4.md, "The quantizer emits FP8"); the other two are opt-in.
-ACT_ENCODES = ("kernel", "two_phase", "xla")
+#: fastest (docs/w4a4.md, "The quantizer emits FP8"); the others are opt-in.
+ACT_ENCODES = ("kernel", "one_launch", "two_phase", "xla")
 DEFAULT_ACT_ENCODE = "xla"
 #: The GEMM of a layer: ``"xla"``: XLA's FP8 ``dot_general`` (cuBLASLt) with the epilogue and the low-rank GEMM as XLA
 #: ops; ``"mgpu"``: one Mosaic GPU kernel with the powers of two, the bias and ``h L^T`` in its epilogue
@@ -314,7 +316,8 @@ def _check_op(layer: Fp8Linear, op: str, norm_weight, head_dim) -> None:
 
 
 def _activations(layer: Fp8Linear, x2: jax.Array, impl: str, quant_blocks=None, count: bool = False) -> Operand:
-    """The GEMM's activation operand: per-token E4M3 (W4A8), the quantizer's FP8 rows (``act_encode="kernel"``), its
+    """The GEMM's activation operand: per-token E4M3 (W4A8), the quantizer's FP8 rows (``act_encode="kernel"`` /
+    ``"one_launch"``), its
     MXFP4 re-encoded by the Pallas kernel (``"two_phase"``), or its packed MXFP4 (``"xla"``: ``fp8_matmul``
     re-encodes). ``count``: the FP8 rows carry the out-of-range count (from the MXFP4 result)."""
     if layer.act == "fp8":
@@ -325,9 +328,9 @@ def _activations(layer: Fp8Linear, x2: jax.Array, impl: str, quant_blocks=None, 
                          f"writes the activations in 'even_odd' K order, the weight is in "
                          f"{operand_order(layer.weight)!r}; prepare the weight with order='even_odd' or use "
                          f"act_encode='xla'")
-    if layer.act_encode == "kernel":
+    if layer.act_encode in ("kernel", "one_launch"):
         out = tq.transform_quantize_fp8(x2, layer.transform, MXFP4(), with_mxfp4=count, block_sizes=quant_blocks,
-                                        impl=impl, round_to_input=False)
+                                        impl=impl, round_to_input=False, one_launch=layer.act_encode == "one_launch")
         if not count:
             return out
         rows, q = out
@@ -508,13 +511,17 @@ class Fp8MgpuStrategy(Fp8Strategy):
     bias and low-rank term as one Mosaic GPU kernel (``fp8_linear_forward(..., gemm="mgpu")``). The kernel writes
     bf16 for bf16 activations (half the bytes of f32: the point of fusing), f32 otherwise; the q/k norm then runs in
     XLA (f32 math) on that output, as it does after a bf16 linear. A SwiGLU layer is prepared in the kernel's row
-    order (:func:`with_kernel_swiglu_rows`) and its SwiGLU runs in the kernel's epilogue (half the output bytes)."""
+    order (:func:`with_kernel_swiglu_rows`) and its SwiGLU runs in the kernel's epilogue (half the output bytes).
+    A Kronecker transform runs as K1 unless ``transform_kernel="k2"`` is asked for (:meth:`prepare`)."""
 
     name = "fp8_mgpu"
 
     def prepare(self, layer, *, swiglu: bool = False, transform_kernel: Optional[str] = None) -> Fp8Linear:
         """The ``"fp8"`` layer plus the kernel's ``L / sw``, made once here; a SwiGLU layer's rows in the order of
-        the kernel's SwiGLU epilogue (:func:`with_kernel_swiglu_rows`)."""
+        the kernel's SwiGLU epilogue (:func:`with_kernel_swiglu_rows`). ``transform_kernel=None`` prepares a
+        Kronecker transform as K1 (its dense blocks, made once here in the kernel's f32 product order: the same
+        bytes as K2, a faster quantizer in the Ideogram 4 forward, docs/w4a4.md), ``"k2"`` keeps K2."""
+        transform_kernel = "k1" if transform_kernel is None else transform_kernel
         fp8 = super().prepare(layer, swiglu=swiglu, transform_kernel=transform_kernel)
         if fp8.left is not None and isinstance(fp8.weight, Fp8Rows):
             fp8 = dataclasses.replace(fp8, left_over_scale=prescale_left(fp8.left, fp8.weight))

@@ -170,6 +170,14 @@ def default_block_sizes(kind: str, m: int, d: int, dtype=None) -> BlockSizes:
     return BlockSizes(block_rows=64, block_cols=32, num_warps=4, dot_passes=passes)
 
 
+def default_block_sizes_one_launch(kind: str, m: int, d: int, dtype=None) -> BlockSizes:
+    """The tiling of :func:`transform_quantize_fp8`'s one-launch form (programs of whole rows): 16 rows (the
+    tensor-core minimum, so that ``m / 16`` programs fill the GPU at m >= 2048), 4 warps, the chunk loop
+    software-pipelined over 3 stages; ``dot_passes`` as :func:`default_block_sizes`."""
+    return dataclasses.replace(default_block_sizes(kind, m, d, dtype), block_rows=16, block_cols=BLOCK, num_warps=4,
+                               num_stages=3)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The transform, prepared for the kernels (a pytree)
 # ---------------------------------------------------------------------------------------------------------------------
@@ -400,7 +408,7 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt, passes, amax_only,
     k_ref = next(it) if kind == "k1" else None
     p_ref = next(it) if kind in ("k2", "k2s") else None
     ts_ref = next(it) if (fmt.has_tensor_scale and not amax_only) else None
-    er_ref = next(it) if emit == "fp8" else None
+    er_ref = next(it) if emit == "fp8" else None  # "fp8_rows" finds the rows' e_ref itself
     for _ in range(n_poison):
         next(it)  # aliased output buffers (poison), never read
     out_refs = list(it)
@@ -431,7 +439,9 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt, passes, amax_only,
     # computed as its even and odd column halves and quantized as a pair (no reshape after the product).
     use_join = blockwise and chunk == 2 * BLOCK and not amax_only
     use_pair = (blockwise and not fmt.has_tensor_scale and not amax_only and stage == "quantize" and not use_join)
-    e_ref = load(er_ref, 1) if er_ref is not None else None  # (BR, 1) int32: the rows' reference exponents
+    loaded_e_ref = load(er_ref, 1) if er_ref is not None else None  # (BR, 1) int32: the rows' reference exponents
+    # the refs of the packed MXFP4 result beside the E4M3 bytes (with_mxfp4): after the bytes (and the row record)
+    mx_refs = out_refs[2:] if emit == "fp8_rows" else out_refs[1:]
 
     def block_matrix(b, parity=None):
         """The f32 ``(32, 32)`` block ``b`` (k1: loaded; k2/k2s: rebuilt), or its even/odd columns ``(32, 16)``."""
@@ -453,30 +463,31 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt, passes, amax_only,
         store(e8_ref.at[:, jnp.int32(0), pl.ds(t * (chunk // 2), chunk // 2)], lo)
         store(e8_ref.at[:, jnp.int32(1), pl.ds(t * (chunk // 2), chunk // 2)], hi)
         if with_mxfp4:
-            store_codes(t, packed, scale_bytes, refs=out_refs[1:])
+            store_codes(t, packed, scale_bytes, refs=mx_refs)
 
-    def emit_tile(t, y):
-        """Quantize a ``(BR, chunk)`` tile of ``A T`` and store it in the output mode (or return its row maximum of
-        live block bytes: the FP8 mode's pre-pass)."""
-        if emit == "max_byte":
+    def emit_tile(t, y, mode, e_ref):
+        """Quantize a ``(BR, chunk)`` tile of ``A T`` and store it in ``mode`` (``"mxfp4"``, ``"fp8"`` against
+        ``e_ref``), or (``"max_byte"``) return its row maximum of live block bytes: the FP8 mode's pre-pass."""
+        if mode == "max_byte":
             return fp4_tile.max_live_byte(fp4_tile.mx_block_bytes_tile(y, fmt.scale_mode))
-        if emit == "fp8":
+        if mode == "fp8":
             store_fp8(t, *fp4_tile.mx_quantize_tile_fp8(y, e_ref, fmt.scale_mode))
             return None
         store_codes(t, *fp4_tile.mx_quantize_tile(y, fmt.scale_mode))
         return None
 
-    def emit_pair(t, y_even, y_odd):
-        if emit == "max_byte":
+    def emit_pair(t, y_even, y_odd, mode, e_ref):
+        if mode == "max_byte":
             return fp4_tile.max_live_byte(fp4_tile.mx_block_bytes_pair(y_even, y_odd, fmt.scale_mode))
-        if emit == "fp8":
+        if mode == "fp8":
             store_fp8(t, *fp4_tile.mx_quantize_pair_fp8(y_even, y_odd, e_ref, fmt.scale_mode))
             return None
         store_codes(t, *fp4_tile.mx_quantize_pair(y_even, y_odd, fmt.scale_mode))
         return None
 
-    def process(t):
-        """Chunk ``t`` of the tile: transform, quantize, store (or return the row maxima, ``amax_only``)."""
+    def process(t, mode=emit, e_ref=loaded_e_ref):
+        """Chunk ``t`` of the tile: transform, quantize, store in ``mode`` (or return the row maxima: ``amax_only``,
+        ``mode="max_byte"``)."""
         if stage == "copy":  # profiling: the tile's load and store alone
             store(out_refs[0].at[:, pl.ds(t * chunk, chunk)], load(a_ref.at[:, pl.ds(t * chunk, chunk)], chunk))
             return None
@@ -490,7 +501,7 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt, passes, amax_only,
             if stage == "transform":
                 store(out_refs[0].at[:, pl.ds(t * chunk, chunk)], y.astype(dtype))
                 return None
-            return emit_tile(t, y)
+            return emit_tile(t, y, mode, e_ref)
         x = load(a_ref.at[:, pl.ds(t * chunk, chunk)], chunk)
         if use_pair:
             y_even = _dot_split(x, block_matrix(t, 0), passes)
@@ -498,7 +509,7 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt, passes, amax_only,
             if round_y:
                 y_even = y_even.astype(dtype).astype(jnp.float32)
                 y_odd = y_odd.astype(dtype).astype(jnp.float32)
-            return emit_pair(t, y_even, y_odd)
+            return emit_pair(t, y_even, y_odd, mode, e_ref)
         if kind == "q4":
             y = x.astype(jnp.float32)
         elif kind == "scale":
@@ -517,11 +528,21 @@ def _kernel(*refs, kind, m, block_rows, chunk, n_chunks, fmt, passes, amax_only,
         if amax_only:
             yf = F.flush_subnormals(y)
             return jnp.max(jnp.abs(jnp.where(fp4_tile.is_nonfinite(yf), 0.0, yf)), axis=1, keepdims=True)
-        if emit != "mxfp4":
-            return emit_tile(t, y)
+        if mode != "mxfp4":
+            return emit_tile(t, y, mode, e_ref)
         store_codes(t, *fp4_tile.quantize_tile(fmt, y, tensor_scales, divide=exact_div))
         return None
 
+    if emit == "fp8_rows":
+        # One launch, whole rows per program: a first walk over the row's chunks finds its largest live block byte,
+        # a second quantizes them again (the same traced code, so the same bytes) and writes E4M3 against that row's
+        # e_ref. The second walk re-reads A from the L2 cache, where the first left it.
+        record = jax.lax.fori_loop(0, n_chunks, lambda t, r: fp4_tile.combine_live_bytes(r, process(t, "max_byte")),
+                                   jnp.zeros((block_rows, 1), jnp.int32))
+        store(out_refs[1].at[...], record)
+        e_ref = FE.reference_exponent(record & 255)  # (BR, 1)
+        jax.lax.fori_loop(0, n_chunks, lambda t, carry: (process(t, "fp8", e_ref), carry)[1], jnp.int32(0))
+        return
     reduce_rows = amax_only or emit == "max_byte"
     if not reduce_rows and n_chunks > 1:
         # A scf.for over the column chunks: Triton's software pipeliner can prefetch the next chunk's tile.
@@ -568,13 +589,16 @@ def _pallas_call(a: jax.Array, t: PreparedTransform, fmt: QuantFormat, ts_pair: 
     ``stage``: ``"quantize"`` (the kernel) or one of :data:`PROFILE_STAGES` (see :func:`kernel_stage`), which
     return ``[out (m, d)]``. ``emit`` (MXFP4 only): ``"mxfp4"`` (the codes and scales above), ``"max_byte"``
     (``int32 (m, d/BD)``: per row and column tile, the largest non-NaN E8M0 byte the quantizer gives, plus 256 if a
-    block is NaN; the FP8 mode's pre-pass) or ``"fp8"`` (``uint8 (m, 2, d/2)``: the E4M3 bits of the even and odd
-    elements against ``e_ref int32 (m, 1)``, then, with ``with_mxfp4``, the codes and scales)."""
+    block is NaN; the FP8 mode's pre-pass), ``"fp8"`` (``uint8 (m, 2, d/2)``: the E4M3 bits of the even and odd
+    elements against ``e_ref int32 (m, 1)``, then, with ``with_mxfp4``, the codes and scales) or ``"fp8_rows"``
+    (one launch, programs of ``BR`` whole rows: the E4M3 bits against each row's own ``e_ref``, the rows'
+    ``max_byte`` record ``int32 (m, 1)``, then, with ``with_mxfp4``, the codes and scales)."""
     if stage != "quantize" and stage not in PROFILE_STAGES:
         raise ValueError(f"stage={stage!r} must be 'quantize', 'transform' or 'copy'")
-    if emit not in ("mxfp4", "max_byte", "fp8") or (emit != "mxfp4" and (fmt.has_tensor_scale or amax_only
-                                                                          or stage != "quantize")):
-        raise ValueError(f"emit={emit!r} must be 'mxfp4', or 'max_byte' / 'fp8' for an MXFP4 quantizing kernel")
+    if emit not in ("mxfp4", "max_byte", "fp8", "fp8_rows") or (emit != "mxfp4" and (
+            fmt.has_tensor_scale or amax_only or stage != "quantize")):
+        raise ValueError(f"emit={emit!r} must be 'mxfp4', or 'max_byte' / 'fp8' / 'fp8_rows' for an MXFP4 quantizing "
+                         f"kernel")
     if (emit == "fp8") != (e_ref is not None):
         raise ValueError("emit='fp8' takes the rows' reference exponents e_ref (m, 1), and only it")
     m, d = a.shape
@@ -583,10 +607,10 @@ def _pallas_call(a: jax.Array, t: PreparedTransform, fmt: QuantFormat, ts_pair: 
     if kind == "fwht":
         br, bd, chunk, warps = bs.fwht_rows, d, d, bs.fwht_num_warps
     else:
-        br, bd, warps = bs.block_rows, bs.cols_for(d), bs.num_warps
+        br, bd, warps = bs.block_rows, (d if emit == "fp8_rows" else bs.cols_for(d)), bs.num_warps
         if kind in ("q4", "scale"):
-            chunk = bd  # the whole tile quantized at once
-        elif kind == "k1" and not fmt.has_tensor_scale and not amax_only and bd >= 2 * BLOCK:
+            chunk = bs.cols_for(d) if emit == "fp8_rows" else bd  # the whole (power-of-two) tile quantized at once
+        elif kind == "k1" and not fmt.has_tensor_scale and not amax_only and bd % (2 * BLOCK) == 0:
             chunk = 2 * BLOCK  # two block products joined into one tile
         else:
             chunk = BLOCK
@@ -620,6 +644,11 @@ def _pallas_call(a: jax.Array, t: PreparedTransform, fmt: QuantFormat, ts_pair: 
     elif emit == "fp8":
         out_shape = [jax.ShapeDtypeStruct((m, 2, d // 2), jnp.uint8)] + (codes_shapes if with_mxfp4 else [])
         out_specs = [pl.BlockSpec((br, 2, bd // 2), lambda i, j: (i, 0, j))] + (codes_specs if with_mxfp4 else [])
+    elif emit == "fp8_rows":
+        out_shape = ([jax.ShapeDtypeStruct((m, 2, d // 2), jnp.uint8), jax.ShapeDtypeStruct((m, 1), jnp.int32)]
+                     + (codes_shapes if with_mxfp4 else []))
+        out_specs = ([pl.BlockSpec((br, 2, bd // 2), lambda i, j: (i, 0, j)), pl.BlockSpec((br, 1), lambda i, j: (i, 0))]
+                     + (codes_specs if with_mxfp4 else []))
     elif amax_only:
         out_shape = [jax.ShapeDtypeStruct((m, grid[1]), jnp.float32)]
         out_specs = [pl.BlockSpec((br, 1), lambda i, j: (i, j))]
@@ -768,7 +797,8 @@ def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), 
 
 def transform_quantize_fp8(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), *, with_mxfp4: bool = False,
                            block_sizes: Optional[BlockSizes] = None, impl: Optional[str] = None,
-                           round_to_input: bool = True, poison_outputs: Optional[tuple] = None):
+                           round_to_input: bool = True, poison_outputs: Optional[tuple] = None,
+                           one_launch: bool = False):
     """``quantize(A T)`` written as FP8 rows: the kernel's FP8 output mode (the quantizer emits E4M3).
 
     The result is bit for bit ``fp8_encoding.mxfp4_to_e4m3(transform_quantize(a, ...), order="even_odd",
@@ -785,10 +815,18 @@ def transform_quantize_fp8(a: jax.Array, transform: PreparedTransform, fmt=MXFP4
     the packed codes and scales) in one pass over ``A``. Both launches compute ``A T`` with the same traced code, so
     the pre-pass bytes are the quantizer's.
 
+    ``one_launch=True`` runs it as **one launch** instead: each program owns ``block_rows`` whole rows (the grid is
+    ``m / block_rows`` programs; ``block_cols`` is unused), walks the row's chunks once to find its largest block,
+    then again to quantize and write the E4M3 bytes against that row's ``e_ref`` (the second walk reads ``A`` back
+    from the L2 cache). The same traced per-chunk code in both walks and in both ways, so the same bytes; no
+    ``(m, d/BD)`` record round trip through memory and no second launch, but fewer, longer programs.
+    :func:`default_block_sizes_one_launch` gives its tiling.
+
     Args:
       a, transform, fmt, block_sizes, impl, round_to_input, poison_outputs: as :func:`transform_quantize` (``fmt``
         MXFP4 only; ``poison_outputs``: ``(e4m3 bytes uint8 (m, 2, d/2)[, codes, scales])``, kernel paths).
       with_mxfp4: also return the MXFP4 result.
+      one_launch: the one-launch form above (``poison_outputs`` then also poisons its row record).
 
     Returns:
       ``fp8_encoding.Fp8Rows`` (values ``float8_e4m3fn (..., d)`` in ``"even_odd"`` column order, scale ``(...)``,
@@ -808,13 +846,23 @@ def transform_quantize_fp8(a: jax.Array, transform: PreparedTransform, fmt=MXFP4
         return (rows, q) if with_mxfp4 else rows
     _check_kernel_inputs(a2, transform, fmt)
     m = a2.shape[0]
-    bs = block_sizes or default_block_sizes(transform.kind, m, d, a2.dtype)
     interpret = impl == "interpret"
-    (tile_max,) = _pallas_call(a2, transform, fmt, None, bs, interpret, round_y=round_to_input, emit="max_byte")
-    e_ref = FE.reference_exponent(jnp.max(tile_max & 255, axis=1))  # (m,) from the largest live byte of the row
-    nan_row = jnp.max(tile_max >> 8, axis=1) > 0
-    outs = _pallas_call(a2, transform, fmt, None, bs, interpret, poison=poison_outputs, round_y=round_to_input,
-                        emit="fp8", e_ref=e_ref[:, None], with_mxfp4=with_mxfp4)
+    if one_launch:
+        bs = block_sizes or default_block_sizes_one_launch(transform.kind, m, d, a2.dtype)
+        poison = None if poison_outputs is None else (
+            poison_outputs[0], jnp.full((m, 1), -1, jnp.int32), *poison_outputs[1:])
+        outs = _pallas_call(a2, transform, fmt, None, bs, interpret, poison=poison, round_y=round_to_input,
+                            emit="fp8_rows", with_mxfp4=with_mxfp4)
+        outs = list(outs)
+        record = outs.pop(1)[:, 0]  # (m,) the row's largest live byte (+256 with a NaN block)
+        e_ref, nan_row = FE.reference_exponent(record & 255), (record >> 8) > 0
+    else:
+        bs = block_sizes or default_block_sizes(transform.kind, m, d, a2.dtype)
+        (tile_max,) = _pallas_call(a2, transform, fmt, None, bs, interpret, round_y=round_to_input, emit="max_byte")
+        e_ref = FE.reference_exponent(jnp.max(tile_max & 255, axis=1))  # (m,) from the largest live byte of the row
+        nan_row = jnp.max(tile_max >> 8, axis=1) > 0
+        outs = _pallas_call(a2, transform, fmt, None, bs, interpret, poison=poison_outputs, round_y=round_to_input,
+                            emit="fp8", e_ref=e_ref[:, None], with_mxfp4=with_mxfp4)
     values = jax.lax.bitcast_convert_type(outs[0].reshape(*lead, d), jnp.float8_e4m3fn)
     scale = jnp.where(nan_row, jnp.nan, F.pow2(e_ref)).reshape(lead)
     rows = FE.Fp8Rows(values=values, scale=scale, inexact=jnp.int32(-1), order="even_odd")
@@ -856,8 +904,8 @@ def _reencode_kernel(c_ref, s_ref, er_ref, o_ref, *, m, block_rows):
     store(o_ref.at[:, jnp.int32(1), :], FE.e4m3_bits(codes >> 4, byte, e_ref).astype(jnp.uint8))
 
 
-def reencode_e4m3(q: QuantizedArray, *, impl: Optional[str] = None, block_rows: int = 32,
-                  block_cols: int = 256) -> "FE.Fp8Rows":
+def reencode_e4m3(q: QuantizedArray, *, impl: Optional[str] = None, block_rows: int = 16,
+                  block_cols: int = 512, num_warps: int = 4) -> "FE.Fp8Rows":
     """``fp8_encoding.mxfp4_to_e4m3(q, order="even_odd", count_inexact=False)`` as one Pallas kernel (the second
     phase of the two-phase FP8 activations: the quantizer writes packed MXFP4, this kernel its E4M3 bytes).
 
@@ -869,7 +917,9 @@ def reencode_e4m3(q: QuantizedArray, *, impl: Optional[str] = None, block_rows: 
       impl: ``None`` (the kernel on a GPU, ``mxfp4_to_e4m3`` elsewhere), ``"pallas"``, ``"interpret"``,
         ``"reference"``.
       block_rows, block_cols: the tile, in rows and code bytes (powers of two; ``block_cols`` is cut to the largest
-        power of two >= 16 dividing ``d/2``).
+        power of two >= 16 dividing ``d/2``). The default is the tiling of the H200 sweep that was fast at both of
+        Ideogram 4's activation widths (docs/kernels.md, "The re-encode's tiling").
+      num_warps: Triton launch parameter.
 
     Returns:
       ``Fp8Rows`` (values ``(..., d)`` in ``"even_odd"`` order, scale ``(...)``, ``inexact = -1``).
@@ -877,9 +927,9 @@ def reencode_e4m3(q: QuantizedArray, *, impl: Optional[str] = None, block_rows: 
     if not isinstance(q, QuantizedArray) or not isinstance(q.fmt, MXFP4) or q.fmt.block_size != BLOCK:
         raise TypeError(f"reencode_e4m3: needs an MXFP4 QuantizedArray with {BLOCK}-element blocks, got "
                         f"{getattr(q, 'fmt', type(q).__name__)!r}")
-    for name, v in (("block_rows", block_rows), ("block_cols", block_cols)):
-        if v < 16 or v & (v - 1):
-            raise ValueError(f"reencode_e4m3: {name}={v} must be a power of two >= 16")
+    for name, v, low in (("block_rows", block_rows, 1), ("block_cols", block_cols, 16), ("num_warps", num_warps, 1)):
+        if v < low or v & (v - 1):
+            raise ValueError(f"reencode_e4m3: {name}={v} must be a power of two >= {low}")
     if impl is None:
         impl = "pallas" if on_gpu(q.codes) else "reference"
     if impl not in ("pallas", "interpret", "reference"):
@@ -907,7 +957,7 @@ def reencode_e4m3(q: QuantizedArray, *, impl: Optional[str] = None, block_rows: 
                   pl.BlockSpec((block_rows, 1), lambda i, j: (i, 0))],
         out_specs=pl.BlockSpec((block_rows, 2, bc), lambda i, j: (i, 0, j)),
         interpret=impl == "interpret",
-        compiler_params=None if impl == "interpret" else triton_compiler_params(4, 1),
+        compiler_params=None if impl == "interpret" else triton_compiler_params(num_warps, 1),
         name="reencode_mxfp4_e4m3")(codes, scales, e_ref[:, None])
     values = jax.lax.bitcast_convert_type(out.reshape(*lead, 2 * half), jnp.float8_e4m3fn)
     scale = jnp.where(nan_row, jnp.nan, F.pow2(e_ref)).reshape(lead)

@@ -146,6 +146,12 @@ def test_layer_and_served_strategy():
     assert "fp8_mgpu" in served.strategy_names()
     mg = served.serve(qlayer, strategy="fp8_mgpu")
     assert isinstance(mg, G8.Fp8Linear)
+    # the strategy runs a Kronecker transform as K1 (dense blocks made once), K2 when asked: the same bytes
+    mg2 = served.serve(qlayer, strategy="fp8_mgpu", transform_kernel="k2")
+    assert mg.transform.kind == "k1" and mg2.transform.kind == "k2"
+    quantized = [G8._activations(lay, x, "interpret") for lay in (mg, mg2)]
+    np.testing.assert_array_equal(np.asarray(quantized[0].codes), np.asarray(quantized[1].codes))
+    np.testing.assert_array_equal(np.asarray(quantized[0].scales), np.asarray(quantized[1].scales))
     # L / sw made once at preparation: the same bytes as the per-call division
     assert mg.left_over_scale is not None and mg.left_over_scale.dtype == jnp.bfloat16
     per_call = dataclasses.replace(mg, left_over_scale=None)

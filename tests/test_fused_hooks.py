@@ -7,6 +7,7 @@ layers' jnp references (``impl="reference"``) to stay fast. The H200 numbers com
 
 import dataclasses
 import functools
+import gzip
 import json
 import os
 import re
@@ -427,17 +428,24 @@ def _run_benchmark(*argv: str) -> subprocess.CompletedProcess:
 
 def test_benchmark_fused_fp8_variants_and_kernel_profile(tmp_path):
     """The fused-kernel variants (its jnp mirror off the GPU) with the activations' E4M3 made by XLA and by the Pallas
-    re-encode: the same bytes, so the same forward; --kernels records a profile per timed forward."""
-    run = _run_benchmark("--preset", "tiny", "--variants", "bf16,w4a4_fp8_mgpu,w4a4_fp8_mgpu_two_phase", "--blocks",
-                         "1", "--no-tune", "--kernels", "--repeats", "1", "--inner", "1",
-                         "--out", str(tmp_path / "forward.json"))
+    re-encode, the one-launch quantizer writing E4M3, and the transforms as K2 instead of K1: the same bytes, so the same forward; --kernels records a
+    profile per timed forward (time and launches per kernel name), --hlo-dir each forward's optimized HLO."""
+    run = _run_benchmark("--preset", "tiny", "--variants",
+                         "bf16,w4a4_fp8_mgpu,w4a4_fp8_mgpu_two_phase,w4a4_fp8_mgpu_k2,w4a4_fp8_mgpu_one_launch",
+                         "--blocks", "1", "--no-tune", "--kernels", "--repeats", "1", "--inner", "1",
+                         "--hlo-dir", str(tmp_path / "hlo"), "--out", str(tmp_path / "forward.json"))
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads((tmp_path / "forward.json").read_text())
-    names = ["bf16", "w4a4_fp8_mgpu", "w4a4_fp8_mgpu_two_phase"]
+    names = ["bf16", "w4a4_fp8_mgpu", "w4a4_fp8_mgpu_two_phase", "w4a4_fp8_mgpu_k2", "w4a4_fp8_mgpu_one_launch"]
     assert saved["errors"] == {} and saved["finite"] == dict.fromkeys(names, True)
     assert saved["checks"]["forward w4a4_fp8_mgpu_two_phase vs w4a4_fp8_mgpu"] == 0.0
+    assert saved["checks"]["forward w4a4_fp8_mgpu_k2 vs w4a4_fp8_mgpu"] == 0.0
+    assert saved["checks"]["forward w4a4_fp8_mgpu_one_launch vs w4a4_fp8_mgpu"] == 0.0
+    with gzip.open(tmp_path / "hlo" / "dit_forward_w4a4_fp8_mgpu_k2.hlo.txt.gz", "rt") as f:
+        assert "HloModule" in f.read(200)
     assert 0 < saved["checks"]["forward w4a4_fp8_mgpu vs bf16"] < 0.5
     assert set(saved["kernels"]) == set(names) and all(k["device_ms"] > 0 for k in saved["kernels"].values())
+    assert all(set(k["launches"]) == set(k["top_ms"]) for k in saved["kernels"].values())
     assert "kernels of w4a4_fp8_mgpu:" in run.stdout
 
 

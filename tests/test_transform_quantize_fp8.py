@@ -44,31 +44,36 @@ def _assert_rows_equal(got: FE.Fp8Rows, want: FE.Fp8Rows):
     np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(want.scale))  # NaN == NaN here
 
 
-def _check(a, t, bs, fmt=MXFP4(), round_to_input=False):
+def _check(a, t, bs, fmt=MXFP4(), round_to_input=False, one_launch=False):
     m, d = a.shape
-    q = tq.transform_quantize(a, t, fmt, block_sizes=bs, impl="interpret", round_to_input=round_to_input)
+    q = tq.transform_quantize(a, t, fmt, block_sizes=None if one_launch else bs, impl="interpret",
+                              round_to_input=round_to_input)
     want = FE.mxfp4_to_e4m3(q, order="even_odd", count_inexact=False)
     # two poisoned starts of the E4M3 output (0xA5 with the MXFP4 outputs, 0x00 without): every byte is written
     poison = (jnp.full((m, 2, d // 2), 0xA5, jnp.uint8), jnp.full((m, d // 2), 0xA5, jnp.uint8),
               jnp.full((m, d // 32), 0xA5, jnp.uint8))
     rows, q8 = tq.transform_quantize_fp8(a, t, fmt, with_mxfp4=True, block_sizes=bs, impl="interpret",
-                                         round_to_input=round_to_input, poison_outputs=poison)
+                                         round_to_input=round_to_input, poison_outputs=poison, one_launch=one_launch)
     _assert_rows_equal(rows, want)
     np.testing.assert_array_equal(np.asarray(q8.codes), np.asarray(q.codes))
     np.testing.assert_array_equal(np.asarray(q8.scales), np.asarray(q.scales))
     only = tq.transform_quantize_fp8(a, t, fmt, block_sizes=bs, impl="interpret", round_to_input=round_to_input,
-                                     poison_outputs=(jnp.zeros((m, 2, d // 2), jnp.uint8),))
+                                     poison_outputs=(jnp.zeros((m, 2, d // 2), jnp.uint8),), one_launch=one_launch)
     _assert_rows_equal(only, want)
     assert int(only.inexact) == -1
     return q, want
 
 
+@pytest.mark.parametrize("one_launch", [False, True], ids=["two_launches", "one_launch"])
 @pytest.mark.parametrize("kind", tq.KINDS)
-def test_every_kind_bit_exact_against_the_reencoding(kind):
-    m, d = 21, 256  # ragged last 16-row tile, two 128-column tiles; K1: two 64-column joined chunks, K2: pairs
+def test_every_kind_bit_exact_against_the_reencoding(kind, one_launch):
+    """Two launches: ragged last 16-row tile, two 128-column tiles; K1: two 64-column joined chunks, K2: pairs. One
+    launch: 16-row programs of whole rows (the chunks walked twice), the largest block anywhere in the row."""
+    m, d = 21, 256
     a = _rows_with_spans(jax.random.key(1), m, d, jnp.bfloat16)
     t = exact_transform(kind, d, jax.random.key(2))
-    q, want = _check(a, t, SMALL)
+    bs = tq.default_block_sizes_one_launch(kind, m, d, jnp.bfloat16) if one_launch else SMALL
+    q, want = _check(a, t, bs, one_launch=one_launch)
     if kind != "fwht":  # the full-width Hadamard mixes every block of the row: all spans are small
         spans = np.asarray(FE.row_spans(q))
         assert spans.max() > FE.E4M3_SPAN and (spans <= FE.E4M3_SPAN).sum() > m // 2  # both kinds of rows
@@ -97,6 +102,16 @@ def test_default_tilings_and_fp16(kind, m, d):
         assert big.block_cols == 256 and big.num_stages > 1
         bs = tq.BlockSizes(block_rows=16, block_cols=256, num_warps=4, num_stages=3, dot_passes=big.dot_passes)
     _check(a, t, bs, MXFP4(scale_mode=ScaleMode.EVEN), round_to_input=True)
+
+
+@pytest.mark.parametrize("kind,m,d", [("k1", 40, 96), ("k2", 33, 1152)])
+def test_one_launch_fp16_and_odd_widths(kind, m, d):
+    """The one-launch form on fp16 input rounding A T to it, EVEN scales, Inf-made NaN blocks beside larger live
+    blocks of the same row (the running record must not let the NaN flag hide the larger byte), widths of 32 * 3
+    (K1 one block per chunk) and 32 * 36 (K2: 36 chunks walked by the loop)."""
+    a = _rows_with_spans(jax.random.key(3), m, d, jnp.float16, nan=False)
+    t = exact_transform(kind, d, jax.random.key(4))
+    _check(a, t, None, MXFP4(scale_mode=ScaleMode.EVEN), round_to_input=True, one_launch=True)
 
 
 def test_general_data_same_bytes_as_the_kernels_mxfp4():

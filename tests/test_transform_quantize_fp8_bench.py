@@ -20,7 +20,9 @@ def _run(tmp_path, *argv):
 def test_tilings_checked_then_timed(tmp_path):
     out = tmp_path / "tq_fp8.json"
     run = _run(tmp_path, "--interpret", "--shapes", "64x256", "--n-iter", "2", "--out", str(out), "--tilings",
-               "br32_bd64:block_rows=32,block_cols=64", "odd_rows:block_rows=48")
+               "br32_bd64:block_rows=32,block_cols=64", "odd_rows:block_rows=48", "--reencode-tilings",
+               "br8_bc64:block_rows=8,block_cols=64,num_warps=2", "bad:block_cols=8",
+               "--one-launch-tilings", "br32:block_rows=32", "--kinds", "k2,k1")
     assert run.returncode == 0, run.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert (row["m"], row["d"]) == (64, 256) and row["io_bytes"] == 64 * 256 * 3 + 4 * 64
@@ -31,6 +33,21 @@ def test_tilings_checked_then_timed(tmp_path):
     assert "power of two" in row["tilings"]["odd_rows"]["status"]
     assert row["best"] in ("default", "br32_bd64")
     assert "| 64x256 | br32_bd64 |" in run.stdout
+    # The one-launch form with K2 and K1 transforms: the two-launch default's bytes (checked), then timed.
+    for kind in ("k2", "k1"):
+        entry = row["one_launch"][kind]["br32"]
+        assert entry["status"] == "ok" and entry["bit_exact_vs_default"] and entry["us"] > 0, entry
+        assert "block_rows=32" in entry["block_sizes"] and row["one_launch"][kind]["default"]["bit_exact_vs_default"]
+    assert "| 64x256 | k1 br32 |" in run.stdout
+    # The re-encode: XLA's fusion and the Pallas kernel, each checked against XLA's bytes before it is timed.
+    re = row["reencode"]
+    assert re["io_bytes"] == 64 * 128 + 64 * 8 + 64 * 256 + 4 * 64
+    assert re["variants"]["xla"]["status"] == "ok" and re["variants"]["xla"]["bit_exact_vs_xla"]
+    small = re["variants"]["pallas_br8_bc64"]
+    assert small["status"] == "ok" and small["bit_exact_vs_xla"] and small["us"] > 0
+    assert "block_cols=8 must be a power of two >= 16" in re["variants"]["pallas_bad"]["status"]
+    assert re["best"] in ("xla", "pallas_br8_bc64")
+    assert "| 64x256 | pallas_br8_bc64 |" in run.stdout
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path):
@@ -38,3 +55,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
     assert run.returncode == 2 and "multiple of 32" in run.stderr and "Traceback" not in run.stderr
     run = _run(tmp_path, "--tilings", "a:block_rowz=32", "--out", str(tmp_path / "x.json"))
     assert run.returncode == 2 and "block_rowz" in run.stderr and "Traceback" not in run.stderr
+    run = _run(tmp_path, "--kinds", "k3", "--out", str(tmp_path / "x.json"))
+    assert run.returncode == 2 and "--kinds 'k3'" in run.stderr and "Traceback" not in run.stderr
+    run = _run(tmp_path, "--reencode-tilings", "a:block_rows=8,tile=3", "--out", str(tmp_path / "x.json"))
+    assert run.returncode == 2 and "'tile'" in run.stderr and "Traceback" not in run.stderr
