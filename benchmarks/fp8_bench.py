@@ -1,8 +1,8 @@
 """H200 benchmark of the FP8 W4A4 / W4A8 layer (``pallas_kernels.fp8_gemm``) against bf16 and dequant + cuBLAS.
 
-Per model layer shape ``(n, k)`` (Ideogram 4 and FLUX.1 first, then PixArt-Sigma and SANA) and ``m`` in (4096, 512),
-three rotating input sets (different activations and weights per call), rank-128 low-rank branch, a KroQuant (K2)
-transform near the Hadamard init:
+Per model layer shape ``(n, k)`` (``models.layer_shapes``: Ideogram 4 and FLUX.1 first, then PixArt-Sigma and SANA)
+and ``m`` in (4096, 512), three rotating input sets (different activations and weights per call), rank-128 low-rank
+branch, a KroQuant (K2) transform near the Hadamard init:
 
 * ``bf16_xla``: ``x W^T`` on bf16 operands, bf16 output (XLA / cuBLAS): the baseline.
 * ``dequant_layer``: the served default today: K2 transform + MXFP4 quantize kernel, ``h = x (R T^T)^T``, both packed
@@ -60,22 +60,15 @@ from kroquant_jax import timing  # noqa: E402
 from kroquant_jax import transforms as T  # noqa: E402
 from kroquant_jax.fileio import atomic_write_json  # noqa: E402
 from kroquant_jax.formats import MXFP4, dequantize, quantize  # noqa: E402
+from models.layer_shapes import preset_layer_shapes, shape_table  # noqa: E402
 from pallas_kernels import fp8_gemm as G8  # noqa: E402
 from pallas_kernels import transform_quantize as TQ  # noqa: E402
 from pallas_kernels import w4a4_gemm as G  # noqa: E402
 
 RANK = 128
 N_SETS = 3
-# (model, layer, n, k), in priority order (the run stops starting cases at --budget-s).
-LAYERS = [
-    ("ideogram4", "attn.q", 4608, 4608), ("ideogram4", "ffn.w13", 24576, 4608), ("ideogram4", "ffn.w2", 4608, 12288),
-    ("flux1", "attn.q", 3072, 3072), ("flux1", "ff.up", 12288, 3072), ("flux1", "ff.down", 3072, 12288),
-    ("flux1", "single.proj_out", 3072, 15360),
-    ("pixart_sigma", "attn.q", 1152, 1152), ("pixart_sigma", "ff.up", 4608, 1152),
-    ("pixart_sigma", "ff.down", 1152, 4608),
-    ("sana_1600m", "attn.q", 2240, 2240), ("sana_1600m", "glumb.inverted", 11200, 2240),
-    ("sana_1600m", "glumb.point", 2240, 5600),
-]
+# (model, layer, n, k): the real checkpoints' come from models.layer_shapes (derived from the presets, in priority
+# order: the run stops starting cases at --budget-s); these are the CPU validation's.
 TINY_LAYERS = [("tiny", "attn.q", 256, 256), ("tiny", "ffn.w2", 128, 512)]
 ACCURACY_LAYERS = ("ideogram4.attn.q", "ideogram4.ffn.w2", "flux1.single.proj_out", "pixart_sigma.attn.q",
                    "tiny.ffn.w2")
@@ -366,7 +359,7 @@ def main(argv=None):
     p.add_argument("--no-accuracy", action="store_true", help="skip the accumulation-mode accuracy checks")
     args = p.parse_args(argv)
     t_start = time.time()
-    shapes = TINY_LAYERS if args.tiny else LAYERS
+    shapes = TINY_LAYERS if args.tiny else shape_table(preset_layer_shapes())
     if args.layers:
         keep = set(args.layers.split(","))
         unknown = keep - {f"{s[0]}.{s[1]}" for s in shapes}

@@ -2,8 +2,9 @@
 with its epilogue (``fp8_gemm.fp8_matmul``: powers of two, bias, the bf16 ``h L^T`` GEMM) and a bf16 GEMM.
 
 Operands: MXFP4 activations (outlier channels) and weights re-encoded in E4M3 (``even_odd`` order), rank-128 bf16
-low-rank branch, f32 bias, bf16 output; shapes of Ideogram 4 (q 4608 x 4608, w1|w3 24576 x 4608, w2 4608 x 12288) at
-m = 4096 and 512. Device time (CUPTI, ``kroquant_jax.timing.device_time``: median per call over rotating input sets
+low-rank branch, f32 bias, bf16 output; by default the shapes of Ideogram 4 (``--layers q w13 w2``: q, the fused
+w1|w3 and w2) or any real checkpoint's layer by its ``models.layer_shapes`` name (``flux1.attn.q``), at m = 4096
+and 512. Device time (CUPTI, ``kroquant_jax.timing.device_time``: median per call over rotating input sets
 after warm-up). Check: the kernel's output against its jnp mirror (the same math in f32 at HIGHEST precision) and
 against the XLA path, relative L2. A failing shape is recorded with its error and the run goes on.
 
@@ -28,13 +29,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SHAPES = {"q": (4608, 4608), "w13": (24576, 4608), "w2": (4608, 12288)}
+# The short names of the default layers (Ideogram 4's); any full name of models.layer_shapes (e.g. flux1.attn.q) is
+# accepted too, and a case records the name it was asked by.
+ALIASES = {"q": "ideogram4.attn.q", "w13": "ideogram4.ffn.w13", "w2": "ideogram4.ffn.w2"}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON record to write")
-    p.add_argument("--layers", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--layers", nargs="+", default=list(ALIASES), metavar="LAYER",
+                   help=f"{', '.join(ALIASES)} (Ideogram 4, the default) or full names of models.layer_shapes "
+                        "(e.g. flux1.attn.q, pixart_sigma.ff.up)")
     p.add_argument("--ms", nargs="+", type=int, default=[4096, 512])
     p.add_argument("--rank", type=int, default=128)
     p.add_argument("--n-iter", type=int, default=20)
@@ -45,6 +50,12 @@ def main(argv=None) -> int:
         extra = dict(_parse_config(spec) for spec in args.configs)
     except ValueError as err:
         p.error(str(err))
+    from models.layer_shapes import preset_layer_shapes
+
+    shapes = preset_layer_shapes()
+    unknown = [name for name in args.layers if ALIASES.get(name, name) not in shapes]
+    if unknown:
+        p.error(f"--layers: unknown {unknown} (known: {', '.join([*ALIASES, *shapes])})")
 
     import jax
     import jax.numpy as jnp
@@ -62,9 +73,9 @@ def main(argv=None) -> int:
               "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M"),
               "command": "python3 benchmarks/fp8_mgpu_bench.py " + " ".join(argv or sys.argv[1:]), "cases": []}
     for name in args.layers:
-        n, k = SHAPES[name]
+        n, k = shapes[ALIASES.get(name, name)]
         for m in args.ms:
-            case = {"layer": name, "m": m, "n": n, "k": k, "rank": args.rank}
+            case = {"layer": name, "model_layer": ALIASES.get(name, name), "m": m, "n": n, "k": k, "rank": args.rank}
             try:
                 keys = jax.random.split(jax.random.key(m + n), 4)
                 w = jax.random.normal(keys[0], (n, k)) / np.sqrt(k)

@@ -1,6 +1,7 @@
 """H200 benchmark of the FP4 forward pass: W4A4 layer vs bf16 ``A W^T``, fused epilogues vs GEMM + separate op.
 
-Per layer shape ``(n, k)`` of Ideogram 4, PixArt-Sigma, SANA and FLUX.1 and ``m`` in (4096, 512):
+Per layer shape ``(n, k)`` of Ideogram 4, PixArt-Sigma, SANA and FLUX.1 (``models.layer_shapes``) and ``m`` in
+(4096, 512):
 
 * ``bf16_xla``: XLA/cuBLAS ``A W^T`` on bf16 operands (bf16 output): the baseline.
 * ``w4a4_gemm_<fmt>_<compute>``: the Pallas W4A4 GEMM alone on packed operands (MXFP4 bf16 / fp8 modes, NVFP4).
@@ -54,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kroquant_jax import timing  # noqa: E402
 from kroquant_jax import transforms as T  # noqa: E402
 from kroquant_jax.formats import MXFP4, NVFP4, dequantize, quantize  # noqa: E402
+from models.layer_shapes import preset_layer_shapes, shape_table  # noqa: E402
 from pallas_kernels import epilogues as E  # noqa: E402
 from pallas_kernels import served as S  # noqa: E402
 from pallas_kernels import w4a4_gemm as G  # noqa: E402
@@ -67,22 +69,12 @@ except Exception:  # noqa: BLE001 - the fused quantizer lives in another module 
 RANK = 128
 N_SETS = 3
 
-# (model, layer, n, k): output features, input features. Ordered by priority (the run stops at --budget-s).
-SHAPES = [
-    ("ideogram4", "attn.q", 4608, 4608),
-    ("ideogram4", "ffn.w13", 24576, 4608),
-    ("ideogram4", "ffn.w2", 4608, 12288),
-    ("flux1", "attn.q", 3072, 3072),
-    ("flux1", "ff.up", 12288, 3072),
-    ("pixart_sigma", "attn.q", 1152, 1152),
-    ("pixart_sigma", "ff.up", 4608, 1152),
-    ("sana_1600m", "attn.q", 2240, 2240),
-    ("sana_1600m", "glumb.inverted", 11200, 2240),
-    ("flux1", "ff.down", 3072, 12288),
-    ("pixart_sigma", "ff.down", 1152, 4608),
-    ("sana_1600m", "glumb.point", 2240, 5600),
-    ("flux1", "single.proj_out", 3072, 15360),
-]
+# The real checkpoints' layers timed, by priority (the run stops at --budget-s); their shapes come from
+# models.layer_shapes (derived from the presets).
+PRIORITY = ("ideogram4.attn.q", "ideogram4.ffn.w13", "ideogram4.ffn.w2", "flux1.attn.q", "flux1.ff.up",
+            "pixart_sigma.attn.q", "pixart_sigma.ff.up", "sana_1600m.attn.q", "sana_1600m.glumb.inverted",
+            "flux1.ff.down", "pixart_sigma.ff.down", "sana_1600m.glumb.point", "flux1.single.proj_out")
+# (model, layer, n, k): output features, input features (CPU validation).
 TINY_SHAPES = [("tiny", "attn.q", 512, 256), ("tiny", "ffn.w13", 256, 128)]
 
 
@@ -338,7 +330,11 @@ def main(argv=None):
     ms = [int(x) for x in args.ms.split(",")]
     if args.tiny:
         ms = [40, 16]
-    shapes = TINY_SHAPES if args.tiny else SHAPES
+    if args.tiny:
+        shapes = TINY_SHAPES
+    else:
+        real = preset_layer_shapes()
+        shapes = shape_table({name: real[name] for name in PRIORITY})
     if args.only:
         keep = set(args.only.split(","))
         shapes = [s for s in shapes if s[0] in keep]

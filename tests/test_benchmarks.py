@@ -38,6 +38,39 @@ def test_w4a4_bench_cupti_timer_records_method_and_breakdown(tmp_path):
         assert rec["us"] > 0 and rec["rel_err"] < 1e-2
 
 
+LAYER_RUNS = {  # one small real layer at m = 8, the cheapest variant: the shape each benchmark reads
+    "w4a4_bench.py": ("--layers", "pixart_sigma.attn.q", "--ms", "8", "--variants", "bf16_xla", "--no-sweep",
+                      "--no-epilogues", "--no-layer", "--interpret"),
+    "fp8_bench.py": ("--layers", "pixart_sigma.attn.q", "--ms", "8", "--variants", "bf16_xla", "--no-accuracy",
+                     "--interpret", "--calls", "1", "--check-rows", "8"),
+    "fp8_mgpu_bench.py": ("--layers", "pixart_sigma.attn.q", "--ms", "8", "--n-iter", "1"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(LAYER_RUNS))
+def test_gpu_benchmarks_time_the_real_layer_shapes_of_models_layer_shapes(script, tmp_path):
+    """The benchmarks read the real checkpoints' shapes from models.layer_shapes, under the same layer names."""
+    from models import layer_shapes
+
+    out = tmp_path / "bench.json"
+    _run(script, *LAYER_RUNS[script], "--out", str(out))
+    (case,) = json.loads(out.read_text())["cases"]
+    assert (case["n"], case["k"]) == layer_shapes.preset_layer_shapes("pixart_sigma")["pixart_sigma.attn.q"]
+    if script == "fp8_mgpu_bench.py":
+        assert case["layer"] == case["model_layer"] == "pixart_sigma.attn.q" and case["status"] == "ok"
+    else:
+        assert (case["model"], case["layer"]) == ("pixart_sigma", "attn.q")
+
+
+def test_fp8_mgpu_bench_keeps_the_short_ideogram4_names_and_rejects_unknown_layers(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fp8_mgpu_bench.py"), "--layers", "q", "w13",
+                          "w2", "flux1.attn.q", "sd3.attn.q", "--out", str(tmp_path / "x.json")], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "--layers: unknown ['sd3.attn.q'] (known: q, w13, w2, ideogram4.attn.q" in run.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_ideogram4_serving_tiny_run(tmp_path):
     out = tmp_path / "bench.json"
     _run("ideogram4_serving.py", "--preset", "tiny", "--layouts", "packed", "--steps", "2", "--repeats", "1",
