@@ -172,8 +172,9 @@ def default_block_sizes(kind: str, m: int, d: int, dtype=None) -> BlockSizes:
 
 def default_block_sizes_one_launch(kind: str, m: int, d: int, dtype=None) -> BlockSizes:
     """The tiling of :func:`transform_quantize_fp8`'s one-launch form (programs of whole rows): 16 rows (the
-    tensor-core minimum, so that ``m / 16`` programs fill the GPU at m >= 2048), 4 warps, the chunk loop
-    software-pipelined over 3 stages; ``dot_passes`` as :func:`default_block_sizes`."""
+    tensor-core minimum: the most programs), 4 warps, the chunk loop software-pipelined over 3 stages;
+    ``dot_passes`` as :func:`default_block_sizes`. On the H200 sweep (docs/w4a4.md, "The one-launch quantizer") this
+    is K1's fastest tiling within noise; K2 was faster with 32 rows, and either is slower than the two-launch form."""
     return dataclasses.replace(default_block_sizes(kind, m, d, dtype), block_rows=16, block_cols=BLOCK, num_warps=4,
                                num_stages=3)
 
