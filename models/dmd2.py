@@ -76,7 +76,8 @@ from models.layers import LinearHooks, linears
 __all__ = ["DMD2Config", "FlowModel", "GanHead", "DMD2Divergence", "pixart_flow_model", "x0_from_velocity",
            "eps_from_velocity", "score_from_velocity", "FAKE_SIGMA_SAMPLING", "student_sigmas",
            "guided_velocity", "generate", "backward_simulate", "dm_gradient", "dm_loss", "fake_score_loss",
-           "gan_logits", "make_optimizers", "init_state", "make_cycle", "make_fake_warmup", "train", "restore_state",
+           "gan_logits", "make_optimizers", "init_state", "prompt_set", "prompt_batches", "make_cycle",
+           "make_fake_warmup", "train", "restore_state",
            "forward_passes_per_image", "W4A4Generator", "PTQStore", "load_ptq_store", "load_init_checkpoint",
            "generator_key", "check_run_key", "RunKeyMismatch", "restore_generator", "ExportPlan", "plan_export",
            "export_run"]
@@ -85,6 +86,9 @@ FAKE_SIGMA_SAMPLING = ("logit_normal", "uniform")  # DMD2Config.fake_sigma_sampl
 
 Cond = Any  # a pytree of per-sample conditioning arrays (leading axis = batch)
 Params = Any
+#: ``(data, key) -> (cond, real_images (b, c, h, w) or None, real_cond or None)``: one training batch drawn from
+#: ``data`` (the prompt set, a pytree of arrays, an argument of the jitted programs), see :func:`make_cycle`
+SampleBatch = Callable[[Any, jax.Array], tuple[Cond, jax.Array | None, Cond | None]]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -753,12 +757,36 @@ def init_state(teacher_params: Params, head_params: Params, config: DMD2Config, 
             "key": jax.random.key_data(jax.random.key(seed))}
 
 
+def prompt_set(dataset: testbed_data.EmojiDataset) -> dict[str, jax.Array]:
+    """The arrays :func:`prompt_batches` draws from, on the device: ``images`` (n, s, s, 3) uint8, ``context``
+    (n, t, c) as stored (fp16: cast per batch), ``mask`` (n, t) float32."""
+    return {"images": jnp.asarray(dataset.images), "context": jnp.asarray(dataset.context),
+            "mask": jnp.asarray(dataset.context_mask, jnp.float32)}
+
+
+def prompt_batches(batch_size: int) -> SampleBatch:
+    """The ``sample_batch`` of :func:`make_cycle` over a :func:`prompt_set`: ``batch_size`` prompts for the generator
+    and, independently, ``batch_size`` real images (pixels in [-1, 1]) with their own prompts, each drawn uniformly
+    with replacement; contexts in float32."""
+
+    def sample_batch(data, key):
+        n = data["images"].shape[0]
+        key_prompt, key_real = jax.random.split(key)
+        prompt = jax.random.randint(key_prompt, (batch_size,), 0, n)
+        real = jax.random.randint(key_real, (batch_size,), 0, n)
+        context, mask = data["context"], data["mask"]
+        return ({"context": context[prompt].astype(jnp.float32), "mask": mask[prompt]},
+                testbed.images_to_pixels(data["images"][real]),
+                {"context": context[real].astype(jnp.float32), "mask": mask[real]})
+
+    return sample_batch
+
+
 def _finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree_util.tree_leaves(tree)]))
 
 
 def _critic_parts(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef | None,
-                  sample_batch: Callable[[jax.Array], tuple[Cond, jax.Array | None, Cond | None]],
                   image_shape: tuple[int, ...], generator_model: FlowModel):
     """The pieces :func:`make_cycle` and :func:`make_fake_warmup` share: ``make_samples(generator, key, cond) -> x0``
     (the generator's training samples through ``generator_model``, backward-simulated) and ``critic_update(state, x0,
@@ -800,42 +828,45 @@ def _critic_parts(model: FlowModel, config: DMD2Config, head_graphdef: nnx.Graph
 
 
 def make_fake_warmup(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef | None,
-                     sample_batch: Callable[[jax.Array], tuple[Cond, jax.Array | None, Cond | None]],
-                     image_shape: tuple[int, ...], generator_model: FlowModel | None = None):
+                     sample_batch: SampleBatch, image_shape: tuple[int, ...], generator_model: FlowModel | None = None,
+                     data: Any = None):
     """A jitted ``state -> (state, metrics)`` running ``config.fake_warmup`` fake-score (+ discriminator) updates on
     fresh samples of the current generator (which it leaves unchanged), in one ``lax.scan``.
 
-    Arguments (``generator_model`` included) as :func:`make_cycle`. metrics: ``fake_loss_first`` /
+    Arguments (``generator_model`` and ``data`` included) as :func:`make_cycle`. metrics: ``fake_loss_first`` /
     ``fake_loss_last`` (the flow-matching loss of the first and last warm-up update), ``gan_d`` (mean) and
     ``finite``. Raises ValueError when ``config.fake_warmup`` is 0.
     """
     if config.fake_warmup < 1:
         raise ValueError(f"make_fake_warmup: DMD2Config.fake_warmup is {config.fake_warmup}; nothing to warm up")
-    make_samples, critic_update = _critic_parts(model, config, head_graphdef, sample_batch, image_shape,
+    make_samples, critic_update = _critic_parts(model, config, head_graphdef, image_shape,
                                                 model if generator_model is None else generator_model)
 
-    def warmup_step(state, k):
+    def warmup_step(data, state, k):
         key_b, key_s, key_c = jax.random.split(jax.random.fold_in(jax.random.wrap_key_data(state["key"]), k), 3)
-        cond, real_images, real_cond = sample_batch(key_b)
+        cond, real_images, real_cond = sample_batch(data, key_b)
         x0 = jax.lax.stop_gradient(make_samples(state["generator"], key_s, cond))
         return critic_update(state, x0, cond, key_c, real_images, real_cond)
 
     @jax.jit
-    def run(state):
+    def fake_warmup(state, data):  # the prompt set an argument: closed over, XLA would fold it in as constants
         key_next, _ = jax.random.split(jax.random.wrap_key_data(state["key"]))
-        new, aux = jax.lax.scan(warmup_step, state, jnp.arange(config.fake_warmup))
+        new, aux = jax.lax.scan(lambda s, k: warmup_step(data, s, k), state, jnp.arange(config.fake_warmup))
         new = {**new, "key": jax.random.key_data(key_next)}
         metrics = {"fake_loss_first": aux["fake_loss"][0], "fake_loss_last": aux["fake_loss"][-1],
                    "gan_d": jnp.mean(aux["gan_d"])}
         finite = _finite(metrics) & _finite(new["critic"])
         return new, {**metrics, "finite": finite.astype(jnp.float32)}
 
+    def run(state):
+        return fake_warmup(state, data)
+
     return run
 
 
-def make_cycle(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef | None,
-               sample_batch: Callable[[jax.Array], tuple[Cond, jax.Array | None, Cond | None]],
-               image_shape: tuple[int, ...], cycles: int = 1, generator_model: FlowModel | None = None):
+def make_cycle(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef | None, sample_batch: SampleBatch,
+               image_shape: tuple[int, ...], cycles: int = 1, generator_model: FlowModel | None = None,
+               data: Any = None):
     """A jitted ``(state, teacher_params) -> (state, metrics)`` running ``cycles`` DMD2 cycles.
 
     One cycle = one generator update, then ``config.fake_updates_per_generator`` fake-score (+ discriminator)
@@ -843,8 +874,10 @@ def make_cycle(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef
     samples. The discriminator scores fake and real images in one batch. (``config.fake_warmup`` is not run here:
     see :func:`make_fake_warmup` and :func:`train`.)
 
-    sample_batch: ``key -> (cond, real_images (b, c, h, w) or None, real_cond or None)``: prompts for the generator
-        and, for the GAN, a batch of real images with their conditioning.
+    sample_batch: ``(data, key) -> (cond, real_images (b, c, h, w) or None, real_cond or None)``: prompts for the
+        generator and, for the GAN, a batch of real images with their conditioning (e.g. :func:`prompt_batches`).
+    data: what ``sample_batch`` draws from (a pytree of arrays, e.g. :func:`prompt_set`; None: nothing), an argument
+        of the jitted program: arrays ``sample_batch`` closed over instead would be folded into it as constants.
     image_shape: (b, c, h, w) of the generator's batch.
     generator_model: the generator's network when it is not ``model`` (the real and fake scores' network), e.g. the
         W4A4 student of ``pixart_flow_model(..., w4a4=...)``; None: ``model``.
@@ -852,7 +885,7 @@ def make_cycle(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef
     (1.0 when every loss and parameter stayed finite).
     """
     gen_opt, _ = make_optimizers(config)
-    make_samples, critic_update = _critic_parts(model, config, head_graphdef, sample_batch, image_shape,
+    make_samples, critic_update = _critic_parts(model, config, head_graphdef, image_shape,
                                                 model if generator_model is None else generator_model)
 
     def generator_loss(generator, critic, teacher, key, cond):
@@ -868,10 +901,10 @@ def make_cycle(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef
         total = loss + config.gan_generator_weight * gan_g
         return total, (x0, {"dm_loss": loss, "gan_g": gan_g, **aux})
 
-    def one_cycle(state, teacher):
+    def one_cycle(state, teacher, data):
         key = jax.random.wrap_key_data(state["key"])
         key, key_batch, key_gen, key_critic, key_rest = jax.random.split(key, 5)
-        batch = sample_batch(key_batch)
+        batch = sample_batch(data, key_batch)
         (_, (x0, gen_aux)), grads = jax.value_and_grad(generator_loss, has_aux=True)(
             state["generator"], state["critic"], teacher, key_gen, batch[0])
         updates, opt = gen_opt.update(grads, state["gen_opt"], state["generator"])
@@ -883,7 +916,7 @@ def make_cycle(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef
             key_b, key_s, key_c = jax.random.split(jax.random.fold_in(key_rest, k), 3)
 
             def fresh():
-                cond, real_images, real_cond = sample_batch(key_b)
+                cond, real_images, real_cond = sample_batch(data, key_b)
                 return (jax.lax.stop_gradient(make_samples(state["generator"], key_s, cond)), cond, real_images,
                         real_cond)
 
@@ -899,9 +932,12 @@ def make_cycle(model: FlowModel, config: DMD2Config, head_graphdef: nnx.GraphDef
         return state, {**metrics, "finite": finite.astype(jnp.float32)}
 
     @jax.jit
-    def run(state, teacher):
-        state, metrics = jax.lax.scan(lambda s, _: one_cycle(s, teacher), state, None, length=cycles)
+    def dmd2_cycle(state, teacher, data):  # the prompt set an argument: closed over, XLA would fold it in as constants
+        state, metrics = jax.lax.scan(lambda s, _: one_cycle(s, teacher, data), state, None, length=cycles)
         return state, {**jax.tree.map(jnp.mean, metrics), "finite": jnp.min(metrics["finite"])}
+
+    def run(state, teacher):
+        return dmd2_cycle(state, teacher, data)
 
     return run
 

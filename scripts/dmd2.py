@@ -237,24 +237,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     built = setup(args, compute_dtype)
     cfg, config, flow, head_graphdef = built.cfg, built.config, built.flow, built.head_graphdef
     train = built.dataset.split(heldout=False)
-    images = jnp.asarray(train.images)  # (n, s, s, 3) uint8
-    context = jnp.asarray(train.context)  # (n, t, 384) fp16, cast per batch
-    mask = jnp.asarray(train.context_mask, jnp.float32)  # (n, t)
     n, b = train.num_examples, args.batch_size
-
-    def sample_batch(key):
-        key_prompt, key_real = jax.random.split(key)
-        prompt = jax.random.randint(key_prompt, (b,), 0, n)
-        real = jax.random.randint(key_real, (b,), 0, n)
-        return ({"context": context[prompt].astype(jnp.float32), "mask": mask[prompt]},
-                testbed.images_to_pixels(images[real]),
-                {"context": context[real].astype(jnp.float32), "mask": mask[real]})
-
+    # the training prompts and images are an argument of the jitted programs (not constants folded into them)
+    data, sample_batch = dmd2.prompt_set(train), dmd2.prompt_batches(b)
     shape = (b, cfg.in_channels, cfg.sample_size, cfg.sample_size)
     run_cycles = dmd2.make_cycle(flow, config, head_graphdef, sample_batch, shape, cycles=args.cycles_per_call,
-                                 generator_model=built.generator_flow)
+                                 generator_model=built.generator_flow, data=data)
     warmup = (dmd2.make_fake_warmup(flow, config, head_graphdef, sample_batch, shape,
-                                    generator_model=built.generator_flow) if config.fake_warmup else None)
+                                    generator_model=built.generator_flow, data=data) if config.fake_warmup else None)
     total = -(-args.cycles // args.cycles_per_call) * args.cycles_per_call
     state, summary = dmd2.train(run_cycles, built.state, built.teacher, args.run, total, args.cycles_per_call,
                                 warmup=warmup, save_every_calls=args.save_every_calls, time_budget=args.time_budget,

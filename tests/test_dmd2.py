@@ -130,7 +130,7 @@ def _adam_step(optimizer, params, opt, loss):
 
 
 def _gaussian_cycle(config, b=64, cycles=1, real_mean=2.0):
-    def sample_batch(key):
+    def sample_batch(_, key):
         real = real_mean + jax.random.normal(key, (b, 1, 1, D))
         return gcond(b), real, gcond(b)
 
@@ -217,7 +217,7 @@ def test_a_generator_of_its_own_network_is_used_wherever_the_generator_runs():
     config = dmd2.DMD2Config(num_steps=2, guidance=1.5, fake_updates_per_generator=2, generator_lr=0.01,
                              fake_lr=0.01, fake_warmup=3)
 
-    def sample_batch(key):
+    def sample_batch(_, key):
         return gcond(b), None, None
 
     teacher = gparams(2.0)
@@ -306,7 +306,7 @@ def test_pixart_cycle_with_gan_and_guidance_interval():
     flow = dmd2.pixart_flow_model(graphdef, null_context, null_mask, "transformer_blocks.0.ff.net.0.proj")
     context = jax.random.normal(jax.random.key(0), (b, t, 12))
 
-    def sample_batch(key):
+    def sample_batch(context, key):
         cond = {"context": context, "mask": jnp.ones((b, t))}
         return cond, jax.random.uniform(key, (b, 3, 8, 8), minval=-1, maxval=1), cond
 
@@ -315,7 +315,7 @@ def test_pixart_cycle_with_gan_and_guidance_interval():
                              gan_feature_layer="transformer_blocks.0.ff.net.0.proj", gan_max_sigma=0.3)
     head_graphdef, head_params = nnx.split(dmd2.GanHead(32, rngs=nnx.Rngs(0)))
     state = dmd2.init_state(teacher, head_params, config, seed=0)
-    run = dmd2.make_cycle(flow, config, head_graphdef, sample_batch, (b, 3, 8, 8))
+    run = dmd2.make_cycle(flow, config, head_graphdef, sample_batch, (b, 3, 8, 8), data=context)
     new, metrics = run(state, teacher)
     assert metrics["finite"] == 1.0 and int(new["step"]) == 1
     assert all(np.isfinite(float(v)) for v in metrics.values())
@@ -325,6 +325,44 @@ def test_pixart_cycle_with_gan_and_guidance_interval():
     x = dmd2.generate(flow, new["generator"], jax.random.key(1), {"context": context, "mask": jnp.ones((b, t))},
                       (b, 3, 8, 8), 2)
     assert x.shape == (b, 3, 8, 8)
+
+
+def test_the_prompt_set_is_an_argument_of_the_cycle_and_warmup_programs():
+    """make_cycle and make_fake_warmup over scripts/dmd2.py's training batches (prompt_set, prompt_batches of the
+    shipped prompt file): the prompts and images are arguments of the jitted programs, not constants folded into
+    them (which the check does see in a sampler that closes over them)."""
+    from pathlib import Path
+
+    from jaxpr_checks import jit_constants  # tests/jaxpr_checks.py
+    from models.testbed import data as testbed_data
+
+    prompts = Path(__file__).resolve().parent.parent / "checkpoints" / "emoji_pixart" / "testbed_prompts.npz"
+    dataset = testbed_data.load_dataset(prompts)
+    cfg = dataclasses.replace(testbed.TESTBED_PIXART_CONFIG, num_layers=1, num_attention_heads=2,
+                              attention_head_dim=16, cross_attention_dim=32)
+    model = families.PIXART.build(cfg, jnp.float32, seed=0)
+    graphdef, teacher = nnx.split(model)
+    layer = "transformer_blocks.0.ff.net.0.proj"
+    flow = dmd2.pixart_flow_model(graphdef, jnp.asarray(dataset.null_context, jnp.float32),
+                                  jnp.asarray(dataset.null_mask, jnp.float32), layer)
+    config = dmd2.DMD2Config(num_steps=2, fake_updates_per_generator=2, gan_generator_weight=0.01,
+                             gan_discriminator_weight=0.1, gan_feature_layer=layer, fake_warmup=2)
+    head_graphdef, head_params = nnx.split(dmd2.GanHead(32, rngs=nnx.Rngs(0)))
+    state = dmd2.init_state(teacher, head_params, config, seed=0)
+    data, sample_batch = dmd2.prompt_set(dataset.split(heldout=False)), dmd2.prompt_batches(2)
+    shape = (2, cfg.in_channels, cfg.sample_size, cfg.sample_size)
+
+    def folded(constants):
+        return sorted(name for name, array in data.items()
+                      if any(np.shape(c) == array.shape and np.array_equal(np.asarray(c), np.asarray(array))
+                             for c in constants))
+
+    cycle = dmd2.make_cycle(flow, config, head_graphdef, sample_batch, shape, data=data)
+    warmup = dmd2.make_fake_warmup(flow, config, head_graphdef, sample_batch, shape, data=data)
+    assert folded(jit_constants(cycle, state, teacher)) == []
+    assert folded(jit_constants(warmup, state)) == []
+    closed = dmd2.make_cycle(flow, config, head_graphdef, lambda _, key: sample_batch(data, key), shape)
+    assert folded(jit_constants(closed, state, teacher)) == ["context", "images", "mask"]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -566,7 +604,7 @@ def toy_teacher():
 
 def toy_train(config, chunks, b=256, chunk=50, state=None):
     """``chunks`` calls of ``chunk`` cycles on random classes -> (state, per-call metrics)."""
-    def sample_batch(key):
+    def sample_batch(_, key):
         return toy_cond(jax.random.randint(key, (b,), 0, TOY_C)), None, None
 
     run = dmd2.make_cycle(TOY, config, None, sample_batch, (b, 1, 1, TOY_D), cycles=chunk)
@@ -681,7 +719,7 @@ def test_dmd2_with_guidance_on_the_toy_interval_sharpens_full_range_extrapolates
 
 
 def _toy_sample_batch(b):
-    return lambda key: (toy_cond(jax.random.randint(key, (b,), 0, TOY_C)), None, None)
+    return lambda _, key: (toy_cond(jax.random.randint(key, (b,), 0, TOY_C)), None, None)
 
 
 def test_fake_warmup_fits_the_initial_generator_once_and_leaves_it_unchanged(tmp_path):
