@@ -9,6 +9,7 @@ keys raise). A :class:`Family` joins them with the family's sampler, so that cal
     family, config = families.detect_dir("ckpt/transformer")       # from config.json's _class_name
     cfg, model = family.from_diffusers("ckpt/transformer", dtype="bfloat16")
     family.linear_sites(model)                                      # the quantizable linears (W4A4)
+    family.shared_inputs(model)                                     # their groups that read one input (q|k|v, ...)
     sample = jax.jit(family.make_sampler(graphdef, cfg, num_steps=20, guidance_scale=4.5, latent_hw=(128, 128)))
     family.to_diffusers(model, "out/transformer")                  # the exact inverse of the conversion
 
@@ -33,8 +34,12 @@ from flax import nnx
 from models import convert, flux, ideogram4, ideogram4_sampling, pixart, sampling, sana
 from models.layers import InitKeys, host_init, linears
 
-__all__ = ["CAPTION_KEYS_VALUES", "FLUX", "Family", "IDEOGRAM4", "PIXART", "REGISTRY", "SANA", "TextOnlyInputs",
-           "detect", "detect_dir", "family_of", "get", "load_diffusers", "load_pipeline_transformers"]
+__all__ = ["CAPTION_KEYS_VALUES", "FLUX", "Family", "IDEOGRAM4", "PIXART", "REGISTRY", "SANA", "SharedInputGroups",
+           "TextOnlyInputs", "detect", "detect_dir", "family_of", "get", "load_diffusers", "load_pipeline_transformers"]
+
+#: ``model -> groups``: the model's quantizable linears that read the identical input tensor, each group a tuple of
+#: dotted paths in the order their outputs are stacked when the group runs as one linear (``Family.shared_inputs``).
+SharedInputGroups = Callable[[nnx.Module], tuple[tuple[str, ...], ...]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +75,53 @@ CAPTION_KEYS_VALUES = TextOnlyInputs(layers=_cross_attention_kv,
                                      inputs=lambda model, context: model.caption_context(context))
 
 
+def _no_shared_inputs(model: nnx.Module) -> tuple[tuple[str, ...], ...]:
+    """A family without linears that read the same input."""
+    return ()
+
+
+def _self_and_cross_attention_groups(model: nnx.Module) -> tuple[tuple[str, ...], ...]:
+    """PixArt-Σ and SANA, per block: ``attn1.to_q|to_k|to_v`` (each reads the modulated ``norm1`` output) and
+    ``attn2.to_k|to_v`` (each reads the caption context, under the same caption mask). ``attn2.to_q`` reads the
+    image tokens (the residual stream), so it is in no group."""
+    groups = []
+    for block in model.transformer_blocks:
+        attn1 = block.attn1
+        groups.append((attn1.to_q.path, attn1.to_k.path, attn1.to_v.path))
+        if block.attn2 is not None:
+            groups.append((block.attn2.to_k.path, block.attn2.to_v.path))
+    return tuple(groups)
+
+
+def _flux_groups(model: nnx.Module) -> tuple[tuple[str, ...], ...]:
+    """FLUX.1: per double-stream block ``attn.to_q|to_k|to_v`` (the modulated image tokens) and
+    ``attn.add_q_proj|add_k_proj|add_v_proj`` (the modulated text tokens); per single-stream block
+    ``attn.to_q|to_k|to_v|proj_mlp`` (all four read the one modulated norm of the joint sequence; ``proj_out`` reads
+    their concatenated results). The feed-forwards' up projections read their own norms: no group."""
+    groups = []
+    for block in model.transformer_blocks:
+        attn = block.attn
+        groups.append((attn.to_q.path, attn.to_k.path, attn.to_v.path))
+        groups.append((attn.add_q_proj.path, attn.add_k_proj.path, attn.add_v_proj.path))
+    for block in model.single_transformer_blocks:
+        attn = block.attn
+        groups.append((attn.to_q.path, attn.to_k.path, attn.to_v.path, block.proj_mlp.path))
+    return tuple(groups)
+
+
+def _ideogram4_groups(model: nnx.Module) -> tuple[tuple[str, ...], ...]:
+    """Ideogram 4, per block: ``attention.to_q|to_k|to_v`` (the modulated ``attention_norm1`` output) and
+    ``feed_forward.w1|w3`` (the modulated ``ffn_norm1`` output; served fused with the SwiGLU). Scanned blocks
+    (``scan_layers``) share their paths: one group of each kind."""
+    blocks = [model.layers] if model.config.scan_layers else list(model.layers)
+    groups = []
+    for block in blocks:
+        attention, mlp = block.attention, block.feed_forward
+        groups.append((attention.to_q.path, attention.to_k.path, attention.to_v.path))
+        groups.append((mlp.w1.path, mlp.w3.path))
+    return tuple(groups)
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One model family: its config type, model constructor, key table, presets and sampler.
@@ -99,6 +151,10 @@ class Family:
             ``context_embedder`` reads the text alone. Ideogram 4 has none: its text tokens are embedded
             (``llm_cond_proj``, 16-bit) into the one packed sequence beside the image tokens, and every block linear
             reads that sequence after timestep-modulated norms and joint self-attention.
+        shared_inputs: ``model -> groups`` of its quantizable linears that read the identical input tensor (each a
+            tuple of dotted paths, in the order their outputs are stacked when the group is served as one linear:
+            one activation transform, one quantizer call, one GEMM; ``kroquant_jax.shared_inputs`` calibrates a group
+            as one layer named by its paths joined by ``|``). No linear is in two groups.
     """
 
     name: str
@@ -115,6 +171,7 @@ class Family:
     stack: Callable[[dict, Any], dict] | None = None
     unstack: Callable[[dict, Any], dict] | None = None
     text_only: TextOnlyInputs | None = None
+    shared_inputs: SharedInputGroups = _no_shared_inputs
 
     # -- configs ----------------------------------------------------------------------------------------------------
 
@@ -223,23 +280,24 @@ _CAPTION_INPUTS = ("context", "mask", "uncond_context", "uncond_mask")
 
 def _dit_family(module: Any, config_type: type, model_type: type, presets: Mapping[str, Any],
                 prompt_inputs: tuple[str, ...], prompt_widths: Callable[[Any], dict[str, int]],
-                text_only: TextOnlyInputs | None = None) -> Family:
+                shared_inputs: SharedInputGroups, text_only: TextOnlyInputs | None = None) -> Family:
     """A PixArt / SANA / FLUX family: its module's CLASS_NAME and KEY_TABLE, ``models.sampling.make_sampler``."""
     name = module.__name__.rsplit(".", 1)[-1]
     return Family(name=name, class_name=module.CLASS_NAME, config_type=config_type, new_model=_dit_model(model_type),
                   key_table=module.KEY_TABLE, presets=presets, sampler=functools.partial(sampling.make_sampler, name),
-                  prompt_inputs=prompt_inputs, prompt_widths=prompt_widths, text_only=text_only)
+                  prompt_inputs=prompt_inputs, prompt_widths=prompt_widths, text_only=text_only,
+                  shared_inputs=shared_inputs)
 
 
 PIXART = _dit_family(pixart, pixart.PixArtConfig, pixart.PixArtTransformer2DModel,
                      {"PixArt-Sigma-XL-2-1024-MS": pixart.PIXART_SIGMA_XL_2_1024_MS}, _CAPTION_INPUTS, _caption_widths,
-                     CAPTION_KEYS_VALUES)
+                     _self_and_cross_attention_groups, CAPTION_KEYS_VALUES)
 SANA = _dit_family(sana, sana.SanaConfig, sana.SanaTransformer2DModel,
                    {"Sana_1600M_1024px": sana.SANA_1600M_1024PX}, _CAPTION_INPUTS, _caption_widths,
-                   CAPTION_KEYS_VALUES)
+                   _self_and_cross_attention_groups, CAPTION_KEYS_VALUES)
 FLUX = _dit_family(flux, flux.FluxConfig, flux.FluxTransformer2DModel, {"FLUX.1-schnell": flux.FLUX1_SCHNELL},
                    ("context", "pooled"),
-                   lambda cfg: {"context": cfg.joint_attention_dim, "pooled": cfg.pooled_projection_dim})
+                   lambda cfg: {"context": cfg.joint_attention_dim, "pooled": cfg.pooled_projection_dim}, _flux_groups)
 
 IDEOGRAM4 = Family(
     name="ideogram4", class_name=ideogram4.CLASS_NAME, config_type=ideogram4.Ideogram4Config,
@@ -248,7 +306,8 @@ IDEOGRAM4 = Family(
     prompt_widths=lambda cfg: {"context": cfg.llm_features_dim}, config_attr="config",
     list_layout=lambda cfg: dataclasses.replace(cfg, scan_layers=False),
     stack=lambda params, cfg: ideogram4.stack_layer_params(params, cfg.num_layers),
-    unstack=lambda params, cfg: ideogram4.unstack_layer_params(params, cfg.num_layers))
+    unstack=lambda params, cfg: ideogram4.unstack_layer_params(params, cfg.num_layers),
+    shared_inputs=_ideogram4_groups)
 
 #: ``{family name: Family}``.
 REGISTRY: dict[str, Family] = {family.name: family for family in (PIXART, SANA, FLUX, IDEOGRAM4)}

@@ -1,0 +1,178 @@
+"""Shared-input groups: the families' declared groups really read one input, and a fused layer set calibrates as one
+linear per group whose output splits into the members' (kroquant_jax.shared_inputs)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kroquant_jax import calibrate, qlinear, shared_inputs
+from kroquant_jax.layerset import LayerData, RunConfig
+from models import families
+from models.layers import LinearHooks
+from tests.test_capture import _ListRecorder
+from tests.test_families import TINY
+
+#: latent (H, W) of one sampling run of each tiny config
+_LATENT_HW = {"pixart": (8, 8), "sana": (8, 8), "flux": (4, 4), "ideogram4": (2, 2)}
+
+
+class _InputRecorder(_ListRecorder):
+    """Records the whole input (and token mask, None where the model gives none) of every linear at every step, as
+    the sampler's per-step output."""
+
+    def result(self):
+        return dict(self.seen)
+
+
+def _prompts(family, cfg, batch=2, tokens=3):
+    """Random text inputs of ``family`` (the second caption's first token masked, where there is a mask)."""
+    rng = np.random.default_rng(0)
+    widths = family.prompt_widths(cfg)
+    out = {}
+    for key in family.prompt_inputs:
+        if key not in widths:  # a mask
+            mask = np.ones((batch, tokens), np.float32)
+            mask[1, 0] = 0.0
+            out[key] = jnp.asarray(mask)
+        elif key == "pooled":
+            out[key] = jnp.asarray(rng.standard_normal((batch, widths[key])), jnp.float32)
+        else:
+            out[key] = jnp.asarray(rng.standard_normal((batch, tokens, widths[key])), jnp.float32)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_each_declared_group_reads_one_input_and_holds_quantizable_linears(name):
+    family = families.get(name)
+    cfg = TINY[name]
+    model = family.build(cfg, seed=4)
+    groups = shared_inputs.check_groups(family.shared_inputs(model))  # no linear in two groups
+    quantizable = set(family.linear_sites(model))
+    assert groups and all(member in quantizable for group in groups for member in group)
+    graphdef, state = nnx.split(model)
+    guidance = 1.0 if name in ("flux", "ideogram4") else 3.0
+    sample = jax.jit(family.make_sampler(graphdef, cfg, num_steps=2, guidance_scale=guidance,
+                                         latent_hw=_LATENT_HW[name],
+                                         hooks_factory=lambda params, step: LinearHooks(recorder=_InputRecorder())))
+    _, seen = sample({"model": state, **_prompts(family, cfg)}, jax.random.key(1))
+    for group in groups:
+        x0, mask0 = seen[group[0]]
+        for member in group[1:]:
+            x, mask = seen[member]
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(x0), err_msg=f"{member} vs {group[0]}")
+            assert (mask is None) == (mask0 is None), member
+            if mask is not None:
+                np.testing.assert_array_equal(np.asarray(mask), np.asarray(mask0), err_msg=member)
+    # the linears left out of every group read something else than each group (e.g. PixArt's attn2.to_q: the image)
+    grouped = {member for group in groups for member in group}
+    for other in quantizable - grouped:
+        x = np.asarray(seen[other][0])
+        assert not any(x.shape == np.shape(seen[g[0]][0]) and np.array_equal(x, np.asarray(seen[g[0]][0]))
+                       for g in groups), other
+
+
+def test_the_declared_groups_of_each_family():
+    pixart = families.PIXART.build(TINY["pixart"])
+    assert families.PIXART.shared_inputs(pixart) == (
+        tuple(f"transformer_blocks.0.attn1.to_{x}" for x in "qkv"),
+        ("transformer_blocks.0.attn2.to_k", "transformer_blocks.0.attn2.to_v"))
+    flux_groups = families.FLUX.shared_inputs(families.FLUX.build(TINY["flux"]))
+    assert flux_groups[-1] == ("single_transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.attn.to_k",
+                               "single_transformer_blocks.0.attn.to_v", "single_transformer_blocks.0.proj_mlp")
+    ideogram = families.IDEOGRAM4.build(TINY["ideogram4"])
+    groups = families.IDEOGRAM4.shared_inputs(ideogram)
+    assert ("layers.1.feed_forward.w1", "layers.1.feed_forward.w3") in groups and len(groups) == 4
+    # scanned blocks share their paths: one group of each kind, of linears the scanned model has
+    scanned_cfg = dataclasses.replace(TINY["ideogram4"], scan_layers=True)
+    scanned = nnx.eval_shape(lambda: families.IDEOGRAM4.construct(scanned_cfg))
+    scanned_groups = families.IDEOGRAM4.shared_inputs(scanned)
+    assert len(scanned_groups) == 2
+    assert {m for g in scanned_groups for m in g} <= set(families.IDEOGRAM4.linear_sites(scanned))
+
+
+def _layer(rng, o, d, n=96, bias=True):
+    return LayerData(rng.standard_normal((o, d)).astype(np.float32),
+                     rng.standard_normal(o).astype(np.float32) if bias else None,
+                     rng.standard_normal((n, d)).astype(np.float32))
+
+
+def _qkv_layer_set(rng):
+    return {"b.q": _layer(rng, 32, 64), "b.k": _layer(rng, 32, 64, bias=False), "b.v": _layer(rng, 64, 64),
+            "b.out": _layer(rng, 64, 32), "b.k2": _layer(rng, 32, 32, bias=False), "b.v2": _layer(rng, 32, 32,
+                                                                                                bias=False)}
+
+
+def test_fuse_shared_inputs_stacks_weights_and_biases_and_keeps_the_first_members_rows():
+    layers = _qkv_layer_set(np.random.default_rng(0))
+    groups = [("b.q", "b.k", "b.v"), ("b.k2", "b.v2")]
+    fused = shared_inputs.fuse_shared_inputs(layers, groups)
+    assert list(fused) == ["b.q|b.k|b.v", "b.out", "b.k2|b.v2"]
+    qkv = fused["b.q|b.k|b.v"]
+    np.testing.assert_array_equal(qkv.weight, np.concatenate([layers[n].weight for n in ("b.q", "b.k", "b.v")]))
+    np.testing.assert_array_equal(qkv.bias, np.concatenate([layers["b.q"].bias, np.zeros(32), layers["b.v"].bias]))
+    np.testing.assert_array_equal(qkv.activations, layers["b.q"].activations)
+    assert fused["b.k2|b.v2"].bias is None  # no member has a bias
+    np.testing.assert_array_equal(fused["b.out"].weight, layers["b.out"].weight)
+    assert shared_inputs.members_of("b.k2|b.v2") == ("b.k2", "b.v2")
+    assert shared_inputs.output_slices(layers, groups[0]) == {"b.q": slice(0, 32), "b.k": slice(32, 64),
+                                                              "b.v": slice(64, 128)}
+    # the fused layer takes the place of its earliest member in the layer set's order, whatever the group's order
+    assert list(shared_inputs.fuse_shared_inputs(layers, [("b.v2", "b.k2")])) == ["b.q", "b.k", "b.v", "b.out",
+                                                                                  "b.v2|b.k2"]
+
+
+def test_fuse_shared_inputs_refuses_bad_groups():
+    layers = _qkv_layer_set(np.random.default_rng(1))
+    cases = [([("b.q", "b.missing")], r"\['b.missing'\] not in the layer set"),
+             ([("b.q", "b.k2")], "different widths"),
+             ([("b.q", "b.k"), ("b.k", "b.v")], r"layer 'b.k' is also in the group \('b.q', 'b.k'\)"),
+             ([("b.q", "b.q")], "twice in this group"),
+             ([("b.q",)], "at least two linears"),
+             ([("b.q", "b|k")], "holds '|'")]
+    for groups, match in cases:
+        with pytest.raises(ValueError, match=match):
+            shared_inputs.fuse_shared_inputs(layers, groups)
+    clash = {**layers, "b.k2|b.v2": layers["b.out"]}
+    with pytest.raises(ValueError, match="already holds a layer named 'b.k2|b.v2'"):
+        shared_inputs.fuse_shared_inputs(clash, [("b.k2", "b.v2")])
+    with pytest.raises(ValueError, match="has 128 output features"):
+        shared_inputs.split_output(np.zeros((2, 127)), layers, ("b.q", "b.k", "b.v"))
+
+
+def test_a_fused_layer_calibrates_as_one_and_splits_into_its_members_outputs():
+    rng = np.random.default_rng(2)
+    layers = _qkv_layer_set(rng)
+    groups = [("b.q", "b.k", "b.v")]
+    fused = shared_inputs.fuse_shared_inputs({n: layers[n] for n in groups[0]}, groups)
+    run = RunConfig(num_rows=48, num_validation=16, num_test=16, shard=False)
+    recipe = calibrate.get_recipe("kroquant+gptq", run=run, calibration=calibrate.CalibrationConfig(
+        transform=None, steps=4, select_every=2))
+    qlayers, reports = calibrate.quantize_layer_set(fused, recipe)
+    name = "b.q|b.k|b.v"
+    assert list(qlayers) == [name] and qlayers[name].config.out_features == 128  # one transform, one quantized weight
+    # the 16-bit fused layer is exactly the members side by side
+    a = layers["b.q"].activations
+    y = a @ fused[name].weight.T + fused[name].bias
+    for member, part in shared_inputs.split_output(y, layers, groups[0]).items():
+        ref = a @ layers[member].weight.T + (0 if layers[member].bias is None else layers[member].bias)
+        np.testing.assert_allclose(part, ref, rtol=1e-5, atol=1e-4)
+    # each member's error from the fused quantized layer, on the fused layer's test rows
+    rows = shared_inputs.fused_test_rows(fused, groups, run)
+    errors = shared_inputs.member_errors(layers, groups, qlayers, rows)
+    assert list(errors) == list(groups[0]) and all(0 < e < 1 for e in errors.values())
+    # the members' errors combine to the fused layer's reported held-out error (same rows, same reference)
+    refs = {m: rows[name].astype(np.float64) @ layers[m].weight.T.astype(np.float64) for m in groups[0]}
+    combined = np.sqrt(sum((errors[m] * np.linalg.norm(refs[m])) ** 2 for m in groups[0])
+                       / sum(np.linalg.norm(refs[m]) ** 2 for m in groups[0]))
+    np.testing.assert_allclose(combined, reports[name]["heldout_error"], rtol=1e-4)
+    # and the member's slice of the quantized forward is what member_errors measured
+    out = np.asarray(qlinear.qlinear_forward(qlayers[name], jnp.asarray(rows[name])), np.float64)
+    part = out[:, 32:64] - np.asarray(qlayers[name].bias)[32:64]
+    np.testing.assert_allclose(np.linalg.norm(part - refs["b.k"]) / np.linalg.norm(refs["b.k"]), errors["b.k"],
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match="qlayers has no fused layer 'b.k2|b.v2'"):
+        shared_inputs.member_errors(layers, [("b.k2", "b.v2")], qlayers, rows)
