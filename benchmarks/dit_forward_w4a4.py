@@ -6,6 +6,8 @@ device, blocks stacked and run by ``lax.scan``), batch 1, the packed 1K layout o
 (``--variants``, default all; ``w4a4_unfused`` only while within ``--budget-s``):
 
 * ``bf16``: the plain forward (XLA / cuBLAS linears).
+* ``bf16_fused_qkv``: the same with q, k, v as one GEMM over their concatenated kernels
+  (``models.ideogram4_serving.bf16_qkv_hooks``): the bf16 counterpart of ``w4a4_fp8_mgpu_fused_qkv``.
 * ``w4a4_dequant``: every quantizable linear (the 7 per block) replaced by its W4A4 layer (paper eq. 11) on the
   served layers' default strategy, "dequantize + cuBLAS" (``pallas_kernels.served``, ``ServeOptions()``):
   the fused K2 transform + MXFP4 quantize kernel, ``h = x (R T^T)^T`` (XLA, rank 128), both packed operands decoded
@@ -22,6 +24,10 @@ device, blocks stacked and run by ``lax.scan``), batch 1, the packed 1K layout o
   ``pallas_kernels/fp8_gemm_mgpu.py``: powers of two, bias and ``h L^T`` in the GEMM's accumulator and epilogue; the
   kernel writes bf16, a norm then runs in XLA on it, as after a bf16 linear; w1|w3's SwiGLU in the kernel's
   epilogue).
+* ``w4a4_fp8_mgpu_fused_qkv``: ``w4a4_fp8_mgpu`` with q, k, v as one W4A4 layer ``[W_q; W_k; W_v]`` (one
+  transform, one low-rank branch, as ``w1 | w3``; ``build_block_qlinears(fuse_qkv=True)``): one quantizer call and
+  one ``(3 x 4608, 4608)`` GEMM per block instead of three; the other layers are the very ones of ``w4a4_fp8_mgpu``.
+  It needs a checkpoint whose q, k, v were calibrated as one layer.
 * ``w4a4_fp8_mgpu_two_phase``, ``w4a4_fp8_mgpu_kernel_encode``: the same layers with the activations' E4M3 operand
   made by the Pallas re-encode kernel (``act_encode="two_phase"``) or by the quantizer itself (``"kernel"``) instead
   of XLA's fusion (``ACT_ENCODES`` in ``pallas_kernels/fp8_gemm.py``; the same bytes).
@@ -96,9 +102,10 @@ from scripts.common_args import choice_list  # noqa: E402
 
 TRANSFORM = "kron_lu"
 #: Timed forwards, in the order they run (``--variants`` picks a subset; ``w4a4_unfused`` is optional).
-VARIANTS = ("bf16", "w4a4_dequant", "w4a4_fp8", "w4a4_fp8_mgpu", "w4a4_fp8_mgpu_two_phase",
-            "w4a4_fp8_mgpu_kernel_encode", "w4a4_fp8_mgpu_one_launch", "w4a4_fp8_mgpu_k2", "w4a4_fused",
-            "w4a4_unfused")
+VARIANTS = ("bf16", "bf16_fused_qkv", "w4a4_dequant", "w4a4_fp8", "w4a4_fp8_mgpu", "w4a4_fp8_mgpu_fused_qkv",
+            "w4a4_fp8_mgpu_two_phase", "w4a4_fp8_mgpu_kernel_encode", "w4a4_fp8_mgpu_one_launch", "w4a4_fp8_mgpu_k2",
+            "w4a4_fused", "w4a4_unfused")
+BF16_VARIANTS = ("bf16", "bf16_fused_qkv")
 #: The fused-kernel variants: the ``Fp8Linear.act_encode`` of their layers (None: the strategy's default) and the
 #: ``transform_kernel`` they are served with (None: the strategy's K1).
 MGPU_VARIANTS = {"w4a4_fp8_mgpu": (None, None), "w4a4_fp8_mgpu_two_phase": ("two_phase", None),
@@ -290,7 +297,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "method": f"median of {args.repeats} repeats of {args.inner} back-to-back calls after a warm-up call "
                   "(AOT-compiled, block_until_ready per repeat)",
         "command_args": list(sys.argv[1:] if argv is None else argv),
-        "timings_ms": {}, "bf16_over": {}, "compile_s": {}, "errors": {}, "checks": {}, "finite": {},
+        "timings_ms": {}, "bf16_over": {}, "fastest_bf16": None, "fastest_bf16_over": {}, "compile_s": {},
+        "errors": {}, "checks": {}, "finite": {},
         "kernels": {}}
 
     results = StagedResults(out_path, payload, start)  # saved after each stage; a stage's error is recorded
@@ -308,7 +316,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     q: dict[str, QuantizedLinear] = serving.build_block_qlinears(model, jax.random.key(123), rank)
     served = serving.serve_block_layers(q)
-    mgpu_variants = [v for v in MGPU_VARIANTS if v in args.variants]
+    fused_qkv = "w4a4_fp8_mgpu_fused_qkv" in args.variants
+    mgpu_variants = [v for v in MGPU_VARIANTS if v in args.variants or (fused_qkv and v == "w4a4_fp8_mgpu")]
     if "w4a4_fp8" in args.variants or mgpu_variants:
         served_fp8 = serving.serve_block_layers(q, "fp8")
         timing.block(served_fp8)
@@ -316,6 +325,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for kernel_name in dict.fromkeys(MGPU_VARIANTS[v][1] for v in mgpu_variants):
         served_mgpu[kernel_name] = serving.serve_block_layers(q, "fp8_mgpu", transform_kernel=kernel_name)
         timing.block(served_mgpu[kernel_name])
+    if fused_qkv:  # q | k | v as one layer; every other layer is w4a4_fp8_mgpu's own
+        qkv = serving.build_block_qlinears(model, jax.random.key(123), rank, fuse_qkv=True)[serving.BLOCK_QKV]
+        served_qkv = {**{p: v for p, v in served_mgpu[None].items() if p not in serving.BLOCK_QKV_MEMBERS},
+                      serving.BLOCK_QKV: serving.serve_block_layers({serving.BLOCK_QKV: qkv}, "fp8_mgpu")[
+                          serving.BLOCK_QKV]}
+        del qkv
+        timing.block(served_qkv)
     timing.block((q, served))
     payload["build_quantized_s"] = time.perf_counter() - t0
     payload["memory_gib_after_build"] = timing.device_memory_gib()
@@ -358,6 +374,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # The forwards: the served layers as hooks of the scanned model (stacked entries).
     kernel = S.ServeOptions(strategy="kernel", impl=impl, gemm_blocks=opts["gemm_blocks"])
     entries = {
+        **({"bf16_fused_qkv": serving.bf16_qkv_hooks(model).entries()} if "bf16_fused_qkv" in args.variants else {}),
+        **({"w4a4_fp8_mgpu_fused_qkv": serving.block_served_hooks(
+            served_qkv, S.ServeOptions(strategy="fp8_mgpu", impl=impl)).entries()} if fused_qkv else {}),
         "w4a4_dequant": serving.block_served_hooks(served, S.ServeOptions(impl=impl)).entries(),
         **({"w4a4_fp8": serving.block_served_hooks(served_fp8, S.ServeOptions(strategy="fp8", impl=impl)).entries()}
            if "w4a4_fp8" in args.variants else {}),
@@ -392,6 +411,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if "bf16" in payload["timings_ms"]:
                 payload["bf16_over"][name] = (payload["timings_ms"]["bf16"]["median_ms"]
                                               / payload["timings_ms"][name]["median_ms"])
+            bf16_ms = {b: payload["timings_ms"][b]["median_ms"] for b in BF16_VARIANTS if b in payload["timings_ms"]}
+            if bf16_ms:  # against the faster bf16 forward of this run (fused q | k | v or not)
+                fastest = min(bf16_ms, key=bf16_ms.get)
+                payload["fastest_bf16"] = fastest
+                payload["fastest_bf16_over"] = {n: bf16_ms[fastest] / t["median_ms"]
+                                                for n, t in payload["timings_ms"].items()}
             print(f"  {name:14s} {payload['timings_ms'][name]['median_ms']:9.2f} ms  ({blocks_n} of "
                   f"{base.num_layers} blocks)", flush=True)
         if timed and args.kernels:
@@ -414,7 +439,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return np.asarray(jax.device_get(outputs[name][0]), np.float32)[image]  # (image tokens, C)
 
     def compare() -> None:
-        for a, b in (("w4a4_fp8", "w4a4_dequant"), ("w4a4_fp8", "bf16"), ("w4a4_fp8", "simulate"),
+        for a, b in (("bf16_fused_qkv", "bf16"), ("w4a4_fp8_mgpu_fused_qkv", "bf16_fused_qkv"),
+                     ("w4a4_fp8_mgpu_fused_qkv", "bf16"), ("w4a4_fp8_mgpu_fused_qkv", "w4a4_fp8_mgpu"),
+                     ("w4a4_fp8", "w4a4_dequant"), ("w4a4_fp8", "bf16"), ("w4a4_fp8", "simulate"),
                      ("w4a4_fp8_mgpu", "w4a4_fp8"), ("w4a4_fp8_mgpu", "bf16"),
                      ("w4a4_fp8_mgpu_two_phase", "w4a4_fp8_mgpu"), ("w4a4_fp8_mgpu_kernel_encode", "w4a4_fp8_mgpu"),
                      ("w4a4_fp8_mgpu_k2", "w4a4_fp8_mgpu"), ("w4a4_fp8_mgpu_one_launch", "w4a4_fp8_mgpu"),
@@ -453,11 +480,14 @@ def print_table(payload: dict[str, Any]) -> None:
     print(f"  blocks: {payload['blocks']} of the model's {payload['model_blocks']}"
           + (" (NOT the whole model: times scale with the block count; the ratios are what compare)"
              if payload["blocks"] < payload["model_blocks"] else ""))
+    fastest = payload.get("fastest_bf16")
     for name, timing in payload["timings_ms"].items():
         ratio = payload["bf16_over"].get(name)
+        best = payload.get("fastest_bf16_over", {}).get(name) if fastest not in (None, "bf16") else None
         print(f"  forward {name:28s} {timing['median_ms']:9.2f} ms  (bf16 / this = "
-              f"{'' if ratio is None else f'{ratio:.2f}x'}; compile {payload['compile_s'].get(name, float('nan')):.1f}"
-              f" s)")
+              f"{'' if ratio is None else f'{ratio:.2f}x'}"
+              f"{'' if best is None else f', {fastest} / this = {best:.2f}x'}; "
+              f"compile {payload['compile_s'].get(name, float('nan')):.1f} s)")
     for name, prof in payload.get("kernels", {}).items():
         print(f"  kernels of {name}: {prof['device_ms']:.2f} ms device time per forward ({prof['method']})")
         for kernel, ms in prof["top_ms"].items():

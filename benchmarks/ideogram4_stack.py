@@ -22,6 +22,10 @@ included, as ONE AOT-compiled jitted call):
   RMSNorm, ``w1 | w3`` with the SwiGLU): against ``bf16_4x1`` it is the FP8 forward's factor.
 * ``w4a4_fp8_mgpu_4x1``: the same layers on the ``"fp8_mgpu"`` strategy: each GEMM with its powers of two, bias
   and low-rank term as one Mosaic GPU kernel (``pallas_kernels/fp8_gemm_mgpu.py``; off the GPU its jnp mirror).
+* ``w4a4_fp8_mgpu_fused_qkv_4x1``: ``w4a4_fp8_mgpu_4x1`` with q, k, v as one W4A4 layer ``[W_q; W_k; W_v]`` (one
+  transform and low-rank branch, ``build_block_qlinears(fuse_qkv=True)``; the other layers are the very ones of
+  ``w4a4_fp8_mgpu_4x1``): one quantizer call and one GEMM per block for the three. It needs a checkpoint whose q, k,
+  v were calibrated as one layer.
 * ``w4a4_dequant_4x1`` (optional, only while within ``--budget-s``): the same layers on the default strategy
   (dequantize + one cuBLAS GEMM).
 
@@ -79,7 +83,9 @@ from scripts.common_args import choice_list, positive_int  # noqa: E402
 
 #: ``{system: (steps, branches, served strategy or None for bf16)}``, in the order they run.
 SYSTEMS = {"bf16_48x2": (48, 2, None), "bf16_4x1": (4, 1, None), "w4a4_fp8_4x1": (4, 1, "fp8"),
-           "w4a4_fp8_mgpu_4x1": (4, 1, "fp8_mgpu"), "w4a4_dequant_4x1": (4, 1, "dequant")}
+           "w4a4_fp8_mgpu_4x1": (4, 1, "fp8_mgpu"), "w4a4_fp8_mgpu_fused_qkv_4x1": (4, 1, "fp8_mgpu"),
+           "w4a4_dequant_4x1": (4, 1, "dequant")}
+FUSED_QKV = ("w4a4_fp8_mgpu_fused_qkv_4x1",)  # q | k | v served as one layer
 OPTIONAL = ("w4a4_dequant_4x1",)  # run only while within --budget-s
 BASELINE = "bf16_48x2"
 REFERENCE_4X1 = "bf16_4x1"
@@ -229,8 +235,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     def build() -> dict[str, Any]:
         t0 = time.perf_counter()
-        qlayers = serving.build_block_qlinears(nnx.merge(graphdef, cond_state), jax.random.key(123), rank)
-        served = {strategy: serving.serve_block_layers(qlayers, strategy) for strategy in strategies}
+        model = nnx.merge(graphdef, cond_state)
+        qlayers = serving.build_block_qlinears(model, jax.random.key(123), rank)
+        served = {strategy: serving.serve_block_layers(qlayers, strategy) for strategy in dict.fromkeys(strategies)}
+        del qlayers
+        for name in FUSED_QKV:
+            if name in args.systems:  # q | k | v as one layer; every other layer is the same system's unfused one
+                qkv = serving.build_block_qlinears(model, jax.random.key(123), rank, fuse_qkv=True)[serving.BLOCK_QKV]
+                strategy = SYSTEMS[name][2]
+                served[name] = {**{p: v for p, v in served[strategy].items() if p not in serving.BLOCK_QKV_MEMBERS},
+                                serving.BLOCK_QKV: serving.serve_block_layers({serving.BLOCK_QKV: qkv}, strategy)[
+                                    serving.BLOCK_QKV]}
+                del qkv
         timing.block(served)
         payload["build_quantized_s"] = time.perf_counter() - t0
         return served
@@ -245,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             payload["errors"][name] = f"skipped: {elapsed:.0f} s > --budget-s {args.budget_s:g}"
             continue
         options = S.ServeOptions(strategy=strategy, impl=impl)
-        entries = serving.block_served_hooks(served[strategy], options).entries()
+        entries = serving.block_served_hooks(served[name if name in FUSED_QKV else strategy], options).entries()
         stage(name, functools.partial(run_system, name, one_branch, cond_state, entries, *inputs,
                                       *schedule_arrays(name, False)))
         if name in outputs and REFERENCE_4X1 in outputs:  # ||y - ref|| / ||ref|| over the final latents

@@ -278,9 +278,15 @@ class Ideogram4Attention(nnx.Module):
         """``x (B, L, hidden)``, ``mask (B, 1, L, L)`` bool or None (all attend), ``cos/sin (B, L, head_dim)``."""
         batch, length, _ = x.shape
         heads = (batch, length, self.num_heads, self.head_dim)
-        query = _project_norm(self.to_q, self.norm_q, x, hooks).reshape(heads)  # (B, L, H, D)
-        key = _project_norm(self.to_k, self.norm_k, x, hooks).reshape(heads)  # (B, L, H, D)
-        value = self.to_v(x, hooks).reshape(heads)  # (B, L, H, D)
+        fused = getattr(hooks, "fused_shared_input", None)
+        qkv = None if fused is None else fused((self.to_q, self.to_k, self.to_v), x)  # 3 x (B, L, hidden) or None
+        if qkv is not None:  # q | k | v as one fused linear; the norms run on its slices
+            query, key = self.norm_q(qkv[0].reshape(heads)), self.norm_k(qkv[1].reshape(heads))  # (B, L, H, D)
+            value = qkv[2].reshape(heads)  # (B, L, H, D)
+        else:
+            query = _project_norm(self.to_q, self.norm_q, x, hooks).reshape(heads)  # (B, L, H, D)
+            key = _project_norm(self.to_k, self.norm_k, x, hooks).reshape(heads)  # (B, L, H, D)
+            value = self.to_v(x, hooks).reshape(heads)  # (B, L, H, D)
         query = apply_rotary(query, cos, sin)  # (B, L, H, D)
         key = apply_rotary(key, cos, sin)  # (B, L, H, D)
         out = jax.nn.dot_product_attention(query, key, value, mask=mask,
@@ -395,18 +401,22 @@ class Ideogram4Transformer(nnx.Module):
         self.final_layer = Ideogram4FinalLayer(cfg, rngs=rngs)
         name_linears(self)
 
-    def fused_sites(self) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
-        """The sites where fused hooks may replace a linear and the op after it
-        (:class:`models.layers.FusedLinearHooks`): ``({to_q / to_k path: (that path,)}, {w1 path: (w1 path,
-        w3 path)})`` (q/k projection + per-head RMSNorm; gate + up projection + SwiGLU)."""
+    def fused_sites(self) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]],
+                                   dict[str, tuple[str, ...]]]:
+        """The sites where fused hooks may replace linears (:class:`models.layers.FusedLinearHooks`):
+        ``({to_q / to_k path: (that path,)}, {w1 path: (w1 path, w3 path)}, {to_q path: (to_q, to_k, to_v paths)})``
+        (q/k projection + per-head RMSNorm; gate + up projection + SwiGLU; q | k | v, which read the same input, as
+        one linear, the q/k RMSNorm applied to its slices)."""
         blocks = [self.layers] if self.config.scan_layers else list(self.layers)
-        norm_sites, swiglu_sites = {}, {}
+        norm_sites, swiglu_sites, shared_sites = {}, {}, {}
         for block in blocks:
-            for projection in (block.attention.to_q, block.attention.to_k):
+            attention = block.attention
+            for projection in (attention.to_q, attention.to_k):
                 norm_sites[projection.path] = (projection.path,)
+            shared_sites[attention.to_q.path] = (attention.to_q.path, attention.to_k.path, attention.to_v.path)
             mlp = block.feed_forward
             swiglu_sites[mlp.w1.path] = (mlp.w1.path, mlp.w3.path)
-        return norm_sites, swiglu_sites
+        return norm_sites, swiglu_sites, shared_sites
 
     def _check_hooks(self, hooks: LinearHooks | None) -> None:
         """Scanned blocks share their linear paths: they take only stacked hooks; fused entries must name sites."""
@@ -470,7 +480,7 @@ class Ideogram4Transformer(nnx.Module):
             text_embeddings: ``(B, L, hidden)`` from :meth:`embed_text`; replaces ``encoder_hidden_states``.
             hooks: :class:`models.layers.LinearHooks` routing the block linears (quantized overrides, activation
                 capture), list layout; or :class:`models.layers.FusedLinearHooks` (also fused q/k projection
-                + RMSNorm and w1|w3 + SwiGLU sites, see :meth:`fused_sites`), with ``stacked=True`` for the scan
+                + RMSNorm, w1|w3 + SwiGLU and q | k | v sites, see :meth:`fused_sites`), with ``stacked=True`` for the scan
                 layout (entries keyed ``layers.<sub path>``, arrays with a leading ``num_layers`` axis).
         Returns:
             ``(B, L, in_channels)`` in the compute dtype.

@@ -8,8 +8,9 @@ Linear hooks: every forward pass of every family takes an optional :class:`Linea
 :class:`Linear` called with hooks asks them to compute its output, which is how ``models.quantize_model`` swaps a
 16-bit linear for a quantized one (``overrides={path: fn}``) and how ``models.capture`` records the inputs of the
 quantizable linears (``recorder=...``), without any mutable state in the modules. :class:`FusedLinearHooks` adds
-fused sites (a linear and the op after it, e.g. Ideogram 4's q/k projection + RMSNorm and its SwiGLU gate/up pair),
-which a model consumes where it has them. Where a model knows which input tokens are padding (a caption's attention
+fused sites (a linear and the op after it, e.g. Ideogram 4's q/k projection + RMSNorm and its SwiGLU gate/up pair;
+or linears that read the same input run as one GEMM, e.g. Ideogram 4's q | k | v), which a model consumes where it
+has them. Where a model knows which input tokens are padding (a caption's attention
 mask, Ideogram 4's padding segment) it passes the hooks on with :func:`with_token_mask`, so a recorder keeps only the
 rows of real tokens.
 
@@ -121,33 +122,40 @@ class FusedLinearHooks(LinearHooks):
             norm weight and eps, so the fused function never holds a stale copy). Replaces the projection and the norm.
         swiglu: ``{gate projection path: fn(x (..., d)) -> (..., f)}``: ``SiLU(x W_gate^T) * (x W_up^T)``. Replaces the
             gate and the up projection (the model says which linear is the up projection of a gate).
+        shared_input: ``{first member's path: fn(x (..., d)) -> (..., o_1 + ... + o_k)}``: linears that read the same
+            input run as one (e.g. ``[W_q; W_k; W_v]``: one activation transform, one quantizer call, one GEMM),
+            their outputs concatenated in the site's member order. Replaces every member; the model applies what
+            follows each member (e.g. the q/k RMSNorm) to its slice.
         stacked: the entries of block linears carry a leading ``num_layers`` axis on every array (for models whose
             blocks run under ``lax.scan``; the scan hands each block its slice). A model in list layout refuses them.
 
-    A model calls :meth:`fused_projection_norm` / :meth:`fused_swiglu` at its fused sites and runs the unfused path
-    when they return None; it checks the entries first with :func:`check_fused_sites`.
+    A model calls :meth:`fused_projection_norm` / :meth:`fused_swiglu` / :meth:`fused_shared_input` at its fused
+    sites and runs the unfused path when they return None; it checks the entries first with
+    :func:`check_fused_sites`.
     """
 
     def __init__(self, overrides: Mapping[str, Callable[[jax.Array], jax.Array]] | None = None,
                  recorder: Recorder | None = None, *, projection_norm: Mapping[str, Callable] | None = None,
-                 swiglu: Mapping[str, Callable] | None = None, stacked: bool = False):
+                 swiglu: Mapping[str, Callable] | None = None, shared_input: Mapping[str, Callable] | None = None,
+                 stacked: bool = False):
         super().__init__(overrides, recorder)
         self.projection_norm = dict(projection_norm or {})
         self.swiglu = dict(swiglu or {})
+        self.shared_input = dict(shared_input or {})
         self.stacked = bool(stacked)
         if stacked and recorder is not None:
             raise ValueError("FusedLinearHooks: a recorder cannot be combined with stacked (scanned) entries")
 
     def entries(self) -> dict[str, dict[str, Any]]:
-        """The three entry tables (a pytree: ``jax.tree_util.Partial`` entries carry their arrays as leaves)."""
+        """The four entry tables (a pytree: ``jax.tree_util.Partial`` entries carry their arrays as leaves)."""
         return {"overrides": dict(self.overrides), "projection_norm": dict(self.projection_norm),
-                "swiglu": dict(self.swiglu)}
+                "swiglu": dict(self.swiglu), "shared_input": dict(self.shared_input)}
 
     @classmethod
     def from_entries(cls, entries: Mapping[str, Mapping[str, Callable]], stacked: bool = False) -> "FusedLinearHooks":
         """Inverse of :meth:`entries` (e.g. one scanned block's slice of stacked entries)."""
         return cls(entries.get("overrides"), projection_norm=entries.get("projection_norm"),
-                   swiglu=entries.get("swiglu"), stacked=stacked)
+                   swiglu=entries.get("swiglu"), shared_input=entries.get("shared_input"), stacked=stacked)
 
     def fused_projection_norm(self, projection: Any, x: jax.Array, scale: jax.Array, eps: float
                               ) -> jax.Array | None:
@@ -168,6 +176,18 @@ class FusedLinearHooks(LinearHooks):
             self.record(linear, x)
         return _checked(fn(x), x, gate.out_features, f"swiglu entry {gate.path}")
 
+    def fused_shared_input(self, members: tuple[Any, ...], x: jax.Array) -> tuple[jax.Array, ...] | None:
+        """The outputs ``(..., o_i)`` of ``members`` (Linears reading the same ``x``) from one fused entry keyed by
+        the first member's path, or None (run them one by one)."""
+        fn = self.shared_input.get(members[0].path)
+        if fn is None:
+            return None
+        for linear in members:
+            self.record(linear, x)
+        widths = [linear.out_features for linear in members]
+        y = _checked(fn(x), x, sum(widths), f"shared_input entry {members[0].path}")
+        return tuple(jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1))
+
 
 def _checked(y: jax.Array, x: jax.Array, out_features: int, what: str) -> jax.Array:
     expected = x.shape[:-1] + (out_features,)
@@ -177,19 +197,23 @@ def _checked(y: jax.Array, x: jax.Array, out_features: int, what: str) -> jax.Ar
 
 
 def check_fused_sites(hooks: Any, projection_norm_sites: Mapping[str, tuple[str, ...]],
-                      swiglu_sites: Mapping[str, tuple[str, ...]]) -> None:
-    """Raise a ValueError if a fused entry of ``hooks`` names no fused site of the model, or if a per-linear override
-    targets a linear that a fused entry already replaces.
+                      swiglu_sites: Mapping[str, tuple[str, ...]],
+                      shared_input_sites: Mapping[str, tuple[str, ...]] | None = None) -> None:
+    """Raise a ValueError if a fused entry of ``hooks`` names no fused site of the model, or if a linear is replaced
+    twice (by a per-linear override and a fused entry, or by two fused entries).
 
     Args:
         hooks: :class:`FusedLinearHooks` (plain :class:`~models.layers.LinearHooks` and None pass).
         projection_norm_sites: ``{projection path: (paths of the linears it replaces)}`` of the model.
         swiglu_sites: ``{gate path: (gate path, up path)}``.
+        shared_input_sites: ``{first member path: (member paths, in output order)}`` (None: the model has none).
     """
     if not isinstance(hooks, FusedLinearHooks):
         return
     problems = []
-    for table, sites in (("projection_norm", projection_norm_sites), ("swiglu", swiglu_sites)):
+    replaced: dict[str, str] = {}  # linear path -> the fused entry that replaces it
+    for table, sites in (("projection_norm", projection_norm_sites), ("swiglu", swiglu_sites),
+                         ("shared_input", shared_input_sites or {})):
         for name in getattr(hooks, table):
             if name not in sites:
                 examples = ", ".join(sorted(sites)[:3]) or "none"
@@ -198,6 +222,11 @@ def check_fused_sites(hooks: Any, projection_norm_sites: Mapping[str, tuple[str,
             clash = [p for p in sites[name] if p in hooks.overrides]
             if clash:
                 problems.append(f"{table} entry {name!r} replaces {clash}, which also have per-linear overrides")
+            for path in sites[name]:
+                if path in replaced:
+                    problems.append(f"{table} entry {name!r} replaces {path!r}, which {replaced[path]} already "
+                                    "replaces")
+                replaced.setdefault(path, f"{table} entry {name!r}")
     if problems:
         raise ValueError("bad fused hooks:\n  " + "\n  ".join(problems))
 

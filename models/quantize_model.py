@@ -154,8 +154,8 @@ def _served_swiglu(layer: Any, x: jax.Array, *, options: Any) -> jax.Array:
 
 
 def served_hooks(linears: Mapping[str, Any] | None = None, projection_norm: Mapping[str, Any] | None = None,
-                 swiglu: Mapping[str, Any] | None = None, *, options: Any = None,
-                 stacked: bool = False) -> FusedLinearHooks:
+                 swiglu: Mapping[str, Any] | None = None, *, shared_input: Mapping[str, Any] | None = None,
+                 options: Any = None, stacked: bool = False) -> FusedLinearHooks:
     """Hooks running ``pallas_kernels.served.ServedLinear`` layers (packed W4A4 on the GPU).
 
     Args:
@@ -164,6 +164,8 @@ def served_hooks(linears: Mapping[str, Any] | None = None, projection_norm: Mapp
             norm weight and eps at the call).
         swiglu: ``{gate path: ServedLinear}``: the fused ``[W_gate; W_up]`` layer, prepared with
             ``served.serve(layer, swiglu=True)``.
+        shared_input: ``{first member path: ServedLinear}``: linears that read the same input as one layer of their
+            stacked weights (e.g. ``[W_q; W_k; W_v]`` under one transform), its output split among them by the model.
         options: one ``pallas_kernels.served.ServeOptions`` for every entry (``None``: the defaults, strategy
             ``"dequant"``); it validates itself, so a bad combination raises here, not at the first call.
         stacked: the layers carry a leading layer axis (scanned blocks).
@@ -179,7 +181,8 @@ def served_hooks(linears: Mapping[str, Any] | None = None, projection_norm: Mapp
         return {p: partial(functools.partial(fn, options=options), layer) for p, layer in (table or {}).items()}
 
     return FusedLinearHooks(entries(_served, linears), projection_norm=entries(_served_norm, projection_norm),
-                            swiglu=entries(_served_swiglu, swiglu), stacked=stacked)
+                            swiglu=entries(_served_swiglu, swiglu), shared_input=entries(_served, shared_input),
+                            stacked=stacked)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

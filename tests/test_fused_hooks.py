@@ -294,6 +294,46 @@ def test_fused_hooks_match_unfused_in_attention_and_mlp():
     assert _rel(y_fused, y_bf16) > 2e-2
 
 
+def test_shared_input_qkv_site_splits_one_output_among_q_k_v():
+    """q | k | v as one fused linear: its output's slices take the places of q, k, v (the q / k norms after them), so
+    an entry computing the three dense projections at once reproduces the model exactly; a fused W4A4 [W_q; W_k; W_v]
+    layer served on the default strategy runs there too, and the recorder still sees each member's input."""
+    cfg, model = _tiny_model(jnp.float32)
+    attn = model.layers[0].attention
+    attn.norm_q.scale[...] = 1.0 + 0.3 * jax.random.normal(jax.random.PRNGKey(8), (32,))
+    attn.norm_k.scale[...] = 1.0 - 0.3 * jax.random.normal(jax.random.PRNGKey(9), (32,))
+    x = jax.random.normal(jax.random.PRNGKey(7), (1, 9, cfg.hidden_size), jnp.float32)
+    position_ids = jnp.asarray(np.stack([np.arange(9)] * 3, axis=-1)[None])
+    cos, sin = ig.mrope_cos_sin(position_ids, cfg.attention_head_dim, cfg.rope_theta, cfg.mrope_section)
+    members = (attn.to_q, attn.to_k, attn.to_v)
+    dense = lambda x_: jnp.concatenate([lin.dense(x_) for lin in members], axis=-1)  # noqa: E731
+    reference = attn(x, None, cos, sin, None)
+    np.testing.assert_array_equal(np.asarray(attn(x, None, cos, sin, FusedLinearHooks(
+        shared_input={attn.to_q.path: dense}))), np.asarray(reference))
+    # A permuted output would be caught: q and k swapped changes the attention.
+    swapped = lambda x_: jnp.concatenate([members[i].dense(x_) for i in (1, 0, 2)], axis=-1)  # noqa: E731
+    assert _rel(attn(x, None, cos, sin, FusedLinearHooks(shared_input={attn.to_q.path: swapped})), reference) > 1e-2
+
+    _, model16 = _tiny_model()  # bf16, the served layers' activation dtype
+    attn16 = model16.layers[0].attention
+    x16, cos16, sin16 = (a.astype(jnp.bfloat16) for a in (x, cos, sin))
+    served_qkv = S.serve(_qlayer([attn16.to_q, attn16.to_k, attn16.to_v], 13))
+    y = attn16(x16, None, cos16, sin16, served_hooks(shared_input={attn16.to_q.path: served_qkv}, options=DEQUANT))
+    assert 2e-2 < _rel(y, attn16(x16, None, cos16, sin16, None)) < 0.5  # the W4A4 layer ran: quantization error
+
+    seen = []
+
+    class Recorder:
+        def wants(self, path):
+            return True
+
+        def record(self, path, x_, token_mask=None):
+            seen.append(path)
+
+    attn(x, None, cos, sin, FusedLinearHooks(recorder=Recorder(), shared_input={attn.to_q.path: dense}))
+    assert seen[:3] == [lin.path for lin in members]
+
+
 def _served_tables(model, cfg, stacked: bool):
     """Served layers of every block linear (per path, or stacked along the layer axis for the scanned model)."""
     if stacked:
@@ -392,9 +432,11 @@ def test_bad_fused_hooks_raise():
     position_ids, segment_ids, indicator = (jnp.asarray(a) for a in _layout())
     args = (jnp.zeros((*indicator.shape, cfg.in_channels)), jnp.array([0.5]), None, position_ids, segment_ids,
             indicator)
-    norm_sites, swiglu_sites = model.fused_sites()
+    norm_sites, swiglu_sites, shared_sites = model.fused_sites()
     assert set(norm_sites) == {f"layers.{i}.attention.to_{p}" for i in range(2) for p in "qk"}
     assert swiglu_sites["layers.1.feed_forward.w1"] == ("layers.1.feed_forward.w1", "layers.1.feed_forward.w3")
+    assert shared_sites == {f"layers.{i}.attention.to_q": tuple(f"layers.{i}.attention.to_{p}" for p in "qkv")
+                            for i in range(2)}
     f = lambda x, *_: x  # noqa: E731
     bad = [
         (model, FusedLinearHooks(projection_norm={"layers.0.attention.to_v": f}), "names no projection_norm site"),
@@ -409,6 +451,11 @@ def test_bad_fused_hooks_raise():
         (scan_model, FusedLinearHooks({"final_layer.linear": f}, stacked=True), "only name block linears"),
         (scan_model, FusedLinearHooks(swiglu={"layers.feed_forward.w2": jax.tree_util.Partial(
             f, jnp.ones((2,)))}, stacked=True), "names no swiglu site"),
+        (model, FusedLinearHooks(shared_input={"layers.0.attention.to_k": f}), "names no shared_input site"),
+        (model, FusedLinearHooks({"layers.0.attention.to_v": f}, shared_input={"layers.0.attention.to_q": f}),
+         "also have per-linear overrides"),
+        (model, FusedLinearHooks(projection_norm={"layers.0.attention.to_k": f},
+                                 shared_input={"layers.0.attention.to_q": f}), "which projection_norm entry"),
     ]
     for target, hooks, message in bad:
         with pytest.raises(ValueError, match=message):
@@ -418,6 +465,9 @@ def test_bad_fused_hooks_raise():
     wrong = FusedLinearHooks(projection_norm={"layers.0.attention.to_k": lambda x, s, e: x[..., :16]})
     with pytest.raises(ValueError, match="projection_norm entry layers.0.attention.to_k: returned shape"):
         real(*args[:1], *args[1:], hooks=wrong)
+    wrong = FusedLinearHooks(shared_input={"layers.0.attention.to_q": lambda x: x})  # hidden wide, not 3 hidden
+    with pytest.raises(ValueError, match="shared_input entry layers.0.attention.to_q: returned shape"):
+        real(*args, hooks=wrong)
 
 
 def _run_benchmark(*argv: str) -> subprocess.CompletedProcess:
@@ -431,12 +481,14 @@ def test_benchmark_fused_fp8_variants_and_kernel_profile(tmp_path):
     re-encode, the one-launch quantizer writing E4M3, and the transforms as K2 instead of K1: the same bytes, so the same forward; --kernels records a
     profile per timed forward (time and launches per kernel name), --hlo-dir each forward's optimized HLO."""
     run = _run_benchmark("--preset", "tiny", "--variants",
-                         "bf16,w4a4_fp8_mgpu,w4a4_fp8_mgpu_two_phase,w4a4_fp8_mgpu_k2,w4a4_fp8_mgpu_one_launch",
+                         "bf16,bf16_fused_qkv,w4a4_fp8_mgpu,w4a4_fp8_mgpu_fused_qkv,w4a4_fp8_mgpu_two_phase,"
+                         "w4a4_fp8_mgpu_k2,w4a4_fp8_mgpu_one_launch",
                          "--blocks", "1", "--no-tune", "--kernels", "--repeats", "1", "--inner", "1",
                          "--hlo-dir", str(tmp_path / "hlo"), "--out", str(tmp_path / "forward.json"))
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads((tmp_path / "forward.json").read_text())
-    names = ["bf16", "w4a4_fp8_mgpu", "w4a4_fp8_mgpu_two_phase", "w4a4_fp8_mgpu_k2", "w4a4_fp8_mgpu_one_launch"]
+    names = ["bf16", "bf16_fused_qkv", "w4a4_fp8_mgpu", "w4a4_fp8_mgpu_fused_qkv", "w4a4_fp8_mgpu_two_phase",
+             "w4a4_fp8_mgpu_k2", "w4a4_fp8_mgpu_one_launch"]
     assert saved["errors"] == {} and saved["finite"] == dict.fromkeys(names, True)
     assert saved["checks"]["forward w4a4_fp8_mgpu_two_phase vs w4a4_fp8_mgpu"] == 0.0
     assert saved["checks"]["forward w4a4_fp8_mgpu_k2 vs w4a4_fp8_mgpu"] == 0.0
@@ -444,6 +496,13 @@ def test_benchmark_fused_fp8_variants_and_kernel_profile(tmp_path):
     with gzip.open(tmp_path / "hlo" / "dit_forward_w4a4_fp8_mgpu_k2.hlo.txt.gz", "rt") as f:
         assert "HloModule" in f.read(200)
     assert 0 < saved["checks"]["forward w4a4_fp8_mgpu vs bf16"] < 0.5
+    # q | k | v fused: the bf16 forward up to summation order; the W4A4 one with its own (shared) transform.
+    assert saved["checks"]["forward bf16_fused_qkv vs bf16"] < 1e-2
+    assert 0 < saved["checks"]["forward w4a4_fp8_mgpu_fused_qkv vs bf16_fused_qkv"] < 0.5
+    assert saved["fastest_bf16"] in ("bf16", "bf16_fused_qkv")
+    fastest_ms = saved["timings_ms"][saved["fastest_bf16"]]["median_ms"]
+    assert saved["fastest_bf16_over"]["w4a4_fp8_mgpu"] == pytest.approx(
+        fastest_ms / saved["timings_ms"]["w4a4_fp8_mgpu"]["median_ms"])
     assert set(saved["kernels"]) == set(names) and all(k["device_ms"] > 0 for k in saved["kernels"].values())
     assert all(set(k["launches"]) == set(k["top_ms"]) for k in saved["kernels"].values())
     assert "kernels of w4a4_fp8_mgpu:" in run.stdout

@@ -126,12 +126,12 @@ def test_stack_benchmark_tiny_run(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads(out.read_text())
-    systems = ["bf16_48x2", "bf16_4x1", "w4a4_fp8_4x1", "w4a4_fp8_mgpu_4x1", "w4a4_dequant_4x1"]
+    systems = ["bf16_48x2", "bf16_4x1", "w4a4_fp8_4x1", "w4a4_fp8_mgpu_4x1", "w4a4_fp8_mgpu_fused_qkv_4x1",
+               "w4a4_dequant_4x1"]
     assert saved["systems"] == systems and saved["errors"] == {}
     assert saved["tokens"] == 3 + 4 and saved["vae"] == "VAE decode not included (not ported)"
     assert saved["finite"] == dict.fromkeys(systems, True)
-    assert saved["forward_passes_per_image"] == {"bf16_48x2": 96, "bf16_4x1": 4, "w4a4_fp8_4x1": 4,
-                                                 "w4a4_fp8_mgpu_4x1": 4, "w4a4_dequant_4x1": 4}
+    assert saved["forward_passes_per_image"] == {"bf16_48x2": 96, **dict.fromkeys(systems[1:], 4)}
     assert saved["schedules"]["bf16_48x2"]["guidance"] == [7.0] * 45 + [3.0] * 3
     times = {name: saved["timings_ms"][name]["median_ms"] for name in systems}
     assert all(t > 0 for t in times.values()) and all(saved["compile_s"][name] > 0 for name in systems)
@@ -141,11 +141,11 @@ def test_stack_benchmark_tiny_run(tmp_path):
         assert saved["speedup_per_image"][name] == pytest.approx(speedup)
         assert saved["per_forward_ratio"][name] == pytest.approx(speedup * saved["forward_passes_per_image"][name]
                                                                  / 96)
-    fastest = min(("w4a4_fp8_4x1", "w4a4_fp8_mgpu_4x1", "w4a4_dequant_4x1"), key=times.get)
+    fastest = min(systems[2:], key=times.get)
     assert saved["fastest_stack"] == fastest
     assert saved["ideogram4_stack_speedup_per_image"] == pytest.approx(times["bf16_48x2"] / times[fastest])
     assert saved["goal_met"] == (saved["ideogram4_stack_speedup_per_image"] >= 30.0)
     # The served layers change the latents (wired in), by a quantization-sized amount (not garbage).
-    for name in ("w4a4_fp8_4x1", "w4a4_fp8_mgpu_4x1", "w4a4_dequant_4x1"):
+    for name in systems[2:]:
         assert 1e-3 < saved["checks"][f"{name} vs bf16_4x1 final latents rel err"] < 0.3
     assert "ideogram4_stack_speedup_per_image" in run.stdout and "VAE decode not included" in run.stdout
