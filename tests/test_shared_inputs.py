@@ -176,3 +176,29 @@ def test_a_fused_layer_calibrates_as_one_and_splits_into_its_members_outputs():
                                rtol=1e-5)
     with pytest.raises(ValueError, match="qlayers has no fused layer 'b.k2|b.v2'"):
         shared_inputs.member_errors(layers, [("b.k2", "b.v2")], qlayers, rows)
+
+
+def test_the_testbed_measurement_tiny_run(tmp_path):
+    """benchmarks/calibrate_shared_inputs.py on the shipped testbed, one block, a tiny capture: both arms measure each
+    member on the same held-out rows, so a fixed transform (Hadamard-32, round to nearest: nothing depends on the
+    rows) gives every member exactly its per-linear error fused; the capture is written, then read back."""
+    import json
+
+    from tests.test_benchmarks import _run
+
+    out = tmp_path / "r.json"
+    argv = ["--layer-set", str(tmp_path / "ls.safetensors"), "--calib-captions", "2", "--batch-size", "2",
+            "--steps", "2", "--rows-per-layer", "64", "--calib-steps", "2", "--calib-rows", "24",
+            "--calib-validation", "8", "--calib-test", "8", "--blocks", "1", "--heldout", "8", "--out-json", str(out),
+            "--out-md", str(tmp_path / "r.md")]
+    _run("calibrate_shared_inputs.py", *argv, "--methods", "hadamard32")
+    result = json.loads(out.read_text())
+    assert result["groups"] == [[f"transformer_blocks.0.attn1.to_{x}" for x in "qkv"],
+                                ["transformer_blocks.0.attn2.to_k", "transformer_blocks.0.attn2.to_v"]]
+    errors = result["methods"]["hadamard32"]["errors"]
+    assert len(errors) == 5 and all(e["fused"] == e["per_linear"] and 0 < e["fused"] < 1 for e in errors.values())
+    assert result["methods"]["hadamard32"]["summary"][-1]["worse_fused"] == 0
+    assert "| hadamard32 | **all** | 5 |" in (tmp_path / "r.md").read_text()
+    _run("calibrate_shared_inputs.py", *argv, "--methods", "kroquant")  # reads the capture of the first run
+    again = json.loads(out.read_text())
+    assert "read" in again["description"] and set(again["methods"]["kroquant"]["errors"]) == set(errors)

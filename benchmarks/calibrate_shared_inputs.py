@@ -1,0 +1,248 @@
+"""Per-linear vs shared-input-group calibration on the testbed's real layers: what one transform per group costs.
+
+Serving runs linears that read the same input as one GEMM under one activation transform (``kroquant_jax.
+shared_inputs``). This main calibrates the testbed's groups (``models.families.PIXART.shared_inputs``: every block's
+``attn1.to_q|to_k|to_v`` and ``attn2.to_k|to_v``) both ways, on the same rows, and reports each member's error:
+
+1. **Capture** (or ``--layer-set`` of an earlier run of this main): ``models.testbed.evaluation.capture_flow_layer_set``
+   of every quantizable linear over the first ``--calib-captions`` training captions (flow Euler, CFG, real tokens,
+   repeated rows once): the capture of docs/calibration.md's "All 100 testbed layers".
+2. **Rows.** The members of a group read one tensor, so every member gets the first member's rows (the rows the
+   fused layer calibrates on; ``fuse_shared_inputs``). Of those, ``--heldout`` rows per group (at most a fifth;
+   seeded by the group's fused name) are held out from both arms: every member's error is measured on them, with
+   its per-linear layer and with its slice of the fused layer. The rest go to ``quantize_layer_set`` (its own
+   calibration / validation / test split; its test rows are not used here).
+3. **Calibrate** every ``--methods`` recipe twice: per linear (the members, one transform / branch each) and fused
+   (one per group), recipe settings from the usual flags (``calibrate.add_recipe_arguments``).
+
+    python benchmarks/calibrate_shared_inputs.py --out-json benchmarks/results/x.json --out-md benchmarks/results/x.md \
+        --layer-set runs/shared_inputs/layer_set.safetensors --calib-rows 1024 --calib-validation 512
+
+The JSON is rewritten after every method (an interrupted run keeps the methods that finished).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_METHODS = ("hadamard32", "smoothquant", "kroquant", "smoothed_kroquant")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from kroquant_jax import calibrate
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default=str(ROOT / "checkpoints" / "emoji_pixart"), help="diffusers PixArt folder")
+    p.add_argument("--prompts", default=None, help="prompt .npz (default: <checkpoint>/testbed_prompts.npz)")
+    p.add_argument("--layer-set", required=True,
+                   help="the capture (.safetensors): read when it exists (its weights must be --checkpoint's), "
+                        "else captured and written there")
+    p.add_argument("--calib-captions", type=int, default=32, help="training captions sampled for the capture")
+    p.add_argument("--steps", type=int, default=20, help="Euler steps of the capture")
+    p.add_argument("--guidance", type=float, default=3.0, help="CFG scale of the capture")
+    p.add_argument("--rows-per-layer", type=int, default=2048, help="captured rows kept per layer")
+    p.add_argument("--batch-size", type=int, default=8, help="captions per sampling call (capture)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the capture, the held-out rows and the row split")
+    p.add_argument("--heldout", type=int, default=256, help="held-out rows per group (at most a fifth of its rows)")
+    p.add_argument("--blocks", type=int, default=None, help="only the groups of the first N blocks (tests)")
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help="recipes (calibrate.get_recipe)")
+    p.add_argument("--out-json", required=True, help="result JSON")
+    p.add_argument("--out-md", default=None, help="result table (markdown)")
+    calibrate.add_recipe_arguments(p)
+    args = p.parse_args(argv)
+    for flag in ("calib_captions", "steps", "rows_per_layer", "batch_size", "heldout"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
+    return args
+
+
+def load_or_capture(args, model, names):
+    """The layer set of ``names`` from ``args.layer_set``, or captured (and written there) when it does not exist."""
+    import numpy as np
+
+    from kroquant_jax import layerset, provenance
+    from models.layers import linears
+    from models.testbed import data as testbed_data
+    from models.testbed.evaluation import capture_flow_layer_set
+
+    path = Path(args.layer_set)
+    if path.exists():
+        layer_set = layerset.load_layer_set(str(path))
+        found = linears(model)
+        missing = [n for n in names if n not in layer_set]
+        if missing:
+            raise ValueError(f"--layer-set {path}: lacks the layers {missing[:3]} ...")
+        weights = {n: (np.asarray(found[n].kernel[...], np.float32).T,
+                       None if found[n].bias is None else np.asarray(found[n].bias[...], np.float32)) for n in names}
+        why = provenance.layer_set_mismatch({n: layer_set[n] for n in names}, weights)
+        if why is not None:
+            raise ValueError(f"--layer-set {path}: {why}: not captured from --checkpoint {args.checkpoint}")
+        return layer_set, "read"
+    dataset = testbed_data.load_dataset(args.prompts or str(Path(args.checkpoint) / "testbed_prompts.npz"))
+    indices = np.flatnonzero(~dataset.heldout)[:args.calib_captions]
+    layer_set = capture_flow_layer_set(model, dataset, indices, list(linears(model, quantizable_only=True)),
+                                       steps=args.steps, guidance=args.guidance, rows_per_layer=args.rows_per_layer,
+                                       seed=args.seed, batch_size=args.batch_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    layerset.save_layer_set(str(path), layer_set)
+    return layerset.as_layer_set(layer_set), "captured"
+
+
+def shared_rows(layer_set, groups, heldout: int, seed: int):
+    """``(per-linear layer set, {fused name: held-out rows})``: every member with its group's first member's rows
+    minus ``heldout`` of them (at most a fifth; a seeded draw per fused name), the held-out rows apart."""
+    from kroquant_jax import shared_inputs
+    from kroquant_jax.layerset import LayerData, layer_seed
+
+    members, held = {}, {}
+    for group in groups:
+        name = shared_inputs.fused_name(group)
+        rows = layer_set[group[0]].activations  # (n, d): the input every member reads
+        count = min(heldout, rows.shape[0] // 5)
+        perm = layer_seed(seed, name).permutation(rows.shape[0])
+        held[name] = rows[sorted(perm[:count])]
+        pool = rows[sorted(perm[count:])]
+        for member in group:
+            layer = layer_set[member]
+            members[member] = LayerData(layer.weight, layer.bias, pool)
+    return members, held
+
+
+def per_linear_errors(layers, groups, qlayers, held) -> dict[str, float]:
+    """Each member's relative output error (bias removed, float64 reference) of its own quantized layer on its
+    group's held-out rows."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kroquant_jax import qlinear, shared_inputs
+
+    forward = jax.jit(qlinear.qlinear_forward, static_argnames="path")
+    errors = {}
+    for group in groups:
+        a = held[shared_inputs.fused_name(group)]
+        for member in group:
+            q = qlayers[member]
+            y = np.asarray(forward(q, jnp.asarray(a)), np.float64)
+            if q.bias is not None:
+                y = y - np.asarray(q.bias, np.float64)
+            ref = a.astype(np.float64) @ layers[member].weight.T.astype(np.float64)
+            errors[member] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+    return errors
+
+
+def layer_type(name: str) -> str:
+    """``transformer_blocks.3.attn1.to_q`` -> ``attn1.to_q``."""
+    return name.split(".", 2)[2]
+
+
+def summary(errors: dict[str, dict[str, float]]) -> list[dict]:
+    """Per layer type (and all): members, mean per-linear and fused error, relative change, members worse fused."""
+    import numpy as np
+
+    types = sorted({layer_type(n) for n in errors}) + ["all"]
+    rows = []
+    for kind in types:
+        names = [n for n in errors if kind == "all" or layer_type(n) == kind]
+        per = np.array([errors[n]["per_linear"] for n in names])
+        fused = np.array([errors[n]["fused"] for n in names])
+        rows.append({"layer_type": kind, "members": len(names), "per_linear": float(per.mean()),
+                     "fused": float(fused.mean()), "change": float(fused.mean() / per.mean() - 1.0),
+                     "worse_fused": int((fused > per).sum()),
+                     "max_change": float((fused / per - 1.0).max())})
+    return rows
+
+
+def markdown(result: dict) -> str:
+    """The result's tables: per method, per layer type."""
+    lines = [f"# Per-linear vs shared-input-group calibration, testbed ({result['date']})", "",
+             result["description"], "",
+             "| method | layer type | members | per-linear | fused | change | worse fused | worst member |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for method, rec in result["methods"].items():
+        for row in rec["summary"]:
+            kind = f"**{row['layer_type']}**" if row["layer_type"] == "all" else row["layer_type"]
+            lines.append(f"| {method} | {kind} | {row['members']} | {row['per_linear']:.4f} | {row['fused']:.4f} | "
+                         f"{100 * row['change']:+.1f}% | {row['worse_fused']} | {100 * row['max_change']:+.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+
+    import jax
+    import numpy as np
+
+    from kroquant_jax import calibrate, fileio, shared_inputs
+    from models import families
+
+    recipes = {m: calibrate.recipe_from_args(m, args, seed=args.seed, progress=True) for m in args.methods}
+    for message in calibrate.unused_stage_arguments(recipes, args):
+        raise SystemExit(f"calibrate_shared_inputs: {message}")
+    started = time.perf_counter()
+    _, model = families.PIXART.from_diffusers(args.checkpoint, "float32")
+    groups = families.PIXART.shared_inputs(model)
+    if args.blocks is not None:
+        groups = tuple(g for g in groups if int(g[0].split(".")[1]) < args.blocks)
+    names = [m for g in groups for m in g]
+    layer_set, how = load_or_capture(args, model, names)
+    capture_s = time.perf_counter() - started
+    members, held = shared_rows(layer_set, groups, args.heldout, args.seed)
+    fused = shared_inputs.fuse_shared_inputs(members, groups)
+    rows = {n: int(layer.activations.shape[0]) for n, layer in fused.items()}
+    device = jax.devices()[0]
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python benchmarks/calibrate_shared_inputs.py " + " ".join(argv if argv is not None
+                                                                              else sys.argv[1:]),
+        "machine": {"platform": device.platform, "device": device.device_kind, "cpu": platform.processor()
+                    or platform.machine(), "jax": jax.__version__, "python": platform.python_version()},
+        "description": (
+            f"{args.checkpoint}: {len(groups)} shared-input groups ({len(names)} linears) of "
+            f"models.families.PIXART.shared_inputs; capture ({how} {args.layer_set}) from {args.calib_captions} "
+            f"training captions x {args.steps} flow-Euler steps, CFG {args.guidance}, {args.rows_per_layer} rows "
+            f"per layer at most (real tokens, repeats once); every member calibrated on its group's first member's "
+            f"rows minus {args.heldout} held-out rows per group (at most a fifth), on which every error is measured "
+            f"(relative output error, bias removed); per-linear: one transform per linear, fused: one per group "
+            f"(kroquant_jax.shared_inputs.fuse_shared_inputs)"),
+        "settings": {k: v for k, v in vars(args).items() if not k.startswith("out_")},
+        "groups": [list(g) for g in groups],
+        "calibration_rows_per_group": rows,
+        "heldout_rows_per_group": {n: int(a.shape[0]) for n, a in held.items()},
+        "capture_s": round(capture_s, 1),
+        "methods": {},
+    }
+    for method, recipe in recipes.items():
+        t0 = time.perf_counter()
+        q_per, _ = calibrate.quantize_layer_set(members, recipe)
+        t1 = time.perf_counter()
+        q_fused, reports = calibrate.quantize_layer_set(fused, recipe)
+        t2 = time.perf_counter()
+        per = per_linear_errors(members, groups, q_per, held)
+        fus = shared_inputs.member_errors(members, groups, q_fused, held)
+        errors = {n: {"per_linear": per[n], "fused": fus[n]} for n in names}
+        result["methods"][method] = {
+            "recipe": repr(recipe), "per_linear_s": round(t1 - t0, 1), "fused_s": round(t2 - t1, 1),
+            "summary": summary(errors), "errors": errors,
+            "fused_chosen": {n: reports[n].get("chosen") for n in reports}}
+        fileio.atomic_write_text(args.out_json, json.dumps(result, indent=1) + "\n")
+        row = result["methods"][method]["summary"][-1]
+        print(f"{method}: per-linear {row['per_linear']:.4f}, fused {row['fused']:.4f} ({100 * row['change']:+.1f}%), "
+              f"{row['worse_fused']} of {row['members']} members worse fused ({t1 - t0:.0f} s + {t2 - t1:.0f} s)",
+              flush=True)
+    if args.out_md:
+        fileio.atomic_write_text(args.out_md, markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
