@@ -51,10 +51,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--guidance", type=float, default=3.0, help="CFG scale of the capture")
     p.add_argument("--rows-per-layer", type=int, default=2048, help="captured rows kept per layer")
     p.add_argument("--batch-size", type=int, default=8, help="captions per sampling call (capture)")
+    p.add_argument("--text-rows-from-all-prompts", action="store_true",
+                   help="the attn2.to_k / to_v rows from the caption projection of every training caption's real "
+                        "tokens (models.capture: text_rows_from_all_prompts), not only the captured captions'")
     p.add_argument("--seed", type=int, default=0, help="seed of the capture, the held-out rows and the row split")
     p.add_argument("--heldout", type=int, default=256, help="held-out rows per group (at most a fifth of its rows)")
     p.add_argument("--blocks", type=int, default=None, help="only the groups of the first N blocks (tests)")
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help="recipes (calibrate.get_recipe)")
+    p.add_argument("--fused-rank-sum", action="store_true",
+                   help="low-rank recipes: also calibrate the fused layers with a branch of the members' ranks "
+                        "together (reported as '<method> [fused rank = sum]'; the recipe's own rank gives the fused "
+                        "layer one branch of that rank for all its members)")
     p.add_argument("--out-json", required=True, help="result JSON")
     p.add_argument("--out-md", default=None, help="result table (markdown)")
     calibrate.add_recipe_arguments(p)
@@ -65,35 +72,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+#: The options a capture depends on (besides the checkpoint's weights, checked from the layer set itself).
+CAPTURE_OPTIONS = ("prompts", "calib_captions", "steps", "guidance", "rows_per_layer", "batch_size", "seed",
+                   "text_rows_from_all_prompts")
+
+
 def load_or_capture(args, model, names):
-    """The layer set of ``names`` from ``args.layer_set``, or captured (and written there) when it does not exist."""
+    """The layer set of ``names`` from ``args.layer_set``, or captured (and written there, with its capture options
+    beside it in ``<layer set>.json``) when it does not exist. A layer set captured with other options, or from
+    other weights, is refused."""
     import numpy as np
 
-    from kroquant_jax import layerset, provenance
+    from kroquant_jax import fileio, layerset, provenance
     from models.layers import linears
     from models.testbed import data as testbed_data
-    from models.testbed.evaluation import capture_flow_layer_set
+    from models.testbed.evaluation import capture_flow_layer_set, training_caption_text
 
     path = Path(args.layer_set)
+    options_path = Path(str(path) + ".json")
+    options = {k: getattr(args, k) for k in CAPTURE_OPTIONS}
     if path.exists():
+        stored = json.loads(options_path.read_text()) if options_path.exists() else None
+        if stored != options:
+            changed = sorted(k for k in options if stored is None or stored.get(k) != options[k])
+            raise ValueError(f"--layer-set {path}: captured with other options than these ({changed}; "
+                             f"{options_path} {'differs' if stored is not None else 'is missing'}): another "
+                             f"--layer-set path, or the same options")
         layer_set = layerset.load_layer_set(str(path))
         found = linears(model)
-        missing = [n for n in names if n not in layer_set]
-        if missing:
-            raise ValueError(f"--layer-set {path}: lacks the layers {missing[:3]} ...")
         weights = {n: (np.asarray(found[n].kernel[...], np.float32).T,
                        None if found[n].bias is None else np.asarray(found[n].bias[...], np.float32)) for n in names}
-        why = provenance.layer_set_mismatch({n: layer_set[n] for n in names}, weights)
+        why = provenance.layer_set_mismatch(layer_set, weights)
         if why is not None:
             raise ValueError(f"--layer-set {path}: {why}: not captured from --checkpoint {args.checkpoint}")
         return layer_set, "read"
     dataset = testbed_data.load_dataset(args.prompts or str(Path(args.checkpoint) / "testbed_prompts.npz"))
     indices = np.flatnonzero(~dataset.heldout)[:args.calib_captions]
+    text = training_caption_text(dataset) if args.text_rows_from_all_prompts else None
     layer_set = capture_flow_layer_set(model, dataset, indices, list(linears(model, quantizable_only=True)),
                                        steps=args.steps, guidance=args.guidance, rows_per_layer=args.rows_per_layer,
-                                       seed=args.seed, batch_size=args.batch_size)
+                                       seed=args.seed, batch_size=args.batch_size, text_prompts=text)
     path.parent.mkdir(parents=True, exist_ok=True)
     layerset.save_layer_set(str(path), layer_set)
+    fileio.atomic_write_text(options_path, json.dumps(options, indent=1) + "\n")
     return layerset.as_layer_set(layer_set), "captured"
 
 
@@ -176,6 +197,37 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def rank_sum_recipes(recipe, members, groups) -> dict:
+    """``{fused name: recipe}`` whose low-rank branch has the rank of the group's members' branches together (each
+    member's rank resolved from ``recipe``'s, e.g. a fraction of its ``min(o, d)``)."""
+    import dataclasses
+
+    from kroquant_jax import lowrank, shared_inputs
+
+    stage = "loraq" if recipe.lowrank == "loraq" else "svdquant"
+    cfg = getattr(recipe, stage)
+    block = cfg.fmt.block_size if stage == "loraq" and cfg.quantize_branch else None
+    out = {}
+    for group in groups:
+        rank = sum(lowrank.resolve_rank(cfg.rank, members[m].weight.shape, block, m) for m in group)
+        out[shared_inputs.fused_name(group)] = dataclasses.replace(
+            recipe, **{stage: dataclasses.replace(cfg, rank=int(rank))})
+    return out
+
+
+def quantize_by_recipe(layers, recipes: dict):
+    """``quantize_layer_set`` of ``layers`` with ``recipes[name]`` per layer (one call per distinct recipe)."""
+    from kroquant_jax import calibrate
+
+    qlayers, reports = {}, {}
+    for recipe in {id(r): r for r in recipes.values()}.values():
+        part = {n: layer for n, layer in layers.items() if recipes[n] is recipe or recipes[n] == recipe}
+        q, rep = calibrate.quantize_layer_set(part, recipe)
+        qlayers.update(q)
+        reports.update(rep)
+    return qlayers, reports
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
 
@@ -210,7 +262,9 @@ def main(argv=None) -> int:
             f"{args.checkpoint}: {len(groups)} shared-input groups ({len(names)} linears) of "
             f"models.families.PIXART.shared_inputs; capture ({how} {args.layer_set}) from {args.calib_captions} "
             f"training captions x {args.steps} flow-Euler steps, CFG {args.guidance}, {args.rows_per_layer} rows "
-            f"per layer at most (real tokens, repeats once); every member calibrated on its group's first member's "
+            f"per layer at most (real tokens, repeats once"
+            + ("; attn2.to_k / to_v: every training caption's tokens" if args.text_rows_from_all_prompts else "")
+            + f"); every member calibrated on its group's first member's "
             f"rows minus {args.heldout} held-out rows per group (at most a fifth), on which every error is measured "
             f"(relative output error, bias removed); per-linear: one transform per linear, fused: one per group "
             f"(kroquant_jax.shared_inputs.fuse_shared_inputs)"),
@@ -224,21 +278,27 @@ def main(argv=None) -> int:
     for method, recipe in recipes.items():
         t0 = time.perf_counter()
         q_per, _ = calibrate.quantize_layer_set(members, recipe)
-        t1 = time.perf_counter()
-        q_fused, reports = calibrate.quantize_layer_set(fused, recipe)
-        t2 = time.perf_counter()
+        per_s = time.perf_counter() - t0
         per = per_linear_errors(members, groups, q_per, held)
-        fus = shared_inputs.member_errors(members, groups, q_fused, held)
-        errors = {n: {"per_linear": per[n], "fused": fus[n]} for n in names}
-        result["methods"][method] = {
-            "recipe": repr(recipe), "per_linear_s": round(t1 - t0, 1), "fused_s": round(t2 - t1, 1),
-            "summary": summary(errors), "errors": errors,
-            "fused_chosen": {n: reports[n].get("chosen") for n in reports}}
-        fileio.atomic_write_text(args.out_json, json.dumps(result, indent=1) + "\n")
-        row = result["methods"][method]["summary"][-1]
-        print(f"{method}: per-linear {row['per_linear']:.4f}, fused {row['fused']:.4f} ({100 * row['change']:+.1f}%), "
-              f"{row['worse_fused']} of {row['members']} members worse fused ({t1 - t0:.0f} s + {t2 - t1:.0f} s)",
-              flush=True)
+        arms = [(method, {n: recipe for n in fused})]
+        if args.fused_rank_sum and recipe.lowrank is not None:
+            arms.append((f"{method} [fused rank = sum]", rank_sum_recipes(recipe, members, groups)))
+        for label, fused_recipes in arms:
+            t1 = time.perf_counter()
+            q_fused, reports = quantize_by_recipe(fused, fused_recipes)
+            fused_s = time.perf_counter() - t1
+            fus = shared_inputs.member_errors(members, groups, q_fused, held)
+            errors = {n: {"per_linear": per[n], "fused": fus[n]} for n in names}
+            result["methods"][label] = {
+                "recipe": repr(recipe), "per_linear_s": round(per_s, 1), "fused_s": round(fused_s, 1),
+                "fused_ranks": {n: q.config.rank for n, q in q_fused.items()},
+                "summary": summary(errors), "errors": errors,
+                "fused_chosen": {n: reports[n].get("chosen") for n in reports}}
+            fileio.atomic_write_text(args.out_json, json.dumps(result, indent=1) + "\n")
+            row = result["methods"][label]["summary"][-1]
+            print(f"{label}: per-linear {row['per_linear']:.4f}, fused {row['fused']:.4f} "
+                  f"({100 * row['change']:+.1f}%), {row['worse_fused']} of {row['members']} members worse fused "
+                  f"({per_s:.0f} s + {fused_s:.0f} s)", flush=True)
     if args.out_md:
         fileio.atomic_write_text(args.out_md, markdown(result))
     return 0

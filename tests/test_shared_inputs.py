@@ -181,10 +181,14 @@ def test_a_fused_layer_calibrates_as_one_and_splits_into_its_members_outputs():
 def test_the_testbed_measurement_tiny_run(tmp_path):
     """benchmarks/calibrate_shared_inputs.py on the shipped testbed, one block, a tiny capture: both arms measure each
     member on the same held-out rows, so a fixed transform (Hadamard-32, round to nearest: nothing depends on the
-    rows) gives every member exactly its per-linear error fused; the capture is written, then read back."""
+    rows) gives every member exactly its per-linear error fused; the capture is written, then read back, and refused
+    for other capture options."""
     import json
+    import os
+    import subprocess
+    import sys
 
-    from tests.test_benchmarks import _run
+    from tests.test_benchmarks import REPO, _run
 
     out = tmp_path / "r.json"
     argv = ["--layer-set", str(tmp_path / "ls.safetensors"), "--calib-captions", "2", "--batch-size", "2",
@@ -202,3 +206,9 @@ def test_the_testbed_measurement_tiny_run(tmp_path):
     _run("calibrate_shared_inputs.py", *argv, "--methods", "kroquant")  # reads the capture of the first run
     again = json.loads(out.read_text())
     assert "read" in again["description"] and set(again["methods"]["kroquant"]["errors"]) == set(errors)
+    other = list(argv)
+    other[other.index("--steps") + 1] = "3"
+    refused = subprocess.run([sys.executable, str(REPO / "benchmarks" / "calibrate_shared_inputs.py"), *other,
+                              "--methods", "hadamard32"], cwd=REPO, capture_output=True, text=True, timeout=900,
+                             env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)})
+    assert refused.returncode != 0 and "captured with other options than these (['steps']" in refused.stderr
