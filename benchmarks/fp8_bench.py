@@ -22,6 +22,9 @@ branch, a KroQuant (K2) transform near the Hadamard init:
 * ``fp8_w4a4_precise``: the same with ``accumulation="precise"`` (partial sums promoted to fp32; GPU only).
 * ``fp8_w4a8``: ``x T`` in f32 (XLA) and per-token E4M3 activations, the same FP8 GEMM and epilogue.
 * ``fp8_gemm_only``: the FP8 GEMM alone on E4M3 operands, bf16 output: the floor of the FP8 strategies.
+* ``fp8_mgpu_w4a4``: the layer as the ``"fp8_mgpu"`` strategy serves it: the K1 transform + quantize kernel, the XLA
+  re-encode, ``h``, and ONE fused Mosaic GPU kernel for the FP8 GEMM with its powers of two and ``h L^T``, bf16 out
+  (``fp8_linear_forward(..., gemm="mgpu")``; the same transform prepared as K1, ``L / sw`` made once beforehand).
 
 Timing: device time from the profiler (CUPTI kernel durations, ``kroquant_jax.timing.gpu_kernel_events``): per case all
 variants run inside one trace, each as 20 calls after warm-up, separated by a host pause; the device events are split
@@ -62,6 +65,7 @@ from kroquant_jax.fileio import atomic_write_json  # noqa: E402
 from kroquant_jax.formats import MXFP4, dequantize, quantize  # noqa: E402
 from models.layer_shapes import preset_layer_shapes, shape_table  # noqa: E402
 from pallas_kernels import fp8_gemm as G8  # noqa: E402
+from pallas_kernels.fp8_gemm_mgpu import prescale_left  # noqa: E402
 from pallas_kernels import transform_quantize as TQ  # noqa: E402
 from pallas_kernels import w4a4_gemm as G  # noqa: E402
 
@@ -165,8 +169,11 @@ def make_set(key, m: int, n: int, k: int, act: str = "mxfp4"):
     qw = quantize(w, MXFP4())
     layer8 = G8.Fp8Linear(transform=transform, weight=G8.prepare_weight(qw), right=r_folded,
                           left=G.dequantize_bf16(left, order="even_odd"), bias=None, act=act)
+    # the fused kernel's layer as Fp8MgpuStrategy.prepare makes it: the transform as K1, L / sw once
+    layer8_mgpu = dataclasses.replace(layer8, transform=TQ.prepare("kron_lu", params, d=k, kernel="k1"),
+                                      left_over_scale=prescale_left(layer8.left, layer8.weight))
     return {"x": x.astype(jnp.bfloat16), "w_bf16": w.astype(jnp.bfloat16), "qw": qw, "left_q": left,
-            "transform": transform, "r_folded": r_folded, "layer8": layer8}
+            "transform": transform, "r_folded": r_folded, "layer8": layer8, "layer8_mgpu": layer8_mgpu}
 
 
 def variants(impl: str) -> dict:
@@ -203,6 +210,8 @@ def variants(impl: str) -> dict:
         "fp8_w4a4_precise": lambda s: G8.fp8_linear_forward(s["layer8"], s["x"], impl=impl, accumulation="precise"),
         "fp8_w4a8": w4a8,
         "fp8_gemm_only": lambda s: G8.fp8_matmul(s["a8"], s["layer8"].weight),
+        "fp8_mgpu_w4a4": lambda s: G8.fp8_linear_forward(s["layer8_mgpu"], s["x"], impl=impl, out_dtype=jnp.bfloat16,
+                                                         gemm="mgpu"),
     }
 
 
@@ -295,7 +304,8 @@ def run_case(model, layer, n, k, m, *, impl, n_calls, check_rows, do_accuracy, k
     # checks against the exact float64 product of the same quantized operands (first check_rows rows of set 0)
     rows = min(check_rows, m)
     refs = {"mxfp4": exact_reference(sets[0], xq0, rows, "mxfp4"), "fp8": exact_reference(sets[0], xq0, rows, "fp8")}
-    for name in ("dequant_layer", "fp8_w4a4", "fp8_w4a4_kernel", "fp8_w4a4_xla", "fp8_w4a4_bf16gemm", "fp8_w4a8"):
+    for name in ("dequant_layer", "fp8_w4a4", "fp8_w4a4_kernel", "fp8_w4a4_xla", "fp8_w4a4_bf16gemm", "fp8_w4a8",
+                 "fp8_mgpu_w4a4"):
         if name in fns:
             y = fns[name](sets[0])[:rows]
             case["variants"][name]["rel_err_vs_exact"] = _rel(y, refs["fp8" if name == "fp8_w4a8" else "mxfp4"])
@@ -313,35 +323,41 @@ def run_case(model, layer, n, k, m, *, impl, n_calls, check_rows, do_accuracy, k
 
 
 def headline(result: dict) -> dict:
-    """The issue's headline keys from the cases (smallest FP8 W4A4 speed-up over Ideogram 4 and FLUX.1 shapes)."""
+    """The issue's headline keys from the cases: the smallest W4A4 layer speed-up over the Ideogram 4 and FLUX.1
+    shapes, on the FP8 strategy (``w4a4_layer_fp8_*``) and on the fused kernel (``w4a4_layer_fp8_mgpu_*``)."""
     out = {}
-    for m in (4096, 512):
-        ratios = [c["variants"]["fp8_w4a4"]["speedup_vs_bf16"] for c in result["cases"]
-                  if c["m"] == m and c["model"] in HEADLINE_MODELS and "speedup_vs_bf16" in c["variants"].get(
-                      "fp8_w4a4", {})]
-        if ratios:
-            out[f"w4a4_layer_fp8_speedup_vs_bf16_min_m{m}"] = min(ratios)
-            out[f"w4a4_layer_fp8_speedup_vs_bf16_min_m{m}_over_shapes"] = len(ratios)
+    for variant, prefix in (("fp8_w4a4", "w4a4_layer_fp8"), ("fp8_mgpu_w4a4", "w4a4_layer_fp8_mgpu")):
+        for m in (4096, 512):
+            ratios = [c["variants"][variant]["speedup_vs_bf16"] for c in result["cases"]
+                      if c["m"] == m and c["model"] in HEADLINE_MODELS and "speedup_vs_bf16" in c["variants"].get(
+                          variant, {})]
+            if ratios:
+                out[f"{prefix}_speedup_vs_bf16_min_m{m}"] = min(ratios)
+                out[f"{prefix}_speedup_vs_bf16_min_m{m}_over_shapes"] = len(ratios)
     return out
 
 
 def table(result: dict) -> str:
     cols = ["bf16_xla", "dequant_layer", "fp8_w4a4", "fp8_w4a4_kernel", "fp8_w4a4_two_phase", "fp8_w4a4_xla",
-            "fp8_w4a4_bf16gemm", "fp8_w4a8", "fp8_gemm_only", "quant_mxfp4", "quant_fp8", "quant_two_phase", "quant_xla_reencode"]
+            "fp8_w4a4_bf16gemm", "fp8_w4a8", "fp8_gemm_only", "fp8_mgpu_w4a4", "quant_mxfp4", "quant_fp8",
+            "quant_two_phase", "quant_xla_reencode"]
     lines = ["| model | layer | m | n | k | " + " | ".join(f"{c} µs" for c in cols)
-             + " | fp8_w4a4 / bf16 | quantizer µs (share of fp8_w4a4) | rel err dequant / w4a4 / w4a8 |",
-             "| --- | --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in cols) + " | ---: | ---: | --- |"]
+             + " | fp8_w4a4 / bf16 | fp8_mgpu_w4a4 / bf16 | quantizer µs (share of fp8_w4a4 / fp8_mgpu_w4a4) "
+               "| rel err dequant / w4a4 / w4a8 / mgpu |",
+             "| --- | --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in cols) + " | ---: | ---: | ---: | --- |"]
     for c in result["cases"]:
         v = c["variants"]
         cells = [f"{v[x]['us']:.1f}" if "us" in v.get(x, {}) else ("error" if x in v else "–") for x in cols]
-        f = v.get("fp8_w4a4", {})
-        sp = f"{f['speedup_vs_bf16']:.2f}x" if "speedup_vs_bf16" in f else "–"
-        qs = f.get("shares_us", {}).get("quantizer")
-        share = f"{qs:.1f} ({qs / f['us']:.0%})" if qs and "us" in f else "–"
+        ratios, shares = [], []
+        for name in ("fp8_w4a4", "fp8_mgpu_w4a4"):
+            f = v.get(name, {})
+            ratios.append(f"{f['speedup_vs_bf16']:.2f}x" if "speedup_vs_bf16" in f else "–")
+            qs = f.get("shares_us", {}).get("quantizer")
+            shares.append(f"{qs:.1f} ({qs / f['us']:.0%})" if qs and "us" in f else "–")
         errs = " / ".join(f"{v[x]['rel_err_vs_exact']:.1e}" if "rel_err_vs_exact" in v.get(x, {}) else "–"
-                          for x in ("dequant_layer", "fp8_w4a4", "fp8_w4a8"))
+                          for x in ("dequant_layer", "fp8_w4a4", "fp8_w4a8", "fp8_mgpu_w4a4"))
         lines.append(f"| {c['model']} | {c['layer']} | {c['m']} | {c['n']} | {c['k']} | " + " | ".join(cells)
-                     + f" | {sp} | {share} | {errs} |")
+                     + f" | {' | '.join(ratios)} | {' / '.join(shares)} | {errs} |")
     return "\n".join(lines)
 
 

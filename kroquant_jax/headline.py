@@ -143,9 +143,13 @@ TABLES: dict[str, dict] = {
              "{w4a4_layer_dequant_vs_bf16_max_m4096:.2f}x bf16 at m = 4096, {w4a4_layer_dequant_vs_bf16_min_m512:.2f}–"
              "{w4a4_layer_dequant_vs_bf16_max_m512:.2f}x at m = 512",
              "≥ 1x at 4096, > 1x at 512", "[w4a4](docs/w4a4.md)"],
-            ["W4A4 layer on the FP8 tensor cores (MXFP4 re-encoded exactly in E4M3), Ideogram 4 q and w1|w3",
-             "slower of the two shapes: {w4a4_layer_fp8_speedup_vs_bf16_min_m4096_ideogram4:.2f}x bf16 at m = 4096, "
-             "{w4a4_layer_fp8_speedup_vs_bf16_min_m512_ideogram4:.2f}x at m = 512",
+            ["W4A4 layer on the FP8 tensor cores (MXFP4 re-encoded exactly in E4M3; transform + quantize, re-encode, "
+             "low-rank input and GEMM counted, CUPTI), Ideogram 4 and FLUX.1 shapes",
+             "fused kernel: slowest shape {w4a4_layer_fp8_mgpu_speedup_vs_bf16_min_m4096:.2f}x bf16 at m = 4096 "
+             "(of {w4a4_layer_fp8_mgpu_speedup_vs_bf16_min_m4096_over_shapes:.0f} shapes), "
+             "{w4a4_layer_fp8_mgpu_speedup_vs_bf16_min_m512:.2f}x at m = 512 "
+             "(of {w4a4_layer_fp8_mgpu_speedup_vs_bf16_min_m512_over_shapes:.0f}); XLA's FP8 GEMM: "
+             "{w4a4_layer_fp8_speedup_vs_bf16_min_m4096:.2f}x / {w4a4_layer_fp8_speedup_vs_bf16_min_m512:.2f}x",
              "≥ 1.5x at 4096, ≥ 1.1x at 512", "[w4a4](docs/w4a4.md)"],
             ["W4A4 GEMM with its epilogue in one Mosaic GPU kernel (E4M3 operands, powers of two, bias, rank-128 "
              "low-rank term), Ideogram 4 shapes, CUPTI (the quantizer not included)",
@@ -154,11 +158,17 @@ TABLES: dict[str, dict] = {
              "epilogue), q {fp8_mgpu_gemm_speedup_vs_bf16_m4096_ideogram4_q:.2f}x; m = 512: q and w1|w3 "
              "{fp8_mgpu_gemm_speedup_vs_bf16_min_m512_ideogram4_q_w13:.2f}x (slower of the two; w2 not measured)",
              "≥ 1.5x at 4096, ≥ 1.1x at 512", "[w4a4](docs/w4a4.md)"],
-            ["whole Ideogram 4 forward (34 blocks, 4224 tokens), every linear W4A4",
-             "fused FP8 kernel {ideogram4_forward_fp8_mgpu_ms:.1f} ms "
+            ["whole Ideogram 4 forward (34 blocks, 4224 tokens), every linear W4A4, median wall time",
+             "fused FP8 kernel, q | k | v as one W4A4 layer (one transform, as w1 | w3): "
+             "{ideogram4_forward_fp8_mgpu_fused_qkv_ms:.1f} ms "
+             "({ideogram4_forward_fp8_mgpu_fused_qkv_speedup_vs_bf16:.2f}x the "
+             "{ideogram4_forward_fp8_mgpu_fused_qkv_run_bf16_ms:.1f} ms bf16 forward of that run; earlier run "
+             "{ideogram4_forward_fp8_mgpu_fused_qkv_earlier_run_speedup_vs_bf16:.2f}x; kernel-time sums "
+             "{ideogram4_forward_fp8_mgpu_fused_qkv_device_time_speedup_vs_bf16:.2f}x; transform + quantize + E4M3 "
+             "re-encode {ideogram4_forward_fp8_mgpu_fused_qkv_quantizer_fraction_of_gemms:.0%} of the GEMMs' time, "
+             "goal ≤ 25%); q, k, v separate: {ideogram4_forward_fp8_mgpu_ms:.1f} ms "
              "({ideogram4_forward_fp8_mgpu_speedup_vs_bf16:.2f}x the {ideogram4_forward_fp8_mgpu_run_bf16_ms:.1f} ms "
-             "bf16 forward of that run; transform + quantize + E4M3 re-encode take "
-             "{ideogram4_forward_fp8_mgpu_quantizer_fraction_of_gemms:.0%} of the GEMMs' time, goal ≤ 25%); "
+             "bf16 of that run, quantizer {ideogram4_forward_fp8_mgpu_quantizer_fraction_of_gemms:.0%}); "
              "earlier run: FP8 strategy {ideogram4_forward_fp8_ms:.1f} ms "
              "({ideogram4_forward_fp8_speedup_vs_bf16:.2f}x), dequantize + cuBLAS {ideogram4_forward_dequant_ms:.1f} "
              "ms ({ideogram4_forward_dequant_speedup_vs_bf16:.2f}x), bf16 {ideogram4_forward_bf16_ms:.1f} ms",
@@ -205,8 +215,10 @@ TABLES: dict[str, dict] = {
             ["The whole stack per 1K image on full-size Ideogram 4 (random weights, batch 1, 4224 tokens, end to end "
              "without the VAE): bf16 48 steps x 2 transformers vs one branch x 4 steps on the W4A4 fused FP8 kernel",
              "{ideogram4_stack_speedup_per_image:.2f}x ({ideogram4_stack_bf16_48x2_ms_per_image:.0f} ms -> "
-             "{ideogram4_stack_w4a4_fp8_mgpu_4x1_ms_per_image:.0f} ms); the step and branch cut alone, bf16: "
-             "{ideogram4_stack_bf16_4x1_speedup_per_image:.1f}x",
+             "{ideogram4_stack_w4a4_fp8_mgpu_fused_qkv_4x1_ms_per_image:.0f} ms, q | k | v as one W4A4 layer; "
+             "separate: {ideogram4_stack_unfused_qkv_speedup_per_image:.2f}x, "
+             "{ideogram4_stack_w4a4_fp8_mgpu_4x1_ms_per_image:.0f} ms, same run); the step and branch cut alone, "
+             "bf16 (earlier run): {ideogram4_stack_bf16_4x1_speedup_per_image:.1f}x",
              "≥ 30x (moonshot ≥ 40x)", "[dmd2](docs/dmd2.md)"],
         ],
     },
@@ -245,6 +257,11 @@ def _keys_of(template: str) -> list[str]:
     return [name for _, name, _, _ in string.Formatter().parse(template) if name]
 
 
+def _cell(text: str) -> str:
+    """A markdown table cell: a ``|`` in the text (``w1|w3``) escaped, so that it does not end the cell."""
+    return re.sub(r"(?<!\\)\|", r"\\|", text)
+
+
 def render_block(name: str, figures: Mapping[str, Figure]) -> str:
     """The markdown of README block ``name``: the table of :data:`TABLES` filled in, then one line per distinct
     (device, jax, date) naming what was measured where. Raises naming the first missing key."""
@@ -261,8 +278,8 @@ def render_block(name: str, figures: Mapping[str, Figure]) -> str:
                 values[key] = figures[key].value
                 if key not in used:
                     used.append(key)
-    lines = ["| " + " | ".join(table["header"]) + " |", "|" + "---|" * len(table["header"])]
-    lines += ["| " + " | ".join(cell.format_map(values) for cell in row) + " |" for row in table["rows"]]
+    lines = ["| " + " | ".join(_cell(c) for c in table["header"]) + " |", "|" + "---|" * len(table["header"])]
+    lines += ["| " + " | ".join(_cell(cell.format_map(values)) for cell in row) + " |" for row in table["rows"]]
     provenance: dict[tuple, list[str]] = {}
     for key in used:
         f = figures[key]

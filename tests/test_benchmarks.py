@@ -145,3 +145,19 @@ def test_cross_attention_rows_are_the_caption_projection_of_every_training_capti
     subset = everything["transformer_blocks.0.attn2.to_v/activations"]
     assert subset.shape == (50, rows.shape[1])
     assert all((rows == row).all(axis=1).any() for row in subset)
+
+
+def test_fp8_bench_times_the_whole_layer_on_the_fused_kernel(tmp_path):
+    """fp8_mgpu_w4a4 (the fp8_mgpu strategy's layer: K1 quantizer, re-encode, h, the fused GEMM's jnp mirror off the
+    GPU) is checked against the exact float64 product like the XLA FP8 layer, and reported beside it."""
+    out = tmp_path / "bench.json"
+    _run("fp8_bench.py", "--tiny", "--interpret", "--ms", "16", "--variants", "bf16_xla,fp8_w4a4,fp8_mgpu_w4a4",
+         "--no-accuracy", "--calls", "1", "--check-rows", "16", "--out", str(out))
+    cases = json.loads(out.read_text())["cases"]
+    assert {(c["layer"], c["m"]) for c in cases} >= {("attn.q", 16), ("ffn.w2", 16)}
+    for case in cases:
+        mgpu, xla = case["variants"]["fp8_mgpu_w4a4"], case["variants"]["fp8_w4a4"]
+        assert "error" not in mgpu and mgpu["finite"] and mgpu["us"] > 0
+        # the same quantized operands: both within the FP8 accumulation's error of the exact product
+        assert mgpu["rel_err_vs_exact"] < 1e-2 and abs(mgpu["rel_err_vs_exact"] - xla["rel_err_vs_exact"]) < 1e-3
+        assert mgpu["speedup_vs_bf16"] > 0

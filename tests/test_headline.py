@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,17 @@ def test_a_changed_figure_changes_the_readme():
     key = "tq_k1_us_4096x16384_fp16"
     changed = dict(figures, **{key: dataclasses.replace(figures[key], value=figures[key].value + 100)})
     assert headline.render_readme(text, changed) != text
+
+
+def test_every_rendered_table_row_has_the_header_s_cell_count():
+    """A ``|`` inside a cell (``w1|w3``) is escaped: each row of each block splits into as many cells as the header."""
+    figures = headline.load(HEADLINE)
+    for name, table in headline.TABLES.items():
+        rows = [line for line in headline.render_block(name, figures).splitlines() if line.startswith("|")]
+        for line in rows:
+            cells = [c for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            assert len(cells) == len(table["header"]), f"block {name!r}: {line[:120]}"
+    assert any("w1\\|w3" in headline.render_block(n, figures) for n in headline.TABLES)
 
 
 @pytest.mark.parametrize("changes, message", [
