@@ -26,7 +26,7 @@ import numpy as np
 from kroquant_jax.layerset import LayerData, LayerSet, RunConfig, as_layer_set
 
 __all__ = ["SEPARATOR", "check_groups", "fuse_shared_inputs", "fused_name", "fused_test_rows", "member_errors",
-           "members_of", "output_slices", "split_output"]
+           "members_of", "output_slices", "split_output", "stack_members"]
 
 #: Joins the member names of a fused layer.
 SEPARATOR = "|"
@@ -65,6 +65,19 @@ def check_groups(groups: Sequence[Sequence[str]]) -> tuple[tuple[str, ...], ...]
             seen[member] = group
         out.append(group)
     return tuple(out)
+
+
+def stack_members(members: Sequence[tuple[np.ndarray, np.ndarray | None]]) -> tuple[np.ndarray, np.ndarray | None]:
+    """``[(W_i (o_i, d), bias_i (o_i,) | None)]`` -> ``(W (sum o, d), bias (sum o,) | None)``: the weights stacked
+    along the output axis; the biases concatenated, a member without one contributing zeros when another has one,
+    ``None`` when none has (float32). The fused weight of :func:`fuse_shared_inputs`, also for callers that have no
+    rows yet (e.g. a result store's fingerprints checked before a capture)."""
+    weight = np.concatenate([np.asarray(w, np.float32) for w, _ in members])  # (sum o, d)
+    if all(b is None for _, b in members):
+        return weight, None
+    bias = np.concatenate([np.zeros(np.shape(w)[0], np.float32) if b is None else np.asarray(b, np.float32)
+                           for w, b in members])  # (sum o,)
+    return weight, bias
 
 
 def fuse_shared_inputs(layer_set: LayerSet, groups: Sequence[Sequence[str]]) -> dict[str, LayerData]:
@@ -117,11 +130,7 @@ def fuse_shared_inputs(layer_set: LayerSet, groups: Sequence[Sequence[str]]) -> 
         if name in fused_at:
             group = fused_at[name]
             members = [layers[m] for m in group]
-            weight = np.concatenate([m.weight for m in members])  # (sum o, d)
-            bias = None
-            if any(m.bias is not None for m in members):
-                bias = np.concatenate([np.zeros(m.weight.shape[0], np.float32) if m.bias is None else m.bias
-                                       for m in members])  # (sum o,)
+            weight, bias = stack_members([(m.weight, m.bias) for m in members])
             out[fused_name(group)] = LayerData(weight, bias, members[0].activations)
         elif name not in grouped:
             out[name] = layer

@@ -17,8 +17,14 @@ Layout of a folder written by :func:`save_quantized_checkpoint` (format version 
 * ``quantization_config.json``: ``format_version``, ``numerics_version`` (:data:`kroquant_jax.provenance
   .NUMERICS_VERSION`), ``class_name``, ``weight_format``, ``recipe`` (name) and ``settings`` (every recipe setting,
   dotted), ``layers`` (``{NAME: {"meta": to_state's metadata, "replaces": {diffusers key: shape}, "heldout_error":
-  float}}``), ``left_16bit``
+  float}}``; a fused layer adds ``"members": [paths]``), ``left_16bit``
   (``{NAME: reason}``) and ``extra`` (the writer's notes, e.g. the sampler of its evaluation).
+
+**Fused layers.** A layer named ``a|b|c`` (``kroquant_jax.shared_inputs.fused_name``) is one ``QuantizedLinear`` of
+linears that read the same input, their weights stacked along the outputs (one transform, one low-rank branch, as
+the fused GEMM serves them): it replaces every member's ``weight`` / ``bias``, and :meth:`QuantizedCheckpoint.overrides`
+gives each member its rows of the fused output (``models.quantize_model.split_qlinear_overrides``; the members must
+have equal output widths, as q|k|v and w1|w3 have).
 
 :func:`load_quantized_checkpoint` rebuilds the model (the quantized linears' 16-bit kernels are zeros: they are never
 used, the W4A4 layers replace them through :meth:`QuantizedCheckpoint.overrides`) and the ``{name: QuantizedLinear}``.
@@ -36,7 +42,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["FORMAT_VERSION", "QuantizedCheckpoint", "load_quantized_checkpoint", "save_quantized_checkpoint"]
+__all__ = ["FORMAT_VERSION", "QuantizedCheckpoint", "layer_members", "linear_overrides", "load_quantized_checkpoint",
+           "save_quantized_checkpoint"]
 
 FORMAT_VERSION = 2
 
@@ -60,10 +67,9 @@ class QuantizedCheckpoint:
     config: dict
 
     def overrides(self, forward=None) -> dict:
-        """The linear overrides that run the W4A4 layers (``models.quantize_model.qlinear_overrides``)."""
-        from models import quantize_model
-
-        return quantize_model.qlinear_overrides(self.qlayers, forward)
+        """The per-linear overrides that run the W4A4 layers (:func:`linear_overrides`: a fused layer's members each
+        take their rows of its output)."""
+        return linear_overrides(self.qlayers, self.model, forward)
 
     def served_overrides(self, options: Any = None) -> dict:
         """The linear overrides that run the W4A4 layers served (``pallas_kernels.served``: prepared once with
@@ -79,6 +85,8 @@ class QuantizedCheckpoint:
 
         from pallas_kernels import served
 
+        from models import quantize_model
+
         options = served.ServeOptions() if options is None else options
         out = {}
         for name, layer in self.qlayers.items():
@@ -86,9 +94,53 @@ class QuantizedCheckpoint:
                 prepared = served.serve(layer, strategy=options.strategy)
             except (TypeError, ValueError) as err:
                 raise ValueError(f"layer {name!r}: strategy {options.strategy!r} cannot serve it: {err}") from None
-            out[name] = jax.tree_util.Partial(functools.partial(_served_forward, options=options,
-                                                                pad=layer.config.input_pad), prepared)
+            forward = functools.partial(_served_forward, options=options, pad=layer.config.input_pad)
+            members = layer_members(name, self.model)
+            if len(members) > 1:
+                out.update(quantize_model.split_qlinear_overrides(prepared, list(members), forward))
+            else:
+                out[name] = jax.tree_util.Partial(forward, prepared)
         return out
+
+
+def layer_members(name: str, model: Any) -> tuple[str, ...]:
+    """The linears of ``model`` a stored layer ``name`` replaces: itself, or a fused layer's members
+    (``kroquant_jax.shared_inputs.members_of``).
+
+    Raises:
+      ValueError: a member that is no linear of the model, or a fused layer whose members' output widths differ
+        (``models.quantize_model.split_qlinear_overrides`` gives every member an equal share of the outputs).
+    """
+    from kroquant_jax.shared_inputs import members_of
+    from models.layers import linears
+
+    members = members_of(name)
+    available = linears(model)
+    unknown = [m for m in members if m not in available]
+    if unknown:
+        which = f"quantized layer {name!r}" if len(members) == 1 else f"member {unknown[0]!r} of fused layer {name!r}"
+        raise ValueError(f"{which} is not a linear of the model (e.g. {sorted(available)[:3]})")
+    widths = {m: available[m].out_features for m in members}
+    if len(set(widths.values())) > 1:
+        raise ValueError(f"fused layer {name!r}: its members' output widths differ ({widths}); only members of "
+                         f"equal widths can be split (models.quantize_model.split_qlinear_overrides)")
+    return members
+
+
+def linear_overrides(qlayers: Mapping[str, Any], model: Any, forward=None) -> dict:
+    """``{linear path: override}`` of ``{name: QuantizedLinear}`` (``models.quantize_model.qlinear_overrides``),
+    where a fused layer ``a|b|c`` gives each member its rows of the fused output
+    (``models.quantize_model.split_qlinear_overrides``); :func:`layer_members` checks the names against ``model``."""
+    from models import quantize_model
+
+    out = {}
+    for name, layer in qlayers.items():
+        members = layer_members(name, model)
+        if len(members) > 1:
+            out.update(quantize_model.split_qlinear_overrides(layer, list(members), forward))
+        else:
+            out.update(quantize_model.qlinear_overrides({name: layer}, forward))
+    return out
 
 
 def _served_forward(layer: Any, x: Any, *, options: Any, pad: int) -> Any:
@@ -110,7 +162,8 @@ def save_quantized_checkpoint(directory: str | os.PathLike, model: Any, qlayers:
     Args:
       directory: the folder to write.
       model: the 16-bit NNX model of a registered family (``models.families``).
-      qlayers: ``{linear path: QuantizedLinear}``; every name must be a linear of ``model``.
+      qlayers: ``{linear path: QuantizedLinear}``; every name must be a linear of ``model``, or a fused layer
+        ``a|b|c`` of linears of equal output widths (its output features: the members' in that order).
       recipe_name, recipe: the recipe's name and object (its settings are recorded).
       reports: optional per-layer reports (``heldout_error`` is recorded).
       left_16bit: ``{name: reason}`` of the linears left unquantized.
@@ -124,20 +177,28 @@ def save_quantized_checkpoint(directory: str | os.PathLike, model: Any, qlayers:
     family = families.family_of(model)
     diffusers_config = family.config_of(model).to_diffusers_config()
     available = linears(model)
-    unknown = [n for n in qlayers if n not in available]
-    if unknown:
-        raise ValueError(f"quantized layer {unknown[0]!r} is not a linear of the model (e.g. {sorted(available)[:3]})")
+    members = {name: layer_members(name, model) for name in qlayers}
     params = {k: np.ascontiguousarray(v) for k, v in family.to_diffusers_state(model).items()}
     arrays, layers = {}, {}
     for name, layer in qlayers.items():
-        replaced = {k: list(params[k].shape) for k in (f"{name}.weight", f"{name}.bias") if k in params}
-        if f"{name}.weight" not in replaced:
-            raise ValueError(f"quantized layer {name!r}: no diffusers key {name}.weight in the model's state")
+        out_features = sum(available[m].out_features for m in members[name])
+        if layer.config.out_features != out_features:
+            raise ValueError(f"quantized layer {name!r}: {layer.config.out_features} output features, the model's "
+                             f"linear(s) {list(members[name])} have {out_features}")
+        replaced = {}
+        for member in members[name]:
+            if f"{member}.weight" not in params:
+                raise ValueError(f"quantized layer {name!r}: no diffusers key {member}.weight in the model's state "
+                                 f"(or two stored layers replace {member})")
+            replaced.update({k: list(params[k].shape) for k in (f"{member}.weight", f"{member}.bias")
+                             if k in params})
         for key in replaced:
             del params[key]
         state, meta = qlinear.to_state(layer)
         arrays.update({f"{name}/{k}": np.ascontiguousarray(v) for k, v in state.items()})
         layers[name] = {"meta": meta, "replaces": replaced}
+        if len(members[name]) > 1:
+            layers[name]["members"] = list(members[name])
         if reports and name in reports and reports[name].get("heldout_error") is not None:
             layers[name]["heldout_error"] = float(reports[name]["heldout_error"])
     first = next(iter(qlayers.values()), None)

@@ -421,6 +421,10 @@ def load_w4a4_transformer(directory: str | os.PathLike, dtype: torch.dtype | Non
     arrays = load_file(str(directory / "quantized.safetensors"))
     where = directory / "quantized.safetensors"
     for name, info in layers.items():
+        if "members" in info:  # kroquant quantize-checkpoint --fuse-shared-inputs
+            raise ValueError(f"{directory / 'quantization_config.json'}: layer {name!r} is a fused shared-input layer "
+                             f"of {len(info['members'])} linears; this loader replaces one nn.Linear per stored "
+                             f"layer (quantize without --fuse-shared-inputs for torch)")
         try:
             target = model.get_submodule(name)
         except AttributeError:

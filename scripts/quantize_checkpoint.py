@@ -28,6 +28,11 @@ and refuses the folder, naming the layer and what changed, when they do not, unl
 weights, packed W4A4 layers; ``kroquant generate --checkpoint OUT/quantized-RECIPE`` runs it), ``samples-RECIPE.npz``
 (16-bit and W4A4 latents of the evaluation prompts, same seeds) and ``report-RECIPE.json`` (latent PSNR / relative
 error of W4A4 vs 16-bit per prompt, per-layer held-out errors, ``left_16bit``, the sampler used).
+With ``--fuse-shared-inputs`` each of the family's groups of linears that read the same input (``Family.shared_inputs``:
+q|k|v, ...) is calibrated and stored as one layer named ``a|b|c`` (one transform, one low-rank branch, as the fused
+GEMM serves it; the capture is the same), RECIPE becomes ``RECIPE-fused`` in every output name (its own store, so a
+per-linear store is never resumed as a fused one) and the report lists the fused groups (``fused``) and the groups kept
+per linear and why (``not_fused``: a member left 16-bit, unequal output widths).
 The last ``--eval-prompts`` prompts are only generated, never captured (unless there are no more prompts than that).
 With ``--vae DIR`` (a diffusers AutoencoderKL directory, torch side) the latents are also decoded to PNGs.
 """
@@ -101,6 +106,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         help="linears whose input width is not a multiple of the format's block (32): keep-16bit "
                         "leaves them unquantized, pad zero-pads their weight and inputs to the block and quantizes "
                         "them; both are listed in the report")
+    parser.add_argument("--fuse-shared-inputs", action="store_true",
+                        help="calibrate each group of linears that read the same input (the family's "
+                             "shared_inputs: q|k|v, Ideogram 4's w1|w3, ...) as one layer: one transform and one "
+                             "low-rank branch per group, as the fused GEMM serves them (kroquant_jax.shared_inputs); "
+                             "outputs are named RECIPE-fused; groups whose members are not all quantized or have "
+                             "unequal output widths stay per linear and are listed in the report (not_fused)")
     parser.add_argument("--overwrite", action="store_true",
                         help="recompute everything in --out instead of refusing results made from other inputs")
     parser.add_argument("--vae", help="diffusers AutoencoderKL directory: decode the latents to PNGs (torch)")
@@ -205,6 +216,44 @@ def plan_layers(model, recipe, recipe_name: str, unaligned: str = "keep-16bit"
         raise UserError(f"no quantizable linear has an input width that is a multiple of {block} "
                         f"({len(left)} left 16-bit)")
     return quantized, left, pads
+
+
+def plan_fusion(family, model, weights: dict) -> tuple[list[tuple[str, ...]], dict[str, str]]:
+    """``(groups to fuse, {fused name: why not})`` of the family's shared-input groups
+    (``models.families.Family.shared_inputs``) among the linears to quantize (``weights``): a group is fused when
+    every member is quantized and the members' output widths are equal (what loading can split,
+    ``models.quantized_checkpoint.layer_members``)."""
+    from kroquant_jax import shared_inputs
+
+    fused, not_fused = [], {}
+    for group in family.shared_inputs(model):
+        name = shared_inputs.fused_name(group)
+        left = [m for m in group if m not in weights]
+        widths = {m: weights[m][0].shape[0] for m in group if m in weights}
+        if left:
+            not_fused[name] = f"{left} not quantized"
+        elif len(set(widths.values())) > 1:
+            not_fused[name] = f"unequal output widths {widths}"
+        else:
+            fused.append(tuple(group))
+    return fused, not_fused
+
+
+def fused_weights(weights: dict, groups: list[tuple[str, ...]]) -> dict:
+    """``weights`` (``{name: (W, bias)}``) with each group's members replaced by their fused layer, in the
+    layer order (``kroquant_jax.shared_inputs.stack_members``)."""
+    from kroquant_jax import shared_inputs
+
+    first = {group[0]: group for group in groups}
+    grouped = {m for group in groups for m in group}
+    out = {}
+    for name, weight in weights.items():
+        if name in first:
+            out[shared_inputs.fused_name(first[name])] = shared_inputs.stack_members(
+                [weights[m] for m in first[name]])
+        elif name not in grouped:
+            out[name] = weight
+    return out
 
 
 def pad_layer_set(layer_set, pads: dict[str, int], block: int) -> dict:
@@ -380,7 +429,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.text_rows_from_all_prompts and args.layer_set:
         raise UserError("--text-rows-from-all-prompts is a capture option, and --layer-set captures nothing")
     check_out_dir(out)
-    tag = args.recipe.replace("+", "_")
+    tag = args.recipe.replace("+", "_") + ("-fused" if args.fuse_shared_inputs else "")
     from flax import nnx
     from tqdm.auto import tqdm
 
@@ -401,6 +450,8 @@ def main(argv: list[str] | None = None) -> dict:
     widths = {n: weights[n][0].shape[1] for n in pads}
     weights = {n: (qlinear.pad_to_block(w, None, block)[0], b) for n, (w, b) in weights.items()}  # what is calibrated
     names = list(weights)
+    groups, not_fused = plan_fusion(family, model, weights) if args.fuse_shared_inputs else ([], {})
+    calibrated = fused_weights(weights, groups)  # what is calibrated and stored: fused layers and the others
     text_arrays = text_prompt_arrays(args, family, model, names)
     eval_count = min(args.eval_prompts, count)
     capture_indices = list(range(count - eval_count)) if count > eval_count else list(range(count))
@@ -413,11 +464,12 @@ def main(argv: list[str] | None = None) -> dict:
     stored_settings = json.loads(cached_key.read_text()) if cached_key.exists() else None
     if not args.overwrite:
         try:
-            partial = {n: provenance.layer_fingerprint(w, b, None, recipe) for n, (w, b) in weights.items()}
+            partial = {n: provenance.layer_fingerprint(w, b, None, recipe) for n, (w, b) in calibrated.items()}
             stored = store.verify(partial)
             if stored and not args.layer_set and stored_settings is not None and stored_settings != settings:
                 raise provenance.StaleResultError(
-                    next(n for n in names if n in store), _settings_changes(stored_settings, settings), str(store_dir))
+                    next(n for n in calibrated if n in store), _settings_changes(stored_settings, settings),
+                    str(store_dir))
         except provenance.StaleResultError as err:
             raise UserError(f"{err}; rerun with --overwrite to recompute, or choose another --out") from None
 
@@ -443,15 +495,19 @@ def main(argv: list[str] | None = None) -> dict:
         atomic_write_json(cached_key, settings)
 
     # 2. calibrate (resumable store), 3. save the quantized layers
+    from kroquant_jax.shared_inputs import fuse_shared_inputs, members_of
+
+    if groups:  # each group one layer (its first member's rows, the members' weights stacked)
+        layer_set = fuse_shared_inputs(layer_set, groups)
     qlayers, reports = quantize_with_store(layer_set, recipe, store, args.overwrite, "--out")
-    qlayers = {n: qlinear.with_input_pad(q, pads.get(n, 0)) for n, q in qlayers.items()}
+    qlayers = {n: qlinear.with_input_pad(q, pads.get(members_of(n)[0], 0)) for n, q in qlayers.items()}
     resumed = sum(bool(r.get("resumed")) for r in reports.values())
-    from models.quantized_checkpoint import save_quantized_checkpoint
+    from models.quantized_checkpoint import linear_overrides, save_quantized_checkpoint
     save_quantized_checkpoint(out / f"quantized-{tag}", model, qlayers, recipe_name=args.recipe, recipe=recipe,
                               reports=reports, left_16bit=left_16bit,
                               extra={"solver": solver, "shift": shift, "steps": args.steps, "guidance": args.guidance,
                                      "latent_hw": list(args.latent_hw), "source_checkpoint": str(args.checkpoint)})
-    overrides = quantize_model.qlinear_overrides(qlayers)
+    overrides = linear_overrides(qlayers, model)  # a fused layer's members take their rows of its output
     quantize_model.check_overrides(model, overrides)
 
     # 4. generate with both models, same seeds, same jitted sampler
@@ -489,6 +545,7 @@ def main(argv: list[str] | None = None) -> dict:
               "guidance": args.guidance, "latent_hw": list(args.latent_hw), "layers": len(qlayers),
               "layers_resumed": resumed, "left_16bit": left_16bit,
               "padded": {n: f"input width {widths[n]} zero-padded to {widths[n] + p}" for n, p in pads.items()},
+              "fused": {n: list(members_of(n)) for n in qlayers if len(members_of(n)) > 1}, "not_fused": not_fused,
               "prompts_captured": len(capture_indices), "per_prompt": per_prompt,
               "mean_latent_psnr_db": float(np.mean([p["latent_psnr_db"] for p in per_prompt])),
               "heldout_error": heldout}
@@ -496,6 +553,7 @@ def main(argv: list[str] | None = None) -> dict:
     _atomic_write(report_path, json.dumps(report, indent=2, default=float).encode("utf-8"))
     left = f"; {len(left_16bit)} left 16-bit (see the report)" if left_16bit else ""
     left += f"; {len(pads)} zero-padded to the block (see the report)" if pads else ""
+    left += f"; {len(report['fused'])} of them shared-input groups fused" if report["fused"] else ""
     print(f"{family.name}: {len(qlayers)} layers quantized with {args.recipe}{left}; mean latent PSNR W4A4 vs 16-bit "
           f"{report['mean_latent_psnr_db']:.2f} dB over {eval_count} prompt(s); outputs in {out}", file=sys.stderr)
     return report

@@ -2,6 +2,7 @@
 linear per group whose output splits into the members' (kroquant_jax.shared_inputs)."""
 
 import dataclasses
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ from flax import nnx
 from kroquant_jax import calibrate, qlinear, shared_inputs
 from kroquant_jax.layerset import LayerData, RunConfig
 from models import families
-from models.layers import LinearHooks
+from models.layers import LinearHooks, linears
 from tests.test_capture import _ListRecorder
 from tests.test_families import TINY
 
@@ -178,6 +179,7 @@ def test_a_fused_layer_calibrates_as_one_and_splits_into_its_members_outputs():
         shared_inputs.member_errors(layers, [("b.k2", "b.v2")], qlayers, rows)
 
 
+@pytest.mark.slow
 def test_the_testbed_measurement_tiny_run(tmp_path):
     """benchmarks/calibrate_shared_inputs.py on the shipped testbed, one block, a tiny capture: both arms measure each
     member on the same held-out rows, so a fixed transform (Hadamard-32, round to nearest: nothing depends on the
@@ -212,3 +214,54 @@ def test_the_testbed_measurement_tiny_run(tmp_path):
                               "--methods", "hadamard32"], cwd=REPO, capture_output=True, text=True, timeout=900,
                              env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)})
     assert refused.returncode != 0 and "captured with other options than these (['steps']" in refused.stderr
+
+
+@pytest.mark.slow
+def test_quantize_checkpoint_fuses_the_groups_and_its_folder_loads_per_linear_overrides(tmp_path, capsys):
+    """`kroquant quantize-checkpoint --fuse-shared-inputs` on a one-block PixArt: q|k|v and k|v are one stored layer
+    each (own store and outputs, RECIPE-fused), the loaded folder gives every linear its override, and with round to
+    nearest (no transform: stacking rows changes no code or scale) the fused model samples what the per-linear one
+    does; a rerun resumes the fused store."""
+    from models.quantized_checkpoint import load_quantized_checkpoint
+    from scripts import quantize_checkpoint
+    from tests.test_quantize_checkpoint import PIXART as ONE_BLOCK, TINY as ARGS
+
+    families.PIXART.to_diffusers(families.PIXART.build(ONE_BLOCK, seed=4), tmp_path / "ckpt")
+    argv = ["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), *ARGS]
+    per_linear = quantize_checkpoint.main(argv)
+    fused = quantize_checkpoint.main([*argv, "--fuse-shared-inputs"])
+    qkv = "|".join(f"transformer_blocks.0.attn1.to_{x}" for x in "qkv")
+    kv = "transformer_blocks.0.attn2.to_k|transformer_blocks.0.attn2.to_v"
+    assert fused["fused"] == {qkv: qkv.split("|"), kv: kv.split("|")} and fused["not_fused"] == {}
+    assert (per_linear["layers"], fused["layers"]) == (10, 7) and set(fused["heldout_error"]) >= {qkv, kv}
+    assert "reused the layer set captured with the same settings" in capsys.readouterr().err  # fusion after capture
+    loaded = load_quantized_checkpoint(tmp_path / "out" / "quantized-rtn-fused")
+    assert set(loaded.qlayers) >= {qkv, kv} and loaded.config["layers"][kv]["members"] == kv.split("|")
+    assert sorted(loaded.overrides()) == sorted(families.PIXART.linear_sites(loaded.model))
+    with np.load(tmp_path / "out" / "samples-rtn.npz") as a, np.load(tmp_path / "out" / "samples-rtn-fused.npz") as b:
+        np.testing.assert_allclose(b["latents_w4a4"], a["latents_w4a4"], rtol=1e-5, atol=1e-5)
+    again = quantize_checkpoint.main([*argv, "--fuse-shared-inputs"])
+    assert again["layers_resumed"] == 7
+    if importlib.util.find_spec("torch") and importlib.util.find_spec("diffusers"):  # the torch loader refuses it
+        from models import torch_w4a4
+
+        with pytest.raises(ValueError, match="is a fused shared-input layer of 3 linears"):
+            torch_w4a4.load_w4a4_transformer(tmp_path / "out" / "quantized-rtn-fused")
+
+
+def test_unequal_members_are_not_fused_and_cannot_be_split():
+    """FLUX.1's single-block q|k|v|proj_mlp has members of unequal output widths: quantize-checkpoint keeps it per
+    linear (and says why), and a stored fused layer of it is refused (loading splits outputs equally)."""
+    from models.quantized_checkpoint import layer_members
+    from scripts import quantize_checkpoint
+
+    model = families.FLUX.build(TINY["flux"])
+    weights = {name: (np.asarray(layer.kernel[...]).T, None) for name, layer in
+               linears(model, quantizable_only=True).items()}
+    groups, not_fused = quantize_checkpoint.plan_fusion(families.FLUX, model, weights)
+    single = shared_inputs.fused_name(families.FLUX.shared_inputs(model)[-1])
+    assert len(groups) == 2 and list(not_fused) == [single] and "unequal output widths" in not_fused[single]
+    with pytest.raises(ValueError, match="output widths differ"):
+        layer_members(single, model)
+    with pytest.raises(ValueError, match="member 'x.to_q' of fused layer 'x.to_q|x.to_k' is not a linear"):
+        layer_members("x.to_q|x.to_k", model)
