@@ -17,6 +17,7 @@ shared_inputs``). This main calibrates the testbed's groups (``models.families.P
 
     python benchmarks/calibrate_shared_inputs.py --out-json benchmarks/results/x.json --out-md benchmarks/results/x.md \
         --layer-set runs/shared_inputs/layer_set.safetensors --calib-rows 1024 --calib-validation 512
+    python benchmarks/calibrate_shared_inputs.py --render benchmarks/results/x.json --out-png docs/img/x.png
 
 The JSON is rewritten after every method (an interrupted run keeps the methods that finished).
 """
@@ -43,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=str(ROOT / "checkpoints" / "emoji_pixart"), help="diffusers PixArt folder")
     p.add_argument("--prompts", default=None, help="prompt .npz (default: <checkpoint>/testbed_prompts.npz)")
-    p.add_argument("--layer-set", required=True,
+    p.add_argument("--layer-set",
                    help="the capture (.safetensors): read when it exists (its weights must be --checkpoint's), "
                         "else captured and written there")
     p.add_argument("--calib-captions", type=int, default=32, help="training captions sampled for the capture")
@@ -62,10 +63,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="low-rank recipes: also calibrate the fused layers with a branch of the members' ranks "
                         "together (reported as '<method> [fused rank = sum]'; the recipe's own rank gives the fused "
                         "layer one branch of that rank for all its members)")
-    p.add_argument("--out-json", required=True, help="result JSON")
+    p.add_argument("--out-json", help="result JSON")
     p.add_argument("--out-md", default=None, help="result table (markdown)")
+    p.add_argument("--out-png", default=None, help="plot: each member's fused vs per-linear error, per method")
+    p.add_argument("--render", metavar="JSON", help="run nothing: write --out-md / --out-png of this result JSON")
     calibrate.add_recipe_arguments(p)
     args = p.parse_args(argv)
+    if args.render is None and (args.layer_set is None or args.out_json is None):
+        p.error("--layer-set and --out-json are required (unless --render)")
     for flag in ("calib_captions", "steps", "rows_per_layer", "batch_size", "heldout"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
@@ -228,8 +233,54 @@ def quantize_by_recipe(layers, recipes: dict):
     return qlayers, reports
 
 
+def plot(result: dict, path: str) -> None:
+    """One panel per method: every member's held-out error fused (y) against per linear (x), by layer type; points
+    above the diagonal got worse fused."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(result["methods"])
+    cols = min(3, len(methods))
+    rows = -(-len(methods) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 4.0 * rows), squeeze=False)
+    types = sorted({layer_type(n) for rec in result["methods"].values() for n in rec["errors"]})
+    for ax, method in zip(axes.flat, methods):
+        errors = result["methods"][method]["errors"]
+        values = [v for e in errors.values() for v in e.values()]
+        low, high = min(values), max(values)
+        ax.plot([low, high], [low, high], color="grey", lw=0.8)
+        for kind in types:
+            names = [n for n in errors if layer_type(n) == kind]
+            ax.scatter([errors[n]["per_linear"] for n in names], [errors[n]["fused"] for n in names], s=12,
+                       label=kind)
+        total = result["methods"][method]["summary"][-1]
+        ax.set_title(f"{method}\nmean {100 * total['change']:+.1f}%, {total['worse_fused']}/{total['members']} "
+                     f"worse fused", fontsize=9)
+        ax.set_xlabel("per-linear error", fontsize=8)
+        ax.set_ylabel("fused error", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(methods):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"testbed shared-input groups: per-linear vs fused calibration ({result['date']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.render is not None:
+        from kroquant_jax import fileio
+
+        result = json.loads(Path(args.render).read_text())
+        if args.out_md:
+            fileio.atomic_write_text(args.out_md, markdown(result))
+        if args.out_png:
+            plot(result, args.out_png)
+        return 0
 
     import jax
     import numpy as np
@@ -301,6 +352,8 @@ def main(argv=None) -> int:
                   f"({per_s:.0f} s + {fused_s:.0f} s)", flush=True)
     if args.out_md:
         fileio.atomic_write_text(args.out_md, markdown(result))
+    if args.out_png:
+        plot(result, args.out_png)
     return 0
 
 

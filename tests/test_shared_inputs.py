@@ -205,6 +205,8 @@ def test_the_testbed_measurement_tiny_run(tmp_path):
     assert len(errors) == 5 and all(e["fused"] == e["per_linear"] and 0 < e["fused"] < 1 for e in errors.values())
     assert result["methods"]["hadamard32"]["summary"][-1]["worse_fused"] == 0
     assert "| hadamard32 | **all** | 5 |" in (tmp_path / "r.md").read_text()
+    _run("calibrate_shared_inputs.py", "--render", str(out), "--out-png", str(tmp_path / "r.png"))
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
     _run("calibrate_shared_inputs.py", *argv, "--methods", "kroquant")  # reads the capture of the first run
     again = json.loads(out.read_text())
     assert "read" in again["description"] and set(again["methods"]["kroquant"]["errors"]) == set(errors)
