@@ -502,14 +502,34 @@ class Attention(nnx.Module):
         else:
             raise NotImplementedError(f"Attention: {qk_norm=} is not ported (None, 'rms_norm_across_heads')")
 
+    def shared_input_sites(self, self_attention: bool) -> dict[str, tuple[str, ...]]:
+        """This attention's :class:`FusedLinearHooks` ``shared_input`` sites: ``{to_q: (to_q, to_k, to_v)}`` for a
+        self-attention (the three read ``x``), ``{to_k: (to_k, to_v)}`` for a cross-attention (they read the
+        context, ``to_q`` reads ``x``)."""
+        if self_attention:
+            return {self.to_q.path: (self.to_q.path, self.to_k.path, self.to_v.path)}
+        return {self.to_k.path: (self.to_k.path, self.to_v.path)}
+
     def project_qkv(self, x: jax.Array, context: jax.Array, hooks: LinearHooks | None,
                     context_mask: jax.Array | None = None):
         """x (b, s, query_dim), context (b, t, kv_dim), context_mask (b, t) keep-mask or None ->
-        q (b, s, h, dh), k, v (b, t, h, dh). The mask only reaches the hooks (see :func:`with_token_mask`)."""
-        q = self.to_q(x, hooks)  # (b, s, inner)
+        q (b, s, h, dh), k, v (b, t, h, dh). The mask only reaches the hooks (see :func:`with_token_mask`).
+
+        A ``shared_input`` entry of :class:`FusedLinearHooks` runs q | k | v as one linear (self-attention:
+        ``context`` is ``x``; keyed by ``to_q``) or k | v as one (keyed by ``to_k``)."""
+        fused = getattr(hooks, "fused_shared_input", None)
         context_hooks = with_token_mask(hooks, context_mask)
-        k = self.to_k(context, context_hooks)  # (b, t, inner)
-        v = self.to_v(context, context_hooks)  # (b, t, inner)
+        qkv = None if fused is None else fused((self.to_q, self.to_k, self.to_v), x)
+        if qkv is not None and context is not x:
+            raise ValueError(f"shared_input entry {self.to_q.path}: q | k | v as one linear needs a self-attention "
+                             "(here k and v read another input than q)")
+        if qkv is not None:
+            q, k, v = qkv  # (b, s, inner) each
+        else:
+            q = self.to_q(x, hooks)  # (b, s, inner)
+            kv = None if fused is None else context_hooks.fused_shared_input((self.to_k, self.to_v), context)
+            k, v = kv if kv is not None else (self.to_k(context, context_hooks),
+                                              self.to_v(context, context_hooks))  # (b, t, inner) each
         if self.norm_q is not None:
             q = self.norm_q(q)  # (b, s, inner)
             k = self.norm_k(k)  # (b, t, inner)

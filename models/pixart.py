@@ -21,7 +21,7 @@ from flax import nnx
 
 from models import convert
 from models.convert import linear_rules, param_rules, rule
-from models.layers import (Attention, FeedForward, LayerNorm, Linear, LinearHooks, PatchEmbed, TextProjection,
+from models.layers import (Attention, check_fused_sites, FeedForward, LayerNorm, Linear, LinearHooks, PatchEmbed, TextProjection,
                            TimestepEmbedding, layer_norm, mask_to_bias, name_linears, run_blocks_scanned,
                            timestep_embedding, unpatchify, with_token_mask)
 
@@ -197,6 +197,16 @@ class PixArtTransformer2DModel(nnx.Module):
                             node[1].quantizable = True
         name_linears(self)
 
+    def fused_sites(self) -> tuple[dict, dict, dict[str, tuple[str, ...]]]:
+        """The sites where :class:`models.layers.FusedLinearHooks` may replace linears: no projection + norm or
+        SwiGLU sites; ``shared_input`` sites ``attn1`` q | k | v and ``attn2`` k | v of every block."""
+        shared = {}
+        for block in self.transformer_blocks:
+            shared.update(block.attn1.shared_input_sites(self_attention=True))
+            if block.attn2 is not None:
+                shared.update(block.attn2.shared_input_sites(self_attention=False))
+        return {}, {}, shared
+
     def caption_context(self, encoder_hidden_states: jax.Array, hooks: LinearHooks | None = None) -> jax.Array:
         """The context every block's cross-attention reads: encoder_hidden_states (b, t, caption_channels) -> (b, t,
         cross_attention_dim), the caption projection when the model has one, else the embeddings as they are.
@@ -219,6 +229,7 @@ class PixArtTransformer2DModel(nnx.Module):
         ``scan_blocks``: run the transformer blocks as one ``lax.scan`` (:func:`models.layers.run_blocks_scanned`:
         one compiled block; overrides of block linears must then be ``jax.tree_util.Partial`` s, and the hooks may
         not record)."""
+        check_fused_sites(hooks, *self.fused_sites())
         cfg = self.cfg
         b, _, height, width = hidden_states.shape
         dtype = self.proj_out.kernel.dtype

@@ -23,7 +23,7 @@ from flax import nnx
 
 from models import convert
 from models.convert import linear_rules, param_rules, rule
-from models.layers import (Attention, ConvWeights, LayerNorm, Linear, LinearHooks, PatchEmbed, RMSNorm,
+from models.layers import (Attention, check_fused_sites, ConvWeights, LayerNorm, Linear, LinearHooks, PatchEmbed, RMSNorm,
                            TextProjection, TimestepEmbedding, layer_norm, mask_to_bias, name_linears,
                            timestep_embedding, unpatchify, with_token_mask)
 from models.pixart import AdaLayerNormSingle
@@ -188,6 +188,16 @@ class SanaTransformer2DModel(nnx.Module):
         self.proj_out = Linear(dim, cfg.patch_size ** 2 * cfg.resolved_out_channels, dtype=dtype, rngs=rngs)
         name_linears(self)
 
+    def fused_sites(self) -> tuple[dict, dict, dict[str, tuple[str, ...]]]:
+        """The sites where :class:`models.layers.FusedLinearHooks` may replace linears: no projection + norm or
+        SwiGLU sites; ``shared_input`` sites ``attn1`` q | k | v and ``attn2`` k | v of every block."""
+        shared = {}
+        for block in self.transformer_blocks:
+            shared.update(block.attn1.shared_input_sites(self_attention=True))
+            if block.attn2 is not None:
+                shared.update(block.attn2.shared_input_sites(self_attention=False))
+        return {}, {}, shared
+
     def caption_context(self, encoder_hidden_states: jax.Array, hooks: LinearHooks | None = None) -> jax.Array:
         """The context every block's cross-attention reads: ``caption_norm(caption_projection(e))`` of
         encoder_hidden_states (b, t, caption_channels) -> (b, t, dim).
@@ -204,6 +214,7 @@ class SanaTransformer2DModel(nnx.Module):
                  hooks: LinearHooks | None = None) -> jax.Array:
         """hidden_states (b, c, H, W), encoder_hidden_states (b, t, caption_channels), timestep (b,) in [0, 1000],
         encoder_attention_mask (b, t) 1 = keep, guidance (b,) (guidance_embeds models) -> (b, out, H, W)."""
+        check_fused_sites(hooks, *self.fused_sites())
         cfg = self.cfg
         b, _, height, width = hidden_states.shape
         p = cfg.patch_size

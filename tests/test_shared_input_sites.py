@@ -1,0 +1,66 @@
+"""The ``shared_input`` fused sites of PixArt-Σ and SANA (models.layers.Attention): q | k | v of the self-attention
+and k | v of the cross-attention as one linear each, their output split among the members; the sites agree with the
+families' declared shared-input groups; entries that name no site raise."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import families
+from models.layers import FusedLinearHooks, linears
+from tests.test_families import TINY
+
+
+def _inputs(cfg, name):
+    keys = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(keys[0], (2, cfg.in_channels, cfg.sample_size, cfg.sample_size), jnp.float32)
+    context = jax.random.normal(keys[1], (2, 3, cfg.caption_channels), jnp.float32)
+    mask = jnp.asarray([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0]])
+    return x, context, jnp.asarray([500.0, 20.0]), mask
+
+
+def _dense_entry(members):
+    """One shared_input entry computing the members' own dense projections at once (their outputs concatenated)."""
+    return lambda x: jnp.concatenate([m.dense(x) for m in members], axis=-1)
+
+
+@pytest.mark.parametrize("name", ["pixart", "sana"])
+def test_fused_q_k_v_and_k_v_reproduce_the_model_exactly(name):
+    family = families.get(name)
+    model = family.build(TINY[name], seed=3)
+    _, _, sites = model.fused_sites()
+    # the model's sites are the family's declared shared-input groups (one home for which linears share an input)
+    assert sorted(sites.values()) == sorted(family.shared_inputs(model))
+    by_path = linears(model)
+    hooks = FusedLinearHooks(shared_input={first: _dense_entry([by_path[p] for p in members])
+                                           for first, members in sites.items()})
+    x, context, t, mask = _inputs(TINY[name], name)
+    reference = model(x, context, t, encoder_attention_mask=mask)
+    np.testing.assert_allclose(np.asarray(model(x, context, t, encoder_attention_mask=mask, hooks=hooks)),
+                               np.asarray(reference), rtol=1e-6, atol=1e-6)
+    # an entry whose output is permuted (k | v swapped) is not silently right
+    kv = next(first for first, members in sites.items() if len(members) == 2)
+    swapped = FusedLinearHooks(shared_input={kv: lambda y: jnp.roll(_dense_entry(
+        [by_path[p] for p in sites[kv]])(y), by_path[kv].out_features, axis=-1)})
+    assert not np.allclose(np.asarray(model(x, context, t, encoder_attention_mask=mask, hooks=swapped)),
+                           np.asarray(reference), atol=1e-4)
+
+
+def test_entries_that_name_no_site_or_replace_a_linear_twice_raise():
+    model = families.PIXART.build(TINY["pixart"], seed=3)
+    x, context, t, mask = _inputs(TINY["pixart"], "pixart")
+    f = lambda y: y  # noqa: E731
+    prefix = "transformer_blocks.0"
+    bad = [({f"{prefix}.attn2.to_q": f}, "names no shared_input site"),  # q reads the image, k / v the caption
+           ({f"{prefix}.attn1.to_k": f}, "names no shared_input site"),
+           ({f"{prefix}.attn1.to_q.typo": f}, "to_q.typo")]
+    for table, message in bad:
+        with pytest.raises(ValueError, match=message):
+            model(x, context, t, encoder_attention_mask=mask, hooks=FusedLinearHooks(shared_input=table))
+    with pytest.raises(ValueError, match="also have per-linear overrides"):
+        model(x, context, t, encoder_attention_mask=mask, hooks=FusedLinearHooks(
+            {f"{prefix}.attn1.to_v": f}, shared_input={f"{prefix}.attn1.to_q": f}))
+    wrong_width = FusedLinearHooks(shared_input={f"{prefix}.attn1.to_q": f})  # dim wide, not 3 x inner
+    with pytest.raises(ValueError, match=f"shared_input entry {prefix}.attn1.to_q: returned shape"):
+        model(x, context, t, encoder_attention_mask=mask, hooks=wrong_width)
