@@ -44,6 +44,7 @@ __all__ = [
     "TextProjection",
     "TimestepEmbedding",
     "apply_rope",
+    "block_attention_sites",
     "check_fused_sites",
     "dot_product_attention",
     "host_init",
@@ -545,6 +546,18 @@ class Attention(nnx.Module):
         out = dot_product_attention(q, k, v, bias)  # (b, s, h, dh)
         out = out.reshape(out.shape[:2] + (self.heads * self.head_dim,))  # (b, s, inner)
         return self.to_out[0](out, hooks)  # (b, s, query_dim)
+
+
+def block_attention_sites(blocks: Any) -> tuple[dict, dict, dict[str, tuple[str, ...]]]:
+    """The fused sites (as ``fused_sites()`` returns them, for :func:`check_fused_sites`) of blocks with a
+    self-attention ``attn1`` and an optional cross-attention ``attn2`` (PixArt-Σ, SANA): no projection + norm or
+    SwiGLU sites; ``shared_input`` sites ``attn1`` q | k | v and ``attn2`` k | v of every block."""
+    shared = {}
+    for block in blocks:
+        shared.update(block.attn1.shared_input_sites(self_attention=True))
+        if block.attn2 is not None:
+            shared.update(block.attn2.shared_input_sites(self_attention=False))
+    return {}, {}, shared
 
 
 def sincos_pos_embed_2d(dim: int, grid_h: int, grid_w: int, base_size: int, interpolation_scale: float) -> np.ndarray:

@@ -21,9 +21,9 @@ from flax import nnx
 
 from models import convert
 from models.convert import linear_rules, param_rules, rule
-from models.layers import (Attention, check_fused_sites, FeedForward, LayerNorm, Linear, LinearHooks, PatchEmbed, TextProjection,
-                           TimestepEmbedding, layer_norm, mask_to_bias, name_linears, run_blocks_scanned,
-                           timestep_embedding, unpatchify, with_token_mask)
+from models.layers import (Attention, FeedForward, LayerNorm, Linear, LinearHooks, PatchEmbed, TextProjection,
+                           TimestepEmbedding, block_attention_sites, check_fused_sites, layer_norm, mask_to_bias,
+                           name_linears, run_blocks_scanned, timestep_embedding, unpatchify, with_token_mask)
 
 __all__ = ["PIXART_SIGMA_XL_2_1024_MS", "PixArtConfig", "PixArtTransformer2DModel", "KEY_TABLE", "from_diffusers",
            "to_diffusers"]
@@ -198,14 +198,9 @@ class PixArtTransformer2DModel(nnx.Module):
         name_linears(self)
 
     def fused_sites(self) -> tuple[dict, dict, dict[str, tuple[str, ...]]]:
-        """The sites where :class:`models.layers.FusedLinearHooks` may replace linears: no projection + norm or
-        SwiGLU sites; ``shared_input`` sites ``attn1`` q | k | v and ``attn2`` k | v of every block."""
-        shared = {}
-        for block in self.transformer_blocks:
-            shared.update(block.attn1.shared_input_sites(self_attention=True))
-            if block.attn2 is not None:
-                shared.update(block.attn2.shared_input_sites(self_attention=False))
-        return {}, {}, shared
+        """The sites where :class:`models.layers.FusedLinearHooks` may replace linears
+        (:func:`models.layers.block_attention_sites`: ``attn1`` q | k | v, ``attn2`` k | v of every block)."""
+        return block_attention_sites(self.transformer_blocks)
 
     def caption_context(self, encoder_hidden_states: jax.Array, hooks: LinearHooks | None = None) -> jax.Array:
         """The context every block's cross-attention reads: encoder_hidden_states (b, t, caption_channels) -> (b, t,
