@@ -64,3 +64,33 @@ def test_entries_that_name_no_site_or_replace_a_linear_twice_raise():
     wrong_width = FusedLinearHooks(shared_input={f"{prefix}.attn1.to_q": f})  # dim wide, not 3 x inner
     with pytest.raises(ValueError, match=f"shared_input entry {prefix}.attn1.to_q: returned shape"):
         model(x, context, t, encoder_attention_mask=mask, hooks=wrong_width)
+
+
+@pytest.mark.parametrize("strategy", ["simulate", "dequant", "fp8_mgpu"])
+def test_split_overrides_of_a_fused_layer_compile_to_one_forward(strategy):
+    """A fused layer's members served as per-linear slices (models.quantize_model.split_qlinear_overrides, the path
+    of a fused quantized checkpoint in a model without that fused site): XLA merges the members' identical calls, so
+    the program of all three members has the GEMMs and kernels of one (checked on the H200 too:
+    benchmarks/results/split_overrides_cse_2026-12-04.json)."""
+    import functools
+
+    from kroquant_jax.qlinear import random_qlinear
+    from models.quantize_model import split_qlinear_overrides
+    from pallas_kernels import served as S
+
+    layer = random_qlinear(jax.random.normal(jax.random.key(0), (3 * 64, 64)) / 8, jax.random.key(1), 32)
+    x = jax.random.normal(jax.random.key(2), (32, 64)).astype(jnp.bfloat16)
+    if strategy == "simulate":
+        overrides = split_qlinear_overrides(layer, ["a", "b", "c"])
+    else:
+        options = S.ServeOptions(strategy=strategy, impl="reference")
+        overrides = split_qlinear_overrides(S.serve(layer, strategy=strategy), ["a", "b", "c"],
+                                            functools.partial(lambda l, y, o: S.forward(l, y, options=o), o=options))
+
+    def ops(keys):
+        text = jax.jit(lambda y: [overrides[k](y) for k in keys]).lower(x).compile().as_text()
+        return text.count(" dot("), text.count("custom-call(")
+
+    assert ops("a")[0] > 0 and ops("abc") == ops("a")
+    full = overrides["a"].func.keywords["forward"](overrides["a"].args[0], x)  # the whole fused output
+    np.testing.assert_array_equal(np.concatenate([np.asarray(overrides[k](x)) for k in "abc"], -1), np.asarray(full))
