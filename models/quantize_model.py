@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.layers import FusedLinearHooks, LinearHooks, check_fused_sites, linears
@@ -58,25 +59,33 @@ def qlinear_overrides(qlayers: Mapping[str, Any], forward: Callable[[Any, jax.Ar
     return {name: jax.tree_util.Partial(forward, layer) for name, layer in qlayers.items()}
 
 
-def _qlinear_part(layer: Any, x: jax.Array, *, part: int, parts: int,
+def _qlinear_part(layer: Any, x: jax.Array, *, start: int, stop: int,
                   forward: Callable[[Any, jax.Array], jax.Array]) -> jax.Array:
-    y = forward(layer, x)  # (..., parts * o)
-    width = y.shape[-1] // parts
-    return y[..., part * width:(part + 1) * width]
+    return forward(layer, x)[..., start:stop]  # (..., stop - start) of (..., o)
 
 
-def split_qlinear_overrides(layer: Any, paths: list[str], forward: Callable[[Any, jax.Array], jax.Array] | None = None
-                            ) -> dict[str, jax.tree_util.Partial]:
+def split_qlinear_overrides(layer: Any, paths: list[str], forward: Callable[[Any, jax.Array], jax.Array] | None = None,
+                            widths: list[int] | None = None) -> dict[str, jax.tree_util.Partial]:
     """One ``QuantizedLinear`` (or ``ServedLinear`` with a matching ``forward``) of ``len(paths)`` linears stacked
     along the outputs (``[W_1; W_2; ...]``, one shared input and transform) -> per-linear overrides
-    ``{paths[i]: x -> forward(layer, x)[..., rows of W_i]}``."""
+    ``{paths[i]: x -> forward(layer, x)[..., rows of W_i]}``.
+
+    ``widths``: each linear's output width, in ``paths`` order (e.g. FLUX.1's ``q | k | v | proj_mlp``); None: equal
+    shares. Raises ValueError when they do not add up to the layer's outputs (or the outputs do not divide equally).
+    XLA merges the members' identical calls, so the members cost one forward of the layer."""
     forward = _qlinear_simulate if forward is None else forward
     out_features = layer.config.out_features if hasattr(layer, "config") else layer.out_features
-    if out_features % len(paths):
-        raise ValueError(f"split_qlinear_overrides: out_features={out_features} is not a multiple of {len(paths)} "
-                         f"linears {paths}")
-    return {path: jax.tree_util.Partial(functools.partial(_qlinear_part, part=i, parts=len(paths), forward=forward),
-                                        layer) for i, path in enumerate(paths)}
+    if widths is None:
+        if out_features % len(paths):
+            raise ValueError(f"split_qlinear_overrides: out_features={out_features} is not a multiple of {len(paths)} "
+                             f"linears {paths} (pass their widths)")
+        widths = [out_features // len(paths)] * len(paths)
+    if len(widths) != len(paths) or sum(widths) != out_features or min(widths) < 1:
+        raise ValueError(f"split_qlinear_overrides: widths {list(widths)} of {paths} do not split "
+                         f"out_features={out_features}")
+    bounds = np.cumsum([0, *widths]).tolist()
+    return {path: jax.tree_util.Partial(functools.partial(_qlinear_part, start=bounds[i], stop=bounds[i + 1],
+                                                          forward=forward), layer) for i, path in enumerate(paths)}
 
 
 def _fake_quant_linear(kernel: jax.Array, bias: jax.Array | None, x: jax.Array, *, fmt: Any) -> jax.Array:

@@ -97,7 +97,8 @@ class QuantizedCheckpoint:
             forward = functools.partial(_served_forward, options=options, pad=layer.config.input_pad)
             members = layer_members(name, self.model)
             if len(members) > 1:
-                out.update(quantize_model.split_qlinear_overrides(prepared, list(members), forward))
+                out.update(quantize_model.split_qlinear_overrides(prepared, list(members), forward,
+                                                                  widths=member_widths(members, self.model)))
             else:
                 out[name] = jax.tree_util.Partial(forward, prepared)
         return out
@@ -127,6 +128,14 @@ def layer_members(name: str, model: Any) -> tuple[str, ...]:
     return members
 
 
+def member_widths(members: tuple[str, ...], model: Any) -> list[int]:
+    """The output widths of ``members`` (linears of ``model``), in order: how a fused output is split."""
+    from models.layers import linears
+
+    available = linears(model)
+    return [available[m].out_features for m in members]
+
+
 def linear_overrides(qlayers: Mapping[str, Any], model: Any, forward=None) -> dict:
     """``{linear path: override}`` of ``{name: QuantizedLinear}`` (``models.quantize_model.qlinear_overrides``),
     where a fused layer ``a|b|c`` gives each member its rows of the fused output
@@ -137,7 +146,8 @@ def linear_overrides(qlayers: Mapping[str, Any], model: Any, forward=None) -> di
     for name, layer in qlayers.items():
         members = layer_members(name, model)
         if len(members) > 1:
-            out.update(quantize_model.split_qlinear_overrides(layer, list(members), forward))
+            out.update(quantize_model.split_qlinear_overrides(layer, list(members), forward,
+                                                              widths=member_widths(members, model)))
         else:
             out.update(quantize_model.qlinear_overrides({name: layer}, forward))
     return out

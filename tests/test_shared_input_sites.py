@@ -94,3 +94,20 @@ def test_split_overrides_of_a_fused_layer_compile_to_one_forward(strategy):
     assert ops("a")[0] > 0 and ops("abc") == ops("a")
     full = overrides["a"].func.keywords["forward"](overrides["a"].args[0], x)  # the whole fused output
     np.testing.assert_array_equal(np.concatenate([np.asarray(overrides[k](x)) for k in "abc"], -1), np.asarray(full))
+
+
+def test_split_overrides_take_unequal_widths_and_refuse_ones_that_do_not_add_up():
+    """A fused output of unequal members (FLUX.1's q | k | v | proj_mlp) splits at the members' own widths; widths
+    that do not add up to the layer's outputs raise instead of slicing the wrong rows."""
+    from kroquant_jax.qlinear import random_qlinear
+    from models.quantize_model import split_qlinear_overrides
+
+    layer = random_qlinear(jax.random.normal(jax.random.key(0), (32 + 32 + 64, 64)) / 8, jax.random.key(1), 32)
+    x = jax.random.normal(jax.random.key(2), (8, 64)).astype(jnp.bfloat16)
+    overrides = split_qlinear_overrides(layer, ["q", "k", "mlp"], widths=[32, 32, 64])
+    assert [overrides[k](x).shape[-1] for k in ("q", "k", "mlp")] == [32, 32, 64]
+    full = overrides["q"].func.keywords["forward"](overrides["q"].args[0], x)
+    np.testing.assert_array_equal(np.asarray(overrides["mlp"](x)), np.asarray(full[..., 64:]))
+    for widths in ([32, 32, 32], [64, 32], [0, 64, 64]):
+        with pytest.raises(ValueError, match="do not split out_features=128"):
+            split_qlinear_overrides(layer, ["q", "k", "mlp"][:len(widths)], widths=widths)
