@@ -40,6 +40,7 @@ DEFAULT_METHODS = ("hadamard32", "smoothquant", "kroquant", "smoothed_kroquant")
 
 def parse_args(argv=None) -> argparse.Namespace:
     from kroquant_jax import calibrate
+    from scripts.common_args import positive_int
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=str(ROOT / "checkpoints" / "emoji_pixart"), help="diffusers PixArt folder")
@@ -47,17 +48,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layer-set",
                    help="the capture (.safetensors): read when it exists (its weights must be --checkpoint's), "
                         "else captured and written there")
-    p.add_argument("--calib-captions", type=int, default=32, help="training captions sampled for the capture")
-    p.add_argument("--steps", type=int, default=20, help="Euler steps of the capture")
+    p.add_argument("--calib-captions", type=positive_int, default=32, help="training captions sampled for the capture")
+    p.add_argument("--steps", type=positive_int, default=20, help="Euler steps of the capture")
     p.add_argument("--guidance", type=float, default=3.0, help="CFG scale of the capture")
-    p.add_argument("--rows-per-layer", type=int, default=2048, help="captured rows kept per layer")
-    p.add_argument("--batch-size", type=int, default=8, help="captions per sampling call (capture)")
+    p.add_argument("--rows-per-layer", type=positive_int, default=2048, help="captured rows kept per layer")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="captions per sampling call (capture)")
     p.add_argument("--text-rows-from-all-prompts", action="store_true",
                    help="the attn2.to_k / to_v rows from the caption projection of every training caption's real "
                         "tokens (models.capture: text_rows_from_all_prompts), not only the captured captions'")
     p.add_argument("--seed", type=int, default=0, help="seed of the capture, the held-out rows and the row split")
-    p.add_argument("--heldout", type=int, default=256, help="held-out rows per group (at most a fifth of its rows)")
-    p.add_argument("--blocks", type=int, default=None, help="only the groups of the first N blocks (tests)")
+    p.add_argument("--heldout", type=positive_int, default=256, help="held-out rows per group (at most a fifth of its rows)")
+    p.add_argument("--blocks", type=positive_int, default=None, help="only the groups of the first N blocks (tests)")
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help="recipes (calibrate.get_recipe)")
     p.add_argument("--fused-rank-sum", action="store_true",
                    help="low-rank recipes: also calibrate the fused layers with a branch of the members' ranks "
@@ -145,25 +146,11 @@ def shared_rows(layer_set, groups, heldout: int, seed: int):
 
 def per_linear_errors(layers, groups, qlayers, held) -> dict[str, float]:
     """Each member's relative output error (bias removed, float64 reference) of its own quantized layer on its
-    group's held-out rows."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
+    group's held-out rows (``kroquant_jax.shared_inputs.layer_errors``: the measure of ``member_errors``)."""
+    from kroquant_jax import shared_inputs
 
-    from kroquant_jax import qlinear, shared_inputs
-
-    forward = jax.jit(qlinear.qlinear_forward, static_argnames="path")
-    errors = {}
-    for group in groups:
-        a = held[shared_inputs.fused_name(group)]
-        for member in group:
-            q = qlayers[member]
-            y = np.asarray(forward(q, jnp.asarray(a)), np.float64)
-            if q.bias is not None:
-                y = y - np.asarray(q.bias, np.float64)
-            ref = a.astype(np.float64) @ layers[member].weight.T.astype(np.float64)
-            errors[member] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
-    return errors
+    rows = {member: held[shared_inputs.fused_name(group)] for group in groups for member in group}
+    return shared_inputs.layer_errors(layers, qlayers, rows)
 
 
 def layer_type(name: str) -> str:

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from kroquant_jax import qlinear
 from kroquant_jax.layerset import LayerData, LayerSet, RunConfig, as_layer_set
 
-__all__ = ["SEPARATOR", "check_groups", "fuse_shared_inputs", "fused_name", "fused_test_rows", "member_errors",
-           "members_of", "output_slices", "split_output", "stack_members"]
+__all__ = ["SEPARATOR", "check_groups", "fuse_shared_inputs", "fused_name", "fused_test_rows", "layer_errors",
+           "member_errors", "members_of", "output_slices", "split_output", "stack_members"]
 
 #: Joins the member names of a fused layer.
 SEPARATOR = "|"
@@ -195,25 +198,46 @@ def member_errors(layer_set: LayerSet, groups: Sequence[Sequence[str]], qlayers:
     Returns:
         ``{member: error}`` in group order.
     """
-    import jax
-    import jax.numpy as jnp
-
-    from kroquant_jax import qlinear
-
     layers = as_layer_set(layer_set)
-    forward = jax.jit(qlinear.qlinear_forward, static_argnames="path")
     errors = {}
     for group in check_groups(groups):
         name = fused_name(group)
         for what, table in (("qlayers", qlayers), ("rows", rows)):
             if name not in table:
                 raise ValueError(f"member_errors: {what} has no fused layer {name!r}")
-        a = np.asarray(rows[name], np.float32)  # (n, d)
-        q = qlayers[name]
-        y = np.asarray(forward(q, jnp.asarray(a)), np.float64)  # (n, sum o)
-        if q.bias is not None:
-            y = y - np.asarray(q.bias, np.float64)
+        a, y = _output_without_bias(qlayers[name], rows[name])  # (n, d), (n, sum o)
         for member, part in split_output(y, layers, group).items():
-            ref = a.astype(np.float64) @ layers[member].weight.T.astype(np.float64)  # (n, o_i)
-            errors[member] = float(np.linalg.norm(part - ref) / max(np.linalg.norm(ref), np.finfo(np.float32).tiny))
+            errors[member] = _relative_error(part, a, layers[member].weight)
     return errors
+
+
+def layer_errors(layer_set: LayerSet, qlayers: Mapping[str, object], rows: Mapping[str, np.ndarray]
+                 ) -> dict[str, float]:
+    """:func:`member_errors` of plain (unfused) layers: ``{name: ||y - A W^T|| / ||A W^T||}`` of each
+    ``qlayers[name]`` on ``rows[name] (n, d)``, the same measure, so per-linear and fused calibrations compare."""
+    layers = as_layer_set(layer_set)
+    errors = {}
+    for name, a in rows.items():
+        if name not in qlayers or name not in layers:
+            raise ValueError(f"layer_errors: no quantized layer or layer-set entry {name!r}")
+        a, y = _output_without_bias(qlayers[name], a)
+        errors[name] = _relative_error(y, a, layers[name].weight)
+    return errors
+
+
+def _output_without_bias(q, rows) -> tuple[np.ndarray, np.ndarray]:
+    """``(A float32 (n, d), the simulated output of q on A without its bias, float64 (n, o))``."""
+    a = np.asarray(rows, np.float32)
+    y = np.asarray(_simulate(q, jnp.asarray(a)), np.float64)
+    if q.bias is not None:
+        y = y - np.asarray(q.bias, np.float64)
+    return a, y
+
+
+_simulate = jax.jit(qlinear.qlinear_forward, static_argnames="path")  # eq. 11, fake quant (f32)
+
+
+def _relative_error(y: np.ndarray, a: np.ndarray, weight: np.ndarray) -> float:
+    """``||y - A W^T|| / ||A W^T||`` with the float64 reference."""
+    ref = a.astype(np.float64) @ np.asarray(weight).T.astype(np.float64)  # (n, o)
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), np.finfo(np.float32).tiny))

@@ -267,3 +267,18 @@ def test_unequal_members_are_not_fused_and_cannot_be_split():
         layer_members(single, model)
     with pytest.raises(ValueError, match="member 'x.to_q' of fused layer 'x.to_q|x.to_k' is not a linear"):
         layer_members("x.to_q|x.to_k", model)
+
+
+def test_layer_errors_is_member_errors_measure_for_plain_layers():
+    """layer_errors (per-linear layers) and member_errors (fused) use one measure: a layer fused with itself only
+    in name (a one-member split) gives the same error both ways, and a missing layer is named."""
+    rng = np.random.default_rng(3)
+    layers = _qkv_layer_set(rng)
+    q = qlinear.build_qlinear(layers["b.q"].weight, layers["b.q"].bias, transform="hadamard32")
+    rows = rng.standard_normal((40, 64)).astype(np.float32)
+    err = shared_inputs.layer_errors(layers, {"b.q": q}, {"b.q": rows})["b.q"]
+    y = np.asarray(qlinear.qlinear_forward(q, jnp.asarray(rows)), np.float64) - layers["b.q"].bias
+    ref = rows.astype(np.float64) @ layers["b.q"].weight.T.astype(np.float64)
+    assert err == pytest.approx(np.linalg.norm(y - ref) / np.linalg.norm(ref), rel=1e-6) and 0 < err < 0.5
+    with pytest.raises(ValueError, match="no quantized layer or layer-set entry 'b.k'"):
+        shared_inputs.layer_errors(layers, {"b.q": q}, {"b.k": rows})
