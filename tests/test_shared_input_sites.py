@@ -12,7 +12,7 @@ from models.layers import FusedLinearHooks, linears
 from tests.test_families import TINY
 
 
-def _inputs(cfg, name):
+def _inputs(cfg):
     keys = jax.random.split(jax.random.key(0), 2)
     x = jax.random.normal(keys[0], (2, cfg.in_channels, cfg.sample_size, cfg.sample_size), jnp.float32)
     context = jax.random.normal(keys[1], (2, 3, cfg.caption_channels), jnp.float32)
@@ -35,7 +35,7 @@ def test_fused_q_k_v_and_k_v_reproduce_the_model_exactly(name):
     by_path = linears(model)
     hooks = FusedLinearHooks(shared_input={first: _dense_entry([by_path[p] for p in members])
                                            for first, members in sites.items()})
-    x, context, t, mask = _inputs(TINY[name], name)
+    x, context, t, mask = _inputs(TINY[name])
     reference = model(x, context, t, encoder_attention_mask=mask)
     np.testing.assert_allclose(np.asarray(model(x, context, t, encoder_attention_mask=mask, hooks=hooks)),
                                np.asarray(reference), rtol=1e-6, atol=1e-6)
@@ -49,7 +49,7 @@ def test_fused_q_k_v_and_k_v_reproduce_the_model_exactly(name):
 
 def test_entries_that_name_no_site_or_replace_a_linear_twice_raise():
     model = families.PIXART.build(TINY["pixart"], seed=3)
-    x, context, t, mask = _inputs(TINY["pixart"], "pixart")
+    x, context, t, mask = _inputs(TINY["pixart"])
     f = lambda y: y  # noqa: E731
     prefix = "transformer_blocks.0"
     bad = [({f"{prefix}.attn2.to_q": f}, "names no shared_input site"),  # q reads the image, k / v the caption
