@@ -50,8 +50,8 @@ import optax
 
 from kroquant_jax import formats, gptq, lowrank, objectives, smoothquant, transforms
 from kroquant_jax.gptq import GPTQConfig
-from kroquant_jax.layerset import (LayerData, LayerSet, RunConfig, as_layer_set, program_config, progress_bar,
-                                   run_stacked_padded, stack_trees, take_tree)
+from kroquant_jax.layerset import (LayerData, LayerSet, RunConfig, as_layer_set, engine_jit, program_config,
+                                   progress_bar, run_stacked_padded, stack_trees, take_tree)
 from kroquant_jax.lowrank import LoRaQConfig, SVDQuantConfig
 from kroquant_jax.smoothquant import SmoothQuantConfig
 
@@ -270,8 +270,9 @@ def _program(params0, a_cal, a_val, a_test, w, *, parameterization, cfg: Calibra
 
 
 #: The compiled stacked program (static: the parameterization and the :class:`CalibrationConfig` as passed through
-#: :func:`kroquant_jax.layerset.program_config`); :func:`calibrate_layers` drives it.
-calibration_program = jax.jit(_program, static_argnames=("parameterization", "cfg"))
+#: :func:`kroquant_jax.layerset.program_config`; XLA options: :func:`kroquant_jax.layerset.engine_jit`);
+#: :func:`calibrate_layers` drives it.
+calibration_program = engine_jit(_program, static_argnames=("parameterization", "cfg"))
 
 
 def calibrate_layers(layer_set: LayerSet, config: CalibrationConfig = CalibrationConfig(),
@@ -390,8 +391,13 @@ class Recipe:
       transform: parameterization of ``T``.
       train: optimise ``T`` with the calibration engine (ignored for fixed transforms).
       smooth_init: run the SmoothQuant (α, β) search first and start from its γ: for ``"diagonal"`` as the transform
-        itself (SmoothQuant / SVDQuant's smoothing), for ``"smoothed_kron"`` as a second initial transform beside
-        (γ = 1, Hadamard).
+        itself (SmoothQuant / SVDQuant's smoothing), for ``"smoothed_kron"`` as the initial transforms ``starts``
+        names.
+      starts: ``"smoothed_kron"`` with ``smooth_init`` only: the initial transforms the calibration starts from and
+        the safeguard chooses among, names of :data:`kroquant_jax.transforms.smoothed_kron.STARTS`
+        (``"hadamard"``: γ = 1 and Hadamard blocks; ``"smoothquant_hadamard"``: the search's γ and Hadamard blocks;
+        ``"smoothquant"``: the search's γ unrotated, i.e. the SmoothQuant transform itself). ``None``:
+        ``("hadamard", "smoothquant_hadamard")``, the two starts the engine had before this field existed.
       lowrank: ``None``, ``"loraq"`` (LoRaQ, branch in MXFP4) or ``"svd"`` (SVDQuant's 16-bit SVD branch).
       smooth_svd_rank: rank (or fraction of ``min(o, d)``) of the 16-bit SVD branch inside the SmoothQuant search;
         ``None`` (default): the paper's 32 when the recipe has a low-rank branch (the search then models the deployed
@@ -408,6 +414,7 @@ class Recipe:
     transform: str = "kron_lu"
     train: bool = True
     smooth_init: bool = False
+    starts: Optional[tuple[str, ...]] = None
     lowrank: Optional[Literal["loraq", "svd"]] = None
     smooth_svd_rank: Optional[int | float] = None
     gptq: Optional[GPTQConfig] = None
@@ -426,6 +433,14 @@ class Recipe:
         if self.smooth_init and self.transform not in ("diagonal", "smoothed_kron"):
             raise ValueError(f"Recipe.smooth_init needs transform 'diagonal' or 'smoothed_kron', got "
                              f"{self.transform!r}")
+        if self.starts is not None:
+            if self.transform != "smoothed_kron" or not self.smooth_init:
+                raise ValueError(f"Recipe.starts={self.starts!r} needs transform 'smoothed_kron' with smooth_init, got "
+                                 f"transform {self.transform!r}, smooth_init={self.smooth_init}")
+            unknown = [n for n in self.starts if n not in transforms.smoothed_kron.STARTS]
+            if unknown or not self.starts or len(set(self.starts)) != len(self.starts):
+                raise ValueError(f"Recipe.starts={self.starts!r} must name distinct starts of "
+                                 f"{list(transforms.smoothed_kron.STARTS)}")
         if self.calibration.transform is None:
             object.__setattr__(self, "calibration", dataclasses.replace(self.calibration, transform=self.transform))
         elif self.calibration.transform != self.transform:
@@ -510,6 +525,9 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
                         "layer's min(o, d), e.g. 0.125; a method spec '<recipe>@<rank>' sets it for one recipe")
     g.add_argument("--smooth-svd-rank", type=functools.partial(parse_rank, minimum=0),
                    help="rank of the 16-bit SVD branch inside the SmoothQuant search (default 32 with a branch, else 0)")
+    g.add_argument("--smoothed-starts", nargs="+", choices=tuple(transforms.smoothed_kron.STARTS), metavar="START",
+                   help="smoothed KroQuant's initial transforms, of " + ", ".join(transforms.smoothed_kron.STARTS)
+                        + " (default: the recipe's)")
     g.add_argument("--loraq-steps", type=int, help="LoRaQ Adam steps (default 500)")
     g.add_argument("--rotation-steps", type=int, help="LoRaQ Cayley rotation steps (default 500)")
     g.add_argument("--svd-refine", type=int, help="SVDQuant refinement candidates (default 0; paper: up to 100)")
@@ -526,7 +544,7 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
 #: The destinations :func:`add_recipe_arguments` defines (the settings :func:`recipe_from_args` reads).
 _RECIPE_ARGUMENTS = ("calib_steps", "lr_schedule", "select_every", "regularizer_grad", "precision", "calib_rows",
                      "calib_validation", "calib_test", "max_layers_per_program", "rank", "smooth_svd_rank",
-                     "loraq_steps", "rotation_steps", "svd_refine", "sq_grid", "gptq_damp", "gptq_act_order",
+                     "smoothed_starts", "loraq_steps", "rotation_steps", "svd_refine", "sq_grid", "gptq_damp", "gptq_act_order",
                      "gptq_scales", "gptq_order")
 
 
@@ -541,6 +559,7 @@ _STAGE_ARGUMENTS: dict[str, tuple[str, Callable[[Recipe], bool]]] = {
     "rank": ("a recipe with a low-rank branch", lambda r: r.lowrank is not None),
     "sq_grid": ("a recipe with the SmoothQuant search", lambda r: r.smooth_init),
     "smooth_svd_rank": ("a recipe with the SmoothQuant search", lambda r: r.smooth_init),
+    "smoothed_starts": ("a smoothed_kroquant recipe", lambda r: r.transform == "smoothed_kron" and r.smooth_init),
 }
 
 
@@ -613,8 +632,11 @@ def recipe_from_args(spec: str, args: argparse.Namespace | Mapping[str, Any], **
             smooth = dataclasses.replace(smooth, alphas=grid, betas=grid)
         if args.smooth_svd_rank is not None:
             smooth_svd_rank = args.smooth_svd_rank
+    starts = recipe.starts
+    if args.smoothed_starts is not None and recipe.transform == "smoothed_kron" and recipe.smooth_init:
+        starts = tuple(args.smoothed_starts)
     return dataclasses.replace(recipe, calibration=calibration, run=run, loraq=loraq, svdquant=svdquant,
-                               smoothquant=smooth, smooth_svd_rank=smooth_svd_rank, gptq=gptq_cfg)
+                               smoothquant=smooth, smooth_svd_rank=smooth_svd_rank, gptq=gptq_cfg, starts=starts)
 
 
 def _relative_error(y, ref) -> float:
@@ -655,8 +677,8 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
             if recipe.transform == "diagonal":
                 inits[n] = [transforms.diagonal.from_scales(res.gamma)]
             else:
-                inits[n] = [transforms.get(recipe.transform).init(layers[n].weight.shape[1]),
-                            transforms.smoothed_kron.init_from_scales(res.gamma)]
+                inits[n] = [transforms.smoothed_kron.start(name, layers[n].weight.shape[1], res.gamma)
+                            for name in recipe.starts or ("hadamard", "smoothquant_hadamard")]
     calib = calibrate_layers(layers, cal, inits=inits, run=run, pad_to=pad_to)
     w_t, a_cal_t, a_test = {}, {}, {}
     for n, layer in layers.items():

@@ -472,3 +472,35 @@ def test_quantizing_more_layers_of_the_same_shapes_compiles_nothing():
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert first > 0 and len(compiles) == first
+
+
+def test_smoothed_kroquant_starts_include_smoothquant_itself():
+    """Recipe.starts: with the 'smoothquant' start, smoothed KroQuant's candidates hold SmoothQuant's own transform
+    (the same test error as the smoothquant recipe, from the same search), so the kept transform is never worse than
+    SmoothQuant on the validation rows; starts=None keeps the engine's earlier two starts; bad starts raise."""
+    ls = _layer_set(shapes=((48, 64),), n=400)
+    run = calibrate.RunConfig(num_rows=160, num_validation=96, num_test=96)
+    cal = calibrate.CalibrationConfig(transform=None, steps=5)
+    sq = calibrate.get_recipe("smoothquant", run=run)
+    three = calibrate.get_recipe("smoothed_kroquant", run=run, calibration=cal,
+                                 starts=("hadamard", "smoothquant_hadamard", "smoothquant"))
+    two = dataclasses.replace(three, starts=None)
+    _, sq_rep = calibrate.quantize_layer_set(ls, sq)
+    _, rep3 = calibrate.quantize_layer_set(ls, three)
+    _, rep2 = calibrate.quantize_layer_set(ls, two)
+    for name in ls:
+        assert set(rep3[name]["candidates"]) == {f"{s}{k}" for s in ("init", "trained") for k in range(3)}
+        assert set(rep2[name]["candidates"]) == {f"{s}{k}" for s in ("init", "trained") for k in range(2)}
+        np.testing.assert_allclose(rep3[name]["candidates_test"]["init2"], sq_rep[name]["transform_test_error"],
+                                   rtol=1e-5)
+        np.testing.assert_allclose(rep3[name]["candidates"]["init2"], sq_rep[name]["transform_validation_error"],
+                                   rtol=1e-5)
+        assert rep3[name]["transform_validation_error"] <= sq_rep[name]["transform_validation_error"] * (1 + 1e-6)
+        for k in ("init0", "init1"):  # the shared starts are the same computation either way
+            np.testing.assert_allclose(rep3[name]["candidates"][k], rep2[name]["candidates"][k], rtol=1e-6)
+    with pytest.raises(ValueError, match="needs transform 'smoothed_kron' with smooth_init"):
+        calibrate.get_recipe("kroquant", starts=("hadamard",))
+    with pytest.raises(ValueError, match="must name distinct starts"):
+        calibrate.get_recipe("smoothed_kroquant", starts=("smoothquant", "rotated"))
+    with pytest.raises(ValueError, match="must name distinct starts"):
+        calibrate.get_recipe("smoothed_kroquant", starts=())

@@ -69,7 +69,8 @@ def test_recipe_from_args_sets_every_stage():
     args = _parsed("--calib-steps", "7", "--calib-rows", "99", "--calib-validation", "33", "--calib-test", "22",
                    "--rank", "0.125", "--loraq-steps", "5", "--rotation-steps", "3", "--svd-refine", "4",
                    "--sq-grid", "3", "--precision", "high", "--regularizer-grad", "ste", "--lr-schedule", "constant",
-                   "--select-every", "0", "--max-layers-per-program", "8", "--smooth-svd-rank", "0")
+                   "--select-every", "0", "--max-layers-per-program", "8", "--smooth-svd-rank", "0",
+                   "--smoothed-starts", "smoothquant", "hadamard")
     r = calibrate.recipe_from_args("smoothed_kroquant+loraq", args, seed=3, progress=True)
     assert (r.calibration.steps, r.calibration.lr_schedule, r.calibration.select_every,
             r.calibration.max_layers_per_program) == (7, "constant", 0, 8)
@@ -78,9 +79,11 @@ def test_recipe_from_args_sets_every_stage():
     assert r.run == calibrate.RunConfig(num_rows=99, num_validation=33, num_test=22, seed=3, progress=True)
     assert (r.loraq.rank, r.loraq.steps, r.loraq.rotation_steps) == (0.125, 5, 3)
     assert r.smoothquant.alphas == r.smoothquant.betas == (0.0, 0.5, 1.0) and r.smooth_svd_rank == 0
+    assert r.starts == ("smoothquant", "hadamard")
     svd = calibrate.recipe_from_args("svdquant", args)
     assert (svd.svdquant.rank, svd.svdquant.refine_steps) == (0.125, 4)
     assert svd.loraq == calibrate.LoRaQConfig()  # a stage the recipe does not run keeps its defaults
+    assert svd.starts is None
     # A rank after '@' wins over --rank, for every low-rank recipe; the old spellings still parse.
     assert calibrate.recipe_from_args("kroquant+loraq@64", args).loraq.rank == 64
     assert calibrate.recipe_from_args("svdquant@16", args).svdquant.rank == 16
@@ -170,6 +173,10 @@ def test_stage_flags_for_methods_without_that_stage_are_refused(capsys):
                         "has that stage"]
     used = {m: calibrate.recipe_from_args(m, args) for m in ("rtn", "kroquant+gptq+loraq")}
     assert calibrate.unused_stage_arguments(used, args) == []
+    starts = _parsed("--smoothed-starts", "smoothquant")
+    assert calibrate.unused_stage_arguments({"smoothquant": calibrate.recipe_from_args("smoothquant", starts)},
+                                            starts) == [
+        "--smoothed-starts applies to a smoothed_kroquant recipe, and none of the methods (smoothquant) has that stage"]
     with pytest.raises(SystemExit) as err:
         calibrate_layers.main(["--layers", "no-such-file.npz", "--methods", "rtn", "--gptq-order", "gptq_first"])
     assert err.value.code == 2

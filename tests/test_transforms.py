@@ -132,3 +132,54 @@ def test_stacked_params_vmap():
     np.testing.assert_allclose(np.asarray(stacked[1]), np.asarray(single), rtol=1e-6)
     fixed = jax.vmap(lambda _: T.HADAMARD32.blocks(T.HADAMARD32.init(64)))(jnp.arange(2))
     assert fixed.shape == (2, 2, 32, 32)
+
+
+def test_sign_diagonal_start_quantizes_as_the_identity():
+    """kron_lu.sign_diagonal_init: blocks diag(±1), its own inverse, and the W4A4 output of the identity exactly
+    (MXFP4 is sign-symmetric and the weight side flips the same columns)."""
+    from kroquant_jax.formats import MXFP4, fake_quant
+    d = 96
+    params = T.kron_lu.sign_diagonal_init(d)
+    k = np.asarray(T.KRON_LU.blocks(params))
+    assert k.shape == (d // 32, 32, 32)
+    diag = np.einsum("bii->bi", k)
+    assert np.array_equal(np.abs(diag), np.ones_like(diag)) and np.count_nonzero(k) == d
+    assert (diag < 0).any()  # the flips are real: det G_k = -1 rules out the identity itself
+    np.testing.assert_array_equal(np.asarray(T.KRON_LU.inverse_blocks(params)), k)
+    a = jax.random.normal(jax.random.key(5), (40, d)) * jnp.exp(jax.random.normal(jax.random.key(6), (d,)))
+    w = jax.random.normal(jax.random.key(7), (24, d))
+    at = T.apply_to_activations(a, T.KRON_LU.blocks(params))
+    wt = T.apply_to_weights(w, T.KRON_LU.inverse_blocks(params))
+    np.testing.assert_array_equal(np.asarray(fake_quant(at, MXFP4()) @ fake_quant(wt, MXFP4()).T),
+                                  np.asarray(fake_quant(a, MXFP4()) @ fake_quant(w, MXFP4()).T))
+
+
+def test_smoothed_kron_starts():
+    """smoothed_kron.start: the 'smoothquant' start quantizes exactly as SmoothQuant's diag(1/γ); the Hadamard starts
+    are the documented ones; unknown names, a missing or mis-shaped γ raise."""
+    from kroquant_jax.formats import MXFP4, fake_quant
+    sk = T.smoothed_kron
+    d = 64
+    gamma = jnp.exp(0.4 * jax.random.normal(jax.random.key(8), (d,)))
+    a = jax.random.normal(jax.random.key(9), (33, d)) * gamma * 3.0
+    w = jax.random.normal(jax.random.key(10), (20, d)) / gamma
+
+    def output(p, params):
+        at = T.apply_to_activations(a, p.blocks(params))
+        wt = T.apply_to_weights(w, p.inverse_blocks(params))
+        return np.asarray(fake_quant(at, MXFP4()) @ fake_quant(wt, MXFP4()).T)
+
+    diagonal = T.get("diagonal")
+    np.testing.assert_allclose(output(T.SMOOTHED_KRON, sk.start("smoothquant", d, gamma)),
+                               output(diagonal, T.diagonal.from_scales(gamma)), rtol=1e-6, atol=1e-6)
+    hadamard = sk.start("smoothquant_hadamard", d, gamma)
+    np.testing.assert_allclose(np.asarray(T.KRON_LU.blocks(hadamard["kron"])),
+                               np.asarray(T.KRON_LU.blocks(T.KRON_LU.init(d))))
+    np.testing.assert_allclose(np.exp(hadamard["log_gamma"]), gamma, rtol=1e-6)
+    assert jax.tree.all(jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), sk.start("hadamard", d), sk.init(d)))
+    with pytest.raises(ValueError, match="unknown smoothed_kron start 'rotated'"):
+        sk.start("rotated", d, gamma)
+    with pytest.raises(ValueError, match="needs the SmoothQuant search's gamma"):
+        sk.start("smoothquant", d)
+    with pytest.raises(ValueError, match=r"gamma has shape \(32,\), expected \(64,\)"):
+        sk.start("smoothquant", d, gamma[:32])

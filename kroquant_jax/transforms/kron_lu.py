@@ -63,6 +63,18 @@ def init(d: int, key: Optional[jax.Array] = None) -> dict:
     }
 
 
+def sign_diagonal_init(d: int) -> dict:
+    """The non-rotating start: ``a = 1, b = c = 0`` gives ``G_k = diag(1, -1)`` and blocks ``K_j = diag(±1)``.
+
+    MXFP4 / NVFP4 quantization is sign-symmetric (``Q(-x) = -Q(x)``) and the weight side ``W K^{-T}`` flips the same
+    columns, so this transform quantizes exactly as the identity does (``det G_k = -1`` rules out the identity
+    itself). Training from here refines an unrotated layer instead of a Hadamard-rotated one."""
+    check_width(d, BLOCK, "kron_lu")
+    nb = d // BLOCK
+    return {"a": jnp.ones((nb, NUM_FACTORS), jnp.float32), "b": jnp.zeros((nb, NUM_FACTORS), jnp.float32),
+            "c": jnp.zeros((nb, NUM_FACTORS), jnp.float32)}
+
+
 def blocks(params: dict) -> jax.Array:
     """``(d/32, 32, 32)`` blocks ``K_j``."""
     return kron_chain(lu_factors(params["a"], params["b"], params["c"]))
