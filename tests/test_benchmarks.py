@@ -153,3 +153,49 @@ def test_cross_attention_rows_are_the_caption_projection_of_every_training_capti
     assert subset.shape == (50, rows.shape[1])
     assert all((rows == row).all(axis=1).any() for row in subset)
 
+
+
+def test_calibration_goals_reads_the_subset_choice_from_the_candidates(tmp_path):
+    """calibration_goals.py: the smoothed KroQuant recipe with fewer starts is the safeguard's choice among that
+    subset's candidates (lowest validation error), its test error is that candidate's, and the goal counts compare
+    test errors per layer; a subset naming a start the run did not have is a one-line error."""
+    starts = ["hadamard", "smoothquant_hadamard", "smoothquant"]
+
+    def report(val, test):
+        labels = [f"{k}{i}" for i in range(3) for k in ("init", "trained")]
+        val, test = dict(zip(labels, val)), dict(zip(labels, test))
+        chosen = min(val, key=lambda lab: (val[lab], lab))
+        return {"chosen": chosen, "candidates": val, "candidates_test": test}
+
+    record = {
+        "errors": {"hadamard32": {"transformer_blocks.0.attn1.to_q": 0.20, "transformer_blocks.0.attn2.to_k": 0.20},
+                   "smoothquant": {"transformer_blocks.0.attn1.to_q": 0.19, "transformer_blocks.0.attn2.to_k": 0.15},
+                   "kroquant": {"transformer_blocks.0.attn1.to_q": 0.18, "transformer_blocks.0.attn2.to_k": 0.21},
+                   "smoothed_kroquant": {"transformer_blocks.0.attn1.to_q": 0.17,
+                                         "transformer_blocks.0.attn2.to_k": 0.14}},
+        "reports": {"smoothed_kroquant": {
+            # order: init0, trained0, init1, trained1, init2, trained2 (validation; then test)
+            "transformer_blocks.0.attn1.to_q": report([0.2, 0.18, 0.19, 0.171, 0.19, 0.175],
+                                                      [0.2, 0.18, 0.19, 0.17, 0.19, 0.176]),
+            "transformer_blocks.0.attn2.to_k": report([0.2, 0.19, 0.15, 0.16, 0.15, 0.139],
+                                                      [0.2, 0.19, 0.15, 0.155, 0.15, 0.14])}}}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(record))
+    out = tmp_path / "goals.json"
+    _run("calibration_goals.py", str(path), "--starts", *starts, "--subset", "hadamard", "smoothquant_hadamard",
+         "--out", str(out), "--markdown", str(tmp_path / "goals.md"))
+    summary = json.loads(out.read_text())
+    sub = summary["errors"]["smoothed_kroquant [hadamard + smoothquant_hadamard]"]
+    assert sub == {"transformer_blocks.0.attn1.to_q": 0.17, "transformer_blocks.0.attn2.to_k": 0.15}
+    assert summary["chosen"]["transformer_blocks.0.attn2.to_k"] == {"all_starts": "trained2", "subset": "init1"}
+    assert summary["wins"] == {"kroquant_beats_hadamard": 1, "smoothed_beats_both": 2,
+                               "smoothed_subset_beats_both": 1, "smoothed_beats_smoothquant": 2,
+                               "smoothed_ties_smoothquant": 0}
+    assert summary["per_type"]["attn2.to_k"]["subset < both"] == 0
+    assert "| **all** | 2 |" in (tmp_path / "goals.md").read_text()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "calibration_goals.py"), str(path), "--starts",
+                          "hadamard", "smoothquant_hadamard", "--subset", "smoothquant"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "not among the run's starts" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
