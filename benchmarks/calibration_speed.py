@@ -67,7 +67,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kroquant_jax import calibrate, lowrank, synthetic, timing, transforms  # noqa: E402
-from kroquant_jax.layerset import atomic_write_bytes, program_config  # noqa: E402
+from kroquant_jax.layerset import atomic_write_bytes, engine_compiler_options, program_config  # noqa: E402
 
 _CAL = calibrate.CalibrationConfig()
 _RUN = calibrate.RunConfig()
@@ -288,6 +288,7 @@ def main(argv=None):
         "jax_version": jax.__version__, "device": dev.device_kind, "platform": dev.platform,
         "num_local_devices": jax.local_device_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "engine_xla_options": engine_compiler_options(),
         "compile_cache": args.compile_cache,
         "config": {k: getattr(args, k) for k in ("blocks", "d", "ffn", "text_dim", "rows", "heldout", "steps", "rank",
                                                   "loraq_steps", "rotation_steps", "loop_layers",

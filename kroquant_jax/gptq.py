@@ -64,7 +64,7 @@ import numpy as np
 
 from kroquant_jax import formats, lowrank
 from kroquant_jax.formats import QuantFormat, QuantizedArray
-from kroquant_jax.layerset import RunConfig, group_by_shape, program_config, run_groups
+from kroquant_jax.layerset import RunConfig, engine_jit, group_by_shape, program_config, run_groups
 
 __all__ = ["GPTQConfig", "GptqRounding", "default_block_size", "gptq_fake_quant", "gptq_layers", "gptq_quantize",
            "gptq_rounding", "hessian", "whitened_low_rank"]
@@ -353,7 +353,7 @@ def whitened_low_rank(e: jax.Array, h: jax.Array, rank: int, damp: float = 0.01,
     return left, right
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
+@functools.partial(engine_jit, static_argnames="cfg")
 def _gptq_program(w, h, cfg):
     fmt, cfg = cfg
     return jax.vmap(lambda x, y: gptq_rounding(x, y, fmt, damp=cfg.damp, block_size=cfg.block_size,

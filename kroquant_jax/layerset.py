@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 import zlib
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
@@ -29,8 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kroquant_jax.formats import check_finite
 
-__all__ = ["LayerData", "RowSplit", "RunConfig", "as_layer_set", "atomic_write_bytes", "group_by_shape",
-           "load_layer_set", "make_mesh", "program_config", "progress_bar", "run_groups", "run_stacked",
+__all__ = ["ENGINE_XLA_OPTIONS", "LayerData", "RowSplit", "RunConfig", "as_layer_set", "atomic_write_bytes",
+           "engine_compiler_options", "engine_jit", "group_by_shape", "load_layer_set", "make_mesh", "program_config", "progress_bar", "run_groups", "run_stacked",
            "run_stacked_padded", "save_layer_set", "split_rows", "stack_trees", "take_tree", "validate_layer"]
 
 
@@ -240,6 +242,29 @@ def load_layer_set(path: str) -> dict[str, LayerData]:
 # ---------------------------------------------------------------------------------------------------------------------
 # Stacked execution over the layer axis (shared by calibrate, smoothquant, lowrank).
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+#: XLA options every stacked engine program is compiled with (:func:`engine_jit`). ``xla_gpu_autotune_level=0``: no
+#: GEMM / fusion autotuning. On the GPU, autotuning times every candidate kernel of every matrix product on
+#: buffers of the program's real sizes; for these one-shot programs (each compiled once, run for seconds) that cost
+#: most of the cold run's compile time, while the heuristic's kernel choice leaves the run time about as it was
+#: (docs/calibration.md, "Compile time"). Other backends ignore ``xla_gpu_*`` options.
+ENGINE_XLA_OPTIONS: dict[str, Any] = {"xla_gpu_autotune_level": 0}
+
+
+def engine_compiler_options(xla_flags: Optional[str] = None) -> dict[str, Any]:
+    """:data:`ENGINE_XLA_OPTIONS` less the options that ``xla_flags`` (default: the ``XLA_FLAGS`` environment
+    variable) sets: a flag the user gives explicitly, e.g. ``XLA_FLAGS=--xla_gpu_autotune_level=4`` to autotune
+    again, is never overridden."""
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    return {k: v for k, v in ENGINE_XLA_OPTIONS.items() if not re.search(rf"(^|\s)--?{k}(=|\s|$)", flags)}
+
+
+def engine_jit(fun: Callable, **jit_kwargs) -> Callable:
+    """``jax.jit(fun, **jit_kwargs)`` compiled with :func:`engine_compiler_options` (read now: for a module-level
+    program, when the module is imported). Every stacked program of the engine (calibration, SmoothQuant search,
+    LoRaQ, SVDQuant, GPTQ) is made with it."""
+    return jax.jit(fun, compiler_options=engine_compiler_options() or None, **jit_kwargs)
 
 
 def make_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:

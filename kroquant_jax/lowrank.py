@@ -45,7 +45,7 @@ import numpy as np
 import optax
 
 from kroquant_jax.formats import MXFP4, QuantFormat, check_finite, fake_quant
-from kroquant_jax.layerset import RunConfig, group_by_shape, program_config, run_groups
+from kroquant_jax.layerset import RunConfig, engine_jit, group_by_shape, program_config, run_groups
 
 __all__ = ["LoRaQConfig", "LowRank", "SVDQuantConfig", "branch", "check_rank", "loraq_fit", "loraq_layers",
            "loraq_program", "low_rank_svd", "resolve_rank", "svdquant_fit", "svdquant_layers", "weight_error"]
@@ -304,7 +304,7 @@ def loraq_fit(w: jax.Array, cfg: LoRaQConfig = LoRaQConfig()) -> LowRank:
     return LowRank(left_r, right_r, jnp.sqrt(err_init), jnp.sqrt(err_fit_stored), jnp.sqrt(err_final))
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
+@functools.partial(engine_jit, static_argnames="cfg")
 def loraq_program(w, cfg):
     return jax.vmap(lambda x: loraq_fit(x, cfg))(w)
 
@@ -410,7 +410,7 @@ def svdquant_fit(w_s: jax.Array, a_s: Optional[jax.Array] = None, cfg: SVDQuantC
     return LowRank(l_best, r_best, err0, err, err)
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
+@functools.partial(engine_jit, static_argnames="cfg")
 def _svdquant_stacked(w, a, cfg):
     return jax.vmap(lambda x, y: svdquant_fit(x, y, cfg))(w, a)
 

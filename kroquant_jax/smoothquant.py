@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kroquant_jax.formats import MXFP4, QuantFormat, fake_quant
-from kroquant_jax.layerset import LayerData, RunConfig, as_layer_set, program_config, run_groups
+from kroquant_jax.layerset import LayerData, RunConfig, as_layer_set, engine_jit, program_config, run_groups
 from kroquant_jax.lowrank import SvdMethod, low_rank_svd, resolve_rank
 
 __all__ = ["SmoothQuantConfig", "SmoothQuantResult", "smoothing_factors", "smoothquant_layers", "search_one"]
@@ -113,7 +113,7 @@ def search_one(a: jax.Array, w: jax.Array, cfg: SmoothQuantConfig = SmoothQuantC
     return gamma, best, errors
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
+@functools.partial(engine_jit, static_argnames="cfg")
 def _search_stacked(a, w, cfg):
     return jax.vmap(lambda x, y: search_one(x, y, cfg))(a, w)
 
