@@ -1,7 +1,7 @@
 """Where the GPU compile time of the calibration engine's programs goes: the KroQuant and LoRaQ programs of one
-PixArt-Σ shape group, lowered once per variant and XLA-compiled under different compile options, one after the other
-or concurrently from threads, each variant in a fresh process (XLA keeps autotuning results for the life of a
-process, so a second compile in the same process would reuse the first's).
+PixArt-Σ shape group, lowered once per variant and XLA-compiled under different compile options (:data:`VARIANTS`),
+one after the other or concurrently from threads, each variant in a fresh process (XLA keeps autotuning results for
+the life of a process, so a second compile in the same process would reuse the first's).
 
 Per variant the child process records, per program: lowering seconds, XLA compile seconds (wall), and the run time of
 the compiled program on the same synthetic layers (first call and a second, warm call), and saves the outputs; the
@@ -42,6 +42,8 @@ from kroquant_jax.fileio import atomic_write_json  # noqa: E402
 VARIANTS = {
     "xla_default": ({}, False),
     "autotune0": ({"xla_gpu_autotune_level": 0}, False),
+    # only the choice between XLA's native and Triton's block-level emitter per fusion (GEMM autotuning kept)
+    "no_fusion_autotuner": ({"xla_gpu_experimental_enable_fusion_autotuner": False}, False),
     "autotune0_threads": ({"xla_gpu_autotune_level": 0}, True),
     "no_triton_gemm": ({"xla_gpu_enable_triton_gemm": False}, False),
     "xla_default_threads": ({}, True),
