@@ -147,6 +147,8 @@ class LayerCalibration:
       test_errors: the same on the test rows (reported, never used to choose).
       losses: ``(num_inits, steps)`` training loss curves (empty for fixed transforms).
       lambdas: ``(num_inits, 2)`` the ``(λ_A, λ_W)`` of each run.
+      candidate_params: the parameters of every candidate, ``{label: params}`` (a later stage may choose again, e.g.
+        a recipe's selection with the low-rank branch).
     """
 
     name: str
@@ -157,6 +159,7 @@ class LayerCalibration:
     test_errors: dict
     losses: np.ndarray
     lambdas: np.ndarray
+    candidate_params: dict = dataclasses.field(default_factory=dict)
 
     @property
     def test_error(self) -> float:
@@ -374,7 +377,8 @@ def calibrate_layers(layer_set: LayerSet, config: CalibrationConfig = Calibratio
             validation_errors={lab: float(e) for lab, e in val.items()},
             test_errors={lab: float(e) for lab, e in test.items()},
             losses=np.stack([per_job[(name, k)][2] for k in ks]),
-            lambdas=np.stack([per_job[(name, k)][3] for k in ks]))
+            lambdas=np.stack([per_job[(name, k)][3] for k in ks]),
+            candidate_params={lab: jax.tree.map(np.asarray, p) for lab, p in candidates.items()})
     return results
 
 
@@ -398,6 +402,12 @@ class Recipe:
         (``"hadamard"``: γ = 1 and Hadamard blocks; ``"smoothquant_hadamard"``: the search's γ and Hadamard blocks;
         ``"smoothquant"``: the search's γ unrotated, i.e. the SmoothQuant transform itself). ``None``:
         ``("hadamard", "smoothquant_hadamard")``, the two starts the engine had before this field existed.
+      select_with_branch: ``"loraq"`` only: choose each layer's transform among its starts by the validation error
+        of the whole layer (transform, the LoRaQ branch fitted to it, weight rounded to nearest) instead of the
+        transform alone: each start's calibrated transform (the better of the start and its trained result on the
+        validation rows) gets its own branch, so LoRaQ runs once per start. The transform is trained without the
+        branch, and a transform better alone can be worse with it (docs/calibration.md, "Choosing with the branch").
+        ``None`` / ``False``: the calibration's choice.
       lowrank: ``None``, ``"loraq"`` (LoRaQ, branch in MXFP4) or ``"svd"`` (SVDQuant's 16-bit SVD branch).
       smooth_svd_rank: rank (or fraction of ``min(o, d)``) of the 16-bit SVD branch inside the SmoothQuant search;
         ``None`` (default): the paper's 32 when the recipe has a low-rank branch (the search then models the deployed
@@ -415,6 +425,7 @@ class Recipe:
     train: bool = True
     smooth_init: bool = False
     starts: Optional[tuple[str, ...]] = None
+    select_with_branch: Optional[bool] = None
     lowrank: Optional[Literal["loraq", "svd"]] = None
     smooth_svd_rank: Optional[int | float] = None
     gptq: Optional[GPTQConfig] = None
@@ -441,6 +452,8 @@ class Recipe:
             if unknown or not self.starts or len(set(self.starts)) != len(self.starts):
                 raise ValueError(f"Recipe.starts={self.starts!r} must name distinct starts of "
                                  f"{list(transforms.smoothed_kron.STARTS)}")
+        if self.select_with_branch and self.lowrank != "loraq":
+            raise ValueError(f"Recipe.select_with_branch needs lowrank='loraq', got lowrank={self.lowrank!r}")
         if self.calibration.transform is None:
             object.__setattr__(self, "calibration", dataclasses.replace(self.calibration, transform=self.transform))
         elif self.calibration.transform != self.transform:
@@ -528,6 +541,9 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--smoothed-starts", nargs="+", choices=tuple(transforms.smoothed_kron.STARTS), metavar="START",
                    help="smoothed KroQuant's initial transforms, of " + ", ".join(transforms.smoothed_kron.STARTS)
                         + " (default: the recipe's)")
+    g.add_argument("--select-with-branch", choices=("on", "off"),
+                   help="a '+loraq' recipe with several starts: choose each layer's transform by the whole layer's "
+                        "validation error, one LoRaQ branch per start (Recipe.select_with_branch)")
     g.add_argument("--loraq-steps", type=int, help="LoRaQ Adam steps (default 500)")
     g.add_argument("--rotation-steps", type=int, help="LoRaQ Cayley rotation steps (default 500)")
     g.add_argument("--svd-refine", type=int, help="SVDQuant refinement candidates (default 0; paper: up to 100)")
@@ -544,7 +560,7 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
 #: The destinations :func:`add_recipe_arguments` defines (the settings :func:`recipe_from_args` reads).
 _RECIPE_ARGUMENTS = ("calib_steps", "lr_schedule", "select_every", "regularizer_grad", "precision", "calib_rows",
                      "calib_validation", "calib_test", "max_layers_per_program", "rank", "smooth_svd_rank",
-                     "smoothed_starts", "loraq_steps", "rotation_steps", "svd_refine", "sq_grid", "gptq_damp", "gptq_act_order",
+                     "smoothed_starts", "select_with_branch", "loraq_steps", "rotation_steps", "svd_refine", "sq_grid", "gptq_damp", "gptq_act_order",
                      "gptq_scales", "gptq_order")
 
 
@@ -560,6 +576,7 @@ _STAGE_ARGUMENTS: dict[str, tuple[str, Callable[[Recipe], bool]]] = {
     "sq_grid": ("a recipe with the SmoothQuant search", lambda r: r.smooth_init),
     "smooth_svd_rank": ("a recipe with the SmoothQuant search", lambda r: r.smooth_init),
     "smoothed_starts": ("a smoothed_kroquant recipe", lambda r: r.transform == "smoothed_kron" and r.smooth_init),
+    "select_with_branch": ("a '+loraq' recipe", lambda r: r.lowrank == "loraq"),
 }
 
 
@@ -632,11 +649,14 @@ def recipe_from_args(spec: str, args: argparse.Namespace | Mapping[str, Any], **
             smooth = dataclasses.replace(smooth, alphas=grid, betas=grid)
         if args.smooth_svd_rank is not None:
             smooth_svd_rank = args.smooth_svd_rank
-    starts = recipe.starts
+    starts, select_with_branch = recipe.starts, recipe.select_with_branch
     if args.smoothed_starts is not None and recipe.transform == "smoothed_kron" and recipe.smooth_init:
         starts = tuple(args.smoothed_starts)
+    if args.select_with_branch is not None and recipe.lowrank == "loraq":
+        select_with_branch = args.select_with_branch in ("on", True)
     return dataclasses.replace(recipe, calibration=calibration, run=run, loraq=loraq, svdquant=svdquant,
-                               smoothquant=smooth, smooth_svd_rank=smooth_svd_rank, gptq=gptq_cfg, starts=starts)
+                               smoothquant=smooth, smooth_svd_rank=smooth_svd_rank, gptq=gptq_cfg, starts=starts,
+                               select_with_branch=select_with_branch)
 
 
 def _relative_error(y, ref) -> float:
@@ -680,6 +700,11 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
                 inits[n] = [transforms.smoothed_kron.start(name, layers[n].weight.shape[1], res.gamma)
                             for name in recipe.starts or ("hadamard", "smoothquant_hadamard")]
     calib = calibrate_layers(layers, cal, inits=inits, run=run, pad_to=pad_to)
+    selected_branches = {}
+    if recipe.select_with_branch:
+        calib, selected_branches, branch_errors = _select_with_branch(layers, calib, recipe, run, pad_to)
+        for n, errs in branch_errors.items():
+            reports[n].update(branch_candidates=errs)
     w_t, a_cal_t, a_test = {}, {}, {}
     for n, layer in layers.items():
         c = calib[n]
@@ -701,7 +726,8 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
     if gptq_first:
         rounded, branches = _branches_after_gptq(w_t, hessians, recipe, fmt, run, pad_to)
     elif recipe.lowrank == "loraq":
-        branches = lowrank.loraq_layers(w_t, recipe.loraq, run=run, pad_to=pad_to)
+        todo = {n: w for n, w in w_t.items() if n not in selected_branches}
+        branches = {**lowrank.loraq_layers(todo, recipe.loraq, run=run, pad_to=pad_to), **selected_branches}
     elif recipe.lowrank == "svd":
         branches = lowrank.svdquant_layers(w_t, a_cal_t, recipe.svdquant, run=run, pad_to=pad_to)
     else:
@@ -735,6 +761,59 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
                                                if lr is None else np.float32(reports[n]["weight_error_final"]))
         out[n] = q
     return out, reports
+
+
+def _start_candidates(c: LayerCalibration) -> list[str]:
+    """Per start ``k`` of a calibration, the label of its calibrated transform: the better of ``init{k}`` and
+    ``trained{k}`` on the validation rows (ties by label, as the safeguard); starts whose candidates are all
+    non-finite are left out."""
+    out = []
+    for k in sorted({int(lab[4:]) for lab in c.validation_errors if lab.startswith("init")}):
+        labels = [lab for lab in (f"init{k}", f"trained{k}")
+                  if lab in c.validation_errors and np.isfinite(c.validation_errors[lab])]
+        if labels:
+            out.append(min(labels, key=lambda lab: (c.validation_errors[lab], lab)))
+    return out
+
+
+def _select_with_branch(layers: dict[str, LayerData], calib: dict[str, LayerCalibration], recipe: Recipe,
+                        run: RunConfig, pad_to: int) -> tuple[dict, dict, dict]:
+    """``Recipe.select_with_branch``: for every layer with more than one start, LoRaQ for each start's calibrated
+    transform and the layer (eq. 11, weight rounded to nearest) scored on the validation rows; the best one is kept.
+
+    Returns ``(calib with the kept candidate per layer, {name: its LowRank} for the layers chosen here,
+    {name: {label: validation error with the branch}})``."""
+    from kroquant_jax import qlinear
+
+    fmt = recipe.calibration.objective.fmt
+    quantized_branch = recipe.loraq.quantize_branch
+    jobs = {n: _start_candidates(c) for n, c in calib.items()}
+    jobs = {n: labels for n, labels in jobs.items() if len(labels) > 1}
+    if not jobs:
+        return calib, {}, {}
+    key = "{}@candidate:{}".format
+    w_t = {key(n, lab): np.asarray(qlinear.residual_weight(
+        layers[n].weight, transform=recipe.transform, transform_params=calib[n].candidate_params[lab],
+        lowrank_quantized=False)) for n, labels in jobs.items() for lab in labels}
+    most = max(len(labels) for labels in jobs.values())
+    branches = lowrank.loraq_layers(w_t, recipe.loraq, run=run, pad_to=pad_to * most)
+    forward = jax.jit(qlinear.qlinear_forward, static_argnames="path")
+    calib, kept, errors = dict(calib), {}, {}
+    for n, labels in jobs.items():
+        layer, c = layers[n], calib[n]
+        a_val = layer_rows(n, layer, run).validation
+        ref = a_val.astype(np.float64) @ layer.weight.T.astype(np.float64)
+        errors[n] = {}
+        for lab in labels:
+            b = branches[key(n, lab)]
+            q = qlinear.build_qlinear(layer.weight, None, transform=recipe.transform,
+                                      transform_params=c.candidate_params[lab], lowrank=(b.left, b.right),
+                                      lowrank_quantized=quantized_branch, weight_fmt=fmt, act_fmt=fmt, name=n)
+            errors[n][lab] = _relative_error(np.asarray(forward(q, jnp.asarray(a_val))), ref)
+        best = min(errors[n], key=lambda lab: (errors[n][lab], lab))
+        calib[n] = dataclasses.replace(c, params=c.candidate_params[best], chosen=best)
+        kept[n] = branches[key(n, best)]
+    return calib, kept, errors
 
 
 def _branches_after_gptq(w_t: dict, hessians: dict, recipe: Recipe, fmt, run: RunConfig, pad_to: int

@@ -70,7 +70,7 @@ def test_recipe_from_args_sets_every_stage():
                    "--rank", "0.125", "--loraq-steps", "5", "--rotation-steps", "3", "--svd-refine", "4",
                    "--sq-grid", "3", "--precision", "high", "--regularizer-grad", "ste", "--lr-schedule", "constant",
                    "--select-every", "0", "--max-layers-per-program", "8", "--smooth-svd-rank", "0",
-                   "--smoothed-starts", "smoothquant", "hadamard")
+                   "--smoothed-starts", "smoothquant", "hadamard", "--select-with-branch", "on")
     r = calibrate.recipe_from_args("smoothed_kroquant+loraq", args, seed=3, progress=True)
     assert (r.calibration.steps, r.calibration.lr_schedule, r.calibration.select_every,
             r.calibration.max_layers_per_program) == (7, "constant", 0, 8)
@@ -79,11 +79,11 @@ def test_recipe_from_args_sets_every_stage():
     assert r.run == calibrate.RunConfig(num_rows=99, num_validation=33, num_test=22, seed=3, progress=True)
     assert (r.loraq.rank, r.loraq.steps, r.loraq.rotation_steps) == (0.125, 5, 3)
     assert r.smoothquant.alphas == r.smoothquant.betas == (0.0, 0.5, 1.0) and r.smooth_svd_rank == 0
-    assert r.starts == ("smoothquant", "hadamard")
+    assert r.starts == ("smoothquant", "hadamard") and r.select_with_branch is True
     svd = calibrate.recipe_from_args("svdquant", args)
     assert (svd.svdquant.rank, svd.svdquant.refine_steps) == (0.125, 4)
     assert svd.loraq == calibrate.LoRaQConfig()  # a stage the recipe does not run keeps its defaults
-    assert svd.starts is None
+    assert svd.starts is None and svd.select_with_branch is None
     # A rank after '@' wins over --rank, for every low-rank recipe; the old spellings still parse.
     assert calibrate.recipe_from_args("kroquant+loraq@64", args).loraq.rank == 64
     assert calibrate.recipe_from_args("svdquant@16", args).svdquant.rank == 16
