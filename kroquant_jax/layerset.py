@@ -32,8 +32,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from kroquant_jax.formats import check_finite
 
 __all__ = ["ENGINE_XLA_OPTIONS", "LayerData", "RowSplit", "RunConfig", "as_layer_set", "atomic_write_bytes",
-           "engine_compiler_options", "engine_jit", "group_by_shape", "load_layer_set", "make_mesh", "program_config", "progress_bar", "run_groups", "run_stacked",
-           "run_stacked_padded", "save_layer_set", "split_rows", "stack_trees", "take_tree", "validate_layer"]
+           "engine_compiler_options", "engine_jit", "group_by_shape", "load_layer_set", "make_mesh", "program_config",
+           "progress_bar", "run_groups", "run_stacked", "run_stacked_padded", "save_layer_set", "split_rows",
+           "stack_trees", "take_tree", "validate_layer"]
 
 
 class LayerData(NamedTuple):
@@ -244,18 +245,17 @@ def load_layer_set(path: str) -> dict[str, LayerData]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-#: XLA options every stacked engine program is compiled with (:func:`engine_jit`). ``xla_gpu_autotune_level=0``: no
-#: GEMM / fusion autotuning. On the GPU, autotuning times every candidate kernel of every matrix product on
-#: buffers of the program's real sizes; for these one-shot programs (each compiled once, run for seconds) that cost
-#: most of the cold run's compile time, while the heuristic's kernel choice leaves the run time about as it was
-#: (docs/calibration.md, "Compile time"). Other backends ignore ``xla_gpu_*`` options.
-ENGINE_XLA_OPTIONS: dict[str, Any] = {"xla_gpu_autotune_level": 0}
+#: XLA options every stacked engine program is compiled with (:func:`engine_jit`); empty: XLA's defaults. On the GPU
+#: almost all of a program's compile time is XLA's autotuner compiling candidate kernels; turning autotuning off
+#: (``xla_gpu_autotune_level=0``) cut the compile about 4x but made the programs run 3.5-4.4x slower, so it is not
+#: the default (docs/calibration.md, "Where the GPU compile time goes"). An option set here must keep the run time.
+ENGINE_XLA_OPTIONS: dict[str, Any] = {}
 
 
 def engine_compiler_options(xla_flags: Optional[str] = None) -> dict[str, Any]:
     """:data:`ENGINE_XLA_OPTIONS` less the options that ``xla_flags`` (default: the ``XLA_FLAGS`` environment
-    variable) sets: a flag the user gives explicitly, e.g. ``XLA_FLAGS=--xla_gpu_autotune_level=4`` to autotune
-    again, is never overridden."""
+    variable) sets: a flag the user gives explicitly (``XLA_FLAGS=--xla_gpu_autotune_level=4``) is never overridden
+    by a per-program option."""
     flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
     return {k: v for k, v in ENGINE_XLA_OPTIONS.items() if not re.search(rf"(^|\s)--?{k}(=|\s|$)", flags)}
 

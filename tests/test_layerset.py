@@ -40,9 +40,12 @@ def test_run_groups_gives_each_name_its_own_outputs(max_per_program, pad_to, pro
     ("--xla_cpu_use_thunk_runtime=true  --xla_gpu_autotune_level 2", False),
     ("--xla_gpu_autotune_level_extra=1", True),  # another flag that only starts the same way
 ])
-def test_engine_compiler_options_never_override_the_users_xla_flags(flags, kept):
+def test_engine_compiler_options_never_override_the_users_xla_flags(flags, kept, monkeypatch):
+    monkeypatch.setattr(layerset, "ENGINE_XLA_OPTIONS", {"xla_gpu_autotune_level": 0,
+                                                         "xla_gpu_enable_triton_gemm": False})
     opts = layerset.engine_compiler_options(flags)
     assert ("xla_gpu_autotune_level" in opts) == kept
+    assert opts["xla_gpu_enable_triton_gemm"] is False  # not in the flags: kept
     assert layerset.engine_compiler_options("") == layerset.ENGINE_XLA_OPTIONS
 
 
@@ -88,9 +91,10 @@ def test_every_engine_program_is_compiled_with_the_engine_options():
     assert lines == {s: "refused" for s in ("calibration", "loraq", "svdquant", "smoothquant", "gptq")}, lines
 
 
-def test_engine_options_leave_results_unchanged():
-    """The calibration program with the engine's options and under a plain jax.jit give the same results (on the
-    CPU, bit for bit; on the GPU within its usual rounding, docs/calibration.md "Compile time")."""
+def test_engine_options_leave_results_unchanged(monkeypatch):
+    """The calibration program compiled by engine_jit (with GPU compile options such as the probe's variants) and
+    under a plain jax.jit give the same results on the CPU, bit for bit (on the GPU other kernels round differently,
+    docs/calibration.md "Where the GPU compile time goes")."""
     from kroquant_jax import calibrate, synthetic, transforms
     from kroquant_jax.layerset import program_config
 
@@ -101,7 +105,10 @@ def test_engine_options_leave_results_unchanged():
     args = [layerset.stack_trees([param.init(64)] * 2)] + [np.stack([r[i] for r in rows]) for i in range(3)]
     args.append(np.stack([layers[n].weight for n in layers]))
     static = dict(parameterization=param, cfg=program_config(calibrate.CalibrationConfig(steps=3)))
-    plain = jax.jit(calibrate.calibration_program.__wrapped__, static_argnames=("parameterization", "cfg"))
-    for x, y in zip(jax.tree.leaves(calibrate.calibration_program(*args, **static)),
-                    jax.tree.leaves(plain(*args, **static))):
+    monkeypatch.setattr(layerset, "ENGINE_XLA_OPTIONS", {"xla_gpu_autotune_level": 0,
+                                                         "xla_gpu_enable_triton_gemm": False})
+    names = ("parameterization", "cfg")
+    with_options = layerset.engine_jit(calibrate.calibration_program.__wrapped__, static_argnames=names)
+    plain = jax.jit(calibrate.calibration_program.__wrapped__, static_argnames=names)
+    for x, y in zip(jax.tree.leaves(with_options(*args, **static)), jax.tree.leaves(plain(*args, **static))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
