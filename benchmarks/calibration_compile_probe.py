@@ -6,7 +6,9 @@ the life of a process, so a second compile in the same process would reuse the f
 Per variant the child process records, per program: lowering seconds, XLA compile seconds (wall), and the run time of
 the compiled program on the same synthetic layers (first call and a second, warm call), and saves the outputs; the
 parent compares every variant's outputs with the first variant's (KroQuant's validation / test errors, LoRaQ's weight
-errors) and prints a table. ``--profile VARIANT`` traces that variant's compilation with the jax profiler and lists
+errors), names the ``best`` variant (the shortest compile among those whose warm run times stay within
+``--run-slack`` of the first variant's, with its options as an ``XLA_FLAGS`` string) and prints a table.
+``--profile VARIANT`` traces that variant's compilation with the jax profiler and lists
 the host-side XLA events that took longest (the HLO passes, autotuning, LLVM / ptxas).
 
 The programs are the engine's own (:data:`kroquant_jax.calibrate.calibration_program`,
@@ -175,6 +177,27 @@ def child(args) -> dict:
     return rec
 
 
+def best_variant(variants: dict, baseline: str, slack: float) -> dict:
+    """The measured variant with the shortest compile (wall) among those whose warm run times stay within ``slack``
+    (e.g. 0.05) of the ``baseline`` variant's, and its options as an ``XLA_FLAGS`` string (to measure the whole model
+    with them: ``XLA_FLAGS=... benchmarks/calibration_speed.py``)."""
+    measured = {v: r for v, r in variants.items() if isinstance(r, dict) and "programs" in r}
+    if baseline not in measured:
+        return {"variant": None, "xla_flags": "", "note": f"baseline {baseline} not measured"}
+    base = measured[baseline]
+
+    def keeps_run_time(r):
+        return all(r["programs"][p]["run_warm_s"] <= (1 + slack) * base["programs"][p]["run_warm_s"]
+                   for p in ("kroquant", "loraq"))
+
+    name = min((v for v, r in measured.items() if keeps_run_time(r)), key=lambda v: measured[v]["compile_wall_s"])
+    flags = " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}"
+                     for k, v in measured[name]["options"].items())
+    return {"variant": name, "xla_flags": flags, "run_time_slack": slack,
+            "baseline": baseline,
+            "rule": "shortest compile among the variants whose warm run times stay within the slack of the baseline's"}
+
+
 def compare(out_dir: str, base: str, other: str) -> dict:
     """Largest absolute differences of ``other``'s outputs from ``base``'s, and the values' scale."""
     a, b = np.load(os.path.join(out_dir, f"{base}.npz")), np.load(os.path.join(out_dir, f"{other}.npz"))
@@ -191,6 +214,8 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=1e9,
                     help="seconds: no variant is started once this much time has passed")
     ap.add_argument("--child-timeout", type=float, default=240.0)
+    ap.add_argument("--run-slack", type=float, default=0.05,
+                    help="'best' variant: warm run times at most this fraction above the first variant's")
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     for k in ("o", "d", "layers", "rows", "heldout", "steps", "rank", "loraq_steps", "rotation_steps"):
@@ -239,12 +264,13 @@ def main(argv=None):
         if ok and os.path.exists(path):
             with open(path) as f:
                 record["variants"][v] = {**json.load(f), "process_wall_s": wall}
-            first = next(k for k, r in record["variants"].items() if isinstance(r, dict) and "programs" in r)
-            if first != v:
-                record["variants"][v]["diff_vs_" + first] = compare(args.out_dir, first, v)
+            base = args.variants[0]
+            if base != v and os.path.exists(os.path.join(args.out_dir, f"{base}.npz")):
+                record["variants"][v]["diff_vs_" + base] = compare(args.out_dir, base, v)
         else:
             record["variants"][v] = {"error": tail, "process_wall_s": wall}
             print(tail, flush=True)
+        record["best"] = best_variant(record["variants"], args.variants[0], args.run_slack)
         atomic_write_json(out_json, record)
 
     print(f"\n{'variant':22s} {'KQ compile':>10s} {'LQ compile':>10s} {'wall':>7s} {'KQ run':>7s} {'LQ run':>7s} "
@@ -260,6 +286,8 @@ def main(argv=None):
         print(f"{v:22s} {p['kroquant']['compile_s']:10.1f} {p['loraq']['compile_s']:10.1f} "
               f"{r['compile_wall_s']:7.1f} {p['kroquant']['run_warm_s']:7.2f} {p['loraq']['run_warm_s']:7.2f} "
               f"{kd:>11s} {ld:>11s}")
+    if record["variants"]:
+        print(f"\nbest: {record['best']['variant']} (XLA_FLAGS='{record['best']['xla_flags']}')")
     for v, r in record["variants"].items():
         if isinstance(r, dict) and r.get("profile_host_events"):
             print(f"\nlongest host events while compiling ({v}; nested, so sums overlap):")

@@ -28,4 +28,7 @@ def test_probe_records_each_variant_and_compares_outputs(tmp_path):
     diff = other["diff_vs_xla_default"]
     assert set(diff) >= {"kroquant_errors", "loraq_error_final"}
     assert all(d["max_abs_diff"] == 0.0 and d["max_abs"] > 0 for d in diff.values()), diff
-    assert "autotune0" in run.stdout  # the table
+    best = record["best"]
+    assert best["baseline"] == "xla_default" and best["variant"] in ("xla_default", "autotune0")
+    assert best["xla_flags"] == {"xla_default": "", "autotune0": "--xla_gpu_autotune_level=0"}[best["variant"]]
+    assert "autotune0" in run.stdout and "best: " in run.stdout  # the table
