@@ -26,8 +26,10 @@ from collections import defaultdict
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
+from kroquant_jax import headline  # noqa: E402
 from kroquant_jax.fileio import atomic_write_bytes, atomic_write_json  # noqa: E402
 from kroquant_jax.transforms import smoothed_kron  # noqa: E402
 
@@ -127,7 +129,16 @@ def main(argv=None) -> dict:
                         help="the starts of the recipe to compare with (e.g. the two the engine had before)")
     parser.add_argument("--out", help="write the summary JSON here")
     parser.add_argument("--markdown", help="write the per-type table here")
+    parser.add_argument("--headline", metavar="JSON",
+                        help="set testbed_kroquant_beats_hadamard_fraction and "
+                             "testbed_smoothed_kroquant_beats_both_fraction (the record's smoothed KroQuant, all "
+                             "its starts) in this headline file; needs --out (the figures' source)")
+    parser.add_argument("--command", default="kroquant calibrate (see the record's meta.args)",
+                        help="the command that made the record, for the headline figures")
     args = parser.parse_args(argv)
+    if args.headline and (not args.out or not os.path.relpath(os.path.abspath(args.out), REPO).startswith(
+            "benchmarks/results/")):
+        parser.error("--headline needs --out under benchmarks/results/ (the summary file the figures point to)")
     try:
         with open(args.record) as f:
             record = json.load(f)
@@ -142,6 +153,16 @@ def main(argv=None) -> dict:
         atomic_write_json(args.out, summary)
     if args.markdown:
         atomic_write_bytes(args.markdown, table.encode())
+    if args.headline:
+        meta = summary["meta"]
+        common = dict(unit="fraction", higher_is_better=True, device=f"{meta.get('device', '?')}",
+                      jax=str(meta.get("jax_version", "?")), date_utc=str(meta.get("date_utc", "?")),
+                      command=args.command, source=os.path.relpath(args.out, REPO))
+        headline.update(args.headline, {
+            "testbed_kroquant_beats_hadamard_fraction": headline.Figure(
+                value=summary["fractions"]["kroquant_beats_hadamard"], **common),
+            "testbed_smoothed_kroquant_beats_both_fraction": headline.Figure(
+                value=summary["fractions"]["smoothed_beats_both"], **common)})
     return summary
 
 

@@ -468,7 +468,8 @@ RECIPES = {
     "smoothquant": Recipe(transform="diagonal", train=False, smooth_init=True),
     "hadamard32": Recipe(transform="hadamard32", train=False),
     "kroquant": Recipe(transform="kron_lu"),
-    "smoothed_kroquant": Recipe(transform="smoothed_kron", smooth_init=True),
+    "smoothed_kroquant": Recipe(transform="smoothed_kron", smooth_init=True,
+                                starts=("hadamard", "smoothquant_hadamard", "smoothquant")),
     "svdquant": Recipe(transform="diagonal", train=False, smooth_init=True, lowrank="svd"),
 }
 

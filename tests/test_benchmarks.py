@@ -182,6 +182,8 @@ def test_calibration_goals_reads_the_subset_choice_from_the_candidates(tmp_path)
     path = tmp_path / "results.json"
     path.write_text(json.dumps(record))
     out = tmp_path / "goals.json"
+    record["meta"] = {"device": "cpu", "jax_version": "0.10.2", "date_utc": "2026-12-05 11:46"}
+    path.write_text(json.dumps(record))
     _run("calibration_goals.py", str(path), "--starts", *starts, "--subset", "hadamard", "smoothquant_hadamard",
          "--out", str(out), "--markdown", str(tmp_path / "goals.md"))
     summary = json.loads(out.read_text())
@@ -193,9 +195,17 @@ def test_calibration_goals_reads_the_subset_choice_from_the_candidates(tmp_path)
                                "smoothed_ties_smoothquant": 0}
     assert summary["per_type"]["attn2.to_k"]["subset < both"] == 0
     assert "| **all** | 2 |" in (tmp_path / "goals.md").read_text()
+    assert summary["fractions"]["kroquant_beats_hadamard"] == 0.5
+    assert summary["fractions"]["smoothed_beats_both"] == 1.0
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "calibration_goals.py"), str(path), "--starts",
                           "hadamard", "smoothquant_hadamard", "--subset", "smoothquant"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "not among the run's starts" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+    outside = subprocess.run([sys.executable, str(REPO / "benchmarks" / "calibration_goals.py"), str(path),
+                              "--starts", *starts, "--subset", "hadamard", "--out", str(out), "--headline",
+                              str(tmp_path / "headline.json")], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert outside.returncode == 2 and "--headline needs --out under benchmarks/results/" in outside.stderr
+    assert not (tmp_path / "headline.json").exists()

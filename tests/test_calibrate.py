@@ -498,6 +498,7 @@ def test_smoothed_kroquant_starts_include_smoothquant_itself():
         assert rep3[name]["transform_validation_error"] <= sq_rep[name]["transform_validation_error"] * (1 + 1e-6)
         for k in ("init0", "init1"):  # the shared starts are the same computation either way
             np.testing.assert_allclose(rep3[name]["candidates"][k], rep2[name]["candidates"][k], rtol=1e-6)
+    assert calibrate.get_recipe("smoothed_kroquant").starts == ("hadamard", "smoothquant_hadamard", "smoothquant")
     with pytest.raises(ValueError, match="needs transform 'smoothed_kron' with smooth_init"):
         calibrate.get_recipe("kroquant", starts=("hadamard",))
     with pytest.raises(ValueError, match="must name distinct starts"):
