@@ -509,23 +509,27 @@ def test_smoothed_kroquant_starts_include_smoothquant_itself():
 
 def test_select_with_branch_keeps_the_start_best_with_its_branch():
     """Recipe.select_with_branch: one LoRaQ branch per start's calibrated transform, scored on the validation rows as
-    the whole layer; the kept start is the best of those scores, and the layer equals the recipe that had only that
-    start (the same transform, branch and rounding). A single start, or no branch, is refused or a no-op."""
-    ls = _layer_set(shapes=((64, 64),), n=400)
+    the whole layer; the kept start is the best of those scores and the stored layer is that very candidate (its
+    branch reused, not fitted again: the layer's validation error is its score). A single start has nothing to
+    choose; a recipe without the LoRaQ branch is refused."""
+    ls = _layer_set(shapes=((48, 64),), n=400)  # the layer, rows and calibration of the starts test above
     (name,) = ls
+    w, _, _ = ls[name]
     run = calibrate.RunConfig(num_rows=160, num_validation=96, num_test=96)
     loraq = lowrank.LoRaQConfig(rank=32, steps=20, rotation_steps=4)
     base = calibrate.get_recipe("smoothed_kroquant+loraq", run=run, loraq=loraq,
                                 calibration=calibrate.CalibrationConfig(transform=None, steps=5))
     both = dataclasses.replace(base, starts=("hadamard", "smoothquant"), select_with_branch=True)
-    _, rep = calibrate.quantize_layer_set(ls, both)
+    q, rep = calibrate.quantize_layer_set(ls, both)
     r = rep[name]
     scores = r["branch_candidates"]
     assert len(scores) == 2 and {lab[-1] for lab in scores} == {"0", "1"}
     assert r["chosen"] == min(scores, key=lambda lab: (scores[lab], lab))
-    start = both.starts[int(r["chosen"][-1])]
-    _, alone = calibrate.quantize_layer_set(ls, dataclasses.replace(base, starts=(start,), select_with_branch=True))
-    assert "branch_candidates" not in alone[name]  # one start: nothing to choose
-    np.testing.assert_allclose(r["heldout_error"], alone[name]["heldout_error"], rtol=1e-4)
+    a_val = calibrate.layer_rows(name, layerset.LayerData(*ls[name]), run).validation
+    y = np.asarray(qlinear.qlinear_forward(q[name], a_val)) - ls[name][1]
+    ref = a_val.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(np.linalg.norm(y - ref) / np.linalg.norm(ref), scores[r["chosen"]], rtol=1e-4)
+    _, alone = calibrate.quantize_layer_set(ls, dataclasses.replace(both, starts=("smoothquant",)))
+    assert "branch_candidates" not in alone[name]
     with pytest.raises(ValueError, match="select_with_branch needs lowrank='loraq'"):
         calibrate.get_recipe("smoothed_kroquant", select_with_branch=True)
