@@ -17,7 +17,9 @@ The programs are the engine's own (:data:`kroquant_jax.calibrate.calibration_pro
 as it is shipped.
 
 Usage (CPU check):  python benchmarks/calibration_compile_probe.py --preset tiny --out-dir /tmp/probe
-Device:             python3 benchmarks/calibration_compile_probe.py --out-dir $OUT/probe --budget 300
+Device:             python3 benchmarks/calibration_compile_probe.py --out-dir /tmp/probe --budget 200 \
+                        --variants xla_default no_triton_gemm no_fusion_autotuner; cp /tmp/probe/probe.json $OUT/
+(``--out-dir`` also holds each variant's outputs, so keep it off ``$OUT``; docs/calibration.md, "Next device run".)
 """
 
 from __future__ import annotations
