@@ -402,12 +402,11 @@ class Recipe:
         (``"hadamard"``: γ = 1 and Hadamard blocks; ``"smoothquant_hadamard"``: the search's γ and Hadamard blocks;
         ``"smoothquant"``: the search's γ unrotated, i.e. the SmoothQuant transform itself). ``None``:
         ``("hadamard", "smoothquant_hadamard")``, the two starts the engine had before this field existed.
-      select_with_branch: ``"loraq"`` only: choose each layer's transform among its starts by the validation error
-        of the whole layer (transform, the LoRaQ branch fitted to it, weight rounded to nearest) instead of the
-        transform alone: each start's calibrated transform (the better of the start and its trained result on the
-        validation rows) gets its own branch, so LoRaQ runs once per start. The transform is trained without the
-        branch, and a transform better alone can be worse with it (docs/calibration.md, "Choosing with the branch").
-        ``None`` / ``False``: the calibration's choice.
+      select_with_branch: ``"loraq"`` only: choose each layer's transform among the calibration's candidates (every
+        start as started and trained) by the validation error of the whole layer (transform, the LoRaQ branch fitted
+        to it, weight rounded to nearest) instead of the transform's alone: LoRaQ runs once per candidate. The
+        transform is trained without the branch, and a transform better alone can be worse with it
+        (docs/calibration.md, "Smoothed KroQuant's starts"). ``None`` / ``False``: the calibration's choice.
       lowrank: ``None``, ``"loraq"`` (LoRaQ, branch in MXFP4) or ``"svd"`` (SVDQuant's 16-bit SVD branch).
       smooth_svd_rank: rank (or fraction of ``min(o, d)``) of the 16-bit SVD branch inside the SmoothQuant search;
         ``None`` (default): the paper's 32 when the recipe has a low-rank branch (the search then models the deployed
@@ -543,8 +542,8 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
                    help="smoothed KroQuant's initial transforms, of " + ", ".join(transforms.smoothed_kron.STARTS)
                         + " (default: the recipe's)")
     g.add_argument("--select-with-branch", choices=("on", "off"),
-                   help="a '+loraq' recipe with several starts: choose each layer's transform by the whole layer's "
-                        "validation error, one LoRaQ branch per start (Recipe.select_with_branch)")
+                   help="a '+loraq' recipe: choose each layer's transform among the calibration's candidates by the "
+                        "whole layer's validation error, one LoRaQ branch per candidate (Recipe.select_with_branch)")
     g.add_argument("--loraq-steps", type=int, help="LoRaQ Adam steps (default 500)")
     g.add_argument("--rotation-steps", type=int, help="LoRaQ Cayley rotation steps (default 500)")
     g.add_argument("--svd-refine", type=int, help="SVDQuant refinement candidates (default 0; paper: up to 100)")
@@ -764,23 +763,16 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
     return out, reports
 
 
-def _start_candidates(c: LayerCalibration) -> list[str]:
-    """Per start ``k`` of a calibration, the label of its calibrated transform: the better of ``init{k}`` and
-    ``trained{k}`` on the validation rows (ties by label, as the safeguard); starts whose candidates are all
-    non-finite are left out."""
-    out = []
-    for k in sorted({int(lab[4:]) for lab in c.validation_errors if lab.startswith("init")}):
-        labels = [lab for lab in (f"init{k}", f"trained{k}")
-                  if lab in c.validation_errors and np.isfinite(c.validation_errors[lab])]
-        if labels:
-            out.append(min(labels, key=lambda lab: (c.validation_errors[lab], lab)))
-    return out
+def _branch_candidates(c: LayerCalibration) -> list[str]:
+    """The labels of a calibration's candidates with a finite validation error: every start as started and every
+    trained result (a transform that is worse alone can be the best one with a branch, e.g. SmoothQuant's own start)."""
+    return sorted(lab for lab, e in c.validation_errors.items() if np.isfinite(e) and lab in c.candidate_params)
 
 
 def _select_with_branch(layers: dict[str, LayerData], calib: dict[str, LayerCalibration], recipe: Recipe,
                         run: RunConfig, pad_to: int) -> tuple[dict, dict, dict]:
-    """``Recipe.select_with_branch``: for every layer with more than one start, LoRaQ for each start's calibrated
-    transform and the layer (eq. 11, weight rounded to nearest) scored on the validation rows; the best one is kept.
+    """``Recipe.select_with_branch``: for every layer with more than one candidate transform, LoRaQ for each candidate
+    and the layer (eq. 11, weight rounded to nearest) scored on the validation rows; the best one is kept.
 
     Returns ``(calib with the kept candidate per layer, {name: its LowRank} for the layers chosen here,
     {name: {label: validation error with the branch}})``."""
@@ -788,7 +780,7 @@ def _select_with_branch(layers: dict[str, LayerData], calib: dict[str, LayerCali
 
     fmt = recipe.calibration.objective.fmt
     quantized_branch = recipe.loraq.quantize_branch
-    jobs = {n: _start_candidates(c) for n, c in calib.items()}
+    jobs = {n: _branch_candidates(c) for n, c in calib.items()}
     jobs = {n: labels for n, labels in jobs.items() if len(labels) > 1}
     if not jobs:
         return calib, {}, {}

@@ -508,10 +508,10 @@ def test_smoothed_kroquant_starts_include_smoothquant_itself():
 
 
 def test_select_with_branch_keeps_the_start_best_with_its_branch():
-    """Recipe.select_with_branch: one LoRaQ branch per start's calibrated transform, scored on the validation rows as
-    the whole layer; the kept start is the best of those scores and the stored layer is that very candidate (its
-    branch reused, not fitted again: the layer's validation error is its score). A single start has nothing to
-    choose; a recipe without the LoRaQ branch is refused."""
+    """Recipe.select_with_branch: one LoRaQ branch per candidate transform (every start as started and trained),
+    scored on the validation rows as the whole layer; the kept candidate is the best of those scores and the stored
+    layer is that very candidate (its branch reused, not fitted again: the layer's validation error is its score). A
+    recipe without the LoRaQ branch is refused."""
     ls = _layer_set(shapes=((48, 64),), n=400)  # the layer, rows and calibration of the starts test above
     (name,) = ls
     w, _, _ = ls[name]
@@ -523,13 +523,11 @@ def test_select_with_branch_keeps_the_start_best_with_its_branch():
     q, rep = calibrate.quantize_layer_set(ls, both)
     r = rep[name]
     scores = r["branch_candidates"]
-    assert len(scores) == 2 and {lab[-1] for lab in scores} == {"0", "1"}
+    assert set(scores) == {"init0", "init1", "trained0", "trained1"}
     assert r["chosen"] == min(scores, key=lambda lab: (scores[lab], lab))
     a_val = calibrate.layer_rows(name, layerset.LayerData(*ls[name]), run).validation
     y = np.asarray(qlinear.qlinear_forward(q[name], a_val)) - ls[name][1]
     ref = a_val.astype(np.float64) @ w.T.astype(np.float64)
     np.testing.assert_allclose(np.linalg.norm(y - ref) / np.linalg.norm(ref), scores[r["chosen"]], rtol=1e-4)
-    _, alone = calibrate.quantize_layer_set(ls, dataclasses.replace(both, starts=("smoothquant",)))
-    assert "branch_candidates" not in alone[name]
     with pytest.raises(ValueError, match="select_with_branch needs lowrank='loraq'"):
         calibrate.get_recipe("smoothed_kroquant", select_with_branch=True)
