@@ -133,6 +133,7 @@ def main(argv=None) -> dict:
                         help="set testbed_kroquant_beats_hadamard_fraction and "
                              "testbed_smoothed_kroquant_beats_both_fraction (the record's smoothed KroQuant, all "
                              "its starts) in this headline file; needs --out (the figures' source)")
+    parser.add_argument("--device", help="the machine, for the headline figures (default: the record's meta.device)")
     parser.add_argument("--command", default="kroquant calibrate (see the record's meta.args)",
                         help="the command that made the record, for the headline figures")
     args = parser.parse_args(argv)
@@ -155,7 +156,7 @@ def main(argv=None) -> dict:
         atomic_write_bytes(args.markdown, table.encode())
     if args.headline:
         meta = summary["meta"]
-        common = dict(unit="fraction", higher_is_better=True, device=f"{meta.get('device', '?')}",
+        common = dict(unit="fraction", higher_is_better=True, device=args.device or str(meta.get("device", "?")),
                       jax=str(meta.get("jax_version", "?")), date_utc=str(meta.get("date_utc", "?")),
                       command=args.command, source=os.path.relpath(args.out, REPO))
         headline.update(args.headline, {

@@ -246,6 +246,15 @@ TABLES: dict[str, dict] = {
         "rows": [["`kroquant demo`, default settings (capture, 4 calibrations, 5 x 10 images; imports excluded)",
                   "{demo_wall_s:.0f} s"]],
     },
+    "testbed-layers": {
+        "header": ["all 100 linears of the testbed, test rows", "measured", "goal"],
+        "rows": [["KroQuant beats its Hadamard-32 init", "{testbed_kroquant_beats_hadamard_fraction:.0%} of the layers",
+                  "≥ 90%"],
+                 ["smoothed KroQuant beats both SmoothQuant and Hadamard-32",
+                  "{testbed_smoothed_kroquant_beats_both_fraction:.0%} of the layers", "≥ 90%"],
+                 ["GPTQ rounding vs round-to-nearest, smoothed KroQuant with its two earlier starts: mean layer error",
+                  "-{gptq_layer_error_reduction_fraction:.1%}", "≤ -10%"]],
+    },
     "testbed": {
         "header": ["method", "PSNR (dB) ↑, held-out captions", "SSIM ↑"],
         "rows": [[name, f"{{testbed_eval_psnr_db_{key}:.2f}} ± {{testbed_eval_psnr_sem_db_{key}:.2f}}",
