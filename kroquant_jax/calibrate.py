@@ -483,14 +483,18 @@ def get_recipe(name: str, **overrides) -> Recipe:
 
     Suffixes (:data:`RECIPE_SUFFIXES`, each at most once, in any order): ``+loraq`` adds the LoRaQ branch, ``+gptq``
     rounds the stored weight with GPTQ (``gptq=GPTQConfig()``), e.g. ``smoothed_kroquant+gptq+loraq``,
-    ``svdquant+gptq``, ``rtn+gptq``."""
+    ``svdquant+gptq``, ``rtn+gptq``. ``smoothed_kroquant+loraq`` (with or without ``+gptq``) chooses its transform
+    with the branch (``select_with_branch=True``)."""
     base, *extras = name.split("+")
     if base not in RECIPES or any(e not in RECIPE_SUFFIXES for e in extras) or len(set(extras)) != len(extras):
         raise KeyError(f"unknown recipe {name!r}; available: {sorted(RECIPES)}, each with the suffixes "
                        f"{['+' + e for e in RECIPE_SUFFIXES]} (each at most once), e.g. 'smoothed_kroquant+gptq+loraq'")
     r = RECIPES[base]
     if "loraq" in extras:
-        r = dataclasses.replace(r, lowrank="loraq")
+        # Smoothed KroQuant's candidates are judged with their branch: its transform trained alone loses to its
+        # untrained SmoothQuant start once LoRaQ is added (docs/calibration.md, "Choosing with the branch").
+        r = dataclasses.replace(r, lowrank="loraq",
+                                select_with_branch=True if r.transform == "smoothed_kron" else r.select_with_branch)
     if "gptq" in extras:
         r = dataclasses.replace(r, gptq=GPTQConfig())
     if "calibration" in overrides and overrides["calibration"].transform is None:

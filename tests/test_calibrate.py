@@ -535,5 +535,7 @@ def test_select_with_branch_keeps_the_start_best_with_its_branch():
     y = np.asarray(qlinear.qlinear_forward(q[name], a_val)) - ls[name][1]
     ref = a_val.astype(np.float64) @ w.T.astype(np.float64)
     np.testing.assert_allclose(np.linalg.norm(y - ref) / np.linalg.norm(ref), scores[r["chosen"]], rtol=1e-4)
+    assert calibrate.get_recipe("smoothed_kroquant+gptq+loraq").select_with_branch is True
+    assert calibrate.get_recipe("kroquant+loraq").select_with_branch is None
     with pytest.raises(ValueError, match="select_with_branch needs lowrank='loraq'"):
         calibrate.get_recipe("smoothed_kroquant", select_with_branch=True)
