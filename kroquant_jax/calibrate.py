@@ -406,7 +406,8 @@ class Recipe:
         start as started and trained) by the validation error of the whole layer (transform, the LoRaQ branch fitted
         to it, weight rounded to nearest) instead of the transform's alone: LoRaQ runs once per candidate. The
         transform is trained without the branch, and a transform better alone can be worse with it
-        (docs/calibration.md, "Smoothed KroQuant's starts"). ``None`` / ``False``: the calibration's choice.
+        (docs/calibration.md, "Choosing with the branch"). ``None`` / ``False``: the calibration's choice;
+        :func:`get_recipe` turns it on for ``smoothed_kroquant+loraq``.
       lowrank: ``None``, ``"loraq"`` (LoRaQ, branch in MXFP4) or ``"svd"`` (SVDQuant's 16-bit SVD branch).
       smooth_svd_rank: rank (or fraction of ``min(o, d)``) of the 16-bit SVD branch inside the SmoothQuant search;
         ``None`` (default): the paper's 32 when the recipe has a low-rank branch (the search then models the deployed
@@ -564,8 +565,8 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
 #: The destinations :func:`add_recipe_arguments` defines (the settings :func:`recipe_from_args` reads).
 _RECIPE_ARGUMENTS = ("calib_steps", "lr_schedule", "select_every", "regularizer_grad", "precision", "calib_rows",
                      "calib_validation", "calib_test", "max_layers_per_program", "rank", "smooth_svd_rank",
-                     "smoothed_starts", "select_with_branch", "loraq_steps", "rotation_steps", "svd_refine", "sq_grid", "gptq_damp", "gptq_act_order",
-                     "gptq_scales", "gptq_order")
+                     "smoothed_starts", "select_with_branch", "loraq_steps", "rotation_steps", "svd_refine", "sq_grid",
+                     "gptq_damp", "gptq_act_order", "gptq_scales", "gptq_order")
 
 
 #: Stage settings of :func:`add_recipe_arguments` and the recipes that read them: a flag given for methods none of
