@@ -129,17 +129,11 @@ def main(argv=None) -> dict:
                         help="the starts of the recipe to compare with (e.g. the two the engine had before)")
     parser.add_argument("--out", help="write the summary JSON here")
     parser.add_argument("--markdown", help="write the per-type table here")
-    parser.add_argument("--headline", metavar="JSON",
-                        help="set testbed_kroquant_beats_hadamard_fraction and "
-                             "testbed_smoothed_kroquant_beats_both_fraction (the record's smoothed KroQuant, all "
-                             "its starts) in this headline file; needs --out (the figures' source)")
-    parser.add_argument("--device", help="the machine, for the headline figures (default: the record's meta.device)")
-    parser.add_argument("--command", default="kroquant calibrate (see the record's meta.args)",
-                        help="the command that made the record, for the headline figures")
+    headline.add_arguments(parser, "testbed_kroquant_beats_hadamard_fraction and "
+                                   "testbed_smoothed_kroquant_beats_both_fraction (the record's smoothed KroQuant, all "
+                                   "its starts)", "kroquant calibrate (see the record's meta.args)")
     args = parser.parse_args(argv)
-    if args.headline and (not args.out or not os.path.relpath(os.path.abspath(args.out), REPO).startswith(
-            "benchmarks/results/")):
-        parser.error("--headline needs --out under benchmarks/results/ (the summary file the figures point to)")
+    source = headline.checked_source(parser, args, REPO)
     try:
         with open(args.record) as f:
             record = json.load(f)
@@ -158,7 +152,7 @@ def main(argv=None) -> dict:
         meta = summary["meta"]
         common = dict(unit="fraction", higher_is_better=True, device=args.device or str(meta.get("device", "?")),
                       jax=str(meta.get("jax_version", "?")), date_utc=str(meta.get("date_utc", "?")),
-                      command=args.command, source=os.path.relpath(args.out, REPO))
+                      command=args.command, source=source)
         headline.update(args.headline, {
             "testbed_kroquant_beats_hadamard_fraction": headline.Figure(
                 value=summary["fractions"]["kroquant_beats_hadamard"], **common),

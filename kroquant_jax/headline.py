@@ -14,8 +14,10 @@ the JSON renders, so no measured number is ever typed into the README by hand.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import os
 import math
 import re
 import string
@@ -24,7 +26,8 @@ from typing import Mapping
 
 from kroquant_jax.fileio import atomic_write_json
 
-__all__ = ["Figure", "TABLES", "load", "update", "render_block", "render_readme", "HeadlineError"]
+__all__ = ["Figure", "TABLES", "load", "update", "render_block", "render_readme", "HeadlineError", "add_arguments",
+           "checked_source"]
 
 
 class HeadlineError(ValueError):
@@ -120,6 +123,30 @@ def update(path: str | Path, figures: Mapping[str, Figure], replace_prefix: str 
         current[key] = fig
     atomic_write_json(path, {k: dataclasses.asdict(current[k]) for k in sorted(current)})
     return current
+
+
+def add_arguments(parser: argparse.ArgumentParser, keys: str, default_command: str) -> None:
+    """``--headline JSON``, ``--device``, ``--command`` for a main that writes the headline ``keys`` (words for the
+    help) from the summary it writes to its own ``--out``."""
+    parser.add_argument("--headline", metavar="JSON",
+                        help=f"set {keys} in this headline file; needs --out under benchmarks/results/ (the "
+                             "figures' source)")
+    parser.add_argument("--device", help="the machine, for the headline figures (default: the record's own)")
+    parser.add_argument("--command", default=default_command,
+                        help="the command that made the record, for the headline figures")
+
+
+def checked_source(parser: argparse.ArgumentParser, args: argparse.Namespace, repo: str | Path) -> str | None:
+    """With ``--headline``: ``--out`` relative to ``repo`` (the figures' ``source``); a ``parser.error`` (one line,
+    exit 2) when ``--out`` is missing or outside ``benchmarks/results/``. Without ``--headline``: None. Call it before
+    the expensive part."""
+    if not args.headline:
+        return None
+    out = getattr(args, "out", None)
+    rel = os.path.relpath(os.path.abspath(out), repo) if out else ""
+    if not rel.startswith("benchmarks/results/"):
+        parser.error("--headline needs --out under benchmarks/results/ (the summary file the figures point to)")
+    return rel
 
 
 # The README's tables. Each cell is a str.format template over figure values, e.g. "{key:.0f} µs"; a row's
@@ -254,6 +281,21 @@ TABLES: dict[str, dict] = {
                   "{testbed_smoothed_kroquant_beats_both_fraction:.0%} of the layers", "≥ 90%"],
                  ["GPTQ rounding vs round-to-nearest, smoothed KroQuant with its two earlier starts: mean layer error",
                   "-{gptq_layer_error_reduction_fraction:.1%}", "≤ -10%"]],
+    },
+    "testbed-lowrank": {
+        "header": ["24 held-out captions x 3 generation seeds, vs the 16-bit images", "measured", "goal"],
+        "rows": [["best KroQuant-family recipe (with a low-rank branch) minus the better of SVDQuant and "
+                  "SmoothQuant + LoRaQ", "{testbed_best_kroquant_family_psnr_margin_db:+.2f} dB PSNR", "≥ +0.5 dB"],
+                 ["the same minus the better of both baselines with GPTQ rounding",
+                  "{testbed_best_kroquant_family_psnr_margin_vs_gptq_baselines_db:+.2f} dB PSNR", "— (control)"],
+                 *[[name, f"{{testbed_lowrank_psnr_db_{key}:.2f}} ± {{testbed_lowrank_psnr_sem_db_{key}:.2f}} dB "
+                          f"(seeds {{testbed_lowrank_psnr_seed_min_db_{key}:.2f}}–"
+                          f"{{testbed_lowrank_psnr_seed_max_db_{key}:.2f}}), SSIM {{testbed_lowrank_ssim_{key}:.3f}}",
+                   "—"]
+                   for name, key in [("SVDQuant", "svdquant"), ("SmoothQuant + LoRaQ", "smoothquant_loraq"),
+                                     ("SmoothQuant + GPTQ + LoRaQ", "smoothquant_gptq_loraq"),
+                                     ("SVDQuant + GPTQ", "svdquant_gptq"),
+                                     ("smoothed KroQuant + GPTQ + LoRaQ", "smoothed_kroquant_gptq_loraq")]]],
     },
     "testbed": {
         "header": ["method", "PSNR (dB) ↑, held-out captions", "SSIM ↑"],

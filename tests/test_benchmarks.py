@@ -209,3 +209,40 @@ def test_calibration_goals_reads_the_subset_choice_from_the_candidates(tmp_path)
                              timeout=300)
     assert outside.returncode == 2 and "--headline needs --out under benchmarks/results/" in outside.stderr
     assert not (tmp_path / "headline.json").exists()
+
+
+def test_testbed_eval_headline_margin_over_the_baselines(tmp_path):
+    """testbed_eval_headline.py: the best KroQuant-family recipe is the best learned transform *with* a low-rank branch
+    (a higher-PSNR KroQuant without a branch does not count), its margin is taken over the better of SVDQuant and
+    SmoothQuant + LoRaQ and, when the report has them, over the better GPTQ baseline; a report without a baseline is
+    a one-line error."""
+    def result(psnr, branch="LoRaQ r=32 (MXFP4)", lo=None, hi=None):
+        return {"low_rank_branch": branch, "layer_error_mean": 0.1,
+                "groups": {"heldout": {"psnr_db": psnr, "psnr_sem_db": 0.5, "ssim": 0.8,
+                                       "psnr_seed_min_db": psnr - 0.2 if lo is None else lo,
+                                       "psnr_seed_max_db": psnr + 0.2 if hi is None else hi}}}
+
+    report = {"jax": "0.10.2", "device": "cpu", "date_utc": "2026-12-05T16:00", "seeds": [0, 1, 2], "results": {
+        "svdquant": result(20.0, "SVD r=32 (16-bit)"), "smoothquant+loraq": result(20.5, hi=21.0),
+        "kroquant": result(30.0, "none"), "kroquant+loraq": result(21.0),
+        "smoothed_kroquant+gptq+loraq": result(22.0, lo=21.5),
+        "svdquant+gptq": result(21.6, "SVD r=32 (16-bit)"), "smoothquant+gptq+loraq": result(21.2)}}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    out = tmp_path / "summary.json"
+    _run("testbed_eval_headline.py", str(path), "--out", str(out), "--markdown", str(tmp_path / "t.md"))
+    summary = json.loads(out.read_text())
+    assert summary["best_kroquant_family"] == "smoothed_kroquant+gptq+loraq"
+    assert summary["best_baseline"] == "smoothquant+loraq"
+    assert summary["margin_db"] == pytest.approx(1.5)
+    assert summary["margin_worst_seed_db"] == pytest.approx(0.5)  # 21.5 against the baseline's best seed, 21.0
+    assert summary["best_gptq_baseline"] == "svdquant+gptq"
+    assert summary["margin_vs_gptq_baselines_db"] == pytest.approx(0.4)
+    assert "+1.50 dB" in (tmp_path / "t.md").read_text()
+    del report["results"]["svdquant"]
+    path.write_text(json.dumps(report))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "testbed_eval_headline.py"), str(path)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "no baseline ['svdquant']" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1

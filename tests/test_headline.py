@@ -115,3 +115,23 @@ def test_unmatched_marker_is_an_error():
 def test_missing_key_is_named():
     with pytest.raises(headline.HeadlineError, match="needs headline key 'tq_k1_us_4096x16384_fp16'"):
         headline.render_block("gpu", {})
+
+
+def test_checked_source_needs_out_under_benchmarks_results(tmp_path):
+    """--headline without --out, or with --out outside benchmarks/results/, is a parser error (exit 2); inside, the
+    source is --out relative to the repository; without --headline nothing is checked."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    headline.add_arguments(parser, "some keys", "a command")
+    repo = tmp_path
+    for argv in (["--headline", "h.json"], ["--headline", "h.json", "--out", str(tmp_path / "x.json")]):
+        with pytest.raises(SystemExit) as exit_info:
+            headline.checked_source(parser, parser.parse_args(argv), repo)
+        assert exit_info.value.code == 2
+    inside = str(tmp_path / "benchmarks" / "results" / "x.json")
+    args = parser.parse_args(["--headline", "h.json", "--out", inside])
+    assert headline.checked_source(parser, args, repo) == "benchmarks/results/x.json"
+    assert args.command == "a command" and args.device is None
+    assert headline.checked_source(parser, parser.parse_args(["--out", "anywhere.json"]), repo) is None
