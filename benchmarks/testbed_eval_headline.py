@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,9 +89,9 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def headline_figures(summary: dict, report: dict, device: str, command: str, source: str
+def headline_figures(summary: dict, report: dict, device: str, command: str, source: str, prefix: str = PREFIX
                      ) -> tuple[dict[str, headline.Figure], dict[str, headline.Figure]]:
-    """(the per-method keys ``testbed_lowrank_*``, the margin keys)."""
+    """(the per-method keys ``{prefix}psnr_db_{method}`` etc., the margin keys)."""
     common = dict(device=device, jax=str(report.get("jax", "?")), date_utc=str(report.get("date_utc", "?")),
                   command=command, source=source)
     per_method = {}
@@ -100,7 +101,7 @@ def headline_figures(summary: dict, report: dict, device: str, command: str, sou
                                    ("psnr_seed_min_db", "dB", True), ("psnr_seed_max_db", "dB", True),
                                    ("ssim", "fraction", True)):
             field = name.replace("_db", "")
-            per_method[f"{PREFIX}{field}_db_{k}" if unit == "dB" else f"{PREFIX}{field}_{k}"] = headline.Figure(
+            per_method[f"{prefix}{field}_db_{k}" if unit == "dB" else f"{prefix}{field}_{k}"] = headline.Figure(
                 value=float(r[name]), unit=unit, higher_is_better=higher, **common)
     best, base = summary["best_kroquant_family"], summary["best_baseline"]
     margins = {"testbed_best_kroquant_family_psnr_margin_db": headline.Figure(
@@ -120,10 +121,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--group", default="heldout", help="caption group (default: heldout)")
     parser.add_argument("--out", help="write the summary JSON here")
     parser.add_argument("--markdown", help="write the table here")
-    headline.add_arguments(parser, f"the {PREFIX}* keys (replacing earlier ones) and "
+    parser.add_argument("--prefix", default=PREFIX,
+                        help="prefix of the per-method headline keys (default: %(default)s, the README's low-rank "
+                             "table; testbed_eval_ for the table of every method)")
+    headline.add_arguments(parser, "the per-method keys (--prefix; replacing earlier ones) and "
                                    "testbed_best_kroquant_family_psnr_margin_db (+ _vs_gptq_baselines_db)",
                            "kroquant evaluate (see the report's args)")
     args = parser.parse_args(argv)
+    if not re.fullmatch(r"[a-z0-9_]+_", args.prefix):
+        parser.error(f"--prefix {args.prefix!r} must be lower-case words joined and ended by '_'")
     source = headline.checked_source(parser, args, REPO)
     try:
         with open(args.report) as f:
@@ -141,8 +147,8 @@ def main(argv=None) -> dict:
         atomic_write_bytes(args.markdown, table.encode())
     if args.headline:
         per_method, margins = headline_figures(summary, report, args.device or str(report.get("device", "?")),
-                                               args.command, source)
-        headline.update(args.headline, per_method, replace_prefix=PREFIX)
+                                               args.command, source, args.prefix)
+        headline.update(args.headline, per_method, replace_prefix=args.prefix)
         headline.update(args.headline, margins)
     return summary
 
