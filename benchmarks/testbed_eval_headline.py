@@ -26,20 +26,16 @@ sys.path.insert(0, REPO)
 
 from kroquant_jax import headline  # noqa: E402
 from kroquant_jax.fileio import atomic_write_bytes, atomic_write_json  # noqa: E402
+from models.testbed.evaluation import headline_figures  # noqa: E402
 
 BASELINES = ("svdquant", "smoothquant+loraq")
 GPTQ_BASELINES = ("svdquant+gptq", "smoothquant+gptq+loraq")
-PREFIX = "testbed_lowrank_"
+PREFIX = "testbed_lowrank"
 
 
 def is_kroquant_family(method: str, branch: str) -> bool:
     """A learned transform (KroQuant or smoothed KroQuant) with a low-rank branch."""
     return method.split("+")[0] in ("kroquant", "smoothed_kroquant") and branch != "none"
-
-
-def key_of(method: str) -> str:
-    """``"smoothquant+gptq+loraq"`` -> ``"smoothquant_gptq_loraq"`` (``@r`` -> ``_rr``)."""
-    return method.replace("+", "_").replace("@", "_r")
 
 
 def summarize(report: dict, group: str = "heldout") -> dict:
@@ -89,30 +85,19 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def headline_figures(summary: dict, report: dict, device: str, command: str, source: str, prefix: str = PREFIX
-                     ) -> tuple[dict[str, headline.Figure], dict[str, headline.Figure]]:
-    """(the per-method keys ``{prefix}psnr_db_{method}`` etc., the margin keys)."""
-    common = dict(device=device, jax=str(report.get("jax", "?")), date_utc=str(report.get("date_utc", "?")),
-                  command=command, source=source)
-    per_method = {}
-    for method, r in summary["rows"].items():
-        k = key_of(method)
-        for name, unit, higher in (("psnr_db", "dB", True), ("psnr_sem_db", "dB", False),
-                                   ("psnr_seed_min_db", "dB", True), ("psnr_seed_max_db", "dB", True),
-                                   ("ssim", "fraction", True)):
-            field = name.replace("_db", "")
-            per_method[f"{prefix}{field}_db_{k}" if unit == "dB" else f"{prefix}{field}_{k}"] = headline.Figure(
-                value=float(r[name]), unit=unit, higher_is_better=higher, **common)
-    best, base = summary["best_kroquant_family"], summary["best_baseline"]
+def margin_figures(summary: dict, report: dict, device: str, command: str, source: str) -> dict[str, headline.Figure]:
+    """The margin keys (the per-method keys are ``models.testbed.evaluation.headline_figures``')."""
+    common = dict(unit="dB", higher_is_better=True, device=device, jax=str(report["jax"]),
+                  date_utc=str(report["date_utc"]), source=source)
+    best, group = summary["best_kroquant_family"], summary["group"]
     margins = {"testbed_best_kroquant_family_psnr_margin_db": headline.Figure(
-        value=round(summary["margin_db"], 2), unit="dB", higher_is_better=True,
-        **{**common, "command": f"{command} [{best} minus {base}, {summary['group']} captions]"})}
+        value=round(summary["margin_db"], 2), command=f"{command} [{best} minus {summary['best_baseline']}, "
+                                                      f"{group} captions]", **common)}
     if "margin_vs_gptq_baselines_db" in summary:
         margins["testbed_best_kroquant_family_psnr_margin_vs_gptq_baselines_db"] = headline.Figure(
-            value=round(summary["margin_vs_gptq_baselines_db"], 2), unit="dB", higher_is_better=True,
-            **{**common, "command": f"{command} [{best} minus {summary['best_gptq_baseline']}, "
-                                    f"{summary['group']} captions]"})
-    return per_method, margins
+            value=round(summary["margin_vs_gptq_baselines_db"], 2),
+            command=f"{command} [{best} minus {summary['best_gptq_baseline']}, {group} captions]", **common)
+    return margins
 
 
 def main(argv=None) -> dict:
@@ -122,14 +107,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", help="write the summary JSON here")
     parser.add_argument("--markdown", help="write the table here")
     parser.add_argument("--prefix", default=PREFIX,
-                        help="prefix of the per-method headline keys (default: %(default)s, the README's low-rank "
-                             "table; testbed_eval_ for the table of every method)")
+                        help="prefix of the per-method headline keys, PREFIX_psnr_db_GROUP_METHOD etc. "
+                             "(models.testbed.evaluation.headline_figures; default: %(default)s, the README's "
+                             "low-rank table; testbed_eval for the table of every method)")
     headline.add_arguments(parser, "the per-method keys (--prefix; replacing earlier ones) and "
                                    "testbed_best_kroquant_family_psnr_margin_db (+ _vs_gptq_baselines_db)",
                            "kroquant evaluate (see the report's args)")
     args = parser.parse_args(argv)
-    if not re.fullmatch(r"[a-z0-9_]+_", args.prefix):
-        parser.error(f"--prefix {args.prefix!r} must be lower-case words joined and ended by '_'")
+    if not re.fullmatch(r"[a-z0-9]+(_[a-z0-9]+)*", args.prefix):
+        parser.error(f"--prefix {args.prefix!r} must be lower-case words joined by '_'")
     source = headline.checked_source(parser, args, REPO)
     try:
         with open(args.report) as f:
@@ -146,10 +132,13 @@ def main(argv=None) -> dict:
     if args.markdown:
         atomic_write_bytes(args.markdown, table.encode())
     if args.headline:
-        per_method, margins = headline_figures(summary, report, args.device or str(report.get("device", "?")),
-                                               args.command, source, args.prefix)
-        headline.update(args.headline, per_method, replace_prefix=args.prefix)
-        headline.update(args.headline, margins)
+        device = args.device or str(report.get("device", "?"))
+        try:
+            per_method = headline_figures(report, args.prefix, device=device, command=args.command, source=source)
+        except ValueError as err:
+            parser.exit(2, f"testbed_eval_headline: {args.report}: {err}\n")
+        headline.update(args.headline, per_method, replace_prefix=f"{args.prefix}_")
+        headline.update(args.headline, margin_figures(summary, report, device, args.command, source))
     return summary
 
 

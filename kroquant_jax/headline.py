@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import math
+import os
 import re
 import string
 from pathlib import Path
@@ -288,9 +288,11 @@ TABLES: dict[str, dict] = {
                   "SmoothQuant + LoRaQ", "{testbed_best_kroquant_family_psnr_margin_db:+.2f} dB PSNR", "≥ +0.5 dB"],
                  ["the same minus the better of both baselines with GPTQ rounding",
                   "{testbed_best_kroquant_family_psnr_margin_vs_gptq_baselines_db:+.2f} dB PSNR", "— (control)"],
-                 *[[name, f"{{testbed_lowrank_psnr_db_{key}:.2f}} ± {{testbed_lowrank_psnr_sem_db_{key}:.2f}} dB "
-                          f"(seeds {{testbed_lowrank_psnr_seed_min_db_{key}:.2f}}–"
-                          f"{{testbed_lowrank_psnr_seed_max_db_{key}:.2f}}), SSIM {{testbed_lowrank_ssim_{key}:.3f}}",
+                 *[[name, f"{{testbed_lowrank_psnr_db_heldout_{key}:.2f}} ± "
+                          f"{{testbed_lowrank_psnr_sem_db_heldout_{key}:.2f}} dB "
+                          f"(seeds {{testbed_lowrank_psnr_seed_min_db_heldout_{key}:.2f}}–"
+                          f"{{testbed_lowrank_psnr_seed_max_db_heldout_{key}:.2f}}), "
+                          f"SSIM {{testbed_lowrank_ssim_heldout_{key}:.3f}}",
                    "—"]
                    for name, key in [("SVDQuant", "svdquant"), ("SmoothQuant + LoRaQ", "smoothquant_loraq"),
                                      ("SmoothQuant + GPTQ + LoRaQ", "smoothquant_gptq_loraq"),

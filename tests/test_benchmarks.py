@@ -217,8 +217,8 @@ def test_testbed_eval_headline_margin_over_the_baselines(tmp_path):
     SmoothQuant + LoRaQ and, when the report has them, over the better GPTQ baseline; a report without a baseline is
     a one-line error."""
     def result(psnr, branch="LoRaQ r=32 (MXFP4)", lo=None, hi=None):
-        return {"low_rank_branch": branch, "layer_error_mean": 0.1,
-                "groups": {"heldout": {"psnr_db": psnr, "psnr_sem_db": 0.5, "ssim": 0.8,
+        return {"low_rank_branch": branch, "layer_error_mean": 0.1, "layer_error_max": 0.2,
+                "groups": {"heldout": {"psnr_db": psnr, "psnr_sem_db": 0.5, "ssim": 0.8, "psnr_seed_std_db": 0.1,
                                        "psnr_seed_min_db": psnr - 0.2 if lo is None else lo,
                                        "psnr_seed_max_db": psnr + 0.2 if hi is None else hi}}}
 
@@ -239,6 +239,23 @@ def test_testbed_eval_headline_margin_over_the_baselines(tmp_path):
     assert summary["best_gptq_baseline"] == "svdquant+gptq"
     assert summary["margin_vs_gptq_baselines_db"] == pytest.approx(0.4)
     assert "+1.50 dB" in (tmp_path / "t.md").read_text()
+    # --headline: the per-method keys are the evaluation's own (as the demo's), the margins beside them; the summary
+    # must lie under benchmarks/results/ (the figures' source), so this one is removed afterwards
+    report.update(wall_s=300.0, reference={"heldout": result(99.0)["groups"]["heldout"]})
+    path.write_text(json.dumps(report))
+    inside = REPO / "benchmarks" / "results" / f"_test_testbed_eval_headline_{os.getpid()}.json"
+    try:
+        _run("testbed_eval_headline.py", str(path), "--out", str(inside), "--headline", str(tmp_path / "h.json"),
+             "--prefix", "lr", "--device", "test machine")
+    finally:
+        inside.unlink(missing_ok=True)
+    figures = json.loads((tmp_path / "h.json").read_text())
+    assert figures["lr_psnr_db_heldout_smoothed_kroquant_gptq_loraq"]["value"] == 22.0
+    assert figures["lr_psnr_seed_max_db_heldout_smoothquant_loraq"]["value"] == 21.0
+    assert figures["testbed_best_kroquant_family_psnr_margin_db"]["value"] == 1.5
+    assert figures["testbed_best_kroquant_family_psnr_margin_vs_gptq_baselines_db"]["value"] == 0.4
+    assert {f["device"] for f in figures.values()} == {"test machine"}
+    assert {f["source"] for f in figures.values()} == {f"benchmarks/results/{inside.name}"}
     del report["results"]["svdquant"]
     path.write_text(json.dumps(report))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}

@@ -167,6 +167,13 @@ def test_headline_figures_of_a_report():
     assert "demo_psnr_sem_db_novel_16bit" not in figures, "a one-caption group has no standard error"
     assert figures["demo_layer_error_max_kroquant_loraq"].value == 0.2 and "demo_layer_error_mean_16bit" not in figures
     assert figures["demo_wall_s"].value == 500.0 and figures["demo_wall_s"].device == "cpu (2 cores)"
+    seeds = {**metrics, "psnr_seed_std_db": 0.3, "psnr_seed_min_db": 19.6, "psnr_seed_max_db": 20.3}
+    several = evaluation.headline_figures({**report, "reference": {"train": seeds},
+                                           "results": {"svdquant": {"groups": {"train": seeds},
+                                                                    "layer_error_mean": 0.1, "layer_error_max": 0.2}}},
+                                          "e", device="gpu", command="kroquant evaluate", source="benchmarks/results/e.json")
+    assert [several[f"e_psnr_seed_{s}_db_train_svdquant"].value for s in ("std", "min", "max")] == [0.3, 19.6, 20.3]
+    assert "demo_psnr_seed_min_db_train_kroquant_loraq" not in figures, "one seed: no spread over seeds"
     with pytest.raises(ValueError, match="no 'wall_s'"):
         evaluation.headline_figures({k: v for k, v in report.items() if k != "wall_s"}, "demo", device="cpu",
                                     command="kroquant demo", source="benchmarks/results/demo.json")

@@ -438,8 +438,8 @@ def method_key(method: str) -> str:
 
 def headline_figures(report: dict, prefix: str, *, device: str, command: str, source: str) -> dict:
     """``{key: kroquant_jax.headline.Figure}`` of a run's report (:func:`write_outputs`): per caption group the PSNR,
-    its standard error, the SSIM and, with several generation seeds, the standard deviation of the per-seed PSNR
-    (``{prefix}_psnr_seed_std_db_{group}_{method}``) of every method (``{prefix}_psnr_db_{group}_{method}``, ...) and
+    its standard error, the SSIM and, with several generation seeds, the standard deviation, lowest and highest of the
+    per-seed PSNR (``{prefix}_psnr_seed_{std,min,max}_db_{group}_{method}``) of every method (``{prefix}_psnr_db_{group}_{method}``, ...) and
     of the 16-bit images against the dataset's glyphs (method ``16bit``), the mean and max layer error per method,
     and the run's wall time (``{prefix}_wall_s``). ``device``: the machine in words; ``source``: the report's copy under
     ``benchmarks/results/``."""
@@ -461,6 +461,8 @@ def headline_figures(report: dict, prefix: str, *, device: str, command: str, so
             figures[f"{prefix}_ssim_{gid}_{key}"] = figure(m["ssim"], "fraction", True)
             if "psnr_seed_std_db" in m:  # several generation seeds
                 figures[f"{prefix}_psnr_seed_std_db_{gid}_{key}"] = figure(m["psnr_seed_std_db"], "dB", False)
+                figures[f"{prefix}_psnr_seed_min_db_{gid}_{key}"] = figure(m["psnr_seed_min_db"], "dB", True)
+                figures[f"{prefix}_psnr_seed_max_db_{gid}_{key}"] = figure(m["psnr_seed_max_db"], "dB", True)
         if key != "16bit":
             figures[f"{prefix}_layer_error_mean_{key}"] = figure(r["layer_error_mean"], "fraction", False)
             figures[f"{prefix}_layer_error_max_{key}"] = figure(r["layer_error_max"], "fraction", False)
