@@ -220,17 +220,26 @@ def test_testbed_eval_headline_margin_over_the_baselines(tmp_path):
         return {"low_rank_branch": branch, "layer_error_mean": 0.1, "layer_error_max": 0.2,
                 "groups": {"heldout": {"psnr_db": psnr, "psnr_sem_db": 0.5, "ssim": 0.8, "psnr_seed_std_db": 0.1,
                                        "psnr_seed_min_db": psnr - 0.2 if lo is None else lo,
-                                       "psnr_seed_max_db": psnr + 0.2 if hi is None else hi}}}
+                                       "psnr_seed_max_db": psnr + 0.2 if hi is None else hi,
+                                       "psnr_per_caption_db": [psnr - 1.0, psnr + 1.0, psnr]}}}
 
     report = {"jax": "0.10.2", "device": "cpu", "date_utc": "2026-12-05T16:00", "seeds": [0, 1, 2], "results": {
         "svdquant": result(20.0, "SVD r=32 (16-bit)"), "smoothquant+loraq": result(20.5, hi=21.0),
         "kroquant": result(30.0, "none"), "kroquant+loraq": result(21.0),
         "smoothed_kroquant+gptq+loraq": result(22.0, lo=21.5),
         "svdquant+gptq": result(21.6, "SVD r=32 (16-bit)"), "smoothquant+gptq+loraq": result(21.2)}}
-    path = tmp_path / "report.json"
-    path.write_text(json.dumps(report))
+    # one evaluation in two parts (two device calls), joined; "kroquant" ran in both (the check), the first is used
+    common = {"settings": "same", "caption_groups": {"heldout": {"records": [1, 2]}}, "args": {},
+              "reference": {"heldout": result(11.6)["groups"]["heldout"]}}
+    methods = list(report["results"])
+    first = {**report, **common, "results": {m: report["results"][m] for m in methods[:3]}}
+    second = {**report, **common, "date_utc": None,
+              "results": {"kroquant": result(30.2, "none"), **{m: report["results"][m] for m in methods[3:]}}}
+    paths = [tmp_path / "part1.json", tmp_path / "part2.json"]
+    for path, part in zip(paths, (first, second)):
+        path.write_text(json.dumps(part))
     out = tmp_path / "summary.json"
-    _run("testbed_eval_headline.py", str(path), "--out", str(out), "--markdown", str(tmp_path / "t.md"))
+    _run("testbed_eval_headline.py", *map(str, paths), "--out", str(out), "--markdown", str(tmp_path / "t.md"))
     summary = json.loads(out.read_text())
     assert summary["best_kroquant_family"] == "smoothed_kroquant+gptq+loraq"
     assert summary["best_baseline"] == "smoothquant+loraq"
@@ -238,27 +247,40 @@ def test_testbed_eval_headline_margin_over_the_baselines(tmp_path):
     assert summary["margin_worst_seed_db"] == pytest.approx(0.5)  # 21.5 against the baseline's best seed, 21.0
     assert summary["best_gptq_baseline"] == "svdquant+gptq"
     assert summary["margin_vs_gptq_baselines_db"] == pytest.approx(0.4)
-    assert "+1.50 dB" in (tmp_path / "t.md").read_text()
+    # paired over captions: the same margin on each of the 3 captions, so no spread
+    assert summary["margin_paired"]["captions_ahead"] == 3 == summary["margin_paired"]["captions"]
+    assert summary["margin_paired"]["paired_sem_db"] == pytest.approx(0.0, abs=1e-9)
+    assert summary["rows"]["kroquant"]["psnr_db"] == 30.0 and summary["date_utc"] == "2026-12-05T16:00"
+    assert summary["repeated"]["kroquant"]["heldout"] == [30.0, 30.2]
+    table = (tmp_path / "t.md").read_text()
+    assert "+1.50 dB" in table and "kroquant in each part: 30.00 / 30.20 dB" in table
+    second["settings"] = "other"
+    paths[1].write_text(json.dumps(second))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "testbed_eval_headline.py"), *map(str, paths)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "another 'settings'" in bad.stderr
     # --headline: the per-method keys are the evaluation's own (as the demo's), the margins beside them; the summary
     # must lie under benchmarks/results/ (the figures' source), so this one is removed afterwards
     report.update(wall_s=300.0, reference={"heldout": result(99.0)["groups"]["heldout"]})
+    path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
     inside = REPO / "benchmarks" / "results" / f"_test_testbed_eval_headline_{os.getpid()}.json"
     try:
         _run("testbed_eval_headline.py", str(path), "--out", str(inside), "--headline", str(tmp_path / "h.json"),
-             "--prefix", "lr", "--device", "test machine")
+             "--prefix", "lr", "--device", "test machine", "--goal-keys")
     finally:
         inside.unlink(missing_ok=True)
     figures = json.loads((tmp_path / "h.json").read_text())
     assert figures["lr_psnr_db_heldout_smoothed_kroquant_gptq_loraq"]["value"] == 22.0
     assert figures["lr_psnr_seed_max_db_heldout_smoothquant_loraq"]["value"] == 21.0
-    assert figures["testbed_best_kroquant_family_psnr_margin_db"]["value"] == 1.5
-    assert figures["testbed_best_kroquant_family_psnr_margin_vs_gptq_baselines_db"]["value"] == 0.4
+    assert figures["lr_best_kroquant_family_psnr_margin_db"]["value"] == 1.5
+    assert figures["lr_best_kroquant_family_psnr_margin_vs_gptq_baselines_db"]["value"] == 0.4
+    assert figures["testbed_best_kroquant_family_psnr_margin_db"]["value"] == 1.5  # issue 17's names: --goal-keys
     assert {f["device"] for f in figures.values()} == {"test machine"}
     assert {f["source"] for f in figures.values()} == {f"benchmarks/results/{inside.name}"}
     del report["results"]["svdquant"]
     path.write_text(json.dumps(report))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "testbed_eval_headline.py"), str(path)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "no baseline ['svdquant']" in bad.stderr

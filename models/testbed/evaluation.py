@@ -399,32 +399,59 @@ def load_outputs(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:
     return report, images
 
 
-def merge_outputs(folders: list[Path], out: Path, grid_rows: int | None = None) -> dict:
-    """One report/table/grid from runs of the same settings over different methods (e.g. parallel processes).
+def join_reports(reports: list[dict], sources: list[str], *, repeated: bool = False) -> dict:
+    """One report from :func:`write_outputs` reports of runs of the same settings over different methods (parallel
+    processes, or device calls that each fit a time limit).
 
-    Every folder must have the same generation seeds (``--seeds``), settings (except the wall-clock times), captions
-    and 16-bit images (checked bit for bit: the runs must have generated the same reference); methods are taken in
-    the order given."""
-    report, images = load_outputs(folders[0])
-    seeds = report_seeds(report)
-    report = {**report, "merged_from": [str(f) for f in folders], "results": dict(report["results"]),
-              "args": [report["args"]], "seeds": seeds}
-    for folder in folders[1:]:
-        other, other_images = load_outputs(folder)
-        if report_seeds(other) != seeds:
-            raise ValueError(f"merge: {folder} was generated at --seeds {' '.join(map(str, report_seeds(other)))}, "
-                             f"{folders[0]} at --seeds {' '.join(map(str, seeds))}: merge runs of the same seeds")
-        report["args"].append(other["args"])
+    Every report must have the same generation seeds, settings line (which names the device and jax version) and
+    captions; ``sources`` name them in the errors. Methods are taken in the order given. A method in more than one
+    report raises, unless ``repeated``: then the first report's result is kept and every report's PSNR per caption
+    group is listed under ``"repeated"`` (``{method: {group: [psnr_db, ...]}}``), with the 16-bit images' metric
+    under ``"16-bit"``: a method run in each part (an anchor) shows how far two runs of the same code part when the
+    GPU's results are not bit-reproducible. ``date_utc`` is the latest of the parts' (a run stopped before its end
+    has none: the methods it finished are in its report); ``wall_s`` is None (the parts may have run in parallel),
+    each part's is under ``parts_wall_s``."""
+    if len(reports) != len(sources) or not reports:
+        raise ValueError(f"join: {len(reports)} reports for {len(sources)} sources")
+    first, seeds = reports[0], report_seeds(reports[0])
+    joined = {**first, "merged_from": list(sources), "results": dict(first["results"]),
+              "args": [first["args"]], "seeds": seeds}
+    dates = [r["date_utc"] for r in reports if r.get("date_utc")]
+    joined.update(date_utc=max(dates) if dates else None, wall_s=None,
+                  parts_wall_s=[r.get("wall_s") for r in reports])
+    psnrs = {}
+    for report, source in zip(reports, sources):
+        for method, result in [("16-bit", {"groups": report["reference"]}), *report["results"].items()]:
+            psnrs.setdefault(method, []).append({g: m["psnr_db"] for g, m in result["groups"].items()})
+    for report, source in zip(reports[1:], sources[1:]):
+        if report_seeds(report) != seeds:
+            raise ValueError(f"join: {source} was generated at --seeds {' '.join(map(str, report_seeds(report)))}, "
+                             f"{sources[0]} at --seeds {' '.join(map(str, seeds))}: join runs of the same seeds")
+        joined["args"].append(report["args"])
         for key in ("settings", "caption_groups"):
-            if other[key] != report[key]:
-                raise ValueError(f"merge: {folder}/report.json has another {key!r} than {folders[0]}:\n"
-                                 f"  {other[key]!r}\n  {report[key]!r}")
+            if report[key] != first[key]:
+                raise ValueError(f"join: {source} has another {key!r} than {sources[0]}:\n"
+                                 f"  {report[key]!r}\n  {first[key]!r}")
+        clash = [m for m in report["results"] if m in joined["results"]]
+        if clash and not repeated:
+            raise ValueError(f"join: methods {clash} are in {source} and in an earlier report")
+        joined["results"].update({m: r for m, r in report["results"].items() if m not in clash})
+    if repeated:
+        joined["repeated"] = {m: {g: [p[g] for p in parts] for g in parts[0]}
+                              for m, parts in psnrs.items() if len(parts) > 1}
+    return joined
+
+
+def merge_outputs(folders: list[Path], out: Path, grid_rows: int | None = None) -> dict:
+    """One report/table/grid from runs of the same settings over different methods (e.g. parallel processes):
+    :func:`join_reports` of their reports, and their images, whose 16-bit columns must be equal bit for bit (the runs
+    must have generated the same reference)."""
+    outputs = [load_outputs(folder) for folder in folders]
+    report = join_reports([r for r, _ in outputs], [str(f) for f in folders])
+    images = dict(outputs[0][1])
+    for folder, (_, other_images) in zip(folders[1:], outputs[1:]):
         if not np.array_equal(other_images["16-bit"], images["16-bit"]):
             raise ValueError(f"merge: the 16-bit images of {folder} differ from those of {folders[0]}")
-        clash = sorted(set(other["results"]) & set(report["results"]))
-        if clash:
-            raise ValueError(f"merge: methods {clash} are in {folder} and in an earlier folder")
-        report["results"].update(other["results"])
         images.update({t: v for t, v in other_images.items() if t not in ("dataset", "16-bit")})
     out.mkdir(parents=True, exist_ok=True)
     write_outputs(out, report, images, grid_rows)
@@ -441,17 +468,20 @@ def headline_figures(report: dict, prefix: str, *, device: str, command: str, so
     its standard error, the SSIM and, with several generation seeds, the standard deviation, lowest and highest of the
     per-seed PSNR (``{prefix}_psnr_seed_{std,min,max}_db_{group}_{method}``) of every method (``{prefix}_psnr_db_{group}_{method}``, ...) and
     of the 16-bit images against the dataset's glyphs (method ``16bit``), the mean and max layer error per method,
-    and the run's wall time (``{prefix}_wall_s``). ``device``: the machine in words; ``source``: the report's copy under
+    and the run's wall time (``{prefix}_wall_s``; none for a :func:`join_reports` report). ``device``: the machine in words; ``source``: the report's copy under
     ``benchmarks/results/``."""
     for key in ("jax", "date_utc", "wall_s"):
         if key not in report:
             raise ValueError(f"headline_figures: the report has no {key!r} (written by an older kroquant evaluate)")
+    for key in ("jax", "date_utc"):
+        if report[key] is None:
+            raise ValueError(f"headline_figures: the report's {key!r} is empty (joined from runs that did not finish)")
 
     def figure(value, unit, higher_is_better):
         return Figure(value=float(value), unit=unit, higher_is_better=higher_is_better, device=device,
                       jax=report["jax"], date_utc=report["date_utc"], command=command, source=source)
 
-    figures = {f"{prefix}_wall_s": figure(report["wall_s"], "s", False)}
+    figures = {} if report["wall_s"] is None else {f"{prefix}_wall_s": figure(report["wall_s"], "s", False)}
     columns = [("16bit", {"groups": report["reference"]}), *((method_key(m), r) for m, r in report["results"].items())]
     for key, r in columns:
         for gid, m in r["groups"].items():
