@@ -22,9 +22,15 @@ trained students are judged in docs/qad.md and docs/dmd2.md. Check: the final pi
 quantization-sized when the served layers are wired in). Batches (``--batches``, default 1 and 64): time per
 image = the call's median wall time (``kroquant_jax.timing.wall_times``, after a warm-up call) / batch.
 
+``--blocks N`` keeps only the checkpoint's first ``N`` of its 10 transformer blocks (the others' weights are not
+loaded): every system runs the same sampler on a shallower model, so time scales with ``N`` and the W4A4 layers are
+those ``N`` blocks' linears. The JSON and the printout name ``N`` of the real block count. It is for checking the
+wiring quickly (the tests), not for the per-image figures.
+
     python3 benchmarks/testbed_stack.py --out $OUT/testbed_stack.json                 # the H200
     python3 benchmarks/testbed_stack.py --batches 2 --repeats 1 --out /tmp/t.json     # CPU validation (slow kernels
                                                                                       # run as their references)
+    python3 benchmarks/testbed_stack.py --batches 2 --repeats 1 --blocks 1            # the same wiring, one block
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from flax import nnx  # noqa: E402
 from kroquant_jax import timing  # noqa: E402
 from kroquant_jax.fileio import StagedResults  # noqa: E402
 from kroquant_jax.qlinear import random_qlinear  # noqa: E402
-from models import families  # noqa: E402
+from models import convert, families  # noqa: E402
 from models.layers import linears  # noqa: E402
 from models.quantize_model import FusedLinearHooks, served_hooks  # noqa: E402
 from models.testbed import data as testbed_data  # noqa: E402
@@ -96,6 +102,21 @@ def w4a4_layers(model: nnx.Module, key: jax.Array, rank: int) -> dict[str, Any]:
     return out
 
 
+def load_first_blocks(checkpoint: str, blocks: int | None) -> tuple[Any, nnx.Module]:
+    """``(cfg, model)`` of the diffusers checkpoint in bf16; with ``blocks``, only its first ``blocks`` transformer
+    blocks (``cfg.num_layers = blocks``; the diffusers keys ``transformer_blocks.{i}.*`` of the others are dropped
+    before the conversion)."""
+    if blocks is None:
+        _, cfg, model = families.load_diffusers(checkpoint, dtype=jnp.bfloat16)
+        return cfg, model
+    config, state = convert.read_diffusers_dir(checkpoint)
+    family = families.detect(config, source=str(Path(checkpoint) / convert.CONFIG_NAME))
+    cfg = dataclasses.replace(family.config_from_diffusers(config), num_layers=blocks)
+    kept = {key: value for key, value in state.items()
+            if not key.startswith("transformer_blocks.") or int(key.split(".")[1]) < blocks}
+    return cfg, family.from_diffusers_state(kept, cfg, jnp.bfloat16)
+
+
 def derive(payload: dict[str, Any]) -> None:
     """Per-image times and speed-ups against ``teacher_20x2`` at each batch (in place)."""
     payload["ms_per_image"], payload["speedup_per_image"] = {}, {}
@@ -118,26 +139,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="comma-separated image batches (default 1,64)")
     parser.add_argument("--rank", type=positive_int, default=32, help="low-rank rank (docs/qad.md's stores: 32)")
     parser.add_argument("--repeats", type=positive_int, default=7, help="timed calls per system and batch")
+    parser.add_argument("--blocks", type=positive_int, default=None,
+                        help="only the checkpoint's first N transformer blocks (default all: 10; a quick wiring check, "
+                             "not the per-image figures)")
     parser.add_argument("--out", default=None, help="JSON (default $OUT/testbed_stack.json, else /tmp)")
     args = parser.parse_args(argv)
     if args.strategy not in S.strategy_names():
         parser.error(f"--strategy {args.strategy!r}: one of {', '.join(S.strategy_names())}")
+    family, config = families.detect_dir(args.checkpoint)
+    model_blocks = family.config_from_diffusers(config).num_layers
+    if args.blocks is not None and args.blocks > model_blocks:
+        parser.error(f"--blocks {args.blocks}: the checkpoint has {model_blocks} blocks")
     prompts_path = Path(args.prompts) if args.prompts else Path(args.checkpoint) / "testbed_prompts.npz"
     start = time.perf_counter()
-    _, cfg, model = families.load_diffusers(args.checkpoint, dtype=jnp.bfloat16)
+    cfg, model = load_first_blocks(args.checkpoint, args.blocks)
     dataset = testbed_data.load_dataset(prompts_path)
     device = jax.local_devices()[0]
     out_path = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "testbed_stack.json"))
     impl = S.resolve_impl(None)
     payload: dict[str, Any] = {
         "what": ("the emoji testbed per image, bf16: 16-bit teacher 20 steps x 2 CFG branches vs W4A4 served layers "
-                 "(two branches, one branch, 4 steps); speed only (stand-in calibration)"),
+                 "(two branches, one branch, 4 steps); speed only (stand-in calibration)"
+                 + (f"; ONLY {cfg.num_layers} OF THE REAL {model_blocks} TRANSFORMER BLOCKS (a wiring check: time "
+                    f"scales with the block count)" if cfg.num_layers < model_blocks else "")),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": getattr(device, "device_kind", str(device)), "backend": jax.default_backend(),
         "jax": jax.__version__, "python": platform.python_version(),
         "command_args": list(sys.argv[1:] if argv is None else argv), "checkpoint": str(args.checkpoint),
         "prompts": str(prompts_path), "strategy": args.strategy, "impl": impl, "rank": args.rank,
-        "systems": list(args.systems), "batches": list(args.batches),
+        "systems": list(args.systems), "batches": list(args.batches), "blocks": cfg.num_layers,
+        "model_blocks": model_blocks,
         "tokens_per_image": (cfg.sample_size // cfg.patch_size) ** 2,
         "forward_passes_per_image": {n: forwards_per_image(n) for n in args.systems},
         "method": (f"one AOT-compiled jitted call per batch (lax.scan over the Euler steps); a warm-up call, then the "
@@ -206,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def table(payload: dict[str, Any]) -> str:
     lines = [f"{payload['device']} jax {payload['jax']} {payload['date_utc']} strategy={payload['strategy']} "
-             f"impl={payload['impl']}",
+             f"impl={payload['impl']} blocks={payload['blocks']} of {payload['model_blocks']}",
              f"  {'system':15s} {'fwd/img':>7s} " + " ".join(f"{'b=' + b + ' ms/img':>14s} {'x':>6s}"
                                                               for b in payload["ms_per_image"])]
     for name in payload["systems"]:
