@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     served = serving.serve_block_layers(q)
     fused_qkv = "w4a4_fp8_mgpu_fused_qkv" in args.variants
     mgpu_variants = [v for v in MGPU_VARIANTS if v in args.variants or (fused_qkv and v == "w4a4_fp8_mgpu")]
-    if "w4a4_fp8" in args.variants or mgpu_variants:
+    if "w4a4_fp8" in args.variants:  # the fused-kernel variants prepare their own layers below
         served_fp8 = serving.serve_block_layers(q, "fp8")
         timing.block(served_fp8)
     served_mgpu = {}  # transform_kernel -> the fused-kernel layers
