@@ -400,13 +400,33 @@ def test_sample_captions_compiles_once_for_every_seed(prompts):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path):
+#: The tiny evaluation's settings, after ``--out FOLDER``: 1 calibration caption, 2 held-out captions, 2 Euler steps,
+#: the first 3 linears.
+TINY_EVAL = ["--calib-captions", "1", "--eval-captions", "2", "--steps", "2", "--batch-size", "1", "--rows-per-layer",
+             "128", "--calib-rows", "64", "--calib-validation", "32", "--calib-test", "32", "--layers", "3",
+             "--loraq-steps", "2", "--rotation-steps", "2"]
+#: The shared RTN run's methods and rank (rank 64: the settings of the tiny run's rerun, so that the two merge).
+RTN_EVAL = ["--methods", "rtn", "--rank", "64"]
+
+
+@pytest.fixture(scope="module")
+def rtn_eval(tmp_path_factory) -> Path:
+    """One tiny ``kroquant evaluate`` of RTN alone (``TINY_EVAL + RTN_EVAL``, one generation seed), shared by the tests
+    as a finished run of the same settings: read it, or copy it before changing it."""
+    from scripts import eval_testbed
+
+    out = tmp_path_factory.mktemp("rtn_eval") / "eval"
+    assert eval_testbed.main(["--out", str(out), *TINY_EVAL, *RTN_EVAL]) == 0
+    return out
+
+
+def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path, rtn_eval):
+    import shutil
+
     from scripts import eval_testbed
 
     out = tmp_path / "eval"
-    tiny = ["--out", str(out), "--calib-captions", "1", "--eval-captions", "2", "--steps", "2", "--batch-size", "1",
-            "--rows-per-layer", "128", "--calib-rows", "64", "--calib-validation", "32", "--calib-test", "32",
-            "--layers", "3", "--loraq-steps", "2", "--rotation-steps", "2"]
+    tiny = ["--out", str(out), *TINY_EVAL]
     assert eval_testbed.main(tiny + ["--methods", "rtn", "rtn+loraq", "rtn+loraq@64", "--rank", "0.125",
                                      "--eval-train-captions", "1"]) == 0
     report = json.loads((out / "report.json").read_text())
@@ -441,8 +461,7 @@ def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path):
     assert len(list((out / "qlayers").iterdir())) == 4
 
     # Runs of the same settings over other methods (parallel processes) merge into one report, table and grid.
-    other = tmp_path / "other"
-    assert eval_testbed.main(tiny[:1] + [str(other)] + tiny[2:] + ["--methods", "rtn", "--rank", "64"]) == 0
+    other = rtn_eval
     merged = tmp_path / "merged"
     assert eval_testbed.main(["--out", str(merged), "--merge", str(out), str(other)]) == 0
     report = json.loads((merged / "report.json").read_text())
@@ -454,6 +473,7 @@ def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path):
     assert "| rtn+loraq |" in (merged / "table.md").read_text() and (merged / "grid.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="methods \\['rtn'\\] are in"):
         evaluation.merge_outputs([other, other], tmp_path / "clash")
+    other = shutil.copytree(rtn_eval, tmp_path / "other")  # the shared run stays as it is
     changed = json.loads((other / "report.json").read_text())
     changed["settings"] = changed["settings"].replace("--rank 64", "--rank 32")
     (other / "report.json").write_text(json.dumps(changed))
@@ -494,16 +514,14 @@ def test_eval_seeds_flag_defaults_to_seed_and_refuses_repeats(capsys):
     assert "--seeds" in capsys.readouterr().err
 
 
-def test_eval_script_seeds_rerun_reuses_calibration_and_reports_the_seed_spread(tmp_path, capfd):
+def test_eval_script_seeds_rerun_reuses_calibration_and_reports_the_seed_spread(tmp_path, capfd, rtn_eval):
     import shutil
 
     from scripts import eval_testbed
 
-    out, first = tmp_path / "eval", tmp_path / "first"
-    tiny = ["--out", str(out), "--calib-captions", "1", "--eval-captions", "2", "--steps", "2", "--batch-size", "1",
-            "--rows-per-layer", "128", "--calib-rows", "64", "--calib-validation", "32", "--calib-test", "32",
-            "--layers", "3", "--methods", "rtn"]  # the settings of the tiny run above: its compiled programs
-    assert eval_testbed.main(tiny) == 0  # the default: one generation seed, --seed's
+    # the shared RTN run (the default: one generation seed, --seed's) is the first run; the rerun goes to a copy of it
+    first, out = rtn_eval, shutil.copytree(rtn_eval, tmp_path / "eval")
+    tiny = ["--out", str(out), *TINY_EVAL, *RTN_EVAL]
     report = json.loads((out / "report.json").read_text())
     held = report["results"]["rtn"]["groups"]["heldout"]
     assert report["seeds"] == [0] and report["noise_seeds"] == [1000] and report["results"]["rtn"]["resumed_layers"] == 0
@@ -511,7 +529,6 @@ def test_eval_script_seeds_rerun_reuses_calibration_and_reports_the_seed_spread(
     _, images = evaluation.load_outputs(out)
     assert images["rtn"].shape == (2, 32, 32, 3) and held == evaluation.image_metrics_of(images["rtn"], images["16-bit"])
     assert "seed range" not in (out / "table.md").read_text()
-    shutil.copytree(out, first)
     stores = {p: p.stat().st_mtime_ns for p in [out / "layer_set.safetensors", *(out / "qlayers").rglob("*")]}
     capfd.readouterr()
 
