@@ -289,8 +289,16 @@ def random_kron_params(key: jax.Array, d: int, spread: float = 0.1) -> dict:
     calibrated one)."""
     base = transforms.get("kron_lu").init(d)
     keys = jax.random.split(key, 3)
-    return {name: base[name] * (1.0 + spread * jax.random.normal(k, base[name].shape, jnp.float32))
+    return {name: base[name] * (1.0 + spread * _standard_normal_flat(k, base[name].shape))
             for name, k in zip(("a", "b", "c"), keys)}
+
+
+def _standard_normal_flat(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``jax.random.normal(key, shape)`` f32 (the same values: a draw is row-major), drawn as one row and reshaped.
+
+    XLA compiles a threefry + normal program per call site, and on the CPU a small 2-D one such as ``(d / 32, 5)``
+    compiles several times more slowly than the same elements drawn as one row."""
+    return jax.random.normal(key, (int(np.prod(shape)),), jnp.float32).reshape(shape)
 
 
 def lowrank_factors(w_tilde: jax.Array, key: jax.Array, rank: int) -> tuple[jax.Array, jax.Array]:
@@ -308,12 +316,31 @@ def qlinear_from_factors(w: jax.Array, params: dict, left: jax.Array, right: jax
     p = transforms.get("kron_lu")
     fmt = MXFP4()
     o, d = w.shape
-    left_q, right_q = quantize(left, fmt), quantize(right, fmt)
+    left_q, right_q = _quantize_blocks_together((left, right), fmt)
     w_t = transforms.apply_to_weights(jnp.asarray(w, jnp.float32), p.inverse_blocks(params))
     w_t = w_t - jnp.matmul(dequantize(left_q, jnp.float32), dequantize(right_q, jnp.float32), precision="highest")
     cfg = QLinearConfig(in_features=d, out_features=o, transform="kron_lu", act_fmt=fmt, rank=left.shape[1])
     return QuantizedLinear(blocks=p.blocks(params), transform_params=params, weight=quantize(w_t, fmt),
                            lowrank_left=left_q, lowrank_right=right_q, bias=None, config=cfg)
+
+
+def _quantize_blocks_together(arrays: tuple[jax.Array, ...], fmt: QuantFormat) -> list[QuantizedArray]:
+    """``[quantize(a, fmt) for a in arrays]`` (each ``(..., d_i)``, ``d_i`` a multiple of the block), bit for bit, as
+    one quantization of all their blocks ``(sum of blocks, block)``: without a per-tensor scale each block is scaled
+    on its own, so one quantizer program serves all the arrays. Arrays of mixed dtypes or of a last axis that is not
+    a multiple of the block (``quantize`` raises for them), or a format with a per-tensor scale (which spans the
+    whole array), are quantized one by one."""
+    block = fmt.block_size
+    if fmt.has_tensor_scale or len({np.dtype(a.dtype) for a in arrays}) > 1 or any(a.shape[-1] % block
+                                                                                    for a in arrays):
+        return [quantize(a, fmt) for a in arrays]
+    blocks = [a.reshape(-1, block) for a in arrays]  # (blocks of a, block) each
+    joint = quantize(jnp.concatenate(blocks, axis=0), fmt)  # codes (total, block / 2), scales (total, 1)
+    starts = np.cumsum([0] + [b.shape[0] for b in blocks]).tolist()
+    return [QuantizedArray(codes=joint.codes[lo:hi].reshape(*a.shape[:-1], a.shape[-1] // 2),
+                           scales=joint.scales[lo:hi].reshape(*a.shape[:-1], a.shape[-1] // block),
+                           tensor_scale=joint.tensor_scale, fmt=fmt, dtype=joint.dtype)
+            for a, lo, hi in zip(arrays, starts[:-1], starts[1:])]
 
 
 def random_qlinear(w: jax.Array, key: jax.Array, rank: int) -> QuantizedLinear:
