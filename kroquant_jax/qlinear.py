@@ -44,7 +44,8 @@ from kroquant_jax.formats import (MXFP4, QuantFormat, QuantizedArray, as_float32
                                   fake_quant, quantize)
 from kroquant_jax.fileio import atomic_write_bytes
 
-__all__ = ["QLinearConfig", "QuantizedLinear", "QLinearStore", "build_qlinear", "effective_weight", "load_qlinear",
+__all__ = ["QLinearConfig", "QuantizedLinear", "QLinearStore", "build_qlinear", "effective_weight", "forward_form",
+           "load_qlinear",
            "lowrank_factors", "pad_to_block", "qlinear_forward", "qlinear_from_factors", "random_kron_params",
            "random_qlinear", "residual_weight", "restore_orbax", "save_orbax", "save_qlinear", "with_input_pad"]
 
@@ -243,6 +244,23 @@ def _forward(layer: QuantizedLinear, x: jax.Array, path: Path) -> jax.Array:
     if layer.bias is not None:
         y = y + layer.bias
     return y.astype(x.dtype)
+
+
+#: The parameterization that describes given blocks of each shape (``(n, 32, 32)``: dense 32x32 blocks; ``(d, 1, 1)``:
+#: a diagonal), for :func:`forward_form`.
+_BLOCKS_ONLY_TRANSFORM = {(transforms.BLOCK, transforms.BLOCK): "dense32", (1, 1): "diagonal"}
+
+
+def forward_form(layer: QuantizedLinear) -> QuantizedLinear:
+    """``layer`` reduced to what :func:`qlinear_forward` reads: the same ``blocks``, weight, branch and bias, without
+    ``transform_params`` and described as the parameterization of its block shape (``"dense32"`` for 32x32 blocks,
+    ``"diagonal"`` for ``(d, 1, 1)``; others unchanged). The forward is bit for bit the same; what changes is the
+    pytree structure, which no longer names the recipe, so layers of different recipes with the same shapes and
+    branch kind (e.g. Hadamard-32, KroQuant and smoothed KroQuant; RTN and SmoothQuant) share one compiled program
+    that takes them as arguments (a sampler run once per recipe compiles once). Not for the K2 kernel, which needs
+    ``transform_params``."""
+    name = _BLOCKS_ONLY_TRANSFORM.get(tuple(layer.blocks.shape[1:]), layer.config.transform)
+    return dataclasses.replace(layer, transform_params=None, config=dataclasses.replace(layer.config, transform=name))
 
 
 def pad_to_block(weight: np.ndarray, activations: Optional[np.ndarray], block: int

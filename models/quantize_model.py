@@ -52,11 +52,21 @@ def _qlinear_simulate(layer: Any, x: jax.Array) -> jax.Array:
     return qlinear_forward(layer, x, "simulate")  # (..., o)
 
 
+def _default_forward(forward: Callable[[Any, jax.Array], jax.Array] | None, layer: Any) -> tuple[Callable, Any]:
+    """``(forward, layer)``; no ``forward``: the simulated W4A4 forward on ``kroquant_jax.qlinear.forward_form(layer)``
+    (the same output; recipes of equal shapes then share one compiled program that takes the overrides)."""
+    if forward is not None:
+        return forward, layer
+    from kroquant_jax.qlinear import forward_form
+
+    return _qlinear_simulate, forward_form(layer)
+
+
 def qlinear_overrides(qlayers: Mapping[str, Any], forward: Callable[[Any, jax.Array], jax.Array] | None = None
                       ) -> dict[str, jax.tree_util.Partial]:
-    """``{path: QuantizedLinear}`` -> ``{path: Partial(forward, layer)}``; forward(layer, x (..., d)) -> (..., o)."""
-    forward = _qlinear_simulate if forward is None else forward
-    return {name: jax.tree_util.Partial(forward, layer) for name, layer in qlayers.items()}
+    """``{path: QuantizedLinear}`` -> ``{path: Partial(forward, layer)}``; forward(layer, x (..., d)) -> (..., o)
+    (default: the simulated W4A4 forward, on the layer's ``forward_form``)."""
+    return {name: jax.tree_util.Partial(*_default_forward(forward, layer)) for name, layer in qlayers.items()}
 
 
 def _qlinear_part(layer: Any, x: jax.Array, *, start: int, stop: int,
@@ -73,7 +83,7 @@ def split_qlinear_overrides(layer: Any, paths: list[str], forward: Callable[[Any
     ``widths``: each linear's output width, in ``paths`` order (e.g. FLUX.1's ``q | k | v | proj_mlp``); None: equal
     shares. Raises ValueError when they do not add up to the layer's outputs (or the outputs do not divide equally).
     XLA merges the members' identical calls, so the members cost one forward of the layer."""
-    forward = _qlinear_simulate if forward is None else forward
+    forward, layer = _default_forward(forward, layer)
     out_features = layer.config.out_features if hasattr(layer, "config") else layer.out_features
     if widths is None:
         if out_features % len(paths):

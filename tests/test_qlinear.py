@@ -201,3 +201,37 @@ def test_padded_layer_computes_the_unaligned_linear(tmp_path):
     assert qlinear.pad_to_block(w_pad, None, 32)[2] == 0
     with pytest.raises(ValueError, match="pad=96 must be in"):
         qlinear.with_input_pad(inner, 96)
+
+
+def test_forward_form_keeps_the_output_and_shares_one_program_across_recipes():
+    """forward_form: bit-for-bit the same forward; layers of different recipes with the same block shape and branch
+    kind get one pytree structure, so a jitted function of the layer traces once for all of them (the testbed's
+    sampler compiles once per structure, not once per recipe); diagonal-block recipes form their own group."""
+    from models.quantize_model import qlinear_overrides
+
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((48, 64)), jnp.float32)  # (o, d)
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)  # (n, d)
+    lowrank = (jnp.asarray(rng.standard_normal((48, 32)), jnp.float32), jnp.asarray(rng.standard_normal((32, 64)),
+                                                                                   jnp.float32))
+    kron = qlinear.random_kron_params(jax.random.key(1), 64)
+    layers = {"hadamard32": qlinear.build_qlinear(w, transform="hadamard32", lowrank=lowrank),
+              "kron_lu": qlinear.build_qlinear(w, transform="kron_lu", transform_params=kron, lowrank=lowrank),
+              "identity": qlinear.build_qlinear(w, lowrank=lowrank),
+              "diagonal": qlinear.build_qlinear(w, transform="diagonal", lowrank=lowrank)}
+    traces = []
+
+    @jax.jit
+    def run(override, x):
+        traces.append(1)
+        return override["layer"](x)
+
+    for name, layer in layers.items():
+        reduced = qlinear.forward_form(layer)
+        assert reduced.transform_params is None
+        assert reduced.config.transform == ("dense32" if layer.blocks.shape[1] == 32 else "diagonal"), name
+        np.testing.assert_array_equal(np.asarray(qlinear.qlinear_forward(reduced, x)),
+                                      np.asarray(qlinear.qlinear_forward(layer, x)), err_msg=name)
+        np.testing.assert_array_equal(np.asarray(run(qlinear_overrides({"layer": layer}), x)),
+                                      np.asarray(qlinear.qlinear_forward(layer, x)), err_msg=name)
+    assert len(traces) == 2  # one program for the 32x32-block recipes, one for the diagonal ones
