@@ -28,12 +28,14 @@ import os
 import re
 import sys
 
+import numpy as np
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from kroquant_jax import headline  # noqa: E402
 from kroquant_jax.fileio import atomic_write_bytes, atomic_write_json  # noqa: E402
-from models.testbed.evaluation import headline_figures, join_reports  # noqa: E402
+from models.testbed.evaluation import headline_figures, join_reports, standard_error  # noqa: E402
 
 BASELINES = ("svdquant", "smoothquant+loraq")
 GPTQ_BASELINES = ("svdquant+gptq", "smoothquant+gptq+loraq")
@@ -54,10 +56,8 @@ def paired(report: dict, group: str, method: str, baseline: str) -> dict:
     a, b = (report["results"][m]["groups"][group].get("psnr_per_caption_db") for m in (method, baseline))
     if a is None or b is None or len(a) != len(b) or len(a) < 2:
         return {}
-    diff = [x - y for x, y in zip(a, b)]
-    mean = sum(diff) / len(diff)
-    sem = (sum((d - mean) ** 2 for d in diff) / (len(diff) - 1) / len(diff)) ** 0.5
-    return {"paired_sem_db": sem, "captions_ahead": sum(d > 0 for d in diff), "captions": len(diff)}
+    diff = np.asarray(a) - np.asarray(b)  # (captions,)
+    return {"paired_sem_db": standard_error(diff), "captions_ahead": int((diff > 0).sum()), "captions": len(diff)}
 
 
 def summarize(report: dict, group: str = "heldout") -> dict:

@@ -68,9 +68,9 @@ CAPTION_GROUPS = {
 
 __all__ = ["CAPTION_GROUPS", "CaptionGroup", "GROUPS", "OUTCOMES", "capture_flow_layer_set", "flow_sampler",
            "generate", "generate_seeds", "group_metrics", "group_slices", "headline_figures", "heldout_groups",
-           "image_metrics_of", "layer_errors_summary", "layer_type", "load_outputs", "markdown_table", "merge_outputs",
-           "method_key", "nearest_outcome", "report_seeds", "seed_image_metrics", "select_caption_groups",
-           "text_params", "training_caption_text", "write_outputs"]
+           "image_metrics_of", "join_reports", "layer_errors_summary", "layer_type", "load_outputs", "markdown_table",
+           "merge_outputs", "method_key", "nearest_outcome", "report_seeds", "seed_image_metrics",
+           "select_caption_groups", "standard_error", "text_params", "training_caption_text", "write_outputs"]
 
 
 def flow_sampler(graphdef, num_steps: int, guidance: float, channels: int, hooks_factory=None):
@@ -164,7 +164,7 @@ def layer_errors_summary(layer_errors: dict[str, float]) -> dict:
             "per_layer_error": dict(layer_errors)}
 
 
-def _sem(values: np.ndarray) -> float:
+def standard_error(values: np.ndarray) -> float:
     """The standard error of the mean of ``values`` (n,) (sample std / sqrt(n)); nan for fewer than two."""
     return float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else float("nan")
 
@@ -180,7 +180,7 @@ def _image_metrics(quantized: np.ndarray, reference: np.ndarray) -> tuple[np.nda
 def image_metrics_of(quantized: np.ndarray, reference: np.ndarray) -> dict:
     """PSNR (mean, standard error over images, per image), SSIM, colour ratios of uint8 images vs the 16-bit ones."""
     psnr, rest = _image_metrics(quantized, reference)
-    return {"psnr_db": float(psnr.mean()), "psnr_sem_db": _sem(psnr), **rest,
+    return {"psnr_db": float(psnr.mean()), "psnr_sem_db": standard_error(psnr), **rest,
             "psnr_per_image_db": [round(float(x), 3) for x in psnr]}
 
 
@@ -205,7 +205,7 @@ def seed_image_metrics(quantized: np.ndarray, reference: np.ndarray) -> dict:
     psnr, rest = _image_metrics(quantized.reshape(flat), reference.reshape(flat))  # (S * n,) seed-major
     per_seed_image = psnr.reshape(num_seeds, n)  # (S, n)
     per_caption, per_seed = per_seed_image.mean(axis=0), per_seed_image.mean(axis=1)  # (n,), (S,)
-    return {"psnr_db": float(psnr.mean()), "psnr_sem_db": _sem(per_caption), **rest,
+    return {"psnr_db": float(psnr.mean()), "psnr_sem_db": standard_error(per_caption), **rest,
             "psnr_per_image_db": [round(float(x), 3) for x in psnr],
             "psnr_per_caption_db": [round(float(x), 3) for x in per_caption],
             "psnr_db_per_seed": [float(x) for x in per_seed], "psnr_seed_min_db": float(per_seed.min()),
@@ -419,10 +419,6 @@ def join_reports(reports: list[dict], sources: list[str], *, repeated: bool = Fa
     dates = [r["date_utc"] for r in reports if r.get("date_utc")]
     joined.update(date_utc=max(dates) if dates else None, wall_s=None,
                   parts_wall_s=[r.get("wall_s") for r in reports])
-    psnrs = {}
-    for report, source in zip(reports, sources):
-        for method, result in [("16-bit", {"groups": report["reference"]}), *report["results"].items()]:
-            psnrs.setdefault(method, []).append({g: m["psnr_db"] for g, m in result["groups"].items()})
     for report, source in zip(reports[1:], sources[1:]):
         if report_seeds(report) != seeds:
             raise ValueError(f"join: {source} was generated at --seeds {' '.join(map(str, report_seeds(report)))}, "
@@ -437,6 +433,10 @@ def join_reports(reports: list[dict], sources: list[str], *, repeated: bool = Fa
             raise ValueError(f"join: methods {clash} are in {source} and in an earlier report")
         joined["results"].update({m: r for m, r in report["results"].items() if m not in clash})
     if repeated:
+        psnrs = {}  # method -> one {group: psnr_db} per report that ran it
+        for report in reports:
+            for method, result in [("16-bit", {"groups": report["reference"]}), *report["results"].items()]:
+                psnrs.setdefault(method, []).append({g: m["psnr_db"] for g, m in result["groups"].items()})
         joined["repeated"] = {m: {g: [p[g] for p in parts] for g in parts[0]}
                               for m, parts in psnrs.items() if len(parts) > 1}
     return joined
