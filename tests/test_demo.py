@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from kroquant_jax.layerset import as_layer_set, load_layer_set
 from models.testbed import data as testbed_data
 from models.testbed import evaluation
 from scripts import demo
@@ -21,10 +22,15 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "checkpoints" / "emoji_pixart" / "testbed_prompts.npz"
 #: One tiny demo: 2 methods, 4 linears, 2 Euler steps, one caption or two of each group (the demo's three).
+#: The capture keeps 61-64 distinct rows of each of the 4 layers (of 64 drawn: block 0's self-attention sees the same
+#: rows with and without the caption); 32 + 12 + 12 = 56 fit them all, so every layer gets the same row split and each
+#: calibration program compiles once per method (16 + 16 sent the layers short of 64 rows to the fallback split: three
+#: shapes, each program compiled three times, about 30 s of the fixture's 100).
 TINY = ["--methods", "rtn", "kroquant+loraq", "--calib-captions", "2", "--eval-train-captions", "1",
         "--variant-captions", "2", "--novel-captions", "1", "--steps", "2", "--rows-per-layer", "64", "--calib-rows",
-        "32", "--calib-validation", "16", "--calib-test", "16", "--calib-steps", "2", "--loraq-steps", "2",
+        "32", "--calib-validation", "12", "--calib-test", "12", "--calib-steps", "2", "--loraq-steps", "2",
         "--rotation-steps", "2", "--layers", "4", "--batch-size", "2"]
+SPLIT_ROWS = sum(int(TINY[TINY.index(flag) + 1]) for flag in ("--calib-rows", "--calib-validation", "--calib-test"))
 
 
 def run_cli(verb_args: list[str], out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -43,6 +49,9 @@ def tiny_demo(tmp_path_factory):
     cache = root / "jax-cache"
     proc = run_cli(["demo"], root / "demo", cache)
     report = json.loads((root / "demo" / "report.json").read_text())
+    rows = {name: layer.activations.shape[0] for name, layer in
+            as_layer_set(load_layer_set(str(root / "demo" / "layer_set.safetensors"))).items()}
+    assert min(rows.values()) >= SPLIT_ROWS, f"{rows}: layers short of {SPLIT_ROWS} rows take another split (TINY)"
     return root / "demo", proc.stdout, report, cache, sorted(os.listdir(cache))
 
 
