@@ -131,20 +131,27 @@ def test_ste_gradient_reaches_quantized_weights_only_with_ste(gradients, ste, fm
 
 
 def test_clipped_ste_zeroes_saturated_elements():
+    # MXFP4 scales a block of absmax 1.75 by 2^-2: 1.75 -> 7 saturates (to 6), 1.0 -> 4 does not. Weight (0, 0) and
+    # activation 0 saturate; weight (0, 1) and activation 1 do not; row 1 is all zero.
     fmt = formats.MXFP4()
-    layer = {"weight": jnp.zeros((2, 32)).at[0, 0].set(1.0), "bias": jnp.zeros(2), "left": jnp.zeros((2, 0)),
-             "right": jnp.zeros((0, 32))}
+    layer = {"weight": jnp.zeros((2, 32)).at[0, 0].set(1.75).at[0, 1].set(1.0), "bias": jnp.zeros(2),
+             "left": jnp.zeros((2, 0)), "right": jnp.zeros((0, 32))}
     blocks = jnp.ones((32, 1, 1))
-    x = jnp.linspace(-1.0, 1.0, 32)[None]
+    x = jnp.linspace(-1.0, 1.0, 32)[None].at[0, 0].set(1.75)
 
-    def out(layer, ste):
+    def out(layer, x, ste):
         return jnp.sum(qad.student_linear(layer, blocks, jnp.float32(1.0), x, fmt=fmt, ste=ste,
                                           lowrank_quantized=False))
 
-    g_plain = jax.grad(out)(layer, "identity")["weight"]
-    g_clip = jax.grad(out)(layer, "clipped")["weight"]
-    np.testing.assert_array_equal(np.asarray(g_clip[1]), np.asarray(g_plain[1]))  # all-zero row: nothing saturates
-    assert float(jnp.abs(g_plain).sum()) > 0
+    (gw_plain, gx_plain), (gw_clip, gx_clip) = (jax.grad(out, argnums=(0, 1))(layer, x, ste)
+                                                for ste in ("identity", "clipped"))
+    gw_plain, gw_clip = np.asarray(gw_plain["weight"]), np.asarray(gw_clip["weight"])
+    gx_plain, gx_clip = np.asarray(gx_plain), np.asarray(gx_clip)
+    assert gw_plain[0, 0] != 0 and gw_clip[0, 0] == 0  # the saturated weight: plain passes, clipped zeroes
+    assert gx_plain[0, 0] != 0 and gx_clip[0, 0] == 0  # the saturated activation likewise
+    np.testing.assert_array_equal(gw_clip[:, 1:], gw_plain[:, 1:])  # every unsaturated weight keeps its gradient
+    np.testing.assert_array_equal(gx_clip[:, 1:], gx_plain[:, 1:])
+    assert gx_plain[0, 1] == 1.0  # activation 1 meets the unsaturated weight 1.0 (an exact MXFP4 value)
 
 
 # The training settings of the loss, overfit, resume, refusal and NaN tests: one config, so one compiled chunk program
