@@ -56,8 +56,8 @@ from kroquant_jax.lowrank import LoRaQConfig, SVDQuantConfig
 from kroquant_jax.smoothquant import SmoothQuantConfig
 
 __all__ = ["CalibrationConfig", "GPTQConfig", "LayerCalibration", "LayerRows", "PAPER_LITERAL", "RECIPES", "Recipe", "RunConfig",
-           "add_recipe_arguments", "calibrate_layers", "calibration_program", "enable_compile_cache", "get_recipe",
-           "layer_rows", "parse_rank", "quantize_layer_set", "recipe_from_args", "unused_stage_arguments"]
+           "add_recipe_arguments", "calibrate_layers", "calibration_program", "enable_compile_cache",
+           "fallback_split_layers", "get_recipe", "layer_rows", "parse_rank", "quantize_layer_set", "recipe_from_args", "unused_stage_arguments"]
 
 
 def enable_compile_cache(directory: str, min_compile_seconds: Optional[float] = 0.0) -> str:
@@ -721,6 +721,9 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
                                                     transform_params=c.params, lowrank_quantized=False))
         rows = layer_rows(n, layer, run)
         a_test[n] = rows.test
+        # the slice sizes: fewer than the run asked for means the fallback split (a fifth validates, a fifth tests)
+        reports[n]["rows"] = {"calibration": len(rows.calibration), "validation": len(rows.validation),
+                              "test": len(rows.test)}
         if recipe.lowrank == "svd" or recipe.gptq is not None:
             a_cal_t[n] = np.asarray(_transformed_activations(jnp.asarray(rows.calibration), c.params,
                                                              transform=recipe.transform))
@@ -766,6 +769,17 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
                                                if lr is None else np.float32(reports[n]["weight_error_final"]))
         out[n] = q
     return out, reports
+
+
+def fallback_split_layers(reports: Mapping[str, dict], run: RunConfig) -> dict[str, dict]:
+    """The layers of :func:`quantize_layer_set`'s ``reports`` that had fewer activation rows than ``run`` asks for
+    (``num_rows + num_validation + num_test``) and so took :func:`kroquant_jax.layerset.split_rows`'s fallback (a
+    fifth validates, a fifth tests): ``{name: {"calibration", "validation", "test"} row counts}``. Their reported
+    errors rest on fewer test rows. Layers whose report has no ``rows`` (stores written before it was recorded) are
+    left out."""
+    wanted = {"calibration": run.num_rows, "validation": run.num_validation, "test": run.num_test}
+    return {n: dict(r["rows"]) for n, r in reports.items()
+            if "rows" in r and any(r["rows"][k] < v for k, v in wanted.items())}
 
 
 def _branch_candidates(c: LayerCalibration) -> list[str]:
@@ -868,8 +882,9 @@ def quantize_layer_set(layer_set: LayerSet, recipe: Recipe | str = "kroquant", s
       ``({name: QuantizedLinear}, {name: report dict})``; a report holds ``heldout_error`` (relative output error
       of the final layer on the test rows, which nothing was chosen on), ``transform_validation_error`` and
       ``transform_test_error`` (the kept transform alone), ``chosen``, ``candidates`` (validation errors) and
-      ``candidates_test`` and, where they apply, ``alpha``/``beta`` and the weight errors; ``resumed`` is ``True``
-      for layers loaded from the store.
+      ``candidates_test``, ``rows`` (``{"calibration", "validation", "test"}`` row counts: below the run's
+      settings where the layer took the fallback split) and, where they apply, ``alpha``/``beta`` and the weight
+      errors; ``resumed`` is ``True`` for layers loaded from the store.
 
     Raises:
       kroquant_jax.provenance.StaleResultError: a stored layer's fingerprint differs (names the layer and what

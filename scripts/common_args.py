@@ -92,8 +92,9 @@ def choice_list(choices: Sequence[str], what: str) -> Callable[[str], tuple[str,
 
 def quantize_with_store(layer_set, recipe, store, overwrite: bool, flag: str, label: str = ""):
     """``kroquant_jax.calibrate.quantize_layer_set`` for a verb: a stale ``store`` becomes a :class:`UserError`
-    that says how to proceed (``--overwrite`` or another ``flag`` folder), and resumed layers are announced on
-    stderr (``LABEL: resumed N of M layers from STORE ...``). Returns ``(qlayers, reports)``."""
+    that says how to proceed (``--overwrite`` or another ``flag`` folder); layers that took the fallback row split
+    (fewer rows than asked) and resumed layers are announced on stderr (``LABEL: resumed N of M layers from STORE
+    ...``). Returns ``(qlayers, reports)``."""
     import sys
 
     from kroquant_jax import calibrate, provenance
@@ -103,6 +104,13 @@ def quantize_with_store(layer_set, recipe, store, overwrite: bool, flag: str, la
     except provenance.StaleResultError as err:
         raise UserError(f"{err}; rerun with --overwrite to recompute, or choose another {flag}") from None
     resumed = sum(bool(r.get("resumed")) for r in reports.values())
+    run = (calibrate.get_recipe(recipe) if isinstance(recipe, str) else recipe).run
+    short = calibrate.fallback_split_layers(reports, run)
+    if short:
+        named = ", ".join(f"{n} ({r['test']} test rows)" for n, r in list(short.items())[:3])
+        print(f"{label + ': ' if label else ''}{len(short)} of {len(reports)} layers have fewer activation rows than "
+              f"the {run.num_rows} + {run.num_validation} + {run.num_test} asked for, so a fifth of their rows "
+              f"validate and a fifth test: {named}{', ...' if len(short) > 3 else ''}", file=sys.stderr)
     if resumed:
         where = store.directory if hasattr(store, "directory") else store
         print(f"{label + ': ' if label else ''}resumed {resumed} of {len(reports)} layers from {where} (their inputs "

@@ -335,6 +335,8 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
             **summary,
             "calibrate_s": round(calibrate_s, 1), "generate_s": round(generate_s, 1),
             "resumed_layers": sum(bool(reports[name].get("resumed")) for name in names),  # loaded from the store
+            # layers short of rows: their errors rest on a fifth of their rows (calibrate.fallback_split_layers)
+            "fallback_split_layers": calibrate.fallback_split_layers({n: reports[n] for n in names}, recipe.run),
             "calibrate_compile_s": round(calibrate_compile_s, 1), "generate_compile_s": round(generate_compile_s, 1),
             "per_layer_error": per_layer,
         }

@@ -539,3 +539,24 @@ def test_select_with_branch_keeps_the_start_best_with_its_branch():
     assert calibrate.get_recipe("kroquant+loraq").select_with_branch is None
     with pytest.raises(ValueError, match="select_with_branch needs lowrank='loraq'"):
         calibrate.get_recipe("smoothed_kroquant", select_with_branch=True)
+
+
+def test_layers_short_of_rows_are_reported_with_their_split(tmp_path, capsys):
+    """A layer with fewer rows than the run asks for takes the fallback split (a fifth validates, a fifth tests); its
+    report says so, the store keeps it, and the verbs' ``quantize_with_store`` names the layer on stderr."""
+    from scripts.common_args import quantize_with_store
+
+    full, short = _layer_set(shapes=((48, 64),), n=300), _layer_set(shapes=((48, 64),), n=40, seed=1)
+    ls = {"block0.attn": full["block0.attn"], "block1.attn2": short["block0.attn"]}
+    recipe = calibrate.get_recipe("rtn", run=RUN)
+    store = str(tmp_path / "store")
+    _, rep = quantize_with_store(ls, recipe, store, False, "--out", label="rtn")
+    assert rep["block0.attn"]["rows"] == {"calibration": 160, "validation": 64, "test": 64}
+    assert rep["block1.attn2"]["rows"] == {"calibration": 24, "validation": 8, "test": 8}
+    assert calibrate.fallback_split_layers(rep, RUN) == {"block1.attn2": rep["block1.attn2"]["rows"]}
+    err = capsys.readouterr().err
+    assert "rtn: 1 of 2 layers have fewer activation rows than the 160 + 64 + 64" in err
+    assert "block1.attn2 (8 test rows)" in err and "block0.attn" not in err
+    _, again = calibrate.quantize_layer_set(ls, recipe, store=store)  # resumed from the store: the counts too
+    assert all(r["resumed"] for r in again.values())
+    assert calibrate.fallback_split_layers(again, RUN) == {"block1.attn2": rep["block1.attn2"]["rows"]}
