@@ -5,11 +5,11 @@
 Loads the self-contained folder (``models.quantized_checkpoint``: config, 16-bit weights, packed W4A4 layers), runs
 the family's sampler (by default the one recorded when the folder was written) with the W4A4 layers through their
 simulated path (``--strategy simulate``, the default on a CPU: ``kroquant_jax.qlinear.qlinear_forward(path=
-"simulate")``, the fake-quantized eq. 11 in f32) or served (``--strategy dequant|kernel|mgpu|fp8|fp8_w4a8``, the
-default ``dequant`` on a GPU: ``pallas_kernels.served``, packed codes, bf16 activations; ``--impl`` picks the
+"simulate")``, the fake-quantized eq. 11 in f32) or served (``--strategy dequant|kernel|mgpu|fp8|fp8_w4a8|fp8_mgpu``,
+the default ``dequant`` on a GPU: ``pallas_kernels.served``, packed codes, bf16 activations; ``--impl`` picks the
 compiled kernels, the Pallas interpreter or the jnp reference, by default the kernels on a GPU and the reference
-elsewhere) and writes ``latents.npz`` (``latents (P, c, H, W)``, ``seeds (P,)``) to ``--out``; with ``--vae DIR`` (a diffusers
-AutoencoderKL folder, torch side) also ``images/w4a4_XXXX.png``. The prompt file has the layout of
+elsewhere) and writes ``latents.npz`` (``latents (P, c, H, W)``, ``seeds (P,)``) to ``--out``; with ``--vae DIR`` (a
+diffusers AutoencoderKL folder, torch side) also ``images/w4a4_XXXX.png``. The prompt file has the layout of
 ``kroquant quantize-checkpoint --embeddings`` (``models.diffusers_io.encode_prompts``).
 """
 
@@ -49,8 +49,8 @@ def _parse(argv):
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="model dtype (default: the stored one)")
     parser.add_argument("--strategy", help="how the W4A4 layers run: simulate (fake quant, f32) or a served strategy "
-                        "of pallas_kernels.served (dequant, kernel, mgpu, fp8, fp8_w4a8) (default: simulate on a CPU, "
-                        "dequant on a GPU)")
+                        "of pallas_kernels.served (dequant, kernel, mgpu, fp8, fp8_w4a8, fp8_mgpu) (default: simulate "
+                        "on a CPU, dequant on a GPU)")
     parser.add_argument("--impl", choices=("pallas", "interpret", "reference"),
                         help="served strategies: compiled Pallas kernels, the Pallas interpreter or the jnp reference "
                         "(default: the kernels on a GPU, the reference elsewhere)")
