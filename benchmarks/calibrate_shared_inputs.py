@@ -6,7 +6,9 @@ shared_inputs``). This main calibrates the testbed's groups (``models.families.P
 
 1. **Capture** (or ``--layer-set`` of an earlier run of this main): ``models.testbed.evaluation.capture_flow_layer_set``
    of every quantizable linear over the first ``--calib-captions`` training captions (flow Euler, CFG, real tokens,
-   repeated rows once): the capture of docs/calibration.md's "All 100 testbed layers".
+   repeated rows once): the capture of docs/calibration.md's "All 100 testbed layers". With ``--blocks`` (tests) only
+   the linears of the groups calibrated are recorded (each recorded layer adds to the sampler's compile). A layer set
+   captured with other capture options is refused before the model is loaded.
 2. **Rows.** The members of a group read one tensor, so every member gets the first member's rows (the rows the
    fused layer calibrates on; ``fuse_shared_inputs``). Of those, ``--heldout`` rows per group (at most a fifth;
    seeded by the group's fused name) are held out from both arms: every member's error is measured on them, with
@@ -39,10 +41,10 @@ DEFAULT_METHODS = ("hadamard32", "smoothquant", "kroquant", "smoothed_kroquant")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from kroquant_jax import calibrate
     from scripts.common_args import positive_int
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                add_help=False)
     p.add_argument("--checkpoint", default=str(ROOT / "checkpoints" / "emoji_pixart"), help="diffusers PixArt folder")
     p.add_argument("--prompts", default=None, help="prompt .npz (default: <checkpoint>/testbed_prompts.npz)")
     p.add_argument("--layer-set",
@@ -68,7 +70,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-md", default=None, help="result table (markdown)")
     p.add_argument("--out-png", default=None, help="plot: each member's fused vs per-linear error, per method")
     p.add_argument("--render", metavar="JSON", help="run nothing: write --out-md / --out-png of this result JSON")
-    calibrate.add_recipe_arguments(p)
+    p.add_argument("--compile-cache", metavar="DIR",
+                   help="JAX persistent compilation cache folder: a later run with the same shapes and settings loads "
+                        "the compiled programs (capture, calibration) instead of compiling them")
+    if p.parse_known_args(argv)[0].render is None:
+        # the recipe flags need kroquant_jax.calibrate (and so jax); --render only reads a JSON and plots
+        from kroquant_jax import calibrate
+
+        calibrate.add_recipe_arguments(p)
+    p.add_argument("-h", "--help", action="help", help="show this help message and exit")
     args = p.parse_args(argv)
     if args.render is None and (args.layer_set is None or args.out_json is None):
         p.error("--layer-set and --out-json are required (unless --render)")
@@ -83,10 +93,29 @@ CAPTURE_OPTIONS = ("prompts", "calib_captions", "steps", "guidance", "rows_per_l
                    "text_rows_from_all_prompts")
 
 
+def check_capture_options(args) -> bool:
+    """Whether ``args.layer_set`` exists (to be read); a layer set captured with other capture options than
+    ``args``' (``<layer set>.json``, written beside it) is refused. Reads no more than that JSON: called before the
+    model is loaded or anything is compiled."""
+    path = Path(args.layer_set)
+    if not path.exists():
+        return False
+    options_path = Path(str(path) + ".json")
+    options = {k: getattr(args, k) for k in CAPTURE_OPTIONS}
+    stored = json.loads(options_path.read_text()) if options_path.exists() else None
+    if stored != options:
+        changed = sorted(k for k in options if stored is None or stored.get(k) != options[k])
+        raise ValueError(f"--layer-set {path}: captured with other options than these ({changed}; "
+                         f"{options_path} {'differs' if stored is not None else 'is missing'}): another "
+                         f"--layer-set path, or the same options")
+    return True
+
+
 def load_or_capture(args, model, names):
     """The layer set of ``names`` from ``args.layer_set``, or captured (and written there, with its capture options
-    beside it in ``<layer set>.json``) when it does not exist. A layer set captured with other options, or from
-    other weights, is refused."""
+    beside it in ``<layer set>.json``) when it does not exist: every quantizable linear, or with ``--blocks`` only
+    ``names``. A layer set captured with other options (:func:`check_capture_options`), from other weights, or
+    without some of ``names`` (a capture of fewer ``--blocks``) is refused."""
     import numpy as np
 
     from kroquant_jax import fileio, layerset, provenance
@@ -97,14 +126,13 @@ def load_or_capture(args, model, names):
     path = Path(args.layer_set)
     options_path = Path(str(path) + ".json")
     options = {k: getattr(args, k) for k in CAPTURE_OPTIONS}
-    if path.exists():
-        stored = json.loads(options_path.read_text()) if options_path.exists() else None
-        if stored != options:
-            changed = sorted(k for k in options if stored is None or stored.get(k) != options[k])
-            raise ValueError(f"--layer-set {path}: captured with other options than these ({changed}; "
-                             f"{options_path} {'differs' if stored is not None else 'is missing'}): another "
-                             f"--layer-set path, or the same options")
+    if check_capture_options(args):
         layer_set = layerset.load_layer_set(str(path))
+        missing = [n for n in names if n not in layer_set]
+        if missing:
+            raise ValueError(f"--layer-set {path}: lacks {len(missing)} of the {len(names)} linears calibrated here "
+                             f"(e.g. {missing[0]!r}; a capture with --blocks records only its blocks' groups): "
+                             f"another --layer-set path")
         found = linears(model)
         weights = {n: (np.asarray(found[n].kernel[...], np.float32).T,
                        None if found[n].bias is None else np.asarray(found[n].bias[...], np.float32)) for n in names}
@@ -115,7 +143,8 @@ def load_or_capture(args, model, names):
     dataset = testbed_data.load_dataset(args.prompts or str(Path(args.checkpoint) / "testbed_prompts.npz"))
     indices = np.flatnonzero(~dataset.heldout)[:args.calib_captions]
     text = training_caption_text(dataset) if args.text_rows_from_all_prompts else None
-    layer_set = capture_flow_layer_set(model, dataset, indices, list(linears(model, quantizable_only=True)),
+    recorded = list(names) if args.blocks is not None else list(linears(model, quantizable_only=True))
+    layer_set = capture_flow_layer_set(model, dataset, indices, recorded,
                                        steps=args.steps, guidance=args.guidance, rows_per_layer=args.rows_per_layer,
                                        seed=args.seed, batch_size=args.batch_size, text_prompts=text)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -269,12 +298,16 @@ def main(argv=None) -> int:
             plot(result, args.out_png)
         return 0
 
+    check_capture_options(args)  # a refused layer set costs no model load, capture or compile
+
     import jax
     import numpy as np
 
     from kroquant_jax import calibrate, fileio, shared_inputs
     from models import families
 
+    if args.compile_cache:
+        calibrate.enable_compile_cache(args.compile_cache)
     recipes = {m: calibrate.recipe_from_args(m, args, seed=args.seed, progress=True) for m in args.methods}
     for message in calibrate.unused_stage_arguments(recipes, args):
         raise SystemExit(f"calibrate_shared_inputs: {message}")
