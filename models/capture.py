@@ -75,6 +75,16 @@ class RowSampler:
         self.key = key
         self.dtype = dtype
         self.records: dict[str, tuple[jax.Array, jax.Array]] = {}
+        self._orders: dict[int, jax.Array] = {}  # {N: (len(names), N) permutations}
+
+    def _order(self, path: str, n: int) -> jax.Array:
+        """Layer ``path``'s permutation of ``n`` rows: ``permutation(fold_in(key, k), n)``. Drawn for every layer at
+        once per row count (vmapped, the same values bit for bit): one shuffle in the traced program instead of one
+        per layer, which each cost its own compilation."""
+        if n not in self._orders:
+            keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(self.key, jnp.arange(len(self.index)))
+            self._orders[n] = jax.vmap(lambda k: jax.random.permutation(k, n))(keys)  # (layers, n)
+        return self._orders[n][self.index[path]]
 
     def wants(self, path: str) -> bool:
         return path in self.index
@@ -85,7 +95,7 @@ class RowSampler:
             raise ValueError(f"RowSampler: layer {path} was called twice in one forward pass")
         flat = x.reshape(-1, x.shape[-1])  # (N, d)
         count = min(self.rows, flat.shape[0])
-        order = jax.random.permutation(jax.random.fold_in(self.key, self.index[path]), flat.shape[0])  # (N,)
+        order = self._order(path, flat.shape[0])  # (N,)
         if token_mask is None:
             valid = jnp.ones((count,), bool)  # (count,)
         else:

@@ -193,6 +193,22 @@ def test_unmasked_draw_is_the_permutation_draw():
         assert bool(valid.all())
     np.testing.assert_array_equal(capture.distinct_rows(np.array([[1.0, 2], [3, 4], [1, 2], [5, 6], [3, 4]])),
                                   np.array([[1.0, 2], [3, 4], [5, 6]]))
+    # several layers of two row counts, drawn inside one jit: layer k's rows are still its own key's permutation
+    # (the sampler draws the permutations of all layers of one row count at once)
+    names = ["l0", "l1", "l2", "l3"]
+    inputs = {"l0": x, "l1": x + 100, "l2": jnp.arange(30.0).reshape(15, 2), "l3": x - 100}
+
+    def draw(key):
+        sampler = capture.RowSampler(names, 5, key)
+        for name in ("l2", "l0", "l3", "l1"):  # not in index order
+            sampler.record(name, inputs[name])
+        return {n: r for n, (r, _) in sampler.result().items()}
+
+    drawn = jax.jit(draw)(jax.random.key(5))
+    for k, name in enumerate(names):
+        flat = inputs[name].reshape(-1, 2)
+        order = jax.random.permutation(jax.random.fold_in(jax.random.key(5), k), flat.shape[0])
+        np.testing.assert_array_equal(np.asarray(drawn[name]), np.asarray(flat[order[:5]]), err_msg=name)
 
 
 def test_capture_selected_layers_sana_and_flux():
