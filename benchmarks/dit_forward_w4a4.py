@@ -37,6 +37,9 @@ device, blocks stacked and run by ``lax.scan``), batch 1, the packed 1K layout o
   Kronecker-LU parameters in registers in every program) instead of the strategy's K1 (its dense 32 x 32 blocks,
   made once in the kernel's f32 product order): the same bytes, a different quantizer kernel.
 
+``--compile-cache DIR`` turns on JAX's persistent compilation cache in ``DIR``: a later run that compiles the same
+programs (same shapes and settings) loads them, and its ``compile_s`` times the load.
+
 ``--kernels`` adds a CUPTI profile of each timed forward: device time per kernel name (a kernel in the scanned block
 sums over the blocks), the costliest names, and the total device time per forward beside the wall time.
 
@@ -87,7 +90,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from kroquant_jax import timing  # noqa: E402
+from kroquant_jax import calibrate, timing  # noqa: E402
 from kroquant_jax.fileio import StagedResults  # noqa: E402
 from kroquant_jax.qlinear import QuantizedLinear, qlinear_forward  # noqa: E402
 from models import ideogram4 as ig  # noqa: E402
@@ -267,8 +270,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "blocks, median of 3 calls")
     parser.add_argument("--hlo-dir", default=None,
                         help="also write each forward's optimized HLO (gzipped text) into this folder")
+    parser.add_argument("--compile-cache", metavar="DIR", default=None,
+                        help="JAX persistent compilation cache folder (default: off; see kroquant_jax.calibrate."
+                             "enable_compile_cache): a later run with the same shapes loads the programs instead of "
+                             "compiling them again (compile_s then times the load)")
     parser.add_argument("--out", default=None, help="JSON (default $OUT/dit_forward_w4a4.json, else /tmp)")
     args = parser.parse_args(argv)
+    if args.compile_cache:  # before anything compiles
+        calibrate.enable_compile_cache(args.compile_cache)
     start = time.perf_counter()
     tiny = args.preset == "tiny"
     on_gpu = jax.default_backend() == "gpu"

@@ -476,7 +476,14 @@ def _run_benchmark(*argv: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900)
 
 
-def test_benchmark_fused_fp8_variants_and_kernel_profile(tmp_path):
+@pytest.fixture(scope="module")
+def benchmark_cache(tmp_path_factory) -> str:
+    """One persistent compilation cache for this file's benchmark runs: they build the same tiny model and quantized
+    layers (its initialiser, the layer builders, the bf16 forward), which the later run loads instead of compiling."""
+    return str(tmp_path_factory.mktemp("dit_forward_compile_cache"))
+
+
+def test_benchmark_fused_fp8_variants_and_kernel_profile(tmp_path, benchmark_cache):
     """The fused-kernel variants (its jnp mirror off the GPU) with the activations' E4M3 made by XLA, by the one-launch
     quantizer writing E4M3 (another ``act_encode``), and the transforms as K2 instead of K1: the same bytes, so the same
     forward; --kernels records a profile per timed forward (time and launches per kernel name), --hlo-dir each
@@ -487,7 +494,8 @@ def test_benchmark_fused_fp8_variants_and_kernel_profile(tmp_path):
                          "bf16,bf16_fused_qkv,w4a4_fp8_mgpu,w4a4_fp8_mgpu_fused_qkv,w4a4_fp8_mgpu_k2,"
                          "w4a4_fp8_mgpu_one_launch",
                          "--blocks", "1", "--no-tune", "--kernels", "--repeats", "1", "--inner", "1",
-                         "--hlo-dir", str(tmp_path / "hlo"), "--out", str(tmp_path / "forward.json"))
+                         "--hlo-dir", str(tmp_path / "hlo"), "--compile-cache", benchmark_cache,
+                         "--out", str(tmp_path / "forward.json"))
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads((tmp_path / "forward.json").read_text())
     names = ["bf16", "bf16_fused_qkv", "w4a4_fp8_mgpu", "w4a4_fp8_mgpu_fused_qkv", "w4a4_fp8_mgpu_k2",
@@ -510,12 +518,12 @@ def test_benchmark_fused_fp8_variants_and_kernel_profile(tmp_path):
     assert "kernels of w4a4_fp8_mgpu:" in run.stdout
 
 
-def test_benchmark_tiny_run(tmp_path):
+def test_benchmark_tiny_run(tmp_path, benchmark_cache):
     """The H200 script end to end on the tiny config (a subprocess): the dequant forward on one of the 2 blocks, the
     transform + quantize kernel interpreted, with the --check simulation; the FP8 strategy's forward beside it."""
     run = _run_benchmark("--preset", "tiny", "--interpret", "--variants", "w4a4_dequant,w4a4_fp8,bf16", "--blocks", "1",
                          "--check", "--repeats", "1", "--inner", "1", "--budget-s", "3000",  # no stage skipped
-                         "--out", str(tmp_path / "forward.json"))
+                         "--compile-cache", benchmark_cache, "--out", str(tmp_path / "forward.json"))
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads((tmp_path / "forward.json").read_text())
     assert saved["variants"] == ["bf16", "w4a4_dequant", "w4a4_fp8"]
