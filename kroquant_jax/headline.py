@@ -211,12 +211,14 @@ TABLES: dict[str, dict] = {
     "distill": {
         "header": ["what", "measured", "goal", "page"],
         "rows": [
-            ["QAD: one-branch W4A4 (MXFP4) testbed student, from calibrated PTQ layers "
-             "(the recipe in docs/qad.md), 600 steps, flow-matching weight 1.0, 2,044 training records; held-out "
-             "captions vs the 16-bit CFG images",
-             "{testbed_qad_psnr_heldout_db:.2f} dB at 20 forwards / image (an earlier run of the same settings: "
-             "{testbed_qad_psnr_heldout_db_earlier_run:.2f} dB) vs the best two-branch PTQ "
-             "{testbed_best_ptq_psnr_heldout_db:.2f} dB at 40; chroma ratio {testbed_qad_chroma_ratio:.3f}; "
+            ["QAD: one-branch W4A4 (MXFP4) testbed student, from calibrated PTQ layers (the recipe in "
+             "docs/qad.md), about 600 steps, flow-matching weight 1.0; held-out captions vs the 16-bit CFG images",
+             "best student {testbed_qad_psnr_heldout_db:.2f} dB at 20 forwards / image (from smoothed KroQuant + "
+             "LoRaQ, weights rounded to nearest; from the GPTQ store itself: "
+             "{testbed_qad_psnr_heldout_db_gptq_init:.2f} dB) vs the best two-branch PTQ (smoothed KroQuant + "
+             "GPTQ + LoRaQ) {testbed_best_ptq_psnr_heldout_db:.2f} dB at 40 (the same captions, seeds and "
+             "sampler); from SmoothQuant + LoRaQ: {testbed_qad_psnr_heldout_db_smoothquant_loraq_init:.2f} vs "
+             "{testbed_smoothquant_loraq_psnr_heldout_db:.2f} dB; chroma ratio {testbed_qad_chroma_ratio:.3f}; "
              "naive-distillation control {testbed_naive_distill_psnr_heldout_db:.2f} dB "
              "(fm weight 0.25, 1,023 records)",
              "beat every two-branch PTQ; chroma within 3% of 1", "[qad](docs/qad.md)"],

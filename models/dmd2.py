@@ -350,8 +350,9 @@ def load_ptq_store(folder: str | Path, model: nnx.Module) -> PTQStore:
     Every quantizable linear of ``model`` must have exactly one layer file of matching shapes, all in one W4A4 format
     (MXFP4 or NVFP4 with that format's default scale rule); checked file by file before any layer is decoded, so a
     bad store fails in seconds with a ValueError naming the file, the layer and the key. The generator is then
-    ``models.qad.student_from_qlinears`` (``W~ = W T^{-T} - L R`` from the 16-bit weight, the branch and the bias as
-    stored, the blocks frozen) beside the teacher's 16-bit parameters; the forward uses QAD's plain STE.
+    ``models.qad.student_from_qlinears`` (``W~`` the stored residual dequantized, the branch and the bias as stored,
+    the blocks frozen: it starts as the PTQ model) beside the teacher's 16-bit parameters; the forward uses QAD's
+    plain STE.
     """
     from safetensors import safe_open
 

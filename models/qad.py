@@ -263,9 +263,14 @@ def student_from_model(model: nnx.Module, rank: int = 0, block: int = 1) -> tupl
 def student_from_qlinears(model: nnx.Module, qlayers: Mapping[str, Any]) -> tuple[dict, dict, bool]:
     """Initialisation from a calibrated PTQ model (``{name: kroquant_jax.qlinear.QuantizedLinear}``, any recipe).
 
-    The residual master weight is recomputed in full precision from the 16-bit weight, ``W~ = W T^{-T} - L R`` with
-    the branch as stored (not the dequantized codes, so the STE starts from the unrounded values); ``T``'s blocks are
-    copied (frozen), the branch (dequantized when packed) and the bias are copied (trained).
+    The residual master weight is the stored residual, dequantized: the codes the recipe chose (GPTQ's
+    error-compensating rounding included; re-rounding ``W T^{-T} - L R`` to nearest would drop it, and on the
+    testbed's GPTQ store a quarter of the codes differ), so the student starts as the PTQ model itself. ``T``'s blocks
+    are copied (frozen), the branch (dequantized when packed) and the bias are copied (trained).
+
+    Raises:
+        ValueError: a layer's residual is not a fixed point of its own format's fake quant (the student's forward
+          would not reproduce the stored codes), named; or the PTQ layers do not match the model.
 
     Returns:
         ``(layers, blocks, lowrank_quantized)`` as :func:`student_from_model`, plus whether the branch is packed.
@@ -291,14 +296,18 @@ def student_from_qlinears(model: nnx.Module, qlayers: Mapping[str, Any]) -> tupl
         if (q.config.out_features, q.config.in_features) != (o, d):
             raise ValueError(f"student_from_qlinears: {name} is ({o}, {d}) in the model, "
                              f"({q.config.out_features}, {q.config.in_features}) in the PTQ layers")
-        inverse = jnp.linalg.inv(jnp.asarray(q.blocks, jnp.float32))  # (d / n, n, n)
-        residual = transforms.apply_to_weights(w, inverse)  # W T^{-T}
+        residual = formats.dequantize(q.weight, jnp.float32)  # (o, d) the stored Q(W T^{-T} - L R)
+        requantized = formats.fake_quant(residual, q.weight.fmt)
+        if not bool(jnp.array_equal(requantized, residual)):
+            count = int(jnp.sum(requantized != residual))
+            raise ValueError(f"student_from_qlinears: {name}: {count} of {o * d} stored {q.weight.fmt.name} weight "
+                             "values change when fake-quantized again, so the student would not start at the PTQ "
+                             "model")
         if q.lowrank_left is None:
             left, right = jnp.zeros((o, 0)), jnp.zeros((0, d))
         else:
             # (o, r), (r, d), dequantized if packed
             left, right = formats.as_float32(q.lowrank_left), formats.as_float32(q.lowrank_right)
-            residual = residual - jnp.matmul(left, right, precision="highest")
         bias = _zero_bias(o) if q.bias is None else np.asarray(q.bias, np.float32)
         layers[name] = {"weight": np.asarray(residual), "bias": bias, "left": np.asarray(left, np.float32),
                         "right": np.asarray(right, np.float32)}

@@ -175,8 +175,13 @@ def main(argv=None) -> int:
     size = cfg.sample_size
 
     # the PTQ layers and the inits (the 16-bit init gets the PTQ rank as an all-zero branch: same compiled step)
-    ptq_models = {name: qad.student_from_qlinears(teacher, QLinearStore(folder).load_all())
-                  for name, folder in zip(names, args.ptq_store)}
+    ptq_models = {}
+    for name, folder in zip(names, args.ptq_store):
+        qlayers = QLinearStore(folder).load_all()
+        other = sorted({q.weight.fmt.name for q in qlayers.values()} - {args.fmt})
+        if other:  # the student quantizes with --fmt: it would not start at (or show) the stored model
+            raise ValueError(f"--ptq-store {folder}: its layers are {'/'.join(other)}, the students --fmt {args.fmt}")
+        ptq_models[name] = qad.student_from_qlinears(teacher, qlayers)
     ptq_name, ptq = next(iter(ptq_models.items())) if ptq_models else ("ptq", None)
     rank = 0 if ptq is None else next(iter(ptq[0].values()))["left"].shape[1]
     block = 1 if ptq is None else next(iter(ptq[1].values())).shape[-1]
