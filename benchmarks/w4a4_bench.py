@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kroquant_jax import timing  # noqa: E402
 from kroquant_jax import transforms as T  # noqa: E402
 from kroquant_jax.formats import MXFP4, NVFP4, dequantize, quantize  # noqa: E402
-from models.layer_shapes import preset_layer_shapes, shape_table  # noqa: E402
+from models.layer_shapes import PRESET_LABELS, preset_layer_shapes, shape_table  # noqa: E402
 from pallas_kernels import epilogues as E  # noqa: E402
 from pallas_kernels import served as S  # noqa: E402
 from pallas_kernels import w4a4_gemm as G  # noqa: E402
@@ -332,9 +332,15 @@ def main(argv=None):
         ms = [40, 16]
     if args.tiny:
         shapes = TINY_SHAPES
-    else:
-        real = preset_layer_shapes()
-        shapes = shape_table({name: real[name] for name in PRIORITY})
+    else:  # only the presets that --only / model-qualified --layers name (each preset's model is built for its shapes)
+        prefixes = {name.split(".", 1)[0] for name in PRIORITY}
+        wanted = set(args.only.split(",")) if args.only else prefixes
+        named = [name for name in args.layers.split(",") if name]
+        if named and all(name.split(".", 1)[0] in prefixes for name in named):
+            wanted = wanted & {name.split(".", 1)[0] for name in named}
+        labels = [label for label in PRESET_LABELS if label in wanted]
+        real = preset_layer_shapes(*labels) if labels else {}
+        shapes = shape_table({name: real[name] for name in PRIORITY if name in real})
     if args.only:
         keep = set(args.only.split(","))
         shapes = [s for s in shapes if s[0] in keep]
