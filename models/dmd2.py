@@ -399,7 +399,7 @@ def load_ptq_store(folder: str | Path, model: nnx.Module) -> PTQStore:
             raise ValueError(f"--ptq-store file {path} (layer {name}): format {layer.config.act_fmt} is not the "
                              f"default {qad.FORMATS[fmt]()} the QAD student's forward uses")
         qlayers[name] = layer
-    layers, blocks, lowrank_quantized = qad.student_from_qlinears(model, qlayers)
+    layers, blocks, lowrank_quantized = qad.student_from_qlinears(model, qlayers, fmt=qad.FORMATS[fmt]())
     _, params = nnx.split(model)
     generator = {"model": jax.tree.map(lambda p: jnp.array(p, jnp.float32), params),
                  "layers": jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), layers)}

@@ -260,7 +260,8 @@ def student_from_model(model: nnx.Module, rank: int = 0, block: int = 1) -> tupl
     return layers, blocks
 
 
-def student_from_qlinears(model: nnx.Module, qlayers: Mapping[str, Any]) -> tuple[dict, dict, bool]:
+def student_from_qlinears(model: nnx.Module, qlayers: Mapping[str, Any],
+                          fmt: formats.QuantFormat | None = None) -> tuple[dict, dict, bool]:
     """Initialisation from a calibrated PTQ model (``{name: kroquant_jax.qlinear.QuantizedLinear}``, any recipe).
 
     The residual master weight is the stored residual, dequantized: the codes the recipe chose (GPTQ's
@@ -268,9 +269,15 @@ def student_from_qlinears(model: nnx.Module, qlayers: Mapping[str, Any]) -> tupl
     testbed's GPTQ store a quarter of the codes differ), so the student starts as the PTQ model itself. ``T``'s blocks
     are copied (frozen), the branch (dequantized when packed) and the bias are copied (trained).
 
+    Args:
+        model: the 16-bit model whose quantizable linears the layers replace.
+        qlayers: ``{name: QuantizedLinear}``, one per quantizable linear.
+        fmt: the student's W4A4 format (:attr:`QADConfig.quant_format`); ``None``: each layer's own.
+
     Raises:
-        ValueError: a layer's residual is not a fixed point of its own format's fake quant (the student's forward
-          would not reproduce the stored codes), named; or the PTQ layers do not match the model.
+        ValueError: naming the layer: its weights or activations are stored in another format than ``fmt``, or its
+          residual is not a fixed point of ``fmt``'s fake quant (the student's forward would not reproduce the stored
+          codes); or the PTQ layers do not match the model.
 
     Returns:
         ``(layers, blocks, lowrank_quantized)`` as :func:`student_from_model`, plus whether the branch is packed.
@@ -291,16 +298,19 @@ def student_from_qlinears(model: nnx.Module, qlayers: Mapping[str, Any]) -> tupl
     layers, blocks = {}, {}
     for name, linear in model_linears.items():
         q = qlayers[name]
-        w = jnp.asarray(linear.kernel[...], jnp.float32).T  # (o, d)
-        o, d = w.shape
+        d, o = linear.kernel.shape  # kernel (d, o)
         if (q.config.out_features, q.config.in_features) != (o, d):
             raise ValueError(f"student_from_qlinears: {name} is ({o}, {d}) in the model, "
                              f"({q.config.out_features}, {q.config.in_features}) in the PTQ layers")
+        student_fmt = q.weight.fmt if fmt is None else fmt
+        if q.weight.fmt != student_fmt or q.config.act_fmt != student_fmt:
+            raise ValueError(f"student_from_qlinears: {name}: stored with {q.weight.fmt} weights and "
+                             f"{q.config.act_fmt} activations, the student quantizes with {student_fmt}")
         residual = formats.dequantize(q.weight, jnp.float32)  # (o, d) the stored Q(W T^{-T} - L R)
-        requantized = formats.fake_quant(residual, q.weight.fmt)
+        requantized = formats.fake_quant(residual, student_fmt)
         if not bool(jnp.array_equal(requantized, residual)):
             count = int(jnp.sum(requantized != residual))
-            raise ValueError(f"student_from_qlinears: {name}: {count} of {o * d} stored {q.weight.fmt.name} weight "
+            raise ValueError(f"student_from_qlinears: {name}: {count} of {o * d} stored {student_fmt.name} weight "
                              "values change when fake-quantized again, so the student would not start at the PTQ "
                              "model")
         if q.lowrank_left is None:

@@ -177,11 +177,11 @@ def main(argv=None) -> int:
     # the PTQ layers and the inits (the 16-bit init gets the PTQ rank as an all-zero branch: same compiled step)
     ptq_models = {}
     for name, folder in zip(names, args.ptq_store):
-        qlayers = QLinearStore(folder).load_all()
-        other = sorted({q.weight.fmt.name for q in qlayers.values()} - {args.fmt})
-        if other:  # the student quantizes with --fmt: it would not start at (or show) the stored model
-            raise ValueError(f"--ptq-store {folder}: its layers are {'/'.join(other)}, the students --fmt {args.fmt}")
-        ptq_models[name] = qad.student_from_qlinears(teacher, qlayers)
+        try:  # the student quantizes with --fmt: a store in another format is refused, not silently re-rounded
+            qlayers = QLinearStore(folder).load_all()
+            ptq_models[name] = qad.student_from_qlinears(teacher, qlayers, fmt=base.quant_format)
+        except ValueError as err:
+            raise ValueError(f"--ptq-store {folder} (--fmt {args.fmt}): {err}") from None
     ptq_name, ptq = next(iter(ptq_models.items())) if ptq_models else ("ptq", None)
     rank = 0 if ptq is None else next(iter(ptq[0].values()))["left"].shape[1]
     block = 1 if ptq is None else next(iter(ptq[1].values())).shape[-1]

@@ -295,14 +295,19 @@ def test_ptq_init_and_export_reproduce_the_calibrated_layers(setup, transform, p
             assert bool(jnp.any(formats.dequantize(kwargs["quantized_weight"], jnp.float32) != nearest))
         qlayers[name] = build_qlinear(w, np.asarray(linear.bias[...]), transform=transform, lowrank=branch,
                                       lowrank_quantized=packed_branch, **kwargs)
-    # a stored residual that its format's fake quant would change (an NVFP4 tensor scale not its own) is refused
+    # refused, naming the layer: a store in another format than the student's, and a stored residual that its
+    # format's fake quant would change (an NVFP4 tensor scale not its own)
     name = "transformer_blocks.0.attn2.to_k"
+    mismatch = r"transformer_blocks\.0\.\S+: stored with MXFP4.* the student quantizes with NVFP4"
+    with pytest.raises(ValueError, match=mismatch):
+        qad.student_from_qlinears(student, qlayers, fmt=formats.NVFP4())
     stored = formats.dequantize(qlayers[name].weight, jnp.float32)
-    odd = dataclasses.replace(qlayers[name], weight=formats.quantize(
-        stored, formats.NVFP4(), tensor_scale=3.7 * formats.nvfp4_tensor_scale(stored)))
+    odd = dataclasses.replace(qlayers[name], config=dataclasses.replace(qlayers[name].config, act_fmt=formats.NVFP4()),
+                              weight=formats.quantize(stored, formats.NVFP4(),
+                                                      tensor_scale=3.7 * formats.nvfp4_tensor_scale(stored)))
     with pytest.raises(ValueError, match=f"{name}: .* change when fake-quantized again"):
         qad.student_from_qlinears(student, {**qlayers, name: odd})
-    layers, blocks, packed = qad.student_from_qlinears(student, qlayers)
+    layers, blocks, packed = qad.student_from_qlinears(student, qlayers, fmt=formats.MXFP4())
     assert packed is packed_branch
     config = qad.QADConfig()
     exported = qad.export_qlinears(layers, blocks, config, packed)
