@@ -235,6 +235,14 @@ TABLES: dict[str, dict] = {
              "caption accuracy {testbed_dmd2_4step_caption_accuracy:.3f} vs the teacher's "
              "{testbed_dmd2_teacher_caption_accuracy:.3f}",
              "≤ 1.10x", "[dmd2](docs/dmd2.md)"],
+            ["DMD2 on the QAD student (the testbed stack: QAD -> DMD2), 4-step one-branch W4A4 (MXFP4 fake quant), "
+             "205 generator updates; the same Fréchet ratio",
+             "{testbed_dmd2_qad_chain_4step_fd_ratio_vs_teacher:.2f}x (the QAD student itself at 4 steps: "
+             "{testbed_dmd2_qad_chain_untrained_4step_fd_ratio_vs_teacher:.2f}x); caption accuracy "
+             "{testbed_dmd2_qad_chain_4step_caption_accuracy:.3f}; the unguided 20-step teacher, the real score's "
+             "target: {testbed_dmd2_teacher_unguided_fd_ratio_vs_teacher:.2f}x, caption accuracy "
+             "{testbed_dmd2_teacher_unguided_caption_accuracy:.3f}",
+             "≤ 1.10x", "[dmd2](docs/dmd2.md)"],
             ["DMD2: the same with a 16-bit student, 600 generator updates",
              "{testbed_dmd2_16bit_4step_fd_ratio_vs_teacher:.2f}x (the teacher's weights at 4 steps, untrained: "
              "{testbed_dmd2_16bit_untrained_4step_fd_ratio_vs_teacher:.2f}x); caption accuracy "
