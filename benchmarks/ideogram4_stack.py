@@ -1,9 +1,9 @@
 """The whole serving stack of Ideogram 4 per image on the H200: the 48-step two-transformer bf16 pipeline against one
-branch x 4 steps on W4A4, end to end, batch 1 (issue 16, "The whole stack, per image").
+branch x 4 steps on W4A4, end to end, batch 1 or a throughput batch (issue 16, "The whole stack, per image").
 
 Full-size transformers (``models.ideogram4.IDEOGRAM4``, 9.28 B parameters each, blocks stacked under ``lax.scan``),
 random bf16 weights generated on the device (``models.ideogram4_serving.random_states``; speed only), one prompt in the
-packed 1K layout of ``benchmarks/ideogram4_serving.py`` and ``benchmarks/dit_forward_w4a4.py`` (128 text tokens +
+packed 1K layout (``--batch-size`` prompts of that layout per call: a throughput batch) of ``benchmarks/ideogram4_serving.py`` and ``benchmarks/dit_forward_w4a4.py`` (128 text tokens +
 64 x 64 image tokens = 4224 tokens, one segment, no mask, cuDNN attention on the GPU). Systems, in the order they run
 (``--systems``; each one whole image from noise and text features to the final latents, the text projection
 included, as ONE AOT-compiled jitted call):
@@ -31,8 +31,9 @@ included, as ONE AOT-compiled jitted call):
 
 VAE decode not included (not ported: the Ideogram 4 VAE stays in diffusers; the JSON says so).
 
-Timing: each system's compiled call once as a warm-up, then the median of ``--repeats`` wall times of one call each,
-``block_until_ready`` on its output (``kroquant_jax.timing.wall_times`` / ``summary_ms``). A call runs for seconds
+Timing: each system's compiled call once as a warm-up, then the median of ``--repeats`` wall times of one call each
+(one call makes ``--batch-size`` images; ``ms_per_image`` is the median over the batch size), ``block_until_ready``
+on its output (``kroquant_jax.timing.wall_times`` / ``summary_ms``). A call runs for seconds
 (the 48-step loop) or hundreds of ms (4 steps) and is one dispatch, so host dispatch is negligible at these lengths.
 Compile seconds (lower + compile) per system are recorded beside.
 
@@ -48,6 +49,7 @@ The JSON (``--out``, default ``$OUT/ideogram4_stack.json``) is written atomicall
 what finished; a failing stage records its error and the run goes on.
 
     python benchmarks/ideogram4_stack.py --out $OUT/ideogram4_stack.json        # the H200 (a few minutes)
+    python benchmarks/ideogram4_stack.py --batch-size 4 --repeats 2 --systems bf16_48x2,w4a4_fp8_mgpu_fused_qkv_4x1
     python benchmarks/ideogram4_stack.py --preset tiny --interpret              # CPU validation (seconds)
 """
 
@@ -94,8 +96,10 @@ NO_VAE = "VAE decode not included (not ported)"
 
 
 def derive(payload: dict[str, Any]) -> None:
-    """Per-image speedups, forward passes and per-forward ratios against ``bf16_48x2``, and the headline (in place)."""
+    """Per-image times, speedups, forward passes and per-forward ratios against ``bf16_48x2``, and the headline (in
+    place). Every system makes the same batch per call, so a ratio of call times is a ratio of times per image."""
     times = {name: t["median_ms"] for name, t in payload["timings_ms"].items()}
+    payload["ms_per_image"] = {name: ms / payload["batch_size"] for name, ms in times.items()}
     forwards = payload["forward_passes_per_image"]
     payload["speedup_per_image"], payload["per_forward_ratio"] = {}, {}
     if BASELINE not in times:
@@ -122,6 +126,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--height", type=int, default=None, help="pixels, square image (default 1024; tiny: 32)")
     parser.add_argument("--rank", type=int, default=None, help="low-rank rank (default 128; tiny: 32)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed calls per system after the warm-up")
+    parser.add_argument("--batch-size", type=positive_int, default=1,
+                        help="images per call, each the one-prompt packed layout (default 1)")
     parser.add_argument("--budget-s", type=float, default=300.0,
                         help=f"optional systems ({', '.join(OPTIONAL)}) start only before this many seconds")
     parser.add_argument("--out", default=None, help="JSON (default $OUT/ideogram4_stack.json, else /tmp)")
@@ -139,19 +145,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out_path = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "ideogram4_stack.json"))
     device = jax.local_devices()[0]
     grid = sampling.grid_for(height, height)
-    layout = sampling.prepare_ids([text_tokens], grid[0], grid[1], text_tokens)  # packed: no padding, no mask
+    batch = args.batch_size
+    layout = sampling.prepare_ids([text_tokens] * batch, grid[0], grid[1], text_tokens)  # packed: no padding, no mask
     schedules = {name: sampling.flow_schedule(height, height, steps) if branches == 2 else
                  sampling.flow_schedule(height, height, steps, guidance_schedule=None, guidance_scale=1.0)
                  for name, (steps, branches, _) in SYSTEMS.items()}
     payload: dict[str, Any] = {
-        "what": ("Ideogram 4 per 1K image, batch 1, random weights (speed only): the bf16 48-step two-transformer "
+        "what": (f"Ideogram 4 per 1K image, batch {batch}, random weights (speed only): the bf16 48-step two-transformer "
                  "pipeline vs one branch x 4 steps (bf16, W4A4 served layers), end to end (text projection, sampler, "
                  "all steps)"),
         "vae": NO_VAE,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": getattr(device, "device_kind", str(device)), "backend": jax.default_backend(),
         "jax": jax.__version__, "flax": flax.__version__, "python": platform.python_version(),
-        "preset": args.preset, "command_args": list(sys.argv[1:] if argv is None else argv),
+        "preset": args.preset, "batch_size": batch, "command_args": list(sys.argv[1:] if argv is None else argv),
         "systems": list(args.systems), "impl": impl, "attention_impl": cfg.attention_impl, "rank": rank,
         "height": height, "width": height, "text_tokens": text_tokens, "image_tokens": layout.num_image_tokens,
         "tokens": int(layout.indicator.shape[1]), "params_per_transformer": ig.count_params(cfg),
@@ -159,8 +166,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "guidance": [float(g) for g in s.guidance] if SYSTEMS[name][1] == 2 else None}
                       for name, s in schedules.items() if name in args.systems},
         "forward_passes_per_image": {name: SYSTEMS[name][0] * SYSTEMS[name][1] for name in args.systems},
-        "method": (f"one AOT-compiled jitted call per image (text projection + lax.scan over the steps); a warm-up "
-                   f"call, then the median of {args.repeats} calls, block_until_ready each"),
+        "method": (f"one AOT-compiled jitted call per batch of {batch} image(s) (text projection + lax.scan over the "
+                   f"steps); a warm-up call, then the median of {args.repeats} calls, block_until_ready each; "
+                   f"ms_per_image = that median / {batch}"),
         "timings_ms": {}, "compile_s": {}, "finite": {}, "checks": {}, "memory_gib": {}, "errors": {}}
 
     results = StagedResults(out_path, payload, start, before_save=derive)  # saved after each stage, errors recorded
@@ -180,8 +188,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     graphdef, states, payload["init_s"] = serving.random_states(cfg, seeds)
     payload["memory_gib"]["weights"] = timing.device_memory_gib()
     keys = jax.random.split(jax.random.key(11), 2)
-    text_features = jax.random.normal(keys[0], (1, text_tokens, cfg.llm_features_dim), cfg.dtype)  # (1, T, F)
-    noise = jax.random.normal(keys[1], (1, layout.num_image_tokens, cfg.in_channels), jnp.float32)  # (1, N, C)
+    text_features = jax.random.normal(keys[0], (batch, text_tokens, cfg.llm_features_dim), cfg.dtype)  # (B, T, F)
+    noise = jax.random.normal(keys[1], (batch, layout.num_image_tokens, cfg.in_channels), jnp.float32)  # (B, N, C)
     arrays = sampling.layout_arrays(layout)  # (position_ids, None, indicator)
     save()
     print(f"[{time.perf_counter() - start:6.1f} s] {len(states)} transformer(s) of {payload['params_per_transformer']}"
@@ -191,13 +199,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    model_times, guidance):
         return sampling.denoise_loop(nnx.merge(graphdef, cond_state), nnx.merge(graphdef, uncond_state), noise_,
                                      features, (position_ids, segment_ids, indicator), sigmas, model_times, guidance,
-                                     num_text_slots=text_tokens)  # (1, N, C)
+                                     num_text_slots=text_tokens)  # (B, N, C)
 
     def one_branch(cond_state, entries, noise_, features, position_ids, segment_ids, indicator, sigmas, model_times):
         hooks = None if entries is None else FusedLinearHooks.from_entries(entries, stacked=True)
         return sampling.unguided_denoise_loop(nnx.merge(graphdef, cond_state), noise_, features,
                                               (position_ids, segment_ids, indicator), sigmas, model_times,
-                                              num_text_slots=text_tokens, hooks=hooks)  # (1, N, C)
+                                              num_text_slots=text_tokens, hooks=hooks)  # (B, N, C)
 
     outputs: dict[str, jax.Array] = {}
 
@@ -210,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         samples = timing.wall_times(lambda: compiled(*call_args), repeats=args.repeats, inner=1)
         payload["timings_ms"][name] = timing.summary_ms(samples)
         outputs[name] = out
-        print(f"  {name:18s} {payload['timings_ms'][name]['median_ms']:10.1f} ms per image "
+        print(f"  {name:18s} {payload['timings_ms'][name]['median_ms'] / batch:10.1f} ms per image "
               f"(compile {payload['compile_s'][name]:.1f} s)", flush=True)
 
     def schedule_arrays(name: str, guided: bool) -> tuple[jax.Array, ...]:
@@ -278,13 +286,15 @@ def table(payload: dict[str, Any]) -> str:
     """The run's summary: one row per timed system (ms per image, forwards, speedup per image and per forward against
     ``bf16_48x2``, compile seconds, finite output), the headline, the checks, the errors."""
     lines = [f"\n{payload['device']} jax {payload['jax']} flax {payload['flax']} {payload['date_utc']} "
-             f"tokens={payload['tokens']} impl={payload['impl']} attention={payload['attention_impl']}",
+             f"batch={payload['batch_size']} tokens={payload['tokens']} impl={payload['impl']} "
+             f"attention={payload['attention_impl']}",
              f"  {'system':18s} {'ms / image':>11s} {'forwards':>8s} {'speedup':>8s} {'per fwd':>8s} "
              f"{'compile s':>9s}  finite"]
-    for name, t in payload["timings_ms"].items():
+    for name in payload["timings_ms"]:
         ratios = [payload[key].get(name) for key in ("speedup_per_image", "per_forward_ratio")]
         ratio_text = " ".join(f"{'' if r is None else f'{r:7.2f}x':>8s}" for r in ratios)
-        lines.append(f"  {name:18s} {t['median_ms']:11.1f} {payload['forward_passes_per_image'][name]:8d} "
+        lines.append(f"  {name:18s} {payload['ms_per_image'][name]:11.1f} "
+                     f"{payload['forward_passes_per_image'][name]:8d} "
                      f"{ratio_text} {payload['compile_s'][name]:9.1f}  {payload['finite'][name]}")
     if "ideogram4_stack_speedup_per_image" in payload:
         lines.append(f"  ideogram4_stack_speedup_per_image = {payload['ideogram4_stack_speedup_per_image']:.2f}x "
