@@ -11,6 +11,9 @@ Variants (each trained in its own run folder ``--out``/runs/<name>, resumable, k
 * ``naive_16bit``: the seed's naive distillation (``ste="none"``: no gradient through the weight quantizers, so the
   quantized weights stay frozen; ``models.qad``).
 * ``naive_ptq``: the naive distillation from the PTQ layers (not run by default).
+* ``distill_16bit``: the control of what one branch can fold at all: the same loss, data and steps with no
+  quantization (every weight trained in 16 bits; not run by default). Its held-out PSNR bounds what a one-branch
+  student of this model reaches, so it separates the cost of folding CFG from the cost of 4 bits. No export.
 
 Evaluation: held-out captions (never trained on) and training captions that QAD did not train on, several seeds
 each, 20 Euler steps; the reference is the 16-bit teacher with CFG; the PTQ models run both branches with CFG, the
@@ -52,7 +55,8 @@ from scripts.common_args import nonnegative_int, positive_int, verb_parser
 REPO = Path(__file__).resolve().parents[1]
 
 
-VARIANTS = ("qad_16bit", "qad_ptq", "naive_16bit", "naive_ptq")
+VARIANTS = ("qad_16bit", "qad_ptq", "naive_16bit", "naive_ptq", "distill_16bit")
+UNQUANTIZED = "distill_16bit"  # the one-branch student without quantization: no W4A4 layers, every weight trained
 EXAMPLES = ("--out runs/qad --data runs/qad_data/emoji32_qad.npz --ptq-store runs/ptq_svd/qlayers/svdquant-HASH "
             "--steps 1000",
             "--out runs/qad_quick --data runs/qad_data/emoji32_qad.npz --variants qad_16bit --train-seconds 300",
@@ -76,7 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "without its hash, e.g. svdquant)")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:3]),
                    help="students trained: qad_ or naive_ (quantized weights frozen: no gradient through their "
-                        "quantizers), from _16bit (the 16-bit weights) or _ptq (the layers of --ptq-store)")
+                        "quantizers), from _16bit (the 16-bit weights) or _ptq (the layers of --ptq-store); "
+                        "distill_16bit: the same distillation without quantization (the control of what one branch "
+                        "can fold)")
     p.add_argument("--fmt", choices=sorted(qad.FORMATS), default="mxfp4", help="W4A4 format of the students")
     p.add_argument("--ste", choices=("identity", "clipped"), default="identity", help="STE of the QAD students")
     p.add_argument("--steps", type=positive_int, default=1000, help="training steps per variant")
@@ -133,6 +139,8 @@ def main(argv=None) -> int:
     for folder in args.ptq_store:
         if not Path(folder).is_dir():
             raise ValueError(f"--ptq-store {folder}: no such folder")
+    if args.export_dir is not None and UNQUANTIZED in args.variants:
+        raise ValueError(f"--export-dir: --variants {UNQUANTIZED} has no W4A4 layers to export (a 16-bit control)")
     exports = {} if args.export_dir is None else {
         v: qad.check_export_dir(Path(args.export_dir) / v, args.overwrite_export, "--export-dir",
                                 "--overwrite-export") for v in args.variants}
@@ -186,7 +194,7 @@ def main(argv=None) -> int:
     rank = 0 if ptq is None else next(iter(ptq[0].values()))["left"].shape[1]
     block = 1 if ptq is None else next(iter(ptq[1].values())).shape[-1]
     rtn_layers, rtn_blocks = qad.student_from_model(teacher, rank=rank, block=block)
-    inits = {"16bit": (rtn_layers, rtn_blocks, False)}
+    inits = {"16bit": (rtn_layers, rtn_blocks, False), "unquantized": ({}, {}, False)}
     if ptq is not None:
         inits["ptq"] = ptq
 
@@ -277,18 +285,19 @@ def main(argv=None) -> int:
         seed = args.seeds[0]
         testbed.save_caption_grid(str(out / "qad_grid.png"), [str(c) for c in prompts.captions[heldout[:rows]]],
                                   [[columns[t][seed][k] for t in titles] for k in range(rows)], titles,
-                                  title=f"held-out captions, seed {seed}: teacher/PTQ with CFG (2 branches), "
-                                        f"students at guidance 1 (1 branch), {args.fmt.upper()} W4A4")
+                                  title=f"held-out captions, seed {seed}: teacher/PTQ with CFG (2 branches),\n"
+                                        f"students at guidance 1 (1 branch), {args.fmt.upper()} W4A4"
+                                        + (f" ({UNQUANTIZED}: 16-bit)" if UNQUANTIZED in columns else ""))
         curves(out / "qad_curves.png", training)
         return report
 
     for variant in args.variants:
-        init = "ptq" if variant.endswith("_ptq") else "16bit"
+        init = "ptq" if variant.endswith("_ptq") else "unquantized" if variant == UNQUANTIZED else "16bit"
         layers, blocks, packed = inits[init]
         config = base if variant.startswith("qad") else dataclasses.replace(base, ste="none")
         chunk = qad.make_train_chunk(student_graph, teacher_graph, teacher_state, blocks, config, packed, data)
         state = qad.init_state(student_state, layers, config)
-        key_extra = {"init": init if init == "16bit" else f"{ptq_name}:{qad.fingerprint(layers)}",
+        key_extra = {"init": init if init != "ptq" else f"{ptq_name}:{qad.fingerprint(layers)}",
                      "data": qad.fingerprint(data), "checkpoint": str(Path(args.checkpoint).name),
                      "teacher": qad.fingerprint(teacher_state)}
 

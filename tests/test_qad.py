@@ -15,6 +15,7 @@ from jaxpr_checks import folded_leaves  # tests/jaxpr_checks.py
 from kroquant_jax import formats
 from kroquant_jax.qlinear import build_qlinear, qlinear_forward
 from models import families, pixart, qad
+from models.layers import linears
 from models.testbed import model as testbed
 
 TINY = dataclasses.replace(testbed.TESTBED_PIXART_CONFIG, num_attention_heads=2, attention_head_dim=16, num_layers=1,
@@ -380,6 +381,38 @@ def test_naive_control_freezes_the_quantized_weights_and_keeps_the_rest_of_the_g
         np.testing.assert_allclose(leaf, flat_ste[path], rtol=1e-5, atol=1e-8, err_msg=jax.tree_util.keystr(path))
 
 
+def test_unquantized_student_is_the_teacher_and_trains_every_weight(setup):
+    """The ``distill_16bit`` control (no W4A4 layers): at init the student's velocity is the teacher's conditional
+    velocity exactly, and the loss's gradient reaches the weights of the linears a W4A4 student would quantize."""
+    teacher, student, data = setup
+    t_graph, t_state = nnx.split(teacher)
+    s_graph, s_state = nnx.split(student)
+    config = dataclasses.replace(TRAIN, fm_weight=0.5)
+    trainable = qad.init_state(s_state, {}, config)["trainable"]
+    x = jax.random.normal(jax.random.key(3), (4, 3, 8, 8))
+    timestep = jnp.linspace(100.0, 900.0, 4)
+    context, mask = data["context"].astype(jnp.float32), data["context_mask"].astype(jnp.float32)
+    ours = qad.student_velocity(s_graph, trainable, {}, config, False, x, timestep, context, mask)
+    theirs = teacher(x, context, timestep, encoder_attention_mask=mask)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-6, atol=1e-6)
+
+    def teacher_velocity(x, timestep, context, mask):
+        return nnx.merge(t_graph, t_state)(x, context, timestep, encoder_attention_mask=mask)
+
+    pixels = testbed.images_to_pixels(data["images"])
+    grads = jax.jit(jax.grad(lambda tr: qad.qad_loss(tr, {}, s_graph, teacher_velocity, config, False, pixels, context, mask,
+                                             data["null_context"].astype(jnp.float32),
+                                             data["null_mask"].astype(jnp.float32), jax.random.key(0))[0]))(
+        trainable)
+    quantizable = linears(student, quantizable_only=True)
+    assert quantizable and grads["layers"] == {}
+    for name in quantizable:  # e.g. transformer_blocks.0.attn1.to_q: its kernel is a plain trained weight here
+        kernel = grads["model"]
+        for part in name.split("."):
+            kernel = kernel[int(part) if part.isdigit() else part]
+        assert float(jnp.abs(kernel["kernel"][...]).max()) > 0.0, name
+
+
 def test_script_validates_its_ptq_stores_before_any_work(tmp_path):
     """`kroquant qad --ptq-store A B`: each folder must exist, the names (given or each folder's name without its
     hash) must be one per store and distinct; refused before the teacher is loaded and before --out is created."""
@@ -402,6 +435,8 @@ def test_script_validates_its_ptq_stores_before_any_work(tmp_path):
         qad_script.main(common + ["--curve-every", "30", "--chunk", "50"])
     with pytest.raises(ValueError, match="--eval-captions 10000 \\+ --validation-captions 8: the prompts have only"):
         qad_script.main(common + ["--variants", "qad_16bit", "--eval-captions", "10000"])  # the shipped prompts
+    with pytest.raises(ValueError, match="--export-dir: --variants distill_16bit has no W4A4 layers"):
+        qad_script.main(common + ["--variants", "distill_16bit", "--export-dir", str(tmp_path / "export")])
     assert not out.exists()
 
 
