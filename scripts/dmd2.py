@@ -18,8 +18,10 @@ resuming it (or evaluating it) with another ``--ptq-store`` / ``--init-checkpoin
 ``evaluate``: the teacher (Euler, ``--teacher-steps`` x 2 CFG branches; the reference system), the same teacher
 unguided (``--teacher-steps`` x 1 branch, CFG 1: the distribution a ``--guidance 1`` real score targets; left out when
 ``--guidance`` is 1), the teacher's weights used as a 4-step
-student without training, with ``--ptq-store`` also the untrained W4A4 generator (the PTQ model at ``--num-steps``
-steps, one branch), and the trained student at 1, 2, 4, 8 steps (W4A4 fake quant with ``--ptq-store``): Fréchet
+student without training, with ``--ptq-store`` / ``--init-checkpoint`` also the untrained W4A4 generator twice: as
+it is served without DMD2 (``initial_w4a4_euler``: ``--teacher-steps`` Euler steps from the teacher's start noise,
+with CFG ``--guidance`` for a PTQ store, one branch for an init checkpoint such as a QAD student) and at
+``--num-steps`` steps, one branch, and the trained student at 1, 2, 4, 8 steps (W4A4 fake quant with ``--ptq-store``): Fréchet
 distance of in-domain encoder features to the real training images and to the teacher's samples, caption accuracy,
 seed diversity, nearest-image outcomes, wall time per image, a grid PNG and ``report.json``. The encoder
 (``models/testbed/metrics.py``) is trained on the reference images once and cached (``--encoder-dir``).
@@ -292,6 +294,19 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     # the teacher with CFG (the reference system) and, as a control, unguided: one branch, the distribution the
     # student's real score targets under --guidance 1
     teacher_guidance = {"teacher": args.guidance, **({"teacher_unguided": 1.0} if args.guidance != 1.0 else {})}
+    # a W4A4 init sampled as it is served without DMD2: the teacher's Euler steps, both CFG branches for a PTQ store
+    # (the two-branch PTQ model), one branch for an init checkpoint (a QAD student has the guidance folded in)
+    euler_guidance = {} if built.store is None else {
+        "initial_w4a4_euler": args.guidance if built.store.kind == "ptq_store" else 1.0}
+
+    @functools.partial(jax.jit, static_argnames="guidance")
+    def generator_euler(params, noise, context, mask, guidance):
+        def velocity_fn(x, timestep, context_, mask_):
+            return built.generator_flow.apply(params, x, timestep / testbed.TIMESTEP_SCALE,
+                                              {"context": context_, "mask": mask_})
+
+        return testbed.euler_sample(velocity_fn, noise, context, mask, null_context, null_mask, args.teacher_steps,
+                                    guidance)
 
     def student_sample(flow, params, key, cond, steps):
         return dmd2.generate(flow, params, key, cond, (cond["mask"].shape[0],) + channel_shape, steps)
@@ -323,6 +338,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             if name in teacher_guidance:
                 pixels = teacher_sample(teacher, _noise(seed, chunk, channel_shape), cond["context"], cond["mask"],
                                         teacher_guidance[name])
+            elif name in euler_guidance:  # the same start noise as the teacher's
+                pixels = generator_euler(samplers["untrained_w4a4"][1], _noise(seed, chunk, channel_shape),
+                                         cond["context"], cond["mask"], euler_guidance[name])
             else:
                 kind, steps = name.split("@")
                 jits, params = samplers[kind]
@@ -337,7 +355,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         return np.concatenate(images), (seconds / timed if timed else None)
 
     controls = [f"{kind}@{args.num_steps}" for kind in samplers if kind != "student"]
-    systems = [*teacher_guidance, *controls] + [f"student@{s}" for s in args.student_steps]
+    systems = [*teacher_guidance, *euler_guidance, *controls] + [f"student@{s}" for s in args.student_steps]
+    euler_systems = {**teacher_guidance, **euler_guidance}  # sampled with --teacher-steps Euler steps
     samples, report = {}, {"systems": {}}
     pool = dataset.images.astype(np.float32) / 255
     bases = [testbed_data.base_sequence(testbed_data.text_to_sequence(s)) for s in dataset.sequences]
@@ -353,11 +372,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             teacher_features = features[0]
         outcomes = collections.Counter(emoji_metrics.nearest_outcome(image, int(i), dataset, pool, bases)[0]
                                        for image, i in zip(first[:args.nearest], train_indices[:args.nearest]))
-        steps = args.teacher_steps if name in teacher_guidance else int(name.split("@")[1])
+        steps = args.teacher_steps if name in euler_systems else int(name.split("@")[1])
         report["systems"][name] = {
             **metrics, "seed_diversity": emoji_metrics.seed_diversity(features, real_features),
             "nearest": {o: outcomes[o] for o in emoji_metrics.OUTCOMES},
-            "forward_passes_per_image": dmd2.forward_passes_per_image(steps, teacher_guidance.get(name, 1.0)),
+            "forward_passes_per_image": dmd2.forward_passes_per_image(steps, euler_systems.get(name, 1.0)),
             "wall_s_per_image": per_image_s}
         print(name, json.dumps(report["systems"][name]), flush=True)
     teacher_fd = report["systems"]["teacher"]["fd_real"]
@@ -379,7 +398,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                       "untrained_w4a4": f"{init_title} W4A4 {args.num_steps}"}
     teacher_titles = [f"teacher {args.teacher_steps}x{dmd2.forward_passes_per_image(1, g)}"
                       + ("" if name == "teacher" else " CFG 1") for name, g in teacher_guidance.items()]
-    titles = (["dataset", *teacher_titles] + [control_titles[c.split("@")[0]] for c in controls]
+    euler_titles = [f"{init_title} W4A4 {args.teacher_steps}x{dmd2.forward_passes_per_image(1, g)}"
+                    for g in euler_guidance.values()]
+    titles = (["dataset", *teacher_titles, *euler_titles] + [control_titles[c.split("@")[0]] for c in controls]
               + [f"DMD2 {s}" for s in args.student_steps])
     student = "DMD2 student" if built.store is None else "W4A4 DMD2 student"
     testbed.save_caption_grid(str(out / "grid.png"), [str(dataset.captions[train_indices[k]]) for k in rows_idx],

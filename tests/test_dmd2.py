@@ -550,16 +550,21 @@ def test_script_trains_resumes_and_evaluates_a_tiny_teacher(tmp_path):
     assert compiled == ["jit(student_sample)"] * 2
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     # the default --guidance is not 1, so the unguided teacher is evaluated as a control
-    assert set(report["systems"]) == {"teacher", "teacher_unguided", "untrained@1", "untrained_w4a4@1", "student@1"}
+    assert set(report["systems"]) == {"teacher", "teacher_unguided", "initial_w4a4_euler", "untrained@1",
+                                      "untrained_w4a4@1", "student@1"}
     assert report["settings"]["student_cycles"] == 2 and report["settings"]["generator"]["sha256"] == log[0][
         "generator"]["sha256"] and report["settings"]["generator_forward"].startswith("W4A4 mxfp4")
     assert report["systems"]["teacher"]["forward_passes_per_image"] == 4
     assert report["systems"]["teacher_unguided"]["forward_passes_per_image"] == 2
+    assert report["systems"]["initial_w4a4_euler"]["forward_passes_per_image"] == 4  # the PTQ model with CFG
     assert report["systems"]["untrained_w4a4@1"]["forward_passes_per_image"] == 1
     assert report["systems"]["student@1"]["forward_passes_per_image"] == 1
     assert report["systems"]["teacher"]["fd_ratio_vs_teacher"] == 1.0
     # the PTQ control is not the 16-bit untrained student (its layers are quantized)
     assert report["systems"]["untrained_w4a4@1"]["fd_teacher"] != report["systems"]["untrained@1"]["fd_teacher"]
+    # the PTQ model sampled like the teacher (same steps, CFG and start noise) lands near it, not on it
+    assert 0 < report["systems"]["initial_w4a4_euler"]["fd_teacher"] < report["systems"]["untrained_w4a4@1"][
+        "fd_teacher"]
     assert (tmp_path / "eval" / "grid.png").stat().st_size > 1000
 
 
