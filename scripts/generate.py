@@ -67,14 +67,11 @@ def main(argv: list[str] | None = None) -> dict:
         if path is not None and not Path(path).exists():
             raise UserError(f"{flag} {path}: no such file or folder")
     import jax
-    from flax import nnx
-    from tqdm.auto import tqdm
 
     from kroquant_jax.fileio import atomic_write_bytes
-    from models import sampling
-    from models.quantized_checkpoint import load_quantized_checkpoint
     from models import families
-    from scripts.quantize_checkpoint import prompt_arrays, prompt_batches
+    from models.quantized_checkpoint import load_quantized_checkpoint
+    from scripts.quantize_checkpoint import prompt_arrays
 
     from pallas_kernels import served
 
@@ -89,45 +86,72 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as err:
         raise UserError(f"--strategy {strategy} --impl {args.impl}: {err}") from None
     loaded = load_quantized_checkpoint(args.checkpoint, args.dtype)
-    recorded = loaded.config.get("extra", {})
-    steps = args.steps or recorded.get("steps") or 20
-    guidance = args.guidance if args.guidance is not None else recorded.get("guidance", 4.5)
-    solver = args.solver or recorded.get("solver")
-    shift = args.shift if args.shift is not None else recorded.get("shift")
-    solver, shift = sampling.resolve_sampler(loaded.family, solver, shift)
-    size = getattr(loaded.cfg, "sample_size", None) or 128
-    latent_hw = tuple(args.latent_hw or recorded.get("latent_hw") or (size, size))
+    settings = sampler_settings(loaded, steps=args.steps, guidance=args.guidance, solver=args.solver,
+                                shift=args.shift, latent_hw=args.latent_hw)
     family = families.get(loaded.family)
     arrays = prompt_arrays(args, family, loaded.cfg)
-    dtype = jax.tree_util.tree_leaves(nnx.state(loaded.model, nnx.Param))[0].dtype
-    graphdef, state = nnx.split(loaded.model)
-    sample = jax.jit(family.make_sampler(graphdef, loaded.cfg, num_steps=steps, guidance_scale=guidance,
-                                         latent_hw=latent_hw, shift=shift, solver=solver))
     try:
         overrides = loaded.overrides() if options is None else loaded.served_overrides(options)
     except ValueError as err:
         raise UserError(f"--strategy {strategy}: {err}") from None
-    indices = list(range(arrays["context"].shape[0]))
-    latents, seeds = [], []
-    for index, batch in tqdm(zip(indices, prompt_batches(arrays, indices, 1, dtype)), total=len(indices),
-                             desc="generate", unit="prompt", disable=args.quiet):
-        seed = args.seed + 1000 + index
-        result, _ = sample({"model": state, **batch, "overrides": overrides}, jax.random.key(seed))
-        latents.append(np.asarray(result, np.float32)[0])
-        seeds.append(seed)
+    latents, seeds = sample_prompts(loaded.model, loaded.cfg, family, settings, arrays, overrides, (args.seed,),
+                                    progress=not args.quiet)
+    solver, steps, latent_hw = settings["solver"], settings["num_steps"], settings["latent_hw"]
     out = Path(args.out)
     buffer = io.BytesIO()
-    np.savez(buffer, latents=np.stack(latents), seeds=np.array(seeds))
+    np.savez(buffer, latents=latents, seeds=seeds)
     atomic_write_bytes(out / "latents.npz", buffer.getvalue())
     if args.vae:
         from models import diffusers_io
-        images = diffusers_io.decode_latents(args.vae, np.stack(latents), loaded.family)
+        images = diffusers_io.decode_latents(args.vae, latents, loaded.family)
         diffusers_io.save_pngs(images, out / "images", "w4a4_")
     print(f"{loaded.family}: {len(latents)} prompt(s) generated with the W4A4 model ({loaded.config['recipe']}, "
           f"{len(loaded.qlayers)} quantized layers, {strategy}; {solver}, {steps} steps); outputs in {out}",
           file=sys.stderr)
-    return {"family": loaded.family, "strategy": strategy, "solver": solver, "shift": shift, "steps": steps, "latent_hw": list(latent_hw),
-            "prompts": len(latents), "out": str(out)}
+    return {"family": loaded.family, "strategy": strategy, "solver": solver, "shift": settings["shift"],
+            "steps": steps, "latent_hw": list(latent_hw), "prompts": len(latents), "out": str(out)}
+
+
+def sampler_settings(loaded, steps: int | None = None, guidance: float | None = None, solver: str | None = None,
+                     shift: float | None = None, latent_hw: tuple[int, int] | None = None) -> dict:
+    """The sampler of a loaded quantized checkpoint folder: each value given, else the one recorded when the folder
+    was written, else the family's default (20 steps, CFG 4.5, the model's ``sample_size``). Returns the keyword
+    arguments of ``Family.make_sampler``: ``num_steps``, ``guidance_scale``, ``latent_hw``, ``shift``, ``solver``."""
+    from models import sampling
+
+    recorded = loaded.config.get("extra", {})
+    solver, shift = sampling.resolve_sampler(loaded.family, solver or recorded.get("solver"),
+                                             shift if shift is not None else recorded.get("shift"))
+    size = getattr(loaded.cfg, "sample_size", None) or 128
+    return {"num_steps": steps or recorded.get("steps") or 20,
+            "guidance_scale": guidance if guidance is not None else recorded.get("guidance", 4.5),
+            "latent_hw": tuple(latent_hw or recorded.get("latent_hw") or (size, size)), "shift": shift,
+            "solver": solver}
+
+
+def sample_prompts(model, cfg, family, settings: dict, arrays: dict, overrides: dict, seeds=(0,),
+                   progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Every prompt of ``arrays`` (``scripts.quantize_checkpoint.prompt_arrays``) sampled one at a time by ``model``
+    with its linears routed through ``overrides`` (``{}``: the model's own 16-bit linears), once per seed ``s`` of
+    ``seeds``: prompt ``i`` starts from the noise of seed ``s + 1000 + i`` (one compiled sampler for all).
+    Returns ``(latents (len(seeds) * P, c, H, W) float32, their noise seeds)``, seed-major."""
+    import jax
+    from flax import nnx
+    from tqdm.auto import tqdm
+
+    from scripts.quantize_checkpoint import prompt_batches
+
+    dtype = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))[0].dtype
+    graphdef, state = nnx.split(model)
+    sample = jax.jit(family.make_sampler(graphdef, cfg, **settings))
+    indices = list(range(arrays["context"].shape[0]))
+    batches = prompt_batches(arrays, indices, 1, dtype)
+    runs = [(seed + 1000 + index, batch) for seed in seeds for index, batch in zip(indices, batches)]
+    latents = []
+    for noise_seed, batch in tqdm(runs, desc="generate", unit="sample", disable=not progress):
+        result, _ = sample({"model": state, **batch, "overrides": overrides}, jax.random.key(noise_seed))
+        latents.append(np.asarray(result, np.float32)[0])
+    return np.stack(latents), np.array([noise_seed for noise_seed, _ in runs])
 
 
 if __name__ == "__main__":
