@@ -71,7 +71,8 @@ from models.testbed import model as testbed
 from models.layers import LinearHooks, linears
 
 __all__ = ["BestIterate", "GuidanceSchedule", "QADConfig", "NonFiniteError", "student_from_model",
-           "student_from_qlinears", "student_forward", "student_velocity", "teacher_target", "qad_loss",
+           "student_from_qlinears", "export_unquantized_student", "student_forward", "student_velocity",
+           "teacher_target", "qad_loss",
            "noised_batch", "distillation_loss",
            "make_optimizer", "with_state_dtype", "cast_floating", "apply_gradients", "make_train_chunk", "init_state",
            "train", "guided_sample", "teacher_sampler", "student_sample", "export_qlinears", "check_export_dir",
@@ -793,6 +794,40 @@ def check_export_dir(directory: str | Path, overwrite: bool, flag: str = "--out"
         raise ValueError(f"{flag} {directory}: exists and is not a folder")
     if directory.is_dir() and any(directory.iterdir()) and not overwrite:
         raise ValueError(f"{flag} {directory}: exists and is not empty; pass {overwrite_flag} to replace it")
+    return directory
+
+
+def export_unquantized_student(directory: str | Path, graphdef: Any, model_state: Any, *,
+                               extra: Mapping[str, Any] | None = None, prompts: str | Path | None = None) -> Path:
+    """Write the trained one-branch 16-bit student (``kroquant qad --variants distill_16bit``: CFG folded in, nothing
+    quantized) as a diffusers PixArt folder, which every tool that reads a 16-bit checkpoint takes (``kroquant
+    quantize-checkpoint``, ``kroquant qad --checkpoint``, ``benchmarks/generate_strategies.py --teacher``).
+
+    Written in this order: ``distilled.json`` (``extra`` plus the sampler the student is meant for, unless given:
+    ``guidance`` 1, one branch), ``prompts`` copied as ``testbed_prompts.npz`` when given (the testbed tools read
+    their captions from the checkpoint folder), then the weights and ``config.json`` last
+    (``models.convert.write_diffusers_dir``: a folder with a config is complete). Use :func:`check_export_dir` first
+    to refuse a non-empty folder.
+
+    Args:
+        directory: the folder to write. graphdef: the student's (the teacher's) nnx graph definition.
+        model_state: the trained nnx state (``init_state(...)["trainable"]["model"]``; no quantized layers).
+    Returns:
+        the folder.
+    """
+    from kroquant_jax.fileio import atomic_write_bytes, atomic_write_json  # noqa: PLC0415
+    from models import families  # noqa: PLC0415
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").unlink(missing_ok=True)  # incomplete until the new config lands
+    atomic_write_json(directory / "distilled.json",
+                      {"solver": "flow_euler", "shift": 1.0, "guidance": 1.0, "branches": 1, **dict(extra or {})})
+    if prompts is not None:
+        atomic_write_bytes(directory / "testbed_prompts.npz", Path(prompts).read_bytes())
+    else:
+        (directory / "testbed_prompts.npz").unlink(missing_ok=True)  # not an earlier export's
+    families.PIXART.to_diffusers(nnx.merge(graphdef, model_state), directory)
     return directory
 
 

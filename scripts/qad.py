@@ -13,7 +13,8 @@ Variants (each trained in its own run folder ``--out``/runs/<name>, resumable, k
 * ``naive_ptq``: the naive distillation from the PTQ layers (not run by default).
 * ``distill_16bit``: the control of what one branch can fold at all: the same loss, data and steps with no
   quantization (every weight trained in 16 bits; not run by default). Its held-out PSNR bounds what a one-branch
-  student of this model reaches, so it separates the cost of folding CFG from the cost of 4 bits. No export.
+  student of this model reaches, so it separates the cost of folding CFG from the cost of 4 bits. Its export is a
+  16-bit diffusers folder (``models.qad.export_unquantized_student``), not a quantized one.
 
 Evaluation: held-out captions (never trained on) and training captions that QAD did not train on, several seeds
 each, 20 Euler steps; the reference is the 16-bit teacher with CFG; the PTQ models run both branches with CFG, the
@@ -139,8 +140,6 @@ def main(argv=None) -> int:
     for folder in args.ptq_store:
         if not Path(folder).is_dir():
             raise ValueError(f"--ptq-store {folder}: no such folder")
-    if args.export_dir is not None and UNQUANTIZED in args.variants:
-        raise ValueError(f"--export-dir: --variants {UNQUANTIZED} has no W4A4 layers to export (a 16-bit control)")
     exports = {} if args.export_dir is None else {
         v: qad.check_export_dir(Path(args.export_dir) / v, args.overwrite_export, "--export-dir",
                                 "--overwrite-export") for v in args.variants}
@@ -294,7 +293,7 @@ def main(argv=None) -> int:
     for variant in args.variants:
         init = "ptq" if variant.endswith("_ptq") else "unquantized" if variant == UNQUANTIZED else "16bit"
         layers, blocks, packed = inits[init]
-        config = base if variant.startswith("qad") else dataclasses.replace(base, ste="none")
+        config = dataclasses.replace(base, ste="none") if variant.startswith("naive") else base
         chunk = qad.make_train_chunk(student_graph, teacher_graph, teacher_state, blocks, config, packed, data)
         state = qad.init_state(student_state, layers, config)
         key_extra = {"init": init if init != "ptq" else f"{ptq_name}:{qad.fingerprint(layers)}",
@@ -325,7 +324,17 @@ def main(argv=None) -> int:
                              "config": config.to_json(), "init": init, "init_validation_psnr_db": init_psnr,
                              "selected_step": int(state["step"]) if best is None else best.step,
                              "selected_by": "last iterate" if best is None else selection}
-        if variant in exports:
+        if variant in exports and variant == UNQUANTIZED:
+            prompts_file = Path(args.prompts or Path(args.checkpoint) / "testbed_prompts.npz")
+            qad.export_unquantized_student(
+                exports[variant], student_graph, trainable["model"], prompts=prompts_file,
+                extra={"trained_by": "kroquant qad", "variant": variant, "step": training[variant]["selected_step"],
+                       "selected_by": training[variant]["selected_by"],
+                       "teacher": str(Path(args.checkpoint).absolute()), "teacher_fingerprint": key_extra["teacher"],
+                       "data": key_extra["data"],
+                       "steps": args.sample_steps, "config": config.to_json()})
+            training[variant]["export"] = str(exports[variant])
+        elif variant in exports:
             init_folder = None if init == "16bit" else str(Path(args.ptq_store[0]).absolute())
             qad.export_student_checkpoint(
                 exports[variant], student_graph, trainable, blocks, config, packed, recipe_name=variant,

@@ -413,6 +413,34 @@ def test_unquantized_student_is_the_teacher_and_trains_every_weight(setup):
         assert float(jnp.abs(kernel["kernel"][...]).max()) > 0.0, name
 
 
+def test_unquantized_student_exports_as_a_16bit_checkpoint(setup, tmp_path):
+    """``distill_16bit``'s export is a diffusers folder of the trained weights (every one, the linears a W4A4 student
+    would quantize included) with its sampler (guidance 1) and the prompts beside it; re-exporting replaces it."""
+    _, student, _ = setup
+    graph, state = nnx.split(student)
+    trained = jax.tree.map(lambda v: v + 0.01, state)  # stands in for training: every weight moved
+    prompts = tmp_path / "prompts.npz"
+    np.savez(prompts, context=np.ones((1, 2, 32), np.float32))
+    folder = qad.export_unquantized_student(tmp_path / "student", graph, trained, prompts=prompts,
+                                            extra={"variant": "distill_16bit", "step": 7})
+    assert json.loads((folder / "distilled.json").read_text()) == {
+        "solver": "flow_euler", "shift": 1.0, "guidance": 1.0, "branches": 1, "variant": "distill_16bit", "step": 7}
+    assert (folder / "testbed_prompts.npz").read_bytes() == prompts.read_bytes()
+    cfg, loaded = families.PIXART.from_diffusers(folder, jnp.float32)
+    assert cfg == TINY
+    ours = jax.tree_util.tree_leaves_with_path(nnx.state(nnx.merge(graph, trained), nnx.Param))
+    theirs = dict(jax.tree_util.tree_leaves_with_path(nnx.state(loaded, nnx.Param)))
+    assert len(ours) == len(theirs)
+    for path, leaf in ours:
+        np.testing.assert_array_equal(np.asarray(theirs[path]), np.asarray(leaf), err_msg=jax.tree_util.keystr(path))
+    qad.export_unquantized_student(folder, graph, state)  # replaced: the untrained weights, no prompts given
+    _, again = families.PIXART.from_diffusers(folder, jnp.float32)
+    q = "transformer_blocks.0.attn1.to_q"
+    np.testing.assert_array_equal(np.asarray(linears(again)[q].kernel[...]), np.asarray(linears(student)[q].kernel[...]))
+    assert json.loads((folder / "distilled.json").read_text())["guidance"] == 1.0
+    assert not (folder / "testbed_prompts.npz").exists()
+
+
 def test_script_validates_its_ptq_stores_before_any_work(tmp_path):
     """`kroquant qad --ptq-store A B`: each folder must exist, the names (given or each folder's name without its
     hash) must be one per store and distinct; refused before the teacher is loaded and before --out is created."""
@@ -435,8 +463,6 @@ def test_script_validates_its_ptq_stores_before_any_work(tmp_path):
         qad_script.main(common + ["--curve-every", "30", "--chunk", "50"])
     with pytest.raises(ValueError, match="--eval-captions 10000 \\+ --validation-captions 8: the prompts have only"):
         qad_script.main(common + ["--variants", "qad_16bit", "--eval-captions", "10000"])  # the shipped prompts
-    with pytest.raises(ValueError, match="--export-dir: --variants distill_16bit has no W4A4 layers"):
-        qad_script.main(common + ["--variants", "distill_16bit", "--export-dir", str(tmp_path / "export")])
     assert not out.exists()
 
 
