@@ -25,6 +25,11 @@ Selection: every ``--curve-every`` steps the one-branch student is scored on ``-
 held-out captions (neither trained on nor evaluated); ``--select-best`` evaluates each student at its best-scoring
 iterate (``models.qad.BestIterate``, kept in its run folder) instead of the last, and the table names the step.
 
+Two-stage start: ``--student-init DIR`` (a one-branch 16-bit student of ``--checkpoint``, e.g. ``distill_16bit``'s
+export) gives the students that folder's weights instead of the teacher's; the teacher, its targets and reference
+images stay ``--checkpoint``'s. ``--ptq-store`` layers must then be calibrated on that student, and the RTN / PTQ
+baselines run one branch on its weights (a column "16-bit student init, one branch" shows the start itself).
+
 Export: ``--export-dir DIR`` writes each trained student (the iterate evaluated: its best with ``--select-best``,
 else its last) as a quantized checkpoint folder ``DIR/<variant>`` (``models.qad.export_student_checkpoint``: its
 trained 16-bit rest and packed W4A4 layers), which ``kroquant generate`` serves (one branch, guidance 1) and
@@ -111,6 +116,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--select-best", action="store_true",
                    help="evaluate each student at its best validation iterate (kept on disk, resumable) instead of "
                         "its last")
+    p.add_argument("--student-init", default=None,
+                   help="diffusers folder of a one-branch 16-bit student of --checkpoint (e.g. --variants "
+                        "distill_16bit's --export-dir): the students start from its weights instead of the teacher's; "
+                        "--ptq-store layers must be calibrated on it, and the RTN / PTQ baselines run one branch")
     p.add_argument("--export-dir", default=None,
                    help="write each trained student (its evaluated iterate) as a quantized checkpoint folder "
                         "DIR/<variant> (kroquant generate; kroquant dmd2 train --init-checkpoint)")
@@ -140,6 +149,8 @@ def main(argv=None) -> int:
     for folder in args.ptq_store:
         if not Path(folder).is_dir():
             raise ValueError(f"--ptq-store {folder}: no such folder")
+    if args.student_init is not None and not (Path(args.student_init) / "config.json").is_file():
+        raise ValueError(f"--student-init {args.student_init}: not a diffusers folder (no config.json)")
     exports = {} if args.export_dir is None else {
         v: qad.check_export_dir(Path(args.export_dir) / v, args.overwrite_export, "--export-dir",
                                 "--overwrite-export") for v in args.variants}
@@ -151,6 +162,13 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     cfg, teacher = families.PIXART.from_diffusers(args.checkpoint, "float32")
+    student_model = teacher  # the student starts from the teacher's weights (its copy is trained) ...
+    if args.student_init is not None:  # ... or from a one-branch student's, e.g. a CFG-folded 16-bit one
+        student_cfg, student_model = families.PIXART.from_diffusers(args.student_init, "float32")
+        if student_cfg != cfg:
+            differ = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(student_cfg, f.name)]
+            raise ValueError(f"--student-init {args.student_init}: not a model of --checkpoint {args.checkpoint} "
+                             f"(config differs in {differ})")
     heldout = all_heldout[:args.eval_captions]
     validation = all_heldout[args.eval_captions:args.eval_captions + args.validation_captions]
     last = args.eval_captions + len(validation) - 1
@@ -178,7 +196,9 @@ def main(argv=None) -> int:
                          warmup=args.warmup, batch_size=args.batch_size, steps=args.steps, chunk=args.chunk,
                          save_every=args.save_every)
     teacher_graph, teacher_state = nnx.split(teacher)
-    student_graph, student_state = nnx.split(teacher)  # same weights; the student's copy is trained
+    student_graph, student_state = nnx.split(student_model)
+    # the baselines' layers belong to the teacher (run with CFG, two branches) or to a one-branch student (one branch)
+    baseline_cfg = args.student_init is None
     size = cfg.sample_size
 
     # the PTQ layers and the inits (the 16-bit init gets the PTQ rank as an all-zero branch: same compiled step)
@@ -186,13 +206,13 @@ def main(argv=None) -> int:
     for name, folder in zip(names, args.ptq_store):
         try:  # the student quantizes with --fmt: a store in another format is refused, not silently re-rounded
             qlayers = QLinearStore(folder).load_all()
-            ptq_models[name] = qad.student_from_qlinears(teacher, qlayers, fmt=base.quant_format)
+            ptq_models[name] = qad.student_from_qlinears(student_model, qlayers, fmt=base.quant_format)
         except ValueError as err:
             raise ValueError(f"--ptq-store {folder} (--fmt {args.fmt}): {err}") from None
     ptq_name, ptq = next(iter(ptq_models.items())) if ptq_models else ("ptq", None)
     rank = 0 if ptq is None else next(iter(ptq[0].values()))["left"].shape[1]
     block = 1 if ptq is None else next(iter(ptq[1].values())).shape[-1]
-    rtn_layers, rtn_blocks = qad.student_from_model(teacher, rank=rank, block=block)
+    rtn_layers, rtn_blocks = qad.student_from_model(student_model, rank=rank, block=block)
     inits = {"16bit": (rtn_layers, rtn_blocks, False), "unquantized": ({}, {}, False)}
     if ptq is not None:
         inits["ptq"] = ptq
@@ -231,19 +251,26 @@ def main(argv=None) -> int:
     reference = {s: images(teacher_images(noise_for(s))) for s in args.seeds}
     columns = {"16-bit CFG (teacher)": reference}
     passes = {"16-bit CFG (teacher)": 2 * args.sample_steps}
+    if not baseline_cfg:  # the student's own start, before any quantization
+        title = "16-bit student init, one branch"
+        columns[title] = {s: images(one_branch({"model": student_state, "layers": {}}, {}, False, noise_for(s),
+                                               context, mask)) for s in args.seeds}
+        passes[title] = args.sample_steps
+    baseline_titles = {}
     for name, (layers, blocks, packed) in {"rtn": inits["16bit"], **ptq_models}.items():
         trainable = {"model": student_state, "layers": jax.tree.map(jnp.asarray, layers)}
-        title = f"{name} W4A4 CFG"
-        columns[title] = {s: images(cfg_images(trainable, blocks, packed, noise_for(s), context, mask))
+        title = baseline_titles[name] = f"{name} W4A4 CFG" if baseline_cfg else f"{name} W4A4, one branch"
+        sampler = cfg_images if baseline_cfg else one_branch
+        columns[title] = {s: images(sampler(trainable, blocks, packed, noise_for(s), context, mask))
                           for s in args.seeds}
-        passes[title] = 2 * args.sample_steps
+        passes[title] = (2 if baseline_cfg else 1) * args.sample_steps
     if ptq is not None:
-        title = f"{ptq_name} W4A4 CFG"
+        title = baseline_titles[ptq_name]
         columns[f"{ptq_name} + colour correction"] = {
             s: np.concatenate([qad.colour_correct(columns[title][s][held], reference[s][held]),
                                qad.colour_correct(columns[title][s][len(heldout):], reference[s][len(heldout):])])
             for s in args.seeds}
-        passes[f"{ptq_name} + colour correction"] = 2 * args.sample_steps
+        passes[f"{ptq_name} + colour correction"] = passes[title]
     setup_s = time.perf_counter() - began
     print(f"setup (reference and PTQ images): {setup_s:.0f} s", flush=True)
 
@@ -298,7 +325,8 @@ def main(argv=None) -> int:
         state = qad.init_state(student_state, layers, config)
         key_extra = {"init": init if init != "ptq" else f"{ptq_name}:{qad.fingerprint(layers)}",
                      "data": qad.fingerprint(data), "checkpoint": str(Path(args.checkpoint).name),
-                     "teacher": qad.fingerprint(teacher_state)}
+                     "teacher": qad.fingerprint(teacher_state),
+                     **({} if args.student_init is None else {"student_init": qad.fingerprint(student_state)})}
 
         run_dir = out / "runs" / variant
         best = bests.get(variant)
@@ -343,7 +371,8 @@ def main(argv=None) -> int:
                                       "selected_by": training[variant]["selected_by"], "init": key_extra["init"],
                                       "ptq_store": init_folder, "teacher": str(Path(args.checkpoint).absolute()),
                                       "teacher_fingerprint": key_extra["teacher"], "data": key_extra["data"],
-                                      "steps": args.sample_steps})
+                                      "steps": args.sample_steps, "student_init": None if args.student_init is None
+                                      else str(Path(args.student_init).absolute())})
             training[variant]["export"] = str(exports[variant])
         columns[variant] = {s: images(one_branch(trainable, blocks, packed, noise_for(s), context, mask))
                             for s in args.seeds}

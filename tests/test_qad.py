@@ -463,7 +463,13 @@ def test_script_validates_its_ptq_stores_before_any_work(tmp_path):
         qad_script.main(common + ["--curve-every", "30", "--chunk", "50"])
     with pytest.raises(ValueError, match="--eval-captions 10000 \\+ --validation-captions 8: the prompts have only"):
         qad_script.main(common + ["--variants", "qad_16bit", "--eval-captions", "10000"])  # the shipped prompts
+    with pytest.raises(ValueError, match="--student-init .*: not a diffusers folder"):
+        qad_script.main(common + ["--variants", "qad_16bit", "--student-init", str(a)])
     assert not out.exists()
+    # a student of another model is refused when the two configs are read, naming the fields (before the data)
+    families.PIXART.to_diffusers(families.PIXART.build(TINY, jnp.float32, seed=1), tmp_path / "tiny")
+    with pytest.raises(ValueError, match="--student-init .*tiny: not a model of --checkpoint .*num_layers"):
+        qad_script.main(common + ["--variants", "qad_16bit", "--student-init", str(tmp_path / "tiny")])
 
 
 def test_best_iterate_keeps_the_best_scored_iterate_across_resumes(tmp_path):
