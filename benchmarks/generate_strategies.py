@@ -29,7 +29,6 @@ markdown table beside it (``.md``) and, with ``--save-latents``, every system's 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import os
 import platform
@@ -49,18 +48,16 @@ SIMULATE = "simulate"
 def psnr_db(test: np.ndarray, reference: np.ndarray, space: str) -> float:
     """PSNR (dB) of one sample ``(c, H, W)`` against the reference: ``pixels`` maps [-1, 1] to [0, 1] (clipped, peak
     1; ``models.image_metrics.psnr``, the testbed's metric); ``latents`` uses the reference's value range as the
-    peak."""
+    peak (``models.image_metrics.range_psnr``, as ``kroquant quantize-checkpoint``'s evaluation)."""
     from models import image_metrics
 
-    test, reference = np.asarray(test, np.float64), np.asarray(reference, np.float64)
-    if space == "pixels":
-        def rgb(x):  # (3, H, W) in [-1, 1] -> (H, W, 3) in [0, 1]
-            return np.clip((np.moveaxis(x, 0, -1) + 1) / 2, 0, 1)
+    if space == "latents":
+        return image_metrics.range_psnr(test, reference)
 
-        return float(image_metrics.psnr(rgb(test), rgb(reference)))
-    peak = float(reference.max() - reference.min())
-    mse = float(np.mean((test - reference) ** 2))
-    return float("inf") if mse == 0 else 10.0 * np.log10(peak ** 2 / mse)
+    def rgb(x):  # (3, H, W) in [-1, 1] -> (H, W, 3) in [0, 1]
+        return np.clip((np.moveaxis(np.asarray(x, np.float64), 0, -1) + 1) / 2, 0, 1)
+
+    return float(image_metrics.psnr(rgb(test), rgb(reference)))
 
 
 def compare(latents: np.ndarray, reference: np.ndarray, space: str) -> dict:
@@ -124,15 +121,19 @@ def main(argv: list[str] | None = None) -> dict:
                         f"{', '.join(served.strategy_names())}")
     options = {s: None if s == SIMULATE else served.ServeOptions(strategy=s, impl=args.impl) for s in strategies}
     out_path = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "generate_strategies.json"))
-    loaded = load_quantized_checkpoint(args.checkpoint, args.dtype)
-    family = families.get(loaded.family)
-    dtype = jax.tree_util.tree_leaves(nnx.state(loaded.model, nnx.Param))[0].dtype
-    teacher_cfg, teacher = family.from_diffusers(args.teacher, dtype)
-    if teacher_cfg != loaded.cfg:
-        differ = [f.name for f in dataclasses.fields(loaded.cfg)
-                  if getattr(loaded.cfg, f.name) != getattr(teacher_cfg, f.name)]
+    # the two config.json files compared before any weights are read
+    try:
+        (family, ours), (theirs_family, theirs) = (families.detect_dir(d) for d in (args.checkpoint, args.teacher))
+    except (OSError, ValueError) as err:
+        raise UserError(str(err)) from None
+    differ = (["family"] if theirs_family is not family else
+              families.differing_fields(family.config_from_diffusers(ours), family.config_from_diffusers(theirs)))
+    if differ:
         raise UserError(f"--teacher {args.teacher}: not the model of --checkpoint {args.checkpoint} (config differs "
                         f"in {differ})")
+    loaded = load_quantized_checkpoint(args.checkpoint, args.dtype)
+    dtype = jax.tree_util.tree_leaves(nnx.state(loaded.model, nnx.Param))[0].dtype
+    _, teacher = family.from_diffusers(args.teacher, dtype)
     settings = sampler_settings(loaded, steps=args.steps, guidance=args.guidance)
     arrays = prompt_arrays(args, family, loaded.cfg)
     overrides = {}

@@ -460,7 +460,7 @@ def load_init_checkpoint(folder: str | Path, model: nnx.Module) -> PTQStore:
     if theirs is not family:
         raise ValueError(f"{flag} file {folder / 'config.json'}: a {theirs.name} model, the teacher is {family.name}")
     cfg, ours = theirs.config_from_diffusers(diffusers_config), family.config_of(model)
-    differing = [f.name for f in dataclasses.fields(ours) if getattr(cfg, f.name) != getattr(ours, f.name)]
+    differing = families.differing_fields(ours, cfg)
     if differing:
         field = differing[0]
         raise ValueError(f"{flag} file {folder / 'config.json'}: {field} is {getattr(cfg, field)!r}, the teacher's is "

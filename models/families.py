@@ -35,7 +35,8 @@ from models import convert, flux, ideogram4, ideogram4_sampling, pixart, samplin
 from models.layers import InitKeys, host_init, linears
 
 __all__ = ["CAPTION_KEYS_VALUES", "FLUX", "Family", "IDEOGRAM4", "PIXART", "REGISTRY", "SANA", "SharedInputGroups",
-           "TextOnlyInputs", "detect", "detect_dir", "family_of", "get", "load_diffusers", "load_pipeline_transformers"]
+           "TextOnlyInputs", "detect", "detect_dir", "differing_fields", "family_of", "get", "load_diffusers",
+           "load_pipeline_transformers"]
 
 #: ``model -> groups``: the model's quantizable linears that read the identical input tensor, each group a tuple of
 #: dotted paths in the order their outputs are stacked when the group runs as one linear (``Family.shared_inputs``).
@@ -344,6 +345,14 @@ def detect(config: Mapping[str, Any], source: str = "config.json") -> Family:
         raise ValueError(f"{source}: _class_name {class_name!r} is not a supported model family "
                          f"(supported: {', '.join(sorted(_BY_CLASS))})")
     return _BY_CLASS[class_name]
+
+
+def differing_fields(ours: Any, theirs: Any) -> list[str]:
+    """The fields of two model configs of one dataclass type whose values differ, in field order (``[]``: the same
+    model architecture), for errors that name them."""
+    if type(ours) is not type(theirs):
+        raise TypeError(f"differing_fields: {type(ours).__name__} and {type(theirs).__name__} are different configs")
+    return [f.name for f in dataclasses.fields(ours) if getattr(ours, f.name) != getattr(theirs, f.name)]
 
 
 def detect_dir(directory: str | os.PathLike) -> tuple[Family, dict[str, Any]]:

@@ -31,6 +31,17 @@ def psnr(images, reference, data_range: float = 1.0) -> np.ndarray:
         return 10.0 * np.log10(data_range**2 / mse)
 
 
+def range_psnr(test, reference) -> float:
+    """PSNR in dB of one array of any shape (e.g. a latent ``(c, H, W)``) with the reference's value range
+    ``max - min`` as the peak; ``inf`` for identical arrays. For samples that are not RGB images in [0, 1]."""
+    test, reference = np.asarray(test, np.float64), np.asarray(reference, np.float64)
+    if test.shape != reference.shape:
+        raise ValueError(f"range_psnr: shapes differ: {test.shape} vs {reference.shape}")
+    mse = float(np.mean((reference - test) ** 2))
+    peak = float(reference.max() - reference.min())
+    return float("inf") if mse == 0 else 10.0 * np.log10(peak ** 2 / mse)
+
+
 def _gaussian_filter_valid(img: np.ndarray) -> np.ndarray:
     """Separable 11x11 Gaussian filter (sigma 1.5) over axes (-3, -2) of ``(..., H, W, C)``, 'valid' region only."""
     t = np.arange(-_SSIM_RADIUS, _SSIM_RADIUS + 1)

@@ -52,7 +52,7 @@ import numpy as np
 from flax import nnx
 
 from kroquant_jax.fileio import atomic_path, atomic_write_text
-from models import families, pixart, qad
+from models import convert, families, pixart, qad
 from models.testbed import model as testbed
 from models.testbed import data as testbed_data
 from models.testbed.evaluation import image_metrics_of
@@ -164,11 +164,12 @@ def main(argv=None) -> int:
     cfg, teacher = families.PIXART.from_diffusers(args.checkpoint, "float32")
     student_model = teacher  # the student starts from the teacher's weights (its copy is trained) ...
     if args.student_init is not None:  # ... or from a one-branch student's, e.g. a CFG-folded 16-bit one
-        student_cfg, student_model = families.PIXART.from_diffusers(args.student_init, "float32")
-        if student_cfg != cfg:
-            differ = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(student_cfg, f.name)]
+        differ = families.differing_fields(cfg, families.PIXART.config_from_diffusers(
+            convert.read_diffusers_config(args.student_init)))  # its config.json, before its weights
+        if differ:
             raise ValueError(f"--student-init {args.student_init}: not a model of --checkpoint {args.checkpoint} "
                              f"(config differs in {differ})")
+        _, student_model = families.PIXART.from_diffusers(args.student_init, "float32")
     heldout = all_heldout[:args.eval_captions]
     validation = all_heldout[args.eval_captions:args.eval_captions + args.validation_captions]
     last = args.eval_captions + len(validation) - 1
@@ -311,7 +312,9 @@ def main(argv=None) -> int:
         seed = args.seeds[0]
         testbed.save_caption_grid(str(out / "qad_grid.png"), [str(c) for c in prompts.captions[heldout[:rows]]],
                                   [[columns[t][seed][k] for t in titles] for k in range(rows)], titles,
-                                  title=f"held-out captions, seed {seed}: teacher/PTQ with CFG (2 branches),\n"
+                                  title=f"held-out captions, seed {seed}: teacher"
+                                        f"{'/PTQ' if baseline_cfg else ''} with CFG (2 branches),\n"
+                                        f"{'' if baseline_cfg else 'PTQ of the 16-bit student and '}"
                                         f"students at guidance 1 (1 branch), {args.fmt.upper()} W4A4"
                                         + (f" ({UNQUANTIZED}: 16-bit)" if UNQUANTIZED in columns else ""))
         curves(out / "qad_curves.png", training)

@@ -408,12 +408,6 @@ def _atomic_write(path: Path, data: bytes) -> None:
     atomic_write_bytes(str(path), data)
 
 
-def _psnr(reference: np.ndarray, test: np.ndarray) -> float:
-    mse = float(np.mean((reference.astype(np.float64) - test) ** 2))
-    peak = float(reference.max() - reference.min())
-    return float("inf") if mse == 0 else 10.0 * np.log10(peak ** 2 / mse)
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
     out = Path(args.out)
@@ -438,7 +432,7 @@ def main(argv: list[str] | None = None) -> dict:
         calibrate.enable_compile_cache(args.compile_cache)
     from kroquant_jax.fileio import atomic_write_json
     from kroquant_jax.layerset import load_layer_set, save_layer_set
-    from models import capture, quantize_model, sampling
+    from models import capture, image_metrics, quantize_model, sampling
 
     family, cfg, model = _load(args.checkpoint, args.dtype)
     solver, shift = sampling.resolve_sampler(family.name, args.solver, args.shift)
@@ -525,7 +519,7 @@ def main(argv: list[str] | None = None) -> dict:
         full.append(reference[0])
         w4a4.append(quantized[0])
         per_prompt.append({"prompt": index, "seed": args.seed + 1000 + index,
-                           "latent_psnr_db": _psnr(reference, quantized),
+                           "latent_psnr_db": image_metrics.range_psnr(quantized, reference),
                            "latent_relative_error": float(np.linalg.norm(quantized - reference)
                                                           / max(np.linalg.norm(reference), 1e-30))})
     import io

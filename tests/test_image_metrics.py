@@ -20,6 +20,14 @@ def test_psnr_known_value_and_identity():
         M.psnr(ref[:, :16], ref)
 
 
+def test_range_psnr_takes_the_reference_range_as_its_peak():
+    ramp = np.linspace(-2, 2, 48).reshape(3, 4, 4)  # a latent: range 4
+    assert M.range_psnr(ramp + 0.4, ramp) == pytest.approx(20.0)  # 10 log10(4^2 / 0.4^2)
+    assert M.range_psnr(ramp, ramp) == float("inf")
+    with pytest.raises(ValueError, match="shapes differ"):
+        M.range_psnr(ramp[:2], ramp)
+
+
 def test_ssim_matches_scikit_image():
     skm = pytest.importorskip("skimage.metrics")
     ref, other = _images(1), _images(2)
