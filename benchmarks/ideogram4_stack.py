@@ -3,8 +3,9 @@ branch x 4 steps on W4A4, end to end, batch 1 or a throughput batch (issue 16, "
 
 Full-size transformers (``models.ideogram4.IDEOGRAM4``, 9.28 B parameters each, blocks stacked under ``lax.scan``),
 random bf16 weights generated on the device (``models.ideogram4_serving.random_states``; speed only), one prompt in the
-packed 1K layout (``--batch-size`` prompts of that layout per call: a throughput batch) of ``benchmarks/ideogram4_serving.py`` and ``benchmarks/dit_forward_w4a4.py`` (128 text tokens +
-64 x 64 image tokens = 4224 tokens, one segment, no mask, cuDNN attention on the GPU). Systems, in the order they run
+packed 1K layout of ``benchmarks/ideogram4_serving.py`` and ``benchmarks/dit_forward_w4a4.py`` (128 text tokens +
+64 x 64 image tokens = 4224 tokens, one segment, no mask, cuDNN attention on the GPU), ``--batch-size`` such prompts
+per call (a throughput batch). Systems, in the order they run
 (``--systems``; each one whole image from noise and text features to the final latents, the text projection
 included, as ONE AOT-compiled jitted call):
 
@@ -151,9 +152,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  sampling.flow_schedule(height, height, steps, guidance_schedule=None, guidance_scale=1.0)
                  for name, (steps, branches, _) in SYSTEMS.items()}
     payload: dict[str, Any] = {
-        "what": (f"Ideogram 4 per 1K image, batch {batch}, random weights (speed only): the bf16 48-step two-transformer "
-                 "pipeline vs one branch x 4 steps (bf16, W4A4 served layers), end to end (text projection, sampler, "
-                 "all steps)"),
+        "what": (f"Ideogram 4 per 1K image, batch {batch}, random weights (speed only): the bf16 48-step "
+                 "two-transformer pipeline vs one branch x 4 steps (bf16, W4A4 served layers), end to end (text "
+                 "projection, sampler, all steps)"),
         "vae": NO_VAE,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": getattr(device, "device_kind", str(device)), "backend": jax.default_backend(),

@@ -21,10 +21,11 @@ unguided (``--teacher-steps`` x 1 branch, CFG 1: the distribution a ``--guidance
 student without training, with ``--ptq-store`` / ``--init-checkpoint`` also the untrained W4A4 generator twice: as
 it is served without DMD2 (``initial_w4a4_euler``: ``--teacher-steps`` Euler steps from the teacher's start noise,
 with CFG ``--guidance`` for a PTQ store, one branch for an init checkpoint such as a QAD student) and at
-``--num-steps`` steps, one branch, and the trained student at 1, 2, 4, 8 steps (W4A4 fake quant with ``--ptq-store``): Fréchet
-distance of in-domain encoder features to the real training images and to the teacher's samples, caption accuracy,
-seed diversity, nearest-image outcomes, wall time per image, a grid PNG and ``report.json``. The encoder
-(``models/testbed/metrics.py``) is trained on the reference images once and cached (``--encoder-dir``).
+``--num-steps`` steps, one branch, and the trained student at 1, 2, 4, 8 steps (W4A4 fake quant with
+``--ptq-store``): Fréchet distance of in-domain encoder features to the real training images and to the teacher's
+samples, caption accuracy, seed diversity, nearest-image outcomes, wall time per image, a grid PNG and
+``report.json``. The encoder (``models/testbed/metrics.py``) is trained on the reference images once and cached
+(``--encoder-dir``).
 ``export``: a W4A4 run's latest generator as a quantized checkpoint folder (``models.quantized_checkpoint``: its
 trained 16-bit rest and packed layers) that ``kroquant generate`` serves and ``--init-checkpoint`` starts from; a
 16-bit run (no ``--ptq-store`` / ``--init-checkpoint``) is refused.

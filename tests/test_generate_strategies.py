@@ -54,7 +54,8 @@ def test_strategies_against_the_teacher_and_simulate(folders, tmp_path):
     teacher, quantized, prompts = folders
     out = tmp_path / "cmp.json"
     run = _run(["--checkpoint", quantized, "--teacher", teacher, "--prompts", prompts, "--strategies",
-                "simulate,dequant", "--impl", "reference", "--seeds", 0, 5, "--space", "pixels", "--save-latents", "--out", out],
+                "simulate,dequant", "--impl", "reference", "--seeds", 0, 5, "--space", "pixels", "--save-latents",
+                "--out", out],
                tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads(out.read_text())

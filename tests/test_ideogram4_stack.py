@@ -119,21 +119,23 @@ def test_served_block_helpers_name_what_they_need():
 
 
 def test_stack_benchmark_tiny_run(tmp_path):
-    """Each code path of the main once, at batch 2: the two-branch baseline, the one-branch bf16 reference, a W4A4 system with
-    the fused q | k | v layer (it runs the ``fp8_mgpu`` strategy's other layers, as ``w4a4_fp8_mgpu_4x1`` would),
-    and the optional one within --budget-s. ``w4a4_fp8_4x1`` and ``w4a4_fp8_mgpu_4x1`` differ from these only by the
-    strategy's name; those strategies' forwards of the same scanned model are checked by dit_forward_w4a4.py's runs in
-    tests/test_fused_hooks.py."""
+    """Each code path of the main once, at batch 2: the two-branch baseline, the one-branch bf16 reference, a W4A4
+    system with the fused q | k | v layer (it runs the ``fp8_mgpu`` strategy's other layers, as
+    ``w4a4_fp8_mgpu_4x1`` would), and the optional one within --budget-s. ``w4a4_fp8_4x1`` and
+    ``w4a4_fp8_mgpu_4x1`` differ from these only by the strategy's name; those strategies' forwards of the same
+    scanned model are checked by dit_forward_w4a4.py's runs in tests/test_fused_hooks.py."""
     out = tmp_path / "stack.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     systems = ["bf16_48x2", "bf16_4x1", "w4a4_fp8_mgpu_fused_qkv_4x1", "w4a4_dequant_4x1"]
     run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ideogram4_stack.py"), "--preset", "tiny",
-                          "--interpret", "--systems", ",".join(systems), "--repeats", "2", "--batch-size", "2", "--out", str(out)],
+                          "--interpret", "--systems", ",".join(systems), "--repeats", "2", "--batch-size", "2",
+                          "--out", str(out)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads(out.read_text())
     assert saved["systems"] == systems and saved["errors"] == {}
-    assert saved["batch_size"] == 2 and saved["tokens"] == 3 + 4 and saved["vae"] == "VAE decode not included (not ported)"
+    assert saved["batch_size"] == 2 and saved["tokens"] == 3 + 4
+    assert saved["vae"] == "VAE decode not included (not ported)"
     assert saved["finite"] == dict.fromkeys(systems, True)
     assert saved["forward_passes_per_image"] == {"bf16_48x2": 96, **dict.fromkeys(systems[1:], 4)}
     assert saved["schedules"]["bf16_48x2"]["guidance"] == [7.0] * 45 + [3.0] * 3

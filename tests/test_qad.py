@@ -400,10 +400,13 @@ def test_unquantized_student_is_the_teacher_and_trains_every_weight(setup):
         return nnx.merge(t_graph, t_state)(x, context, timestep, encoder_attention_mask=mask)
 
     pixels = testbed.images_to_pixels(data["images"])
-    grads = jax.jit(jax.grad(lambda tr: qad.qad_loss(tr, {}, s_graph, teacher_velocity, config, False, pixels, context, mask,
-                                             data["null_context"].astype(jnp.float32),
-                                             data["null_mask"].astype(jnp.float32), jax.random.key(0))[0]))(
-        trainable)
+    null_context, null_mask = data["null_context"].astype(jnp.float32), data["null_mask"].astype(jnp.float32)
+
+    def loss(tr):
+        return qad.qad_loss(tr, {}, s_graph, teacher_velocity, config, False, pixels, context, mask, null_context,
+                            null_mask, jax.random.key(0))[0]
+
+    grads = jax.jit(jax.grad(loss))(trainable)
     quantizable = linears(student, quantizable_only=True)
     assert quantizable and grads["layers"] == {}
     for name in quantizable:  # e.g. transformer_blocks.0.attn1.to_q: its kernel is a plain trained weight here
@@ -436,7 +439,8 @@ def test_unquantized_student_exports_as_a_16bit_checkpoint(setup, tmp_path):
     qad.export_unquantized_student(folder, graph, state)  # replaced: the untrained weights, no prompts given
     _, again = families.PIXART.from_diffusers(folder, jnp.float32)
     q = "transformer_blocks.0.attn1.to_q"
-    np.testing.assert_array_equal(np.asarray(linears(again)[q].kernel[...]), np.asarray(linears(student)[q].kernel[...]))
+    np.testing.assert_array_equal(np.asarray(linears(again)[q].kernel[...]),
+                                  np.asarray(linears(student)[q].kernel[...]))
     assert json.loads((folder / "distilled.json").read_text())["guidance"] == 1.0
     assert not (folder / "testbed_prompts.npz").exists()
 
