@@ -244,6 +244,15 @@ TABLES: dict[str, dict] = {
              "target: {testbed_dmd2_teacher_unguided_fd_ratio_vs_teacher:.2f}x, caption accuracy "
              "{testbed_dmd2_teacher_unguided_caption_accuracy:.3f}",
              "≤ 1.10x", "[dmd2](docs/dmd2.md)"],
+            ["The testbed stack, every stage on the same metrics (one H100 run: best PTQ store -> QAD -> DMD2, "
+             "1,024 training captions x 2 seeds); Fréchet ratio vs the 16-bit teacher (20 steps x CFG 3) and "
+             "caption accuracy",
+             "PTQ W4A4, 20 x 2 branches: {testbed_stack_ptq_w4a4_fd_ratio_vs_teacher:.2f}x, "
+             "{testbed_stack_ptq_w4a4_caption_accuracy:.3f}; QAD W4A4, 20 x 1: "
+             "{testbed_stack_qad_w4a4_fd_ratio_vs_teacher:.2f}x, {testbed_stack_qad_w4a4_caption_accuracy:.3f}; "
+             "QAD -> DMD2, 4 x 1: {testbed_stack_qad_dmd2_4step_fd_ratio_vs_teacher:.2f}x, "
+             "{testbed_stack_qad_dmd2_4step_caption_accuracy:.3f} (teacher {testbed_dmd2_teacher_caption_accuracy:.3f})",
+             "— (measured)", "[dmd2](docs/dmd2.md)"],
             ["DMD2: the same with a 16-bit student, 600 generator updates",
              "{testbed_dmd2_16bit_4step_fd_ratio_vs_teacher:.2f}x (the teacher's weights at 4 steps, untrained: "
              "{testbed_dmd2_16bit_untrained_4step_fd_ratio_vs_teacher:.2f}x); caption accuracy "
