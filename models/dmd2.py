@@ -261,6 +261,31 @@ def pixart_flow_model(graphdef: nnx.GraphDef, null_context: jax.Array, null_mask
     return FlowModel(apply=apply, uncond=uncond, apply_features=apply_features if feature_layer else None)
 
 
+def overrides_flow_model(graphdef: nnx.GraphDef, null_context: jax.Array, null_mask: jax.Array) -> FlowModel:
+    """The testbed PixArt with its linears routed through per-call overrides: a W4A4 generator as it is served.
+
+    Parameters are ``{"model": nnx state (the 16-bit rest, in its own dtype), "overrides": {linear path: pytree
+    callable}}``, e.g. ``models.quantized_checkpoint.QuantizedCheckpoint.served_overrides`` of the generator's
+    exported folder, so the same :func:`generate` samples it as the fake-quant :func:`pixart_flow_model` one. The
+    inputs are cast to the model's dtype; the velocity comes back in fp32. No ``apply_features`` (evaluation only).
+    """
+
+    def apply(params, x, sigma, cond):
+        dtype = jax.tree.leaves(params["model"])[0].dtype
+        out = nnx.merge(graphdef, params["model"])(x.astype(dtype), cond["context"].astype(dtype),
+                                                   sigma * testbed.TIMESTEP_SCALE,
+                                                   encoder_attention_mask=cond["mask"],
+                                                   hooks=LinearHooks(params["overrides"]))  # (b, 3, s, s)
+        return out.astype(jnp.float32)
+
+    def uncond(cond):
+        b = cond["context"].shape[0]
+        return {"context": jnp.broadcast_to(null_context.astype(cond["context"].dtype), (b,) + null_context.shape),
+                "mask": jnp.broadcast_to(null_mask.astype(cond["mask"].dtype), (b,) + null_mask.shape)}
+
+    return FlowModel(apply=apply, uncond=uncond)
+
+
 @dataclasses.dataclass(frozen=True)
 class PTQStore:
     """The initialisation of a W4A4 generator: a calibrated PTQ store (:func:`load_ptq_store`, ``kind``

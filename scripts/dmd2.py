@@ -25,7 +25,9 @@ with CFG ``--guidance`` for a PTQ store, one branch for an init checkpoint such 
 ``--ptq-store``): Fréchet distance of in-domain encoder features to the real training images and to the teacher's
 samples, caption accuracy, seed diversity, nearest-image outcomes, wall time per image, a grid PNG and
 ``report.json``. The encoder (``models/testbed/metrics.py``) is trained on the reference images once and cached
-(``--encoder-dir``).
+(``--encoder-dir``). ``--served STRATEGY`` adds the trained W4A4 student as it is served (``student_served``: exported
+to ``OUT/served_checkpoint``, its layers run by that served strategy, the same noise as the fake-quant student, with
+its PSNR against the fake-quant student's images).
 ``export``: a W4A4 run's latest generator as a quantized checkpoint folder (``models.quantized_checkpoint``: its
 trained 16-bit rest and packed layers) that ``kroquant generate`` serves and ``--init-checkpoint`` starts from; a
 16-bit run (no ``--ptq-store`` / ``--init-checkpoint``) is refused.
@@ -49,7 +51,7 @@ import numpy as np
 from flax import nnx
 
 from kroquant_jax.fileio import atomic_write_json
-from models import dmd2, families, pixart
+from models import dmd2, families, image_metrics, pixart
 from models.testbed import metrics as emoji_metrics
 from models.testbed import model as testbed
 from models.testbed import data as testbed_data
@@ -151,6 +153,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     evaluate.add_argument("--nearest", type=nonnegative_int, default=128,
                           help="samples per system for the nearest-image check")
     evaluate.add_argument("--grid-rows", type=positive_int, default=8, help="captions shown in grid.png")
+    evaluate.add_argument("--served", metavar="STRATEGY", default=None,
+                          help="also evaluate the W4A4 student as it is served: its latest checkpoint exported to "
+                               "OUT/served_checkpoint (kroquant dmd2 export) and sampled at --num-steps through that "
+                               "strategy's served layers (pallas_kernels.served: dequant, fp8, fp8_mgpu, ...), "
+                               "with the fake-quant student's noise; needs --ptq-store or --init-checkpoint")
     export = action_parser(sub, "dmd2", "export",
                            "Write a W4A4 run's latest generator as a quantized checkpoint folder (kroquant generate).",
                            (EXAMPLES[5].split(" ", 1)[1],))
@@ -266,7 +273,40 @@ def _noise(seed: int, indices: np.ndarray, shape: tuple[int, ...]) -> jax.Array:
                       for i in indices])
 
 
+def _check_served(args: argparse.Namespace) -> None:
+    """``--served`` names a served strategy and the run has W4A4 layers to serve (checked before anything loads)."""
+    if args.served is None:
+        return
+    from pallas_kernels import served
+
+    if args.served not in served.strategy_names():
+        raise ValueError(f"--served {args.served}: not a served strategy ({', '.join(served.strategy_names())}); "
+                         "the fake-quant student is evaluated anyway")
+    if args.ptq_store is None and args.init_checkpoint is None:
+        raise ValueError(f"--served {args.served}: needs the W4A4 run's --ptq-store or --init-checkpoint (a 16-bit "
+                         "generator has no W4A4 layers to serve)")
+
+
+def served_student(args: argparse.Namespace, built: Setup, out: Path):
+    """The run's latest generator exported to ``out/served_checkpoint`` (replaced if present: it is this
+    evaluation's output) and loaded with ``--served``'s served layers -> ``(FlowModel, params, export summary)``."""
+    from models.quantized_checkpoint import load_quantized_checkpoint
+    from pallas_kernels import served
+
+    kind = "ptq_store" if args.ptq_store is not None else "init_checkpoint"
+    plan = dmd2.plan_export(args.run, out / "served_checkpoint", overwrite=True,
+                            init_path=args.ptq_store or args.init_checkpoint, init_kind=kind)
+    summary = dmd2.export_run(plan, nnx.merge(built.graphdef, built.teacher))
+    loaded = load_quantized_checkpoint(plan.out)
+    overrides = loaded.served_overrides(served.ServeOptions(strategy=args.served))
+    graphdef, params = nnx.split(loaded.model)
+    flow = dmd2.overrides_flow_model(graphdef, jnp.asarray(built.dataset.null_context, jnp.float32),
+                                     jnp.asarray(built.dataset.null_mask, jnp.float32))
+    return flow, {"model": params, "overrides": overrides}, summary
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    _check_served(args)
     built = setup(args, jnp.float32)
     cfg, graphdef, teacher, dataset = built.cfg, built.graphdef, built.teacher, built.dataset
     state, cycle = dmd2.restore_state(args.run, built.state, run_key=built.run_key)
@@ -324,6 +364,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if built.store is not None:
         samplers["untrained_w4a4"] = (generator_jits, built.store.generator)
     samplers["student"] = (generator_jits, state["generator"])
+    served_export = None
+    if args.served is not None:  # the same student through the served layers of its exported folder
+        served_flow, served_params, served_export = served_student(args, built, out)
+        samplers["student_served"] = ({args.num_steps: jax.jit(functools.partial(
+            student_sample, served_flow, steps=args.num_steps))}, served_params)
     # the restored checkpoint's arrays are committed to a device, the teacher's and the store's are not, and jit
     # compiles one program per argument placement: every system's parameters are placed as the checkpoint's, so the
     # controls and the student share one compiled sampler per network and step count
@@ -355,8 +400,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         timed = sum(len(x) for x in images[timed_from:])
         return np.concatenate(images), (seconds / timed if timed else None)
 
-    controls = [f"{kind}@{args.num_steps}" for kind in samplers if kind != "student"]
-    systems = [*teacher_guidance, *euler_guidance, *controls] + [f"student@{s}" for s in args.student_steps]
+    controls = [f"{kind}@{args.num_steps}" for kind in samplers if kind not in ("student", "student_served")]
+    served_systems = [] if served_export is None else [f"student_served@{args.num_steps}"]
+    systems = ([*teacher_guidance, *euler_guidance, *controls] + [f"student@{s}" for s in args.student_steps]
+               + served_systems)
     euler_systems = {**teacher_guidance, **euler_guidance}  # sampled with --teacher-steps Euler steps
     samples, report = {}, {"systems": {}}
     pool = dataset.images.astype(np.float32) / 255
@@ -380,6 +427,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             "forward_passes_per_image": dmd2.forward_passes_per_image(steps, euler_systems.get(name, 1.0)),
             "wall_s_per_image": per_image_s}
         print(name, json.dumps(report["systems"][name]), flush=True)
+    for name in served_systems:  # the served student against the fake-quant one: same noise, same weights
+        simulated = samples.get(f"student@{args.num_steps}")
+        if simulated is None:
+            simulated, _ = run_system(f"student@{args.num_steps}", args.seed)
+        per_image = image_metrics.psnr(samples[name].astype(np.float32) / 255, simulated.astype(np.float32) / 255)
+        # identical images (inf) count as 99 dB, as the QAD tables do
+        report["systems"][name]["psnr_vs_fake_quant_db"] = float(np.mean(np.minimum(per_image, 99.0)))
+        print(name, "PSNR vs the fake-quant student (dB)", report["systems"][name]["psnr_vs_fake_quant_db"],
+              flush=True)
     teacher_fd = report["systems"]["teacher"]["fd_real"]
     for name, row in report["systems"].items():
         row["fd_ratio_vs_teacher"] = row["fd_real"] / teacher_fd
@@ -391,6 +447,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         "real_reference_images": int(real_features.shape[0]), "jax": jax.__version__,
         "device": str(jax.devices()[0]), "generator_forward": "16-bit" if built.store is None else
         f"W4A4 {built.store.w4a4.quant.fmt} fake quant (STE), one branch", **built.run_key}
+    if served_export is not None:
+        report["settings"]["served"] = {"strategy": args.served, "checkpoint": served_export["out"],
+                                        "cycle": served_export["cycle"], "layers": served_export["layers"]}
     atomic_write_json(out / "report.json", report)
     rows_idx = np.arange(min(args.grid_rows, len(train_indices)))
     rows = [[dataset.images[train_indices[k]]] + [samples[name][k] for name in systems] for k in rows_idx]
@@ -402,7 +461,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     euler_titles = [f"{init_title} W4A4 {args.teacher_steps}x{dmd2.forward_passes_per_image(1, g)}"
                     for g in euler_guidance.values()]
     titles = (["dataset", *teacher_titles, *euler_titles] + [control_titles[c.split("@")[0]] for c in controls]
-              + [f"DMD2 {s}" for s in args.student_steps])
+              + [f"DMD2 {s}" for s in args.student_steps] + [f"DMD2 {args.num_steps} {args.served}"
+                                                             for _ in served_systems])
     student = "DMD2 student" if built.store is None else "W4A4 DMD2 student"
     testbed.save_caption_grid(str(out / "grid.png"), [str(dataset.captions[train_indices[k]]) for k in rows_idx],
                               rows, titles, title=f"teacher (Euler, CFG {args.guidance:g}) vs {student} "

@@ -543,15 +543,21 @@ def test_script_trains_resumes_and_evaluates_a_tiny_teacher(tmp_path):
     with pytest.raises(dmd2.RunKeyMismatch, match="this call's from the 16-bit teacher"):
         script.main([*evaluate, *w4a4[:2], "--out", str(tmp_path / "refused")])
     assert not (tmp_path / "refused").exists()
+    # --served: an unknown strategy and a 16-bit run are refused before anything loads
+    with pytest.raises(ValueError, match="--served fp4_magic: not a served strategy"):
+        script.main([*evaluate, *w4a4, "--out", str(tmp_path / "refused"), "--served", "fp4_magic"])
+    with pytest.raises(ValueError, match="--served dequant: needs the W4A4 run's --ptq-store or --init-checkpoint"):
+        script.main([*evaluate, *w4a4[:2], "--out", str(tmp_path / "refused"), "--served", "dequant"])
+    assert not (tmp_path / "refused").exists()
     with recorded_compilations("student_sample") as compiled:
-        assert script.main([*evaluate, *w4a4, "--out", str(tmp_path / "eval")]) == 0
-    # one sampler per network at the one step count: the 16-bit control's, and the W4A4 one that the PTQ control
-    # and the restored student share (not compiled again for the checkpoint's committed arrays)
-    assert compiled == ["jit(student_sample)"] * 2
+        assert script.main([*evaluate, *w4a4, "--out", str(tmp_path / "eval"), "--served", "dequant"]) == 0
+    # one sampler per network at the one step count: the 16-bit control's, the W4A4 one that the PTQ control and the
+    # restored student share (not compiled again for the checkpoint's committed arrays), and the served student's
+    assert compiled == ["jit(student_sample)"] * 3
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     # the default --guidance is not 1, so the unguided teacher is evaluated as a control
     assert set(report["systems"]) == {"teacher", "teacher_unguided", "initial_w4a4_euler", "untrained@1",
-                                      "untrained_w4a4@1", "student@1"}
+                                      "untrained_w4a4@1", "student@1", "student_served@1"}
     assert report["settings"]["student_cycles"] == 2 and report["settings"]["generator"]["sha256"] == log[0][
         "generator"]["sha256"] and report["settings"]["generator_forward"].startswith("W4A4 mxfp4")
     assert report["systems"]["teacher"]["forward_passes_per_image"] == 4
@@ -566,6 +572,15 @@ def test_script_trains_resumes_and_evaluates_a_tiny_teacher(tmp_path):
     assert 0 < report["systems"]["initial_w4a4_euler"]["fd_teacher"] < report["systems"]["untrained_w4a4@1"][
         "fd_teacher"]
     assert (tmp_path / "eval" / "grid.png").stat().st_size > 1000
+    # the same student as it is served: exported, its layers run by the dequant strategy (the jnp reference on the
+    # CPU), the fake-quant student's noise
+    assert report["settings"]["served"]["strategy"] == "dequant" and report["settings"]["served"]["cycle"] == 2
+    assert (tmp_path / "eval" / "served_checkpoint" / "config.json").exists()
+    row, fake_quant = report["systems"]["student_served@1"], report["systems"]["student@1"]
+    assert row["forward_passes_per_image"] == 1 and np.isfinite(row["fd_real"])
+    # the served layers compute what the fake-quant ones do up to bf16 / rounding flips: close, not identical
+    assert 20.0 < row["psnr_vs_fake_quant_db"] < 99.0, row["psnr_vs_fake_quant_db"]
+    assert row["fd_teacher"] != fake_quant["fd_teacher"]
 
 
 # --------------------------------------------------------------------------------------------------------------------
