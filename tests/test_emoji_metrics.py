@@ -38,6 +38,11 @@ def test_frechet_distance_closed_form_gaussians():
     assert emoji_metrics.frechet_to(x, y) == pytest.approx(reference, rel=0.05)
     with pytest.raises(ValueError, match="shapes"):
         emoji_metrics.frechet_distance(mu1, cov1, mu2[:3], cov2[:3, :3])
+    # the mean term: all of the FD of a translated copy, a part of it otherwise
+    shift = rng.standard_normal(d)
+    assert emoji_metrics.frechet_mean_term(x + shift, x) == pytest.approx(np.sum(shift ** 2), rel=1e-9)
+    assert emoji_metrics.frechet_to(x + shift, x) == pytest.approx(np.sum(shift ** 2), rel=1e-6)
+    assert 0 < emoji_metrics.frechet_mean_term(x, y) < emoji_metrics.frechet_to(x, y)
 
 
 def test_glyph_classes_and_class_of():
@@ -72,6 +77,7 @@ def test_classifier_beats_chance_on_real_and_noisy_glyphs_and_caches(tmp_path):
     assert emoji_metrics.frechet_to(features, features) == pytest.approx(0.0, abs=1e-6)
     metrics = emoji_metrics.sample_metrics(graphdef, params, noisy, np.arange(n), features, features)
     assert metrics["fd_real"] > 0 and metrics["fd_teacher"] == metrics["fd_real"]
+    assert 0 <= metrics["fd_real_mean_term"] == metrics["fd_teacher_mean_term"] <= metrics["fd_real"]
     assert metrics["caption_accuracy"] == pytest.approx(noisy_acc)
 
 

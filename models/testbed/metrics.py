@@ -201,6 +201,12 @@ def frechet_to(features: np.ndarray, reference: np.ndarray) -> float:
     return frechet_distance(*feature_statistics(features), *feature_statistics(reference))
 
 
+def frechet_mean_term(features: np.ndarray, reference: np.ndarray) -> float:
+    """The ``|mu1 - mu2|^2`` part of :func:`frechet_to` (the rest, the covariance part, is never negative): a shift of
+    every sample the same way (a colour cast, a blur) shows here, a change of spread or diversity in the rest."""
+    return float(np.sum(np.square(np.asarray(features, np.float64).mean(0) - np.asarray(reference, np.float64).mean(0))))
+
+
 def caption_accuracy(predicted: np.ndarray, target: np.ndarray) -> float:
     """Top-1 accuracy: fraction of samples classified as the glyph their caption asked for."""
     predicted, target = np.asarray(predicted), np.asarray(target)
@@ -312,11 +318,14 @@ def load_reference_images(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.
 
 def sample_metrics(graphdef, params, images: np.ndarray, targets: np.ndarray, real_features: np.ndarray,
                    teacher_features: np.ndarray | None = None) -> dict[str, float]:
-    """FD to the real images (and to the teacher's samples), caption accuracy, feature mean/std of uint8 samples
-    (n, s, s, 3) asked for the classes ``targets`` (n,)."""
+    """FD to the real images (and to the teacher's samples) with its mean part (``*_mean_term``,
+    :func:`frechet_mean_term`), and caption accuracy of uint8 samples (n, s, s, 3) asked for the classes ``targets``
+    (n,)."""
     features, logits = _batched(graphdef, params, images)
     out = {"fd_real": frechet_to(features, real_features),
+           "fd_real_mean_term": frechet_mean_term(features, real_features),
            "caption_accuracy": caption_accuracy(np.argmax(logits, -1), targets)}
     if teacher_features is not None:
         out["fd_teacher"] = frechet_to(features, teacher_features)
+        out["fd_teacher_mean_term"] = frechet_mean_term(features, teacher_features)
     return out
