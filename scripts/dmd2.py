@@ -280,8 +280,7 @@ def _check_served(args: argparse.Namespace) -> None:
     from pallas_kernels import served
 
     if args.served not in served.strategy_names():
-        raise ValueError(f"--served {args.served}: not a served strategy ({', '.join(served.strategy_names())}); "
-                         "the fake-quant student is evaluated anyway")
+        raise ValueError(f"--served {args.served}: not a served strategy ({', '.join(served.strategy_names())})")
     if args.ptq_store is None and args.init_checkpoint is None:
         raise ValueError(f"--served {args.served}: needs the W4A4 run's --ptq-store or --init-checkpoint (a 16-bit "
                          "generator has no W4A4 layers to serve)")
