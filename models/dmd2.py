@@ -212,6 +212,17 @@ class W4A4Generator:
     lowrank_quantized: bool
 
 
+def _null_cond(null_context: jax.Array, null_mask: jax.Array) -> Callable[[Cond], Cond]:
+    """``FlowModel.uncond`` of the testbed PixArt: the empty caption ``(t, c)`` / ``(t,)`` broadcast to the batch."""
+
+    def uncond(cond):
+        b = cond["context"].shape[0]
+        return {"context": jnp.broadcast_to(null_context.astype(cond["context"].dtype), (b,) + null_context.shape),
+                "mask": jnp.broadcast_to(null_mask.astype(cond["mask"].dtype), (b,) + null_mask.shape)}
+
+    return uncond
+
+
 def pixart_flow_model(graphdef: nnx.GraphDef, null_context: jax.Array, null_mask: jax.Array,
                       feature_layer: str | None = None, compute_dtype: Any = jnp.float32,
                       w4a4: W4A4Generator | None = None) -> FlowModel:
@@ -253,12 +264,8 @@ def pixart_flow_model(graphdef: nnx.GraphDef, null_context: jax.Array, null_mask
             raise KeyError(f"pixart_flow_model: no linear named {feature_layer!r} (DMD2Config.gan_feature_layer)")
         return velocity, recorder.value.astype(jnp.float32)  # (b, 3, s, s), (b, n, d)
 
-    def uncond(cond):
-        b = cond["context"].shape[0]
-        return {"context": jnp.broadcast_to(null_context.astype(cond["context"].dtype), (b,) + null_context.shape),
-                "mask": jnp.broadcast_to(null_mask.astype(cond["mask"].dtype), (b,) + null_mask.shape)}
-
-    return FlowModel(apply=apply, uncond=uncond, apply_features=apply_features if feature_layer else None)
+    return FlowModel(apply=apply, uncond=_null_cond(null_context, null_mask),
+                     apply_features=apply_features if feature_layer else None)
 
 
 def overrides_flow_model(graphdef: nnx.GraphDef, null_context: jax.Array, null_mask: jax.Array) -> FlowModel:
@@ -278,12 +285,7 @@ def overrides_flow_model(graphdef: nnx.GraphDef, null_context: jax.Array, null_m
                                                    hooks=LinearHooks(params["overrides"]))  # (b, 3, s, s)
         return out.astype(jnp.float32)
 
-    def uncond(cond):
-        b = cond["context"].shape[0]
-        return {"context": jnp.broadcast_to(null_context.astype(cond["context"].dtype), (b,) + null_context.shape),
-                "mask": jnp.broadcast_to(null_mask.astype(cond["mask"].dtype), (b,) + null_mask.shape)}
-
-    return FlowModel(apply=apply, uncond=uncond)
+    return FlowModel(apply=apply, uncond=_null_cond(null_context, null_mask))
 
 
 @dataclasses.dataclass(frozen=True)
