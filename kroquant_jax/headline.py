@@ -221,7 +221,9 @@ TABLES: dict[str, dict] = {
              "{testbed_smoothquant_loraq_psnr_heldout_db:.2f} dB; chroma ratio {testbed_qad_chroma_ratio:.3f}; "
              "naive-distillation control {testbed_naive_distill_psnr_heldout_db:.2f} dB "
              "(fm weight 0.25, 1,023 records); the same distillation without quantization (what one branch folds; "
-             "400 of 450 steps, still rising): {testbed_distill_16bit_psnr_heldout_db:.2f} dB",
+             "best iterate of 1,500 steps): {testbed_distill_16bit_psnr_heldout_db:.2f} dB; that 16-bit "
+             "one-branch model calibrated with the same PTQ recipe (fold CFG first, then quantize; QAD from it "
+             "did not beat its start in 600 steps): {testbed_folded_ptq_psnr_heldout_db:.2f} dB",
              "beat every two-branch PTQ; chroma within 3% of 1", "[qad](docs/qad.md)"],
             ["QAD training step of the whole Ideogram 4 (34 blocks, W4A4 student + bf16 teacher, both CFG branches, "
              "1K layout), one H200",
