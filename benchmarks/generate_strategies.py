@@ -40,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.common_args import UserError, positive_int  # noqa: E402
+from scripts.common_args import UserError, positive_int, require_paths  # noqa: E402
 
 SIMULATE = "simulate"
 
@@ -100,10 +100,7 @@ def _parse(argv):
 
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
-    for flag, path in (("--checkpoint", args.checkpoint), ("--teacher", args.teacher),
-                       ("--prompts", args.embeddings)):
-        if not Path(path).exists():
-            raise UserError(f"{flag} {path}: no such file or folder")
+    require_paths(("--checkpoint", args.checkpoint), ("--teacher", args.teacher), ("--prompts", args.embeddings))
     strategies = [s for s in args.strategies.split(",") if s]
     import jax
     from flax import nnx
@@ -121,16 +118,10 @@ def main(argv: list[str] | None = None) -> dict:
                         f"{', '.join(served.strategy_names())}")
     options = {s: None if s == SIMULATE else served.ServeOptions(strategy=s, impl=args.impl) for s in strategies}
     out_path = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "generate_strategies.json"))
-    # the two config.json files compared before any weights are read
-    try:
-        (family, ours), (theirs_family, theirs) = (families.detect_dir(d) for d in (args.checkpoint, args.teacher))
+    try:  # the two config.json files compared before any weights are read
+        family = families.check_same_model(args.checkpoint, args.teacher)
     except (OSError, ValueError) as err:
         raise UserError(str(err)) from None
-    differ = (["family"] if theirs_family is not family else
-              families.differing_fields(family.config_from_diffusers(ours), family.config_from_diffusers(theirs)))
-    if differ:
-        raise UserError(f"--teacher {args.teacher}: not the model of --checkpoint {args.checkpoint} (config differs "
-                        f"in {differ})")
     loaded = load_quantized_checkpoint(args.checkpoint, args.dtype)
     dtype = jax.tree_util.tree_leaves(nnx.state(loaded.model, nnx.Param))[0].dtype
     _, teacher = family.from_diffusers(args.teacher, dtype)

@@ -361,6 +361,21 @@ def detect_dir(directory: str | os.PathLike) -> tuple[Family, dict[str, Any]]:
     return detect(config, source=str(Path(directory) / convert.CONFIG_NAME)), config
 
 
+def check_same_model(directory: str | os.PathLike, other: str | os.PathLike) -> Family:
+    """The family of two diffusers transformer directories (e.g. a quantized checkpoint folder and the 16-bit folder
+    it was made from), read from their config.json files only.
+
+    Raises:
+      ValueError: an unreadable or unknown config, another family, or the config fields in which they differ (named).
+    """
+    (family, ours), (other_family, theirs) = detect_dir(directory), detect_dir(other)
+    differ = (["family"] if other_family is not family else
+              differing_fields(family.config_from_diffusers(ours), family.config_from_diffusers(theirs)))
+    if differ:
+        raise ValueError(f"{other}: not the model of {directory} (config differs in {differ})")
+    return family
+
+
 def load_diffusers(directory: str | os.PathLike, dtype: Any = None, config_overrides: Mapping[str, Any] | None = None
                    ) -> tuple[Family, Any, nnx.Module]:
     """``(family, cfg, model)`` of a diffusers transformer directory of any registered family (arguments as

@@ -8,10 +8,11 @@ option's default, and ends with examples written as ``kroquant <verb> ...``. Cou
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Callable, Sequence
 
 __all__ = ["HelpFormatter", "UserError", "action_parser", "add_quiet", "choice_list", "nonnegative_int",
-           "positive_int", "quantize_with_store", "verb_parser"]
+           "positive_int", "quantize_with_store", "require_paths", "verb_parser"]
 
 
 class UserError(Exception):
@@ -88,6 +89,13 @@ def choice_list(choices: Sequence[str], what: str) -> Callable[[str], tuple[str,
         return tuple(v for v in choices if v in names)
 
     return parse
+
+
+def require_paths(*flag_paths: tuple[str, object]) -> None:
+    """Refuses the first ``(flag, path)`` whose path is given (not None) but does not exist, naming the flag."""
+    for flag, path in flag_paths:
+        if path is not None and not Path(path).exists():
+            raise UserError(f"{flag} {path}: no such file or folder")
 
 
 def quantize_with_store(layer_set, recipe, store, overwrite: bool, flag: str, label: str = ""):

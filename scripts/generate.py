@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scripts.common_args import UserError, add_quiet, positive_int, verb_parser
+from scripts.common_args import UserError, add_quiet, positive_int, require_paths, verb_parser
 
 EXAMPLES = ("--checkpoint runs/pixart/quantized-kroquant --prompts prompts.npz --out runs/samples",
             "--checkpoint runs/emoji/quantized-kroquant_loraq --prompts prompts.npz --steps 20 --latent-hw 32 32 "
@@ -63,9 +63,7 @@ def _parse(argv):
 
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
-    for flag, path in (("--checkpoint", args.checkpoint), ("--prompts", args.embeddings), ("--vae", args.vae)):
-        if path is not None and not Path(path).exists():
-            raise UserError(f"{flag} {path}: no such file or folder")
+    require_paths(("--checkpoint", args.checkpoint), ("--prompts", args.embeddings), ("--vae", args.vae))
     import jax
 
     from kroquant_jax.fileio import atomic_write_bytes

@@ -52,7 +52,7 @@ import numpy as np
 
 from kroquant_jax import calibrate
 from scripts.common_args import (UserError, add_quiet, positive_int, quantize_with_store,
-                                 verb_parser)
+                                 require_paths, verb_parser)
 
 
 EXAMPLES = (
@@ -414,10 +414,8 @@ def main(argv: list[str] | None = None) -> dict:
     # validate everything that can be checked from the arguments and the config before the capture
     check_checkpoint_dir(args.checkpoint)
     recipe = build_recipe(args)
-    for flag, path in (("--embeddings", args.embeddings), ("--layer-set", args.layer_set), ("--vae", args.vae),
-                       ("--text-embeddings", args.text_embeddings)):
-        if path is not None and not Path(path).exists():
-            raise UserError(f"{flag} {path}: no such file or folder")
+    require_paths(("--embeddings", args.embeddings), ("--layer-set", args.layer_set), ("--vae", args.vae),
+                  ("--text-embeddings", args.text_embeddings))
     if args.text_embeddings and not args.text_rows_from_all_prompts:
         raise UserError("--text-embeddings is read only with --text-rows-from-all-prompts")
     if args.text_rows_from_all_prompts and args.layer_set:

@@ -55,3 +55,37 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def tiny_quantized_pixart(tmp_path_factory):
+    """``(teacher dir, quantized checkpoint dir, prompt file, config)``: a 1-block, 32-wide PixArt of the testbed's
+    architecture saved as a diffusers folder; all its quantizable linears W4A4 (stand-in calibration, rank-32 branch)
+    in a quantized checkpoint folder with a recorded sampler (flow Euler, 2 steps, CFG 3); 2 prompts in the emoji
+    testbed's prompt-file layout. For the benchmarks that compare a quantized checkpoint with its 16-bit model."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from kroquant_jax.qlinear import random_qlinear
+    from models import families
+    from models.layers import linears
+    from models.quantized_checkpoint import save_quantized_checkpoint
+    from models.testbed import model as testbed
+
+    config = dataclasses.replace(testbed.TESTBED_PIXART_CONFIG, num_attention_heads=2, attention_head_dim=16,
+                                 num_layers=1, cross_attention_dim=32, sample_size=8, caption_channels=32)
+    root = tmp_path_factory.mktemp("tiny_quantized_pixart")
+    model = families.PIXART.build(config, seed=3)
+    families.PIXART.to_diffusers(model, root / "teacher")
+    keys = iter(jax.random.split(jax.random.key(0), 64))
+    qlayers = {name: random_qlinear(np.asarray(layer.kernel[...], np.float32).T, next(keys), 32)
+               for name, layer in linears(model, quantizable_only=True).items()}
+    save_quantized_checkpoint(root / "quantized", model, qlayers, recipe_name="stand-in", recipe={"rank": 32},
+                              extra={"solver": "flow_euler", "steps": 2, "guidance": 3.0, "shift": 1.0})
+    rng = np.random.default_rng(1)
+    np.savez(root / "prompts.npz", context=rng.standard_normal((2, 4, 32)).astype(np.float32),
+             context_mask=np.ones((2, 4), np.float32), null_context=np.zeros((4, 32), np.float32),
+             null_mask=np.ones((4,), np.float32))
+    return root / "teacher", root / "quantized", root / "prompts.npz", config

@@ -9,39 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
 from models import families, image_metrics
-from models.layers import linears
-from models.quantized_checkpoint import save_quantized_checkpoint
-from models.testbed import model as testbed
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = dataclasses.replace(testbed.TESTBED_PIXART_CONFIG, num_attention_heads=2, attention_head_dim=16, num_layers=1,
-                           cross_attention_dim=32, sample_size=8, caption_channels=32)
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """``(teacher dir, quantized checkpoint dir, prompt file)``: a 1-block PixArt, all its quantizable linears W4A4
-    (stand-in calibration), 2 prompts in the emoji testbed's prompt-file layout."""
-    from kroquant_jax.qlinear import random_qlinear
-
-    root = tmp_path_factory.mktemp("strategies")
-    model = families.PIXART.build(TINY, seed=3)
-    families.PIXART.to_diffusers(model, root / "teacher")
-    keys = iter(jax.random.split(jax.random.key(0), 64))
-    qlayers = {name: random_qlinear(np.asarray(layer.kernel[...], np.float32).T, next(keys), 32)
-               for name, layer in linears(model, quantizable_only=True).items()}
-    save_quantized_checkpoint(root / "quantized", model, qlayers, recipe_name="stand-in", recipe={"rank": 32},
-                              extra={"solver": "flow_euler", "steps": 2, "guidance": 3.0, "shift": 1.0})
-    rng = np.random.default_rng(1)
-    np.savez(root / "prompts.npz", context=rng.standard_normal((2, 4, 32)).astype(np.float32),
-             context_mask=np.ones((2, 4), np.float32), null_context=np.zeros((4, 32), np.float32),
-             null_mask=np.ones((4,), np.float32))
-    return root / "teacher", root / "quantized", root / "prompts.npz"
 
 
 def _run(args, tmp_path):
@@ -50,8 +23,8 @@ def _run(args, tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
-def test_strategies_against_the_teacher_and_simulate(folders, tmp_path):
-    teacher, quantized, prompts = folders
+def test_strategies_against_the_teacher_and_simulate(tiny_quantized_pixart, tmp_path):
+    teacher, quantized, prompts, config = tiny_quantized_pixart
     out = tmp_path / "cmp.json"
     run = _run(["--checkpoint", quantized, "--teacher", teacher, "--prompts", prompts, "--strategies",
                 "simulate,dequant", "--impl", "reference", "--seeds", 0, 5, "--space", "pixels", "--save-latents",
@@ -86,13 +59,13 @@ def test_strategies_against_the_teacher_and_simulate(folders, tmp_path):
                                    rtol=1e-6)
 
 
-def test_refuses_another_teacher_and_unknown_strategies(folders, tmp_path):
-    teacher, quantized, prompts = folders
-    other = families.PIXART.build(dataclasses.replace(TINY, num_layers=2), seed=3)
+def test_refuses_another_teacher_and_unknown_strategies(tiny_quantized_pixart, tmp_path):
+    teacher, quantized, prompts, config = tiny_quantized_pixart
+    other = families.PIXART.build(dataclasses.replace(config, num_layers=2), seed=3)
     families.PIXART.to_diffusers(other, tmp_path / "other")
     common = ["--checkpoint", quantized, "--prompts", prompts, "--out", tmp_path / "x.json"]
     run = _run([*common, "--teacher", tmp_path / "other"], tmp_path)
-    assert run.returncode != 0 and "not the model of --checkpoint" in run.stderr and "num_layers" in run.stderr
+    assert run.returncode != 0 and "not the model of" in run.stderr and "num_layers" in run.stderr
     assert "Traceback" not in run.stderr
     run = _run([*common, "--teacher", teacher, "--strategies", "simulate,fp9"], tmp_path)
     assert run.returncode != 0 and "--strategies simulate,fp9" in run.stderr and "Traceback" not in run.stderr
