@@ -74,7 +74,9 @@ class QuantizedCheckpoint:
     def served_overrides(self, options: Any = None) -> dict:
         """The linear overrides that run the W4A4 layers served (``pallas_kernels.served``: prepared once with
         ``options.strategy``, then its packed forward; ``options.impl`` None runs the compiled kernels on a GPU and the
-        jnp reference elsewhere). A padded layer (``QLinearConfig.input_pad``) gets its inputs zero-padded first.
+        jnp reference elsewhere). ``options`` None: ``served.default_strategy`` of these layers on this device
+        (``"fp8_mgpu"`` on Hopper where it serves every layer, else ``"dequant"``). A padded layer
+        (``QLinearConfig.input_pad``) gets its inputs zero-padded first.
 
         Raises:
           ValueError: naming a layer the strategy cannot serve (e.g. activations and weight in other formats).
@@ -87,7 +89,8 @@ class QuantizedCheckpoint:
 
         from models import quantize_model
 
-        options = served.ServeOptions() if options is None else options
+        if options is None:
+            options = served.ServeOptions(strategy=served.default_strategy(self.qlayers.values())[0])
         out = {}
         for name, layer in self.qlayers.items():
             try:

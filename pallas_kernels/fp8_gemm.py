@@ -476,6 +476,14 @@ class Fp8Strategy(served.Strategy):
     options = frozenset()
     act = "mxfp4"
 
+    def unsupported(self, layer) -> Optional[str]:
+        """MXFP4 weights (and activations, W4A4) only: NVFP4 values are not exact in E4M3."""
+        wfmt = getattr(layer.weight, "fmt", None)
+        if not isinstance(wfmt, MXFP4) or (self.act == "mxfp4" and not isinstance(layer.config.act_fmt, MXFP4)):
+            return (f"weight format {wfmt!r} / activation format {layer.config.act_fmt!r}, the {self.name!r} "
+                    f"strategy needs MXFP4")
+        return None
+
     def prepare(self, layer, *, swiglu: bool = False, transform_kernel: Optional[str] = None) -> Fp8Linear:
         return prepare_fp8_layer(served.serve_layer(layer, swiglu=swiglu, transform_kernel=transform_kernel),
                                  act=self.act)
@@ -515,6 +523,14 @@ class Fp8MgpuStrategy(Fp8Strategy):
     A Kronecker transform runs as K1 unless ``transform_kernel="k2"`` is asked for (:meth:`prepare`)."""
 
     name = "fp8_mgpu"
+
+    def unsupported(self, layer) -> Optional[str]:
+        """The ``"fp8"`` strategy's formats, and a low-rank branch of a rank the kernel's bf16 ``wgmma`` takes."""
+        why = super().unsupported(layer)
+        rank = layer.config.rank
+        if why is None and rank and (rank % MG.BF16_WGMMA_K or rank > 256):
+            why = f"low-rank rank {rank}, the fused kernel needs a multiple of {MG.BF16_WGMMA_K} up to 256"
+        return why
 
     def prepare(self, layer, *, swiglu: bool = False, transform_kernel: Optional[str] = None) -> Fp8Linear:
         """The ``"fp8"`` layer plus the kernel's ``L / sw``, made once here; a SwiGLU layer's rows in the order of

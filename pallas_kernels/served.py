@@ -15,11 +15,13 @@ Every strategy starts with the fused transform + quantize kernel (``Q(x T)``, :f
 ``h = x (R T^T)^T`` (``T`` folded into ``R`` at preparation time, so the low-rank branch needs no ``x T``); the
 strategy then computes the GEMM and the op:
 
-* ``"dequant"`` (the default, :data:`DEFAULT_STRATEGY`): "dequantize + cuBLAS",
+* ``"dequant"`` (:data:`DEFAULT_STRATEGY`, a default :class:`ServeOptions`'s; :func:`default_strategy` picks the FP8
+  strategy ``"fp8_mgpu"`` instead on Hopper where it serves every layer): "dequantize + cuBLAS",
   :func:`~pallas_kernels.w4a4_gemm.w4a4_matmul_dequant`: both packed operands decoded to bf16 by XLA fusions
   (exact), one bf16 GEMM with the low-rank pair joined along K (``[A | h] [W | L]^T``; NVFP4: a second GEMM for
-  ``h L^T``), bias in f32, the output stored in bf16, then the op as XLA ops (f32 math). The faster strategy at every
-  measured shape (docs/w4a4.md, "Served layers on the dequant strategy", "Why dequant is the default").
+  ``h L^T``), bias in f32, the output stored in bf16, then the op as XLA ops (f32 math). Faster than ``"kernel"`` and
+  ``"mgpu"`` at every measured shape (docs/w4a4.md, "Served layers on the dequant strategy", "Why dequant is the
+  default"); slower than the FP8 strategies of ``pallas_kernels.fp8_gemm`` on Hopper.
 * ``"kernel"``: the Pallas-Triton W4A4 GEMM (:func:`~pallas_kernels.w4a4_gemm.w4a4_matmul`) with the low-rank term
   (packed ``L`` decoded) in its epilogue, and with ``fused`` (default True) the RMSNorm or SwiGLU in that epilogue
   too (:func:`~pallas_kernels.epilogues.gemm_rmsnorm` / :func:`~pallas_kernels.epilogues.gemm_swiglu`).
@@ -57,7 +59,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, ClassVar, Iterable, Literal, Optional
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +74,7 @@ from pallas_kernels.w4a4_gemm import (BlockSizes, Compute, dequantize_bf16, even
 
 __all__ = [
     "DEFAULT_STRATEGY",
+    "PREFERRED_STRATEGY_BY_COMPUTE_CAPABILITY",
     "IMPLS",
     "OPS",
     "OpCall",
@@ -87,6 +90,7 @@ __all__ = [
     "register_strategy",
     "resolve_impl",
     "serve",
+    "default_strategy",
     "strategy_names",
 ]
 
@@ -95,9 +99,13 @@ Op = Literal["none", "rmsnorm", "swiglu"]
 OPS = ("none", "rmsnorm", "swiglu")
 #: Implementations: the compiled Pallas kernels, the same kernels in interpret mode (CPU), the jnp references.
 IMPLS = ("pallas", "interpret", "reference")
-#: The strategy of a default :class:`ServeOptions`: "dequantize + cuBLAS", the faster one at every measured shape
-#: (docs/w4a4.md, "Why dequant is the default").
+#: The strategy of a default :class:`ServeOptions`: "dequantize + cuBLAS", which runs every layer on every GPU (the
+#: faster of the non-FP8 strategies at every measured shape, docs/w4a4.md, "Why dequant is the default").
 DEFAULT_STRATEGY = "dequant"
+#: The strategy a GPU generation gets by default where one was measured faster than "dequant" and as exact on a real
+#: checkpoint (:func:`default_strategy`): compute capability major -> strategy. Hopper (9.x): the fused FP8 kernel,
+#: whose ``wgmma`` exists on sm_90 only (docs/w4a4.md, "The default strategy on Hopper").
+PREFERRED_STRATEGY_BY_COMPUTE_CAPABILITY = {9: "fp8_mgpu"}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -348,6 +356,11 @@ class Strategy:
     name: ClassVar[str] = ""
     options: ClassVar[frozenset] = frozenset()
 
+    def unsupported(self, layer) -> Optional[str]:
+        """Why this strategy cannot serve the ``QuantizedLinear`` ``layer`` (checked without preparing it), or None.
+        :func:`default_strategy` asks it of every layer of a model before choosing the strategy for all of them."""
+        return None
+
     def prepare(self, layer, *, swiglu: bool = False, transform_kernel: Optional[str] = None) -> Any:
         """The prepared (served) layer of a ``QuantizedLinear``; the built-in strategies share :class:`ServedLinear`."""
         return serve_layer(layer, swiglu=swiglu, transform_kernel=transform_kernel)
@@ -475,6 +488,35 @@ for _strategy in (DequantStrategy(), KernelStrategy(), MgpuStrategy()):
 # ---------------------------------------------------------------------------------------------------------------------
 # The entry points.
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def default_strategy(layers: Iterable = (), device: Any = None) -> tuple[str, str]:
+    """The strategy that serves ``layers`` (``QuantizedLinear``) on ``device`` (default: JAX's first device) when
+    none is named, and why: the GPU generation's :data:`PREFERRED_STRATEGY_BY_COMPUTE_CAPABILITY` if that strategy
+    can serve every layer (:meth:`Strategy.unsupported`), else :data:`DEFAULT_STRATEGY` (also on a CPU, or a GPU
+    without a preferred strategy). One strategy for the whole model: a layer the preferred one cannot serve keeps
+    every layer on the default, and the reason names that layer's shape.
+
+    Returns:
+      ``(strategy name, one line saying why)``.
+    """
+    device = jax.devices()[0] if device is None else device
+    if device.platform != "gpu":
+        return DEFAULT_STRATEGY, f"{DEFAULT_STRATEGY!r}: the default off a GPU ({device.platform})"
+    capability = str(getattr(device, "compute_capability", ""))
+    major = int(capability.split(".")[0]) if capability.split(".")[0].isdigit() else None
+    preferred = PREFERRED_STRATEGY_BY_COMPUTE_CAPABILITY.get(major)
+    if preferred is None:
+        return DEFAULT_STRATEGY, (f"{DEFAULT_STRATEGY!r}: the default on compute capability {capability or '?'} "
+                                  f"(no faster strategy measured there)")
+    strategy = get_strategy(preferred)
+    for layer in layers:
+        why = strategy.unsupported(layer)
+        if why is not None:
+            return DEFAULT_STRATEGY, (f"{DEFAULT_STRATEGY!r}: {preferred!r}, the default on compute capability "
+                                      f"{capability}, cannot serve layer ({layer.config.out_features}, "
+                                      f"{layer.config.in_features}): {why}")
+    return preferred, f"{preferred!r}: the default on compute capability {capability}"
 
 
 def serve(layer, *, swiglu: bool = False, transform_kernel: Optional[str] = None,

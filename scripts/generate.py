@@ -50,7 +50,8 @@ def _parse(argv):
                         help="model dtype (default: the stored one)")
     parser.add_argument("--strategy", help="how the W4A4 layers run: simulate (fake quant, f32) or a served strategy "
                         "of pallas_kernels.served (dequant, kernel, mgpu, fp8, fp8_w4a8, fp8_mgpu) (default: simulate "
-                        "on a CPU, dequant on a GPU)")
+                        "on a CPU; on a GPU pallas_kernels.served.default_strategy: fp8_mgpu on Hopper where it "
+                        "serves every layer, else dequant; the choice is printed)")
     parser.add_argument("--impl", choices=("pallas", "interpret", "reference"),
                         help="served strategies: compiled Pallas kernels, the Pallas interpreter or the jnp reference "
                         "(default: the kernels on a GPU, the reference elsewhere)")
@@ -59,6 +60,16 @@ def _parse(argv):
     args = parser.parse_args(argv)
     args.synthetic_prompts, args.synthetic_tokens = None, None  # prompt_arrays' other source
     return args
+
+
+def serve_options(strategy: str, impl: str | None):
+    """``ServeOptions(strategy, impl)``; a combination it refuses is a :class:`UserError` naming both flags."""
+    from pallas_kernels import served
+
+    try:
+        return served.ServeOptions(strategy=strategy, impl=impl)
+    except ValueError as err:
+        raise UserError(f"--strategy {strategy} --impl {impl}: {err}") from None
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -73,17 +84,20 @@ def main(argv: list[str] | None = None) -> dict:
 
     from pallas_kernels import served
 
-    strategy = args.strategy or ("simulate" if jax.default_backend() == "cpu" else served.DEFAULT_STRATEGY)
-    if strategy not in ("simulate", *served.strategy_names()):
+    # an explicit --strategy is checked before loading; without one a GPU picks per device and layers after it
+    strategy = args.strategy or ("simulate" if jax.default_backend() == "cpu" else None)
+    if strategy is not None and strategy not in ("simulate", *served.strategy_names()):
         raise UserError(f"--strategy {strategy}: not simulate or a served strategy "
                         f"({', '.join(served.strategy_names())})")
     if strategy == "simulate" and args.impl:
         raise UserError(f"--impl {args.impl} applies to served strategies, not --strategy simulate")
-    try:
-        options = None if strategy == "simulate" else served.ServeOptions(strategy=strategy, impl=args.impl)
-    except ValueError as err:
-        raise UserError(f"--strategy {strategy} --impl {args.impl}: {err}") from None
+    options = None if strategy in (None, "simulate") else serve_options(strategy, args.impl)
     loaded = load_quantized_checkpoint(args.checkpoint, args.dtype)
+    if strategy is None:
+        strategy, why = served.default_strategy(loaded.qlayers.values())
+        options = serve_options(strategy, args.impl)
+        if not args.quiet:
+            print(f"strategy {why}", file=sys.stderr)
     settings = sampler_settings(loaded, steps=args.steps, guidance=args.guidance, solver=args.solver,
                                 shift=args.shift, latent_hw=args.latent_hw)
     family = families.get(loaded.family)

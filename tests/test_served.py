@@ -143,6 +143,37 @@ def test_the_packages_own_strategies_are_registered_without_importing_their_modu
     assert out[1] == "Fp8W4A8Strategy"
 
 
+def test_default_strategy_per_device_and_layers():
+    # fp8_mgpu on Hopper where it serves every layer; dequant on a CPU, other GPUs, or when one layer is NVFP4 or has
+    # a rank the fused kernel's bf16 wgmma cannot take (the reason names that layer's shape)
+    from kroquant_jax.formats import NVFP4
+
+    class Device:
+        def __init__(self, platform, capability=None):
+            self.platform, self.compute_capability = platform, capability
+
+    kw, kl, kr = jax.random.split(jax.random.PRNGKey(3), 3)
+    w = jax.random.normal(kw, (64, 128)) * 0.05
+
+    def layer(rank=32, fmt=MXFP4()):
+        lowrank = (jax.random.normal(kl, (64, rank)) * 0.05, jax.random.normal(kr, (rank, 128)) * 0.05) if rank else None
+        return qlinear.build_qlinear(w, lowrank=lowrank, weight_fmt=fmt, act_fmt=fmt, lowrank_fmt=fmt,
+                                     lowrank_quantized=rank % 32 == 0)  # a 16-bit branch where MXFP4 cannot pack it
+
+    hopper, ampere = Device("gpu", "9.0"), Device("gpu", "8.0")
+    mx = [layer(), layer(rank=0), layer(rank=256)]
+    assert S.default_strategy(mx, hopper) == ("fp8_mgpu", "'fp8_mgpu': the default on compute capability 9.0")
+    assert S.default_strategy(mx, Device("cpu"))[0] == "dequant"
+    assert S.default_strategy(mx, jax.devices("cpu")[0])[0] == "dequant"
+    name, why = S.default_strategy(mx, ampere)
+    assert name == "dequant" and "8.0" in why
+    name, why = S.default_strategy(mx + [layer(fmt=NVFP4())], hopper)
+    assert name == "dequant" and "(64, 128)" in why and "MXFP4" in why
+    name, why = S.default_strategy(mx + [layer(rank=24)], hopper)
+    assert name == "dequant" and "rank 24" in why
+    assert S.default_strategy([], hopper)[0] == "fp8_mgpu" and S.DEFAULT_STRATEGY == "dequant"
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Each strategy's GEMM and low-rank placement.
 # ---------------------------------------------------------------------------------------------------------------------
