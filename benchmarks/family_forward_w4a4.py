@@ -1,0 +1,225 @@
+"""One denoising step of a PixArt-Σ or FLUX.1 transformer at its real size (random weights): bf16 against every served
+W4A4 strategy (issue 14's forwards beyond Ideogram 4, which ``benchmarks/dit_forward_w4a4.py`` measures).
+
+The model is the family's preset of a real checkpoint (``models.families``: PixArt-Sigma-XL-2-1024-MS, FLUX.1-schnell)
+built with random bf16 weights on the device; ``--double-blocks`` / ``--single-blocks`` keep only that many of its
+blocks (the blocks of one kind are identical in shape and work, so the blocks' time scales with their number; the
+embeddings and final layer then weigh more, and the bf16 / W4A4 ratio lies closer to 1 than the whole model's). Every
+quantizable linear (``models.layers.linears(quantizable_only=True)``) becomes a W4A4 MXFP4 layer with the real layer
+math and stand-in calibration (``kroquant_jax.qlinear.random_qlinear``: a random KroQuant transform, randomized
+low-rank factors of rank ``--rank``), served through the family's linear overrides
+(``QuantizedCheckpoint.served_overrides``: what ``kroquant generate`` runs).
+
+One call is the family's sampler with one step at guidance 1 (``Family.make_sampler``: the noise, one forward at
+``--height`` pixels, batch 1, synthetic prompt embeddings of ``--text-tokens`` tokens, the Euler / DPM update):
+timed as the median wall time of ``--repeats`` samples of ``--inner`` back-to-back calls after a compiling warm-up,
+and, with ``--kernels``, as the sum of its kernel durations (CUPTI, ``kroquant_jax.timing.device_time``) with the
+costliest kernels. Checks: each W4A4 output's relative L2 error against the bf16 output (finite; the W4A4 outputs
+differ from each other by rounding only). Writes the JSON (``--out``, atomically) and prints a table.
+
+    python3 benchmarks/family_forward_w4a4.py --family pixart --strategies dequant,fp8,fp8_mgpu --kernels
+    python3 benchmarks/family_forward_w4a4.py --family flux --double-blocks 2 --single-blocks 4 --kernels
+    python3 benchmarks/family_forward_w4a4.py --family pixart --preset tiny --strategies dequant      # a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from kroquant_jax import timing  # noqa: E402
+from kroquant_jax.fileio import atomic_write_json  # noqa: E402
+from kroquant_jax.qlinear import random_qlinear  # noqa: E402
+from models import families, flux, pixart  # noqa: E402
+from models.layers import linears  # noqa: E402
+from models.quantized_checkpoint import QuantizedCheckpoint  # noqa: E402
+from pallas_kernels import served  # noqa: E402
+from scripts.common_args import UserError, positive_int  # noqa: E402
+
+#: Small configs of the same architectures for the CPU (the test); the full ones are the families' presets.
+TINY = {
+    "pixart": dataclasses.replace(pixart.PIXART_SIGMA_XL_2_1024_MS, num_attention_heads=2, attention_head_dim=32,
+                                  num_layers=2, cross_attention_dim=64, sample_size=8, caption_channels=64),
+    "flux": dataclasses.replace(flux.FLUX1_SCHNELL, num_layers=1, num_single_layers=2, attention_head_dim=32,
+                                num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=32,
+                                axes_dims_rope=(8, 12, 12)),
+}
+#: VAE downsampling of both families' latents.
+VAE_FACTOR = 8
+
+
+def model_config(family: str, preset: str, double_blocks: int | None, single_blocks: int | None):
+    """The preset's config with only the blocks asked for (``double_blocks``: PixArt's blocks, FLUX's double-stream
+    blocks; ``single_blocks``: FLUX's single-stream blocks)."""
+    cfg = TINY[family] if preset == "tiny" else next(iter(families.get(family).presets.values()))
+    changes = {}
+    if double_blocks is not None:
+        if not 0 < double_blocks <= cfg.num_layers:
+            raise UserError(f"--double-blocks {double_blocks}: the {family} preset has {cfg.num_layers}")
+        changes["num_layers"] = double_blocks
+    if single_blocks is not None:
+        if family != "flux":
+            raise UserError(f"--single-blocks {single_blocks}: only FLUX.1 has single blocks")
+        if not 0 <= single_blocks <= cfg.num_single_layers:
+            raise UserError(f"--single-blocks {single_blocks}: the {family} preset has {cfg.num_single_layers}")
+        changes["num_single_layers"] = single_blocks
+    return dataclasses.replace(cfg, **changes), cfg
+
+
+def stand_in_qlayers(model, rank: int, key: jax.Array) -> dict:
+    """``{path: QuantizedLinear}`` of every quantizable linear (MXFP4, rank ``min(rank, o, d)``), one compiled
+    builder per shape."""
+    build = jax.jit(random_qlinear, static_argnums=2)
+    out = {}
+    for i, (name, layer) in enumerate(linears(model, quantizable_only=True).items()):
+        w = jnp.asarray(layer.kernel[...]).T.astype(jnp.float32)  # (o, d)
+        out[name] = build(w, jax.random.fold_in(key, i), min(rank, *w.shape))
+    return out
+
+
+def prompt_batch(family, cfg, tokens: int, dtype) -> dict:
+    """Batch-1 synthetic text inputs of the family (random features, all tokens real, an all-zero unconditional)."""
+    widths = family.prompt_widths(cfg)
+    rng = np.random.default_rng(0)
+    batch = {}
+    for name in family.prompt_inputs:
+        if name not in widths:  # masks
+            batch[name] = jnp.ones((1, tokens), jnp.float32)
+        elif name == "pooled":
+            batch[name] = jnp.asarray(rng.standard_normal((1, widths[name])), dtype)
+        else:
+            draw = np.zeros if name.startswith("uncond_") else rng.standard_normal
+            batch[name] = jnp.asarray(draw((1, tokens, widths[name])), dtype)
+    return batch
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", choices=("pixart", "flux"), required=True)
+    p.add_argument("--preset", choices=("full", "tiny"), default="full")
+    p.add_argument("--double-blocks", type=positive_int, help="keep this many (double-stream) blocks (default all)")
+    p.add_argument("--single-blocks", type=int, help="FLUX.1: keep this many single-stream blocks (default all)")
+    p.add_argument("--strategies", default="dequant,fp8,fp8_mgpu", help="comma-separated served strategies")
+    p.add_argument("--height", type=positive_int, help="image side in pixels (default 1024; tiny: 64)")
+    p.add_argument("--text-tokens", type=positive_int, help="prompt tokens (default: PixArt 300, FLUX 512; tiny 4)")
+    p.add_argument("--rank", type=positive_int, default=128, help="low-rank rank (default %(default)s)")
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--inner", type=positive_int, default=2)
+    p.add_argument("--kernels", action="store_true", help="add CUPTI kernel sums and the costliest kernels")
+    p.add_argument("--out", default=None, help="JSON (default $OUT/family_forward_w4a4.json, else /tmp)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parse(argv)
+    strategies = [s for s in args.strategies.split(",") if s]
+    unknown = [s for s in strategies if s not in served.strategy_names()]
+    if unknown or not strategies or len(set(strategies)) != len(strategies):
+        raise UserError(f"--strategies {args.strategies}: give distinct names from {', '.join(served.strategy_names())}")
+    tiny = args.preset == "tiny"
+    cfg, preset_cfg = model_config(args.family, args.preset, args.double_blocks, args.single_blocks)
+    height = args.height or (64 if tiny else 1024)
+    tokens = args.text_tokens or (4 if tiny else {"pixart": 300, "flux": 512}[args.family])
+    if height % (VAE_FACTOR * 2):
+        raise UserError(f"--height {height}: must be a multiple of {VAE_FACTOR * 2} (VAE factor x patch 2)")
+    out_path = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "family_forward_w4a4.json"))
+    family = families.get(args.family)
+    began = time.perf_counter()
+    model = family.build(cfg, dtype=jnp.bfloat16, seed=0)
+    qlayers = stand_in_qlayers(model, args.rank, jax.random.key(1))
+    timing.block(qlayers)
+    build_s = time.perf_counter() - began
+    checkpoint = QuantizedCheckpoint(family=args.family, cfg=cfg, model=model, qlayers=qlayers, config={})
+    graphdef, state = nnx.split(model)
+    hw = (height // VAE_FACTOR, height // VAE_FACTOR)
+    sample = jax.jit(family.make_sampler(graphdef, cfg, num_steps=1, guidance_scale=1.0, latent_hw=hw))
+    batch = prompt_batch(family, cfg, tokens, jnp.bfloat16)
+    key = jax.random.key(0)
+
+    systems, outputs = {}, {}
+    for system in ["bf16", *strategies]:
+        overrides = ({} if system == "bf16"
+                     else checkpoint.served_overrides(served.ServeOptions(strategy=system)))
+        params = {"model": state, **batch, **({"overrides": overrides} if overrides else {})}
+        call = lambda: sample(params, key)[0]  # noqa: E731
+        t0 = time.perf_counter()
+        y = call()
+        timing.block(y)
+        row = {"first_call_s_compile_included": time.perf_counter() - t0,
+               **timing.summary_ms(timing.wall_times(call, repeats=args.repeats, inner=args.inner))}
+        if args.kernels:
+            dt = timing.device_time(lambda p: sample(p, key)[0], [params], n_iter=3, warmup=1)
+            top = sorted(dt.kernels_us.items(), key=lambda kv: -kv[1])[:8]
+            row.update(kernel_sum_ms=dt.us / 1e3, kernel_method=dt.method,
+                       top_kernels_ms={name: us / 1e3 for name, us in top})
+        outputs[system] = np.asarray(y, np.float32)
+        row["finite"] = bool(np.isfinite(outputs[system]).all())
+        systems[system] = row
+        print(f"  {system:10s} {row['median_ms']:9.2f} ms (first call {row['first_call_s_compile_included']:.1f} s)",
+              flush=True)
+        del overrides, params
+    reference = outputs["bf16"]
+    for system in strategies:
+        systems[system]["rel_l2_vs_bf16"] = float(np.linalg.norm(outputs[system] - reference)
+                                                  / np.linalg.norm(reference))
+        systems[system]["speedup_vs_bf16"] = systems["bf16"]["median_ms"] / systems[system]["median_ms"]
+        if args.kernels:
+            systems[system]["kernel_speedup_vs_bf16"] = (systems["bf16"]["kernel_sum_ms"]
+                                                         / systems[system]["kernel_sum_ms"])
+    device = jax.devices()[0]
+    blocks = {"double": cfg.num_layers, "double_in_preset": preset_cfg.num_layers}
+    if args.family == "flux":
+        blocks.update(single=cfg.num_single_layers, single_in_preset=preset_cfg.num_single_layers)
+    payload = {
+        "what": f"one denoising step (sampler, guidance 1) of {args.family} at {height} px, batch 1, random weights: "
+                f"bf16 vs W4A4 served strategies (MXFP4, stand-in calibration, rank {args.rank})",
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": getattr(device, "device_kind", str(device)), "backend": jax.default_backend(),
+        "jax": jax.__version__, "python": platform.python_version(),
+        "command_args": list(sys.argv[1:] if argv is None else argv), "family": args.family, "preset": args.preset,
+        "blocks": blocks, "height": height, "latent_hw": list(hw), "text_tokens": tokens,
+        "quantized_layers": len(qlayers), "rank": args.rank,
+        "ranks": sorted({int(layer.config.rank) for layer in qlayers.values()}), "build_s": build_s,
+        "memory_gib": timing.device_memory_gib(), "systems": systems}
+    atomic_write_json(out_path, payload)
+    print(table(payload), flush=True)
+    return payload
+
+
+def table(payload: dict) -> str:
+    """Markdown: one row per system (median ms, ratio to bf16, kernel sums, error vs bf16)."""
+    b = payload["blocks"]
+    kinds = f"{b['double']} of {b['double_in_preset']} blocks" + (
+        f", {b['single']} of {b['single_in_preset']} single blocks" if "single" in b else "")
+    lines = [f"{payload['device']}, jax {payload['jax']}, {payload['date_utc']}: {payload['family']} ({kinds}), "
+             f"{payload['height']} px, {payload['text_tokens']} text tokens, {payload['quantized_layers']} W4A4 "
+             f"layers, ranks {payload['ranks']}", "",
+             "| system | median ms | / bf16 | kernel sum ms | / bf16 (kernels) | rel. L2 vs bf16 | finite |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for name, row in payload["systems"].items():
+        kernels = row.get("kernel_sum_ms")
+        kernel_cells = ("— | —" if kernels is None else
+                        f"{kernels:.2f} | {row.get('kernel_speedup_vs_bf16', 1.0):.2f}x")
+        lines.append(f"| `{name}` | {row['median_ms']:.2f} | {row.get('speedup_vs_bf16', 1.0):.2f}x | {kernel_cells} | "
+                     f"{row.get('rel_l2_vs_bf16', 0.0):.3f} | {row['finite']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as err:
+        sys.exit(f"family_forward_w4a4.py: {err}")

@@ -1,0 +1,43 @@
+"""benchmarks/family_forward_w4a4.py on the CPU (tiny PixArt and FLUX.1 configs, the served strategy through its jnp
+reference): the W4A4 forward runs every quantizable linear served, its output is near but not equal to bf16's, the
+printed figures are the recorded ones, and bad block counts are refused with one line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(args):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "family_forward_w4a4.py"), *map(str, args)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("family, blocks, layers", [("pixart", ["--double-blocks", 1], 10),
+                                                    ("flux", ["--single-blocks", 1], 17)])
+def test_one_step_bf16_against_served_w4a4(family, blocks, layers, tmp_path):
+    out = tmp_path / "f.json"
+    run = _run(["--family", family, "--preset", "tiny", *blocks, "--strategies", "dequant", "--repeats", 2,
+                "--inner", 1, "--out", out])
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved = json.loads(out.read_text())
+    assert saved["quantized_layers"] == layers and saved["ranks"] == [64] and saved["latent_hw"] == [8, 8]
+    bf16, w4a4 = saved["systems"]["bf16"], saved["systems"]["dequant"]
+    assert bf16["finite"] and w4a4["finite"] and len(w4a4["samples_ms"]) == 2
+    assert 0 < w4a4["rel_l2_vs_bf16"] < 0.5  # quantized, and not garbage
+    assert w4a4["speedup_vs_bf16"] == pytest.approx(bf16["median_ms"] / w4a4["median_ms"])
+    assert f"| `dequant` | {w4a4['median_ms']:.2f} |" in run.stdout
+
+
+def test_refuses_block_counts_the_preset_lacks():
+    for args, words in ((["--family", "pixart", "--single-blocks", 1], "only FLUX.1 has single blocks"),
+                        (["--family", "flux", "--single-blocks", 3], "--single-blocks 3: the flux preset has 2"),
+                        (["--family", "pixart", "--double-blocks", 9], "--double-blocks 9: the pixart preset has 2")):
+        run = _run([*args, "--preset", "tiny"])
+        assert run.returncode != 0 and words in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
