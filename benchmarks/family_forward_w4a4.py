@@ -15,7 +15,9 @@ One call is the family's sampler with one step at guidance 1 (``Family.make_samp
 timed as the median wall time of ``--repeats`` samples of ``--inner`` back-to-back calls after a compiling warm-up,
 and, with ``--kernels``, as the sum of its kernel durations (CUPTI, ``kroquant_jax.timing.device_time``) with the
 costliest kernels. Checks: each W4A4 output's relative L2 error against the bf16 output (finite; the W4A4 outputs
-differ from each other by rounding only). Writes the JSON (``--out``, atomically) and prints a table.
+differ from each other by rounding only) and, with ``simulate`` among ``--strategies`` (the same quantized layers
+fake-quantized in f32, ``QuantizedCheckpoint.overrides``), each served output's error against it. Writes the JSON
+(``--out``, atomically) and prints a table.
 
     python3 benchmarks/family_forward_w4a4.py --family pixart --strategies dequant,fp8,fp8_mgpu --kernels
     python3 benchmarks/family_forward_w4a4.py --family flux --double-blocks 2 --single-blocks 4 --kernels
@@ -57,6 +59,8 @@ TINY = {
                                 num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=32,
                                 axes_dims_rope=(8, 12, 12)),
 }
+#: The fake-quantized W4A4 forward (``qlinear_forward(path="simulate")``, f32 math) as a system of ``--strategies``.
+SIMULATE = "simulate"
 #: VAE downsampling of both families' latents.
 VAE_FACTOR = 8
 
@@ -126,9 +130,10 @@ def _parse(argv):
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
     strategies = [s for s in args.strategies.split(",") if s]
-    unknown = [s for s in strategies if s not in served.strategy_names()]
+    unknown = [s for s in strategies if s != SIMULATE and s not in served.strategy_names()]
     if unknown or not strategies or len(set(strategies)) != len(strategies):
-        raise UserError(f"--strategies {args.strategies}: give distinct names from {', '.join(served.strategy_names())}")
+        raise UserError(f"--strategies {args.strategies}: give distinct names from {SIMULATE}, "
+                        f"{', '.join(served.strategy_names())}")
     tiny = args.preset == "tiny"
     cfg, preset_cfg = model_config(args.family, args.preset, args.double_blocks, args.single_blocks)
     height = args.height or (64 if tiny else 1024)
@@ -151,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     systems, outputs = {}, {}
     for system in ["bf16", *strategies]:
-        overrides = ({} if system == "bf16"
+        overrides = ({} if system == "bf16" else checkpoint.overrides() if system == SIMULATE
                      else checkpoint.served_overrides(served.ServeOptions(strategy=system)))
         params = {"model": state, **batch, **({"overrides": overrides} if overrides else {})}
         call = lambda: sample(params, key)[0]  # noqa: E731
@@ -179,6 +184,9 @@ def main(argv: list[str] | None = None) -> dict:
         if args.kernels:
             systems[system]["kernel_speedup_vs_bf16"] = (systems["bf16"]["kernel_sum_ms"]
                                                          / systems[system]["kernel_sum_ms"])
+        if SIMULATE in outputs and system != SIMULATE:
+            systems[system]["rel_l2_vs_simulate"] = float(np.linalg.norm(outputs[system] - outputs[SIMULATE])
+                                                           / np.linalg.norm(outputs[SIMULATE]))
     device = jax.devices()[0]
     blocks = {"double": cfg.num_layers, "double_in_preset": preset_cfg.num_layers}
     if args.family == "flux":
@@ -207,14 +215,17 @@ def table(payload: dict) -> str:
     lines = [f"{payload['device']}, jax {payload['jax']}, {payload['date_utc']}: {payload['family']} ({kinds}), "
              f"{payload['height']} px, {payload['text_tokens']} text tokens, {payload['quantized_layers']} W4A4 "
              f"layers, ranks {payload['ranks']}", "",
-             "| system | median ms | / bf16 | kernel sum ms | / bf16 (kernels) | rel. L2 vs bf16 | finite |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| system | median ms | / bf16 | kernel sum ms | / bf16 (kernels) | rel. L2 vs bf16 | rel. L2 vs simulate "
+             "| finite |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, row in payload["systems"].items():
         kernels = row.get("kernel_sum_ms")
         kernel_cells = ("— | —" if kernels is None else
                         f"{kernels:.2f} | {row.get('kernel_speedup_vs_bf16', 1.0):.2f}x")
         lines.append(f"| `{name}` | {row['median_ms']:.2f} | {row.get('speedup_vs_bf16', 1.0):.2f}x | {kernel_cells} | "
-                     f"{row.get('rel_l2_vs_bf16', 0.0):.3f} | {row['finite']} |")
+                     f"{row.get('rel_l2_vs_bf16', 0.0):.3f} | "
+                     f"{'—' if 'rel_l2_vs_simulate' not in row else format(row['rel_l2_vs_simulate'], '.4f')} | "
+                     f"{row['finite']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -23,7 +23,7 @@ def _run(args):
                                                     ("flux", ["--single-blocks", 1], 17)])
 def test_one_step_bf16_against_served_w4a4(family, blocks, layers, tmp_path):
     out = tmp_path / "f.json"
-    run = _run(["--family", family, "--preset", "tiny", *blocks, "--strategies", "dequant", "--repeats", 2,
+    run = _run(["--family", family, "--preset", "tiny", *blocks, "--strategies", "simulate,dequant", "--repeats", 2,
                 "--inner", 1, "--out", out])
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads(out.read_text())
@@ -33,6 +33,9 @@ def test_one_step_bf16_against_served_w4a4(family, blocks, layers, tmp_path):
     assert 0 < w4a4["rel_l2_vs_bf16"] < 0.5  # quantized, and not garbage
     assert w4a4["speedup_vs_bf16"] == pytest.approx(bf16["median_ms"] / w4a4["median_ms"])
     assert f"| `dequant` | {w4a4['median_ms']:.2f} |" in run.stdout
+    # the served layers differ from the simulated ones by their bf16 activations only: nearer simulate than bf16
+    assert 0 < w4a4["rel_l2_vs_simulate"] < w4a4["rel_l2_vs_bf16"]
+    assert "rel_l2_vs_simulate" not in saved["systems"]["simulate"]
 
 
 def test_refuses_block_counts_the_preset_lacks():
