@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     unknown = [s for s in strategies if s not in served.strategy_names()]
     if unknown or not strategies or len(set(strategies)) != len(strategies):
-        raise UserError(f"--strategies {args.strategies}: give distinct names from {', '.join(served.strategy_names())}")
+        raise UserError(f"--strategies {args.strategies}: give distinct names from "
+                        f"{', '.join(served.strategy_names())}")
     out_path = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "served_layer_error.json"))
     try:  # the two config.json files compared before any weights are read
         family = families.check_same_model(args.checkpoint, args.teacher)

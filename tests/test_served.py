@@ -156,7 +156,9 @@ def test_default_strategy_per_device_and_layers():
     w = jax.random.normal(kw, (64, 128)) * 0.05
 
     def layer(rank=32, fmt=MXFP4()):
-        lowrank = (jax.random.normal(kl, (64, rank)) * 0.05, jax.random.normal(kr, (rank, 128)) * 0.05) if rank else None
+        lowrank = None
+        if rank:
+            lowrank = (jax.random.normal(kl, (64, rank)) * 0.05, jax.random.normal(kr, (rank, 128)) * 0.05)
         return qlinear.build_qlinear(w, lowrank=lowrank, weight_fmt=fmt, act_fmt=fmt, lowrank_fmt=fmt,
                                      lowrank_quantized=rank % 32 == 0)  # a 16-bit branch where MXFP4 cannot pack it
 
