@@ -50,6 +50,7 @@ from models.layers import linears  # noqa: E402
 from models.quantized_checkpoint import QuantizedCheckpoint  # noqa: E402
 from pallas_kernels import served  # noqa: E402
 from scripts.common_args import UserError, positive_int  # noqa: E402
+from scripts.quantize_checkpoint import prompt_arrays, prompt_batches  # noqa: E402
 
 #: Small configs of the same architectures for the CPU (the test); the full ones are the families' presets.
 TINY = {
@@ -94,22 +95,6 @@ def stand_in_qlayers(model, rank: int, key: jax.Array) -> dict:
     return out
 
 
-def prompt_batch(family, cfg, tokens: int, dtype) -> dict:
-    """Batch-1 synthetic text inputs of the family (random features, all tokens real, an all-zero unconditional)."""
-    widths = family.prompt_widths(cfg)
-    rng = np.random.default_rng(0)
-    batch = {}
-    for name in family.prompt_inputs:
-        if name not in widths:  # masks
-            batch[name] = jnp.ones((1, tokens), jnp.float32)
-        elif name == "pooled":
-            batch[name] = jnp.asarray(rng.standard_normal((1, widths[name])), dtype)
-        else:
-            draw = np.zeros if name.startswith("uncond_") else rng.standard_normal
-            batch[name] = jnp.asarray(draw((1, tokens, widths[name])), dtype)
-    return batch
-
-
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--family", choices=("pixart", "flux"), required=True)
@@ -151,7 +136,9 @@ def main(argv: list[str] | None = None) -> dict:
     graphdef, state = nnx.split(model)
     hw = (height // VAE_FACTOR, height // VAE_FACTOR)
     sample = jax.jit(family.make_sampler(graphdef, cfg, num_steps=1, guidance_scale=1.0, latent_hw=hw))
-    batch = prompt_batch(family, cfg, tokens, jnp.bfloat16)
+    synthetic = argparse.Namespace(embeddings=None, synthetic_prompts=1, synthetic_tokens=tokens, seed=0,
+                                   max_prompts=None)  # kroquant quantize-checkpoint --synthetic-prompts 1
+    batch = prompt_batches(prompt_arrays(synthetic, family, cfg), [0], 1, jnp.bfloat16)[0]
     key = jax.random.key(0)
 
     systems, outputs = {}, {}
