@@ -6,7 +6,8 @@ Loads the self-contained folder (``models.quantized_checkpoint``: config, 16-bit
 the family's sampler (by default the one recorded when the folder was written) with the W4A4 layers through their
 simulated path (``--strategy simulate``, the default on a CPU: ``kroquant_jax.qlinear.qlinear_forward(path=
 "simulate")``, the fake-quantized eq. 11 in f32) or served (``--strategy dequant|kernel|mgpu|fp8|fp8_w4a8|fp8_mgpu``,
-the default ``dequant`` on a GPU: ``pallas_kernels.served``, packed codes, bf16 activations; ``--impl`` picks the
+on a GPU by default ``served.default_strategy``'s choice, printed: ``fp8_mgpu`` on Hopper where it serves every
+layer, else ``dequant``; ``pallas_kernels.served``, packed codes, bf16 activations; ``--impl`` picks the
 compiled kernels, the Pallas interpreter or the jnp reference, by default the kernels on a GPU and the reference
 elsewhere) and writes ``latents.npz`` (``latents (P, c, H, W)``, ``seeds (P,)``) to ``--out``; with ``--vae DIR`` (a
 diffusers AutoencoderKL folder, torch side) also ``images/w4a4_XXXX.png``. The prompt file has the layout of
