@@ -204,6 +204,14 @@ TABLES: dict[str, dict] = {
              "{calibration_cold_pixart_h200_s:.0f} s cold ({calibration_compile_pixart_h200_s:.0f} s XLA compile), "
              "{calibration_run_pixart_h200_s:.0f} s run",
              "≤ 3 min cold", "[calibration](docs/calibration.md)"],
+            ["served strategies on a real checkpoint (the testbed's QAD export, 100 W4A4 layers, the inputs of its "
+             "16-bit model): layer outputs vs eq. 11 in float64, and 192 images",
+             "`fp8_mgpu` (the Hopper default): at worst {served_fp8_mgpu_layer_error_over_bf16_floor_max_testbed:.3f}x "
+             "the bf16 rounding of the exact product (`dequant` "
+             "{served_dequant_layer_error_over_bf16_floor_max_testbed:.3f}x); images "
+             "{served_fp8_mgpu_minus_dequant_psnr_db_testbed:+.2f} dB vs `dequant`'s (paired, against the 16-bit "
+             "model)",
+             "as exact as `dequant`", "[w4a4](docs/w4a4.md)"],
             ["Ideogram 4 bf16 forward, 6144 padded tokens",
              "{ideogram4_bf16_forward_padded_ms:.1f} ms", "1.2x the bf16 roofline", "[ideogram4](docs/ideogram4.md)"],
         ],
