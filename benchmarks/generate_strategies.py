@@ -14,11 +14,13 @@ by:
 
 Prompt ``i`` starts from the noise of seed ``s + 1000 + i`` for each ``s`` of ``--seeds`` (the seeds of ``kroquant
 generate --seed s``), the same noise for every system. Per strategy: PSNR against the teacher and against
-``simulate`` (when run), mean ± standard error over the samples; the relative L2 error of all latents; finite; and
-the seconds it took (compilation included: not a speed figure). ``--space pixels`` (a pixel-space model such as the
-emoji testbed: latents in [-1, 1] mapped to [0, 1] and clipped, peak 1) or ``latents`` (the reference sample's range
-as the peak, as ``kroquant quantize-checkpoint``'s evaluation). Writes the JSON (``--out``, atomically), a
-markdown table beside it (``.md``) and, with ``--save-latents``, every system's samples (``.npz``).
+``simulate`` (when run), mean ± standard error over the samples; for each served strategy after the first, the paired
+difference of those PSNRs to the first's (mean ± standard error of the per-sample differences: the samples are the
+same, so this resolves far smaller differences than the two means' spreads); the relative L2 error of all latents;
+finite; and the seconds it took (compilation included: not a speed figure). ``--space pixels`` (a pixel-space model
+such as the emoji testbed: latents in [-1, 1] mapped to [0, 1] and clipped, peak 1) or ``latents`` (the reference
+sample's range as the peak, as ``kroquant quantize-checkpoint``'s evaluation). Writes the JSON (``--out``,
+atomically), a markdown table beside it (``.md``) and, with ``--save-latents``, every system's samples (``.npz``).
 
     python3 benchmarks/generate_strategies.py --checkpoint runs/quantized-best --teacher checkpoints/emoji_pixart \\
         --prompts prompts.npz --space pixels --strategies simulate,dequant,fp8,fp8_mgpu --seeds 0 1 \\
@@ -69,6 +71,15 @@ def compare(latents: np.ndarray, reference: np.ndarray, space: str) -> dict:
     return {"psnr_db": float(np.mean(finite)) if finite else float("inf"), "psnr_sem_db": sem,
             "psnr_per_sample_db": per_sample,
             "rel_l2": float(np.linalg.norm(latents - reference) / np.linalg.norm(reference))}
+
+
+def paired_difference(row: dict, baseline: dict) -> dict:
+    """Mean and standard error over the samples of ``row``'s per-sample PSNR minus ``baseline``'s (both from
+    :func:`compare` on the same samples)."""
+    diff = np.asarray(row["psnr_per_sample_db"], np.float64) - np.asarray(baseline["psnr_per_sample_db"], np.float64)
+    diff = diff[np.isfinite(diff)]
+    sem = float(np.std(diff, ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else None
+    return {"psnr_db": float(np.mean(diff)) if len(diff) else float("nan"), "psnr_sem_db": sem}
 
 
 def _parse(argv):
@@ -151,6 +162,11 @@ def main(argv: list[str] | None = None) -> dict:
                           **({"vs_simulate": compare(latents, samples[SIMULATE], args.space)}
                              if SIMULATE in samples and strategy != SIMULATE else {}),
                           "finite": bool(np.isfinite(latents).all()), "seconds_with_compile": seconds[strategy]}
+    served_names = [s for s in strategies if s != SIMULATE]
+    for strategy in served_names[1:]:  # the same samples, so the differences are paired: a far smaller spread
+        rows[strategy]["paired_vs"] = {"baseline": served_names[0], **{
+            versus: paired_difference(rows[strategy][versus], rows[served_names[0]][versus])
+            for versus in ("vs_teacher", "vs_simulate") if versus in rows[strategy]}}
     device = jax.devices()[0]
     payload = {
         "what": "W4A4 strategies of one quantized checkpoint vs its 16-bit teacher, same prompts, noise and sampler",
@@ -178,8 +194,9 @@ def table(payload: dict) -> str:
              f"({payload['quantized_layers']} W4A4 layers), {payload['samples']} samples ({payload['prompts']} "
              f"prompts x seeds {payload['seeds']}), {payload['sampler']['solver']} {payload['sampler']['num_steps']} "
              f"steps, CFG {payload['sampler']['guidance_scale']:g}; PSNR in {payload['space']} space", "",
-             "| strategy | PSNR vs 16-bit teacher (dB) | rel. L2 vs teacher | PSNR vs simulate (dB) | finite |",
-             "| --- | ---: | ---: | ---: | --- |"]
+             "| strategy | PSNR vs 16-bit teacher (dB) | rel. L2 vs teacher | PSNR vs simulate (dB) | paired "
+             "difference to the first served strategy, vs teacher / vs simulate (dB) | finite |",
+             "| --- | ---: | ---: | ---: | ---: | --- |"]
 
     def psnr(entry):
         sem = entry["psnr_sem_db"]
@@ -187,8 +204,13 @@ def table(payload: dict) -> str:
 
     for strategy, row in payload["strategies"].items():
         versus = row.get("vs_simulate")
+        paired = row.get("paired_vs", {})
+        paired_cell = "—" if not paired else f"`{paired['baseline']}`: " + " / ".join(
+            f"{paired[v]['psnr_db']:+.2f}" + ("" if paired[v]["psnr_sem_db"] is None else
+                                               f" ± {paired[v]['psnr_sem_db']:.2f}")
+            for v in ("vs_teacher", "vs_simulate") if v in paired)
         lines.append(f"| `{strategy}` | {psnr(row['vs_teacher'])} | {row['vs_teacher']['rel_l2']:.3f} | "
-                     f"{'—' if versus is None else psnr(versus)} | {row['finite']} |")
+                     f"{'—' if versus is None else psnr(versus)} | {paired_cell} | {row['finite']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -27,7 +27,7 @@ def test_strategies_against_the_teacher_and_simulate(tiny_quantized_pixart, tmp_
     teacher, quantized, prompts, config = tiny_quantized_pixart
     out = tmp_path / "cmp.json"
     run = _run(["--checkpoint", quantized, "--teacher", teacher, "--prompts", prompts, "--strategies",
-                "simulate,dequant", "--impl", "reference", "--seeds", 0, 5, "--space", "pixels", "--save-latents",
+                "simulate,dequant,fp8", "--impl", "reference", "--seeds", 0, 5, "--space", "pixels", "--save-latents",
                 "--out", out],
                tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -35,7 +35,14 @@ def test_strategies_against_the_teacher_and_simulate(tiny_quantized_pixart, tmp_
     assert saved["samples"] == 4 and saved["prompts"] == 2 and saved["seeds"] == [0, 5]
     assert saved["sampler"]["num_steps"] == 2 and saved["sampler"]["solver"] == "flow_euler"
     rows = saved["strategies"]
-    assert set(rows) == {"simulate", "dequant"} and all(r["finite"] for r in rows.values())
+    assert set(rows) == {"simulate", "dequant", "fp8"} and all(r["finite"] for r in rows.values())
+    # the second served strategy's PSNRs paired with the first's, sample by sample
+    paired = rows["fp8"]["paired_vs"]
+    assert paired["baseline"] == "dequant" and "paired_vs" not in rows["dequant"]
+    for versus in ("vs_teacher", "vs_simulate"):
+        diff = np.subtract(rows["fp8"][versus]["psnr_per_sample_db"], rows["dequant"][versus]["psnr_per_sample_db"])
+        assert paired[versus]["psnr_db"] == pytest.approx(diff.mean())
+        assert paired[versus]["psnr_sem_db"] == pytest.approx(diff.std(ddof=1) / 2)
     assert "vs_simulate" not in rows["simulate"]
     for row in rows.values():  # quantized: not the teacher, and not garbage
         assert 5 < row["vs_teacher"]["psnr_db"] < 80 and 0 < row["vs_teacher"]["rel_l2"] < 1
@@ -44,11 +51,11 @@ def test_strategies_against_the_teacher_and_simulate(tiny_quantized_pixart, tmp_
         assert row["vs_teacher"]["psnr_db"] == pytest.approx(np.mean(per))
     # the served path differs from the simulated one by its bf16 activations only: nearer simulate than the teacher
     assert rows["dequant"]["vs_simulate"]["psnr_db"] > rows["dequant"]["vs_teacher"]["psnr_db"]
-    assert out.with_suffix(".md").read_text().count("| `") == 2
+    assert sum(line.startswith("| `") for line in out.with_suffix(".md").read_text().splitlines()) == 3
     # the printed PSNR is the testbed's pixel PSNR (models.image_metrics) of the saved samples
     with np.load(out.with_suffix(".npz")) as saved_latents:
         samples = {k: saved_latents[k] for k in saved_latents.files}
-    assert set(samples) == {"teacher", "simulate", "dequant"} and samples["teacher"].shape == (4, 3, 8, 8)
+    assert set(samples) == {"teacher", "simulate", "dequant", "fp8"} and samples["teacher"].shape == (4, 3, 8, 8)
 
     def pixels(x):  # (n, 3, H, W) in [-1, 1] -> (n, H, W, 3) in [0, 1]
         return np.clip((np.moveaxis(x, 1, -1) + 1) / 2, 0, 1)
