@@ -95,3 +95,22 @@ def test_swiglu_epilogue_equals_mirror_on_gpu(m, out_dtype):
         flips = np.abs(out - epilogue) > 0
         assert np.all(np.abs(out - epilogue) <= ulp), f"SwiGLU epilogue off by more than one bf16 ulp ({epi_err=:.3e})"
         assert flips.mean() < 1e-3, f"{flips.mean():.2e} of the SwiGLU outputs differ from one bf16 rounding"
+
+
+def test_the_default_strategy_on_this_gpu_reads_its_compute_capability():
+    # served.default_strategy parses the device's compute_capability ("9.0" on Hopper): on the GPU the tests run on,
+    # an MXFP4 layer of a rank the fused kernel takes gets fp8_mgpu exactly on a 9.x device, and the served layer runs
+    from kroquant_jax import qlinear
+    from pallas_kernels import served
+
+    device = jax.devices()[0]
+    kw, kl, kr, kx = jax.random.split(jax.random.key(5), 4)
+    w = jax.random.normal(kw, (256, 256)) * 0.05
+    layer = qlinear.build_qlinear(w, lowrank=(jax.random.normal(kl, (256, 32)) * 0.05,
+                                              jax.random.normal(kr, (32, 256)) * 0.05))
+    name, why = served.default_strategy([layer])
+    hopper = str(device.compute_capability).split(".")[0] == "9"
+    assert name == ("fp8_mgpu" if hopper else "dequant"), why
+    y = served.forward(served.serve(layer, strategy=name), jax.random.normal(kx, (64, 256)).astype(jnp.bfloat16),
+                       options=served.ServeOptions(strategy=name))
+    assert y.shape == (64, 256) and bool(jnp.isfinite(y).all())
