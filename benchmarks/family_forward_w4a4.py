@@ -49,7 +49,7 @@ from models import families, flux, pixart  # noqa: E402
 from models.layers import linears  # noqa: E402
 from models.quantized_checkpoint import QuantizedCheckpoint  # noqa: E402
 from pallas_kernels import served  # noqa: E402
-from scripts.common_args import UserError, positive_int  # noqa: E402
+from scripts.common_args import UserError, choice_list, positive_int  # noqa: E402
 from scripts.quantize_checkpoint import prompt_arrays, prompt_batches  # noqa: E402
 
 #: Small configs of the same architectures for the CPU (the test); the full ones are the families' presets.
@@ -101,7 +101,9 @@ def _parse(argv):
     p.add_argument("--preset", choices=("full", "tiny"), default="full")
     p.add_argument("--double-blocks", type=positive_int, help="keep this many (double-stream) blocks (default all)")
     p.add_argument("--single-blocks", type=int, help="FLUX.1: keep this many single-stream blocks (default all)")
-    p.add_argument("--strategies", default="dequant,fp8,fp8_mgpu", help="comma-separated served strategies")
+    p.add_argument("--strategies", default="dequant,fp8,fp8_mgpu",
+                   type=choice_list((SIMULATE, *served.strategy_names()), "strategy"),
+                   help="comma-separated: served strategies and simulate (default %(default)s)")
     p.add_argument("--height", type=positive_int, help="image side in pixels (default 1024; tiny: 64)")
     p.add_argument("--text-tokens", type=positive_int, help="prompt tokens (default: PixArt 300, FLUX 512; tiny 4)")
     p.add_argument("--rank", type=positive_int, default=128, help="low-rank rank (default %(default)s)")
@@ -114,11 +116,7 @@ def _parse(argv):
 
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
-    strategies = [s for s in args.strategies.split(",") if s]
-    unknown = [s for s in strategies if s != SIMULATE and s not in served.strategy_names()]
-    if unknown or not strategies or len(set(strategies)) != len(strategies):
-        raise UserError(f"--strategies {args.strategies}: give distinct names from {SIMULATE}, "
-                        f"{', '.join(served.strategy_names())}")
+    strategies = list(args.strategies)
     tiny = args.preset == "tiny"
     cfg, preset_cfg = model_config(args.family, args.preset, args.double_blocks, args.single_blocks)
     height = args.height or (64 if tiny else 1024)

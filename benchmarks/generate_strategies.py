@@ -42,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.common_args import UserError, positive_int, require_paths  # noqa: E402
+from scripts.common_args import UserError, choice_list, positive_int, require_paths  # noqa: E402
 
 SIMULATE = "simulate"
 
@@ -89,8 +89,12 @@ def _parse(argv):
     parser.add_argument("--prompts", required=True, dest="embeddings", help=".npz of prompt embeddings "
                         "(kroquant generate's --prompts)")
     parser.add_argument("--max-prompts", type=positive_int, help="only the first N prompts (default: all)")
+    from pallas_kernels import served
+
     parser.add_argument("--strategies", default="simulate,dequant,fp8,fp8_mgpu",
-                        help="comma-separated: simulate and served strategies (default %(default)s)")
+                        type=choice_list((SIMULATE, *served.strategy_names()), "strategy"),
+                        help="comma-separated: simulate and served strategies, run in the order of the choices "
+                        "(default %(default)s)")
     parser.add_argument("--impl", choices=("pallas", "interpret", "reference"),
                         help="served strategies' kernels (default: compiled on a GPU, the jnp reference elsewhere)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="noise seeds (prompt i: seed + 1000 + i)")
@@ -112,7 +116,7 @@ def _parse(argv):
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
     require_paths(("--checkpoint", args.checkpoint), ("--teacher", args.teacher), ("--prompts", args.embeddings))
-    strategies = [s for s in args.strategies.split(",") if s]
+    strategies = list(args.strategies)
     import jax
     from flax import nnx
 
@@ -123,10 +127,6 @@ def main(argv: list[str] | None = None) -> dict:
     from scripts.generate import sample_prompts, sampler_settings
     from scripts.quantize_checkpoint import prompt_arrays
 
-    unknown = [s for s in strategies if s != SIMULATE and s not in served.strategy_names()]
-    if unknown or not strategies or len(set(strategies)) != len(strategies):
-        raise UserError(f"--strategies {args.strategies}: give distinct names from {SIMULATE}, "
-                        f"{', '.join(served.strategy_names())}")
     options = {s: None if s == SIMULATE else served.ServeOptions(strategy=s, impl=args.impl) for s in strategies}
     out_path = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "generate_strategies.json"))
     try:  # the two config.json files compared before any weights are read

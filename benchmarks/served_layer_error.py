@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.common_args import UserError, positive_int, require_paths  # noqa: E402
+from scripts.common_args import UserError, choice_list, positive_int, require_paths  # noqa: E402
 
 
 def relative_error(y: np.ndarray, reference: np.ndarray) -> float:
@@ -70,7 +70,10 @@ def _parse(argv):
     parser.add_argument("--max-prompts", type=positive_int, default=4, help="prompts sampled for the capture "
                         "(default %(default)s)")
     parser.add_argument("--rows", type=positive_int, default=512, help="input rows per layer (default %(default)s)")
+    from pallas_kernels import served
+
     parser.add_argument("--strategies", default="dequant,fp8,fp8_mgpu",
+                        type=choice_list(served.strategy_names(), "strategy"),
                         help="comma-separated served strategies (default %(default)s)")
     parser.add_argument("--impl", choices=("pallas", "interpret", "reference"),
                         help="served strategies' kernels (default: compiled on a GPU, the jnp reference elsewhere)")
@@ -86,7 +89,7 @@ def _parse(argv):
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
     require_paths(("--checkpoint", args.checkpoint), ("--teacher", args.teacher), ("--prompts", args.embeddings))
-    strategies = [s for s in args.strategies.split(",") if s]
+    strategies = list(args.strategies)
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -98,10 +101,6 @@ def main(argv: list[str] | None = None) -> dict:
     from scripts.generate import sampler_settings
     from scripts.quantize_checkpoint import prompt_arrays, prompt_batches
 
-    unknown = [s for s in strategies if s not in served.strategy_names()]
-    if unknown or not strategies or len(set(strategies)) != len(strategies):
-        raise UserError(f"--strategies {args.strategies}: give distinct names from "
-                        f"{', '.join(served.strategy_names())}")
     out_path = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "served_layer_error.json"))
     try:  # the two config.json files compared before any weights are read
         family = families.check_same_model(args.checkpoint, args.teacher)

@@ -56,7 +56,7 @@ def test_refuses_bad_input_before_the_capture(tiny_quantized_pixart, tmp_path):
     families.PIXART.to_diffusers(other, tmp_path / "other")
     common = ["--checkpoint", quantized, "--prompts", prompts, "--out", tmp_path / "x.json"]
     for args, words in ((["--teacher", tmp_path / "other"], ["not the model of", "num_layers"]),
-                        (["--teacher", teacher, "--strategies", "dequant,fp9"], ["--strategies dequant,fp9"]),
+                        (["--teacher", teacher, "--strategies", "dequant,fp9"], ["--strategies: unknown strategy(s) ['fp9']"]),
                         (["--teacher", tmp_path / "missing"], ["--teacher", "no such file"])):
         run = _run([*common, *args])
         assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
