@@ -485,6 +485,10 @@ class Fp8Strategy(served.Strategy):
         return None
 
     def prepare(self, layer, *, swiglu: bool = False, transform_kernel: Optional[str] = None) -> Fp8Linear:
+        """Refuses a layer :meth:`unsupported` names (before any work), then :func:`prepare_fp8_layer`."""
+        why = self.unsupported(layer)
+        if why is not None:
+            raise ValueError(f"layer ({layer.config.out_features}, {layer.config.in_features}): {why}")
         return prepare_fp8_layer(served.serve_layer(layer, swiglu=swiglu, transform_kernel=transform_kernel),
                                  act=self.act)
 

@@ -82,6 +82,7 @@ __all__ = [
     "ServedLinear",
     "Strategy",
     "apply_op",
+    "default_strategy",
     "forward",
     "get_strategy",
     "prepare_layer_transform",
@@ -90,7 +91,6 @@ __all__ = [
     "register_strategy",
     "resolve_impl",
     "serve",
-    "default_strategy",
     "strategy_names",
 ]
 

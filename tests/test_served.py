@@ -174,6 +174,12 @@ def test_default_strategy_per_device_and_layers():
     name, why = S.default_strategy(mx + [layer(rank=24)], hopper)
     assert name == "dequant" and "rank 24" in why
     assert S.default_strategy([], hopper)[0] == "fp8_mgpu" and S.DEFAULT_STRATEGY == "dequant"
+    # asked for by name, the same reasons refuse the layer at preparation, before any work
+    with pytest.raises(ValueError, match=r"layer \(64, 128\): .*needs MXFP4"):
+        S.serve(layer(fmt=NVFP4()), strategy="fp8")
+    with pytest.raises(ValueError, match="rank 24"):
+        S.serve(layer(rank=24), strategy="fp8_mgpu")
+    assert S.serve(layer(rank=24), strategy="fp8") is not None  # XLA's FP8 GEMM takes any rank
 
 
 # ---------------------------------------------------------------------------------------------------------------------
