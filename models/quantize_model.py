@@ -46,7 +46,9 @@ __all__ = ["FusedLinearHooks", "build_stacked_qlinears", "check_fused_sites", "c
            "split_qlinear_overrides"]
 
 
+@jax.jit
 def _qlinear_simulate(layer: Any, x: jax.Array) -> jax.Array:
+    """The simulated W4A4 forward of one layer, compiled as a unit (a model's calls of one shape trace it once)."""
     from kroquant_jax.qlinear import qlinear_forward
 
     return qlinear_forward(layer, x, "simulate")  # (..., o)

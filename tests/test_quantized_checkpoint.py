@@ -121,3 +121,52 @@ def test_generate_runs_a_served_strategy(tmp_path):
         generate.main([*common, "--out", str(tmp_path / "x"), "--strategy", "foo"])
     with pytest.raises(UserError, match="--impl reference applies to served strategies"):
         generate.main([*common, "--out", str(tmp_path / "x"), "--impl", "reference"])
+    with pytest.raises(UserError, match="--attention cudnn needs an NVIDIA GPU \\(the backend is cpu\\)"):
+        generate.main([*common, "--out", str(tmp_path / "x"), "--attention", "cudnn"])
+
+
+def _count_layer_traces(monkeypatch, strategy, num_layers):
+    """(layer forwards traced, W4A4 layers) for one trace of a ``num_layers``-block PixArt sampler whose block linears
+    run W4A4 through ``strategy``'s overrides (jax's caches cleared first)."""
+    import dataclasses
+
+    from kroquant_jax import qlinear
+    from kroquant_jax.qlinear import random_qlinear
+    from models.quantized_checkpoint import QuantizedCheckpoint
+    from pallas_kernels import served
+
+    module, cfg = MODELS["pixart"]
+    cfg = dataclasses.replace(cfg, num_layers=num_layers)
+    model = module.build(cfg, seed=2)
+    keys = iter(jax.random.split(jax.random.key(0), 64))
+    layers = {name: layer for name, layer in linears(model, quantizable_only=True).items()
+              if name.startswith("transformer_blocks.") and layer.kernel.shape[0] % 32 == 0}  # kernel (d, o)
+    qlayers = {name: random_qlinear(np.asarray(layer.kernel[...], np.float32).T, next(keys), 32)
+               for name, layer in layers.items()}
+    checkpoint = QuantizedCheckpoint(family="pixart", cfg=cfg, model=model, qlayers=qlayers, config={})
+    traced = []
+    if strategy == "simulate":
+        inner = qlinear.qlinear_forward
+        monkeypatch.setattr(qlinear, "qlinear_forward", lambda *a, **k: traced.append(1) or inner(*a, **k))
+        overrides = checkpoint.overrides()
+    else:
+        inner = served.forward
+        monkeypatch.setattr(served, "forward", lambda *a, **k: traced.append(1) or inner(*a, **k))
+        overrides = checkpoint.served_overrides(served.ServeOptions(strategy=strategy))
+    graphdef, state = nnx.split(model)
+    sample = module.make_sampler(graphdef, cfg, num_steps=1, guidance_scale=1.0, latent_hw=(8, 8))
+    jax.clear_caches()
+    jax.jit(sample).trace({"model": state, **_prompts("pixart"), "overrides": overrides}, jax.random.key(0))
+    monkeypatch.undo()
+    return len(traced), len(qlayers)
+
+
+@pytest.mark.parametrize("strategy", ["simulate", "dequant"])
+def test_a_layer_shape_is_traced_once_per_model(monkeypatch, strategy):
+    """The overrides compile each layer's forward as a unit, so 3 blocks trace (and lower) as many layer forwards as
+    1 block, one per distinct layer signature, not one per layer: what keeps a 28-block PixArt-Σ program's compile
+    short."""
+    one, one_layers = _count_layer_traces(monkeypatch, strategy, 1)
+    three, three_layers = _count_layer_traces(monkeypatch, strategy, 3)
+    assert three_layers == 3 * one_layers and 0 < one < one_layers
+    assert three == one
