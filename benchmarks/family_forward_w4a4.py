@@ -10,7 +10,8 @@ math and stand-in calibration (``kroquant_jax.qlinear.random_qlinear``: a random
 low-rank factors of rank ``--rank``), served through the family's linear overrides
 (``QuantizedCheckpoint.served_overrides``: what ``kroquant generate`` runs).
 
-One call is the family's sampler with one step at guidance 1 (``Family.make_sampler``: the noise, one forward at
+Every system runs the same softmax attention (``--attention``; on a GPU by default cuDNN's flash attention, what
+serving uses; ``xla`` materialises the fp32 logits). One call is the family's sampler with one step at guidance 1 (``Family.make_sampler``: the noise, one forward at
 ``--height`` pixels, batch 1, synthetic prompt embeddings of ``--text-tokens`` tokens, the Euler / DPM update):
 timed as the median wall time of ``--repeats`` samples of ``--inner`` back-to-back calls after a compiling warm-up,
 and, with ``--kernels``, as the sum of its kernel durations (CUPTI, ``kroquant_jax.timing.device_time``) with the
@@ -46,7 +47,7 @@ from kroquant_jax import timing  # noqa: E402
 from kroquant_jax.fileio import atomic_write_json  # noqa: E402
 from kroquant_jax.qlinear import random_qlinear  # noqa: E402
 from models import families, flux, pixart  # noqa: E402
-from models.layers import linears  # noqa: E402
+from models.layers import ATTENTION_IMPLEMENTATIONS, linears  # noqa: E402
 from models.quantized_checkpoint import QuantizedCheckpoint  # noqa: E402
 from pallas_kernels import served  # noqa: E402
 from scripts.common_args import UserError, choice_list, positive_int  # noqa: E402
@@ -107,6 +108,8 @@ def _parse(argv):
     p.add_argument("--height", type=positive_int, help="image side in pixels (default 1024; tiny: 64)")
     p.add_argument("--text-tokens", type=positive_int, help="prompt tokens (default: PixArt 300, FLUX 512; tiny 4)")
     p.add_argument("--rank", type=positive_int, default=128, help="low-rank rank (default %(default)s)")
+    p.add_argument("--attention", choices=ATTENTION_IMPLEMENTATIONS,
+                   help="softmax attention of every system (default: cudnn on a GPU, as served; xla elsewhere)")
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--inner", type=positive_int, default=2)
     p.add_argument("--kernels", action="store_true", help="add CUPTI kernel sums and the costliest kernels")
@@ -119,6 +122,10 @@ def main(argv: list[str] | None = None) -> dict:
     strategies = list(args.strategies)
     tiny = args.preset == "tiny"
     cfg, preset_cfg = model_config(args.family, args.preset, args.double_blocks, args.single_blocks)
+    attention = args.attention or ("cudnn" if jax.default_backend() == "gpu" else "xla")
+    if attention == "cudnn" and jax.default_backend() != "gpu":
+        raise UserError(f"--attention cudnn needs an NVIDIA GPU (the backend is {jax.default_backend()})")
+    cfg = dataclasses.replace(cfg, attention_impl=attention)
     height = args.height or (64 if tiny else 1024)
     tokens = args.text_tokens or (4 if tiny else {"pixart": 300, "flux": 512}[args.family])
     if height % (VAE_FACTOR * 2):
@@ -183,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": getattr(device, "device_kind", str(device)), "backend": jax.default_backend(),
         "jax": jax.__version__, "python": platform.python_version(),
         "command_args": list(sys.argv[1:] if argv is None else argv), "family": args.family, "preset": args.preset,
-        "blocks": blocks, "height": height, "latent_hw": list(hw), "text_tokens": tokens,
+        "blocks": blocks, "attention_impl": attention, "height": height, "latent_hw": list(hw), "text_tokens": tokens,
         "quantized_layers": len(qlayers), "rank": args.rank,
         "ranks": sorted({int(layer.config.rank) for layer in qlayers.values()}), "build_s": build_s,
         "memory_gib": timing.device_memory_gib(), "systems": systems}
@@ -198,7 +205,7 @@ def table(payload: dict) -> str:
     kinds = f"{b['double']} of {b['double_in_preset']} blocks" + (
         f", {b['single']} of {b['single_in_preset']} single blocks" if "single" in b else "")
     lines = [f"{payload['device']}, jax {payload['jax']}, {payload['date_utc']}: {payload['family']} ({kinds}), "
-             f"{payload['height']} px, {payload['text_tokens']} text tokens, {payload['quantized_layers']} W4A4 "
+             f"{payload.get('attention_impl', 'xla')} attention, {payload['height']} px, {payload['text_tokens']} text tokens, {payload['quantized_layers']} W4A4 "
              f"layers, ranks {payload['ranks']}", "",
              "| system | median ms | / bf16 | kernel sum ms | / bf16 (kernels) | rel. L2 vs bf16 | rel. L2 vs simulate "
              "| finite |",

@@ -703,17 +703,29 @@ def export_nnx(model: Any, table: KeyTable, directory: str | os.PathLike, config
     write_diffusers_dir(directory, config, table.to_diffusers(params, dtype), max_shard_bytes)
 
 
+#: Metadata key of a config dataclass field that is a JAX-side choice, not a diffusers ``config.json`` field (e.g.
+#: ``attention_impl``): :func:`dataclass_to_config` leaves it out and :func:`dataclass_from_config` refuses it in a
+#: file (set it with ``dataclasses.replace`` or a loader's ``config_overrides``).
+JAX_SIDE = "jax_side"
+
+
+def jax_side_field(default: Any) -> Any:
+    """A config dataclass field with ``default`` that is a JAX-side choice (:data:`JAX_SIDE`)."""
+    return dataclasses.field(default=default, metadata={JAX_SIDE: True})
+
+
 def dataclass_from_config(cls: type, config: Mapping[str, Any], ignored: Mapping[str, Any] = ()) -> Any:
     """Build the frozen config dataclass ``cls`` from a diffusers ``config.json`` dict.
 
-    Keys starting with ``_`` (``_class_name``, ``_diffusers_version``, ...) are skipped. ``ignored`` maps keys the
+    Keys starting with ``_`` (``_class_name``, ``_diffusers_version``, ...) are skipped; JAX-side fields
+    (:data:`JAX_SIDE`) are unknown keys here. ``ignored`` maps keys the
     port accepts but does not model to the value the port implements (``None``: any value accepted), e.g.
     ``{"dropout": 0.0}``. Lists become tuples.
 
     Raises:
         ValueError: naming unknown keys, and ignored keys whose value the port does not implement.
     """
-    fields = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name for f in dataclasses.fields(cls) if not f.metadata.get(JAX_SIDE)}
     kwargs: dict[str, Any] = {}
     problems = []
     for key, value in config.items():
@@ -732,9 +744,11 @@ def dataclass_from_config(cls: type, config: Mapping[str, Any], ignored: Mapping
 
 
 def dataclass_to_config(instance: Any, class_name: str) -> dict[str, Any]:
-    """The diffusers ``config.json`` dict of a config dataclass (tuples become lists)."""
+    """The diffusers ``config.json`` dict of a config dataclass (tuples become lists; JAX-side fields left out)."""
     config: dict[str, Any] = {"_class_name": class_name}
     for field in dataclasses.fields(instance):
+        if field.metadata.get(JAX_SIDE):
+            continue
         value = getattr(instance, field.name)
         config[field.name] = list(value) if isinstance(value, tuple) else value
     return config

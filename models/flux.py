@@ -28,8 +28,8 @@ from flax import nnx
 from models import convert
 from models.convert import linear_rules, param_rules
 from models.layers import (FeedForward, Linear, LinearHooks, RMSNorm, TextProjection, TimestepEmbedding,
-                           apply_rope, dot_product_attention, layer_norm, name_linears, rope_frequencies,
-                           timestep_embedding)
+                           apply_rope, check_attention_impl, dot_product_attention, layer_norm, name_linears,
+                           rope_frequencies, timestep_embedding)
 
 __all__ = ["FLUX1_SCHNELL", "FluxConfig", "FluxTransformer2DModel", "KEY_TABLE", "image_ids",
            "pack_latents", "unpack_latents"]
@@ -54,8 +54,11 @@ class FluxConfig(convert.DiTConfig):
     pooled_projection_dim: int = 768
     guidance_embeds: bool = False
     axes_dims_rope: tuple[int, ...] = (16, 56, 56)
+    #: JAX-side (not in config.json): ``models.layers.ATTENTION_IMPLEMENTATIONS``.
+    attention_impl: str = convert.jax_side_field("xla")
 
     def __post_init__(self):
+        check_attention_impl(self.attention_impl, "FluxConfig")
         if sum(self.axes_dims_rope) != self.attention_head_dim:
             raise ValueError(f"FluxConfig: sum({self.axes_dims_rope=}) must equal {self.attention_head_dim=}")
 
@@ -83,10 +86,11 @@ class FluxAttention(nnx.Module):
     """diffusers FluxAttention (+ FluxAttnProcessor): per-head RMSNorm on q/k, RoPE, optional context stream."""
 
     def __init__(self, dim: int, heads: int, head_dim: int, context: bool, pre_only: bool, *, dtype: Any,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, attention_impl: str = "xla"):
         inner = heads * head_dim
         self.heads = heads
         self.head_dim = head_dim
+        self.attention_impl = attention_impl
         self.norm_q = RMSNorm(head_dim, 1e-6, dtype=dtype)
         self.norm_k = RMSNorm(head_dim, 1e-6, dtype=dtype)
         self.to_q = Linear(dim, inner, quantizable=True, dtype=dtype, rngs=rngs)
@@ -121,7 +125,7 @@ class FluxAttention(nnx.Module):
             q, k, v = (jnp.concatenate(pair, axis=1) for pair in ((cq, q), (ck, k), (cv, v)))  # (b, t+n, h, dh)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (b, s, h, dh)
-        out = dot_product_attention(q, k, v)  # (b, s, h, dh)
+        out = dot_product_attention(q, k, v, implementation=self.attention_impl)  # (b, s, h, dh)
         out = out.reshape(out.shape[:2] + (-1,))  # (b, s, inner)
         if context is None:
             return out, None
@@ -137,7 +141,7 @@ class FluxTransformerBlock(nnx.Module):
         self.norm1 = AdaLNModulation(dim, 6, dtype=dtype, rngs=rngs)
         self.norm1_context = AdaLNModulation(dim, 6, dtype=dtype, rngs=rngs)
         self.attn = FluxAttention(dim, cfg.num_attention_heads, cfg.attention_head_dim, True, False, dtype=dtype,
-                                  rngs=rngs)
+                                  rngs=rngs, attention_impl=cfg.attention_impl)
         self.ff = FeedForward(dim, 4 * dim, dtype=dtype, rngs=rngs)
         self.ff_context = FeedForward(dim, 4 * dim, dtype=dtype, rngs=rngs)
 
@@ -171,7 +175,7 @@ class FluxSingleTransformerBlock(nnx.Module):
         self.proj_mlp = Linear(dim, mlp, quantizable=True, dtype=dtype, rngs=rngs)
         self.proj_out = Linear(dim + mlp, dim, quantizable=True, dtype=dtype, rngs=rngs)
         self.attn = FluxAttention(dim, cfg.num_attention_heads, cfg.attention_head_dim, False, True, dtype=dtype,
-                                  rngs=rngs)
+                                  rngs=rngs, attention_impl=cfg.attention_impl)
 
     def __call__(self, x: jax.Array, temb: jax.Array, rope, hooks: LinearHooks | None) -> jax.Array:
         """x (b, t+n, dim), temb (b, dim) -> (b, t+n, dim)."""

@@ -42,7 +42,8 @@ import numpy as np
 from flax import nnx
 
 from models import convert
-from models.layers import FusedLinearHooks, Linear, LinearHooks, check_fused_sites, name_linears, with_token_mask
+from models.layers import (FusedLinearHooks, Linear, LinearHooks, check_attention_impl, check_fused_sites, name_linears,
+                           with_token_mask)
 
 # Per-token role indicators of the packed sequence (diffusers' constants).
 SEQUENCE_PADDING_INDICATOR = -1
@@ -50,8 +51,6 @@ OUTPUT_IMAGE_INDICATOR = 2
 LLM_TOKEN_INDICATOR = 3
 # Image grid coordinates start here so that they never collide with text token positions.
 IMAGE_POSITION_OFFSET = 65536
-
-ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 
 CLASS_NAME = "Ideogram4Transformer2DModel"
 
@@ -98,8 +97,7 @@ class Ideogram4Config:
             if 3 * self.mrope_section[axis] > num_freqs:
                 raise ValueError(f"mrope_section[{axis}]={self.mrope_section[axis]}: 3 * section must be <= "
                                  f"attention_head_dim // 2 = {num_freqs} (interleaved MRoPE)")
-        if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
-            raise ValueError(f"attention_impl={self.attention_impl!r} must be one of {ATTENTION_IMPLEMENTATIONS}")
+        check_attention_impl(self.attention_impl, "Ideogram4Config")
         for name in ("in_channels", "num_layers", "num_attention_heads", "intermediate_size", "adaln_dim",
                      "llm_features_dim"):
             if getattr(self, name) <= 0:

@@ -46,6 +46,8 @@ __all__ = [
     "apply_rope",
     "block_attention_sites",
     "check_fused_sites",
+    "ATTENTION_IMPLEMENTATIONS",
+    "check_attention_impl",
     "dot_product_attention",
     "host_init",
     "layer_norm",
@@ -455,11 +457,32 @@ class FeedForward(nnx.Module):
         return self.net[2](self.net[0](x, hooks), hooks)  # (..., dim_out)
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+#: How the models run softmax attention (a config field ``attention_impl`` of every family): ``"xla"``, the logits
+#: materialised in fp32 (any device; diffusers' SDPA numerics), or ``"cudnn"``, cuDNN's fused flash attention
+#: (``jax.nn.dot_product_attention``; NVIDIA GPUs, bf16 / fp16 inputs; what serving on the GPU wants).
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+
+
+def check_attention_impl(value: str, where: str) -> None:
+    """Raises ValueError naming ``where`` unless ``value`` is one of :data:`ATTENTION_IMPLEMENTATIONS`."""
+    if value not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"{where}: attention_impl={value!r} must be one of {ATTENTION_IMPLEMENTATIONS}")
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None = None,
+                          implementation: str = "xla") -> jax.Array:
     """Softmax attention. q (b, s, h, dh), k/v (b, t, h, dh), bias broadcastable to (b, h, s, t) -> (b, s, h, dh).
 
-    Logits and softmax in fp32, scale ``dh ** -0.5``.
+    Scale ``dh ** -0.5``. ``implementation`` (:data:`ATTENTION_IMPLEMENTATIONS`): ``"xla"`` computes the logits and
+    softmax in fp32; ``"cudnn"`` is cuDNN's flash attention (the bias cast to q's dtype; fp32 softmax inside).
     """
+    check_attention_impl(implementation, "dot_product_attention")
+    if implementation == "cudnn":
+        if jax.default_backend() != "gpu":
+            raise ValueError(f"attention_impl='cudnn' needs an NVIDIA GPU (the backend is {jax.default_backend()}); "
+                             "use 'xla'")
+        bias = None if bias is None else jnp.broadcast_to(bias, (q.shape[0], 1, 1, k.shape[1])).astype(q.dtype)
+        return jax.nn.dot_product_attention(q, k, v, bias=bias, implementation="cudnn")  # (b, s, h, dh)
     scale = q.shape[-1] ** -0.5
     logits = jnp.einsum("bshd,bthd->bhst", q, k, preferred_element_type=jnp.float32) * scale  # (b, h, s, t)
     if bias is not None:
@@ -485,11 +508,13 @@ class Attention(nnx.Module):
 
     def __init__(self, query_dim: int, heads: int, head_dim: int, kv_dim: int | None = None, *, bias: bool,
                  out_bias: bool = True, qk_norm: str | None = None, qk_eps: float = 1e-5, quantizable: bool = True,
-                 dtype: Any = jnp.float32, rngs: nnx.Rngs):
+                 attention_impl: str = "xla", dtype: Any = jnp.float32, rngs: nnx.Rngs):
         inner = heads * head_dim
         kv_dim = query_dim if kv_dim is None else kv_dim
+        check_attention_impl(attention_impl, "Attention")
         self.heads = heads
         self.head_dim = head_dim
+        self.attention_impl = attention_impl
         self.to_q = Linear(query_dim, inner, bias=bias, quantizable=quantizable, dtype=dtype, rngs=rngs)
         self.to_k = Linear(kv_dim, inner, bias=bias, quantizable=quantizable, dtype=dtype, rngs=rngs)
         self.to_v = Linear(kv_dim, inner, bias=bias, quantizable=quantizable, dtype=dtype, rngs=rngs)
@@ -543,7 +568,7 @@ class Attention(nnx.Module):
         (b, t) keep-mask of the context tokens (for the hooks' recorder) -> (b, s, dim)."""
         context = x if context is None else context
         q, k, v = self.project_qkv(x, context, hooks, context_mask)  # (b, s, h, dh), (b, t, h, dh) x2
-        out = dot_product_attention(q, k, v, bias)  # (b, s, h, dh)
+        out = dot_product_attention(q, k, v, bias, self.attention_impl)  # (b, s, h, dh)
         out = out.reshape(out.shape[:2] + (self.heads * self.head_dim,))  # (b, s, inner)
         return self.to_out[0](out, hooks)  # (b, s, query_dim)
 

@@ -22,8 +22,9 @@ from flax import nnx
 from models import convert
 from models.convert import linear_rules, param_rules, rule
 from models.layers import (Attention, FeedForward, LayerNorm, Linear, LinearHooks, PatchEmbed, TextProjection,
-                           TimestepEmbedding, block_attention_sites, check_fused_sites, layer_norm, mask_to_bias,
-                           name_linears, run_blocks_scanned, timestep_embedding, unpatchify, with_token_mask)
+                           TimestepEmbedding, block_attention_sites, check_attention_impl, check_fused_sites,
+                           layer_norm, mask_to_bias, name_linears, run_blocks_scanned, timestep_embedding, unpatchify,
+                           with_token_mask)
 
 __all__ = ["PIXART_SIGMA_XL_2_1024_MS", "PixArtConfig", "PixArtTransformer2DModel", "KEY_TABLE", "from_diffusers",
            "to_diffusers"]
@@ -63,8 +64,11 @@ class PixArtConfig(convert.DiTConfig):
     use_additional_conditions: bool | None = None
     caption_channels: int | None = None
     attention_type: str = "default"
+    #: JAX-side (not in config.json): ``models.layers.ATTENTION_IMPLEMENTATIONS``.
+    attention_impl: str = convert.jax_side_field("xla")
 
     def __post_init__(self):
+        check_attention_impl(self.attention_impl, "PixArtConfig")
         if self.norm_type != "ada_norm_single":
             raise NotImplementedError(f"PixArtConfig: {self.norm_type=} is not ported (only 'ada_norm_single')")
         if self.activation_fn not in ("gelu-approximate", "gelu"):
@@ -143,10 +147,11 @@ class PixArtBlock(nnx.Module):
         dim = cfg.inner_dim
         self.norm1 = LayerNorm(dim, cfg.norm_eps, cfg.norm_elementwise_affine, dtype=dtype)
         self.attn1 = Attention(dim, cfg.num_attention_heads, cfg.attention_head_dim, bias=cfg.attention_bias,
-                               dtype=dtype, rngs=rngs)
+                               attention_impl=cfg.attention_impl, dtype=dtype, rngs=rngs)
         if cfg.cross_attention_dim is not None:
             self.attn2 = Attention(dim, cfg.num_attention_heads, cfg.attention_head_dim, cfg.cross_attention_dim,
-                                   bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+                                   bias=cfg.attention_bias, attention_impl=cfg.attention_impl, dtype=dtype,
+                                   rngs=rngs)
         else:
             self.attn2 = None
         self.norm2 = LayerNorm(dim, cfg.norm_eps, cfg.norm_elementwise_affine, dtype=dtype)

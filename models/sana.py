@@ -24,8 +24,9 @@ from flax import nnx
 from models import convert
 from models.convert import linear_rules, param_rules, rule
 from models.layers import (Attention, ConvWeights, LayerNorm, Linear, LinearHooks, PatchEmbed, RMSNorm,
-                           TextProjection, TimestepEmbedding, block_attention_sites, check_fused_sites, layer_norm,
-                           mask_to_bias, name_linears, timestep_embedding, unpatchify, with_token_mask)
+                           TextProjection, TimestepEmbedding, block_attention_sites, check_attention_impl,
+                           check_fused_sites, layer_norm, mask_to_bias, name_linears, timestep_embedding, unpatchify,
+                           with_token_mask)
 from models.pixart import AdaLayerNormSingle
 
 __all__ = ["SANA_1600M_1024PX", "SanaConfig", "SanaTransformer2DModel", "KEY_TABLE", "from_diffusers",
@@ -64,9 +65,13 @@ class SanaConfig(convert.DiTConfig):
     guidance_embeds: bool = False
     guidance_embeds_scale: float = 0.1
     qk_norm: str | None = None
+    #: JAX-side (not in config.json): ``models.layers.ATTENTION_IMPLEMENTATIONS`` (the cross-attention; the
+    #: self-attention is SANA's linear attention).
+    attention_impl: str = convert.jax_side_field("xla")
     timestep_scale: float = 1.0
 
     def __post_init__(self):
+        check_attention_impl(self.attention_impl, "SanaConfig")
         if self.cross_attention_dim is None:
             raise NotImplementedError("SanaConfig: cross_attention_dim=None is not supported (diffusers' block "
                                       "then has no norm2 and cannot run either)")
@@ -138,7 +143,8 @@ class SanaBlock(nnx.Module):
                                      qk_norm=cfg.qk_norm, dtype=dtype, rngs=rngs)
         self.norm2 = LayerNorm(dim, cfg.norm_eps, cfg.norm_elementwise_affine, dtype=dtype)
         self.attn2 = Attention(dim, cfg.num_cross_attention_heads, cfg.cross_attention_head_dim,
-                               cfg.cross_attention_dim, bias=True, qk_norm=cfg.qk_norm, dtype=dtype, rngs=rngs)
+                               cfg.cross_attention_dim, bias=True, qk_norm=cfg.qk_norm,
+                               attention_impl=cfg.attention_impl, dtype=dtype, rngs=rngs)
         self.ff = GLUMBConv(dim, cfg.mlp_ratio, dtype=dtype, rngs=rngs)
         self.scale_shift_table = nnx.Param(jax.random.normal(rngs.params(), (6, dim), dtype) / dim ** 0.5)
 

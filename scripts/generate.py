@@ -11,7 +11,8 @@ layer, else ``dequant``; ``pallas_kernels.served``, packed codes, bf16 activatio
 compiled kernels, the Pallas interpreter or the jnp reference, by default the kernels on a GPU and the reference
 elsewhere) and writes ``latents.npz`` (``latents (P, c, H, W)``, ``seeds (P,)``) to ``--out``; with ``--vae DIR`` (a
 diffusers AutoencoderKL folder, torch side) also ``images/w4a4_XXXX.png``. The prompt file has the layout of
-``kroquant quantize-checkpoint --embeddings`` (``models.diffusers_io.encode_prompts``).
+``kroquant quantize-checkpoint --embeddings`` (``models.diffusers_io.encode_prompts``). ``--attention cudnn`` runs
+the softmax attention as cuDNN flash attention (GPU, bf16 / fp16 model) instead of the fp32-logits XLA attention.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ EXAMPLES = ("--checkpoint runs/pixart/quantized-kroquant --prompts prompts.npz -
 
 
 def _parse(argv):
+    from models.layers import ATTENTION_IMPLEMENTATIONS
+
     parser = verb_parser("generate", __doc__, EXAMPLES)
     parser.add_argument("--checkpoint", required=True, help="quantized checkpoint folder (quantize-checkpoint's "
                         "OUT/quantized-RECIPE)")
@@ -56,6 +59,9 @@ def _parse(argv):
     parser.add_argument("--impl", choices=("pallas", "interpret", "reference"),
                         help="served strategies: compiled Pallas kernels, the Pallas interpreter or the jnp reference "
                         "(default: the kernels on a GPU, the reference elsewhere)")
+    parser.add_argument("--attention", choices=ATTENTION_IMPLEMENTATIONS, default="xla",
+                        help="softmax attention: xla (fp32 logits, any device) or cudnn (flash attention; NVIDIA GPU, "
+                        "bfloat16/float16) (default %(default)s)")
     parser.add_argument("--vae", help="diffusers AutoencoderKL directory: decode the latents to PNGs (torch)")
     add_quiet(parser)
     args = parser.parse_args(argv)
@@ -77,6 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
     require_paths(("--checkpoint", args.checkpoint), ("--prompts", args.embeddings), ("--vae", args.vae))
     import jax
+    import jax.numpy as jnp
+    from flax import nnx
 
     from kroquant_jax.fileio import atomic_write_bytes
     from models import families
@@ -93,7 +101,12 @@ def main(argv: list[str] | None = None) -> dict:
     if strategy == "simulate" and args.impl:
         raise UserError(f"--impl {args.impl} applies to served strategies, not --strategy simulate")
     options = None if strategy in (None, "simulate") else serve_options(strategy, args.impl)
-    loaded = load_quantized_checkpoint(args.checkpoint, args.dtype)
+    if args.attention == "cudnn" and jax.default_backend() != "gpu":
+        raise UserError(f"--attention cudnn needs an NVIDIA GPU (the backend is {jax.default_backend()})")
+    loaded = load_quantized_checkpoint(args.checkpoint, args.dtype, {"attention_impl": args.attention})
+    model_dtype = jax.tree_util.tree_leaves(nnx.state(loaded.model, nnx.Param))[0].dtype
+    if args.attention == "cudnn" and model_dtype not in (jnp.bfloat16, jnp.float16):
+        raise UserError(f"--attention cudnn needs --dtype bfloat16 or float16 (the model is {model_dtype})")
     if strategy is None:
         strategy, why = served.default_strategy(loaded.qlayers.values())
         options = serve_options(strategy, args.impl)
@@ -121,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{loaded.family}: {len(latents)} prompt(s) generated with the W4A4 model ({loaded.config['recipe']}, "
           f"{len(loaded.qlayers)} quantized layers, {strategy}; {solver}, {steps} steps); outputs in {out}",
           file=sys.stderr)
-    return {"family": loaded.family, "strategy": strategy, "solver": solver, "shift": settings["shift"],
+    return {"family": loaded.family, "strategy": strategy, "attention": args.attention, "solver": solver, "shift": settings["shift"],
             "steps": steps, "latent_hw": list(latent_hw), "prompts": len(latents), "out": str(out)}
 
 

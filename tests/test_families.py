@@ -63,6 +63,36 @@ def test_every_family_round_trips_through_one_interface(tmp_path, name):
         other.from_diffusers(tmp_path / "ckpt")
 
 
+@pytest.mark.parametrize("name", ["pixart", "sana", "flux"])
+def test_attention_impl_is_a_jax_side_config_field(tmp_path, name):
+    """``attention_impl`` is a JAX-side choice: left out of config.json, refused inside one, settable by
+    ``config_overrides``, checked by value, and ``"cudnn"`` off a GPU is a clear error at the first forward."""
+    import dataclasses
+
+    family, cfg = families.get(name), TINY[name]
+    assert "attention_impl" not in cfg.to_diffusers_config() and cfg.attention_impl == "xla"
+    with pytest.raises(ValueError, match="attention_impl='cudnn' \\(unknown key\\)"):
+        family.config_from_diffusers({**cfg.to_diffusers_config(), "attention_impl": "cudnn"})
+    with pytest.raises(ValueError, match="attention_impl='flash' must be one of \\('xla', 'cudnn'\\)"):
+        dataclasses.replace(cfg, attention_impl="flash")
+    family.to_diffusers(family.build(cfg, seed=3), tmp_path / "ckpt")
+    loaded_cfg, model = family.from_diffusers(tmp_path / "ckpt", "bfloat16", {"attention_impl": "cudnn"})
+    assert loaded_cfg == dataclasses.replace(cfg, attention_impl="cudnn")
+    assert {getattr(m, "attention_impl", None) for _, m in nnx.iter_graph(model)} >= {"cudnn"}
+    if jax.default_backend() != "gpu":
+        import argparse
+
+        from scripts.quantize_checkpoint import prompt_arrays, prompt_batches
+
+        synthetic = argparse.Namespace(embeddings=None, synthetic_prompts=1, synthetic_tokens=3, seed=0,
+                                       max_prompts=None)
+        batch = prompt_batches(prompt_arrays(synthetic, family, loaded_cfg), [0], 1, jnp.bfloat16)[0]
+        graphdef, state = nnx.split(model)
+        sample = family.make_sampler(graphdef, loaded_cfg, num_steps=1, guidance_scale=1.0, latent_hw=(8, 8))
+        with pytest.raises(ValueError, match="attention_impl='cudnn' needs an NVIDIA GPU"):
+            jax.eval_shape(sample, {"model": state, **batch}, jax.random.key(0))
+
+
 def test_bad_checkpoints_raise_naming_the_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"_class_name": "FooModel"}))
     with pytest.raises(ValueError, match=r"config.json: _class_name 'FooModel'"):
