@@ -19,8 +19,9 @@ default first.
 
 The second phase of the other two ways (``act_encode="xla"`` / ``"two_phase"``): the same shapes quantized to packed
 MXFP4 once, then their E4M3 re-encode timed as XLA's fusion (``fp8_encoding.mxfp4_to_e4m3``, what the served default
-runs) and as the Pallas kernel ``transform_quantize.reencode_e4m3`` at each of ``--reencode-tilings``, every result
-checked bit for bit against XLA's first (bytes: packed codes and scale bytes in, E4M3 out).
+runs; ``xla_convert``: the same with ``arithmetic="convert"``, the f32 -> E4M3 conversion instruction instead of the
+integer encoding) and as the Pallas kernel ``transform_quantize.reencode_e4m3`` at each of ``--reencode-tilings``,
+every result checked bit for bit against XLA's first (bytes: packed codes and scale bytes in, E4M3 out).
 
     python3 benchmarks/transform_quantize_fp8_bench.py --out $OUT/tq_fp8.json
     python3 benchmarks/transform_quantize_fp8_bench.py --out $OUT/tq_fp8.json --shapes 4224x4608 \
@@ -147,7 +148,9 @@ def time_reencodes(m: int, d: int, bufs: list, t, tilings: dict, impl: str, n_it
     io_bytes = m * d // 2 + m * d // 32 + m * d + 4 * m
     out = {"io_bytes": io_bytes, "copy_floor_us": io_bytes / (2 * m * d * 2 / copy_us), "variants": {}}
     rows = lambda r: (r.values, r.scale)  # noqa: E731
-    fns = {"xla": jax.jit(lambda q: rows(FE.mxfp4_to_e4m3(q, order="even_odd", count_inexact=False)))}
+    fns = {"xla": jax.jit(lambda q: rows(FE.mxfp4_to_e4m3(q, order="even_odd", count_inexact=False))),
+           "xla_convert": jax.jit(lambda q: rows(FE.mxfp4_to_e4m3(q, order="even_odd", count_inexact=False,
+                                                                  arithmetic="convert")))}
     for name, fields in tilings.items():
         fns[f"pallas_{name}"] = jax.jit(lambda q, f=fields: rows(tq.reencode_e4m3(q, impl=impl, **f)))
     want = None

@@ -50,6 +50,7 @@ from kroquant_jax.formats import MXFP4, QuantizedArray
 __all__ = [
     "E4M3_MIN_OFFSET",
     "E4M3_SPAN",
+    "ARITHMETICS",
     "E4M3_TOP_OFFSET",
     "Fp8Rows",
     "block_exponents",
@@ -192,8 +193,15 @@ def _check_order(order: str) -> None:
         raise ValueError(f"order={order!r} must be one of {ORDERS}")
 
 
-def e4m3_bits(nibbles: jax.Array, scale_byte: jax.Array, e_ref: jax.Array) -> jax.Array:
-    """The E4M3 bit pattern of one MXFP4 element against its row's reference exponent (integer ops, one f32 add).
+#: How :func:`e4m3_bits` computes the pattern: ``"integer"`` (integer ops and one f32 add: any backend and the
+#: Pallas kernels) or ``"convert"`` (the exact f32 value from bits, then one f32 -> E4M3 conversion, round to nearest
+#: even: Hopper's ``cvt`` instruction under XLA). The same bits either way (tested for every code, byte and offset).
+ARITHMETICS = ("integer", "convert")
+
+
+def e4m3_bits(nibbles: jax.Array, scale_byte: jax.Array, e_ref: jax.Array, *, arithmetic: str = "integer"
+              ) -> jax.Array:
+    """The E4M3 bit pattern of one MXFP4 element against its row's reference exponent (:data:`ARITHMETICS`).
 
     Args (broadcast together, any shape, integer dtypes): ``nibbles``: the E2M1 code (low 4 bits); ``scale_byte``: its
     block's E8M0 byte; ``e_ref``: the row's reference exponent (:func:`reference_exponent`), with
@@ -205,6 +213,8 @@ def e4m3_bits(nibbles: jax.Array, scale_byte: jax.Array, e_ref: jax.Array) -> ja
     The one home of the re-encoding's arithmetic: :func:`mxfp4_to_e4m3` and the quantizer kernels' FP8 output mode
     (``pallas_kernels.transform_quantize``) call it, so both write the same bytes.
     """
+    if arithmetic not in ARITHMETICS:
+        raise ValueError(f"e4m3_bits: arithmetic={arithmetic!r} must be one of {ARITHMETICS}")
     nib = jnp.asarray(nibbles).astype(jnp.int32)
     byte = jnp.asarray(scale_byte).astype(jnp.int32)
     mag_idx = nib & 7
@@ -213,14 +223,19 @@ def e4m3_bits(nibbles: jax.Array, scale_byte: jax.Array, e_ref: jax.Array) -> ja
     # |e2m1| * 2**offset, a normal f32: offsets below -30 round every value to zero anyway (6 * 2**-30 < 2**-10)
     offset = jnp.clip(byte - F.E8M0_BIAS - jnp.asarray(e_ref).astype(jnp.int32), -30, E4M3_TOP_OFFSET + 1)
     v_bits = mag_bits + (offset << 23)
+    # formats.dequantize flushes values below 2**-126 (floor(log2 |e2m1|) + e_blk < -126) to +0
+    flushed = (mag_idx != 0) & ((mag_bits >> 23) + byte < 2 * F.E8M0_BIAS - 126)
+    if arithmetic == "convert":
+        signed = jnp.where(mag_idx == 0, 0, v_bits) | ((nib & 8) << 28)  # the exact value, its sign
+        value = jax.lax.bitcast_convert_type(signed, jnp.float32).astype(jnp.float8_e4m3fn)
+        bits = jnp.where(flushed, 0, jax.lax.bitcast_convert_type(value, jnp.uint8).astype(jnp.int32))
+        return jnp.where(byte == F.E8M0_NAN, _NAN_BYTE, bits)
     normal = (v_bits >> 20) - (120 << 3)  # E4M3 exponent field = f32's - 120; <= 2 significant bits: no rounding
     # below 2**-6 (E4M3 subnormals): adding 2**14, whose f32 ulp is 2**-9, rounds to a multiple of 2**-9 (nearest,
     # ties to even); the bits above 2**14's are that multiple
     sub = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(v_bits, jnp.float32) + jnp.float32(2.0**14),
                                        jnp.int32) - _F32_2P14_BITS
     mag = jnp.where(mag_idx == 0, 0, jnp.where(v_bits >= _F32_2PM6_BITS, normal, sub))
-    # formats.dequantize flushes values below 2**-126 (floor(log2 |e2m1|) + e_blk < -126) to +0
-    flushed = (mag_idx != 0) & ((mag_bits >> 23) + byte < 2 * F.E8M0_BIAS - 126)
     bits = jnp.where(flushed, 0, mag | ((nib & 8) << 4))
     return jnp.where(byte == F.E8M0_NAN, _NAN_BYTE, bits)
 
@@ -237,14 +252,15 @@ def _exact_values(nib: jax.Array, byte: jax.Array, offset: jax.Array) -> jax.Arr
     return jnp.where(dead, 0.0, F.e2m1_decode(nib) * _pow2(offset))  # <= 2 significant bits, exponent >= -31: exact
 
 
-def mxfp4_to_e4m3(q: QuantizedArray, *, order: str = "natural", count_inexact: bool = True) -> Fp8Rows:
+def mxfp4_to_e4m3(q: QuantizedArray, *, order: str = "natural", count_inexact: bool = True,
+                  arithmetic: str = "integer") -> Fp8Rows:
     """Re-encode MXFP4 rows ``(..., d)`` as E4M3 bytes ``(..., d)`` and one power of two per row.
 
     ``value[..., j] = e2m1(code) * 2**(e_blk - e_ref)`` rounded to E4M3 (exact for block offsets in ``[-8, 6]``; the
     out-of-range policy of the module docstring otherwise; :func:`e4m3_bits`), ``scale = 2**e_ref``.
     ``order="even_odd"`` writes the low nibbles then the high nibbles (no interleave; see :class:`Fp8Rows`).
     ``count_inexact``: count the elements the rounding changed (one more reduction over the row; ``inexact = -1``
-    without). Any MXFP4 block size; pure jnp (elementwise over the packed bytes plus a reduction over the row's scale
+    without). ``arithmetic``: :data:`ARITHMETICS` (the same bytes). Any MXFP4 block size; pure jnp (elementwise over the packed bytes plus a reduction over the row's scale
     bytes).
     """
     _check_mxfp4(q, "mxfp4_to_e4m3")
@@ -255,8 +271,8 @@ def mxfp4_to_e4m3(q: QuantizedArray, *, order: str = "natural", count_inexact: b
     byte_b = jnp.repeat(b, per_block, axis=-1)  # (..., d/2)
     codes = q.codes.astype(jnp.int32)
     lo_nib, hi_nib = codes & 15, codes >> 4  # elements 2i, 2i + 1
-    lo = _bits_to_e4m3(e4m3_bits(lo_nib, byte_b, e_ref[..., None]))
-    hi = _bits_to_e4m3(e4m3_bits(hi_nib, byte_b, e_ref[..., None]))
+    lo = _bits_to_e4m3(e4m3_bits(lo_nib, byte_b, e_ref[..., None], arithmetic=arithmetic))
+    hi = _bits_to_e4m3(e4m3_bits(hi_nib, byte_b, e_ref[..., None], arithmetic=arithmetic))
     if order == "even_odd":
         values = jnp.concatenate([lo, hi], axis=-1)
     else:

@@ -1,5 +1,7 @@
 """CPU tests of the exact MXFP4 -> E4M3 re-encoding and of the per-token FP8 activations (kroquant_jax.fp8_encoding)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -65,6 +67,9 @@ def test_random_quantized_rows_in_range_are_exact():
     r = E.mxfp4_to_e4m3(q)
     assert int(r.inexact) == 0
     np.testing.assert_array_equal(_decode_f64(r), _exact_f64(q))
+    converted = E.mxfp4_to_e4m3(q, order="even_odd", arithmetic="convert")
+    np.testing.assert_array_equal(np.asarray(converted.values).view(np.uint8),
+                                  np.asarray(E.mxfp4_to_e4m3(q, order="even_odd").values).view(np.uint8))
 
 
 @pytest.mark.parametrize("o", [-9, -10, -12, -14, -25])
@@ -186,12 +191,15 @@ def test_per_token_e4m3():
     assert int(r.inexact) == 0
 
 
-def test_e4m3_bits_equals_rounding_the_exact_value_for_every_code_byte_and_offset():
-    """The integer encoder (shared with the quantizer kernels' FP8 output) against f32 -> E4M3 rounding of the exact
-    value: every code x every E8M0 byte x every offset the row's own e_ref can give (6 down to far out of range)."""
+@pytest.mark.parametrize("arithmetic", E.ARITHMETICS)
+def test_e4m3_bits_equals_rounding_the_exact_value_for_every_code_byte_and_offset(arithmetic):
+    """Both encoders (the integer one shared with the quantizer kernels' FP8 output; the f32 -> E4M3 conversion one)
+    against f32 -> E4M3 rounding of the exact value in numpy: every code x every E8M0 byte x every offset the row's
+    own e_ref can give (6 down to far out of range), signed zeros, flushed elements and NaN blocks included."""
     nib, byte, off = np.meshgrid(np.arange(16), np.arange(256), np.arange(-40, 7), indexing="ij")
     e_ref = byte - 127 - off
-    bits = np.asarray(E.e4m3_bits(jnp.asarray(nib), jnp.asarray(byte), jnp.asarray(e_ref)))
+    bits = np.asarray(jax.jit(functools.partial(E.e4m3_bits, arithmetic=arithmetic))(
+        jnp.asarray(nib), jnp.asarray(byte), jnp.asarray(e_ref)))
     floor_log2 = np.array([127, -1, 0, 0, 1, 1, 2, 2])[nib & 7]
     dead = (floor_log2 + byte - 127 < -126) | (byte == 255)
     exact = np.where(dead, 0.0, F.E2M1_VALUES[nib].astype(np.float64) * 2.0 ** np.clip(off, -30, 127))
@@ -199,4 +207,7 @@ def test_e4m3_bits_equals_rounding_the_exact_value_for_every_code_byte_and_offse
     want = np.where(byte == 255, 0x7F, want)
     np.testing.assert_array_equal(bits, want)
     assert bits.min() >= 0 and bits.max() <= 255
-    assert E.e4m3_bits(jnp.int32(7), jnp.int32(127), E.reference_exponent(jnp.int32(127))) == 0x7C  # 6 at +6: 384
+    assert E.e4m3_bits(jnp.int32(7), jnp.int32(127), E.reference_exponent(jnp.int32(127)),
+                       arithmetic=arithmetic) == 0x7C  # 6 at +6: 384
+    with pytest.raises(ValueError, match="arithmetic='float' must be one of \\('integer', 'convert'\\)"):
+        E.e4m3_bits(jnp.int32(7), jnp.int32(127), jnp.int32(0), arithmetic="float")

@@ -43,10 +43,11 @@ def test_tilings_checked_then_timed(tmp_path):
     re = row["reencode"]
     assert re["io_bytes"] == 64 * 128 + 64 * 8 + 64 * 256 + 4 * 64
     assert re["variants"]["xla"]["status"] == "ok" and re["variants"]["xla"]["bit_exact_vs_xla"]
+    assert re["variants"]["xla_convert"]["status"] == "ok" and re["variants"]["xla_convert"]["bit_exact_vs_xla"]
     small = re["variants"]["pallas_br8_bc64"]
     assert small["status"] == "ok" and small["bit_exact_vs_xla"] and small["us"] > 0
     assert "block_cols=8 must be a power of two >= 16" in re["variants"]["pallas_bad"]["status"]
-    assert re["best"] in ("xla", "pallas_br8_bc64")
+    assert re["best"] in ("xla", "xla_convert", "pallas_br8_bc64")
     assert "| 64x256 | pallas_br8_bc64 |" in run.stdout
 
 
