@@ -481,7 +481,8 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Ar
         if jax.default_backend() != "gpu":
             raise ValueError(f"attention_impl='cudnn' needs an NVIDIA GPU (the backend is {jax.default_backend()}); "
                              "use 'xla'")
-        bias = None if bias is None else jnp.broadcast_to(bias, (q.shape[0], 1, 1, k.shape[1])).astype(q.dtype)
+        # cuDNN wants the bias at full (b, 1, s, t): a (b, 1, 1, t) key mask is broadcast over the queries
+        bias = None if bias is None else jnp.broadcast_to(bias, (q.shape[0], 1, q.shape[1], k.shape[1])).astype(q.dtype)
         return jax.nn.dot_product_attention(q, k, v, bias=bias, implementation="cudnn")  # (b, s, h, dh)
     scale = q.shape[-1] ** -0.5
     logits = jnp.einsum("bshd,bthd->bhst", q, k, preferred_element_type=jnp.float32) * scale  # (b, h, s, t)

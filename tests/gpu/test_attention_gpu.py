@@ -20,7 +20,7 @@ CONFIGS = {
     # PixArt-Σ's real head width (72) with its cross-attention mask; SANA's cross-attention; FLUX.1's joint attention
     "pixart": dataclasses.replace(pixart.PIXART_SIGMA_XL_2_1024_MS, num_layers=2, sample_size=16),
     "sana": sana.SanaConfig(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=32, num_layers=1,
-                            num_cross_attention_heads=2, cross_attention_head_dim=64, cross_attention_dim=128,
+                            num_cross_attention_heads=2, cross_attention_head_dim=64, cross_attention_dim=64,
                             caption_channels=64, mlp_ratio=2.0, sample_size=16),
     "flux": dataclasses.replace(flux.FLUX1_SCHNELL, num_layers=1, num_single_layers=1),
 }
