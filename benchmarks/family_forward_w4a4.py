@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_path = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "family_forward_w4a4.json"))
     family = families.get(args.family)
     began = time.perf_counter()
-    model = family.build(cfg, dtype=jnp.bfloat16, seed=0)
+    model = family.build(cfg, dtype=jnp.bfloat16, seed=0, on_device=not tiny)  # FLUX.1: 12B parameters
     qlayers = stand_in_qlayers(model, args.rank, jax.random.key(1))
     timing.block(qlayers)
     build_s = time.perf_counter() - began

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from models import convert, flux, ideogram4, ideogram4_sampling, pixart, sampling, sana
-from models.layers import InitKeys, host_init, linears
+from models.layers import InitKeys, device_init, host_init, linears
 
 __all__ = ["CAPTION_KEYS_VALUES", "FLUX", "Family", "IDEOGRAM4", "PIXART", "REGISTRY", "SANA", "SharedInputGroups",
            "TextOnlyInputs", "detect", "detect_dir", "differing_fields", "family_of", "get", "load_diffusers",
@@ -190,9 +190,11 @@ class Family:
         """The plain constructor (eager, any init); use under ``nnx.eval_shape`` for shapes without memory."""
         return self.new_model(cfg, convert.resolve_dtype(dtype))
 
-    def build(self, cfg: Any, dtype: Any = None, seed: int = 0) -> nnx.Module:
-        """A randomly initialised model (host init, see :func:`models.layers.host_init`; for tests and training)."""
-        return host_init(lambda: self.construct(cfg, dtype), seed)
+    def build(self, cfg: Any, dtype: Any = None, seed: int = 0, on_device: bool = False) -> nnx.Module:
+        """A randomly initialised model (:func:`models.layers.host_init`; for tests and training). ``on_device``:
+        the same distributions drawn on the device (:func:`models.layers.device_init`; other values; for large
+        random-weight benchmarks)."""
+        return (device_init if on_device else host_init)(lambda: self.construct(cfg, dtype), seed)
 
     def linear_sites(self, model: nnx.Module, quantizable_only: bool = True) -> list[str]:
         """Dotted paths of the model's linears (by default the quantizable ones: the W4A4 sites), in graph order."""

@@ -21,6 +21,7 @@ kernels are HWIO.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -49,6 +50,7 @@ __all__ = [
     "ATTENTION_IMPLEMENTATIONS",
     "check_attention_impl",
     "dot_product_attention",
+    "device_init",
     "host_init",
     "layer_norm",
     "linears",
@@ -676,6 +678,21 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 
+def _init_rule(path: tuple, shape: tuple[int, ...]) -> tuple[str, float]:
+    """``(distribution, value)`` of one parameter for :func:`host_init` / :func:`device_init`: ``"uniform"`` in
+    ``±value``, ``"normal"`` divided by ``value``, or ``"constant"`` ``value``."""
+    name = str(path[-1])
+    if name == "kernel":
+        return "uniform", 1.0 / math.sqrt(max(1, math.prod(shape[:-1])))
+    if name in ("scale_shift_table", "embedding"):
+        return "normal", math.sqrt(shape[-1])
+    if name in ("weight", "scale"):
+        return "constant", 1.0
+    if name == "bias":
+        return "constant", 0.0
+    raise ValueError(f"host_init: no init rule for parameter {'.'.join(map(str, path))} of shape {shape}")
+
+
 def host_init(constructor: Callable[[], nnx.Module], seed: int = 0) -> nnx.Module:
     """Build ``constructor()`` abstractly and fill its parameters on the host with numpy (fast: no per-op compiles).
 
@@ -689,22 +706,41 @@ def host_init(constructor: Callable[[], nnx.Module], seed: int = 0) -> nnx.Modul
     leaves = []
     for path, variable in nnx.to_flat_state(state):
         value = variable.get_value() if hasattr(variable, "get_value") else variable.value
-        shape, dtype, name = tuple(value.shape), value.dtype, str(path[-1])
-        if name == "kernel":
-            bound = 1.0 / math.sqrt(max(1, math.prod(shape[:-1])))
-            array = rng.uniform(-bound, bound, shape)
-        elif name == "scale_shift_table":
-            array = rng.standard_normal(shape) / math.sqrt(shape[-1])
-        elif name in ("weight", "scale"):
-            array = np.ones(shape)
-        elif name == "embedding":
-            array = rng.standard_normal(shape) / math.sqrt(shape[-1])
-        elif name == "bias":
-            array = np.zeros(shape)
+        shape, dtype = tuple(value.shape), value.dtype
+        kind, scale = _init_rule(path, shape)
+        if kind == "uniform":
+            array = rng.uniform(-scale, scale, shape)
+        elif kind == "normal":
+            array = rng.standard_normal(shape) / scale
         else:
-            raise ValueError(f"host_init: no init rule for parameter {'.'.join(map(str, path))} of shape {shape}")
+            array = np.full(shape, scale)
         leaves.append((path, variable.replace(jnp.asarray(array, dtype))))
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+def device_init(constructor: Callable[[], nnx.Module], seed: int = 0) -> nnx.Module:
+    """:func:`host_init`'s distributions drawn on the default device with ``jax.random`` (one compiled draw per
+    shape and dtype): for models too large to fill quickly on the host, e.g. FLUX.1's 12B parameters in a GPU
+    benchmark. Other values than :func:`host_init`'s for the same seed."""
+    abstract = nnx.eval_shape(constructor)
+    graphdef, state = nnx.split(abstract)
+    key = jax.random.key(seed)
+    leaves = []
+    for i, (path, variable) in enumerate(nnx.to_flat_state(state)):
+        value = variable.get_value() if hasattr(variable, "get_value") else variable.value
+        shape, dtype = tuple(value.shape), value.dtype
+        kind, scale = _init_rule(path, shape)
+        leaves.append((path, variable.replace(_device_draw(jax.random.fold_in(key, i), shape, dtype, kind, scale))))
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _device_draw(key: jax.Array, shape: tuple[int, ...], dtype: Any, kind: str, scale: jax.Array) -> jax.Array:
+    if kind == "uniform":
+        return (jax.random.uniform(key, shape, jnp.float32, -1.0, 1.0) * scale).astype(dtype)
+    if kind == "normal":
+        return (jax.random.normal(key, shape, jnp.float32) / scale).astype(dtype)
+    return jnp.full(shape, scale, dtype)
 
 
 class InitKeys:

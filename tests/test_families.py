@@ -93,6 +93,29 @@ def test_attention_impl_is_a_jax_side_config_field(tmp_path, name):
             jax.eval_shape(sample, {"model": state, **batch}, jax.random.key(0))
 
 
+@pytest.mark.parametrize("name", ["flux", "ideogram4"])
+def test_device_init_draws_the_host_init_distributions(name):
+    """``build(on_device=True)``: the same shapes and dtypes as the host init, each parameter from the same rule
+    (uniform ±1/sqrt(fan_in) kernels, zero biases, unit norm weights, normal / sqrt(dim) tables), other values."""
+    family, cfg = families.get(name), TINY[name]
+    host = convert.flat_state_dict(family.build(cfg, seed=3))
+    device = convert.flat_state_dict(family.build(cfg, seed=3, on_device=True))
+    assert host.keys() == device.keys()
+    for key, h in host.items():
+        h, d = np.asarray(h, np.float64), np.asarray(device[key], np.float64)
+        assert h.shape == d.shape and np.asarray(host[key]).dtype == np.asarray(device[key]).dtype, key
+        if key.endswith("kernel"):
+            bound = 1 / np.sqrt(np.prod(h.shape[:-1]))
+            assert np.abs(d).max() <= bound and (h.size < 64 or np.abs(d).max() > 0.8 * bound), key
+            assert not np.array_equal(h, d), key
+        elif np.all(h == h.flat[0]):  # biases and norm weights: constants
+            np.testing.assert_array_equal(d, h, err_msg=key)
+        else:  # scale_shift_table, embeddings: normal / sqrt(dim)
+            assert 0.5 < d.std() * np.sqrt(h.shape[-1]) < 1.5 and not np.array_equal(h, d), key
+    again = convert.flat_state_dict(family.build(cfg, seed=3, on_device=True))
+    assert all(np.array_equal(np.asarray(again[k]), np.asarray(device[k])) for k in device)
+
+
 def test_bad_checkpoints_raise_naming_the_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"_class_name": "FooModel"}))
     with pytest.raises(ValueError, match=r"config.json: _class_name 'FooModel'"):
