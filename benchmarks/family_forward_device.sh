@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The device calls that finish issue 14's PixArt-Σ / FLUX.1 measurements (docs/w4a4.md, "PixArt-Σ and FLUX.1 at their
+# real sizes"), one mode per call, each within one call's 600 s:
+#
+#   bash benchmarks/family_forward_device.sh tiles     # fused FP8 GEMM tilings at the narrow models' shapes
+#   bash benchmarks/family_forward_device.sh flux      # the whole FLUX.1 step with cuDNN attention: bf16, fp8_mgpu
+#   bash benchmarks/family_forward_device.sh errors    # PixArt-Σ's served output against the simulated forward
+#
+# JAX's persistent compilation cache lives in runs/dev/jax_cache (kept between back-to-back calls on a warm machine),
+# so a later call loads the programs an earlier one finished compiling (not verified for the Mosaic GPU kernels). Writes logs and JSON under $OUT (./device_out elsewhere).
+set -uo pipefail
+OUT=${OUT:-device_out}
+mkdir -p "$OUT" runs/dev/jax_cache
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_COMPILATION_CACHE_DIR=runs/dev/jax_cache
+mode=${1:-tiles}
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv
+  python3 -c "import jax; print('jax', jax.__version__)"; date -u; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+case "$mode" in
+  tiles)
+    timeout "${LIMIT_S:-560}" python3 benchmarks/fp8_mgpu_bench.py --out "$OUT/fp8_mgpu_narrow.json" --ms 4096 512 \
+      --layers pixart_sigma.attn.q pixart_sigma.ff.up pixart_sigma.ff.down flux1.attn.q \
+      --configs "n96:tile_n=96,epi_tile_n=32" "n64:tile_n=64" "m64:tile_m=64" \
+      "n144s2:tile_n=144,epi_tile_n=48,max_concurrent_steps=2" \
+      "n192s2c32:tile_n=192,epi_tile_n=64,max_concurrent_steps=2,lowrank_chunk=32" > "$OUT/tiles.log" 2>&1
+    echo "tiles rc=$?"; tail -n 40 "$OUT/tiles.log" ;;
+  flux)
+    timeout "${LIMIT_S:-560}" python3 benchmarks/family_forward_w4a4.py --family flux --strategies fp8_mgpu \
+      --kernels --repeats 3 --out "$OUT/family_forward_flux_cudnn.json" > "$OUT/flux.log" 2>&1
+    echo "flux rc=$?"; tail -n 12 "$OUT/flux.log" ;;
+  errors)
+    timeout "${LIMIT_S:-560}" python3 benchmarks/family_forward_w4a4.py --family pixart --strategies fp8_mgpu,simulate \
+      --repeats 3 --out "$OUT/family_forward_pixart_vs_simulate.json" > "$OUT/errors.log" 2>&1
+    echo "errors rc=$?"; tail -n 12 "$OUT/errors.log" ;;
+  *) echo "family_forward_device.sh: unknown mode '$mode' (tiles, flux, errors)" >&2; exit 2 ;;
+esac
