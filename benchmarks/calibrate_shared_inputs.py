@@ -41,7 +41,7 @@ DEFAULT_METHODS = ("hadamard32", "smoothquant", "kroquant", "smoothed_kroquant")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from scripts.common_args import positive_int
+    from scripts.common_args import add_compile_cache, positive_int
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 add_help=False)
@@ -70,9 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-md", default=None, help="result table (markdown)")
     p.add_argument("--out-png", default=None, help="plot: each member's fused vs per-linear error, per method")
     p.add_argument("--render", metavar="JSON", help="run nothing: write --out-md / --out-png of this result JSON")
-    p.add_argument("--compile-cache", metavar="DIR",
-                   help="JAX persistent compilation cache folder: a later run with the same shapes and settings loads "
-                        "the compiled programs (capture, calibration) instead of compiling them")
+    add_compile_cache(p, "capture, calibration")
     if p.parse_known_args(argv)[0].render is None:
         # the recipe flags need kroquant_jax.calibrate (and so jax); --render only reads a JSON and plots
         from kroquant_jax import calibrate

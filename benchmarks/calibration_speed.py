@@ -68,6 +68,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kroquant_jax import calibrate, lowrank, synthetic, timing, transforms  # noqa: E402
 from kroquant_jax.layerset import atomic_write_bytes, engine_compiler_options, program_config  # noqa: E402
+from scripts.common_args import add_compile_cache  # noqa: E402
 
 _CAL = calibrate.CalibrationConfig()
 _RUN = calibrate.RunConfig()
@@ -260,9 +261,7 @@ def main(argv=None):
                     help="warm rerun of each vmapped group right after its cold run (default: at the end)")
     ap.add_argument("--compile-only", action="store_true",
                     help="lower and compile the programs without running them (compile times and program sizes)")
-    ap.add_argument("--compile-cache", metavar="DIR", default=None,
-                    help="JAX persistent compilation cache folder (default: off; see kroquant_jax.calibrate."
-                         "enable_compile_cache)")
+    add_compile_cache(ap)
     ap.add_argument("--time-budget", type=float, default=250.0,
                     help="seconds from the start; loop layers and warm reruns are skipped once it is spent")
     ap.add_argument("--out", default="benchmarks/results/calibration_speed.json")

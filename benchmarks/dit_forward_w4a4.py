@@ -101,7 +101,7 @@ from models.quantize_model import (FusedLinearHooks, layer_at, qlinear_overrides
 from pallas_kernels import epilogues as E  # noqa: E402
 from pallas_kernels import served as S  # noqa: E402
 from pallas_kernels import w4a4_gemm as G  # noqa: E402
-from scripts.common_args import choice_list  # noqa: E402
+from scripts.common_args import add_compile_cache, choice_list  # noqa: E402
 
 TRANSFORM = "kron_lu"
 #: Timed forwards, in the order they run (``--variants`` picks a subset; ``w4a4_unfused`` is optional).
@@ -270,10 +270,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "blocks, median of 3 calls")
     parser.add_argument("--hlo-dir", default=None,
                         help="also write each forward's optimized HLO (gzipped text) into this folder")
-    parser.add_argument("--compile-cache", metavar="DIR", default=None,
-                        help="JAX persistent compilation cache folder (default: off; see kroquant_jax.calibrate."
-                             "enable_compile_cache): a later run with the same shapes loads the programs instead of "
-                             "compiling them again (compile_s then times the load)")
+    add_compile_cache(parser, timing="compile_s then times the load")
     parser.add_argument("--out", default=None, help="JSON (default $OUT/dit_forward_w4a4.json, else /tmp)")
     args = parser.parse_args(argv)
     if args.compile_cache:  # before anything compiles

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kroquant_jax import calibrate, layerset, synthetic  # noqa: E402
 from kroquant_jax.fileio import atomic_path, atomic_write_bytes  # noqa: E402
-from scripts.common_args import positive_int, quantize_with_store, verb_parser  # noqa: E402
+from scripts.common_args import add_compile_cache, positive_int, quantize_with_store, verb_parser  # noqa: E402
 
 EXAMPLES = ("--synthetic dit --out runs/calib_synthetic",
             "--layers pixart_layers.npz --methods rtn kroquant kroquant+loraq --store runs/st",
@@ -145,9 +145,7 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/calibrate_layers", help="folder for table.md, results.json, plot.png")
     ap.add_argument("--plot", default=None, help="PNG path (default <out>/plot.png)")
     ap.add_argument("--progress", action="store_true", help="a progress bar per method")
-    ap.add_argument("--compile-cache", metavar="DIR", default=None,
-                    help="JAX persistent compilation cache folder: a later run with the same shapes and settings loads "
-                         "the compiled programs instead of compiling them")
+    add_compile_cache(ap)
     args = ap.parse_args(argv)
     if args.compile_cache:
         calibrate.enable_compile_cache(args.compile_cache)

@@ -126,6 +126,16 @@ def quantize_with_store(layer_set, recipe, store, overwrite: bool, flag: str, la
     return qlayers, reports
 
 
+def add_compile_cache(parser: argparse.ArgumentParser, what: str = "", timing: str = "") -> None:
+    """``--compile-cache DIR`` (default off): JAX's persistent compilation cache, which the entry point turns on with
+    ``kroquant_jax.calibrate.enable_compile_cache(args.compile_cache)`` before it compiles. ``what``: the programs it
+    caches; ``timing``: what the cache does to the entry point's reported times."""
+    parser.add_argument("--compile-cache", metavar="DIR", default=None,
+                        help="JAX persistent compilation cache folder (default: off): a later run with the same shapes "
+                             "and settings loads the compiled programs" + (f" ({what})" if what else "")
+                             + " instead of compiling them" + (f"; {timing}" if timing else ""))
+
+
 def add_quiet(parser: argparse.ArgumentParser) -> None:
     """``--quiet``: no progress bars (the last summary line and errors are still printed)."""
     parser.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -75,7 +75,7 @@ from models.testbed import data as testbed_data
 from models.testbed.evaluation import (CAPTION_GROUPS, capture_flow_layer_set, flow_sampler, generate_seeds,
                                        group_metrics, layer_errors_summary, markdown_table, merge_outputs,
                                        select_caption_groups, training_caption_text, write_outputs)
-from scripts.common_args import nonnegative_int, positive_int, quantize_with_store, verb_parser
+from scripts.common_args import add_compile_cache, nonnegative_int, positive_int, quantize_with_store, verb_parser
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "emoji_pixart"
@@ -170,10 +170,7 @@ def build_parser(verb: str = "evaluate", description: str | None = None, example
     parser.add_argument("--overwrite", action="store_true",
                         help="capture and calibrate again instead of reusing --out's results (which are refused when "
                              "they were made from other inputs)")
-    parser.add_argument("--compile-cache", metavar="DIR", default=None,
-                        help="JAX persistent compilation cache folder: a later run with the same shapes and settings "
-                             "loads the compiled programs (capture, calibration, sampling) instead of compiling them "
-                             "(the reported compile seconds then include the loads)")
+    add_compile_cache(parser, "capture, calibration, sampling", "the reported compile seconds then include the loads")
     return parser
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scripts.common_args import UserError, add_quiet, positive_int, require_paths, verb_parser
+from scripts.common_args import UserError, add_compile_cache, add_quiet, positive_int, require_paths, verb_parser
 
 EXAMPLES = ("--checkpoint runs/pixart/quantized-kroquant --prompts prompts.npz --out runs/samples",
             "--checkpoint runs/emoji/quantized-kroquant_loraq --prompts prompts.npz --steps 20 --latent-hw 32 32 "
@@ -63,6 +63,7 @@ def _parse(argv):
                         help="softmax attention: xla (fp32 logits, any device) or cudnn (flash attention; NVIDIA GPU, "
                         "bfloat16/float16) (default %(default)s)")
     parser.add_argument("--vae", help="diffusers AutoencoderKL directory: decode the latents to PNGs (torch)")
+    add_compile_cache(parser, "the sampler with its W4A4 layers")
     add_quiet(parser)
     args = parser.parse_args(argv)
     args.synthetic_prompts, args.synthetic_tokens = None, None  # prompt_arrays' other source
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
+    from kroquant_jax import calibrate
     from kroquant_jax.fileio import atomic_write_bytes
     from models import families
     from models.quantized_checkpoint import load_quantized_checkpoint
@@ -103,6 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
     options = None if strategy in (None, "simulate") else serve_options(strategy, args.impl)
     if args.attention == "cudnn" and jax.default_backend() != "gpu":
         raise UserError(f"--attention cudnn needs an NVIDIA GPU (the backend is {jax.default_backend()})")
+    if args.compile_cache:
+        calibrate.enable_compile_cache(args.compile_cache)
     loaded = load_quantized_checkpoint(args.checkpoint, args.dtype, {"attention_impl": args.attention})
     model_dtype = jax.tree_util.tree_leaves(nnx.state(loaded.model, nnx.Param))[0].dtype
     if args.attention == "cudnn" and model_dtype not in (jnp.bfloat16, jnp.float16):

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kroquant_jax import calibrate
-from scripts.common_args import (UserError, add_quiet, positive_int, quantize_with_store,
+from scripts.common_args import (UserError, add_compile_cache, add_quiet, positive_int, quantize_with_store,
                                  require_paths, verb_parser)
 
 
@@ -115,9 +115,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overwrite", action="store_true",
                         help="recompute everything in --out instead of refusing results made from other inputs")
     parser.add_argument("--vae", help="diffusers AutoencoderKL directory: decode the latents to PNGs (torch)")
-    parser.add_argument("--compile-cache", metavar="DIR",
-                        help="JAX persistent compilation cache folder: a later run with the same shapes and settings "
-                             "loads the compiled programs (calibration, capture, sampling) instead of compiling them")
+    add_compile_cache(parser, "calibration, capture, sampling")
     add_quiet(parser)
     return parser.parse_args(argv)
 

@@ -84,7 +84,7 @@ def test_load_names_what_is_missing(tmp_path):
         load_quantized_checkpoint(tmp_path)
 
 
-def test_generate_runs_a_served_strategy(tmp_path):
+def test_generate_runs_a_served_strategy(tmp_path, monkeypatch):
     """`kroquant generate --strategy dequant` and `--strategy fp8` (pallas_kernels.served, their jnp references on the
     CPU) sample close to the simulated path; bad --strategy / --impl choices are one-line errors."""
     from scripts import generate
@@ -106,7 +106,11 @@ def test_generate_runs_a_served_strategy(tmp_path):
     np.savez(prompts, **{k: np.asarray(v) for k, v in _prompts("pixart").items()})
     common = ["--checkpoint", str(folder), "--prompts", str(prompts), "--quiet"]
     simulated = generate.main([*common, "--out", str(tmp_path / "sim")])
-    dequant = generate.main([*common, "--out", str(tmp_path / "deq"), "--strategy", "dequant"])
+    caches = []  # --compile-cache turns on JAX's process-wide cache: recorded here, not turned on in the test process
+    monkeypatch.setattr(calibrate, "enable_compile_cache", caches.append)
+    dequant = generate.main([*common, "--out", str(tmp_path / "deq"), "--strategy", "dequant", "--compile-cache",
+                             str(tmp_path / "cc")])
+    assert caches == [str(tmp_path / "cc")]
     assert (simulated["strategy"], dequant["strategy"]) == ("simulate", "dequant")
     with np.load(tmp_path / "sim" / "latents.npz") as a, np.load(tmp_path / "deq" / "latents.npz") as b:
         sim, deq = a["latents"], b["latents"]
