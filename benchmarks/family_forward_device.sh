@@ -7,7 +7,8 @@
 #   bash benchmarks/family_forward_device.sh errors    # PixArt-Σ's served output against the simulated forward
 #
 # JAX's persistent compilation cache lives in runs/dev/jax_cache (kept between back-to-back calls on a warm machine),
-# so a later call loads the programs an earlier one finished compiling (not verified for the Mosaic GPU kernels). Writes logs and JSON under $OUT (./device_out elsewhere).
+# so a later call loads the programs an earlier one finished compiling (not verified for the Mosaic GPU kernels).
+# Writes logs and JSON under $OUT (./device_out elsewhere).
 set -uo pipefail
 OUT=${OUT:-device_out}
 mkdir -p "$OUT" runs/dev/jax_cache

@@ -11,14 +11,14 @@ low-rank factors of rank ``--rank``), served through the family's linear overrid
 (``QuantizedCheckpoint.served_overrides``: what ``kroquant generate`` runs).
 
 Every system runs the same softmax attention (``--attention``; on a GPU by default cuDNN's flash attention, what
-serving uses; ``xla`` materialises the fp32 logits). One call is the family's sampler with one step at guidance 1 (``Family.make_sampler``: the noise, one forward at
-``--height`` pixels, batch 1, synthetic prompt embeddings of ``--text-tokens`` tokens, the Euler / DPM update):
-timed as the median wall time of ``--repeats`` samples of ``--inner`` back-to-back calls after a compiling warm-up,
-and, with ``--kernels``, as the sum of its kernel durations (CUPTI, ``kroquant_jax.timing.device_time``) with the
-costliest kernels. Checks: each W4A4 output's relative L2 error against the bf16 output (finite; the W4A4 outputs
-differ from each other by rounding only) and, with ``simulate`` among ``--strategies`` (the same quantized layers
-fake-quantized in f32, ``QuantizedCheckpoint.overrides``), each served output's error against it. Writes the JSON
-(``--out``, atomically) and prints a table.
+serving uses; ``xla`` materialises the fp32 logits). One call is the family's sampler with one step at guidance 1
+(``Family.make_sampler``: the noise, one forward at ``--height`` pixels, batch 1, synthetic prompt embeddings of
+``--text-tokens`` tokens, the Euler / DPM update): timed as the median wall time of ``--repeats`` samples of
+``--inner`` back-to-back calls after a compiling warm-up, and, with ``--kernels``, as the sum of its kernel durations
+(CUPTI, ``kroquant_jax.timing.device_time``) with the costliest kernels. Checks: each W4A4 output's relative L2 error
+against the bf16 output (finite; the W4A4 outputs differ from each other by rounding only) and, with ``simulate``
+among ``--strategies`` (the same quantized layers fake-quantized in f32, ``QuantizedCheckpoint.overrides``), each
+served output's error against it. Writes the JSON (``--out``, atomically) and prints a table.
 
     python3 benchmarks/family_forward_w4a4.py --family pixart --strategies dequant,fp8,fp8_mgpu --kernels
     python3 benchmarks/family_forward_w4a4.py --family flux --double-blocks 2 --single-blocks 4 --kernels
@@ -205,8 +205,8 @@ def table(payload: dict) -> str:
     kinds = f"{b['double']} of {b['double_in_preset']} blocks" + (
         f", {b['single']} of {b['single_in_preset']} single blocks" if "single" in b else "")
     lines = [f"{payload['device']}, jax {payload['jax']}, {payload['date_utc']}: {payload['family']} ({kinds}), "
-             f"{payload.get('attention_impl', 'xla')} attention, {payload['height']} px, {payload['text_tokens']} text tokens, {payload['quantized_layers']} W4A4 "
-             f"layers, ranks {payload['ranks']}", "",
+             f"{payload.get('attention_impl', 'xla')} attention, {payload['height']} px, {payload['text_tokens']} text "
+             f"tokens, {payload['quantized_layers']} W4A4 layers, ranks {payload['ranks']}", "",
              "| system | median ms | / bf16 | kernel sum ms | / bf16 (kernels) | rel. L2 vs bf16 | rel. L2 vs simulate "
              "| finite |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]

@@ -260,8 +260,8 @@ def mxfp4_to_e4m3(q: QuantizedArray, *, order: str = "natural", count_inexact: b
     out-of-range policy of the module docstring otherwise; :func:`e4m3_bits`), ``scale = 2**e_ref``.
     ``order="even_odd"`` writes the low nibbles then the high nibbles (no interleave; see :class:`Fp8Rows`).
     ``count_inexact``: count the elements the rounding changed (one more reduction over the row; ``inexact = -1``
-    without). ``arithmetic``: :data:`ARITHMETICS` (the same bytes). Any MXFP4 block size; pure jnp (elementwise over the packed bytes plus a reduction over the row's scale
-    bytes).
+    without). ``arithmetic``: :data:`ARITHMETICS` (the same bytes). Any MXFP4 block size; pure jnp (elementwise over
+    the packed bytes plus a reduction over the row's scale bytes).
     """
     _check_mxfp4(q, "mxfp4_to_e4m3")
     _check_order(order)

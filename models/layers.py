@@ -690,7 +690,7 @@ def _init_rule(path: tuple, shape: tuple[int, ...]) -> tuple[str, float]:
         return "constant", 1.0
     if name == "bias":
         return "constant", 0.0
-    raise ValueError(f"host_init: no init rule for parameter {'.'.join(map(str, path))} of shape {shape}")
+    raise ValueError(f"random init: no init rule for parameter {'.'.join(map(str, path))} of shape {shape}")
 
 
 def host_init(constructor: Callable[[], nnx.Module], seed: int = 0) -> nnx.Module:
@@ -735,7 +735,8 @@ def device_init(constructor: Callable[[], nnx.Module], seed: int = 0) -> nnx.Mod
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _device_draw(key: jax.Array, shape: tuple[int, ...], dtype: Any, kind: str, scale: jax.Array) -> jax.Array:
+def _device_draw(key: jax.Array, shape: tuple[int, ...], dtype: Any, kind: str, scale: float) -> jax.Array:
+    """One parameter ``shape`` in ``dtype`` drawn by :func:`_init_rule`'s ``(kind, scale)``."""
     if kind == "uniform":
         return (jax.random.uniform(key, shape, jnp.float32, -1.0, 1.0) * scale).astype(dtype)
     if kind == "normal":

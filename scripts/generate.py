@@ -138,8 +138,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{loaded.family}: {len(latents)} prompt(s) generated with the W4A4 model ({loaded.config['recipe']}, "
           f"{len(loaded.qlayers)} quantized layers, {strategy}; {solver}, {steps} steps); outputs in {out}",
           file=sys.stderr)
-    return {"family": loaded.family, "strategy": strategy, "attention": args.attention, "solver": solver, "shift": settings["shift"],
-            "steps": steps, "latent_hw": list(latent_hw), "prompts": len(latents), "out": str(out)}
+    return {"family": loaded.family, "strategy": strategy, "attention": args.attention, "solver": solver,
+            "shift": settings["shift"], "steps": steps, "latent_hw": list(latent_hw), "prompts": len(latents),
+            "out": str(out)}
 
 
 def sampler_settings(loaded, steps: int | None = None, guidance: float | None = None, solver: str | None = None,
