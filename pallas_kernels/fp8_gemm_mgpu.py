@@ -146,33 +146,68 @@ class Fp8MgpuConfig:
         return stages + lowrank + out + vectors + 1024
 
 
+# Relative cost of one output column per CTA round at each warpgroup tile width, with the tilings default_config builds
+# for them: from the H100 sweep of PixArt-Σ's ff.up (4096 x 4608 x 1152, rank 128; docs/w4a4.md, "Tile widths for
+# the narrow models"), where all four kept the SMs equally busy. 128 runs 3 stages; the others fit 2.
+TILE_N_COLUMN_COST = {128: 1.00, 192: 1.14, 96: 1.19, 64: 1.29}
+
+
+def _modelled_time(m: int, n: int, tile_m: int, tile_n: int, num_sms: int) -> float:
+    """Rounds of CTAs over the SMs x columns per CTA x the tile width's cost per column (arbitrary units)."""
+    tiles = -(-m // tile_m) * -(-n // (2 * tile_n))
+    return -(-tiles // num_sms) * 2 * tile_n * TILE_N_COLUMN_COST[tile_n]
+
+
+def choose_tile_n(m: int, n: int, num_sms: int = 132) -> int:
+    """The warpgroup tile width (CTA ``2 * tile_n`` columns) :func:`default_config` takes for ``(m, k) x (n, k)^T``:
+    among the widths in ``TILE_N_COLUMN_COST`` whose CTA divides ``n`` (no per-call padding of the weight, its
+    scales, bias and low-rank factor, no sliced output), the one of least :func:`_modelled_time`; ties go to the
+    wider tile. 128 when none divides ``n``. The model ranks every tiling of the H100 sweep in its measured order
+    (PixArt-Σ attn.q / ff.up / ff.down and FLUX.1 q, m = 4096 and 512); at Ideogram 4's q, w2 (m = 4096 / 4224) and
+    the FLUX.1 q at m = 4096 it keeps 128."""
+    tile_m = 64 if m <= 64 else 128
+    fits = [t for t in sorted(TILE_N_COLUMN_COST, reverse=True) if n % (2 * t) == 0]
+    if not fits:
+        return 128
+    return min(fits, key=lambda t: _modelled_time(m, n, tile_m, t, num_sms))
+
+
 def default_config(m: int, n: int, k: int, rank: int = 0, num_sms: int = 132, out_bytes: int = 2,
                    tile_n: Optional[int] = None) -> Fp8MgpuConfig:
-    """The tiling chosen from the H200 sweeps of the Ideogram 4 shapes (``docs/w4a4.md``): 128 x 128 per warpgroup
-    (CTA 128 x 256; 64-row tiles only when ``m <= 64``, where 128 rows would be half padding), output tiles walked
-    in a planar snake of width 4, ``tile_k`` 128 halved until it divides ``k``. Then the first pipeline depth that
-    shared memory holds beside the low-rank tiles and ``out_bytes``-wide output tiles, in the order 3, 4, 2, 1
-    stages with a low-rank branch (3 stages with rank chunks of 64 beat 4 with chunks of 16 and the whole rank with
-    fewer stages) and 4, 3, 2, 1 without; for each depth the whole rank, then chunks of 64, 32, 16, and output
-    tiles 64, 32, 16 columns wide. Smaller tiles when even one stage does not fit. ``tile_n``: only tilings with
-    that many columns per warpgroup (the SwiGLU epilogue's group)."""
+    """The tiling chosen from the sweeps (``docs/w4a4.md``). ``tile_m`` 128 (64 only when ``m <= 64``, where 128
+    rows would be half padding); ``tile_n`` from :func:`choose_tile_n` unless given (the SwiGLU epilogue's group);
+    ``tile_k`` 128 halved until it divides ``k``.
+
+    With ``tile_n`` 128 (the H200 sweeps of the Ideogram 4 shapes): output tiles walked in a planar snake of width 4,
+    then the first pipeline depth that shared memory holds beside the low-rank tiles and ``out_bytes``-wide output
+    tiles, in the order 3, 4, 2, 1 stages with a low-rank branch (3 stages with rank chunks of 64 beat 4 with chunks
+    of 16 and the whole rank with fewer stages) and 4, 3, 2, 1 without; for each depth the whole rank, then chunks
+    of 64, 32, 16, and output tiles 64, 32, 16 columns wide. With the narrower or wider tiles of narrow models (the
+    H100 sweep of PixArt-Σ and FLUX.1): a row-major walk, 2 stages, and for each output-tile width (64, 32, 16, those
+    dividing ``tile_n``) the whole rank, then chunks of 64, 32, 16. Smaller tiles when even one stage does not fit."""
     tk = 128
     while tk > FP8_WGMMA_K and k % tk:
         tk //= 2
     tm = 64 if m <= 64 else 128
-    depths = (3, 4, 2, 1) if rank else (4, 3, 2, 1)
+    chosen = tile_n is None
+    tile_n = choose_tile_n(m, n, num_sms) if chosen else tile_n
     chunks = [None] + [c for c in (64, 32, 16) if rank > c and rank % c == 0]
-    shapes = [(tm, 128, tk), (64, 128, tk), (64, 64, min(tk, 64))]
-    if tile_n is not None:
-        shapes = [s for s in shapes if s[1] == tile_n] or [(tm, tile_n, tk), (64, tile_n, tk)]
-    for tile_m, tile_n, tile_k in shapes:
-        for steps in depths:
-            for chunk in chunks:
-                for epi_n in (64, 32, 16):
-                    cfg = Fp8MgpuConfig(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, max_concurrent_steps=steps,
-                                        grid_tile_width=4, epi_tile_n=epi_n, lowrank_chunk=chunk)
-                    if cfg.smem_bytes(rank, out_bytes) <= SMEM_LIMIT:
-                        return cfg
+    if tile_n == 128:
+        depths = (3, 4, 2, 1) if rank else (4, 3, 2, 1)
+        order = [(s, c, e) for s in depths for c in chunks for e in (64, 32, 16)]
+        shapes = [(tm, 128, tk, 4), (64, 128, tk, 4)] + ([(64, 64, min(tk, 64), 4)] if chosen else [])
+    else:
+        epis = [e for e in (64, 32, 16) if tile_n % e == 0] or [8]
+        order = [(s, c, e) for s in (2, 1) for e in epis for c in chunks]
+        shapes = [(tm, tile_n, tk, 1), (64, tile_n, tk, 1), (64, tile_n, min(tk, 64), 1)]
+    for tile_m, tn, tile_k, width in shapes:
+        for steps, chunk, epi_n in order:
+            if tn % epi_n:
+                continue
+            cfg = Fp8MgpuConfig(tile_m=tile_m, tile_n=tn, tile_k=tile_k, max_concurrent_steps=steps,
+                                grid_tile_width=width, epi_tile_n=epi_n, lowrank_chunk=chunk)
+            if cfg.smem_bytes(rank, out_bytes) <= SMEM_LIMIT:
+                return cfg
     return cfg  # nothing fits: fp8_matmul_mgpu names the shortfall
 
 

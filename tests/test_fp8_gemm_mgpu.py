@@ -85,6 +85,9 @@ INTERPRET_CASES = [
     # the SwiGLU epilogue: rows in groups of tile_n (gates | ups), output (m, n/2)
     ("swiglu_group64_ragged_m_rank32_bias", dict(kind="fp8", m=70, n=256, k=64, rank=32, bias=True, swiglu_group=64,
                                                  config=dict(SMALL, epi_tile_n=32, num_ctas=2))),
+    # a warpgroup tile that is not a power of two (the narrow models' tilings): CTA 192 columns, 32-column output
+    ("tile_n96_two_cta_columns_rank16", dict(kind="fp8", m=64, n=384, k=64, rank=16, bias=True,
+                                            config=dict(SMALL, tile_n=96, epi_tile_n=32))),
 ]
 
 
@@ -278,6 +281,41 @@ def test_swiglu_layer_runs_the_swiglu_in_the_kernel():
     small = served.serve(_quantized_layer(9, 192, 128), strategy="fp8_mgpu", swiglu=True)
     assert small.swiglu_group == 0
     assert served.forward(small, x, op="swiglu", options=served.ServeOptions(strategy="fp8_mgpu")).shape == (24, 96)
+
+
+# (m, n, k) -> (tile_n, stages, rank chunk, output-tile width, snake width) of the tiling the H100 sweep measured best
+MEASURED_BEST = {
+    (4096, 1152, 1152): (192, 2, 32, 64, 1),  # PixArt-Σ attn.q: 21.0 µs against 37.4 with padded 128
+    (512, 1152, 1152): (64, 2, None, 64, 1),
+    (512, 4608, 1152): (96, 2, None, 32, 1),  # PixArt-Σ ff.up
+    (4096, 1152, 4608): (192, 2, 32, 64, 1),  # PixArt-Σ ff.down
+    (512, 1152, 4608): (64, 2, None, 64, 1),
+    (512, 3072, 3072): (64, 2, None, 64, 1),  # FLUX.1 q: 17.8 µs against 22.0 with 128
+    (4096, 4608, 1152): (128, 3, 64, 32, 4),  # PixArt-Σ ff.up and FLUX.1 q at m = 4096: the tuned 128 stays
+    (4096, 3072, 3072): (128, 3, 64, 32, 4),
+}
+
+
+@pytest.mark.parametrize("shape", list(MEASURED_BEST))
+def test_default_tiling_is_the_measured_best(shape):
+    cfg = F.default_config(*shape, 128)
+    assert (cfg.tile_n, cfg.max_concurrent_steps, cfg.lowrank_chunk, cfg.epi_tile_n, cfg.grid_tile_width,
+            cfg.tile_m, cfg.tile_k) == (*MEASURED_BEST[shape], 128, 128)
+    assert shape[1] % cfg.cta_n == 0 and cfg.smem_bytes(128) <= F.SMEM_LIMIT
+
+
+def test_tile_width_choice():
+    for m in (4096, 4224):  # Ideogram 4's q / w2 keep the tuned tiling of the H200 sweeps
+        assert F.choose_tile_n(m, 4608) == 128
+    assert F.choose_tile_n(4096, 2240) == 128  # SANA's 2240: no candidate CTA divides it, so 128 with padding
+    assert F.choose_tile_n(4096, 1152) == 192 and F.choose_tile_n(512, 1152) == 64
+    assert F.choose_tile_n(512, 3072, num_sms=24) == 128  # fewer SMs: 128-wide tiles already fill them
+    # a given tile_n (the SwiGLU group) is kept, whatever the shape
+    assert F.default_config(512, 1152, 1152, 128, tile_n=128).tile_n == 128
+    for m, n in ((4096, 1152), (512, 4608), (64, 1152), (512, 12288)):
+        for r, out_bytes in ((0, 2), (128, 2), (256, 4)):
+            cfg = F.default_config(m, n, 1152, r, out_bytes=out_bytes)
+            assert cfg.smem_bytes(r, out_bytes) <= F.SMEM_LIMIT and n % cfg.cta_n == 0, (m, n, r, out_bytes, cfg)
 
 
 def test_swiglu_epilogue_arguments():
