@@ -5,9 +5,11 @@
 #   bash benchmarks/family_forward_device.sh tiles     # fused FP8 GEMM tilings at the narrow models' shapes
 #   bash benchmarks/family_forward_device.sh flux      # the whole FLUX.1 step with cuDNN attention: bf16, fp8_mgpu
 #   bash benchmarks/family_forward_device.sh errors    # PixArt-Σ's served output against the simulated forward
-#   bash benchmarks/family_forward_device.sh validate  # default_config's tile widths: the unswept m = 512 shapes
+#   bash benchmarks/family_forward_device.sh validate  # default_config's tile widths: the m = 512 shapes not swept
 #                                                      # against the tuned 128 tiling, the new-tiling GPU tests, then
-#                                                      # PixArt-Σ and FLUX.1 whole with fp8_mgpu (cuDNN attention)
+#                                                      # PixArt-Σ and FLUX.1 whole with fp8_mgpu (cuDNN attention);
+#                                                      # LAYERS_S, TESTS_S, PIXART_S, FLUX_S: each step's limit in s
+#                                                      # (FLUX_S=0 skips FLUX.1)
 #
 # JAX's persistent compilation cache lives in runs/dev/jax_cache (kept between back-to-back calls on a warm machine),
 # so a later call loads the programs an earlier one finished compiling (not verified for the Mosaic GPU kernels).
@@ -37,19 +39,19 @@ case "$mode" in
       --repeats 3 --out "$OUT/family_forward_pixart_vs_simulate.json" > "$OUT/errors.log" 2>&1
     echo "errors rc=$?"; tail -n 12 "$OUT/errors.log" ;;
   validate)
-    timeout 150 python3 benchmarks/fp8_mgpu_bench.py --out "$OUT/fp8_mgpu_tile_choice.json" --ms 512 \
-      --layers q flux1.ff.up flux1.ff.down flux1.single.proj_out \
+    timeout "${LAYERS_S:-150}" python3 benchmarks/fp8_mgpu_bench.py --out "$OUT/fp8_mgpu_tile_choice.json" --ms 512 \
+      --layers flux1.ff.down flux1.single.proj_out flux1.ff.up \
       --configs "tuned128:tile_n=128,max_concurrent_steps=3,grid_tile_width=4,epi_tile_n=32,lowrank_chunk=64" \
       > "$OUT/validate.log" 2>&1
     echo "layers rc=$?"
-    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gemm_mgpu_gpu.py -k "tile_n" \
+    timeout "${TESTS_S:-60}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gemm_mgpu_gpu.py -k "tile_n" \
       >> "$OUT/validate.log" 2>&1
     echo "gpu tests rc=$?"
-    timeout 130 python3 benchmarks/family_forward_w4a4.py --family pixart --strategies fp8_mgpu --repeats 3 \
-      --out "$OUT/family_forward_pixart_tiles.json" >> "$OUT/validate.log" 2>&1
+    timeout "${PIXART_S:-130}" python3 benchmarks/family_forward_w4a4.py --family pixart --strategies fp8_mgpu \
+      --repeats 3 --out "$OUT/family_forward_pixart_tiles.json" >> "$OUT/validate.log" 2>&1
     echo "pixart rc=$?"
-    timeout 200 python3 benchmarks/family_forward_w4a4.py --family flux --strategies fp8_mgpu --repeats 3 \
-      --out "$OUT/family_forward_flux_tiles.json" >> "$OUT/validate.log" 2>&1
+    [ "${FLUX_S:-200}" -gt 0 ] && timeout "${FLUX_S:-200}" python3 benchmarks/family_forward_w4a4.py --family flux \
+      --strategies fp8_mgpu --repeats 3 --out "$OUT/family_forward_flux_tiles.json" >> "$OUT/validate.log" 2>&1
     echo "flux rc=$?"; grep -v "^{" "$OUT/validate.log" | tail -n 45 ;;
   *) echo "family_forward_device.sh: unknown mode '$mode' (tiles, flux, errors, validate)" >&2; exit 2 ;;
 esac

@@ -283,24 +283,27 @@ def test_swiglu_layer_runs_the_swiglu_in_the_kernel():
     assert served.forward(small, x, op="swiglu", options=served.ServeOptions(strategy="fp8_mgpu")).shape == (24, 96)
 
 
-# (m, n, k) -> (tile_n, stages, rank chunk, output-tile width, snake width) of the tiling the H100 sweep measured best
-MEASURED_BEST = {
-    (4096, 1152, 1152): (192, 2, 32, 64, 1),  # PixArt-Σ attn.q: 21.0 µs against 37.4 with padded 128
-    (512, 1152, 1152): (64, 2, None, 64, 1),
-    (512, 4608, 1152): (96, 2, None, 32, 1),  # PixArt-Σ ff.up
-    (4096, 1152, 4608): (192, 2, 32, 64, 1),  # PixArt-Σ ff.down
-    (512, 1152, 4608): (64, 2, None, 64, 1),
-    (512, 3072, 3072): (64, 2, None, 64, 1),  # FLUX.1 q: 17.8 µs against 22.0 with 128
-    (4096, 4608, 1152): (128, 3, 64, 32, 4),  # PixArt-Σ ff.up and FLUX.1 q at m = 4096: the tuned 128 stays
-    (4096, 3072, 3072): (128, 3, 64, 32, 4),
+# (m, n, k) -> (tile_n, stages, rank chunk, output-tile width, snake width) that default_config takes, against the
+# H100 sweeps (benchmarks/results/fp8_mgpu_narrow_tiles_2026-12-06.json, fp8_mgpu_tile_choice_2026-12-06.json)
+TUNED_128 = (128, 3, 64, 32, 4)
+DEFAULT_AT_MEASURED_SHAPES = {
+    (4096, 1152, 1152): (192, 2, 32, 64, 1),  # PixArt-Σ attn.q: the best, 21.0 µs against 37.4 with padded 128
+    (512, 1152, 1152): (64, 2, None, 64, 1),  # the best
+    (4096, 1152, 4608): (192, 2, 32, 64, 1),  # PixArt-Σ ff.down: the best
+    (512, 1152, 4608): (64, 2, None, 64, 1),  # the best
+    (512, 3072, 3072): (64, 2, None, 64, 1),  # FLUX.1 q: the best, 17.8 µs against 22.0 with 128
+    (4096, 3072, 3072): TUNED_128,  # the best
+    (4096, 4608, 1152): TUNED_128,  # PixArt-Σ ff.up: the best
+    (512, 4608, 1152): TUNED_128,  # 13.5 µs, 3% behind 96 (13.1): under the modelled gain that leaves 128
+    (512, 4608, 4608): TUNED_128,  # Ideogram 4 q: 30.5 µs against the modelled best 96's 33.1
 }
 
 
-@pytest.mark.parametrize("shape", list(MEASURED_BEST))
-def test_default_tiling_is_the_measured_best(shape):
+@pytest.mark.parametrize("shape", list(DEFAULT_AT_MEASURED_SHAPES))
+def test_default_tiling_at_the_measured_shapes(shape):
     cfg = F.default_config(*shape, 128)
     assert (cfg.tile_n, cfg.max_concurrent_steps, cfg.lowrank_chunk, cfg.epi_tile_n, cfg.grid_tile_width,
-            cfg.tile_m, cfg.tile_k) == (*MEASURED_BEST[shape], 128, 128)
+            cfg.tile_m, cfg.tile_k) == (*DEFAULT_AT_MEASURED_SHAPES[shape], 128, 128)
     assert shape[1] % cfg.cta_n == 0 and cfg.smem_bytes(128) <= F.SMEM_LIMIT
 
 

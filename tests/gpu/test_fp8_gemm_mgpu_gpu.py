@@ -39,7 +39,7 @@ CASES = {  # m, n, k, rank, config (None: default_config)
     "q_m512_default": (512, 4608, 4608, 128, None),
     "pixart_ff_down_m4096_default_tile_n192": (4096, 1152, 4608, 128, None),
     "flux_q_m512_default_tile_n64": (512, 3072, 3072, 128, None),
-    "pixart_ff_up_m512_default_tile_n96": (512, 4608, 1152, 128, None),
+    "pixart_ff_up_m512_tile_n96": (512, 4608, 1152, 128, F.Fp8MgpuConfig(tile_n=96, epi_tile_n=32)),
     "ragged_whole_rank_one_stage": (333, 1024, 1024, 128, F.Fp8MgpuConfig(max_concurrent_steps=1)),
     "chunks_of_32_two_slots": (640, 1536, 2048, 128, F.Fp8MgpuConfig(max_concurrent_steps=2, lowrank_chunk=32,
                                                                       epi_slots=2, epi_tile_n=32)),
