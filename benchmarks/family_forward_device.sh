@@ -10,6 +10,8 @@
 #                                                      # PixArt-Σ and FLUX.1 whole with fp8_mgpu (cuDNN attention);
 #                                                      # LAYERS_S, TESTS_S, PIXART_S, FLUX_S: each step's limit in s
 #                                                      # (FLUX_S=0 skips FLUX.1)
+#   bash benchmarks/family_forward_device.sh graphs    # PixArt-Σ bf16 vs fp8_mgpu under two XLA command-buffer
+#                                                      # (CUDA graph) settings: W4A4 launches several times bf16's kernels
 #
 # JAX's persistent compilation cache lives in runs/dev/jax_cache (kept between back-to-back calls on a warm machine),
 # so a later call loads the programs an earlier one finished compiling (not verified for the Mosaic GPU kernels).
@@ -53,5 +55,14 @@ case "$mode" in
     [ "${FLUX_S:-200}" -gt 0 ] && timeout "${FLUX_S:-200}" python3 benchmarks/family_forward_w4a4.py --family flux \
       --strategies fp8_mgpu --repeats 3 --out "$OUT/family_forward_flux_tiles.json" >> "$OUT/validate.log" 2>&1
     echo "flux rc=$?"; grep -v "^{" "$OUT/validate.log" | tail -n 45 ;;
-  *) echo "family_forward_device.sh: unknown mode '$mode' (tiles, flux, errors, validate)" >&2; exit 2 ;;
+  graphs)
+    # XLA's defaults capture FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL and CUDNN commands in regions of >= 5; each run
+    # records its XLA_FLAGS. "min1": regions of any size; "off": no command buffers (is capture working at all?).
+    for setting in "min1:--xla_gpu_graph_min_graph_size=1" "off:--xla_gpu_enable_command_buffer="; do
+      XLA_FLAGS="${setting#*:}" timeout "${GRAPHS_S:-250}" python3 benchmarks/family_forward_w4a4.py --family pixart \
+        --strategies fp8_mgpu --kernels --repeats 3 --out "$OUT/family_forward_pixart_graphs_${setting%%:*}.json" \
+        > "$OUT/graphs_${setting%%:*}.log" 2>&1
+      echo "graphs ${setting%%:*} rc=$?"; tail -n 6 "$OUT/graphs_${setting%%:*}.log"
+    done ;;
+  *) echo "family_forward_device.sh: unknown mode '$mode' (tiles, flux, errors, validate, graphs)" >&2; exit 2 ;;
 esac

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"bf16 vs W4A4 served strategies (MXFP4, stand-in calibration, rank {args.rank})",
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": getattr(device, "device_kind", str(device)), "backend": jax.default_backend(),
-        "jax": jax.__version__, "python": platform.python_version(),
+        "jax": jax.__version__, "python": platform.python_version(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "command_args": list(sys.argv[1:] if argv is None else argv), "family": args.family, "preset": args.preset,
         "blocks": blocks, "attention_impl": attention, "height": height, "latent_hw": list(hw), "text_tokens": tokens,
         "quantized_layers": len(qlayers), "rank": args.rank,

@@ -13,8 +13,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run(args):
+def _run(args, xla_flags=None):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
     return subprocess.run([sys.executable, str(REPO / "benchmarks" / "family_forward_w4a4.py"), *map(str, args)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
@@ -23,10 +25,12 @@ def _run(args):
                                                     ("flux", ["--single-blocks", 1], 17)])
 def test_one_step_bf16_against_served_w4a4(family, blocks, layers, tmp_path):
     out = tmp_path / "f.json"
+    flags = "--xla_force_host_platform_device_count=1"  # recorded: XLA flags change what a GPU run measures
     run = _run(["--family", family, "--preset", "tiny", *blocks, "--strategies", "simulate,dequant", "--repeats", 2,
-                "--inner", 1, "--out", out])
+                "--inner", 1, "--out", out], xla_flags=flags)
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads(out.read_text())
+    assert saved["xla_flags"] == flags
     assert saved["quantized_layers"] == layers and saved["ranks"] == [64] and saved["latent_hw"] == [8, 8]
     bf16, w4a4 = saved["systems"]["bf16"], saved["systems"]["dequant"]
     assert bf16["finite"] and w4a4["finite"] and len(w4a4["samples_ms"]) == 2
