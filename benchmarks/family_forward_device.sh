@@ -11,7 +11,7 @@
 #                                                      # LAYERS_S, TESTS_S, PIXART_S, FLUX_S: each step's limit in s
 #                                                      # (FLUX_S=0 skips FLUX.1)
 #   bash benchmarks/family_forward_device.sh graphs    # PixArt-Σ bf16 vs fp8_mgpu under two XLA command-buffer
-#                                                      # (CUDA graph) settings: W4A4 launches several times bf16's kernels
+#                                                      # (CUDA graph) settings: W4A4 launches many more kernels
 #
 # JAX's persistent compilation cache lives in runs/dev/jax_cache (kept between back-to-back calls on a warm machine),
 # so a later call loads the programs an earlier one finished compiling (not verified for the Mosaic GPU kernels).
