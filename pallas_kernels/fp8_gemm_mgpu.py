@@ -37,7 +37,8 @@ a NaN scale (a row with a non-finite input) gives a NaN row, as ``fp8_matmul``. 
 :func:`fp8_matmul_mgpu_reference` runs the same steps in f32 at HIGHEST precision.
 
 **Limits.** Both operands in the same K order (any: a GEMM sums over K); ``k`` a multiple of ``tile_k`` and ``n`` of
-``2 tile_n`` (the weight is padded otherwise: a copy per call, so prepare weights whose shapes fit), ragged ``m`` is
+``2 tile_n`` (the weight is padded otherwise: a copy per call; :func:`default_config` picks a ``tile_n`` whose CTA
+divides ``n`` where one of its widths does, :func:`choose_tile_n`), ragged ``m`` is
 padded to ``tile_m`` (a copy of the activations and of the output, only when ragged). ``r`` a multiple of 16
 (the bf16 ``wgmma`` K), at most 256. The SwiGLU runs in the epilogue when the weight's rows are in groups of ``tile_n``
 (``swiglu_group``: the first half of each group gates, the second half the ups of the same features,
