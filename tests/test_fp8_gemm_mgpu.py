@@ -107,6 +107,8 @@ def test_kernel_in_gpu_interpret_mode():
     (4096, 24576, 128, None, jnp.bfloat16, 128),  # w1|w3 with the SwiGLU in the epilogue: (4096, 12288) out
     (4096, 4608, 0, F.Fp8MgpuConfig(max_concurrent_steps=3, grid_tile_width=4, epi_slots=2), jnp.bfloat16, None),
     (4096, 4608, 128, F.Fp8MgpuConfig(max_concurrent_steps=2, lowrank_chunk=32), jnp.bfloat16, None),  # 4 chunks
+    (4096, 1152, 128, None, jnp.bfloat16, None),  # PixArt-Σ ff.down: the 192-wide default (CTA 384, chunks of 32)
+    (512, 1152, 128, None, jnp.bfloat16, None),  # ... at m = 512: the 64-wide default
 ])
 def test_lowers_to_mosaic_gpu(m, n, r, cfg, out_dtype, group):
     k = 4608
