@@ -211,8 +211,6 @@ def default_config(m: int, n: int, k: int, rank: int = 0, num_sms: int = 132, ou
         shapes = [(tm, tile_n, tk, 1), (64, tile_n, tk, 1), (64, tile_n, min(tk, 64), 1)]
     for tile_m, tn, tile_k, width in shapes:
         for steps, chunk, epi_n in order:
-            if tn % epi_n:
-                continue
             cfg = Fp8MgpuConfig(tile_m=tile_m, tile_n=tn, tile_k=tile_k, max_concurrent_steps=steps,
                                 grid_tile_width=width, epi_tile_n=epi_n, lowrank_chunk=chunk)
             if cfg.smem_bytes(rank, out_bytes) <= SMEM_LIMIT:
