@@ -16,23 +16,23 @@ compute warpgroup issues one FP8 ``wgmma`` over the step (both operands in share
 no transposed operand, and ``A`` and ``W`` are both stored row-major over K). While the K loop runs, the warpgroup's
 own TMA copies bring its row scales, column scales, bias and the first chunk of the low-rank tiles into shared memory
 (``lowrank_chunk`` rank columns: the whole rank of 128 would take 128 KiB of the 227 and leave one pipeline stage).
-After the loop bf16 ``wgmma`` s, one per rank chunk (the next chunk fetched behind each), add the low-rank product to
-the **same accumulator**, pre-scaled by the inverse powers of two
-(``h' = h / sa``, ``L' = L / sw``, exact: powers of two), so that the single scaling that follows restores it:
-``y = (A8 W8^T + h' L'^T) * sa sw^T + bias``. One accumulator, so a 128 x 128 tile per warpgroup keeps its registers
-(a second accumulator for ``h L^T`` would double them), and the low-rank product never leaves the SM. The result is
+After the loop the row factors multiply the accumulator in the registers (``acc = (A8 W8^T) sa``, exact: powers
+of two), and bf16 ``wgmma`` s, one per rank chunk (the next chunk fetched behind each), add the low-rank product to the
+**same accumulator**, its weight side pre-scaled by the inverse column powers of two (``L' = L / sw``, made once at
+load, :func:`prescale_left`), so that the column scaling that follows restores it:
+``y = (A8 W8^T sa + h L'^T) * sw^T + bias``. One accumulator, so a 128 x 128 tile per warpgroup keeps its registers
+(a second accumulator for ``h L^T`` would double them), the low-rank product never leaves the SM, and ``h`` goes in as
+the layer computed it (no per-call XLA kernel dividing it by ``sa``). The result is
 rounded once to the output dtype and stored through shared memory by TMA.
 
 **Numerics.** The products of two E4M3 values of re-encoded MXFP4 rows have at most 4 significant bits, and the
 powers of two are exact, so the kernel differs from the exact eq. 11 product of the MXFP4 values only by the order and
 width of its additions: Hopper's FP8 ``wgmma`` accumulates in its own reduced-width adder (the accumulation XLA's
 default FP8 GEMM uses on the H200, ``fp8_gemm``'s ``accumulation="default"`` / ``"fast"``), and the low-rank term sits
-in that accumulator too. ``h'`` and ``L'`` are exact while ``h / sa`` and ``L / sw`` stay in bf16's normal range
-(bf16 has f32's exponent range). In the layer this holds: ``h = x (R T^T)^T`` is zero where ``x``'s row is (whose
-MXFP4 row has the smallest scale, ``2**-126``) and at most ``|x| |R|`` where ``Q(x T)`` is tiny, and the weight scales
-are those of trained rows; a caller passing an unrelated ``h`` must keep ``|h| / sa`` below ``2**127``. Scales that are
-not powers of two (W4A8's per-token ``amax / 448``) add one bf16 rounding to ``h'``. A zero scale (a per-token row of
-zeros) is replaced by 1 (its bytes are zero, so any scale is exact there);
+in that accumulator too. ``L'`` is exact while ``L / sw`` stays in bf16's normal range (bf16 has f32's exponent
+range; the weight scales are those of trained rows). Scales that are not powers of two (W4A8's per-token
+``amax / 448``) add one f32 rounding to ``A8 W8^T sa``. A zero scale (a per-token row of zeros) is replaced by 1 in
+the epilogue (its bytes are zero, so any scale is exact there);
 a NaN scale (a row with a non-finite input) gives a NaN row, as ``fp8_matmul``. The jnp mirror
 :func:`fp8_matmul_mgpu_reference` runs the same steps in f32 at HIGHEST precision.
 
@@ -322,18 +322,23 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
                     def y(acc_ref):
                         eval_pipeline(acc_ref)  # acc = A8 W8^T
-                        # acc += (h / sa) (L / sw)^T: bf16 wgmmas into the same accumulator, one per rank chunk
-                        for c in range(n_chunks):
-                            plgpu.barrier_wait(barrier("h"))
-                            plgpu.barrier_wait(barrier("left"))
-                            plgpu.wgmma(acc_ref, h_smem.at[wg], plgpu.transpose_ref(left_smem.at[wg], (1, 0)))
-                            if c + 1 < n_chunks:  # the buffers are free once the wgmma has read them
-                                plgpu.wgmma_wait(0)
-                                lowrank_copy(c + 1)
                         plgpu.barrier_wait(barrier("sa"))
+                        # zero factors replaced here, not by an XLA kernel per call
+                        sa = jax.lax.broadcast_in_dim(_nonzero(sa_smem[wg]), (tm, tn), (0,))
+                        if n_chunks:
+                            # acc = acc sa + h (L / sw)^T: the row factors applied in the registers, then bf16 wgmmas
+                            # into the same accumulator, one per rank chunk (h as the layer computed it)
+                            acc_ref[...] = acc_ref[...] * sa
+                            for c in range(n_chunks):
+                                plgpu.barrier_wait(barrier("h"))
+                                plgpu.barrier_wait(barrier("left"))
+                                plgpu.wgmma(acc_ref, h_smem.at[wg], plgpu.transpose_ref(left_smem.at[wg], (1, 0)))
+                                if c + 1 < n_chunks:  # the buffers are free once the wgmma has read them
+                                    plgpu.wgmma_wait(0)
+                                    lowrank_copy(c + 1)
                         plgpu.barrier_wait(barrier("sw"))
-                        y = (acc_ref[...] * jax.lax.broadcast_in_dim(sa_smem[wg], (tm, tn), (0,))
-                             * jax.lax.broadcast_in_dim(sw_smem[wg], (tm, tn), (1,)))
+                        sw = jax.lax.broadcast_in_dim(_nonzero(sw_smem[wg]), (tm, tn), (1,))
+                        y = acc_ref[...] * sw if n_chunks else acc_ref[...] * sa * sw
                         if has_bias:
                             plgpu.barrier_wait(barrier("bias"))
                             y = y + jax.lax.broadcast_in_dim(bias_smem[wg], (tm, tn), (1,))
@@ -465,11 +470,12 @@ def fp8_matmul_mgpu(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None, 
         return x if all(wd == (0, 0) for wd in widths) else jnp.pad(x, widths)
 
     a8, w8 = pad(a.values, mp, kp), pad(w.values, np_, kp)  # zero bytes contribute exactly 0
-    sa, sw = pad(_kernel_scale(a.scale), mp), pad(_kernel_scale(w.scale), np_)
+    # the raw factors: the kernel replaces a zero by 1 itself (_nonzero), so no select runs as its own XLA kernel
+    sa, sw = pad(a.scale.astype(jnp.float32), mp), pad(w.scale.astype(jnp.float32), np_)
     b = None if bias is None else pad(bias.astype(jnp.float32), np_)
     h = left = None
     if lowrank is not None:
-        h, left = _prescaled_lowrank(lowrank, sa[:m], sw[:n], left_prescaled)
+        h, left = _lowrank_operands(lowrank, w, left_prescaled)
         h, left = pad(h, mp), pad(left, np_)
     y = _call(a8, sa, w8, sw, b, h, left, cfg=cfg, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
               epilogue="none" if swiglu_group is None else "swiglu")
@@ -498,10 +504,15 @@ def swiglu_halves(y: jax.Array, group: int) -> jax.Array:
     return (g / (1.0 + jnp.exp(-g)) * u).reshape(m, n // 2).astype(y.dtype)
 
 
+def _nonzero(scale: jax.Array) -> jax.Array:
+    """A zero factor (an all-zero row: any factor is exact there) replaced by 1; the kernel's epilogue runs it on
+    the factors it loads."""
+    return jnp.where(scale == 0, jnp.ones_like(scale), scale)
+
+
 def _kernel_scale(scale: jax.Array) -> jax.Array:
-    """The rows' factors as the kernel uses them: f32, a zero (an all-zero row, any factor is exact) replaced by 1."""
-    scale = scale.astype(jnp.float32)
-    return jnp.where(scale == 0, jnp.float32(1), scale)
+    """The rows' factors as the kernel uses them: f32, :func:`_nonzero`."""
+    return _nonzero(scale.astype(jnp.float32))
 
 
 def _over_rows(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -515,27 +526,27 @@ def prescale_left(left: jax.Array, w: Fp8Rows) -> jax.Array:
     return _over_rows(left, _kernel_scale(w.scale))
 
 
-def _prescaled_lowrank(lowrank: tuple, sa: jax.Array, sw: jax.Array,
-                       left_prescaled: bool = False) -> tuple[jax.Array, jax.Array]:
-    """``(h / sa, L / sw)`` in bf16: the low-rank operands the kernel adds to the unscaled accumulator (``L`` as given
-    when ``left_prescaled``)."""
+def _lowrank_operands(lowrank: tuple, w: Fp8Rows, left_prescaled: bool = False) -> tuple[jax.Array, jax.Array]:
+    """``(h, L / sw)`` in bf16: the low-rank operands the kernel adds to the row-scaled accumulator ``A8 W8^T sa``
+    (``L`` as given when ``left_prescaled``)."""
     h, left = lowrank
-    return _over_rows(h, sa), (jnp.asarray(left).astype(jnp.bfloat16) if left_prescaled else _over_rows(left, sw))
+    left = jnp.asarray(left).astype(jnp.bfloat16) if left_prescaled else prescale_left(left, w)
+    return jnp.asarray(h).astype(jnp.bfloat16), left
 
 
 def fp8_matmul_mgpu_reference(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None,
                               bias: Optional[jax.Array] = None, out_dtype=jnp.float32,
                               left_prescaled: bool = False, swiglu_group: Optional[int] = None) -> jax.Array:
-    """jnp mirror of the kernel, in f32 at HIGHEST precision: ``(A8 W8^T + h' L'^T) * sa sw^T + bias`` with the
-    kernel's pre-scaled bf16 ``h' = h / sa``, ``L' = L / sw`` (given, with ``left_prescaled``), then with
-    ``swiglu_group`` :func:`swiglu_halves`; one rounding to ``out_dtype``."""
+    """jnp mirror of the kernel, in f32 at HIGHEST precision: ``(A8 W8^T sa + h L'^T) sw^T + bias`` with the
+    kernel's pre-scaled bf16 ``L' = L / sw`` (given, with ``left_prescaled``), ``(A8 W8^T) sa sw^T + bias`` without
+    the low-rank term, then with ``swiglu_group`` :func:`swiglu_halves`; one rounding to ``out_dtype``."""
     _check(a, w, lowrank, bias)
     sa, sw = _kernel_scale(a.scale), _kernel_scale(w.scale)
-    acc = jnp.matmul(a.values.astype(jnp.float32), w.values.astype(jnp.float32).T, precision="highest")
+    acc = jnp.matmul(a.values.astype(jnp.float32), w.values.astype(jnp.float32).T, precision="highest") * sa[:, None]
     if lowrank is not None:
-        h, left = _prescaled_lowrank(lowrank, sa, sw, left_prescaled)
+        h, left = _lowrank_operands(lowrank, w, left_prescaled)
         acc = acc + jnp.matmul(h.astype(jnp.float32), left.astype(jnp.float32).T, precision="highest")
-    y = acc * sa[:, None] * sw[None, :]
+    y = acc * sw[None, :]
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     if swiglu_group is not None:

@@ -5,8 +5,10 @@ public, hence the private imports here, in tests only). It simulates the CTAs, w
 copies and barriers on the CPU, with a shared-memory race detector, and executes ``wgmma`` synchronously. Its
 ``wgmma`` reads both operands from shared memory through index transforms only, so a kernel whose ``A`` operand is a
 register array (jax's mixed-type Hopper kernel and ``pallas_kernels/w4a4_gemm_mgpu.py``) or whose ``B`` operand is a
-``plgpu.transpose_ref`` view fails there. :func:`gpu_interpret` installs, for the duration of a ``with`` block, a
-``wgmma`` with the same semantics (``acc += a @ b`` in the accumulator's dtype) that also takes those two forms.
+``plgpu.transpose_ref`` view fails there. Nor does it interpret a store into a ``wgmma`` accumulator
+(``acc_ref[...] = v``, which ``pallas_kernels/fp8_gemm_mgpu.py`` uses to scale its accumulator between ``wgmma`` s).
+:func:`gpu_interpret` installs, for the duration of a ``with`` block, a ``wgmma`` with the same semantics
+(``acc += a @ b`` in the accumulator's dtype) that also takes those two forms, and the accumulator store.
 
 ``available()`` says whether this jax has the pieces (else the tests that need them skip, naming the reason).
 """
@@ -18,17 +20,22 @@ import inspect
 
 import jax
 import numpy as np
+from jax.experimental import io_callback
 
 try:  # private, version-specific: tests only
     from jax._src.pallas.mosaic.interpret import utils as _iutils
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as _gcb
+    from jax._src.pallas.mosaic_gpu import primitives as _gprim
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as _ipc
+    from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret as _jinterp
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     _WGMMA_PARAMS = set(inspect.signature(_gcb.wgmma).parameters)
     _REASON = None
     if not {"device_id", "thread_id", "a_allocation_key_as_array", "b_transforms"} <= _WGMMA_PARAMS:
         _REASON = f"GPU interpret mode's wgmma callback has an unknown signature in jax {jax.__version__}"
+    elif not hasattr(_gprim, "wgmma_accumulator_store_p"):
+        _REASON = f"jax {jax.__version__} has no wgmma accumulator store"
 except ImportError as e:  # pragma: no cover - other jax versions
     InterpretGPUParams = None
     _REASON = f"jax {jax.__version__} has no GPU interpret mode for Mosaic GPU ({e})"
@@ -73,6 +80,26 @@ def _wgmma(*, token, device_id, grid_point_coords, thread_id, acc_allocation_key
     return token
 
 
+def _accumulator_store(value, *, device_id, thread_id, acc_allocation_key_as_array):
+    """``acc_ref[...] = value``: the accumulator (an allocation of the interpreter's shared memory) overwritten."""
+    shared_memory = _gcb._get_shared_memory()
+    gtid = shared_memory.get_global_thread_id(int(device_id), int(thread_id))
+    key = _gcb.HostAllocationKey.from_array(acc_allocation_key_as_array)
+    shared_memory.store_buffer_content(key, (), np.asarray(value), gtid)
+    return np.asarray(value)
+
+
+def _arithmetic_or_accumulator_store(orig):
+    def interpret(self, eqn, get_invals):
+        if eqn.primitive is not _gprim.wgmma_accumulator_store_p:
+            return orig(self, eqn, get_invals)
+        acc, value = get_invals()
+        return io_callback(
+            _accumulator_store, jax.ShapeDtypeStruct(value.shape, value.dtype), value, ordered=True,
+            device_id=self.device_info.device_id, thread_id=self.thread_id, acc_allocation_key_as_array=acc)
+    return interpret
+
+
 @contextlib.contextmanager
 def gpu_interpret(detect_races: bool = True):
     """Yields the ``InterpretGPUParams`` to pass as ``interpret=``, with the extended ``wgmma`` installed; on exit the
@@ -81,12 +108,14 @@ def gpu_interpret(detect_races: bool = True):
     ok, reason = available()
     if not ok:
         raise RuntimeError(reason)
-    orig = _gcb.wgmma
+    orig, orig_arith = _gcb.wgmma, _jinterp.JaxprInterpreter._interpret_arithmetic_primitive
     _gcb.wgmma = _wgmma
+    _jinterp.JaxprInterpreter._interpret_arithmetic_primitive = _arithmetic_or_accumulator_store(orig_arith)
     try:
         yield InterpretGPUParams(detect_races=detect_races)
     finally:
         _gcb.wgmma = orig
+        _jinterp.JaxprInterpreter._interpret_arithmetic_primitive = orig_arith
         _ipc.reset_gpu_interpret_mode_state()
 
 
@@ -178,8 +207,14 @@ def _run_fp8_case(case: dict) -> dict:
     a = a.at[:, 5].multiply(80.0).at[1, 40].set(-3.0e3).at[0, 0:32].set(0.0)  # outliers, huge value, zero block
     a = a.at[min(2, m - 1), 32:64].multiply(1e-3)  # a small block (inside the 14-binade span)
     w = jax.random.normal(kw, (n, k)) * 0.05
+    if case.get("zero_scale_rows"):  # all-zero rows whose factor a caller's encoder left at 0 (the kernel takes 1),
+        # and one with the smallest factor 2**-126 beside a non-zero h (h / sa would overflow; the kernel never forms it)
+        a, w = a.at[m - 2:].set(0.0), w.at[n - 1].set(0.0)
     a8 = FE.mxfp4_to_e4m3(quantize(a, MXFP4()), order="even_odd")
     w8 = FE.mxfp4_to_e4m3(quantize(w, MXFP4()), order="even_odd")
+    if case.get("zero_scale_rows"):
+        a8 = FE.Fp8Rows(a8.values, a8.scale.at[m - 1].set(0.0), a8.inexact, a8.order)
+        w8 = FE.Fp8Rows(w8.values, w8.scale.at[n - 1].set(0.0), w8.inexact, w8.order)
     bias = jax.random.normal(kb, (n,)) if case.get("bias") else None
     lowrank = None
     if r:

@@ -57,6 +57,17 @@ def test_mirror_equals_the_float64_product():
         F.fp8_matmul_mgpu_reference(a8, w8, lowrank=lowrank, bias=bias, out_dtype=jnp.bfloat16)))
 
 
+def test_low_rank_term_beside_the_smallest_row_scale():
+    """An all-zero activation row has the smallest factor, 2**-126; its low-rank term (any h) stays exact: the kernel
+    scales the accumulator by the row factors and never divides h by them."""
+    a8, w8, (h, left), bias = _operands(1, 40, 96, 128, 32)
+    h = h.at[1].set(300.0)
+    y = np.asarray(F.fp8_matmul_mgpu_reference(a8, w8, lowrank=(h, left), bias=bias), np.float64)
+    ref = G8.fp8_matmul_reference(a8, w8, lowrank=(h, left), bias=bias)
+    assert float(a8.scale[1]) == 2.0**-126 and np.all(np.isfinite(y))
+    np.testing.assert_allclose(y[1], ref[1], rtol=1e-6)
+
+
 def test_zero_scale_rows_give_their_low_rank_term_and_bias():
     x = jax.random.normal(jax.random.key(5), (8, 64)).at[3].set(0.0)
     a8 = FE.per_token_e4m3(x, order="even_odd")
@@ -77,8 +88,9 @@ def test_nan_rows_propagate():
 
 SMALL = dict(tile_m=64, tile_n=64, tile_k=32, epi_tile_n=64)
 INTERPRET_CASES = [
-    ("ragged_m_3ctas_rank32_in_2_chunks_bias", dict(kind="fp8", m=100, n=256, k=128, rank=32, bias=True,
-                                                    config=dict(SMALL, num_ctas=3, lowrank_chunk=16))),
+    ("ragged_m_3ctas_rank32_in_2_chunks_bias_zero_scales", dict(kind="fp8", m=100, n=256, k=128, rank=32, bias=True,
+                                                                zero_scale_rows=True,
+                                                                config=dict(SMALL, num_ctas=3, lowrank_chunk=16))),
     ("tm128_tk128_no_lowrank_2slots", dict(kind="fp8", m=128, n=128, k=256, rank=0, bias=False,
                                            config=dict(SMALL, tile_m=128, tile_k=128, epi_tile_n=32, epi_slots=2,
                                                        num_ctas=1))),

@@ -69,6 +69,27 @@ def test_nan_row_on_gpu():
     assert np.all(np.isnan(out[5])) and np.all(np.isfinite(np.delete(out, 5, axis=0)))
 
 
+def test_zero_and_smallest_row_scales_on_gpu():
+    """Row 1 is all zero (factor 2**-126) beside a large ``h``: the kernel scales its accumulator by the row factors
+    and never divides ``h`` by them. Row 2 and weight row 3, all zero with the factor a caller's encoder may leave at
+    0: the kernel takes 1 there (the bytes are zero)."""
+    m, n, k, r = 512, 1024, 1024, 64
+    a8, w8, (h, left), bias = _operands(13, m, n, k, r)
+    h = h.at[1].set(300.0)
+    zero = lambda x, i: FE.Fp8Rows(x.values.at[i].set(0), x.scale.at[i].set(0.0), x.inexact, x.order)  # noqa: E731
+    a8, w8 = zero(a8, 2), zero(w8, 3)
+    out = np.asarray(F.fp8_matmul_mgpu(a8, w8, lowrank=(h, left), bias=bias, impl="pallas", out_dtype=jnp.float32),
+                     np.float64)
+    exact = G8.fp8_matmul_reference(a8, w8, lowrank=(h, left), bias=bias)
+    assert float(a8.scale[1]) == 2.0**-126 and np.all(np.isfinite(out))
+    for rows in (out[1], out[2], out[:, 3]):
+        assert np.any(rows != 0)
+    np.testing.assert_allclose(out[1], exact[1], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out[2], exact[2], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out[:, 3], exact[:, 3], rtol=1e-4, atol=1e-4)
+    assert np.linalg.norm(out - exact) / np.linalg.norm(exact) < 1e-4
+
+
 @pytest.mark.parametrize("m,out_dtype", [(4096, jnp.bfloat16), (333, jnp.float32)])
 def test_swiglu_epilogue_equals_mirror_on_gpu(m, out_dtype):
     """w1|w3 of Ideogram 4 with the SwiGLU in the epilogue (rows in groups of 128: gates | ups), default tiling.
