@@ -50,7 +50,7 @@ case "$mode" in
       >> "$OUT/validate.log" 2>&1
     echo "gpu tests rc=$?"
     timeout "${PIXART_S:-130}" python3 benchmarks/family_forward_w4a4.py --family pixart --strategies fp8_mgpu \
-      --repeats 3 --out "$OUT/family_forward_pixart_tiles.json" >> "$OUT/validate.log" 2>&1
+      --kernels --repeats 3 --out "$OUT/family_forward_pixart_tiles.json" >> "$OUT/validate.log" 2>&1
     echo "pixart rc=$?"
     if [ "${FLUX_S:-200}" -gt 0 ]; then
       timeout "${FLUX_S:-200}" python3 benchmarks/family_forward_w4a4.py --family flux --strategies fp8_mgpu \

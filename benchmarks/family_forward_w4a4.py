@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
             dt = timing.device_time(lambda p: sample(p, key)[0], [params], n_iter=3, warmup=1)
             top = sorted(dt.kernels_us.items(), key=lambda kv: -kv[1])[:8]
             row.update(kernel_sum_ms=dt.us / 1e3, kernel_method=dt.method,
+                       kernel_launches_per_call=sum(dt.kernel_launches.values()) or None,
                        top_kernels_ms={name: us / 1e3 for name, us in top})
         outputs[system] = np.asarray(y, np.float32)
         row["finite"] = bool(np.isfinite(outputs[system]).all())
