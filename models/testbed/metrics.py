@@ -38,7 +38,10 @@ __all__ = ["EncoderConfig", "EmojiEncoder", "glyph_classes", "train_encoder", "e
            "OUTCOMES", "nearest_outcome", "save_encoder", "load_encoder", "cached_encoder", "class_of",
            "write_reference_images", "load_reference_images", "sample_metrics"]
 
-
+#: The encoder's training and feature programs are run-time bound (convolutions over thousands of images): they keep
+#: XLA's full backend optimisation even in a process whose XLA_FLAGS lower it (the CPU test suite runs at -O0,
+#: tests/conftest.py), where they would run several times slower.
+FULL_BACKEND_OPTIMIZATION = {"xla_backend_optimization_level": 3}
 
 @dataclasses.dataclass(frozen=True)
 class EncoderConfig:
@@ -129,7 +132,7 @@ def train_encoder(class_images: np.ndarray, config: EncoderConfig, progress: boo
         _, logits = nnx.merge(graphdef, params)(_augment(key_aug, data[labels], config.noise_max))
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=FULL_BACKEND_OPTIMIZATION)
     def chunk(params, opt_state, key):
         def one(carry, k):
             params, opt_state = carry
@@ -147,7 +150,7 @@ def train_encoder(class_images: np.ndarray, config: EncoderConfig, progress: boo
     return graphdef, params
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, compiler_options=FULL_BACKEND_OPTIMIZATION)
 def _encode(graphdef, params, images: jax.Array) -> tuple[jax.Array, jax.Array]:
     """uint8 (b, s, s, 3) -> (features, logits): one compiled program per encoder structure and batch shape, with
     the weights an argument (not constants folded into a fresh program at every call)."""
