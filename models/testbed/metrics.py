@@ -43,6 +43,7 @@ __all__ = ["EncoderConfig", "EmojiEncoder", "glyph_classes", "train_encoder", "e
 #: tests/conftest.py), where they would run several times slower.
 FULL_BACKEND_OPTIMIZATION = {"xla_backend_optimization_level": 3}
 
+
 @dataclasses.dataclass(frozen=True)
 class EncoderConfig:
     """The encoder and its training. widths: conv channels (stride 1, then stride 2 each); feature_dim: embedding."""
