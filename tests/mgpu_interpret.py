@@ -24,8 +24,8 @@ from jax.experimental import io_callback
 
 try:  # private, version-specific: tests only
     from jax._src.pallas.mosaic.interpret import utils as _iutils
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as _gcb
     from jax._src.pallas.mosaic_gpu import primitives as _gprim
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as _gcb
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as _ipc
     from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret as _jinterp
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
