@@ -8,7 +8,11 @@ embeddings and final layer then weigh more, and the bf16 / W4A4 ratio lies close
 quantizable linear (``models.layers.linears(quantizable_only=True)``) becomes a W4A4 MXFP4 layer with the real layer
 math and stand-in calibration (``kroquant_jax.qlinear.random_qlinear``: a random KroQuant transform, randomized
 low-rank factors of rank ``--rank``), served through the family's linear overrides
-(``QuantizedCheckpoint.served_overrides``: what ``kroquant generate`` runs).
+(``QuantizedCheckpoint.served_overrides``: what ``kroquant generate`` runs). With ``--fuse-shared-inputs`` each of
+the family's groups of linears that read one input (``Family.shared_inputs``: q|k|v, ...) is one stand-in W4A4 layer
+of their stacked weights, as a ``kroquant quantize-checkpoint --fuse-shared-inputs`` checkpoint is served (one
+quantizer call and one GEMM per group), and the system ``bf16_fused`` runs the same groups as one bf16 GEMM each (the
+fair 16-bit baseline of a fused forward; ratios against both are recorded).
 
 Every system runs the same softmax attention (``--attention``; on a GPU by default cuDNN's flash attention, what
 serving uses; ``xla`` materialises the fp32 logits). One call is the family's sampler with one step at guidance 1
@@ -22,6 +26,7 @@ served output's error against it. Writes the JSON (``--out``, atomically) and pr
 
     python3 benchmarks/family_forward_w4a4.py --family pixart --strategies dequant,fp8,fp8_mgpu --kernels
     python3 benchmarks/family_forward_w4a4.py --family flux --double-blocks 2 --single-blocks 4 --kernels
+    python3 benchmarks/family_forward_w4a4.py --family flux --strategies fp8_mgpu --fuse-shared-inputs --kernels
     python3 benchmarks/family_forward_w4a4.py --family pixart --preset tiny --strategies dequant      # a CPU
 """
 
@@ -46,8 +51,10 @@ from flax import nnx  # noqa: E402
 from kroquant_jax import timing  # noqa: E402
 from kroquant_jax.fileio import atomic_write_json  # noqa: E402
 from kroquant_jax.qlinear import random_qlinear  # noqa: E402
+from kroquant_jax.shared_inputs import fused_name  # noqa: E402
 from models import families, flux, pixart  # noqa: E402
 from models.layers import ATTENTION_IMPLEMENTATIONS, linears  # noqa: E402
+from models.quantize_model import SharedOverrides  # noqa: E402
 from models.quantized_checkpoint import QuantizedCheckpoint  # noqa: E402
 from pallas_kernels import served  # noqa: E402
 from scripts.common_args import UserError, choice_list, positive_int  # noqa: E402
@@ -63,6 +70,8 @@ TINY = {
 }
 #: The fake-quantized W4A4 forward (``qlinear_forward(path="simulate")``, f32 math) as a system of ``--strategies``.
 SIMULATE = "simulate"
+#: The bf16 baseline with the shared-input groups as one GEMM each (``--fuse-shared-inputs``).
+BF16_FUSED = "bf16_fused"
 #: VAE downsampling of both families' latents.
 VAE_FACTOR = 8
 
@@ -85,15 +94,43 @@ def model_config(family: str, preset: str, double_blocks: int | None, single_blo
     return dataclasses.replace(cfg, **changes), cfg
 
 
-def stand_in_qlayers(model, rank: int, key: jax.Array) -> dict:
-    """``{path: QuantizedLinear}`` of every quantizable linear (MXFP4, rank ``min(rank, o, d)``), one compiled
-    builder per shape."""
+def stand_in_qlayers(model, rank: int, key: jax.Array, groups=()) -> dict:
+    """``{name: QuantizedLinear}`` of every quantizable linear (MXFP4, rank ``min(rank, o, d)``), one compiled
+    builder per shape; the linears of each of ``groups`` (``Family.shared_inputs``) as one fused layer ``a|b|c`` of
+    their stacked weights (what ``kroquant quantize-checkpoint --fuse-shared-inputs`` stores)."""
     build = jax.jit(random_qlinear, static_argnums=2)
+    by_path = linears(model, quantizable_only=True)
+    grouped = {path for group in groups for path in group}
+    units = [(fused_name(group), list(group)) for group in groups]
+    units += [(path, [path]) for path in by_path if path not in grouped]
     out = {}
-    for i, (name, layer) in enumerate(linears(model, quantizable_only=True).items()):
-        w = jnp.asarray(layer.kernel[...]).T.astype(jnp.float32)  # (o, d)
+    for i, (name, members) in enumerate(units):
+        w = jnp.concatenate([jnp.asarray(by_path[p].kernel[...]).T for p in members]).astype(jnp.float32)  # (o, d)
         out[name] = build(w, jax.random.fold_in(key, i), min(rank, *w.shape))
     return out
+
+
+def _stacked_dense(layer: tuple, x: jax.Array) -> jax.Array:
+    kernel, bias = layer  # (d, o), (o,) | None
+    y = jnp.matmul(x.astype(kernel.dtype), kernel)  # (..., o)
+    return y if bias is None else y + bias
+
+
+def bf16_shared_input_overrides(model, groups) -> SharedOverrides:
+    """The 16-bit model with each group of linears that read one input run as one GEMM of their concatenated kernels
+    (and biases): the bf16 counterpart of the fused W4A4 layers (each member takes its columns of the output)."""
+    by_path = linears(model)
+    parts = []
+    for group in groups:
+        members = [by_path[p] for p in group]
+        kernel = jnp.concatenate([m.kernel[...] for m in members], axis=1)  # (d, sum o)
+        biases = [m.bias for m in members]
+        bias = None if all(b is None for b in biases) else jnp.concatenate(
+            [jnp.zeros((m.out_features,), kernel.dtype) if b is None else b[...] for m, b in zip(members, biases)])
+        name, bounds = fused_name(group), np.cumsum([0, *(m.out_features for m in members)]).tolist()
+        parts.append(SharedOverrides({name: (kernel, bias)}, {path: (name, _stacked_dense, (bounds[i], bounds[i + 1]))
+                                                              for i, path in enumerate(group)}))
+    return SharedOverrides.merged(*parts)
 
 
 def _parse(argv):
@@ -113,6 +150,10 @@ def _parse(argv):
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--inner", type=positive_int, default=2)
     p.add_argument("--kernels", action="store_true", help="add CUPTI kernel sums and the costliest kernels")
+    p.add_argument("--fuse-shared-inputs", action="store_true",
+                   help="the family's groups of linears that read one input (q|k|v, ...) as one W4A4 layer each, as "
+                        "a --fuse-shared-inputs checkpoint serves them, and the system bf16_fused (the same groups "
+                        "as one bf16 GEMM each) beside bf16")
     p.add_argument("--out", default=None, help="JSON (default $OUT/family_forward_w4a4.json, else /tmp)")
     return p.parse_args(argv)
 
@@ -134,7 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
     family = families.get(args.family)
     began = time.perf_counter()
     model = family.build(cfg, dtype=jnp.bfloat16, seed=0, on_device=not tiny)  # FLUX.1: 12B parameters
-    qlayers = stand_in_qlayers(model, args.rank, jax.random.key(1))
+    groups = family.shared_inputs(model) if args.fuse_shared_inputs else ()
+    qlayers = stand_in_qlayers(model, args.rank, jax.random.key(1), groups)
     timing.block(qlayers)
     build_s = time.perf_counter() - began
     checkpoint = QuantizedCheckpoint(family=args.family, cfg=cfg, model=model, qlayers=qlayers, config={})
@@ -147,8 +189,10 @@ def main(argv: list[str] | None = None) -> dict:
     key = jax.random.key(0)
 
     systems, outputs = {}, {}
-    for system in ["bf16", *strategies]:
-        overrides = ({} if system == "bf16" else checkpoint.overrides() if system == SIMULATE
+    baselines = ["bf16", BF16_FUSED] if groups else ["bf16"]
+    for system in [*baselines, *strategies]:
+        overrides = ({} if system == "bf16" else bf16_shared_input_overrides(model, groups) if system == BF16_FUSED
+                     else checkpoint.overrides() if system == SIMULATE
                      else checkpoint.served_overrides(served.ServeOptions(strategy=system)))
         params = {"model": state, **batch, **({"overrides": overrides} if overrides else {})}
         call = lambda: sample(params, key)[0]  # noqa: E731
@@ -170,13 +214,17 @@ def main(argv: list[str] | None = None) -> dict:
               flush=True)
         del overrides, params
     reference = outputs["bf16"]
-    for system in strategies:
+    for system in [*baselines[1:], *strategies]:
         systems[system]["rel_l2_vs_bf16"] = float(np.linalg.norm(outputs[system] - reference)
                                                   / np.linalg.norm(reference))
-        systems[system]["speedup_vs_bf16"] = systems["bf16"]["median_ms"] / systems[system]["median_ms"]
-        if args.kernels:
-            systems[system]["kernel_speedup_vs_bf16"] = (systems["bf16"]["kernel_sum_ms"]
-                                                         / systems[system]["kernel_sum_ms"])
+        for base in baselines:
+            suffix = "" if base == "bf16" else "_fused"
+            if system == base:
+                continue
+            systems[system][f"speedup_vs_bf16{suffix}"] = systems[base]["median_ms"] / systems[system]["median_ms"]
+            if args.kernels:
+                systems[system][f"kernel_speedup_vs_bf16{suffix}"] = (systems[base]["kernel_sum_ms"]
+                                                                      / systems[system]["kernel_sum_ms"])
         if SIMULATE in outputs and system != SIMULATE:
             systems[system]["rel_l2_vs_simulate"] = float(np.linalg.norm(outputs[system] - outputs[SIMULATE])
                                                            / np.linalg.norm(outputs[SIMULATE]))
@@ -192,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
         "jax": jax.__version__, "python": platform.python_version(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "command_args": list(sys.argv[1:] if argv is None else argv), "family": args.family, "preset": args.preset,
         "blocks": blocks, "attention_impl": attention, "height": height, "latent_hw": list(hw), "text_tokens": tokens,
-        "quantized_layers": len(qlayers), "rank": args.rank,
+        "quantized_layers": len(qlayers), "fused_groups": len(groups), "rank": args.rank,
         "ranks": sorted({int(layer.config.rank) for layer in qlayers.values()}), "build_s": build_s,
         "memory_gib": timing.device_memory_gib(), "systems": systems}
     atomic_write_json(out_path, payload)
@@ -207,15 +255,18 @@ def table(payload: dict) -> str:
         f", {b['single']} of {b['single_in_preset']} single blocks" if "single" in b else "")
     lines = [f"{payload['device']}, jax {payload['jax']}, {payload['date_utc']}: {payload['family']} ({kinds}), "
              f"{payload.get('attention_impl', 'xla')} attention, {payload['height']} px, {payload['text_tokens']} text "
-             f"tokens, {payload['quantized_layers']} W4A4 layers, ranks {payload['ranks']}", "",
-             "| system | median ms | / bf16 | kernel sum ms | / bf16 (kernels) | rel. L2 vs bf16 | rel. L2 vs simulate "
-             "| finite |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             f"tokens, {payload['quantized_layers']} W4A4 layers ({payload.get('fused_groups', 0)} of them fused "
+             f"shared-input groups), ranks {payload['ranks']}", "",
+             "| system | median ms | / bf16 | / bf16 fused | kernel sum ms | / bf16 (kernels) | rel. L2 vs bf16 "
+             "| rel. L2 vs simulate | finite |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, row in payload["systems"].items():
         kernels = row.get("kernel_sum_ms")
         kernel_cells = ("— | —" if kernels is None else
                         f"{kernels:.2f} | {row.get('kernel_speedup_vs_bf16', 1.0):.2f}x")
-        lines.append(f"| `{name}` | {row['median_ms']:.2f} | {row.get('speedup_vs_bf16', 1.0):.2f}x | {kernel_cells} | "
+        fused = "—" if "speedup_vs_bf16_fused" not in row else f"{row['speedup_vs_bf16_fused']:.2f}x"
+        lines.append(f"| `{name}` | {row['median_ms']:.2f} | {row.get('speedup_vs_bf16', 1.0):.2f}x | {fused} | "
+                     f"{kernel_cells} | "
                      f"{row.get('rel_l2_vs_bf16', 0.0):.3f} | "
                      f"{'—' if 'rel_l2_vs_simulate' not in row else format(row['rel_l2_vs_simulate'], '.4f')} | "
                      f"{row['finite']} |")

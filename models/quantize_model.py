@@ -22,7 +22,9 @@ the W4A4 model are the same graph and the same jitted sampler, on the same seeds
   cuBLAS GEMM, the q/k norm and SwiGLU as XLA ops after it; ``"kernel"``: the Pallas-Triton W4A4 kernels, the ops in
   their epilogues or, ``fused=False``, after them).
 * :func:`split_qlinear_overrides`: one ``QuantizedLinear`` of several stacked linears (e.g. ``[W1; W3]`` sharing their
-  input and transform) as per-linear overrides, each taking its rows of the fused output.
+  input and transform) as per-linear overrides, each taking its rows of the fused output, in a
+  :class:`SharedOverrides` (a mapping whose pytree holds each layer once, so that a jitted sampler given it as an
+  argument runs the fused layer once, not once per member).
 * :func:`build_stacked_qlinears`, :func:`serve_stacked`, :func:`layer_at`: stacked (one per block) W4A4 layers of a
   scanned model built on the device from its Linear kernels (``kroquant_jax.qlinear.random_qlinear``: the real layer
   math with stand-in calibration), their served form, and one layer of a stack.
@@ -41,9 +43,9 @@ from flax import nnx
 
 from models.layers import FusedLinearHooks, LinearHooks, check_fused_sites, linears
 
-__all__ = ["FusedLinearHooks", "build_stacked_qlinears", "check_fused_sites", "check_overrides", "fake_quant_overrides",
-           "layer_at", "qlinear_overrides", "run_with_overrides", "serve_stacked", "served_hooks",
-           "split_qlinear_overrides"]
+__all__ = ["FusedLinearHooks", "SharedOverrides", "build_stacked_qlinears", "check_fused_sites", "check_overrides",
+           "fake_quant_overrides", "layer_at", "qlinear_overrides", "run_with_overrides", "serve_stacked", "served_hooks",
+           "split_qlinear_overrides", "whole_layer_overrides"]
 
 
 @jax.jit
@@ -76,15 +78,87 @@ def _qlinear_part(layer: Any, x: jax.Array, *, start: int, stop: int,
     return forward(layer, x)[..., start:stop]  # (..., stop - start) of (..., o)
 
 
+@jax.tree_util.register_pytree_node_class
+class SharedOverrides(Mapping):
+    """Per-linear overrides ``{linear path: x (..., d) -> (..., o_path)}`` whose layers are held **once** each.
+
+    ``layers`` is ``{layer name: layer pytree}``; ``routes`` is ``{linear path: (layer name, forward, rows)}``: the
+    override of ``path`` is ``forward(layers[name], x)``, and with ``rows = (start, stop)`` only those output features
+    of it (a member of a fused layer ``a|b|c``). Looking a path up gives a ``jax.tree_util.Partial`` as a plain dict of
+    overrides would, so :class:`~models.layers.LinearHooks` takes either.
+
+    Why a class and not a dict of per-member ``Partial`` s: the samplers take the overrides as a traced argument
+    (``params["overrides"]``), and a pytree flattens every occurrence of a leaf. A dict gives the jitted program one
+    copy of a fused layer's arrays per member, so XLA cannot tell the members' calls apart from calls of different
+    layers and runs the fused layer once per member (q | k | v: three times its work). Here the layer is one set of
+    leaves; the members' calls read the same traced arrays and XLA merges them into one forward.
+
+    Invariant: every route names a layer of ``layers``. ``forward`` and ``rows`` are static (the pytree's aux data).
+    """
+
+    def __init__(self, layers: Mapping[str, Any], routes: Mapping[str, tuple[str, Callable, tuple[int, int] | None]]):
+        self._layers = dict(layers)
+        self._routes = {path: (name, forward, None if rows is None else (int(rows[0]), int(rows[1])))
+                        for path, (name, forward, rows) in routes.items()}
+        unknown = sorted({name for name, _, _ in self._routes.values()} - set(self._layers))
+        if unknown:
+            raise ValueError(f"SharedOverrides: routes name layers {unknown} that are not among {sorted(self._layers)}")
+
+    @classmethod
+    def merged(cls, *parts: SharedOverrides) -> SharedOverrides:
+        """One mapping of several (e.g. one per stored layer); a linear path or a layer name in two parts raises."""
+        layers, routes = {}, {}
+        for part in parts:
+            twice = sorted((set(part._layers) & set(layers)) | (set(part._routes) & set(routes)))
+            if twice:
+                raise ValueError(f"SharedOverrides.merged: {twice} given twice")
+            layers.update(part._layers)
+            routes.update(part._routes)
+        return cls(layers, routes)
+
+    @property
+    def layers(self) -> dict[str, Any]:
+        """``{layer name: layer}``, each layer once."""
+        return dict(self._layers)
+
+    def __getitem__(self, path: str) -> jax.tree_util.Partial:
+        name, forward, rows = self._routes[path]
+        if rows is not None:
+            forward = functools.partial(_qlinear_part, start=rows[0], stop=rows[1], forward=forward)
+        return jax.tree_util.Partial(forward, self._layers[name])
+
+    def __iter__(self):
+        return iter(self._routes)
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def __repr__(self) -> str:
+        return f"SharedOverrides({len(self._layers)} layers, {len(self._routes)} linears)"
+
+    def tree_flatten(self):
+        names = tuple(self._layers)
+        return tuple(self._layers[n] for n in names), (names, tuple(self._routes.items()))
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        names, routes = aux
+        out = cls.__new__(cls)
+        out._layers, out._routes = dict(zip(names, children)), dict(routes)
+        return out
+
+
 def split_qlinear_overrides(layer: Any, paths: list[str], forward: Callable[[Any, jax.Array], jax.Array] | None = None,
-                            widths: list[int] | None = None) -> dict[str, jax.tree_util.Partial]:
+                            widths: list[int] | None = None, name: str | None = None) -> SharedOverrides:
     """One ``QuantizedLinear`` (or ``ServedLinear`` with a matching ``forward``) of ``len(paths)`` linears stacked
     along the outputs (``[W_1; W_2; ...]``, one shared input and transform) -> per-linear overrides
-    ``{paths[i]: x -> forward(layer, x)[..., rows of W_i]}``.
+    ``{paths[i]: x -> forward(layer, x)[..., rows of W_i]}`` as a :class:`SharedOverrides` holding the layer once
+    (under ``name``, default the paths joined by ``|``).
 
     ``widths``: each linear's output width, in ``paths`` order (e.g. FLUX.1's ``q | k | v | proj_mlp``); None: equal
     shares. Raises ValueError when they do not add up to the layer's outputs (or the outputs do not divide equally).
-    XLA merges the members' identical calls, so the members cost one forward of the layer."""
+    XLA merges the members' identical calls, so the members cost one forward of the layer, also when the overrides
+    are an argument of the jitted program."""
     forward, layer = _default_forward(forward, layer)
     out_features = layer.config.out_features if hasattr(layer, "config") else layer.out_features
     if widths is None:
@@ -95,9 +169,20 @@ def split_qlinear_overrides(layer: Any, paths: list[str], forward: Callable[[Any
     if len(widths) != len(paths) or sum(widths) != out_features or min(widths) < 1:
         raise ValueError(f"split_qlinear_overrides: widths {list(widths)} of {paths} do not split "
                          f"out_features={out_features}")
+    from kroquant_jax.shared_inputs import fused_name
+
     bounds = np.cumsum([0, *widths]).tolist()
-    return {path: jax.tree_util.Partial(functools.partial(_qlinear_part, start=bounds[i], stop=bounds[i + 1],
-                                                          forward=forward), layer) for i, path in enumerate(paths)}
+    name = fused_name(paths) if name is None else name
+    return SharedOverrides({name: layer}, {path: (name, forward, (bounds[i], bounds[i + 1]))
+                                           for i, path in enumerate(paths)})
+
+
+def whole_layer_overrides(layer: Any, path: str, forward: Callable[[Any, jax.Array], jax.Array] | None = None
+                          ) -> SharedOverrides:
+    """The override of one linear ``path`` by a whole layer (:func:`qlinear_overrides` of one layer) as a
+    :class:`SharedOverrides`, to merge with fused layers' (:meth:`SharedOverrides.merged`)."""
+    forward, layer = _default_forward(forward, layer)
+    return SharedOverrides({path: layer}, {path: (path, forward, None)})
 
 
 def _fake_quant_linear(kernel: jax.Array, bias: jax.Array | None, x: jax.Array, *, fmt: Any) -> jax.Array:

@@ -67,43 +67,38 @@ class QuantizedCheckpoint:
     qlayers: dict
     config: dict
 
-    def overrides(self, forward=None) -> dict:
+    def overrides(self, forward=None) -> Any:
         """The per-linear overrides that run the W4A4 layers (:func:`linear_overrides`: a fused layer's members each
         take their rows of its output)."""
         return linear_overrides(self.qlayers, self.model, forward)
 
-    def served_overrides(self, options: Any = None) -> dict:
+    def served_overrides(self, options: Any = None) -> Any:
         """The linear overrides that run the W4A4 layers served (``pallas_kernels.served``: prepared once with
         ``options.strategy``, then its packed forward; ``options.impl`` None runs the compiled kernels on a GPU and the
         jnp reference elsewhere). ``options`` None: ``served.default_strategy`` of these layers on this device
         (``"fp8_mgpu"`` on Hopper where it serves every layer, else ``"dequant"``). A padded layer
         (``QLinearConfig.input_pad``) gets its inputs zero-padded first.
 
+        Returns a ``models.quantize_model.SharedOverrides`` (each served layer held once; see :func:`linear_overrides`).
+
         Raises:
           ValueError: naming a layer the strategy cannot serve (e.g. activations and weight in other formats).
         """
-        import jax
-
         from pallas_kernels import served
 
         from models import quantize_model
 
         if options is None:
             options = served.ServeOptions(strategy=served.default_strategy(self.qlayers.values())[0])
-        out = {}
+        parts = []
         for name, layer in self.qlayers.items():
             try:
                 prepared = served.serve(layer, strategy=options.strategy)
             except (TypeError, ValueError) as err:
                 raise ValueError(f"layer {name!r}: strategy {options.strategy!r} cannot serve it: {err}") from None
             forward = functools.partial(_compiled_served_forward(), options=options, pad=layer.config.input_pad)
-            members = layer_members(name, self.model)
-            if len(members) > 1:
-                out.update(quantize_model.split_qlinear_overrides(prepared, list(members), forward,
-                                                                  widths=member_widths(members, self.model)))
-            else:
-                out[name] = jax.tree_util.Partial(forward, prepared)
-        return out
+            parts.append(_layer_overrides(name, prepared, self.model, forward))
+        return quantize_model.SharedOverrides.merged(*parts)
 
 
 def layer_members(name: str, model: Any) -> tuple[str, ...]:
@@ -138,21 +133,27 @@ def member_widths(members: tuple[str, ...], model: Any) -> list[int]:
     return [available[m].out_features for m in members]
 
 
-def linear_overrides(qlayers: Mapping[str, Any], model: Any, forward=None) -> dict:
+def linear_overrides(qlayers: Mapping[str, Any], model: Any, forward=None) -> Any:
     """``{linear path: override}`` of ``{name: QuantizedLinear}`` (``models.quantize_model.qlinear_overrides``),
     where a fused layer ``a|b|c`` gives each member its rows of the fused output
-    (``models.quantize_model.split_qlinear_overrides``); :func:`layer_members` checks the names against ``model``."""
+    (``models.quantize_model.split_qlinear_overrides``), as one ``models.quantize_model.SharedOverrides`` (each
+    layer held once: a fused layer runs once in a jitted sampler that takes the overrides as an argument);
+    :func:`layer_members` checks the names against ``model``."""
     from models import quantize_model
 
-    out = {}
-    for name, layer in qlayers.items():
-        members = layer_members(name, model)
-        if len(members) > 1:
-            out.update(quantize_model.split_qlinear_overrides(layer, list(members), forward,
-                                                              widths=member_widths(members, model)))
-        else:
-            out.update(quantize_model.qlinear_overrides({name: layer}, forward))
-    return out
+    return quantize_model.SharedOverrides.merged(*(_layer_overrides(name, layer, model, forward)
+                                                   for name, layer in qlayers.items()))
+
+
+def _layer_overrides(name: str, layer: Any, model: Any, forward) -> Any:
+    """The ``SharedOverrides`` of one stored layer: its members' rows (a fused layer) or the whole layer."""
+    from models import quantize_model
+
+    members = layer_members(name, model)
+    if len(members) > 1:
+        return quantize_model.split_qlinear_overrides(layer, list(members), forward,
+                                                      widths=member_widths(members, model), name=name)
+    return quantize_model.whole_layer_overrides(layer, name, forward)
 
 
 @functools.cache

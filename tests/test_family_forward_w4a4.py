@@ -48,3 +48,21 @@ def test_refuses_block_counts_the_preset_lacks():
                         (["--family", "pixart", "--double-blocks", 9], "--double-blocks 9: the pixart preset has 2")):
         run = _run([*args, "--preset", "tiny"])
         assert run.returncode != 0 and words in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+def test_fused_shared_inputs_serve_each_group_as_one_layer(tmp_path):
+    """--fuse-shared-inputs: q|k|v and the cross-attention's k|v are one W4A4 layer each (10 linears -> 7 layers),
+    the bf16_fused baseline equals bf16 up to rounding, and both ratios are recorded."""
+    out = tmp_path / "f.json"
+    run = _run(["--family", "pixart", "--preset", "tiny", "--double-blocks", 1, "--strategies", "simulate,dequant",
+                "--fuse-shared-inputs", "--repeats", 2, "--inner", 1, "--out", out])
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved = json.loads(out.read_text())
+    assert saved["quantized_layers"] == 7 and saved["fused_groups"] == 2
+    systems = saved["systems"]
+    assert sorted(systems) == ["bf16", "bf16_fused", "dequant", "simulate"]
+    assert systems["bf16_fused"]["rel_l2_vs_bf16"] < 1e-2  # the same products, summed in another order
+    w4a4 = systems["dequant"]
+    assert 0 < w4a4["rel_l2_vs_bf16"] < 0.5 and 0 < w4a4["rel_l2_vs_simulate"] < w4a4["rel_l2_vs_bf16"]
+    assert w4a4["speedup_vs_bf16_fused"] == pytest.approx(systems["bf16_fused"]["median_ms"] / w4a4["median_ms"])
+    assert "(2 of them fused shared-input groups)" in run.stdout

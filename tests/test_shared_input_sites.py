@@ -71,7 +71,8 @@ def test_split_overrides_of_a_fused_layer_compile_to_one_forward(strategy):
     """A fused layer's members served as per-linear slices (models.quantize_model.split_qlinear_overrides, the path
     of a fused quantized checkpoint in a model without that fused site): XLA merges the members' identical calls, so
     the program of all three members has the GEMMs and kernels of one (checked on the H200 too:
-    benchmarks/results/split_overrides_cse_2026-12-04.json)."""
+    benchmarks/results/split_overrides_cse_2026-12-04.json), also when the overrides are an argument of the program
+    (SharedOverrides holds the layer once; a dict of per-member Partials would not merge)."""
     import functools
 
     from kroquant_jax.qlinear import random_qlinear
@@ -87,11 +88,18 @@ def test_split_overrides_of_a_fused_layer_compile_to_one_forward(strategy):
         overrides = split_qlinear_overrides(S.serve(layer, strategy=strategy), ["a", "b", "c"],
                                             functools.partial(lambda l, y, o: S.forward(l, y, options=o), o=options))
 
-    def ops(keys):
-        text = jax.jit(lambda y: [overrides[k](y) for k in keys]).lower(x).compile().as_text()
+    def ops(keys, passed=None):
+        if passed is None:  # the overrides closed over: the layer's arrays are constants of the program
+            text = jax.jit(lambda y: [overrides[k](y) for k in keys]).lower(x).compile().as_text()
+        else:  # an argument of the program, as the samplers take params["overrides"]
+            text = jax.jit(lambda o, y: [o[k](y) for k in keys]).lower(passed, x).compile().as_text()
         return text.count(" dot("), text.count("custom-call(")
 
     assert ops("a")[0] > 0 and ops("abc") == ops("a")
+    assert ops("abc", overrides) == ops("a", overrides) == ops("a")  # the layer is one set of traced arguments
+    assert len(jax.tree_util.tree_leaves(overrides)) == len(jax.tree_util.tree_leaves(overrides["a"]))
+    # a plain dict of the members' overrides hands the program one copy of the layer per member: no merging
+    assert ops("abc", {k: overrides[k] for k in "abc"})[0] == 3 * ops("a")[0]
     full = overrides["a"].func.keywords["forward"](overrides["a"].args[0], x)  # the whole fused output
     np.testing.assert_array_equal(np.concatenate([np.asarray(overrides[k](x)) for k in "abc"], -1), np.asarray(full))
 
@@ -111,3 +119,33 @@ def test_split_overrides_take_unequal_widths_and_refuse_ones_that_do_not_add_up(
     for widths in ([32, 32, 32], [64, 32], [0, 64, 64]):
         with pytest.raises(ValueError, match="do not split out_features=128"):
             split_qlinear_overrides(layer, ["q", "k", "mlp"][:len(widths)], widths=widths)
+
+
+def test_a_fused_checkpoint_hands_the_sampler_each_layer_once():
+    """QuantizedCheckpoint.overrides / served_overrides of a fused layer q|k|v: three linears routed, one copy of the
+    layer's arrays in the pytree the sampler takes as params["overrides"]."""
+    from kroquant_jax.qlinear import random_qlinear
+    from kroquant_jax.shared_inputs import fused_name
+    from models.quantized_checkpoint import QuantizedCheckpoint
+    from pallas_kernels import served as S
+
+    import dataclasses
+
+    family = families.get("pixart")
+    cfg = dataclasses.replace(TINY["pixart"], attention_head_dim=16, cross_attention_dim=32)  # d = 32: one block
+    model = family.build(cfg, seed=3)
+    group = family.shared_inputs(model)[0]
+    by_path = linears(model)
+    w = jnp.concatenate([by_path[p].kernel[...].T for p in group]).astype(jnp.float32)  # (3 o, d)
+    layer = random_qlinear(w, jax.random.key(0), 32)
+    checkpoint = QuantizedCheckpoint(family="pixart", cfg=cfg, model=model,
+                                     qlayers={fused_name(group): layer}, config={})
+    prepared = S.serve(layer, strategy="dequant")
+    for overrides, one in ((checkpoint.overrides(), None),
+                           (checkpoint.served_overrides(S.ServeOptions(strategy="dequant", impl="reference")),
+                            prepared)):
+        assert sorted(overrides) == sorted(group) and len(overrides.layers) == 1
+        leaves = jax.tree_util.tree_leaves(overrides)
+        assert len(leaves) == len(jax.tree_util.tree_leaves(overrides[group[0]]))
+        if one is not None:
+            assert len(leaves) == len(jax.tree_util.tree_leaves(one))
