@@ -12,6 +12,9 @@
 #                                                      # (FLUX_S=0 skips FLUX.1)
 #   bash benchmarks/family_forward_device.sh graphs    # PixArt-Σ bf16 vs fp8_mgpu under two XLA command-buffer
 #                                                      # (CUDA graph) settings: W4A4 launches many more kernels
+#   bash benchmarks/family_forward_device.sh fused     # FLUX.1, then PixArt-Σ, with --fuse-shared-inputs: bf16,
+#                                                      # bf16_fused, fp8_mgpu (FLUX_S, PIXART_S: each one's limit in s;
+#                                                      # 0 skips it)
 #
 # JAX's persistent compilation cache lives in runs/dev/jax_cache (kept between back-to-back calls on a warm machine),
 # so a later call loads the programs an earlier one finished compiling (not verified for the Mosaic GPU kernels).
@@ -69,5 +72,15 @@ case "$mode" in
         > "$OUT/graphs_${setting%%:*}.log" 2>&1
       echo "graphs ${setting%%:*} rc=$?"; tail -n 6 "$OUT/graphs_${setting%%:*}.log"
     done ;;
-  *) echo "family_forward_device.sh: unknown mode '$mode' (tiles, flux, errors, validate, graphs)" >&2; exit 2 ;;
+  fused)
+    for fam in flux pixart; do
+      limit=$([ "$fam" = flux ] && echo "${FLUX_S:-330}" || echo "${PIXART_S:-200}")
+      if [ "$limit" -gt 0 ]; then
+        timeout "$limit" python3 benchmarks/family_forward_w4a4.py --family "$fam" --strategies fp8_mgpu \
+          --fuse-shared-inputs --kernels --repeats 3 --out "$OUT/family_forward_${fam}_fused.json" \
+          > "$OUT/${fam}_fused.log" 2>&1
+        echo "$fam fused rc=$?"; grep -v "^{" "$OUT/${fam}_fused.log" | tail -n 9
+      fi
+    done ;;
+  *) echo "family_forward_device.sh: unknown mode '$mode' (tiles, flux, errors, validate, graphs, fused)" >&2; exit 2 ;;
 esac

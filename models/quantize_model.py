@@ -44,8 +44,8 @@ from flax import nnx
 from models.layers import FusedLinearHooks, LinearHooks, check_fused_sites, linears
 
 __all__ = ["FusedLinearHooks", "SharedOverrides", "build_stacked_qlinears", "check_fused_sites", "check_overrides",
-           "fake_quant_overrides", "layer_at", "qlinear_overrides", "run_with_overrides", "serve_stacked", "served_hooks",
-           "split_qlinear_overrides", "whole_layer_overrides"]
+           "fake_quant_overrides", "layer_at", "qlinear_overrides", "run_with_overrides", "serve_stacked",
+           "served_hooks", "split_qlinear_overrides", "whole_layer_overrides"]
 
 
 @jax.jit

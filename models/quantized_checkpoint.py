@@ -23,8 +23,8 @@ Layout of a folder written by :func:`save_quantized_checkpoint` (format version 
 **Fused layers.** A layer named ``a|b|c`` (``kroquant_jax.shared_inputs.fused_name``) is one ``QuantizedLinear`` of
 linears that read the same input, their weights stacked along the outputs (one transform, one low-rank branch, as
 the fused GEMM serves them): it replaces every member's ``weight`` / ``bias``, and :meth:`QuantizedCheckpoint.overrides`
-gives each member its rows of the fused output (``models.quantize_model.split_qlinear_overrides``; the members must
-have equal output widths, as q|k|v and w1|w3 have).
+gives each member its rows of the fused output (``models.quantize_model.split_qlinear_overrides``, at the members' own
+output widths: q|k|v and w1|w3 split equally, FLUX.1's single-block q|k|v|proj_mlp 3 x 3072 + 12288).
 
 :func:`load_quantized_checkpoint` rebuilds the model (the quantized linears' 16-bit kernels are zeros: they are never
 used, the W4A4 layers replace them through :meth:`QuantizedCheckpoint.overrides`) and the ``{name: QuantizedLinear}``.
@@ -106,8 +106,7 @@ def layer_members(name: str, model: Any) -> tuple[str, ...]:
     (``kroquant_jax.shared_inputs.members_of``).
 
     Raises:
-      ValueError: a member that is no linear of the model, or a fused layer whose members' output widths differ
-        (``models.quantize_model.split_qlinear_overrides`` gives every member an equal share of the outputs).
+      ValueError: a member that is no linear of the model (its output widths are :func:`member_widths`).
     """
     from kroquant_jax.shared_inputs import members_of
     from models.layers import linears
@@ -118,10 +117,6 @@ def layer_members(name: str, model: Any) -> tuple[str, ...]:
     if unknown:
         which = f"quantized layer {name!r}" if len(members) == 1 else f"member {unknown[0]!r} of fused layer {name!r}"
         raise ValueError(f"{which} is not a linear of the model (e.g. {sorted(available)[:3]})")
-    widths = {m: available[m].out_features for m in members}
-    if len(set(widths.values())) > 1:
-        raise ValueError(f"fused layer {name!r}: its members' output widths differ ({widths}); only members of "
-                         f"equal widths can be split (models.quantize_model.split_qlinear_overrides)")
     return members
 
 
@@ -185,7 +180,7 @@ def save_quantized_checkpoint(directory: str | os.PathLike, model: Any, qlayers:
       directory: the folder to write.
       model: the 16-bit NNX model of a registered family (``models.families``).
       qlayers: ``{linear path: QuantizedLinear}``; every name must be a linear of ``model``, or a fused layer
-        ``a|b|c`` of linears of equal output widths (its output features: the members' in that order).
+        ``a|b|c`` of linears that read one input (its output features: the members' in that order).
       recipe_name, recipe: the recipe's name and object (its settings are recorded).
       reports: optional per-layer reports (``heldout_error`` is recorded).
       left_16bit: ``{name: reason}`` of the linears left unquantized.

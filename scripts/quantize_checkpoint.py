@@ -32,7 +32,8 @@ With ``--fuse-shared-inputs`` each of the family's groups of linears that read t
 q|k|v, ...) is calibrated and stored as one layer named ``a|b|c`` (one transform, one low-rank branch, as the fused
 GEMM serves it; the capture is the same), RECIPE becomes ``RECIPE-fused`` in every output name (its own store, so a
 per-linear store is never resumed as a fused one) and the report lists the fused groups (``fused``) and the groups kept
-per linear and why (``not_fused``: a member left 16-bit, unequal output widths).
+per linear and why (``not_fused``: a member left 16-bit). Members of unequal widths (FLUX.1's single-block
+q|k|v|proj_mlp) fuse too: loading splits the output at each member's width.
 The last ``--eval-prompts`` prompts are only generated, never captured (unless there are no more prompts than that).
 With ``--vae DIR`` (a diffusers AutoencoderKL directory, torch side) the latents are also decoded to PNGs.
 """
@@ -110,8 +111,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         help="calibrate each group of linears that read the same input (the family's "
                              "shared_inputs: q|k|v, Ideogram 4's w1|w3, ...) as one layer: one transform and one "
                              "low-rank branch per group, as the fused GEMM serves them (kroquant_jax.shared_inputs); "
-                             "outputs are named RECIPE-fused; groups whose members are not all quantized or have "
-                             "unequal output widths stay per linear and are listed in the report (not_fused)")
+                             "outputs are named RECIPE-fused; groups whose members are not all quantized stay per "
+                             "linear and are listed in the report (not_fused)")
     parser.add_argument("--overwrite", action="store_true",
                         help="recompute everything in --out instead of refusing results made from other inputs")
     parser.add_argument("--vae", help="diffusers AutoencoderKL directory: decode the latents to PNGs (torch)")
@@ -219,19 +220,16 @@ def plan_layers(model, recipe, recipe_name: str, unaligned: str = "keep-16bit"
 def plan_fusion(family, model, weights: dict) -> tuple[list[tuple[str, ...]], dict[str, str]]:
     """``(groups to fuse, {fused name: why not})`` of the family's shared-input groups
     (``models.families.Family.shared_inputs``) among the linears to quantize (``weights``): a group is fused when
-    every member is quantized and the members' output widths are equal (what loading can split,
-    ``models.quantized_checkpoint.layer_members``)."""
+    every member is quantized (loading splits the fused output at the members' widths,
+    ``models.quantized_checkpoint.member_widths``)."""
     from kroquant_jax import shared_inputs
 
     fused, not_fused = [], {}
     for group in family.shared_inputs(model):
         name = shared_inputs.fused_name(group)
         left = [m for m in group if m not in weights]
-        widths = {m: weights[m][0].shape[0] for m in group if m in weights}
         if left:
             not_fused[name] = f"{left} not quantized"
-        elif len(set(widths.values())) > 1:
-            not_fused[name] = f"unequal output widths {widths}"
         else:
             fused.append(tuple(group))
     return fused, not_fused

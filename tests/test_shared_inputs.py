@@ -253,20 +253,34 @@ def test_quantize_checkpoint_fuses_the_groups_and_its_folder_loads_per_linear_ov
             torch_w4a4.load_w4a4_transformer(tmp_path / "out" / "quantized-rtn-fused")
 
 
-def test_unequal_members_are_not_fused_and_cannot_be_split():
-    """FLUX.1's single-block q|k|v|proj_mlp has members of unequal output widths: quantize-checkpoint keeps it per
-    linear (and says why), and a stored fused layer of it is refused (loading splits outputs equally)."""
-    from models.quantized_checkpoint import layer_members
+def test_unequal_members_are_fused_and_split_at_their_widths():
+    """FLUX.1's single-block q|k|v|proj_mlp has members of unequal output widths: quantize-checkpoint fuses it like
+    the equal groups, and a stored fused layer of it gives each member its own width of the fused output (one
+    layer held once in the overrides); a member that is no linear of the model is refused by name."""
+    from models.quantized_checkpoint import QuantizedCheckpoint, layer_members, member_widths
     from scripts import quantize_checkpoint
 
-    model = families.FLUX.build(TINY["flux"])
-    weights = {name: (np.asarray(layer.kernel[...]).T, None) for name, layer in
-               linears(model, quantizable_only=True).items()}
+    cfg = dataclasses.replace(TINY["flux"], attention_head_dim=32, axes_dims_rope=(8, 8, 16))  # d = 32: one MXFP4 block
+    model = families.FLUX.build(cfg)
+    by_path = linears(model, quantizable_only=True)
+    weights = {name: (np.asarray(layer.kernel[...]).T, None) for name, layer in by_path.items()}
     groups, not_fused = quantize_checkpoint.plan_fusion(families.FLUX, model, weights)
-    single = shared_inputs.fused_name(families.FLUX.shared_inputs(model)[-1])
-    assert len(groups) == 2 and list(not_fused) == [single] and "unequal output widths" in not_fused[single]
-    with pytest.raises(ValueError, match="output widths differ"):
-        layer_members(single, model)
+    single = families.FLUX.shared_inputs(model)[-1]
+    assert len(groups) == 3 and not_fused == {} and tuple(single) in groups
+    name = shared_inputs.fused_name(single)
+    assert layer_members(name, model) == tuple(single)
+    widths = member_widths(tuple(single), model)
+    assert len(set(widths)) == 2 and widths[-1] == 4 * widths[0]  # q, k, v of d; proj_mlp of 4 d
+    w = np.concatenate([weights[m][0] for m in single])  # (sum o, d)
+    layer = qlinear.build_qlinear(w, None, transform="hadamard32")
+    checkpoint = QuantizedCheckpoint(family="flux", cfg=cfg, model=model, qlayers={name: layer}, config={})
+    overrides = checkpoint.overrides()
+    assert sorted(overrides) == sorted(single) and len(overrides.layers) == 1
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((5, w.shape[1])), jnp.float32)
+    full = np.asarray(qlinear.qlinear_forward(layer, x))
+    parts = [np.asarray(overrides[m](x)) for m in single]
+    assert [p.shape[-1] for p in parts] == widths
+    np.testing.assert_array_equal(np.concatenate(parts, axis=-1), full)
     with pytest.raises(ValueError, match="member 'x.to_q' of fused layer 'x.to_q|x.to_k' is not a linear"):
         layer_members("x.to_q|x.to_k", model)
 
