@@ -21,17 +21,27 @@ def _run(args, xla_flags=None):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("family, blocks, layers", [("pixart", ["--double-blocks", 1], 10),
-                                                    ("flux", ["--single-blocks", 1], 17)])
-def test_one_step_bf16_against_served_w4a4(family, blocks, layers, tmp_path):
+# PixArt-Σ with its shared-input groups fused (--fuse-shared-inputs: q|k|v and the cross-attention's k|v as one W4A4
+# layer each, 10 linears -> 7 layers, plus the bf16_fused baseline), FLUX.1 per linear.
+@pytest.mark.parametrize("family, args, layers, groups", [
+    ("pixart", ["--double-blocks", 1, "--fuse-shared-inputs"], 7, 2),
+    ("flux", ["--single-blocks", 1], 17, 0)])
+def test_one_step_bf16_against_served_w4a4(family, args, layers, groups, tmp_path):
     out = tmp_path / "f.json"
     flags = "--xla_force_host_platform_device_count=1"  # recorded: XLA flags change what a GPU run measures
-    run = _run(["--family", family, "--preset", "tiny", *blocks, "--strategies", "simulate,dequant", "--repeats", 2,
+    run = _run(["--family", family, "--preset", "tiny", *args, "--strategies", "simulate,dequant", "--repeats", 2,
                 "--inner", 1, "--out", out], xla_flags=flags)
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads(out.read_text())
     assert saved["xla_flags"] == flags
     assert saved["quantized_layers"] == layers and saved["ranks"] == [64] and saved["latent_hw"] == [8, 8]
+    assert saved["fused_groups"] == groups and f"({groups} of them fused shared-input groups)" in run.stdout
+    systems = saved["systems"]
+    assert sorted(systems) == sorted(["bf16", "simulate", "dequant"] + (["bf16_fused"] if groups else []))
+    if groups:
+        assert systems["bf16_fused"]["rel_l2_vs_bf16"] < 1e-2  # the same products, summed in another order
+        assert systems["dequant"]["speedup_vs_bf16_fused"] == pytest.approx(
+            systems["bf16_fused"]["median_ms"] / systems["dequant"]["median_ms"])
     bf16, w4a4 = saved["systems"]["bf16"], saved["systems"]["dequant"]
     assert bf16["finite"] and w4a4["finite"] and len(w4a4["samples_ms"]) == 2
     assert 0 < w4a4["rel_l2_vs_bf16"] < 0.5  # quantized, and not garbage
@@ -49,20 +59,3 @@ def test_refuses_block_counts_the_preset_lacks():
         run = _run([*args, "--preset", "tiny"])
         assert run.returncode != 0 and words in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
 
-
-def test_fused_shared_inputs_serve_each_group_as_one_layer(tmp_path):
-    """--fuse-shared-inputs: q|k|v and the cross-attention's k|v are one W4A4 layer each (10 linears -> 7 layers),
-    the bf16_fused baseline equals bf16 up to rounding, and both ratios are recorded."""
-    out = tmp_path / "f.json"
-    run = _run(["--family", "pixart", "--preset", "tiny", "--double-blocks", 1, "--strategies", "simulate,dequant",
-                "--fuse-shared-inputs", "--repeats", 2, "--inner", 1, "--out", out])
-    assert run.returncode == 0, run.stderr[-3000:]
-    saved = json.loads(out.read_text())
-    assert saved["quantized_layers"] == 7 and saved["fused_groups"] == 2
-    systems = saved["systems"]
-    assert sorted(systems) == ["bf16", "bf16_fused", "dequant", "simulate"]
-    assert systems["bf16_fused"]["rel_l2_vs_bf16"] < 1e-2  # the same products, summed in another order
-    w4a4 = systems["dequant"]
-    assert 0 < w4a4["rel_l2_vs_bf16"] < 0.5 and 0 < w4a4["rel_l2_vs_simulate"] < w4a4["rel_l2_vs_bf16"]
-    assert w4a4["speedup_vs_bf16_fused"] == pytest.approx(systems["bf16_fused"]["median_ms"] / w4a4["median_ms"])
-    assert "(2 of them fused shared-input groups)" in run.stdout
