@@ -89,9 +89,9 @@ class SharedOverrides(Mapping):
 
     Why a class and not a dict of per-member ``Partial`` s: the samplers take the overrides as a traced argument
     (``params["overrides"]``), and a pytree flattens every occurrence of a leaf. A dict gives the jitted program one
-    copy of a fused layer's arrays per member, so XLA cannot tell the members' calls apart from calls of different
-    layers and runs the fused layer once per member (q | k | v: three times its work). Here the layer is one set of
-    leaves; the members' calls read the same traced arrays and XLA merges them into one forward.
+    copy of a fused layer's arrays per member, so to XLA the members' calls are calls of different layers, and the
+    fused layer runs once per member (q | k | v: three times its work). Here the layer is one set of leaves; the
+    members' calls read the same traced arrays and XLA merges them into one forward.
 
     Invariant: every route names a layer of ``layers``. ``forward`` and ``rows`` are static (the pytree's aux data).
     """
