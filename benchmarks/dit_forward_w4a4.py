@@ -96,8 +96,8 @@ from kroquant_jax.qlinear import QuantizedLinear, qlinear_forward  # noqa: E402
 from models import ideogram4 as ig  # noqa: E402
 from models import ideogram4_sampling as sampling  # noqa: E402
 from models import ideogram4_serving as serving  # noqa: E402
-from models.quantize_model import (FusedLinearHooks, layer_at, qlinear_overrides,  # noqa: E402
-                                   split_qlinear_overrides)
+from models.quantize_model import (FusedLinearHooks, SharedOverrides, layer_at,  # noqa: E402
+                                   split_qlinear_overrides, whole_layer_overrides)
 from pallas_kernels import epilogues as E  # noqa: E402
 from pallas_kernels import served as S  # noqa: E402
 from pallas_kernels import w4a4_gemm as G  # noqa: E402
@@ -392,8 +392,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "w4a4_fused": serving.block_served_hooks(served, dataclasses.replace(
             kernel, fused=True, norm_blocks=opts["norm_blocks"], swiglu_blocks=opts["swiglu_blocks"])).entries(),
         "w4a4_unfused": serving.block_served_hooks(served, dataclasses.replace(kernel, fused=False)).entries(),
-        "simulate": FusedLinearHooks({**qlinear_overrides({p: q[p] for p in (*NORMED, *PLAIN)}),
-                                      **split_qlinear_overrides(q[GATE], [GATE, UP])}, stacked=True).entries(),
+        "simulate": FusedLinearHooks(SharedOverrides.merged(  # w1|w3 held once: one fake-quant forward of it
+            *(whole_layer_overrides(q[p], p) for p in (*NORMED, *PLAIN)),
+            split_qlinear_overrides(q[GATE], [GATE, UP])), stacked=True).entries(),
     }
     fwd_args = (latents, timestep, features, position_ids, segment_ids, indicator)
 

@@ -39,6 +39,7 @@ __all__ = [
     "Linear",
     "InitKeys",
     "LinearHooks",
+    "SharedOverrides",
     "ConvWeights",
     "PatchEmbed",
     "RMSNorm",
@@ -71,6 +72,83 @@ class Recorder(Protocol):
     def record(self, path: str, x: jax.Array, token_mask: jax.Array | None = None) -> None: ...
 
 
+def _qlinear_part(layer: Any, x: jax.Array, *, start: int, stop: int,
+                  forward: Callable[[Any, jax.Array], jax.Array]) -> jax.Array:
+    return forward(layer, x)[..., start:stop]  # (..., stop - start) of (..., o)
+
+
+@jax.tree_util.register_pytree_node_class
+class SharedOverrides(Mapping):
+    """Per-linear overrides ``{linear path: x (..., d) -> (..., o_path)}`` whose layers are held **once** each.
+
+    ``layers`` is ``{layer name: layer pytree}``; ``routes`` is ``{linear path: (layer name, forward, rows)}``: the
+    override of ``path`` is ``forward(layers[name], x)``, and with ``rows = (start, stop)`` only those output features
+    of it (a member of a fused layer ``a|b|c``). Looking a path up gives a ``jax.tree_util.Partial`` as a plain dict of
+    overrides would, so :class:`LinearHooks` takes either (it keeps this one as it is, also in
+    :meth:`FusedLinearHooks.entries`). ``models.quantize_model.split_qlinear_overrides`` builds one for a fused layer;
+    :meth:`merged` joins them.
+
+    Why a class and not a dict of per-member ``Partial`` s: the samplers take the overrides as a traced argument
+    (``params["overrides"]``), and a pytree flattens every occurrence of a leaf. A dict gives the jitted program one
+    copy of a fused layer's arrays per member, so to XLA the members' calls are calls of different layers, and the
+    fused layer runs once per member (q | k | v: three times its work). Here the layer is one set of leaves; the
+    members' calls read the same traced arrays and XLA merges them into one forward.
+
+    Invariant: every route names a layer of ``layers``. ``forward`` and ``rows`` are static (the pytree's aux data).
+    """
+
+    def __init__(self, layers: Mapping[str, Any], routes: Mapping[str, tuple[str, Callable, tuple[int, int] | None]]):
+        self._layers = dict(layers)
+        self._routes = {path: (name, forward, None if rows is None else (int(rows[0]), int(rows[1])))
+                        for path, (name, forward, rows) in routes.items()}
+        unknown = sorted({name for name, _, _ in self._routes.values()} - set(self._layers))
+        if unknown:
+            raise ValueError(f"SharedOverrides: routes name layers {unknown} that are not among {sorted(self._layers)}")
+
+    @classmethod
+    def merged(cls, *parts: SharedOverrides) -> SharedOverrides:
+        """One mapping of several (e.g. one per stored layer); a linear path or a layer name in two parts raises."""
+        layers, routes = {}, {}
+        for part in parts:
+            twice = sorted((set(part._layers) & set(layers)) | (set(part._routes) & set(routes)))
+            if twice:
+                raise ValueError(f"SharedOverrides.merged: {twice} given twice")
+            layers.update(part._layers)
+            routes.update(part._routes)
+        return cls(layers, routes)
+
+    @property
+    def layers(self) -> dict[str, Any]:
+        """``{layer name: layer}``, each layer once."""
+        return dict(self._layers)
+
+    def __getitem__(self, path: str) -> jax.tree_util.Partial:
+        name, forward, rows = self._routes[path]
+        if rows is not None:
+            forward = functools.partial(_qlinear_part, start=rows[0], stop=rows[1], forward=forward)
+        return jax.tree_util.Partial(forward, self._layers[name])
+
+    def __iter__(self):
+        return iter(self._routes)
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def __repr__(self) -> str:
+        return f"SharedOverrides({len(self._layers)} layers, {len(self._routes)} linears)"
+
+    def tree_flatten(self):
+        names = tuple(self._layers)
+        return tuple(self._layers[n] for n in names), (names, tuple(self._routes.items()))
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        names, routes = aux
+        out = cls.__new__(cls)
+        out._layers, out._routes = dict(zip(names, children)), dict(routes)
+        return out
+
+
 class LinearHooks:
     """Per-call routing of Linear layers: overrides by dotted path, and an optional input recorder.
 
@@ -86,7 +164,8 @@ class LinearHooks:
 
     def __init__(self, overrides: Mapping[str, Callable[[jax.Array], jax.Array]] | None = None,
                  recorder: Recorder | None = None, token_mask: jax.Array | None = None):
-        self.overrides = dict(overrides or {})
+        # a SharedOverrides is kept as it is (immutable, and a pytree that holds each layer once); a dict is copied
+        self.overrides = overrides if isinstance(overrides, SharedOverrides) else dict(overrides or {})
         self.recorder = recorder
         self.token_mask = token_mask
 
@@ -153,7 +232,8 @@ class FusedLinearHooks(LinearHooks):
 
     def entries(self) -> dict[str, dict[str, Any]]:
         """The four entry tables (a pytree: ``jax.tree_util.Partial`` entries carry their arrays as leaves)."""
-        return {"overrides": dict(self.overrides), "projection_norm": dict(self.projection_norm),
+        overrides = self.overrides if isinstance(self.overrides, SharedOverrides) else dict(self.overrides)
+        return {"overrides": overrides, "projection_norm": dict(self.projection_norm),
                 "swiglu": dict(self.swiglu), "shared_input": dict(self.shared_input)}
 
     @classmethod

@@ -23,8 +23,9 @@ the W4A4 model are the same graph and the same jitted sampler, on the same seeds
   their epilogues or, ``fused=False``, after them).
 * :func:`split_qlinear_overrides`: one ``QuantizedLinear`` of several stacked linears (e.g. ``[W1; W3]`` sharing their
   input and transform) as per-linear overrides, each taking its rows of the fused output, in a
-  :class:`SharedOverrides` (a mapping whose pytree holds each layer once, so that a jitted sampler given it as an
-  argument runs the fused layer once, not once per member).
+  :class:`~models.layers.SharedOverrides` (a mapping whose pytree holds each layer once, so that a jitted sampler
+  given it as an argument runs the fused layer once, not once per member); :func:`whole_layer_overrides` for a plain
+  layer, to merge with them.
 * :func:`build_stacked_qlinears`, :func:`serve_stacked`, :func:`layer_at`: stacked (one per block) W4A4 layers of a
   scanned model built on the device from its Linear kernels (``kroquant_jax.qlinear.random_qlinear``: the real layer
   math with stand-in calibration), their served form, and one layer of a stack.
@@ -41,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.layers import FusedLinearHooks, LinearHooks, check_fused_sites, linears
+from models.layers import FusedLinearHooks, LinearHooks, SharedOverrides, check_fused_sites, linears
 
 __all__ = ["FusedLinearHooks", "SharedOverrides", "build_stacked_qlinears", "check_fused_sites", "check_overrides",
            "fake_quant_overrides", "layer_at", "qlinear_overrides", "run_with_overrides", "serve_stacked",
@@ -71,81 +72,6 @@ def qlinear_overrides(qlayers: Mapping[str, Any], forward: Callable[[Any, jax.Ar
     """``{path: QuantizedLinear}`` -> ``{path: Partial(forward, layer)}``; forward(layer, x (..., d)) -> (..., o)
     (default: the simulated W4A4 forward, on the layer's ``forward_form``)."""
     return {name: jax.tree_util.Partial(*_default_forward(forward, layer)) for name, layer in qlayers.items()}
-
-
-def _qlinear_part(layer: Any, x: jax.Array, *, start: int, stop: int,
-                  forward: Callable[[Any, jax.Array], jax.Array]) -> jax.Array:
-    return forward(layer, x)[..., start:stop]  # (..., stop - start) of (..., o)
-
-
-@jax.tree_util.register_pytree_node_class
-class SharedOverrides(Mapping):
-    """Per-linear overrides ``{linear path: x (..., d) -> (..., o_path)}`` whose layers are held **once** each.
-
-    ``layers`` is ``{layer name: layer pytree}``; ``routes`` is ``{linear path: (layer name, forward, rows)}``: the
-    override of ``path`` is ``forward(layers[name], x)``, and with ``rows = (start, stop)`` only those output features
-    of it (a member of a fused layer ``a|b|c``). Looking a path up gives a ``jax.tree_util.Partial`` as a plain dict of
-    overrides would, so :class:`~models.layers.LinearHooks` takes either.
-
-    Why a class and not a dict of per-member ``Partial`` s: the samplers take the overrides as a traced argument
-    (``params["overrides"]``), and a pytree flattens every occurrence of a leaf. A dict gives the jitted program one
-    copy of a fused layer's arrays per member, so to XLA the members' calls are calls of different layers, and the
-    fused layer runs once per member (q | k | v: three times its work). Here the layer is one set of leaves; the
-    members' calls read the same traced arrays and XLA merges them into one forward.
-
-    Invariant: every route names a layer of ``layers``. ``forward`` and ``rows`` are static (the pytree's aux data).
-    """
-
-    def __init__(self, layers: Mapping[str, Any], routes: Mapping[str, tuple[str, Callable, tuple[int, int] | None]]):
-        self._layers = dict(layers)
-        self._routes = {path: (name, forward, None if rows is None else (int(rows[0]), int(rows[1])))
-                        for path, (name, forward, rows) in routes.items()}
-        unknown = sorted({name for name, _, _ in self._routes.values()} - set(self._layers))
-        if unknown:
-            raise ValueError(f"SharedOverrides: routes name layers {unknown} that are not among {sorted(self._layers)}")
-
-    @classmethod
-    def merged(cls, *parts: SharedOverrides) -> SharedOverrides:
-        """One mapping of several (e.g. one per stored layer); a linear path or a layer name in two parts raises."""
-        layers, routes = {}, {}
-        for part in parts:
-            twice = sorted((set(part._layers) & set(layers)) | (set(part._routes) & set(routes)))
-            if twice:
-                raise ValueError(f"SharedOverrides.merged: {twice} given twice")
-            layers.update(part._layers)
-            routes.update(part._routes)
-        return cls(layers, routes)
-
-    @property
-    def layers(self) -> dict[str, Any]:
-        """``{layer name: layer}``, each layer once."""
-        return dict(self._layers)
-
-    def __getitem__(self, path: str) -> jax.tree_util.Partial:
-        name, forward, rows = self._routes[path]
-        if rows is not None:
-            forward = functools.partial(_qlinear_part, start=rows[0], stop=rows[1], forward=forward)
-        return jax.tree_util.Partial(forward, self._layers[name])
-
-    def __iter__(self):
-        return iter(self._routes)
-
-    def __len__(self) -> int:
-        return len(self._routes)
-
-    def __repr__(self) -> str:
-        return f"SharedOverrides({len(self._layers)} layers, {len(self._routes)} linears)"
-
-    def tree_flatten(self):
-        names = tuple(self._layers)
-        return tuple(self._layers[n] for n in names), (names, tuple(self._routes.items()))
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        names, routes = aux
-        out = cls.__new__(cls)
-        out._layers, out._routes = dict(zip(names, children)), dict(routes)
-        return out
 
 
 def split_qlinear_overrides(layer: Any, paths: list[str], forward: Callable[[Any, jax.Array], jax.Array] | None = None,

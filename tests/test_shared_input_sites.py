@@ -149,3 +149,30 @@ def test_a_fused_checkpoint_hands_the_sampler_each_layer_once():
         assert len(leaves) == len(jax.tree_util.tree_leaves(overrides[group[0]]))
         if one is not None:
             assert len(leaves) == len(jax.tree_util.tree_leaves(one))
+
+
+def test_hooks_keep_shared_overrides_as_they_are():
+    """LinearHooks / FusedLinearHooks keep a SharedOverrides (not a dict of its Partials): their entries, the pytree a
+    stacked forward takes as an argument, hold a fused layer once."""
+    from models.layers import LinearHooks
+    from models.quantize_model import SharedOverrides, split_qlinear_overrides, whole_layer_overrides
+
+    layer = random_qlinear_small()
+    plain = random_qlinear_small(seed=5, rows=64)
+    overrides = SharedOverrides.merged(split_qlinear_overrides(layer, ["a", "b", "c"]),
+                                       whole_layer_overrides(plain, "d"))
+    assert sorted(overrides) == ["a", "b", "c", "d"] and sorted(overrides.layers) == ["a|b|c", "d"]
+    assert LinearHooks(overrides).overrides is overrides
+    entries = FusedLinearHooks(overrides).entries()
+    assert entries["overrides"] is overrides
+    assert len(jax.tree_util.tree_leaves(entries["overrides"])) == (len(jax.tree_util.tree_leaves(overrides["a"]))
+                                                                    + len(jax.tree_util.tree_leaves(overrides["d"])))
+    assert isinstance(FusedLinearHooks.from_entries(entries).overrides, SharedOverrides)
+    with pytest.raises(ValueError, match=r"\['d'\] given twice"):
+        SharedOverrides.merged(overrides, whole_layer_overrides(plain, "d"))
+
+
+def random_qlinear_small(seed: int = 0, rows: int = 3 * 64):
+    from kroquant_jax.qlinear import random_qlinear
+
+    return random_qlinear(jax.random.normal(jax.random.key(seed), (rows, 64)) / 8, jax.random.key(seed + 1), 32)
