@@ -79,14 +79,14 @@ class QuantizedCheckpoint:
         (``"fp8_mgpu"`` on Hopper where it serves every layer, else ``"dequant"``). A padded layer
         (``QLinearConfig.input_pad``) gets its inputs zero-padded first.
 
-        Returns a ``models.quantize_model.SharedOverrides`` (each served layer held once; see :func:`linear_overrides`).
+        Returns a ``models.layers.SharedOverrides`` (each served layer held once; see :func:`linear_overrides`).
 
         Raises:
           ValueError: naming a layer the strategy cannot serve (e.g. activations and weight in other formats).
         """
         from pallas_kernels import served
 
-        from models import quantize_model
+        from models.layers import SharedOverrides
 
         if options is None:
             options = served.ServeOptions(strategy=served.default_strategy(self.qlayers.values())[0])
@@ -98,7 +98,7 @@ class QuantizedCheckpoint:
                 raise ValueError(f"layer {name!r}: strategy {options.strategy!r} cannot serve it: {err}") from None
             forward = functools.partial(_compiled_served_forward(), options=options, pad=layer.config.input_pad)
             parts.append(_layer_overrides(name, prepared, self.model, forward))
-        return quantize_model.SharedOverrides.merged(*parts)
+        return SharedOverrides.merged(*parts)
 
 
 def layer_members(name: str, model: Any) -> tuple[str, ...]:
@@ -131,13 +131,12 @@ def member_widths(members: tuple[str, ...], model: Any) -> list[int]:
 def linear_overrides(qlayers: Mapping[str, Any], model: Any, forward=None) -> Any:
     """``{linear path: override}`` of ``{name: QuantizedLinear}`` (``models.quantize_model.qlinear_overrides``),
     where a fused layer ``a|b|c`` gives each member its rows of the fused output
-    (``models.quantize_model.split_qlinear_overrides``), as one ``models.quantize_model.SharedOverrides`` (each
+    (``models.quantize_model.split_qlinear_overrides``), as one ``models.layers.SharedOverrides`` (each
     layer held once: a fused layer runs once in a jitted sampler that takes the overrides as an argument);
     :func:`layer_members` checks the names against ``model``."""
-    from models import quantize_model
+    from models.layers import SharedOverrides
 
-    return quantize_model.SharedOverrides.merged(*(_layer_overrides(name, layer, model, forward)
-                                                   for name, layer in qlayers.items()))
+    return SharedOverrides.merged(*(_layer_overrides(name, layer, model, forward) for name, layer in qlayers.items()))
 
 
 def _layer_overrides(name: str, layer: Any, model: Any, forward) -> Any:
