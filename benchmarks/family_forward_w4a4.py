@@ -53,8 +53,7 @@ from kroquant_jax.fileio import atomic_write_json  # noqa: E402
 from kroquant_jax.qlinear import random_qlinear  # noqa: E402
 from kroquant_jax.shared_inputs import fused_name  # noqa: E402
 from models import families, flux, pixart  # noqa: E402
-from models.layers import ATTENTION_IMPLEMENTATIONS, linears  # noqa: E402
-from models.quantize_model import SharedOverrides  # noqa: E402
+from models.layers import ATTENTION_IMPLEMENTATIONS, SharedOverrides, linears  # noqa: E402
 from models.quantized_checkpoint import QuantizedCheckpoint  # noqa: E402
 from pallas_kernels import served  # noqa: E402
 from scripts.common_args import UserError, choice_list, positive_int  # noqa: E402
@@ -127,9 +126,8 @@ def bf16_shared_input_overrides(model, groups) -> SharedOverrides:
         biases = [m.bias for m in members]
         bias = None if all(b is None for b in biases) else jnp.concatenate(
             [jnp.zeros((m.out_features,), kernel.dtype) if b is None else b[...] for m, b in zip(members, biases)])
-        name, bounds = fused_name(group), np.cumsum([0, *(m.out_features for m in members)]).tolist()
-        parts.append(SharedOverrides({name: (kernel, bias)}, {path: (name, _stacked_dense, (bounds[i], bounds[i + 1]))
-                                                              for i, path in enumerate(group)}))
+        parts.append(SharedOverrides.split(fused_name(group), (kernel, bias), _stacked_dense, group,
+                                           [m.out_features for m in members]))
     return SharedOverrides.merged(*parts)
 
 

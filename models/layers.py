@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -116,6 +116,14 @@ class SharedOverrides(Mapping):
             layers.update(part._layers)
             routes.update(part._routes)
         return cls(layers, routes)
+
+    @classmethod
+    def split(cls, name: str, layer: Any, forward: Callable, paths: Sequence[str], widths: Sequence[int]
+              ) -> SharedOverrides:
+        """A fused layer ``name`` whose output features are ``paths``' in order, ``widths[i]`` of them for
+        ``paths[i]``: each path takes its slice of ``forward(layer, x)``."""
+        bounds = np.cumsum([0, *widths]).tolist()
+        return cls({name: layer}, {path: (name, forward, (bounds[i], bounds[i + 1])) for i, path in enumerate(paths)})
 
     @property
     def layers(self) -> dict[str, Any]:

@@ -39,7 +39,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from models.layers import FusedLinearHooks, LinearHooks, SharedOverrides, check_fused_sites, linears
@@ -97,10 +96,7 @@ def split_qlinear_overrides(layer: Any, paths: list[str], forward: Callable[[Any
                          f"out_features={out_features}")
     from kroquant_jax.shared_inputs import fused_name
 
-    bounds = np.cumsum([0, *widths]).tolist()
-    name = fused_name(paths) if name is None else name
-    return SharedOverrides({name: layer}, {path: (name, forward, (bounds[i], bounds[i + 1]))
-                                           for i, path in enumerate(paths)})
+    return SharedOverrides.split(fused_name(paths) if name is None else name, layer, forward, paths, widths)
 
 
 def whole_layer_overrides(layer: Any, path: str, forward: Callable[[Any, jax.Array], jax.Array] | None = None

@@ -124,12 +124,12 @@ def test_split_overrides_take_unequal_widths_and_refuse_ones_that_do_not_add_up(
 def test_a_fused_checkpoint_hands_the_sampler_each_layer_once():
     """QuantizedCheckpoint.overrides / served_overrides of a fused layer q|k|v: three linears routed, one copy of the
     layer's arrays in the pytree the sampler takes as params["overrides"]."""
+    import dataclasses
+
     from kroquant_jax.qlinear import random_qlinear
     from kroquant_jax.shared_inputs import fused_name
     from models.quantized_checkpoint import QuantizedCheckpoint
     from pallas_kernels import served as S
-
-    import dataclasses
 
     family = families.get("pixart")
     cfg = dataclasses.replace(TINY["pixart"], attention_head_dim=16, cross_attention_dim=32)  # d = 32: one block
@@ -157,8 +157,8 @@ def test_hooks_keep_shared_overrides_as_they_are():
     from models.layers import LinearHooks
     from models.quantize_model import SharedOverrides, split_qlinear_overrides, whole_layer_overrides
 
-    layer = random_qlinear_small()
-    plain = random_qlinear_small(seed=5, rows=64)
+    layer = _random_qlinear_small()
+    plain = _random_qlinear_small(seed=5, rows=64)
     overrides = SharedOverrides.merged(split_qlinear_overrides(layer, ["a", "b", "c"]),
                                        whole_layer_overrides(plain, "d"))
     assert sorted(overrides) == ["a", "b", "c", "d"] and sorted(overrides.layers) == ["a|b|c", "d"]
@@ -172,7 +172,7 @@ def test_hooks_keep_shared_overrides_as_they_are():
         SharedOverrides.merged(overrides, whole_layer_overrides(plain, "d"))
 
 
-def random_qlinear_small(seed: int = 0, rows: int = 3 * 64):
+def _random_qlinear_small(seed: int = 0, rows: int = 3 * 64):
     from kroquant_jax.qlinear import random_qlinear
 
     return random_qlinear(jax.random.normal(jax.random.key(seed), (rows, 64)) / 8, jax.random.key(seed + 1), 32)
