@@ -13,14 +13,17 @@ against the XLA path, relative L2. A failing shape is recorded with its error an
         "s3c32:max_concurrent_steps=3,lowrank_chunk=32"
 
 ``--configs`` adds tilings to time beside ``default_config`` (``name:field=value,...`` over
-:class:`~pallas_kernels.fp8_gemm_mgpu.Fp8MgpuConfig`'s fields); each is checked against the mirror before it is timed,
-and one that does not fit or fails is recorded with its error.
+:class:`~pallas_kernels.fp8_gemm_mgpu.Fp8MgpuConfig`'s fields; ``name:+field=value,...`` changes only those fields of
+each shape's ``default_config``); each is checked against the mirror before it is timed, and one that does not fit or
+fails is recorded with its error.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import functools
 import json
 import sys
 import traceback
@@ -98,9 +101,12 @@ def main(argv=None) -> int:
                     t = timing.device_time(fn, sets, n_iter=args.n_iter)
                     case[f"{label}_us"], case[f"{label}_method"] = t.us, t.method
                 case["configs"] = {}
-                for cname, cfg in {"default": F.default_config(m, n, k, args.rank), **extra}.items():
-                    case["configs"][cname] = entry = {"config": str(cfg), "smem_bytes": cfg.smem_bytes(args.rank)}
+                default = F.default_config(m, n, k, args.rank)
+                for cname, cfg in {"default": default, **extra}.items():
+                    case["configs"][cname] = entry = {}
                     try:
+                        cfg = cfg(default) if callable(cfg) else cfg
+                        entry.update(config=str(cfg), smem_bytes=cfg.smem_bytes(args.rank))
                         fused = jax.jit(lambda s, cfg=cfg: F.fp8_matmul_mgpu(s[0], w8, lowrank=(s[1], left),
                                                                              bias=bias, config=cfg))
                         y = np.asarray(fused(sets[0]), np.float64)
@@ -140,12 +146,15 @@ def main(argv=None) -> int:
 
 
 def _parse_config(spec: str):
-    """``"name:field=value,..."`` -> ``(name, Fp8MgpuConfig)``; values are ints, ``None`` or strings."""
+    """``"name:field=value,..."`` -> ``(name, Fp8MgpuConfig)``; ``"name:+field=value,..."`` -> ``(name, f)`` with
+    ``f(default)`` the shape's default tiling with those fields changed. Values are ints, ``None`` or strings."""
     from pallas_kernels.fp8_gemm_mgpu import Fp8MgpuConfig
 
     name, sep, body = spec.partition(":")
     if not sep or not name:
-        raise ValueError(f"--configs {spec!r}: expected NAME:FIELD=VALUE,...")
+        raise ValueError(f"--configs {spec!r}: expected NAME:FIELD=VALUE,... or NAME:+FIELD=VALUE,...")
+    relative = body.startswith("+")
+    body = body[1:] if relative else body
     fields = {}
     for item in filter(None, body.split(",")):
         key, eq, value = item.partition("=")
@@ -153,9 +162,11 @@ def _parse_config(spec: str):
             raise ValueError(f"--configs {spec!r}: {item!r} is not FIELD=VALUE")
         fields[key] = None if value == "None" else int(value) if value.lstrip("-").isdigit() else value
     try:
-        return name, Fp8MgpuConfig(**fields)
+        config = Fp8MgpuConfig(**fields) if not relative else dataclasses.replace(Fp8MgpuConfig(), **fields)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"--configs {spec!r}: {err}") from None
+        if not (relative and isinstance(err, ValueError)):  # a relative change may be valid on the shapes' tilings
+            raise ValueError(f"--configs {spec!r}: {err}") from None
+    return name, (functools.partial(dataclasses.replace, **fields) if relative else config)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,10 @@ class Fp8MgpuConfig:
         rank; None: the whole rank). The first chunk is fetched while the K loop runs, the others one after another
         behind the low-rank ``wgmma`` of the previous chunk: smaller chunks free shared memory for pipeline stages
         at the price of one exposed copy latency per further chunk and output tile.
+      delay_release: K steps whose FP8 ``wgmma`` may still run when the next one is issued (0 or 1): with 1, a step
+        waits only for the previous step's ``wgmma`` and the pipeline keeps each stage's buffers one step longer
+        (``BlockSpec(delay_release=1)``), so the tensor cores get the next ``wgmma`` without an idle gap; it must be
+        below ``max_concurrent_steps``.
     """
 
     tile_m: int = 128
@@ -107,6 +111,7 @@ class Fp8MgpuConfig:
     epi_slots: int = 1
     num_ctas: Optional[int] = None
     lowrank_chunk: Optional[int] = None
+    delay_release: int = 0
 
     def __post_init__(self):
         if self.tile_m <= 0 or self.tile_m % 64:
@@ -128,6 +133,9 @@ class Fp8MgpuConfig:
         if self.lowrank_chunk is not None and (self.lowrank_chunk <= 0 or self.lowrank_chunk % BF16_WGMMA_K):
             raise ValueError(f"Fp8MgpuConfig: lowrank_chunk={self.lowrank_chunk} must be a positive multiple of "
                              f"{BF16_WGMMA_K} (the bf16 wgmma K) or None")
+        if self.delay_release not in (0, 1) or self.delay_release >= self.max_concurrent_steps:
+            raise ValueError(f"Fp8MgpuConfig: delay_release={self.delay_release} must be 0 or 1 and below "
+                             f"max_concurrent_steps={self.max_concurrent_steps}")
 
     def chunk(self, rank: int) -> int:
         """Rank columns per low-rank load at ``rank`` (0 without a low-rank branch)."""
@@ -259,15 +267,16 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
         h_gmem, left_gmem = (rest[0], rest[1]) if has_lowrank else (None, None)
 
         def get_pipeline(body, compute_context):
+            release = {"delay_release": cfg.delay_release} if cfg.delay_release else {}
             return plgpu.emit_pipeline_warp_specialized(
                 body,
                 grid=(k_iters,),
                 memory_registers=40,
                 in_specs=[
                     plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=in_transforms,
-                                    memory_space=plgpu.SMEM),
+                                    memory_space=plgpu.SMEM, **release),
                     plgpu.BlockSpec((cfg.cta_n, tk), lambda kk: (0, kk), transforms=in_transforms,
-                                    memory_space=plgpu.SMEM),
+                                    memory_space=plgpu.SMEM, **release),
                 ],
                 wg_axis="wg",
                 num_compute_wgs=2,
@@ -322,6 +331,8 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
                     def y(acc_ref):
                         eval_pipeline(acc_ref)  # acc = A8 W8^T
+                        if cfg.delay_release:
+                            plgpu.wgmma_wait(0)  # the last step's wgmma
                         plgpu.barrier_wait(barrier("sa"))
                         # zero factors replaced here, not by an XLA kernel per call
                         sa = jax.lax.broadcast_in_dim(_nonzero(sa_smem[wg]), (tm, tn), (0,))
@@ -332,7 +343,7 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
                             for c in range(n_chunks):
                                 plgpu.barrier_wait(barrier("h"))
                                 plgpu.barrier_wait(barrier("left"))
-                                plgpu.wgmma(acc_ref, h_smem.at[wg], plgpu.transpose_ref(left_smem.at[wg], (1, 0)))
+                                plgpu.wgmma(acc_ref, h_smem.at[wg], left_smem.at[wg].transpose((1, 0)))
                                 if c + 1 < n_chunks:  # the buffers are free once the wgmma has read them
                                     plgpu.wgmma_wait(0)
                                     lowrank_copy(c + 1)
@@ -362,8 +373,8 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
                                 out_gmem.at[rows, out_cols].at[pl.ds(ei * epi_m, epi_m), pl.ds(ej * epi_n, epi_n)])
 
                 def mma_body(idxs, a_smem, w_smem, acc_ref):
-                    plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(w_smem.at[w_rows], (1, 0)))
-                    plgpu.wgmma_wait(0)
+                    plgpu.wgmma(acc_ref, a_smem, w_smem.at[w_rows].transpose((1, 0)))
+                    plgpu.wgmma_wait(cfg.delay_release)
                     return acc_ref
 
                 get_pipeline(mma_body, compute_context)(

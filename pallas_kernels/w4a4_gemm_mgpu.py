@@ -356,8 +356,8 @@ def _call(ac, as_t, wc, ws_t, bias, *, cfg: MgpuGemmConfig, out_dtype, interpret
                     for b in range(nb):
                         a_mult = _MX.scale_factors(as_smem[b, a_rows], F16_DECODE_OFFSET)  # (tm,) f32
                         lo, hi = mx_decode_pair(load_codes(ac_smem.at[a_rows, pl.ds(b * _HALF, _HALF)]), a_mult)
-                        plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(wdec.at[wg, slot, 2 * b], (1, 0)))
-                        plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(wdec.at[wg, slot, 2 * b + 1], (1, 0)))
+                        plgpu.wgmma(acc_ref, lo, wdec.at[wg, slot, 2 * b].transpose((1, 0)))
+                        plgpu.wgmma(acc_ref, hi, wdec.at[wg, slot, 2 * b + 1].transpose((1, 0)))
                     # One buffer: this step's wgmma must finish before the next step overwrites it. Two: the previous
                     # step's must finish before the next step overwrites *its* buffer.
                     plgpu.wgmma_wait(0 if cfg.wdec_slots == 1 else wgmma_groups)

@@ -5,7 +5,7 @@ public, hence the private imports here, in tests only). It simulates the CTAs, w
 copies and barriers on the CPU, with a shared-memory race detector, and executes ``wgmma`` synchronously. Its
 ``wgmma`` reads both operands from shared memory through index transforms only, so a kernel whose ``A`` operand is a
 register array (jax's mixed-type Hopper kernel and ``pallas_kernels/w4a4_gemm_mgpu.py``) or whose ``B`` operand is a
-``plgpu.transpose_ref`` view fails there. Nor does it interpret a store into a ``wgmma`` accumulator
+transposed view (``ref.transpose((1, 0))``) fails there. Nor does it interpret a store into a ``wgmma`` accumulator
 (``acc_ref[...] = v``, which ``pallas_kernels/fp8_gemm_mgpu.py`` uses to scale its accumulator between ``wgmma`` s).
 :func:`gpu_interpret` installs, for the duration of a ``with`` block, a ``wgmma`` with the same semantics
 (``acc += a @ b`` in the accumulator's dtype) that also takes those two forms, and the accumulator store.

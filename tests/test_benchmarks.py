@@ -44,7 +44,8 @@ LAYER_RUNS = {  # one small real layer at m = 8, the cheapest variant: the shape
     "fp8_bench.py": ("--layers", "pixart_sigma.attn.q", "--ms", "8", "--variants", "bf16_xla,fp8_w4a4,fp8_mgpu_w4a4",
                      "--no-accuracy",
                      "--interpret", "--calls", "1", "--check-rows", "8"),
-    "fp8_mgpu_bench.py": ("--layers", "pixart_sigma.attn.q", "--ms", "8", "--n-iter", "1"),
+    "fp8_mgpu_bench.py": ("--layers", "pixart_sigma.attn.q", "--ms", "8", "--n-iter", "1", "--configs",
+                          "dr1:+delay_release=1"),
 }
 
 
@@ -59,6 +60,9 @@ def test_gpu_benchmarks_time_the_real_layer_shapes_of_models_layer_shapes(script
     assert (case["n"], case["k"]) == layer_shapes.preset_layer_shapes("pixart_sigma")["pixart_sigma.attn.q"]
     if script == "fp8_mgpu_bench.py":
         assert case["layer"] == case["model_layer"] == "pixart_sigma.attn.q" and case["status"] == "ok"
+        # "+field=value": the shape's default tiling with that field changed
+        default, dr1 = case["configs"]["default"]["config"], case["configs"]["dr1"]["config"]
+        assert case["configs"]["dr1"]["status"] == "ok" and dr1 == default.replace("delay_release=0", "delay_release=1")
     else:
         assert (case["model"], case["layer"]) == ("pixart_sigma", "attn.q")
     if script == "fp8_bench.py":

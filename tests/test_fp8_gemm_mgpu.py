@@ -100,6 +100,9 @@ INTERPRET_CASES = [
     # a warpgroup tile that is not a power of two (the narrow models' tilings): CTA 192 columns, 32-column output
     ("tile_n96_two_cta_columns_rank16", dict(kind="fp8", m=64, n=384, k=64, rank=16, bias=True,
                                             config=dict(SMALL, tile_n=96, epi_tile_n=32))),
+    # a K step's wgmma left running while the next is issued; its stage released one step later (4 K steps)
+    ("delay_release1_rank16", dict(kind="fp8", m=64, n=128, k=128, rank=16, bias=True,
+                                   config=dict(SMALL, delay_release=1, max_concurrent_steps=2))),
 ]
 
 
@@ -219,6 +222,8 @@ def test_config_and_argument_errors():
         F.Fp8MgpuConfig(tile_n=512)
     with pytest.raises(ValueError, match="epi_slots"):
         F.Fp8MgpuConfig(epi_slots=3)
+    with pytest.raises(ValueError, match="delay_release"):
+        F.Fp8MgpuConfig(delay_release=1, max_concurrent_steps=1)
     assert F.default_config(4096, 4608, 4608).tile_m == 128 and F.default_config(512, 4608, 4608).tile_m == 128
     assert F.default_config(64, 4608, 4608).tile_m == 64
     assert F.default_config(512, 4608, 4640).tile_k == 32
