@@ -7,6 +7,8 @@ several output tiles per CTA, a NaN row and an all-zero row, the SwiGLU epilogue
 (uninitialised memory) fails.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,9 +46,9 @@ CASES = {  # m, n, k, rank, config (None: default_config)
     "chunks_of_32_two_slots": (640, 1536, 2048, 128, F.Fp8MgpuConfig(max_concurrent_steps=2, lowrank_chunk=32,
                                                                       epi_slots=2, epi_tile_n=32)),
     "no_lowrank_four_stages": (1024, 2048, 4608, 0, F.Fp8MgpuConfig(max_concurrent_steps=4, epi_tile_n=32)),
-    "q_m4096_delay_release": (4096, 4608, 4608, 128, F.Fp8MgpuConfig(max_concurrent_steps=3, grid_tile_width=4,
-                                                                     epi_tile_n=32, lowrank_chunk=64,
-                                                                     delay_release=1)),
+    # the f32-output default tiling (the test's out_dtype) with one wgmma left in flight
+    "q_m4096_delay_release": (4096, 4608, 4608, 128, dataclasses.replace(
+        F.default_config(4096, 4608, 4608, 128, out_bytes=4), delay_release=1)),
     "ragged_delay_release_two_stages": (333, 1024, 1024, 128, F.Fp8MgpuConfig(max_concurrent_steps=2,
                                                                               lowrank_chunk=32, delay_release=1)),
 }
