@@ -383,9 +383,12 @@ def run_blocks_scanned(blocks: list[nnx.Module], x: jax.Array, hooks: LinearHook
 
     Hooks: every block must override the same linears (by suffix), each with a ``jax.tree_util.Partial`` of one
     function and one pytree structure across blocks (its arrays are stacked and sliced per step, e.g. a layer's
-    weights and transform). A recorder, a fused hook table or a ``functools.partial`` override (whose arrays are
-    hidden from the scan) raise ValueError. Overrides of linears outside ``blocks`` are not used here (the caller
-    runs those linears itself, outside the scan). The token mask of ``hooks`` is kept.
+    weights and transform). Overrides given as a :class:`SharedOverrides` stay one: each step gets the block's
+    layers once (a fused layer ``q|k|v`` runs once for its three members), which needs every block to route the
+    same suffixes through layers of one structure, and each layer's members to lie in one block. A recorder, a
+    fused hook table or a ``functools.partial`` override (whose arrays are hidden from the scan) raise ValueError.
+    Overrides of linears outside ``blocks`` are not used here (the caller runs those linears itself, outside the
+    scan). The token mask of ``hooks`` is kept.
 
     The stacked parameters are a copy made per call (one model's block parameters more memory while it runs).
     """
@@ -404,6 +407,8 @@ def run_blocks_scanned(blocks: list[nnx.Module], x: jax.Array, hooks: LinearHook
     # {suffix: path} of each block's linears
     suffixes = [{".".join(str(p) for p in path): node.path for path, node in nnx.iter_graph(block)
                  if isinstance(node, Linear)} for block in blocks]
+    if hooks is not None and isinstance(hooks.overrides, SharedOverrides):
+        return _run_blocks_scanned_shared(graphdef, states, suffixes, x, hooks, call)
     overrides = {} if hooks is None else dict(hooks.overrides)
     per_block = []
     for i, table in enumerate(suffixes):
@@ -431,6 +436,41 @@ def run_blocks_scanned(blocks: list[nnx.Module], x: jax.Array, hooks: LinearHook
         inner = None if hooks is None else LinearHooks({names[s]: fn for s, fn in entries.items()},
                                                        token_mask=token_mask)
         return call(block, x, inner), None
+
+    x, _ = jax.lax.scan(step, x, (stacked_state, stacked_overrides))
+    return x
+
+
+def _run_blocks_scanned_shared(graphdef, states, suffixes, x, hooks, call):
+    """:func:`run_blocks_scanned` with ``hooks.overrides`` a :class:`SharedOverrides`: per block, the layers its
+    linears route to (each once), renamed by the first suffix they serve so that every block's mapping has one
+    pytree structure; stacked and sliced per step like the block parameters."""
+    shared: SharedOverrides = hooks.overrides
+    per_block = []
+    for i, table in enumerate(suffixes):
+        routes = {suffix: shared._routes[path] for suffix, path in table.items() if path in shared._routes}
+        first = {}  # layer name -> the first suffix (sorted) it serves: the name it has in every block
+        for suffix in sorted(routes):
+            first.setdefault(routes[suffix][0], suffix)
+        for name in first:
+            outside = sorted(p for p, r in shared._routes.items() if r[0] == name and p not in table.values())
+            if outside:
+                raise ValueError(f"run_blocks_scanned: layer {name} also serves {outside[:3]}, outside block {i}")
+        mine = SharedOverrides({first[name]: shared._layers[name] for name in first},
+                               {suffix: (first[name], forward, rows) for suffix, (name, forward, rows) in routes.items()})
+        if per_block and jax.tree.structure(mine) != jax.tree.structure(per_block[0]):
+            raise ValueError(f"run_blocks_scanned: block {i} routes {sorted(routes)} through layers of another "
+                             f"structure than block 0's ({sorted(per_block[0])})")
+        per_block.append(mine)
+    stacked_state = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
+    stacked_overrides = jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_block)
+    names = suffixes[0]
+
+    def step(x, sliced):
+        state, entries = sliced
+        block = nnx.merge(graphdef, state)
+        routed = SharedOverrides(entries.layers, {names[s]: route for s, route in entries._routes.items()})
+        return call(block, x, LinearHooks(routed, token_mask=hooks.token_mask)), None
 
     x, _ = jax.lax.scan(step, x, (stacked_state, stacked_overrides))
     return x

@@ -176,3 +176,59 @@ def _random_qlinear_small(seed: int = 0, rows: int = 3 * 64):
     from kroquant_jax.qlinear import random_qlinear
 
     return random_qlinear(jax.random.normal(jax.random.key(seed), (rows, 64)) / 8, jax.random.key(seed + 1), 32)
+
+
+def test_scanned_blocks_run_a_fused_layer_once_per_block():
+    """run_blocks_scanned (QAD's scan of the blocks) takes a SharedOverrides and keeps it one: each step
+    gets the block's fused q|k|v once, so the scanned program has the GEMMs of one member's call for all three; the
+    output equals the Python loop's. A fused layer whose members span two blocks, or blocks routed through layers of
+    different structures, are refused."""
+    import dataclasses
+
+    from kroquant_jax.qlinear import random_qlinear
+    from models.layers import LinearHooks, SharedOverrides, run_blocks_scanned
+    from models.quantize_model import split_qlinear_overrides, whole_layer_overrides
+
+    cfg = dataclasses.replace(TINY["pixart"], num_layers=2, attention_head_dim=16,
+                              cross_attention_dim=32)  # width 32: one transform block
+    model = families.PIXART.build(cfg, seed=0)
+    blocks, dim = list(model.transformer_blocks), cfg.inner_dim
+    x = jax.random.normal(jax.random.key(1), (1, 4, dim))
+
+    def fused(i):
+        layer = random_qlinear(jax.random.normal(jax.random.key(10 + i), (3 * dim, dim)) / 8, jax.random.key(i), 32)
+        return split_qlinear_overrides(layer, [f"transformer_blocks.{i}.attn1.to_{p}" for p in "qkv"])
+
+    shared = SharedOverrides.merged(fused(0), fused(1))
+
+    def self_attention(block, h, hooks):  # the block's q|k|v members, each through its override
+        return block.attn1.to_q(h, hooks) + block.attn1.to_k(h, hooks) + block.attn1.to_v(h, hooks)
+
+    def scanned(overrides, h):
+        return run_blocks_scanned(blocks, h, LinearHooks(overrides), self_attention)
+
+    def looped(overrides, h):
+        for block in blocks:
+            h = self_attention(block, h, LinearHooks(overrides))
+        return h
+
+    np.testing.assert_allclose(np.asarray(scanned(shared, x)), np.asarray(looped(shared, x)), rtol=1e-5, atol=1e-5)
+
+    def dots(members):  # GEMMs in the scanned program when each block calls these members of its q|k|v
+        def run(overrides, h):
+            return run_blocks_scanned(blocks, h, LinearHooks(overrides),
+                                      lambda block, y, hooks: sum(getattr(block.attn1, f"to_{p}")(y, hooks)
+                                                                  for p in members))
+        return jax.jit(run).lower(shared, x).compile().as_text().count(" dot(")
+
+    assert dots("qkv") == dots("q") > 0  # three members, one forward of the fused layer
+
+    spanning = split_qlinear_overrides(random_qlinear(jnp.ones((2 * dim, dim)) / 8, jax.random.key(3), 32),
+                                       ["transformer_blocks.0.attn1.to_q", "transformer_blocks.1.attn1.to_q"])
+    with pytest.raises(ValueError, match=r"also serves \['transformer_blocks.1.attn1.to_q'\], outside block 0"):
+        scanned(spanning, x)
+    separate = [whole_layer_overrides(random_qlinear(jnp.ones((dim, dim)) / 8, jax.random.key(4), 32),
+                                      f"transformer_blocks.1.attn1.to_{p}") for p in "qkv"]
+    uneven = SharedOverrides.merged(fused(0), *separate)  # block 0 fused, block 1 one layer per linear
+    with pytest.raises(ValueError, match="block 1 routes .* through layers of another structure"):
+        scanned(uneven, x)
