@@ -215,7 +215,10 @@ TABLES: dict[str, dict] = {
             ["whole PixArt-Σ and FLUX.1 forwards at 1024 px (one sampler step, random weights, every quantizable "
              "linear W4A4)",
              "PixArt-Σ (28 blocks, cuDNN attention in both): `fp8_mgpu` {pixart_forward_fp8_mgpu_speedup_vs_bf16:.2f}x "
-             "the {pixart_forward_bf16_cudnn_ms:.1f} ms bf16 step; FLUX.1-schnell (57 blocks): `dequant` "
+             "the {pixart_forward_bf16_cudnn_ms:.1f} ms bf16 step, {pixart_forward_fp8_mgpu_fused_speedup_vs_bf16:.2f}x "
+             "with its shared-input groups fused (q|k|v, k|v; "
+             "{pixart_forward_fp8_mgpu_fused_speedup_vs_bf16_fused:.2f}x a bf16 model fused alike); FLUX.1-schnell "
+             "(57 blocks): `dequant` "
              "{flux_forward_dequant_speedup_vs_bf16:.2f}x, `fp8_mgpu` {flux_forward_fp8_mgpu_speedup_vs_bf16:.2f}x "
              "(cuDNN attention in both). PixArt-Σ's served output is {pixart_forward_fp8_mgpu_rel_l2_vs_simulate:.4f} "
              "(relative L2) from the fake-quant forward's. W4A4 is slower than bf16 on these narrower models",
