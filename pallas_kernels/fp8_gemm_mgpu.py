@@ -97,7 +97,8 @@ class Fp8MgpuConfig:
       delay_release: K steps whose FP8 ``wgmma`` may still run when the next one is issued (0 or 1): with 1, a step
         waits only for the previous step's ``wgmma`` and the pipeline keeps each stage's buffers one step longer
         (``BlockSpec(delay_release=1)``), so the tensor cores get the next ``wgmma`` without an idle gap; it must be
-        below ``max_concurrent_steps``.
+        below ``max_concurrent_steps``. With the default tilings' 3 stages it measured slower (one stage fewer for the
+        copies; docs/w4a4.md, "Shared-input groups measured, and one wgmma in flight"), so the default is 0.
     """
 
     tile_m: int = 128
