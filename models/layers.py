@@ -446,14 +446,18 @@ def _run_blocks_scanned_shared(graphdef, states, suffixes, x, hooks, call):
     linears route to (each once), renamed by the first suffix they serve so that every block's mapping has one
     pytree structure; stacked and sliced per step like the block parameters."""
     shared: SharedOverrides = hooks.overrides
+    served_paths: dict[str, set[str]] = {}  # layer name -> the linear paths it serves
+    for path, (name, _, _) in shared._routes.items():
+        served_paths.setdefault(name, set()).add(path)
     per_block = []
     for i, table in enumerate(suffixes):
         routes = {suffix: shared._routes[path] for suffix, path in table.items() if path in shared._routes}
         first = {}  # layer name -> the first suffix (sorted) it serves: the name it has in every block
         for suffix in sorted(routes):
             first.setdefault(routes[suffix][0], suffix)
+        block_paths = set(table.values())
         for name in first:
-            outside = sorted(p for p, r in shared._routes.items() if r[0] == name and p not in table.values())
+            outside = sorted(served_paths[name] - block_paths)
             if outside:
                 raise ValueError(f"run_blocks_scanned: layer {name} also serves {outside[:3]}, outside block {i}")
         mine = SharedOverrides({first[name]: shared._layers[name] for name in first},
