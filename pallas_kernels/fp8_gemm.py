@@ -45,7 +45,7 @@ from pallas_kernels import fp8_gemm_mgpu as MG
 from pallas_kernels.fp8_gemm_mgpu import fp8_matmul_mgpu, prescale_left
 from pallas_kernels import transform_quantize as tq
 from pallas_kernels.epilogues import rmsnorm_heads
-from pallas_kernels.w4a4_gemm import dequantize_bf16
+from pallas_kernels.w4a4_gemm import dequantize_bf16, lowrank_h
 
 __all__ = [
     "ACCUMULATIONS",
@@ -391,7 +391,7 @@ def fp8_linear_forward(layer: Fp8Linear, x: jax.Array, *, op: str = "none", norm
     a = _activations(layer, x2, impl, quant_blocks, count=return_inexact)
     lowrank = None
     if layer.left is not None:
-        h = jnp.matmul(x2, layer.right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # (m, r)
+        h = lowrank_h(x2, layer.right)  # (m, r)
         lowrank = (h, layer.left)
     fused_swiglu = op == "swiglu" and layer.swiglu_group > 0
     if gemm == "mgpu":  # one kernel writing out_dtype (the SwiGLU in it, for a swiglu_group layer); an op reads that
@@ -452,7 +452,7 @@ def fp8_linear_reference(layer: Fp8Linear, x: jax.Array, *, op: str = "none", no
     a = _activations(layer, x2, "reference")
     lowrank = None
     if layer.left is not None:
-        h = jnp.matmul(x2, layer.right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        h = lowrank_h(x2, layer.right)
         lowrank = (h, layer.left)
     y = fp8_matmul_reference(a, layer.weight, lowrank=lowrank, bias=layer.bias)
     if op == "rmsnorm":
@@ -504,7 +504,7 @@ class Fp8Strategy(served.Strategy):
         w = FE.dequantize_rows(w) if isinstance(w, Fp8Rows) else dequantize(w, jnp.float32)
         y = jnp.matmul(a, w.T, precision="highest")
         if layer.left is not None:
-            h = jnp.matmul(x2, layer.right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+            h = lowrank_h(x2, layer.right)
             y = y + jnp.matmul(h.astype(jnp.float32), layer.left.astype(jnp.float32).T, precision="highest")
         if layer.bias is not None:
             y = y + layer.bias.astype(jnp.float32)

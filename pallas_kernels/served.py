@@ -70,7 +70,7 @@ from pallas_kernels._compat import on_gpu
 from pallas_kernels.epilogues import (EpilogueBlockSizes, gemm_reference, gemm_rmsnorm, gemm_swiglu, permute_rows,
                                       rmsnorm_heads, swiglu_permutation)
 from pallas_kernels.w4a4_gemm import (BlockSizes, Compute, dequantize_bf16, even_odd_permutation, keeps_lowrank_packed,
-                                      w4a4_matmul, w4a4_matmul_dequant)
+                                      lowrank_h, w4a4_matmul, w4a4_matmul_dequant)
 
 __all__ = [
     "DEFAULT_STRATEGY",
@@ -331,7 +331,7 @@ def quantized_inputs(layer: ServedLinear, x2: jax.Array, impl: str,
                                 round_to_input=False)
     lowrank = None
     if layer.left is not None:
-        h = jnp.matmul(x2, layer.right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # (m, r)
+        h = lowrank_h(x2, layer.right)  # (m, r)
         lowrank = (h, layer.left)
     return x_q, lowrank
 

@@ -87,6 +87,8 @@ __all__ = [
     "even_odd_permutation",
     "keeps_lowrank_packed",
     "launch_gemm",
+    "LOWRANK_DOTS",
+    "lowrank_h",
     "lowrank_input",
     "lowrank_reference",
     "operand_format",
@@ -262,6 +264,26 @@ def even_odd_permutation(r: int) -> np.ndarray:
     return np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
 
 
+LOWRANK_DOTS = ("f32", "bf16")
+
+
+def lowrank_h(x2: jax.Array, right: jax.Array, *, dot_output: str = "f32") -> jax.Array:
+    """``h = x2 right^T`` ``(m, r)`` bf16 from ``x2 (m, d)`` and ``right (r, d)``: the low-rank branch's input, with
+    f32 accumulation and one rounding to bf16 (the one home of this product for every served strategy).
+
+    ``dot_output`` says where that rounding happens: ``"f32"``, the dot writes f32 and a convert rounds it (on the GPU
+    XLA runs the convert as a fusion of its own, one more kernel per layer); ``"bf16"``, the dot writes bf16 itself
+    (XLA's GEMMs still accumulate bf16 products in f32). Both round an f32 sum once; XLA may sum the two programs in
+    different orders, so a few elements can differ by one bf16 ulp (``benchmarks/lowrank_input_bench.py`` counts the
+    differing bits on the device and times both).
+    """
+    if dot_output == "f32":
+        return jnp.matmul(x2, right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    if dot_output == "bf16":
+        return jnp.matmul(x2, right.T, preferred_element_type=jnp.bfloat16)
+    raise ValueError(f"lowrank_h: dot_output={dot_output!r} must be one of {LOWRANK_DOTS}")
+
+
 def lowrank_input(x_t: jax.Array, right, *, packed_left: bool) -> jax.Array:
     """``h = (x T) R^T`` ``(m, r)`` bf16 for the fused low-rank epilogue.
 
@@ -274,7 +296,7 @@ def lowrank_input(x_t: jax.Array, right, *, packed_left: bool) -> jax.Array:
     right = jnp.asarray(right).astype(jnp.bfloat16)
     if packed_left:
         right = right[even_odd_permutation(right.shape[0])]
-    return jnp.matmul(x_t.astype(jnp.bfloat16), right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    return lowrank_h(x_t.astype(jnp.bfloat16), right)
 
 
 def lowrank_arrays(h: jax.Array, left, m_pad: int, rows_pad: Optional[int], block_m: int, rows_block: int, a_map,

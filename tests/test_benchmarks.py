@@ -82,6 +82,19 @@ def test_fp8_mgpu_bench_keeps_the_short_ideogram4_names_and_rejects_unknown_laye
     assert not (tmp_path / "x.json").exists()
 
 
+def test_lowrank_input_bench_checks_both_roundings_bit_for_bit(tmp_path):
+    out = tmp_path / "lowrank.json"
+    _run("lowrank_input_bench.py", "--shapes", "64:16", "--ms", "8", "--n-iter", "1", "--out", str(out))
+    (case,) = json.loads(out.read_text())["cases"]
+    assert (case["m"], case["d"], case["r"]) == (8, 64, 16) and case["bit_equal"] is True
+    assert case["f32"]["us"] > 0 and case["bf16"]["us"] > 0 and case["f32"]["method"] == "wallclock"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "lowrank_input_bench.py"), "--shapes", "64x16",
+                          "--out", str(tmp_path / "x.json")], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 2 and "'64x16' is not D:R" in run.stderr and not (tmp_path / "x.json").exists()
+
+
 def test_ideogram4_serving_tiny_run(tmp_path):
     out = tmp_path / "bench.json"
     _run("ideogram4_serving.py", "--preset", "tiny", "--layouts", "packed", "--steps", "2", "--repeats", "1",

@@ -161,6 +161,29 @@ class TestInterpretKernel:
         assert not g.keeps_lowrank_packed(jnp.ones((32, 64)))
 
 
+class TestLowrankInput:
+    """``h = x R^T`` (``lowrank_h``), the one home of the low-rank branch's input for every served strategy."""
+
+    def test_both_dot_outputs_round_an_f32_sum_once(self):
+        """``dot_output="bf16"`` (the dot writes bf16) and ``"f32"`` (a convert rounds its f32 output) are both the
+        f32-accumulated product rounded once to bf16: within one bf16 rounding of the exact product, and at most one
+        bf16 ulp apart (XLA may sum the two programs in different orders; on the CPU a few elements differ)."""
+        x = (3.0 * jax.random.normal(jax.random.PRNGKey(5), (37, 1152))).astype(jnp.bfloat16)
+        right = (jax.random.normal(jax.random.PRNGKey(6), (384, 1152)) / 34).astype(jnp.bfloat16)
+        h32, h16 = g.lowrank_h(x, right), g.lowrank_h(x, right, dot_output="bf16")
+        assert h32.dtype == h16.dtype == jnp.bfloat16 and h32.shape == (37, 384)
+        exact = np.asarray(x, np.float64) @ np.asarray(right, np.float64).T
+        for h in (h32, h16):
+            assert np.all(np.abs(np.asarray(h, np.float64) - exact) <= 2.0 ** -8 * np.abs(exact) + 1e-6)
+        bits32, bits16 = (np.asarray(h).view(np.uint16).astype(np.int32) for h in (h32, h16))
+        assert np.all(np.abs(bits32 - bits16) <= 1) and np.mean(bits32 != bits16) < 0.01
+
+    def test_unknown_dot_output_is_refused(self):
+        x, right = jnp.ones((4, 32), jnp.bfloat16), jnp.ones((8, 32), jnp.bfloat16)
+        with pytest.raises(ValueError, match=r"dot_output='fp8' must be one of \('f32', 'bf16'\)"):
+            g.lowrank_h(x, right, dot_output="fp8")
+
+
 class TestDequantStrategy:
     """"Dequantize + cuBLAS" (``w4a4_matmul_dequant``): XLA decode fusions + one bf16 GEMM, same exactness contract."""
 
