@@ -1,6 +1,6 @@
 """The low-rank branch's input ``h = x R^T`` (``pallas_kernels.w4a4_gemm.lowrank_h``), the two ways of rounding it
-to bf16: the dot writes f32 and a convert rounds it (``dot_output="f32"``, the served layers' default), or the dot
-writes bf16 itself (``"bf16"``). Checked (how many output elements differ between the two, on every input set, and
+to bf16: the dot writes f32 and a convert rounds it (``dot_output="f32"``), or the dot writes bf16 itself
+(``"bf16"``, the served layers' default). Checked (how many output elements differ between the two, on every input set, and
 the largest difference in bf16 ulps), then timed: device time
 (CUPTI, ``kroquant_jax.timing.device_time``: median per call over rotating input sets after warm-up), with the
 kernels each launches per call.

@@ -220,8 +220,10 @@ TABLES: dict[str, dict] = {
              "{pixart_forward_fp8_mgpu_fused_speedup_vs_bf16_fused:.2f}x a bf16 model fused alike); FLUX.1-schnell "
              "(57 blocks): `dequant` "
              "{flux_forward_dequant_speedup_vs_bf16:.2f}x, `fp8_mgpu` {flux_forward_fp8_mgpu_speedup_vs_bf16:.2f}x "
-             "(cuDNN attention in both). PixArt-Σ's served output is {pixart_forward_fp8_mgpu_rel_l2_vs_simulate:.4f} "
-             "(relative L2) from the fake-quant forward's. W4A4 is slower than bf16 on these narrower models",
+             "(cuDNN attention in both), {flux_forward_fp8_mgpu_fused_speedup_vs_bf16:.2f}x with its shared-input "
+             "groups fused ({flux_forward_fp8_mgpu_fused_speedup_vs_bf16_fused:.2f}x a bf16 model fused alike). "
+             "PixArt-Σ's served output is {pixart_forward_fp8_mgpu_rel_l2_vs_simulate:.4f} (relative L2) from the "
+             "fake-quant forward's. On PixArt-Σ's narrow layers (d = 1152) W4A4 is slower than bf16",
              "measured (no goal)", "[w4a4](docs/w4a4.md)"],
             ["Ideogram 4 bf16 forward, 6144 padded tokens",
              "{ideogram4_bf16_forward_padded_ms:.1f} ms", "1.2x the bf16 roofline", "[ideogram4](docs/ideogram4.md)"],

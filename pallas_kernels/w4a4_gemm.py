@@ -267,15 +267,15 @@ def even_odd_permutation(r: int) -> np.ndarray:
 LOWRANK_DOTS = ("f32", "bf16")
 
 
-def lowrank_h(x2: jax.Array, right: jax.Array, *, dot_output: str = "f32") -> jax.Array:
+def lowrank_h(x2: jax.Array, right: jax.Array, *, dot_output: str = "bf16") -> jax.Array:
     """``h = x2 right^T`` ``(m, r)`` bf16 from ``x2 (m, d)`` and ``right (r, d)``: the low-rank branch's input, with
     f32 accumulation and one rounding to bf16 (the one home of this product for every served strategy).
 
-    ``dot_output`` says where that rounding happens: ``"f32"``, the dot writes f32 and a convert rounds it (on the GPU
-    XLA runs the convert as a fusion of its own, one more kernel per layer); ``"bf16"``, the dot writes bf16 itself
-    (XLA's GEMMs still accumulate bf16 products in f32). Both round an f32 sum once; XLA may sum the two programs in
-    different orders, so a few elements can differ by one bf16 ulp (``benchmarks/lowrank_input_bench.py`` counts the
-    differing bits on the device and times both).
+    ``dot_output`` says where that rounding happens: ``"bf16"`` (the default), the dot writes bf16 itself (XLA's GEMMs
+    accumulate bf16 products in f32, and a split-K reduction rounds once at its end); ``"f32"``, the dot writes f32
+    and a convert rounds it, which XLA may run as a kernel of its own. On the GPU the two gave the same bits at all 16
+    model shapes measured, and ``"bf16"`` was never slower (docs/w4a4.md, "The low-rank input in one rounding"); on
+    the CPU XLA may sum the two programs in different orders, so a few elements can differ by one bf16 ulp.
     """
     if dot_output == "f32":
         return jnp.matmul(x2, right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
