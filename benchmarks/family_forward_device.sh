@@ -10,9 +10,10 @@
 #                                                      # PixArt-Σ and FLUX.1 whole with fp8_mgpu (cuDNN attention);
 #                                                      # LAYERS_S, TESTS_S, PIXART_S, FLUX_S: each step's limit in s
 #                                                      # (FLUX_S=0 skips FLUX.1)
-#   bash benchmarks/family_forward_device.sh graphs    # PixArt-Σ bf16 vs fp8_mgpu, shared-input groups fused, under
-#                                                      # XLA's command-buffer (CUDA graph) settings: its default, and
-#                                                      # SETTINGS (default "min1 off"; W4A4 launches 3x the kernels)
+#   bash benchmarks/family_forward_device.sh graphs    # FAMILY (default pixart; flux) bf16 vs fp8_mgpu, shared-input
+#                                                      # groups fused, under each of XLA's command-buffer (CUDA graph)
+#                                                      # SETTINGS (default "min1 off"; "default" adds XLA's own),
+#                                                      # GRAPHS_S s each (FLUX.1: about 280, two settings a call)
 #   bash benchmarks/family_forward_device.sh fused     # FLUX.1, then PixArt-Σ, with --fuse-shared-inputs: bf16,
 #                                                      # bf16_fused, fp8_mgpu (FLUX_S, PIXART_S: each one's limit in s;
 #                                                      # 0 skips it)
@@ -68,12 +69,16 @@ case "$mode" in
     # XLA's defaults capture FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL and CUDNN commands in regions of >= 5; each run
     # records its XLA_FLAGS. "min1": regions of any size; "off": no command buffers (is capture working at all?).
     declare -A flags=([default]="" [min1]="--xla_gpu_graph_min_graph_size=1" [off]="--xla_gpu_enable_command_buffer=")
+    family=${FAMILY:-pixart}
+    case "$family" in pixart|flux) ;; *) echo "graphs: unknown FAMILY '$family' (pixart, flux)" >&2; exit 2 ;; esac
     for setting in ${SETTINGS:-min1 off}; do
       [ -n "${flags[$setting]+set}" ] || { echo "graphs: unknown setting '$setting' (default, min1, off)" >&2; exit 2; }
+    done
+    for setting in ${SETTINGS:-min1 off}; do
       XLA_FLAGS="${flags[$setting]}" timeout "${GRAPHS_S:-250}" python3 benchmarks/family_forward_w4a4.py \
-        --family pixart --strategies fp8_mgpu --fuse-shared-inputs --kernels --repeats 3 \
-        --out "$OUT/family_forward_pixart_graphs_${setting}.json" > "$OUT/graphs_${setting}.log" 2>&1
-      echo "graphs ${setting} rc=$?"; grep -v "^{" "$OUT/graphs_${setting}.log" | tail -n 6
+        --family "$family" --strategies fp8_mgpu --fuse-shared-inputs --kernels --repeats 3 \
+        --out "$OUT/family_forward_${family}_graphs_${setting}.json" > "$OUT/graphs_${family}_${setting}.log" 2>&1
+      echo "graphs ${family} ${setting} rc=$?"; grep -v "^{" "$OUT/graphs_${family}_${setting}.log" | tail -n 6
     done ;;
   fused)
     for fam in flux pixart; do
