@@ -77,6 +77,7 @@ __all__ = [
     "BlockSizes",
     "Compute",
     "GemmRefs",
+    "LOWRANK_DOTS",
     "OperandSpec",
     "accumulate_tiles",
     "add_gemm_terms",
@@ -87,7 +88,6 @@ __all__ = [
     "even_odd_permutation",
     "keeps_lowrank_packed",
     "launch_gemm",
-    "LOWRANK_DOTS",
     "lowrank_h",
     "lowrank_input",
     "lowrank_reference",
@@ -273,9 +273,10 @@ def lowrank_h(x2: jax.Array, right: jax.Array, *, dot_output: str = "bf16") -> j
 
     ``dot_output`` says where that rounding happens: ``"bf16"`` (the default), the dot writes bf16 itself (XLA's GEMMs
     accumulate bf16 products in f32, and a split-K reduction rounds once at its end); ``"f32"``, the dot writes f32
-    and a convert rounds it, which XLA may run as a kernel of its own. On the GPU the two gave the same bits at all 16
-    model shapes measured, and ``"bf16"`` was never slower (docs/w4a4.md, "The low-rank input in one rounding"); on
-    the CPU XLA may sum the two programs in different orders, so a few elements can differ by one bf16 ulp.
+    and a convert rounds it, which XLA may run as a kernel of its own. The default is the one measured never slower
+    and bit-identical on the GPU (docs/w4a4.md, section "FLUX.1 with its groups fused, XLA's command buffers, the
+    low-rank input in one rounding"); on the CPU XLA may sum the two programs in different orders, so a few elements
+    can differ by one bf16 ulp.
     """
     if dot_output == "f32":
         return jnp.matmul(x2, right.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
