@@ -221,7 +221,8 @@ TABLES: dict[str, dict] = {
              "(57 blocks): `dequant` "
              "{flux_forward_dequant_speedup_vs_bf16:.2f}x, `fp8_mgpu` {flux_forward_fp8_mgpu_speedup_vs_bf16:.2f}x "
              "(cuDNN attention in both), {flux_forward_fp8_mgpu_fused_speedup_vs_bf16:.2f}x with its shared-input "
-             "groups fused ({flux_forward_fp8_mgpu_fused_speedup_vs_bf16_fused:.2f}x a bf16 model fused alike). "
+             "groups fused ({flux_forward_fp8_mgpu_fused_speedup_vs_bf16_fused:.2f}x a bf16 model fused alike; part of "
+             "the gain is the same cuDNN attention kernel running faster in the W4A4 step, not explained). "
              "PixArt-Σ's served output is {pixart_forward_fp8_mgpu_rel_l2_vs_simulate:.4f} (relative L2) from the "
              "fake-quant forward's. On PixArt-Σ's narrow layers (d = 1152) W4A4 is slower than bf16",
              "measured (no goal)", "[w4a4](docs/w4a4.md)"],
