@@ -31,9 +31,9 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-__all__ = ["CompileClock", "CompileWatch", "DeviceTime", "LoopTime", "block", "calls_for", "compile_clock",
-           "device_memory_gib", "device_time", "gpu_kernel_events", "loop_time", "measure", "per_call_breakdown",
-           "recorded_compilations", "summary_ms", "wall_times"]
+__all__ = ["CUDNN_ATTENTION_KERNELS", "CompileClock", "CompileWatch", "DeviceTime", "LoopTime", "block", "calls_for",
+           "compile_clock", "device_memory_gib", "device_time", "gpu_kernel_events", "kernels_matching_us", "loop_time",
+           "measure", "per_call_breakdown", "recorded_compilations", "summary_ms", "wall_times"]
 
 
 def block(tree: Any) -> None:
@@ -101,6 +101,17 @@ def per_call_breakdown(events: Sequence[tuple[int, int, str]], n_calls: int) -> 
         calls.append(sums)
     names = sorted(set().union(*calls))
     return {n: statistics.median(c.get(n, 0.0) for c in calls) for n in names}
+
+
+# Name parts of cuDNN's fused attention kernels (``cudnn_generated_fort_native_sdpa_sm90_flash_fprop_...``).
+CUDNN_ATTENTION_KERNELS = ("sdpa", "flash_fprop", "flash_bprop")
+
+
+def kernels_matching_us(kernels_us: dict[str, float], name_parts: Sequence[str]) -> Optional[float]:
+    """The µs of the kernels of a :func:`per_call_breakdown` whose name contains any of ``name_parts`` (e.g.
+    :data:`CUDNN_ATTENTION_KERNELS`), or ``None`` when none does (no breakdown, or no such kernel)."""
+    hits = [us for name, us in kernels_us.items() if any(part in name for part in name_parts)]
+    return sum(hits) if hits else None
 
 
 def _profiled_events(fn: Callable, inputs: Sequence, n_iter: int) -> tuple[list, Optional[str]]:

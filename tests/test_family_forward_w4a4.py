@@ -22,10 +22,10 @@ def _run(args, xla_flags=None):
 
 
 # PixArt-Σ with its shared-input groups fused (--fuse-shared-inputs: q|k|v and the cross-attention's k|v as one W4A4
-# layer each, 10 linears -> 7 layers, plus the bf16_fused baseline), FLUX.1 per linear.
+# layer each, 10 linears -> 7 layers, plus the bf16_fused baseline), FLUX.1 per linear with the kernel breakdown.
 @pytest.mark.parametrize("family, args, layers, groups", [
     ("pixart", ["--double-blocks", 1, "--fuse-shared-inputs"], 7, 2),
-    ("flux", ["--single-blocks", 1], 17, 0)])
+    ("flux", ["--single-blocks", 1, "--kernels"], 17, 0)])
 def test_one_step_bf16_against_served_w4a4(family, args, layers, groups, tmp_path):
     out = tmp_path / "f.json"
     flags = "--xla_force_host_platform_device_count=1"  # recorded: XLA flags change what a GPU run measures
@@ -47,6 +47,11 @@ def test_one_step_bf16_against_served_w4a4(family, args, layers, groups, tmp_pat
     assert 0 < w4a4["rel_l2_vs_bf16"] < 0.5  # quantized, and not garbage
     assert w4a4["speedup_vs_bf16"] == pytest.approx(bf16["median_ms"] / w4a4["median_ms"])
     assert f"| `dequant` | {w4a4['median_ms']:.2f} |" in run.stdout
+    if "--kernels" in args:  # no GPU kernels on the CPU: wall-clock sums, no cuDNN attention to take out
+        assert w4a4["kernel_method"] == "wallclock" and w4a4["attention_kernel_ms"] is None
+        assert "kernel_speedup_vs_bf16_without_attention" not in w4a4 and w4a4["kernel_speedup_vs_bf16"] > 0
+        row = next(line for line in run.stdout.splitlines() if line.startswith("| `dequant` |"))
+        assert row.count("|") == 12 and "| — | — |" in row
     # the served layers differ from the simulated ones by their bf16 activations only: nearer simulate than bf16
     assert 0 < w4a4["rel_l2_vs_simulate"] < w4a4["rel_l2_vs_bf16"]
     assert "rel_l2_vs_simulate" not in saved["systems"]["simulate"]

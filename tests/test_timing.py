@@ -21,6 +21,14 @@ def test_per_call_breakdown_medians_and_sums_repeated_kernels():
     assert timing.per_call_breakdown([], 3) == {}
 
 
+def test_kernels_matching_sums_the_named_kernels_or_says_none():
+    kernels = {"cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7": 25.5,
+               "fp8_gemm_fused_mosaic_gpu_kernel": 40.0, "flash_fprop_other": 1.5}
+    assert timing.kernels_matching_us(kernels, timing.CUDNN_ATTENTION_KERNELS) == 27.0
+    assert timing.kernels_matching_us(kernels, ("nvjet",)) is None
+    assert timing.kernels_matching_us({}, timing.CUDNN_ATTENTION_KERNELS) is None
+
+
 def test_device_time_falls_back_to_wall_clock_without_gpu_kernels():
     seen = []
     f = jax.jit(lambda a: a * 2.0)
