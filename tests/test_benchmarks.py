@@ -82,11 +82,13 @@ def test_fp8_mgpu_bench_keeps_the_short_ideogram4_names_and_rejects_unknown_laye
     assert not (tmp_path / "x.json").exists()
 
 
-def test_lowrank_input_bench_checks_both_roundings_bit_for_bit(tmp_path):
+def test_lowrank_input_bench_compares_both_roundings(tmp_path):
     out = tmp_path / "lowrank.json"
     _run("lowrank_input_bench.py", "--shapes", "64:16", "--ms", "8", "--n-iter", "1", "--out", str(out))
     (case,) = json.loads(out.read_text())["cases"]
-    assert (case["m"], case["d"], case["r"]) == (8, 64, 16) and case["bit_equal"] is True
+    assert (case["m"], case["d"], case["r"]) == (8, 64, 16)
+    # on the CPU the two programs may sum in different orders: at most one bf16 ulp apart, and the flag says so
+    assert case["max_ulp_difference"] <= 1 and case["bit_equal"] == (case["differing_elements"] == 0)
     assert case["f32"]["us"] > 0 and case["bf16"]["us"] > 0 and case["f32"]["method"] == "wallclock"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "lowrank_input_bench.py"), "--shapes", "64x16",

@@ -170,13 +170,15 @@ class TestLowrankInput:
         bf16 ulp apart (XLA may sum the two programs in different orders; on the CPU a few elements differ)."""
         x = (3.0 * jax.random.normal(jax.random.PRNGKey(5), (37, 1152))).astype(jnp.bfloat16)
         right = (jax.random.normal(jax.random.PRNGKey(6), (384, 1152)) / 34).astype(jnp.bfloat16)
-        h32, h16 = g.lowrank_h(x, right), g.lowrank_h(x, right, dot_output="bf16")
+        h32, h16 = g.lowrank_h(x, right, dot_output="f32"), g.lowrank_h(x, right, dot_output="bf16")
         assert h32.dtype == h16.dtype == jnp.bfloat16 and h32.shape == (37, 384)
         exact = np.asarray(x, np.float64) @ np.asarray(right, np.float64).T
         for h in (h32, h16):
             assert np.all(np.abs(np.asarray(h, np.float64) - exact) <= 2.0 ** -8 * np.abs(exact) + 1e-6)
         bits32, bits16 = (np.asarray(h).view(np.uint16).astype(np.int32) for h in (h32, h16))
         assert np.all(np.abs(bits32 - bits16) <= 1) and np.mean(bits32 != bits16) < 0.01
+        # the default is the bf16-output dot
+        np.testing.assert_array_equal(np.asarray(g.lowrank_h(x, right)).view(np.uint16), bits16.astype(np.uint16))
 
     def test_unknown_dot_output_is_refused(self):
         x, right = jnp.ones((4, 32), jnp.bfloat16), jnp.ones((8, 32), jnp.bfloat16)
