@@ -4,7 +4,9 @@
 #
 #   bash benchmarks/family_forward_device.sh tiles     # fused FP8 GEMM tilings at the narrow models' shapes
 #   bash benchmarks/family_forward_device.sh flux      # the whole FLUX.1 step with cuDNN attention: bf16, fp8_mgpu
-#   bash benchmarks/family_forward_device.sh errors    # PixArt-Σ's served output against the simulated forward
+#   bash benchmarks/family_forward_device.sh errors    # FAMILY's (default pixart; flux) served output against the
+#                                                      # simulated forward; FUSED=1: shared-input groups fused;
+#                                                      # REPEATS timed calls (default 3)
 #   bash benchmarks/family_forward_device.sh validate  # default_config's tile widths: the m = 512 shapes not swept
 #                                                      # against the tuned 128 tiling, the kernel's GPU tests, then
 #                                                      # PixArt-Σ and FLUX.1 whole with fp8_mgpu (cuDNN attention);
@@ -42,9 +44,14 @@ case "$mode" in
       --kernels --repeats 3 --out "$OUT/family_forward_flux_cudnn.json" > "$OUT/flux.log" 2>&1
     echo "flux rc=$?"; tail -n 12 "$OUT/flux.log" ;;
   errors)
-    timeout "${LIMIT_S:-560}" python3 benchmarks/family_forward_w4a4.py --family pixart --strategies fp8_mgpu,simulate \
-      --repeats 3 --out "$OUT/family_forward_pixart_vs_simulate.json" > "$OUT/errors.log" 2>&1
-    echo "errors rc=$?"; tail -n 12 "$OUT/errors.log" ;;
+    family=${FAMILY:-pixart}
+    case "$family" in pixart|flux) ;; *) echo "errors: unknown FAMILY '$family' (pixart, flux)" >&2; exit 2 ;; esac
+    case "${FUSED:-0}" in 0) fuse=() ;; 1) fuse=(--fuse-shared-inputs) ;;
+      *) echo "errors: FUSED must be 0 or 1, got '${FUSED}'" >&2; exit 2 ;; esac
+    timeout "${LIMIT_S:-560}" python3 benchmarks/family_forward_w4a4.py --family "$family" \
+      --strategies fp8_mgpu,simulate "${fuse[@]}" --repeats "${REPEATS:-3}" \
+      --out "$OUT/family_forward_${family}_vs_simulate.json" > "$OUT/errors_${family}.log" 2>&1
+    echo "errors ${family} rc=$?"; tail -n 12 "$OUT/errors_${family}.log" ;;
   validate)
     timeout "${LAYERS_S:-150}" python3 benchmarks/fp8_mgpu_bench.py --out "$OUT/fp8_mgpu_tile_choice.json" --ms 512 \
       --layers flux1.ff.down flux1.single.proj_out flux1.ff.up \
@@ -68,6 +75,7 @@ case "$mode" in
   graphs)
     # XLA's defaults capture FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL and CUDNN commands in regions of >= 5; each run
     # records its XLA_FLAGS. "min1": regions of any size; "off": no command buffers (is capture working at all?).
+    # --xla-defaults: no strategy's own per-program options, so the process-wide setting is the one measured.
     declare -A flags=([default]="" [min1]="--xla_gpu_graph_min_graph_size=1" [off]="--xla_gpu_enable_command_buffer=")
     family=${FAMILY:-pixart}
     case "$family" in pixart|flux) ;; *) echo "graphs: unknown FAMILY '$family' (pixart, flux)" >&2; exit 2 ;; esac
@@ -76,7 +84,7 @@ case "$mode" in
     done
     for setting in ${SETTINGS:-min1 off}; do
       XLA_FLAGS="${flags[$setting]}" timeout "${GRAPHS_S:-250}" python3 benchmarks/family_forward_w4a4.py \
-        --family "$family" --strategies fp8_mgpu --fuse-shared-inputs --kernels --repeats 3 \
+        --family "$family" --strategies fp8_mgpu --fuse-shared-inputs --kernels --repeats 3 --xla-defaults \
         --out "$OUT/family_forward_${family}_graphs_${setting}.json" > "$OUT/graphs_${family}_${setting}.log" 2>&1
       echo "graphs ${family} ${setting} rc=$?"; grep -v "^{" "$OUT/graphs_${family}_${setting}.log" | tail -n 6
     done ;;

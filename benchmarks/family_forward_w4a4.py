@@ -22,7 +22,10 @@ serving uses; ``xla`` materialises the fp32 logits). One call is the family's sa
 (CUPTI, ``kroquant_jax.timing.device_time``) with the costliest kernels. Checks: each W4A4 output's relative L2 error
 against the bf16 output (finite; the W4A4 outputs differ from each other by rounding only) and, with ``simulate``
 among ``--strategies`` (the same quantized layers fake-quantized in f32, ``QuantizedCheckpoint.overrides``), each
-served output's error against it. Writes the JSON (``--out``, atomically) and prints a table.
+served output's error against it. Each served system's sampler is compiled as ``kroquant generate`` compiles it,
+with its strategy's per-program XLA options (``served.program_compiler_options``, recorded as ``xla_options``);
+``--xla-defaults`` compiles every system with XLA's defaults instead. Writes the JSON (``--out``, atomically) and
+prints a table.
 
     python3 benchmarks/family_forward_w4a4.py --family pixart --strategies dequant,fp8,fp8_mgpu --kernels
     python3 benchmarks/family_forward_w4a4.py --family flux --double-blocks 2 --single-blocks 4 --kernels
@@ -152,6 +155,9 @@ def _parse(argv):
                    help="the family's groups of linears that read one input (q|k|v, ...) as one W4A4 layer each, as "
                         "a --fuse-shared-inputs checkpoint serves them, and the system bf16_fused (the same groups "
                         "as one bf16 GEMM each) beside bf16")
+    p.add_argument("--xla-defaults", action="store_true",
+                   help="compile every system with XLA's defaults, without its strategy's per-program XLA options "
+                        "(served.program_compiler_options: what kroquant generate uses), e.g. to compare XLA_FLAGS")
     p.add_argument("--out", default=None, help="JSON (default $OUT/family_forward_w4a4.json, else /tmp)")
     return p.parse_args(argv)
 
@@ -180,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
     checkpoint = QuantizedCheckpoint(family=args.family, cfg=cfg, model=model, qlayers=qlayers, config={})
     graphdef, state = nnx.split(model)
     hw = (height // VAE_FACTOR, height // VAE_FACTOR)
-    sample = jax.jit(family.make_sampler(graphdef, cfg, num_steps=1, guidance_scale=1.0, latent_hw=hw))
+    sampler = family.make_sampler(graphdef, cfg, num_steps=1, guidance_scale=1.0, latent_hw=hw)
     synthetic = argparse.Namespace(embeddings=None, synthetic_prompts=1, synthetic_tokens=tokens, seed=0,
                                    max_prompts=None)  # kroquant quantize-checkpoint --synthetic-prompts 1
     batch = prompt_batches(prompt_arrays(synthetic, family, cfg), [0], 1, jnp.bfloat16)[0]
@@ -193,11 +199,14 @@ def main(argv: list[str] | None = None) -> dict:
                      else checkpoint.overrides() if system == SIMULATE
                      else checkpoint.served_overrides(served.ServeOptions(strategy=system)))
         params = {"model": state, **batch, **({"overrides": overrides} if overrides else {})}
+        served_system = system not in (*baselines, SIMULATE) and not args.xla_defaults
+        xla_options = served.program_compiler_options(system if served_system else None)
+        sample = jax.jit(sampler, compiler_options=xla_options or None)  # as kroquant generate compiles it
         call = lambda: sample(params, key)[0]  # noqa: E731
         t0 = time.perf_counter()
         y = call()
         timing.block(y)
-        row = {"first_call_s_compile_included": time.perf_counter() - t0,
+        row = {"first_call_s_compile_included": time.perf_counter() - t0, "xla_options": xla_options,
                **timing.summary_ms(timing.wall_times(call, repeats=args.repeats, inner=args.inner))}
         if args.kernels:
             dt = timing.device_time(lambda p: sample(p, key)[0], [params], n_iter=3, warmup=1)

@@ -145,16 +145,17 @@ def main(argv: list[str] | None = None) -> dict:
         except ValueError as err:
             raise UserError(f"--strategies {strategy}: {err}") from None
 
-    def sample_all(model, layer_overrides):
+    def sample_all(model, layer_overrides, strategy=None):
         began = time.perf_counter()
         latents, _ = sample_prompts(model, loaded.cfg, family, settings, arrays, layer_overrides, args.seeds,
-                                    progress=False)
+                                    progress=False, compiler_options=served.program_compiler_options(strategy))
         return latents, time.perf_counter() - began
 
     reference, teacher_s = sample_all(teacher, {})
     samples, seconds = {}, {}
     for strategy in strategies:
-        samples[strategy], seconds[strategy] = sample_all(loaded.model, overrides[strategy])
+        samples[strategy], seconds[strategy] = sample_all(loaded.model, overrides[strategy],
+                                                          None if strategy == SIMULATE else strategy)
         print(f"  {strategy:10s} {seconds[strategy]:7.1f} s", flush=True)
     rows = {}
     for strategy, latents in samples.items():

@@ -222,9 +222,12 @@ TABLES: dict[str, dict] = {
              "{flux_forward_dequant_speedup_vs_bf16:.2f}x, `fp8_mgpu` {flux_forward_fp8_mgpu_speedup_vs_bf16:.2f}x "
              "(cuDNN attention in both), {flux_forward_fp8_mgpu_fused_speedup_vs_bf16:.2f}x with its shared-input "
              "groups fused ({flux_forward_fp8_mgpu_fused_speedup_vs_bf16_fused:.2f}x a bf16 model fused alike; part of "
-             "the gain is the same cuDNN attention kernel running faster in the W4A4 step, not explained). "
-             "PixArt-Σ's served output is {pixart_forward_fp8_mgpu_rel_l2_vs_simulate:.4f} (relative L2) from the "
-             "fake-quant forward's. On PixArt-Σ's narrow layers (d = 1152) W4A4 is slower than bf16",
+             "the gain is the same cuDNN attention kernel running faster in the W4A4 step, not explained), "
+             "{flux_forward_fp8_mgpu_fused_no_command_buffers_speedup_vs_bf16:.2f}x without XLA's command buffers "
+             "(as `fp8_mgpu` samplers now compile; steadier too). "
+             "The served outputs are {pixart_forward_fp8_mgpu_rel_l2_vs_simulate:.4f} (PixArt-Σ) and "
+             "{flux_forward_fp8_mgpu_rel_l2_vs_simulate:.4f} (FLUX.1, fused; relative L2) from the fake-quant "
+             "forward's. On PixArt-Σ's narrow layers (d = 1152) W4A4 is slower than bf16",
              "measured (no goal)", "[w4a4](docs/w4a4.md)"],
             ["Ideogram 4 bf16 forward, 6144 padded tokens",
              "{ideogram4_bf16_forward_padded_ms:.1f} ms", "1.2x the bf16 roofline", "[ideogram4](docs/ideogram4.md)"],

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import re
 import zlib
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
@@ -27,6 +25,7 @@ import jax
 import numpy as np
 
 from kroquant_jax.fileio import atomic_write_bytes
+from kroquant_jax.xla_options import unless_set_by_flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kroquant_jax.formats import check_finite
@@ -258,8 +257,7 @@ def engine_compiler_options(xla_flags: Optional[str] = None) -> dict[str, Any]:
     """:data:`ENGINE_XLA_OPTIONS` less the options that ``xla_flags`` (default: the ``XLA_FLAGS`` environment
     variable) sets: a flag the user gives explicitly (``XLA_FLAGS=--xla_gpu_autotune_level=4``) is never overridden
     by a per-program option."""
-    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
-    return {k: v for k, v in ENGINE_XLA_OPTIONS.items() if not re.search(rf"(^|\s)--?{k}(=|\s|$)", flags)}
+    return unless_set_by_flags(ENGINE_XLA_OPTIONS, xla_flags)
 
 
 def engine_jit(fun: Callable, **jit_kwargs) -> Callable:

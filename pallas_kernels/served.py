@@ -59,12 +59,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from typing import Any, ClassVar, Iterable, Literal, Optional
+from types import MappingProxyType
+from typing import Any, ClassVar, Iterable, Literal, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 
 from kroquant_jax.formats import MXFP4, QuantFormat, QuantizedArray, as_float32, dequantize
+from kroquant_jax.xla_options import unless_set_by_flags
 from pallas_kernels import transform_quantize as tq
 from pallas_kernels._compat import on_gpu
 from pallas_kernels.epilogues import (EpilogueBlockSizes, gemm_reference, gemm_rmsnorm, gemm_swiglu, permute_rows,
@@ -86,6 +88,7 @@ __all__ = [
     "forward",
     "get_strategy",
     "prepare_layer_transform",
+    "program_compiler_options",
     "quantized_inputs",
     "reference",
     "register_strategy",
@@ -351,10 +354,13 @@ class Strategy:
       name: the registry key (``ServeOptions.strategy``).
       options: the :class:`ServeOptions` fields this strategy reads besides ``strategy``, ``impl`` and
         ``quant_blocks`` (every other strategy-specific field raises when set).
+      program_xla_options: XLA options for a whole program (a sampler) whose layers run this strategy, where they
+        measured faster than XLA's defaults; :func:`program_compiler_options` hands them to ``jax.jit``.
     """
 
     name: ClassVar[str] = ""
     options: ClassVar[frozenset] = frozenset()
+    program_xla_options: ClassVar[Mapping[str, Any]] = MappingProxyType({})
 
     def unsupported(self, layer) -> Optional[str]:
         """Why this strategy cannot serve the ``QuantizedLinear`` ``layer`` (checked without preparing it), or None.
@@ -448,6 +454,15 @@ _BUILTIN_STRATEGY_MODULES = ("pallas_kernels.fp8_gemm",)
 def _load_builtin_strategies() -> None:
     for module in _BUILTIN_STRATEGY_MODULES:
         importlib.import_module(module)
+
+
+def program_compiler_options(strategy: Optional[str], xla_flags: Optional[str] = None) -> dict[str, Any]:
+    """``compiler_options`` for ``jax.jit`` of a program whose W4A4 layers run ``strategy`` (None: no served layers,
+    ``{}``): its :attr:`Strategy.program_xla_options`, less those the user's ``XLA_FLAGS`` (or ``xla_flags``) sets
+    (:func:`kroquant_jax.xla_options.unless_set_by_flags`)."""
+    if strategy is None:
+        return {}
+    return unless_set_by_flags(get_strategy(strategy).program_xla_options, xla_flags)
 
 
 def register_strategy(strategy: Strategy, *, replace: bool = False) -> Strategy:

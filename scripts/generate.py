@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None) -> dict:
         overrides = loaded.overrides() if options is None else loaded.served_overrides(options)
     except ValueError as err:
         raise UserError(f"--strategy {strategy}: {err}") from None
+    compiler_options = served.program_compiler_options(None if options is None else strategy)
     latents, seeds = sample_prompts(loaded.model, loaded.cfg, family, settings, arrays, overrides, (args.seed,),
-                                    progress=not args.quiet)
+                                    progress=not args.quiet, compiler_options=compiler_options)
     solver, steps, latent_hw = settings["solver"], settings["num_steps"], settings["latent_hw"]
     out = Path(args.out)
     buffer = io.BytesIO()
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
           file=sys.stderr)
     return {"family": loaded.family, "strategy": strategy, "attention": args.attention, "solver": solver,
             "shift": settings["shift"], "steps": steps, "latent_hw": list(latent_hw), "prompts": len(latents),
-            "out": str(out)}
+            "xla_options": compiler_options, "out": str(out)}
 
 
 def sampler_settings(loaded, steps: int | None = None, guidance: float | None = None, solver: str | None = None,
@@ -161,10 +162,11 @@ def sampler_settings(loaded, steps: int | None = None, guidance: float | None = 
 
 
 def sample_prompts(model, cfg, family, settings: dict, arrays: dict, overrides: dict, seeds=(0,),
-                   progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                   progress: bool = True, compiler_options: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Every prompt of ``arrays`` (``scripts.quantize_checkpoint.prompt_arrays``) sampled one at a time by ``model``
     with its linears routed through ``overrides`` (``{}``: the model's own 16-bit linears), once per seed ``s`` of
-    ``seeds``: prompt ``i`` starts from the noise of seed ``s + 1000 + i`` (one compiled sampler for all).
+    ``seeds``: prompt ``i`` starts from the noise of seed ``s + 1000 + i`` (one compiled sampler for all, compiled
+    with ``compiler_options``: ``served.program_compiler_options`` of the served strategy).
     Returns ``(latents (len(seeds) * P, c, H, W) float32, their noise seeds)``, seed-major."""
     import jax
     from flax import nnx
@@ -174,7 +176,7 @@ def sample_prompts(model, cfg, family, settings: dict, arrays: dict, overrides: 
 
     dtype = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))[0].dtype
     graphdef, state = nnx.split(model)
-    sample = jax.jit(family.make_sampler(graphdef, cfg, **settings))
+    sample = jax.jit(family.make_sampler(graphdef, cfg, **settings), compiler_options=compiler_options or None)
     indices = list(range(arrays["context"].shape[0]))
     batches = prompt_batches(arrays, indices, 1, dtype)
     runs = [(seed + 1000 + index, batch) for seed in seeds for index, batch in zip(indices, batches)]

@@ -29,7 +29,8 @@ def _run(args, xla_flags=None):
 def test_one_step_bf16_against_served_w4a4(family, args, layers, groups, tmp_path):
     out = tmp_path / "f.json"
     flags = "--xla_force_host_platform_device_count=1"  # recorded: XLA flags change what a GPU run measures
-    run = _run(["--family", family, "--preset", "tiny", *args, "--strategies", "simulate,dequant", "--repeats", 2,
+    strategies = "simulate,dequant,fp8_mgpu" if groups else "simulate,dequant"
+    run = _run(["--family", family, "--preset", "tiny", *args, "--strategies", strategies, "--repeats", 2,
                 "--inner", 1, "--out", out], xla_flags=flags)
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads(out.read_text())
@@ -37,8 +38,12 @@ def test_one_step_bf16_against_served_w4a4(family, args, layers, groups, tmp_pat
     assert saved["quantized_layers"] == layers and saved["ranks"] == [64] and saved["latent_hw"] == [8, 8]
     assert saved["fused_groups"] == groups and f"({groups} of them fused shared-input groups)" in run.stdout
     systems = saved["systems"]
-    assert sorted(systems) == sorted(["bf16", "simulate", "dequant"] + (["bf16_fused"] if groups else []))
+    assert sorted(systems) == sorted(["bf16", "simulate", "dequant"] + (["bf16_fused", "fp8_mgpu"] if groups else []))
+    # each served sampler compiled as kroquant generate compiles it: fp8_mgpu without XLA's command buffers
+    assert [systems[s]["xla_options"] for s in ("bf16", "simulate", "dequant")] == [{}, {}, {}]
     if groups:
+        assert systems["fp8_mgpu"]["xla_options"] == {"xla_gpu_enable_command_buffer": ""}
+        assert systems["fp8_mgpu"]["finite"] and 0 < systems["fp8_mgpu"]["rel_l2_vs_bf16"] < 0.5
         assert systems["bf16_fused"]["rel_l2_vs_bf16"] < 1e-2  # the same products, summed in another order
         assert systems["dequant"]["speedup_vs_bf16_fused"] == pytest.approx(
             systems["bf16_fused"]["median_ms"] / systems["dequant"]["median_ms"])

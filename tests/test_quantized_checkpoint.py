@@ -116,8 +116,14 @@ def test_generate_runs_a_served_strategy(tmp_path, monkeypatch):
         sim, deq = a["latents"], b["latents"]
     assert np.isfinite(deq).all() and not np.array_equal(sim, deq)  # served: bf16 activations, another path
     assert np.linalg.norm(deq - sim) / np.linalg.norm(sim) < 0.05
+    # the sampler is compiled with the strategy's per-program XLA options (fp8 has none: given one here, it must
+    # reach jax.jit, which accepts this GPU option on the CPU too)
+    from pallas_kernels import fp8_gemm
+    monkeypatch.setattr(fp8_gemm.Fp8Strategy, "program_xla_options", {"xla_gpu_enable_command_buffer": ""})
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
     fp8 = generate.main([*common, "--out", str(tmp_path / "fp8"), "--strategy", "fp8"])
-    assert fp8["strategy"] == "fp8"
+    assert fp8["strategy"] == "fp8" and fp8["xla_options"] == {"xla_gpu_enable_command_buffer": ""}
+    assert simulated["xla_options"] == {} and dequant["xla_options"] == {}
     with np.load(tmp_path / "fp8" / "latents.npz") as c:
         assert np.isfinite(c["latents"]).all()
         assert np.linalg.norm(c["latents"] - sim) / np.linalg.norm(sim) < 0.05

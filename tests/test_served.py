@@ -143,6 +143,23 @@ def test_the_packages_own_strategies_are_registered_without_importing_their_modu
     assert out[1] == "Fp8W4A8Strategy"
 
 
+def test_program_compiler_options_per_strategy_never_against_the_users_flags():
+    # fp8_mgpu's sampler is compiled without XLA's command buffers; the others keep XLA's defaults
+    assert S.program_compiler_options("fp8_mgpu", "") == {"xla_gpu_enable_command_buffer": ""}
+    assert S.program_compiler_options("dequant", "") == {} and S.program_compiler_options(None, "") == {}
+    # an option the user's XLA_FLAGS sets is theirs, whatever the value or spelling
+    for flags in ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS", "--xla_gpu_enable_command_buffer=",
+                  "--xla_dump_to=/tmp/x --xla_gpu_enable_command_buffer"):
+        assert S.program_compiler_options("fp8_mgpu", flags) == {}
+    assert S.program_compiler_options("fp8_mgpu", "--xla_gpu_enable_command_buffer_x=1") != {}  # another option
+    with pytest.raises(ValueError, match="strategy='nope' is not registered"):
+        S.program_compiler_options("nope", "")
+    # every strategy's options are options this XLA knows (a misspelt one fails here, not in a user's sampler)
+    for name in S.strategy_names():
+        options = S.program_compiler_options(name, "")
+        assert float(jax.jit(lambda x: x * 2, compiler_options=options or None)(jnp.float32(1.5))) == 3.0
+
+
 def test_default_strategy_per_device_and_layers():
     # fp8_mgpu on Hopper where it serves every layer; dequant on a CPU, other GPUs, or when one layer is NVFP4 or has
     # a rank the fused kernel's bf16 wgmma cannot take (the reason names that layer's shape)
