@@ -16,6 +16,9 @@
 #                                                      # groups fused, under each of XLA's command-buffer (CUDA graph)
 #                                                      # SETTINGS (default "min1 off"; "default" adds XLA's own),
 #                                                      # GRAPHS_S s each (FLUX.1: about 280, two settings a call)
+#   bash benchmarks/family_forward_device.sh program   # the served strategies' per-program XLA options on the GPU:
+#                                                      # their GPU test, then FAMILY (default flux) fused, each
+#                                                      # system compiled as kroquant generate compiles it (PROGRAM_S)
 #   bash benchmarks/family_forward_device.sh fused     # FLUX.1, then PixArt-Σ, with --fuse-shared-inputs: bf16,
 #                                                      # bf16_fused, fp8_mgpu (FLUX_S, PIXART_S: each one's limit in s;
 #                                                      # 0 skips it)
@@ -88,6 +91,15 @@ case "$mode" in
         --out "$OUT/family_forward_${family}_graphs_${setting}.json" > "$OUT/graphs_${family}_${setting}.log" 2>&1
       echo "graphs ${family} ${setting} rc=$?"; grep -v "^{" "$OUT/graphs_${family}_${setting}.log" | tail -n 6
     done ;;
+  program)
+    family=${FAMILY:-flux}
+    case "$family" in pixart|flux) ;; *) echo "program: unknown FAMILY '$family' (pixart, flux)" >&2; exit 2 ;; esac
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_program_options_gpu.py > "$OUT/program.log" 2>&1
+    echo "program options gpu test rc=$?"
+    timeout "${PROGRAM_S:-300}" python3 benchmarks/family_forward_w4a4.py --family "$family" --strategies fp8_mgpu \
+      --fuse-shared-inputs --kernels --repeats 5 --out "$OUT/family_forward_${family}_program_options.json" \
+      >> "$OUT/program.log" 2>&1
+    echo "program ${family} rc=$?"; grep -v "^{" "$OUT/program.log" | tail -n 12 ;;
   fused)
     for fam in flux pixart; do
       limit=$([ "$fam" = flux ] && echo "${FLUX_S:-330}" || echo "${PIXART_S:-200}")
@@ -98,5 +110,6 @@ case "$mode" in
         echo "$fam fused rc=$?"; grep -v "^{" "$OUT/${fam}_fused.log" | tail -n 9
       fi
     done ;;
-  *) echo "family_forward_device.sh: unknown mode '$mode' (tiles, flux, errors, validate, graphs, fused)" >&2; exit 2 ;;
+  *) echo "family_forward_device.sh: unknown mode '$mode' (tiles, flux, errors, validate, graphs, program, fused)" >&2
+     exit 2 ;;
 esac
