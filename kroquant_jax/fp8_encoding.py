@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -84,12 +85,15 @@ _E2M1_FLOOR_LOG2 = np.array([127, -1, 0, 0, 1, 1, 2, 2], np.int32)  # magnitudes
                    meta_fields=("order",))
 @dataclasses.dataclass(frozen=True)
 class Fp8Rows:
-    """FP8 rows with one f32 factor per row: ``x[..., j] = f32(values[..., j]) * scale[...]``.
+    """FP8 rows with one f32 factor per row, or per group of ``g`` consecutive values of a row:
+    ``x[..., j] = f32(values[..., j]) * scale[...]`` (``scale (...)``), or ``* scale[..., j // g]``
+    (``scale (..., d/g)``, :attr:`group` ``= g``; ``j`` counts in the values' own column order).
 
     Attributes:
       values: ``float8_e4m3fn (..., d)``.
-      scale: ``float32 (...)``: ``2**e_ref`` exactly for re-encoded MXFP4 rows (:func:`mxfp4_to_e4m3`), ``amax / 448``
-        for per-token activations (:func:`per_token_e4m3`); NaN for rows that hold a non-finite value.
+      scale: ``float32 (...)`` or ``(..., d/g)``: ``2**e_ref`` exactly for re-encoded MXFP4 rows or row groups
+        (:func:`mxfp4_to_e4m3`; 0 for a group without a live element), ``amax / 448`` for per-token activations
+        (:func:`per_token_e4m3`); NaN for rows (groups) that hold a non-finite value.
       inexact: ``int32 ()``: elements whose E4M3 value differs from the value they encode (MXFP4: 0 when every row's
         span is ``<= 14``; per-token: always 0, the rounding is the format's own); -1 when not counted.
       order: the column order of ``values`` (static): ``"natural"``, or ``"even_odd"``: the even elements
@@ -107,8 +111,15 @@ class Fp8Rows:
         return tuple(self.values.shape)
 
     @property
+    def group(self) -> Optional[int]:
+        """Values per scale (``g``) when the scales are per row group, None when there is one per row."""
+        if self.scale.ndim < self.values.ndim:
+            return None
+        return self.values.shape[-1] // self.scale.shape[-1]
+
+    @property
     def nbytes(self) -> int:
-        """Storage: one byte per element plus 4 per row (``inexact`` not counted)."""
+        """Storage: one byte per element plus 4 per row or row group (``inexact`` not counted)."""
         return int(self.values.size + self.scale.size * 4)
 
 
@@ -252,13 +263,49 @@ def _exact_values(nib: jax.Array, byte: jax.Array, offset: jax.Array) -> jax.Arr
     return jnp.where(dead, 0.0, F.e2m1_decode(nib) * _pow2(offset))  # <= 2 significant bits, exponent >= -31: exact
 
 
+#: Binades by which a row group's reference exponent may lie below the previous live group's (``group=``): a GEMM
+#: that keeps its accumulator in the units of the current group rescales it by at most ``2**GROUP_GAP`` per step,
+#: far inside f32's range for any sum of E4M3 products.
+GROUP_GAP = 64
+
+
+def _group_reference_exponents(q: QuantizedArray, order: str, group: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(e_ref int32 (..., G), live bool (..., G), nan bool (..., G))`` per group of ``group`` values in ``order``,
+    ``G = d / group``: each group's largest non-NaN block exponent minus 6, raised to at least
+    ``max_{j<k}(e_j - GROUP_GAP (k - j))`` over the row's earlier live groups (a scan in the values' order)."""
+    bs = q.fmt.block_size
+    d = q.shape[-1]
+    span = group if order == "natural" else 2 * group  # original columns per group
+    if group <= 0 or span % bs or (d if order == "natural" else d // 2) % group:
+        raise ValueError(f"mxfp4_to_e4m3: {group=} must be a multiple of {bs if order == 'natural' else bs // 2} "
+                         f"dividing {'d' if order == 'natural' else 'd/2'} ({d=}, {order=}, block size {bs})")
+    _, live_b, nan_b = block_exponents(q)  # (..., nb)
+    b = q.scales.astype(jnp.int32)
+    per = span // bs
+    shape = (*b.shape[:-1], b.shape[-1] // per, per)
+    max_byte = jnp.max(jnp.where(nan_b | ~live_b, 0, b).reshape(shape), axis=-1)  # (..., G0)
+    live = jnp.any(live_b.reshape(shape), axis=-1)
+    nan = jnp.any(nan_b.reshape(shape), axis=-1)
+    if order == "even_odd":  # the odd half's groups read the same blocks as the even half's
+        max_byte, live, nan = (jnp.concatenate([x, x], axis=-1) for x in (max_byte, live, nan))
+    e = reference_exponent(max_byte)
+    k = jnp.arange(e.shape[-1], dtype=jnp.int32)
+    lifted = jax.lax.cummax(jnp.where(live, e + GROUP_GAP * k, _NO_BLOCK), axis=e.ndim - 1) - GROUP_GAP * k
+    return jnp.where(live, jnp.maximum(e, lifted), e).astype(jnp.int32), live, nan
+
+
 def mxfp4_to_e4m3(q: QuantizedArray, *, order: str = "natural", count_inexact: bool = True,
-                  arithmetic: str = "integer") -> Fp8Rows:
-    """Re-encode MXFP4 rows ``(..., d)`` as E4M3 bytes ``(..., d)`` and one power of two per row.
+                  arithmetic: str = "integer", group: Optional[int] = None) -> Fp8Rows:
+    """Re-encode MXFP4 rows ``(..., d)`` as E4M3 bytes ``(..., d)`` and one power of two per row (or per ``group``).
 
     ``value[..., j] = e2m1(code) * 2**(e_blk - e_ref)`` rounded to E4M3 (exact for block offsets in ``[-8, 6]``; the
     out-of-range policy of the module docstring otherwise; :func:`e4m3_bits`), ``scale = 2**e_ref``.
     ``order="even_odd"`` writes the low nibbles then the high nibbles (no interleave; see :class:`Fp8Rows`).
+    ``group``: one reference exponent per ``group`` consecutive values in ``order`` instead of per row (scales
+    ``(..., d/group)``; DeepGEMM's 1 x 128 activation scales): each group's own largest block at +6, so a group is
+    exact whenever its own blocks span at most 14 binades, and no reduction over the whole row is needed. A group
+    without a live element gets scale 0 (its bytes are 0), a group with a NaN block NaN, and a group's exponent is
+    raised to at most :data:`GROUP_GAP` binades below the row's earlier live groups (what it flushes is counted).
     ``count_inexact``: count the elements the rounding changed (one more reduction over the row; ``inexact = -1``
     without). ``arithmetic``: :data:`ARITHMETICS` (the same bytes). Any MXFP4 block size; pure jnp (elementwise over
     the packed bytes plus a reduction over the row's scale bytes).
@@ -266,13 +313,21 @@ def mxfp4_to_e4m3(q: QuantizedArray, *, order: str = "natural", count_inexact: b
     _check_mxfp4(q, "mxfp4_to_e4m3")
     _check_order(order)
     per_block = q.fmt.block_size // 2  # bytes per block
-    e_ref = row_reference_exponent(q)  # (...)
     b = q.scales.astype(jnp.int32)  # (..., nb)
     byte_b = jnp.repeat(b, per_block, axis=-1)  # (..., d/2)
+    if group is None:
+        e_ref = row_reference_exponent(q)  # (...)
+        e_lo = e_hi = e_ref[..., None]
+    else:
+        e_ref, g_live, g_nan = _group_reference_exponents(q, order, group)  # (..., G)
+        if order == "natural":  # element 2i + p sits at column 2i + p: pairs never straddle groups (group even)
+            e_lo = e_hi = jnp.repeat(e_ref, group // 2, axis=-1)
+        else:
+            e_lo, e_hi = (jnp.repeat(half, group, axis=-1) for half in jnp.split(e_ref, 2, axis=-1))
     codes = q.codes.astype(jnp.int32)
     lo_nib, hi_nib = codes & 15, codes >> 4  # elements 2i, 2i + 1
-    lo = _bits_to_e4m3(e4m3_bits(lo_nib, byte_b, e_ref[..., None], arithmetic=arithmetic))
-    hi = _bits_to_e4m3(e4m3_bits(hi_nib, byte_b, e_ref[..., None], arithmetic=arithmetic))
+    lo = _bits_to_e4m3(e4m3_bits(lo_nib, byte_b, e_lo, arithmetic=arithmetic))
+    hi = _bits_to_e4m3(e4m3_bits(hi_nib, byte_b, e_hi, arithmetic=arithmetic))
     if order == "even_odd":
         values = jnp.concatenate([lo, hi], axis=-1)
     else:
@@ -280,11 +335,15 @@ def mxfp4_to_e4m3(q: QuantizedArray, *, order: str = "natural", count_inexact: b
     inexact = jnp.int32(-1)
     if count_inexact:
         # Offsets below -30 round every E2M1 value to zero (6 * 2**-30 < 2**-10): clip so that 2**o is a normal f32.
-        offset = jnp.repeat(jnp.clip(b - F.E8M0_BIAS - e_ref[..., None], -30, 127), per_block, axis=-1)
         nan_byte = byte_b == F.E8M0_NAN
-        inexact = sum(jnp.sum(((v.astype(jnp.float32) != _exact_values(nib, byte_b, offset)) & ~nan_byte)
-                              .astype(jnp.int32)) for v, nib in ((lo, lo_nib), (hi, hi_nib)))
-    scale = jnp.where(jnp.any(b == F.E8M0_NAN, axis=-1), jnp.nan, _pow2(e_ref))
+        inexact = sum(jnp.sum(((v.astype(jnp.float32)
+                                != _exact_values(nib, byte_b, jnp.clip(byte_b - F.E8M0_BIAS - e, -30, 127)))
+                               & ~nan_byte).astype(jnp.int32))
+                      for v, nib, e in ((lo, lo_nib, e_lo), (hi, hi_nib, e_hi)))
+    if group is None:
+        scale = jnp.where(jnp.any(b == F.E8M0_NAN, axis=-1), jnp.nan, _pow2(e_ref))
+    else:
+        scale = jnp.where(g_nan, jnp.nan, jnp.where(g_live, _pow2(e_ref), 0.0))
     return Fp8Rows(values=values, scale=scale, inexact=inexact, order=order)
 
 
@@ -303,10 +362,11 @@ def even_odd_columns(x: jax.Array) -> jax.Array:
 
 
 def dequantize_rows(rows: Fp8Rows, dtype=jnp.float32) -> jax.Array:
-    """``f32(values) * scale[..., None]`` in ``dtype``, columns in natural order (exact in f32 for re-encoded MXFP4
-    rows unless the product is an f32 subnormal)."""
-    values = natural_columns(rows.values, rows.order).astype(jnp.float32)
-    return (values * rows.scale[..., None]).astype(dtype)
+    """``f32(values) * scale`` (per row, or per row group: :class:`Fp8Rows`) in ``dtype``, columns in natural order
+    (exact in f32 for re-encoded MXFP4 rows unless the product is an f32 subnormal)."""
+    factor = rows.scale[..., None] if rows.group is None else jnp.repeat(rows.scale, rows.group, axis=-1)
+    values = rows.values.astype(jnp.float32) * factor
+    return natural_columns(values, rows.order).astype(dtype)
 
 
 def per_token_e4m3(x: jax.Array, *, order: str = "natural") -> Fp8Rows:

@@ -169,6 +169,9 @@ def fp8_matmul(a: Operand, w: Operand, *, lowrank: Optional[tuple] = None, bias:
     """
     order = operand_order(w) if not isinstance(w, QuantizedArray) or not isinstance(a, Fp8Rows) else a.order
     ar, wr = _as_rows(a, "a", order, return_inexact), _as_rows(w, "w", order, return_inexact)
+    if ar.group is not None or wr.group is not None:
+        raise ValueError("fp8_matmul: operands with scales per row group are taken by "
+                         "fp8_gemm_mgpu.fp8_matmul_mgpu only; re-encode with one scale per row (group=None)")
     if ar.values.ndim != 2 or wr.values.ndim != 2 or ar.shape[1] != wr.shape[1]:
         raise ValueError(f"fp8_matmul: a {ar.shape} and w {wr.shape} must be (m, d) and (n, d)")
     (m, d), n = ar.shape, wr.shape[0]
@@ -209,9 +212,14 @@ def fp8_matmul_reference(a: Operand, w: Operand, *, lowrank: Optional[tuple] = N
     """Eq. 11 exactly, in float64 on the host: the operands' values (MXFP4: ``formats.dequantize``; :class:`Fp8Rows`:
     ``values * scale``) multiplied and summed in float64, ``+ h L^T + bias``. ``(m, n)`` float64."""
     def dense(x):
-        if isinstance(x, Fp8Rows):
-            return (np.asarray(FE.natural_columns(x.values, x.order).astype(jnp.float32), np.float64)
-                    * np.asarray(x.scale, np.float64)[..., None])
+        if isinstance(x, Fp8Rows):  # values times their row's (row group's) factor, in natural column order
+            scale = np.asarray(x.scale, np.float64)
+            factor = scale[..., None] if x.group is None else np.repeat(scale, x.group, axis=-1)
+            v = np.asarray(x.values.astype(jnp.float32), np.float64) * factor
+            if x.order == "even_odd":  # FE.natural_columns, in float64
+                half = v.shape[-1] // 2
+                v = np.stack([v[..., :half], v[..., half:]], axis=-1).reshape(v.shape)
+            return v
         if isinstance(x, QuantizedArray):
             return np.asarray(dequantize(x, jnp.float32), np.float64)
         return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)

@@ -36,6 +36,14 @@ the epilogue (its bytes are zero, so any scale is exact there);
 a NaN scale (a row with a non-finite input) gives a NaN row, as ``fp8_matmul``. The jnp mirror
 :func:`fp8_matmul_mgpu_reference` runs the same steps in f32 at HIGHEST precision.
 
+**Row-group scales.** Activations may carry one power of two per row and group of ``g`` K values instead of one
+per row (``Fp8Rows.group``, :func:`kroquant_jax.fp8_encoding.mxfp4_to_e4m3` with ``group=``; DeepGEMM's 1 x 128
+scales), with ``g`` a multiple of ``tile_k``. The kernel keeps its one accumulator in the units of the last live group
+so far: before each K step a third pipeline input multiplies it per row by ``2**(e_prev - e_k)`` (1 inside a group,
+:func:`_group_steps`, made by XLA from the scales), exact as the row factors are, and the epilogue applies the last
+live group's factor where it applied ``sa``. It needs ``delay_release=0`` (the step's ``wgmma`` has finished when the
+next step rescales). Such an operand needs no reduction over its whole row before the GEMM.
+
 **Limits.** Both operands in the same K order (any: a GEMM sums over K); ``k`` a multiple of ``tile_k`` and ``n`` of
 ``2 tile_n`` (the weight is padded otherwise: a copy per call; :func:`default_config` picks a ``tile_n`` whose CTA
 divides ``n`` where one of its widths does, :func:`choose_tile_n`), ragged ``m`` is
@@ -238,10 +246,12 @@ def _swizzled(plgpu, row_elems: int, itemsize: int):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, interpret: Any, epilogue: str = "none"):
+def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, interpret: Any, epilogue: str = "none",
+          step_ratio=None):
     """``a8 e4m3 (m, k)``, ``sa f32 (m,)``, ``w8 e4m3 (n, k)``, ``sw f32 (n,)``, ``bias f32 (n,) | None``,
     ``h bf16 (m, r) | None``, ``left bf16 (n, r) | None`` -> ``(m, n)`` (``(m, n/2)`` with ``epilogue="swiglu"``);
-    ``m``, ``n``, ``k`` multiples of the tiles."""
+    ``m``, ``n``, ``k`` multiples of the tiles. ``step_ratio f32 (k / tile_k, m) | None``: the factor each row's
+    accumulator is multiplied by before K step ``s``'s ``wgmma`` (row-group scales, :func:`_group_steps`)."""
     plgpu = _plgpu()
     m, k = a8.shape
     n = w8.shape[0]
@@ -261,9 +271,12 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
     vec_names = ["sa", "sw"] + (["bias"] if has_bias else []) + (["h", "left"] if has_lowrank else [])
     n_vec = len(vec_names)
 
+    grouped = step_ratio is not None
+
     def fp8_gemm_fused(a_gmem, sa_gmem, w_gmem, sw_gmem, *rest):  # the name profilers show
         rest = list(rest)
         out_gmem = rest.pop()
+        ratio_gmem = rest.pop() if grouped else None
         bias_gmem = rest.pop(0) if has_bias else None
         h_gmem, left_gmem = (rest[0], rest[1]) if has_lowrank else (None, None)
 
@@ -278,7 +291,8 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
                                     memory_space=plgpu.SMEM, **release),
                     plgpu.BlockSpec((cfg.cta_n, tk), lambda kk: (0, kk), transforms=in_transforms,
                                     memory_space=plgpu.SMEM, **release),
-                ],
+                ] + ([plgpu.BlockSpec((1, tm), lambda kk: (kk, 0), memory_space=plgpu.SMEM, **release)]
+                     if grouped else []),
                 wg_axis="wg",
                 num_compute_wgs=2,
                 max_concurrent_steps=cfg.max_concurrent_steps,
@@ -287,7 +301,8 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
 
         ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not influence the allocations
         scoped = dict(
-            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, w_gmem),
+            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
+                a_gmem, w_gmem, *([ratio_gmem] if grouped else [])),
             out_smem=plgpu.SMEM((2, cfg.epi_slots, epi_m, epi_n), out_dtype, transforms=out_transforms),
             sa_smem=plgpu.SMEM((2, tm), jnp.float32),
             sw_smem=plgpu.SMEM((2, tn), jnp.float32),
@@ -373,14 +388,17 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
                                 out_smem.at[wg, slot],
                                 out_gmem.at[rows, out_cols].at[pl.ds(ei * epi_m, epi_m), pl.ds(ej * epi_n, epi_n)])
 
-                def mma_body(idxs, a_smem, w_smem, acc_ref):
+                def mma_body(idxs, a_smem, w_smem, *rest):
+                    *ratio_smem, acc_ref = rest
+                    if grouped:  # the accumulator into this step's units (a power of two per row: exact)
+                        acc_ref[...] = acc_ref[...] * jax.lax.broadcast_in_dim(ratio_smem[0][0], (tm, tn), (0,))
                     plgpu.wgmma(acc_ref, a_smem, w_smem.at[w_rows].transpose((1, 0)))
                     plgpu.wgmma_wait(cfg.delay_release)
                     return acc_ref
 
                 get_pipeline(mma_body, compute_context)(
                     a_gmem.at[rows, :], w_gmem.at[pl.ds(n_idx * cfg.cta_n, cfg.cta_n), :],
-                    allocations=pipeline_allocs)
+                    *([ratio_gmem.at[:, rows]] if grouped else []), allocations=pipeline_allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -399,7 +417,7 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
         **({} if interpret is None else {"interpret": interpret}),
     )
     args = [a8, sa, w8, sw] + ([bias] if has_bias else []) + ([h, left] if has_lowrank else [])
-    return f(*args)
+    return f(*args, *([step_ratio] if grouped else []))
 
 
 def _check(a: Fp8Rows, w: Fp8Rows, lowrank, bias) -> tuple[int, int, int, int]:
@@ -415,6 +433,10 @@ def _check(a: Fp8Rows, w: Fp8Rows, lowrank, bias) -> tuple[int, int, int, int]:
                          f"GEMM must share one K order")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"fp8_matmul_mgpu: bias {bias.shape} must be ({n},)")
+    if w.group is not None:
+        raise ValueError(f"fp8_matmul_mgpu: w has scales per group of {w.group} values; the weight takes one per row")
+    if a.group is not None and (a.scale.shape != (m, k // a.group) or k % a.group):
+        raise ValueError(f"fp8_matmul_mgpu: a's row-group scales {a.scale.shape} do not tile its {a.shape} values")
     r = 0
     if lowrank is not None:
         h, left = lowrank
@@ -435,7 +457,8 @@ def fp8_matmul_mgpu(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None, 
     """``(A8 W8^T) * sa sw^T + bias + h L^T`` in one Mosaic GPU kernel (then, with ``swiglu_group``, the SwiGLU).
 
     Args:
-      a: activations ``(m, k)`` as :class:`Fp8Rows` (``values`` E4M3, ``scale (m,)``).
+      a: activations ``(m, k)`` as :class:`Fp8Rows` (``values`` E4M3, ``scale (m,)``, or ``(m, k / g)`` per row group
+        with ``g`` a multiple of the tiling's ``tile_k``: module docstring).
       w: weights ``(n, k)`` as :class:`Fp8Rows`, in the same K order as ``a``.
       lowrank: ``(h (m, r), L (n, r))`` (cast to bf16) or None.
       bias: ``(n,)`` or None (f32 in the epilogue).
@@ -482,15 +505,24 @@ def fp8_matmul_mgpu(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None, 
         return x if all(wd == (0, 0) for wd in widths) else jnp.pad(x, widths)
 
     a8, w8 = pad(a.values, mp, kp), pad(w.values, np_, kp)  # zero bytes contribute exactly 0
+    step_ratio = None
+    if a.group is not None:
+        if a.group % cfg.tile_k or cfg.delay_release:
+            raise ValueError(f"fp8_matmul_mgpu: a's scales per group of {a.group} values need a tile_k dividing it "
+                             f"and delay_release=0, got {cfg}")
+        step_ratio, row_scale = _group_steps(a.scale.astype(jnp.float32), a.group // cfg.tile_k)
+        step_ratio = pad(step_ratio.T, k // cfg.tile_k, mp)  # (k / tile_k, m): one row of factors per K step
+    else:
+        row_scale = a.scale.astype(jnp.float32)
     # the raw factors: the kernel replaces a zero by 1 itself (_nonzero), so no select runs as its own XLA kernel
-    sa, sw = pad(a.scale.astype(jnp.float32), mp), pad(w.scale.astype(jnp.float32), np_)
+    sa, sw = pad(row_scale, mp), pad(w.scale.astype(jnp.float32), np_)
     b = None if bias is None else pad(bias.astype(jnp.float32), np_)
     h = left = None
     if lowrank is not None:
         h, left = _lowrank_operands(lowrank, w, left_prescaled)
         h, left = pad(h, mp), pad(left, np_)
     y = _call(a8, sa, w8, sw, b, h, left, cfg=cfg, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
-              epilogue="none" if swiglu_group is None else "swiglu")
+              epilogue="none" if swiglu_group is None else "swiglu", step_ratio=step_ratio)
     n_out = n if swiglu_group is None else n // 2  # padded n is a multiple of cta_n: whole groups
     return y if y.shape == (m, n_out) else y[:m, :n_out]
 
@@ -514,6 +546,29 @@ def swiglu_halves(y: jax.Array, group: int) -> jax.Array:
     parts = y.astype(jnp.float32).reshape(m, n // group, 2, group // 2)
     g, u = parts[:, :, 0], parts[:, :, 1]
     return (g / (1.0 + jnp.exp(-g)) * u).reshape(m, n // 2).astype(y.dtype)
+
+
+def _group_steps(scale: jax.Array, steps_per_group: int) -> tuple[jax.Array, jax.Array]:
+    """Row-group scales ``(m, G)`` (powers of two, 0 for a group without a live element, NaN) -> the kernel's
+    ``(m, G * steps_per_group)`` factors and ``(m,)`` row factors. The accumulator is kept in the units of the last
+    live group so far: before the first step of live group ``k`` it is multiplied by ``2**(u - e_k)`` (``u`` the
+    previous live group's exponent; 1 before any), exact, and after the loop the row factor ``2**u`` of the last live
+    group (0 without one; NaN for a row with a NaN group) scales it as a row scale would. Exponents come from the bits,
+    so no division rounds; a factor below ``2**-126`` is taken as ``2**-126`` (the earlier sum it scales is then below
+    f32's resolution at the new units anyway)."""
+    m, g = scale.shape
+    live = (scale != 0) & ~jnp.isnan(scale)
+    e = ((jax.lax.bitcast_convert_type(scale, jnp.int32) >> 23) & 255) - 127  # 2**e, a normal f32
+    last = jax.lax.cummax(jnp.where(live, jnp.arange(g, dtype=jnp.int32), -1), axis=1)  # last live group <= k
+    units = jnp.take_along_axis(e, jnp.maximum(last, 0), axis=1)  # (m, G): the exponent after group k
+    before = jnp.concatenate([jnp.full((m, 1), -1, jnp.int32), last[:, :-1]], axis=1)
+    u_prev = jnp.concatenate([jnp.zeros((m, 1), jnp.int32), units[:, :-1]], axis=1)
+    pow2 = lambda x: jax.lax.bitcast_convert_type((jnp.clip(x, -126, 127) + 127) << 23, jnp.float32)  # noqa: E731
+    ratio = jnp.where(live & (before >= 0), pow2(u_prev - e), 1.0)  # (m, G)
+    steps = jnp.zeros((m, g, steps_per_group), jnp.float32).at[:, :, 0].set(ratio).at[:, :, 1:].set(1.0)
+    row = jnp.where(last[:, -1] >= 0, pow2(units[:, -1]), 0.0)
+    row = jnp.where(jnp.any(jnp.isnan(scale), axis=1), jnp.nan, row)
+    return steps.reshape(m, g * steps_per_group), row
 
 
 def _nonzero(scale: jax.Array) -> jax.Array:
@@ -553,8 +608,13 @@ def fp8_matmul_mgpu_reference(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple
     kernel's pre-scaled bf16 ``L' = L / sw`` (given, with ``left_prescaled``), ``(A8 W8^T) sa sw^T + bias`` without
     the low-rank term, then with ``swiglu_group`` :func:`swiglu_halves`; one rounding to ``out_dtype``."""
     _check(a, w, lowrank, bias)
-    sa, sw = _kernel_scale(a.scale), _kernel_scale(w.scale)
-    acc = jnp.matmul(a.values.astype(jnp.float32), w.values.astype(jnp.float32).T, precision="highest") * sa[:, None]
+    sw = _kernel_scale(w.scale)
+    if a.group is None:
+        acc = (jnp.matmul(a.values.astype(jnp.float32), w.values.astype(jnp.float32).T, precision="highest")
+               * _kernel_scale(a.scale)[:, None])
+    else:  # each group's exact values (E4M3 times a power of two), summed over K in f32
+        a_exact = a.values.astype(jnp.float32) * jnp.repeat(a.scale.astype(jnp.float32), a.group, axis=1)
+        acc = jnp.matmul(a_exact, w.values.astype(jnp.float32).T, precision="highest")
     if lowrank is not None:
         h, left = _lowrank_operands(lowrank, w, left_prescaled)
         acc = acc + jnp.matmul(h.astype(jnp.float32), left.astype(jnp.float32).T, precision="highest")

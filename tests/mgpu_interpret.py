@@ -210,7 +210,9 @@ def _run_fp8_case(case: dict) -> dict:
     if case.get("zero_scale_rows"):  # all-zero rows whose factor a caller's encoder left at 0 (the kernel takes 1),
         # and one with the smallest factor 2**-126 beside a non-zero h (h / sa would overflow; the kernel never forms it)
         a, w = a.at[m - 2:].set(0.0), w.at[n - 1].set(0.0)
-    a8 = FE.mxfp4_to_e4m3(quantize(a, MXFP4()), order="even_odd")
+    if case.get("row_group"):  # scales per group of K values: blocks far apart in one row, a group of zeros
+        a = a.at[min(3, m - 1), : k // 4].multiply(2.0**-30).at[min(4, m - 1), k // 2:].set(0.0)
+    a8 = FE.mxfp4_to_e4m3(quantize(a, MXFP4()), order="even_odd", group=case.get("row_group"))
     w8 = FE.mxfp4_to_e4m3(quantize(w, MXFP4()), order="even_odd")
     if case.get("zero_scale_rows"):
         a8 = FE.Fp8Rows(a8.values, a8.scale.at[m - 1].set(0.0), a8.inexact, a8.order)

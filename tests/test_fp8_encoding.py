@@ -151,6 +151,46 @@ def test_even_odd_order():
         E.mxfp4_to_e4m3(q, order="odd")
 
 
+@pytest.mark.parametrize("order, group", [("natural", 64), ("natural", 128), ("even_odd", 32), ("even_odd", 64)])
+def test_row_groups_exact_where_each_group_fits(order, group):
+    """One exponent per group of values: exact wherever each group's blocks span <= 14 binades, even where the row's
+    blocks span more (the per-row encoding rounds there); zero groups get scale 0, NaN groups NaN, nothing else."""
+    x = np.asarray(jax.random.normal(jax.random.PRNGKey(7), (5, 256)), np.float32) * 3.0
+    x[1, :128] *= 2.0**-20  # row span about 20 binades, each group's at most ~8
+    x[2, 64:128] = 0.0  # a zero group (natural order, 64)
+    x[3, 200] = np.nan
+    q = F.quantize(jnp.asarray(x))
+    rows, grouped = E.mxfp4_to_e4m3(q, order=order), E.mxfp4_to_e4m3(q, order=order, group=group)
+    assert grouped.group == group and grouped.scale.shape == (5, 256 // group) and rows.group is None
+    exact = _exact_f64(q)
+    finite = [0, 1, 2, 4]
+    np.testing.assert_array_equal(np.asarray(E.dequantize_rows(grouped), np.float64)[finite], exact[finite])
+    assert int(grouped.inexact) == 0 < int(rows.inexact)  # the per-row encoding rounds row 1's small blocks
+    scale = np.asarray(grouped.scale)
+    # the NaN block's group: once in natural order, in both halves (even, odd elements) in even_odd order
+    assert np.isnan(scale[3]).sum() == (1 if order == "natural" else 2)
+    assert np.all(np.isfinite(np.delete(scale, 3, axis=0)))
+    if order == "natural" and group == 64:
+        assert scale[2, 1] == 0.0 and np.all(scale[2, [0, 2, 3]] > 0)
+    bits = scale[np.isfinite(scale) & (scale > 0)].view(np.int32)
+    assert np.all(bits & 0x7FFFFF == 0)  # powers of two
+
+
+def test_row_groups_stay_within_64_binades_of_the_earlier_groups():
+    # group 1 sits 95 binades below group 0: its exponent is raised to 64 below, its values rounded (and counted)
+    x = np.ones((1, 128), np.float32)
+    x[0, 64:] = 2.0**-95
+    q = F.quantize(jnp.asarray(x))
+    r = E.mxfp4_to_e4m3(q, group=64)
+    s0, s1 = np.asarray(r.scale)[0]
+    assert s0 / s1 == 2.0**E.GROUP_GAP and int(r.inexact) == 64  # 2**-95 is below E4M3's reach at that exponent
+    x[0, 64:] = 2.0**-60  # within the gap: exact
+    assert int(E.mxfp4_to_e4m3(F.quantize(jnp.asarray(x)), group=64).inexact) == 0
+    for group, order in ((48, "natural"), (64, "natural_x"), (24, "even_odd"), (96, "even_odd")):
+        with pytest.raises(ValueError, match="group=|order"):
+            E.mxfp4_to_e4m3(q, order=order, group=group)
+
+
 def test_under_jit_and_vmap_identical():
     x = jax.random.normal(jax.random.PRNGKey(3), (8, 128)) * 10.0
     q = F.quantize(x)

@@ -86,6 +86,44 @@ def test_nan_rows_propagate():
     assert np.all(np.isnan(y[2])) and np.all(np.isfinite(np.delete(y, 2, axis=0)))
 
 
+def test_row_group_scales_mirror_equals_the_float64_product():
+    """Activations with one exponent per row and K group: the mirror (and so the kernel's contract) is eq. 11 of the
+    exact values; the step factors keep the accumulator in the last live group's units, exactly."""
+    a = (jax.random.normal(jax.random.key(8), (40, 256)) * 2.0).at[3, :128].multiply(2.0**-25).at[4, 64:192].set(0.0)
+    a = a.at[5, 70].set(jnp.nan)
+    a8 = FE.mxfp4_to_e4m3(quantize(a, MXFP4()), order="even_odd", group=64)  # 4 groups: even 0, 1, odd 0, 1
+    w8 = _rows(jax.random.normal(jax.random.key(9), (96, 256)) * 0.05)
+    h, left = jnp.ones((40, 16), jnp.bfloat16), (jax.random.normal(jax.random.key(10), (96, 16)) * 0.1)
+    bias = jnp.arange(96, dtype=jnp.float32) / 96
+    y = np.asarray(F.fp8_matmul_mgpu_reference(a8, w8, lowrank=(h, left.astype(jnp.bfloat16)), bias=bias),
+                   np.float64)
+    ref = G8.fp8_matmul_reference(a8, w8, lowrank=(h, left.astype(jnp.bfloat16)), bias=bias)
+    assert np.all(np.isnan(y[5])) and np.all(np.isfinite(np.delete(y, 5, axis=0)))
+    ok = np.delete(np.arange(40), 5)
+    rel = np.linalg.norm(y[ok] - ref[ok]) / np.linalg.norm(ref[ok])
+    assert rel < 1e-6, rel
+    # the factors per K step: 2 steps per group of 64 at tile_k = 32; a group's first step rescales, the other is 1
+    scale = jnp.asarray([[2.0**3, 0.0, 2.0**-2, 2.0**5], [0.0, 0.0, 0.0, 0.0], [1.0, jnp.nan, 2.0, 4.0]])
+    steps, row = F._group_steps(scale, 2)
+    np.testing.assert_array_equal(np.asarray(steps), [[1, 1, 1, 1, 2.0**5, 1, 2.0**-7, 1],
+                                                      [1] * 8, [1, 1, 1, 1, 0.5, 1, 0.5, 1]])
+    assert float(row[0]) == 2.0**5 and float(row[1]) == 0.0 and np.isnan(float(row[2]))
+
+
+def test_row_group_scales_refused_where_the_kernel_cannot_take_them():
+    a8 = FE.mxfp4_to_e4m3(quantize(jax.random.normal(jax.random.key(1), (64, 128)), MXFP4()), order="even_odd",
+                          group=32)
+    w8 = _rows(jax.random.normal(jax.random.key(2), (128, 128)))
+    with pytest.raises(ValueError, match="group of 32 values need a tile_k dividing it"):
+        F.fp8_matmul_mgpu(a8, w8, config=F.Fp8MgpuConfig(tile_k=64), impl="pallas")
+    with pytest.raises(ValueError, match="delay_release=0"):
+        F.fp8_matmul_mgpu(a8, w8, config=F.Fp8MgpuConfig(tile_k=32, delay_release=1), impl="pallas")
+    with pytest.raises(ValueError, match="the weight takes one per row"):
+        F.fp8_matmul_mgpu(w8, a8)
+    with pytest.raises(ValueError, match="fp8_matmul_mgpu only"):
+        G8.fp8_matmul(a8, w8)
+
+
 SMALL = dict(tile_m=64, tile_n=64, tile_k=32, epi_tile_n=64)
 INTERPRET_CASES = [
     ("ragged_m_3ctas_rank32_in_2_chunks_bias_zero_scales", dict(kind="fp8", m=100, n=256, k=128, rank=32, bias=True,
@@ -100,6 +138,9 @@ INTERPRET_CASES = [
     # a warpgroup tile that is not a power of two (the narrow models' tilings): CTA 192 columns, 32-column output
     ("tile_n96_two_cta_columns_rank16", dict(kind="fp8", m=64, n=384, k=64, rank=16, bias=True,
                                             config=dict(SMALL, tile_n=96, epi_tile_n=32))),
+    # one exponent per row and K group of 32 (one per K step): the accumulator rescaled between wgmmas
+    ("row_groups_of_32_ragged_m_rank16_bias", dict(kind="fp8", m=70, n=128, k=128, rank=16, bias=True, row_group=32,
+                                                   config=dict(SMALL, num_ctas=2))),
     # a K step's wgmma left running while the next is issued; its stage released one step later (4 K steps)
     ("delay_release1_rank16", dict(kind="fp8", m=64, n=128, k=128, rank=16, bias=True,
                                    config=dict(SMALL, delay_release=1, max_concurrent_steps=2))),
@@ -124,19 +165,23 @@ def test_kernel_in_gpu_interpret_mode():
     (4096, 4608, 128, F.Fp8MgpuConfig(max_concurrent_steps=2, lowrank_chunk=32), jnp.bfloat16, None),  # 4 chunks
     (4096, 1152, 128, None, jnp.bfloat16, None),  # PixArt-Σ ff.down: the 192-wide default (CTA 384, chunks of 32)
     (512, 1152, 128, None, jnp.bfloat16, None),  # ... at m = 512: the 64-wide default
+    (4096, 4608, 128, None, jnp.bfloat16, "row_groups"),  # one activation exponent per row and K step of 128
 ])
 def test_lowers_to_mosaic_gpu(m, n, r, cfg, out_dtype, group):
     k = 4608
     out_bytes = jnp.dtype(out_dtype).itemsize
     assert (cfg or F.default_config(m, n, k, r, out_bytes=out_bytes)).smem_bytes(r, out_bytes) <= F.SMEM_LIMIT
     S = jax.ShapeDtypeStruct
+    row_groups = group == "row_groups"
+    group = None if row_groups else group
 
     def f(a8, sa, w8, sw, b, h, left):
         a, w = FE.Fp8Rows(a8, sa, jnp.int32(0), "even_odd"), FE.Fp8Rows(w8, sw, jnp.int32(0), "even_odd")
         return F.fp8_matmul_mgpu(a, w, lowrank=(h, left) if r else None, bias=b, config=cfg, impl="pallas",
                                  out_dtype=out_dtype, swiglu_group=group)
 
-    args = (S((m, k), jnp.float8_e4m3fn), S((m,), jnp.float32), S((n, k), jnp.float8_e4m3fn), S((n,), jnp.float32),
+    args = (S((m, k), jnp.float8_e4m3fn), S((m, k // 128) if row_groups else (m,), jnp.float32),
+            S((n, k), jnp.float8_e4m3fn), S((n,), jnp.float32),
             S((n,), jnp.float32), S((m, max(r, 16)), jnp.bfloat16), S((n, max(r, 16)), jnp.bfloat16))
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     dtype_name = "bf16" if out_bytes == 2 else "f32"
