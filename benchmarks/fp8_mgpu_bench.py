@@ -15,7 +15,9 @@ against the XLA path, relative L2. A failing shape is recorded with its error an
 ``--configs`` adds tilings to time beside ``default_config`` (``name:field=value,...`` over
 :class:`~pallas_kernels.fp8_gemm_mgpu.Fp8MgpuConfig`'s fields; ``name:+field=value,...`` changes only those fields of
 each shape's ``default_config``); each is checked against the mirror before it is timed, and one that does not fit or
-fails is recorded with its error.
+fails is recorded with its error. ``--row-group G`` also times the default tiling on activations with one exponent
+per row and group of ``G`` K values (``fp8_encoding.mxfp4_to_e4m3(group=G)``: the accumulator rescaled between K
+steps), checked against its own mirror, as the tiling ``default_row_groups``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def main(argv=None) -> int:
     p.add_argument("--n-iter", type=int, default=20)
     p.add_argument("--configs", nargs="*", default=[], metavar="NAME:FIELD=VALUE,...",
                    help="extra tilings to time beside default_config")
+    p.add_argument("--row-group", type=int, metavar="G",
+                   help="also time default_config with the activations' exponents per row and group of G K values "
+                        "(fp8_encoding.mxfp4_to_e4m3(group=G); the tiling 'default_row_groups')")
     args = p.parse_args(argv)
     try:
         extra = dict(_parse_config(spec) for spec in args.configs)
@@ -72,6 +77,7 @@ def main(argv=None) -> int:
     from pallas_kernels import fp8_gemm_mgpu as F
 
     quant = jax.jit(lambda x: FE.mxfp4_to_e4m3(quantize(x, MXFP4()), order="even_odd"))
+    quant_groups = jax.jit(lambda x: FE.mxfp4_to_e4m3(quantize(x, MXFP4()), order="even_odd", group=args.row_group))
     record = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M"),
               "command": "python3 benchmarks/fp8_mgpu_bench.py " + " ".join(argv or sys.argv[1:]), "cases": []}
@@ -91,25 +97,30 @@ def main(argv=None) -> int:
                     ka, kh = jax.random.split(jax.random.fold_in(keys[3], s))
                     a = jax.random.normal(ka, (m, k)) * jnp.where(jnp.arange(k) % 97 == 0, 20.0, 1.0)
                     h = (jax.random.normal(kh, (m, args.rank)) * 0.5).astype(jnp.bfloat16)
-                    sets.append((quant(a), h, a.astype(jnp.bfloat16)))
+                    sets.append((quant(a), h, a.astype(jnp.bfloat16), quant_groups(a) if args.row_group else None))
                 xla = jax.jit(lambda s: G8.fp8_matmul(s[0], w8, lowrank=(s[1], left), bias=bias))
                 bf16 = jax.jit(lambda s: jnp.dot(s[2], wb.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-                mirror = np.asarray(F.fp8_matmul_mgpu_reference(sets[0][0], w8, lowrank=(sets[0][1], left),
-                                                                bias=bias, out_dtype=jnp.bfloat16), np.float64)
+                mirrors = {i: np.asarray(F.fp8_matmul_mgpu_reference(sets[0][i], w8, lowrank=(sets[0][1], left),
+                                                                     bias=bias, out_dtype=jnp.bfloat16), np.float64)
+                           for i in ((0, 3) if args.row_group else (0,))}
                 y_xla = np.asarray(xla(sets[0]), np.float64)
                 for label, fn in (("bf16", bf16), ("fp8_xla", xla)):
                     t = timing.device_time(fn, sets, n_iter=args.n_iter)
                     case[f"{label}_us"], case[f"{label}_method"] = t.us, t.method
                 case["configs"] = {}
                 default = F.default_config(m, n, k, args.rank)
-                for cname, cfg in {"default": default, **extra}.items():
+                variants = {cname: (cfg, 0) for cname, cfg in {"default": default, **extra}.items()}
+                if args.row_group:  # the same tiling, activations with one exponent per row and K group
+                    variants["default_row_groups"] = (default, 3)
+                for cname, (cfg, operand) in variants.items():
                     case["configs"][cname] = entry = {}
                     try:
                         cfg = cfg(default) if callable(cfg) else cfg
                         entry.update(config=str(cfg), smem_bytes=cfg.smem_bytes(args.rank))
-                        fused = jax.jit(lambda s, cfg=cfg: F.fp8_matmul_mgpu(s[0], w8, lowrank=(s[1], left),
-                                                                             bias=bias, config=cfg))
+                        fused = jax.jit(lambda s, cfg=cfg, i=operand: F.fp8_matmul_mgpu(
+                            s[i], w8, lowrank=(s[1], left), bias=bias, config=cfg))
                         y = np.asarray(fused(sets[0]), np.float64)
+                        mirror = mirrors[operand]
                         entry["rel_err_vs_mirror"] = float(np.linalg.norm(y - mirror) / np.linalg.norm(mirror))
                         entry["rel_err_vs_xla"] = float(np.linalg.norm(y - y_xla) / np.linalg.norm(y_xla))
                         entry["finite"] = bool(np.all(np.isfinite(y)))

@@ -45,7 +45,7 @@ LAYER_RUNS = {  # one small real layer at m = 8, the cheapest variant: the shape
                      "--no-accuracy",
                      "--interpret", "--calls", "1", "--check-rows", "8"),
     "fp8_mgpu_bench.py": ("--layers", "pixart_sigma.attn.q", "--ms", "8", "--n-iter", "1", "--configs",
-                          "dr1:+delay_release=1"),
+                          "dr1:+delay_release=1", "--row-group", "64"),
 }
 
 
@@ -63,6 +63,8 @@ def test_gpu_benchmarks_time_the_real_layer_shapes_of_models_layer_shapes(script
         # "+field=value": the shape's default tiling with that field changed
         default, dr1 = case["configs"]["default"]["config"], case["configs"]["dr1"]["config"]
         assert case["configs"]["dr1"]["status"] == "ok" and dr1 == default.replace("delay_release=0", "delay_release=1")
+        grouped = case["configs"]["default_row_groups"]  # activations with one exponent per row and 64 K values
+        assert grouped["status"] == "ok" and grouped["config"] == default and grouped["rel_err_vs_mirror"] < 1e-6
     else:
         assert (case["model"], case["layer"]) == ("pixart_sigma", "attn.q")
     if script == "fp8_bench.py":
