@@ -154,10 +154,11 @@ class Fp8MgpuConfig:
     def cta_n(self) -> int:
         return 2 * self.tile_n
 
-    def smem_bytes(self, rank: int = 0, out_bytes: int = 2) -> int:
-        """Shared memory of the kernel's buffers: pipeline stages, the per-warpgroup low-rank tiles, output tiles,
-        vectors, and 1 KiB for the barriers and alignment. Hopper gives a CTA at most 227 KiB."""
-        stages = self.max_concurrent_steps * (self.tile_m + self.cta_n) * self.tile_k
+    def smem_bytes(self, rank: int = 0, out_bytes: int = 2, step_factors: bool = False) -> int:
+        """Shared memory of the kernel's buffers: pipeline stages (with ``step_factors``, the row-group scales' f32
+        factors too), the per-warpgroup low-rank tiles, output tiles, vectors, and 1 KiB for the barriers and
+        alignment. Hopper gives a CTA at most 227 KiB."""
+        stages = self.max_concurrent_steps * ((self.tile_m + self.cta_n) * self.tile_k + 4 * self.tile_m * step_factors)
         lowrank = 2 * (self.tile_m + self.tile_n) * self.chunk(rank) * 2
         out = 2 * self.epi_slots * self.epi_tile_m * self.epi_tile_n * out_bytes
         vectors = 2 * (self.tile_m + 2 * self.tile_n) * 4
@@ -199,7 +200,7 @@ def choose_tile_n(m: int, n: int, num_sms: int = 132) -> int:
 
 
 def default_config(m: int, n: int, k: int, rank: int = 0, num_sms: int = 132, out_bytes: int = 2,
-                   tile_n: Optional[int] = None) -> Fp8MgpuConfig:
+                   tile_n: Optional[int] = None, step_factors: bool = False) -> Fp8MgpuConfig:
     """The tiling chosen from the sweeps (``docs/w4a4.md``). ``tile_m`` 128 (64 only when ``m <= 64``, where 128
     rows would be half padding); ``tile_n`` from :func:`choose_tile_n` unless given (the SwiGLU epilogue's group);
     ``tile_k`` 128 halved until it divides ``k``.
@@ -210,7 +211,8 @@ def default_config(m: int, n: int, k: int, rank: int = 0, num_sms: int = 132, ou
     of 16 and the whole rank with fewer stages) and 4, 3, 2, 1 without; for each depth the whole rank, then chunks
     of 64, 32, 16, and output tiles 64, 32, 16 columns wide. With the narrower or wider tiles of narrow models (the
     H100 sweep of PixArt-Σ and FLUX.1): a row-major walk, 2 stages, and for each output-tile width (64, 32, 16, those
-    dividing ``tile_n``) the whole rank, then chunks of 64, 32, 16. Smaller tiles when even one stage does not fit."""
+    dividing ``tile_n``) the whole rank, then chunks of 64, 32, 16. Smaller tiles when even one stage does not fit.
+    ``step_factors``: count the row-group scales' per-stage factors in shared memory (``Fp8Rows.group`` activations)."""
     tk = 128
     while tk > FP8_WGMMA_K and k % tk:
         tk //= 2
@@ -230,7 +232,7 @@ def default_config(m: int, n: int, k: int, rank: int = 0, num_sms: int = 132, ou
         for steps, chunk, epi_n in order:
             cfg = Fp8MgpuConfig(tile_m=tile_m, tile_n=tn, tile_k=tile_k, max_concurrent_steps=steps,
                                 grid_tile_width=width, epi_tile_n=epi_n, lowrank_chunk=chunk)
-            if cfg.smem_bytes(rank, out_bytes) <= SMEM_LIMIT:
+            if cfg.smem_bytes(rank, out_bytes, step_factors) <= SMEM_LIMIT:
                 return cfg
     return cfg  # nothing fits: fp8_matmul_mgpu names the shortfall
 
@@ -488,13 +490,15 @@ def fp8_matmul_mgpu(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None, 
     if impl == "reference":
         return fp8_matmul_mgpu_reference(a, w, lowrank=lowrank, bias=bias, out_dtype=out_dtype,
                                          left_prescaled=left_prescaled, swiglu_group=swiglu_group)
-    cfg = config or default_config(m, n, k, r, _num_sms(), jnp.dtype(out_dtype).itemsize, tile_n=swiglu_group)
+    grouped = a.group is not None  # row-group scales: one more f32 (tile_m,) buffer per pipeline stage
+    cfg = config or default_config(m, n, k, r, _num_sms(), jnp.dtype(out_dtype).itemsize, tile_n=swiglu_group,
+                                   step_factors=grouped)
     if r and r % cfg.chunk(r):
         raise ValueError(f"fp8_matmul_mgpu: rank {r=} must be a multiple of lowrank_chunk={cfg.lowrank_chunk}")
     if swiglu_group is not None and (cfg.tile_n != swiglu_group or (swiglu_group // 2) % cfg.epi_tile_n):
         raise ValueError(f"fp8_matmul_mgpu: {swiglu_group=} needs tile_n == swiglu_group and epi_tile_n dividing "
                          f"swiglu_group / 2, got tile_n={cfg.tile_n}, epi_tile_n={cfg.epi_tile_n}")
-    smem = cfg.smem_bytes(r, jnp.dtype(out_dtype).itemsize)
+    smem = cfg.smem_bytes(r, jnp.dtype(out_dtype).itemsize, grouped)
     if smem > SMEM_LIMIT:
         raise ValueError(f"fp8_matmul_mgpu: {cfg} needs {smem} bytes of shared memory at rank {r}, Hopper gives a "
                          f"CTA {SMEM_LIMIT}: fewer max_concurrent_steps, a smaller tile_k or tile_m")

@@ -108,6 +108,10 @@ def test_row_group_scales_mirror_equals_the_float64_product():
     np.testing.assert_array_equal(np.asarray(steps), [[1, 1, 1, 1, 2.0**5, 1, 2.0**-7, 1],
                                                       [1] * 8, [1, 1, 1, 1, 0.5, 1, 0.5, 1]])
     assert float(row[0]) == 2.0**5 and float(row[1]) == 0.0 and np.isnan(float(row[2]))
+    # the factors take one f32 (tile_m,) buffer per pipeline stage; the default tiling leaves room for them
+    cfg = F.default_config(4096, 4608, 4608, 128, step_factors=True)
+    assert cfg.smem_bytes(128, 2, True) - cfg.smem_bytes(128, 2) == cfg.max_concurrent_steps * cfg.tile_m * 4
+    assert cfg.smem_bytes(128, 2, True) <= F.SMEM_LIMIT
 
 
 def test_row_group_scales_refused_where_the_kernel_cannot_take_them():
