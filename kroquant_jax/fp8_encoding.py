@@ -54,6 +54,7 @@ __all__ = [
     "ARITHMETICS",
     "E4M3_TOP_OFFSET",
     "Fp8Rows",
+    "GROUP_GAP",
     "block_exponents",
     "dequantize_rows",
     "e4m3_bits",
@@ -61,6 +62,7 @@ __all__ = [
     "mxfp4_to_e4m3",
     "natural_columns",
     "per_token_e4m3",
+    "pow2",
     "reference_exponent",
     "row_reference_exponent",
     "row_spans",
@@ -191,7 +193,7 @@ def row_spans(q: QuantizedArray) -> jax.Array:
     return jnp.where(jnp.any(live, axis=-1), e_max - e_min, 0).astype(jnp.int32)
 
 
-def _pow2(e: jax.Array) -> jax.Array:
+def pow2(e: jax.Array) -> jax.Array:
     """``2.0 ** e`` f32 from bits, ``e`` int32 in ``[-126, 127]``."""
     return jax.lax.bitcast_convert_type((e + 127).astype(jnp.int32) << 23, jnp.float32)
 
@@ -260,7 +262,7 @@ def _exact_values(nib: jax.Array, byte: jax.Array, offset: jax.Array) -> jax.Arr
     and NaN blocks): what the ``inexact`` count compares against."""
     floor_log2 = jnp.asarray(_E2M1_FLOOR_LOG2)[nib & 7]
     dead = (floor_log2 + byte - F.E8M0_BIAS < -126) | (byte == F.E8M0_NAN)
-    return jnp.where(dead, 0.0, F.e2m1_decode(nib) * _pow2(offset))  # <= 2 significant bits, exponent >= -31: exact
+    return jnp.where(dead, 0.0, F.e2m1_decode(nib) * pow2(offset))  # <= 2 significant bits, exponent >= -31: exact
 
 
 #: Binades by which a row group's reference exponent may lie below the previous live group's (``group=``): a GEMM
@@ -341,9 +343,9 @@ def mxfp4_to_e4m3(q: QuantizedArray, *, order: str = "natural", count_inexact: b
                                & ~nan_byte).astype(jnp.int32))
                       for v, nib, e in ((lo, lo_nib, e_lo), (hi, hi_nib, e_hi)))
     if group is None:
-        scale = jnp.where(jnp.any(b == F.E8M0_NAN, axis=-1), jnp.nan, _pow2(e_ref))
+        scale = jnp.where(jnp.any(b == F.E8M0_NAN, axis=-1), jnp.nan, pow2(e_ref))
     else:
-        scale = jnp.where(g_nan, jnp.nan, jnp.where(g_live, _pow2(e_ref), 0.0))
+        scale = jnp.where(g_nan, jnp.nan, jnp.where(g_live, pow2(e_ref), 0.0))
     return Fp8Rows(values=values, scale=scale, inexact=inexact, order=order)
 
 

@@ -213,13 +213,11 @@ def fp8_matmul_reference(a: Operand, w: Operand, *, lowrank: Optional[tuple] = N
     ``values * scale``) multiplied and summed in float64, ``+ h L^T + bias``. ``(m, n)`` float64."""
     def dense(x):
         if isinstance(x, Fp8Rows):  # values times their row's (row group's) factor, in natural column order
-            scale = np.asarray(x.scale, np.float64)
-            factor = scale[..., None] if x.group is None else np.repeat(scale, x.group, axis=-1)
-            v = np.asarray(x.values.astype(jnp.float32), np.float64) * factor
-            if x.order == "even_odd":  # FE.natural_columns, in float64
-                half = v.shape[-1] // 2
-                v = np.stack([v[..., :half], v[..., half:]], axis=-1).reshape(v.shape)
-            return v
+            scale = jnp.asarray(x.scale, jnp.float32)
+            factor = scale[..., None] if x.group is None else FE.natural_columns(
+                jnp.repeat(scale, x.group, axis=-1), x.order)
+            return (np.asarray(FE.natural_columns(x.values, x.order).astype(jnp.float32), np.float64)
+                    * np.asarray(factor, np.float64))
         if isinstance(x, QuantizedArray):
             return np.asarray(dequantize(x, jnp.float32), np.float64)
         return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)

@@ -69,6 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kroquant_jax import fp8_encoding as FE
 from kroquant_jax.fp8_encoding import Fp8Rows
 from pallas_kernels._compat import on_gpu, pl
 from pallas_kernels.w4a4_gemm_mgpu import _num_sms, _plgpu, _round_up, _tile_order  # the shared Mosaic GPU set-up
@@ -567,7 +568,7 @@ def _group_steps(scale: jax.Array, steps_per_group: int) -> tuple[jax.Array, jax
     units = jnp.take_along_axis(e, jnp.maximum(last, 0), axis=1)  # (m, G): the exponent after group k
     before = jnp.concatenate([jnp.full((m, 1), -1, jnp.int32), last[:, :-1]], axis=1)
     u_prev = jnp.concatenate([jnp.zeros((m, 1), jnp.int32), units[:, :-1]], axis=1)
-    pow2 = lambda x: jax.lax.bitcast_convert_type((jnp.clip(x, -126, 127) + 127) << 23, jnp.float32)  # noqa: E731
+    pow2 = lambda x: FE.pow2(jnp.clip(x, -126, 127))  # noqa: E731
     ratio = jnp.where(live & (before >= 0), pow2(u_prev - e), 1.0)  # (m, G)
     steps = jnp.zeros((m, g, steps_per_group), jnp.float32).at[:, :, 0].set(ratio).at[:, :, 1:].set(1.0)
     row = jnp.where(last[:, -1] >= 0, pow2(units[:, -1]), 0.0)
