@@ -124,6 +124,10 @@ def test_generate_runs_a_served_strategy(tmp_path, monkeypatch):
     fp8 = generate.main([*common, "--out", str(tmp_path / "fp8"), "--strategy", "fp8"])
     assert fp8["strategy"] == "fp8" and fp8["xla_options"] == {"xla_gpu_enable_command_buffer": ""}
     assert simulated["xla_options"] == {} and dequant["xla_options"] == {}
+    # ... and they reach the compile: an option XLA does not know fails there
+    monkeypatch.setattr(fp8_gemm.Fp8Strategy, "program_xla_options", {"xla_no_such_option": ""})
+    with pytest.raises(Exception, match="No such compile option: 'xla_no_such_option'"):
+        generate.main([*common, "--out", str(tmp_path / "fp8x"), "--strategy", "fp8"])
     with np.load(tmp_path / "fp8" / "latents.npz") as c:
         assert np.isfinite(c["latents"]).all()
         assert np.linalg.norm(c["latents"] - sim) / np.linalg.norm(sim) < 0.05
