@@ -1,4 +1,5 @@
-"""Atomic file writes shared by every writer of the project (results, checkpoints, images, tables).
+"""Atomic file writes shared by every writer of the project (results, checkpoints, images, tables), and
+:func:`read_npz`, the ``.npz`` reader whose errors name the file.
 
 A reader never sees a half-written file and an interrupted run never destroys the previous version: every writer
 writes into a temporary file in the target's folder (same filesystem), flushes it, gives it the usual permissions
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 __all__ = ["DIR_MODE", "FILE_MODE", "StagedResults", "atomic_path", "atomic_write_bytes", "atomic_write_json",
-           "atomic_write_text", "publishable"]
+           "atomic_write_text", "publishable", "read_npz"]
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755
@@ -76,6 +77,41 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int = 2, sort_keys: bool = True) -> None:
     """Writes ``obj`` as JSON (with a final newline) to ``path`` atomically."""
     atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")
+
+
+class _NotAnArchive(ValueError):
+    """A file numpy reads, but not as a ``.npz`` archive (:func:`read_npz`)."""
+
+
+def read_npz(path: str | os.PathLike) -> dict[str, Any]:
+    """Every array of the ``.npz`` file ``path`` as ``{key: np.ndarray}`` (read now, the file closed; no pickles).
+
+    Raises:
+      FileNotFoundError: ``path`` does not exist.
+      ValueError: naming ``path``, when it is not a readable ``.npz`` (a folder, a truncated or corrupt archive, a
+        text file, object arrays), instead of numpy's ``BadZipFile`` or its advice about pickled data.
+    """
+    import zipfile
+    import zlib
+
+    import numpy as np
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise ValueError(f"{path}: is a folder, not a .npz file")
+    try:
+        archive = np.load(path, allow_pickle=False)
+        if not isinstance(archive, np.lib.npyio.NpzFile):  # a .npy file: one array, no keys
+            raise _NotAnArchive("a single .npy array, not a .npz archive")
+        with archive:
+            return {key: archive[key] for key in archive.files}
+    except _NotAnArchive as err:
+        raise ValueError(f"{path}: not a readable .npz file ({err})") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as err:
+        # numpy falls back to unpickling what is neither a zip nor a .npy file, and refuses (allow_pickle=False)
+        why = "not a .npz archive" if "pickled" in str(err) else f"truncated or corrupt: {type(err).__name__}: {err}"
+        raise ValueError(f"{path}: not a readable .npz file ({why})") from None
 
 
 class StagedResults:

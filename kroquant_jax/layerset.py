@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import zlib
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
 import numpy as np
 
-from kroquant_jax.fileio import atomic_write_bytes
+from kroquant_jax.fileio import atomic_write_bytes, read_npz
 from kroquant_jax.xla_options import unless_set_by_flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -216,12 +217,17 @@ def load_layer_set(path: str) -> dict[str, LayerData]:
     """Loads a layer set saved by :func:`save_layer_set` (or any file with ``<name>/weight``, ``<name>/activations``
     and optional ``<name>/bias`` keys); validates it."""
     if path.endswith(".safetensors"):
+        from safetensors import SafetensorError
         from safetensors.numpy import load_file
 
-        flat = load_file(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: no such file")
+        try:
+            flat = load_file(path)
+        except SafetensorError as err:  # a truncated or corrupt file: its name, not only the reader's complaint
+            raise ValueError(f"{path}: not a readable .safetensors file ({err})") from None
     elif path.endswith(".npz"):
-        with np.load(path) as z:
-            flat = {k: z[k] for k in z.files}
+        flat = read_npz(path)
     else:
         raise ValueError(f"layer set path {path!r}: expected a .npz or .safetensors file")
     names: dict[str, dict] = {}

@@ -225,13 +225,22 @@ def read_diffusers_config(directory: str | os.PathLike) -> dict[str, Any]:
     config_path = Path(directory) / CONFIG_NAME
     if not config_path.is_file():
         raise CheckpointError(f"{directory}: no {CONFIG_NAME}")
+    return read_json_object(config_path)
+
+
+def read_json_object(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON object (a dict) in the file ``path``.
+
+    Raises:
+        CheckpointError: naming ``path`` when it is not valid UTF-8 JSON (e.g. truncated) or not an object.
+    """
     try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{config_path}: corrupt JSON ({err})") from err
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{config_path}: not a JSON object")
-    return config
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: corrupt JSON ({err})") from err
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return value
 
 
 def read_diffusers_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

@@ -260,11 +260,13 @@ def load_quantized_checkpoint(directory: str | os.PathLike, dtype: Any = None,
     for name in ("config.json", "model.safetensors", "quantized.safetensors", "quantization_config.json"):
         if not (directory / name).exists():
             raise ValueError(f"{directory}: no {name} (not a quantized checkpoint folder written by kroquant)")
-    qconfig = json.loads((directory / "quantization_config.json").read_text())
+    qconfig = convert.read_json_object(directory / "quantization_config.json")  # a corrupt file named
     if qconfig.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{directory / 'quantization_config.json'}: format_version {qconfig.get('format_version')!r}"
                          f", this library reads {FORMAT_VERSION}")
-    config = json.loads((directory / "config.json").read_text())
+    if not isinstance(qconfig.get("layers"), dict):
+        raise ValueError(f"{directory / 'quantization_config.json'}: no 'layers' object (not written by kroquant)")
+    config = convert.read_json_object(directory / "config.json")
     family = families.detect(config, str(directory / "config.json"))
     cfg = dataclasses.replace(family.config_from_diffusers(config), **dict(config_overrides or {}))
     state = convert.read_safetensors(directory / "model.safetensors")

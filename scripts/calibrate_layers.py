@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kroquant_jax import calibrate, layerset, synthetic  # noqa: E402
 from kroquant_jax.fileio import atomic_path, atomic_write_bytes  # noqa: E402
-from scripts.common_args import add_compile_cache, positive_int, quantize_with_store, verb_parser  # noqa: E402
+from scripts.common_args import (add_compile_cache, check_out_dir, check_out_file, positive_int,  # noqa: E402
+                                 quantize_with_store, verb_parser)
 
 EXAMPLES = ("--synthetic dit --out runs/calib_synthetic",
             "--layers pixart_layers.npz --methods rtn kroquant kroquant+loraq --store runs/st",
@@ -166,6 +167,9 @@ def main(argv=None):
     unused = calibrate.unused_stage_arguments(recipes, chosen)
     if unused:
         ap.error("; ".join(unused))
+    check_out_dir(args.out)
+    if args.plot:
+        check_out_file(args.plot, "--plot")
 
     if args.layers:
         layers = layerset.load_layer_set(args.layers)
@@ -184,7 +188,6 @@ def main(argv=None):
     meta = {"source": source, "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
             "jax_version": jax.__version__, "device": dev.device_kind, "num_devices": jax.local_device_count(),
             "args": {k: v for k, v in vars(args).items() if k not in ("layers",)}}
-    os.makedirs(args.out, exist_ok=True)
     errors, reports, seconds = {}, {}, {}
     for m in args.methods:
         t0 = time.perf_counter()

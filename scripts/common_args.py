@@ -2,17 +2,21 @@
 
 Every verb builds its parser with :func:`verb_parser`, so ``--help`` says ``usage: kroquant <verb>``, shows each
 option's default, and ends with examples written as ``kroquant <verb> ...``. Counts use :func:`positive_int`:
-``--steps 0`` is an argparse error naming the flag instead of a ``ZeroDivisionError`` deep in the run.
+``--steps 0`` is an argparse error naming the flag instead of a ``ZeroDivisionError`` deep in the run; sampler floats
+use :func:`finite_float` / :func:`positive_float` (``--guidance nan`` would sample NaN latents). Output paths are
+checked with :func:`check_out_dir` / :func:`check_out_file` before any expensive work.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Callable, Sequence
 
-__all__ = ["HelpFormatter", "UserError", "action_parser", "add_quiet", "choice_list", "nonnegative_int",
-           "positive_int", "quantize_with_store", "require_paths", "verb_parser"]
+__all__ = ["HelpFormatter", "UserError", "action_parser", "add_quiet", "check_out_dir", "check_out_file", "choice_list",
+           "finite_float", "nonnegative_int", "positive_float", "positive_int", "quantize_with_store", "require_paths",
+           "verb_parser"]
 
 
 class UserError(Exception):
@@ -75,6 +79,25 @@ def nonnegative_int(text: str) -> int:
     return _int_at_least(text, 0, ">= 0")
 
 
+def finite_float(text: str) -> float:
+    """A finite ``float`` (argparse ``type=``): ``nan`` or ``inf`` is an error naming the flag, not NaN latents."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite ``float > 0`` (argparse ``type=``; the error names the flag)."""
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def choice_list(choices: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]]:
     """An argparse ``type=``: a comma-separated non-empty subset of ``choices`` -> that subset in the order of
     ``choices`` (a run order); an unknown name is an error naming it, the ``what`` (e.g. ``"variant"``) and the
@@ -96,6 +119,31 @@ def require_paths(*flag_paths: tuple[str, object]) -> None:
     for flag, path in flag_paths:
         if path is not None and not Path(path).exists():
             raise UserError(f"{flag} {path}: no such file or folder")
+
+
+def check_out_dir(out: str | Path, flag: str = "--out") -> None:
+    """Creates the output folder ``out`` and checks that it is a writable folder, before any expensive work (a
+    :class:`UserError` naming ``flag``)."""
+    import tempfile
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{flag} {out}: exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-check."):
+            pass
+    except OSError as err:
+        raise UserError(f"{flag} {out}: not writable ({err.strerror or err})") from None
+
+
+def check_out_file(path: str | Path, flag: str = "--out") -> None:
+    """Checks, before any expensive work, that the output file ``path`` can be written: not a folder, in a writable
+    folder (created). A :class:`UserError` names ``flag``."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {path}: is a folder, not a file name")
+    check_out_dir(path.parent, f"{flag} {path}: its folder")
 
 
 def quantize_with_store(layer_set, recipe, store, overwrite: bool, flag: str, label: str = ""):

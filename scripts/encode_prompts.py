@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from scripts.common_args import UserError, positive_int, verb_parser
+from scripts.common_args import UserError, check_out_file, positive_int, verb_parser
 
 PIPELINE_FAMILIES = {"PixArtSigmaPipeline": "pixart", "PixArtAlphaPipeline": "pixart", "SanaPipeline": "sana",
                      "FluxPipeline": "flux"}
@@ -58,11 +58,15 @@ def pipeline_family(pipeline: str) -> str:
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
     family = pipeline_family(args.pipeline)
+    check_out_file(args.out)  # before the text encoder is loaded, not at the write after it ran
     if args.prompts_file:
         path = Path(args.prompts_file)
         if not path.exists():
             raise UserError(f"--prompts-file {path}: no such file")
-        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        try:
+            prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserError(f"--prompts-file {path}: not a readable UTF-8 text file ({err})") from None
         if not prompts:
             raise UserError(f"--prompts-file {path}: no prompts (one a line)")
     else:

@@ -75,7 +75,8 @@ from models.testbed import data as testbed_data
 from models.testbed.evaluation import (CAPTION_GROUPS, capture_flow_layer_set, flow_sampler, generate_seeds,
                                        group_metrics, layer_errors_summary, markdown_table, merge_outputs,
                                        select_caption_groups, training_caption_text, write_outputs)
-from scripts.common_args import add_compile_cache, nonnegative_int, positive_int, quantize_with_store, verb_parser
+from scripts.common_args import (add_compile_cache, check_out_dir, finite_float, nonnegative_int, positive_int,
+                                 quantize_with_store, verb_parser)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "emoji_pixart"
@@ -139,7 +140,7 @@ def build_parser(verb: str = "evaluate", description: str | None = None, example
     parser.add_argument("--novel-captions", type=nonnegative_int, default=0,
                         help="held-out novel concepts, never trained (instead of --eval-captions' mix)")
     parser.add_argument("--steps", type=positive_int, default=20, help="Euler steps (capture and generation)")
-    parser.add_argument("--guidance", type=float, default=3.0, help="CFG scale")
+    parser.add_argument("--guidance", type=finite_float, default=3.0, help="CFG scale")
     parser.add_argument("--rows-per-layer", type=positive_int, default=1024, help="captured rows kept per layer")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="captions per sampling call (capture)")
     parser.add_argument("--text-rows-from-all-prompts", action="store_true",
@@ -229,7 +230,7 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
         report = merge_outputs([Path(f) for f in args.merge], out, args.grid_rows)
         print(markdown_table(report), flush=True)
         return 0
-    out.mkdir(parents=True, exist_ok=True)
+    check_out_dir(out)
     prompts_path = args.prompts or str(Path(args.checkpoint) / "testbed_prompts.npz")
     dataset = testbed_data.load_dataset(prompts_path)
     cfg, model = families.PIXART.from_diffusers(args.checkpoint, "float32")

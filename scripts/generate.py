@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from scripts.common_args import UserError, add_compile_cache, add_quiet, positive_int, require_paths, verb_parser
+from scripts.common_args import (UserError, add_compile_cache, add_quiet, check_out_dir, finite_float, positive_float,
+                                 positive_int, require_paths, verb_parser)
 
 EXAMPLES = ("--checkpoint runs/pixart/quantized-kroquant --prompts prompts.npz --out runs/samples",
             "--checkpoint runs/emoji/quantized-kroquant_loraq --prompts prompts.npz --steps 20 --latent-hw 32 32 "
@@ -41,11 +42,11 @@ def _parse(argv):
     parser.add_argument("--max-prompts", type=positive_int, help="only the first N prompts (default: all)")
     parser.add_argument("--steps", type=positive_int, help="denoising steps (default: the ones the folder was "
                         "evaluated with, else 20)")
-    parser.add_argument("--guidance", type=float, help="CFG scale (default: the folder's, else 4.5)")
+    parser.add_argument("--guidance", type=finite_float, help="CFG scale (default: the folder's, else 4.5)")
     parser.add_argument("--solver", choices=("dpm_solver_pp_2m", "flow_euler"),
                         help="sampler (default: the folder's, else the family's)")
-    parser.add_argument("--shift", type=float, help="flow-matching sigma shift (default: the folder's, else the "
-                        "family's)")
+    parser.add_argument("--shift", type=positive_float,
+                        help="flow-matching sigma shift (default: the folder's, else the family's)")
     parser.add_argument("--latent-hw", type=positive_int, nargs=2, metavar=("H", "W"),
                         help="latent height and width (default: the folder's, else the model's sample_size)")
     parser.add_argument("--seed", type=int, default=0, help="prompt i uses the noise of seed + 1000 + i (the seeds "
@@ -83,6 +84,7 @@ def serve_options(strategy: str, impl: str | None):
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
     require_paths(("--checkpoint", args.checkpoint), ("--prompts", args.embeddings), ("--vae", args.vae))
+    check_out_dir(args.out)  # a file there would fail the write after the sampling
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     settings = sampler_settings(loaded, steps=args.steps, guidance=args.guidance, solver=args.solver,
                                 shift=args.shift, latent_hw=args.latent_hw)
     family = families.get(loaded.family)
-    arrays = prompt_arrays(args, family, loaded.cfg)
+    arrays = prompt_arrays(args, family, loaded.cfg, "--prompts")
     try:
         overrides = loaded.overrides() if options is None else loaded.served_overrides(options)
     except ValueError as err:

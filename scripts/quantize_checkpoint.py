@@ -44,7 +44,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
@@ -52,8 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kroquant_jax import calibrate
-from scripts.common_args import (UserError, add_compile_cache, add_quiet, positive_int, quantize_with_store,
-                                 require_paths, verb_parser)
+from scripts.common_args import (UserError, add_compile_cache, add_quiet, check_out_dir, finite_float, positive_float,
+                                 positive_int, quantize_with_store, require_paths, verb_parser)
 
 
 EXAMPLES = (
@@ -79,10 +78,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--solver", choices=("dpm_solver_pp_2m", "flow_euler"),
                         help="default: DPM-Solver++ 2M for PixArt, flow Euler for SANA/FLUX; flow_euler for "
                         "flow-matching PixArt-architecture models (the emoji testbed)")
-    parser.add_argument("--shift", type=float, help="flow-matching sigma shift (default: the family's)")
+    parser.add_argument("--shift", type=positive_float, help="flow-matching sigma shift (default: the family's)")
     parser.add_argument("--max-prompts", type=positive_int, help="use only the first N prompts of --embeddings")
     parser.add_argument("--steps", type=positive_int, default=20, help="denoising steps (capture and generation)")
-    parser.add_argument("--guidance", type=float, default=4.5, help="CFG scale (PixArt/SANA)")
+    parser.add_argument("--guidance", type=finite_float, default=4.5, help="CFG scale (PixArt/SANA)")
     parser.add_argument("--latent-hw", type=positive_int, nargs=2, default=(128, 128), metavar=("H", "W"),
                         help="latent height and width")
     parser.add_argument("--rows-per-layer", type=positive_int, default=1024, help="captured rows kept per layer")
@@ -147,18 +146,6 @@ def check_checkpoint_dir(checkpoint: str) -> dict:
     except ValueError as err:
         raise UserError(str(err)) from None
     return config
-
-
-def check_out_dir(out: Path) -> None:
-    """Creates ``out`` and checks that it is a writable folder (before any expensive work)."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out}: exists and is not a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-check."):
-            pass
-    except OSError as err:
-        raise UserError(f"--out {out}: not writable ({err.strerror or err})") from None
 
 
 def build_recipe(args):
@@ -308,11 +295,16 @@ def _load(checkpoint: str, dtype: str):
     return families.load_diffusers(checkpoint, dtype)
 
 
-def read_prompt_file(path: str, max_prompts: int | None = None) -> dict[str, np.ndarray]:
+def read_prompt_file(path: str, max_prompts: int | None = None, flag: str = "--embeddings") -> dict[str, np.ndarray]:
     """The arrays of a prompt ``.npz`` (the first ``max_prompts`` prompts), with the emoji testbed's prompt file
-    layout (``context_mask``, ``null_context``, ``null_mask``) renamed to the denoisers' keys."""
-    with np.load(path) as data:
-        arrays = {k: data[k] for k in data.files}
+    layout (``context_mask``, ``null_context``, ``null_mask``) renamed to the denoisers' keys. A file that is not a
+    readable ``.npz`` is a :class:`UserError` naming ``flag`` and the file."""
+    from kroquant_jax.fileio import read_npz
+
+    try:
+        arrays = read_npz(path)
+    except (OSError, ValueError) as err:  # read_npz's message starts with the path
+        raise UserError(f"{flag} {err}") from None
     renames = (("mask", "context_mask"), ("uncond_context", "null_context"), ("uncond_mask", "null_mask"))
     for ours, theirs in renames:  # the emoji testbed's prompt file layout
         if ours not in arrays and theirs in arrays:
@@ -340,19 +332,21 @@ def text_prompt_arrays(args, family, model, names: list[str]) -> dict[str, np.nd
                         f"{family.name} family's: {list(declared[:2])}, ...)")
     if not args.text_embeddings:
         return None
-    arrays = {k: v for k, v in read_prompt_file(args.text_embeddings).items() if k in capture.TEXT_KEYS}
+    arrays = {k: v for k, v in read_prompt_file(args.text_embeddings, flag="--text-embeddings").items()
+              if k in capture.TEXT_KEYS}
     try:
         return capture.check_text_prompts(family, model, arrays, args.guidance != 1.0, source)
     except ValueError as err:
         raise UserError(str(err)) from None
 
 
-def prompt_arrays(args, family, cfg) -> dict[str, np.ndarray]:
-    """The family's text inputs from ``args.embeddings`` (first ``args.max_prompts``) or ``args.synthetic_prompts``
-    random ones, checked against the model's widths (a :class:`UserError` names the file, key and shape)."""
+def prompt_arrays(args, family, cfg, flag: str = "--embeddings") -> dict[str, np.ndarray]:
+    """The family's text inputs from ``args.embeddings`` (first ``args.max_prompts``; the verb's option is ``flag``) or
+    ``args.synthetic_prompts`` random ones, checked against the model (:func:`check_prompt_arrays`: a
+    :class:`UserError` names the flag, file, key and shape)."""
     widths = family.prompt_widths(cfg)
     if args.embeddings:
-        arrays = read_prompt_file(args.embeddings, args.max_prompts)
+        arrays = read_prompt_file(args.embeddings, args.max_prompts, flag)
     else:
         rng = np.random.default_rng(args.seed)
         count, tokens = args.synthetic_prompts, args.synthetic_tokens
@@ -366,19 +360,40 @@ def prompt_arrays(args, family, cfg) -> dict[str, np.ndarray]:
             else:
                 draw = np.zeros if key.startswith("uncond_") else rng.standard_normal
                 arrays[key] = draw((rows, tokens, widths[key]))
+    source = f"{flag} {args.embeddings}" if args.embeddings else "prompt embeddings"
+    return check_prompt_arrays(arrays, family, widths, source)
+
+
+def check_prompt_arrays(arrays: dict[str, np.ndarray], family, widths: dict[str, int], source: str
+                        ) -> dict[str, np.ndarray]:
+    """``{key: float32 array}`` of the family's text inputs (``Family.prompt_inputs``) in ``arrays``, or a
+    :class:`UserError` naming ``source`` and the key, before any sampling: a missing key; features of another width
+    than the model's (``widths``); a mask that is not ``(prompts, tokens)`` of its features or not 0/1; keys that
+    disagree on the number of prompts; no prompt; a NaN or Inf (sampled, it would give NaN latents silently)."""
     needed = family.prompt_inputs
     missing = [k for k in needed if k not in arrays]
     if missing:
-        source = f"--embeddings {args.embeddings}" if args.embeddings else "prompt embeddings"
-        raise UserError(f"{source}: lacks {missing} (a {family.name} model needs {list(needed)})")
+        raise UserError(f"{source}: lacks {missing} (a {family.name} model needs {list(needed)}; it holds "
+                        f"{sorted(arrays)})")
     for key, width in widths.items():
-        if key == "pooled":
-            continue
-        if arrays[key].ndim != 3 or arrays[key].shape[-1] != width:
-            raise UserError(f"--embeddings {args.embeddings}: {key!r} has shape {arrays[key].shape}, the model "
-                            f"needs (prompts, tokens, {width})")
-    if arrays["context"].shape[0] == 0:
-        raise UserError(f"--embeddings {args.embeddings}: no prompts")
+        rank, shape = (2, "(prompts, ") if key == "pooled" else (3, "(prompts, tokens, ")
+        if arrays[key].ndim != rank or arrays[key].shape[-1] != width:
+            raise UserError(f"{source}: {key!r} has shape {arrays[key].shape}, the model needs {shape}{width})")
+    count = arrays["context"].shape[0]
+    if count == 0:
+        raise UserError(f"{source}: no prompts")
+    for key in needed:
+        value = arrays[key]
+        features = "uncond_context" if key == "uncond_mask" else "context" if key == "mask" else None
+        if features is not None and value.shape != arrays[features].shape[:2]:
+            raise UserError(f"{source}: {key!r} has shape {value.shape}, not the (prompts, tokens) of {features!r}, "
+                            f"{arrays[features].shape[:2]}")
+        if not key.startswith("uncond_") and value.shape[0] != count:
+            raise UserError(f"{source}: {key!r} has {value.shape[0]} prompts, 'context' has {count}")
+        if not np.isfinite(value).all():
+            raise UserError(f"{source}: {key!r} holds NaN or Inf values")
+        if features is not None and not np.isin(value, (0, 1)).all():
+            raise UserError(f"{source}: {key!r} holds values other than 0 and 1 (1 = real token)")
     return {k: np.asarray(arrays[k], np.float32) for k in needed}
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kroquant_jax.fileio import atomic_path
+from kroquant_jax.fileio import atomic_path, read_npz
 
 DEFAULT_FONT_PATH = "/usr/share/fonts/truetype/noto/NotoColorEmoji.ttf"
 ISO_CODES_DIR = "/usr/share/iso-codes/json"
@@ -645,19 +645,19 @@ def load_dataset(path: str | os.PathLike) -> EmojiDataset:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: build it with `python -m scripts.build_emoji_dataset --out {path}`")
-    with np.load(path, allow_pickle=False) as archive:
-        missing = [key for key in (*_ARRAY_KEYS, "image_size", "max_tokens", "format_version") if key not in archive]
-        if missing:
-            raise KeyError(f"{path} lacks keys {missing}: not an emoji testbed dataset")
-        version = int(archive["format_version"])
-        if version != DATASET_FORMAT_VERSION:
-            raise ValueError(f"{path} has format_version {version}, this code reads {DATASET_FORMAT_VERSION}")
-        dataset = EmojiDataset(
-            **{key: archive[key] for key in _ARRAY_KEYS},
-            image_size=int(archive["image_size"]),
-            max_tokens=int(archive["max_tokens"]),
-            trained_concept=archive["trained_concept"] if "trained_concept" in archive else None,  # optional key
-        )
+    archive = read_npz(path)  # a truncated or corrupt file is a ValueError naming it
+    missing = [key for key in (*_ARRAY_KEYS, "image_size", "max_tokens", "format_version") if key not in archive]
+    if missing:
+        raise KeyError(f"{path} lacks keys {missing}: not an emoji testbed dataset")
+    version = int(archive["format_version"])
+    if version != DATASET_FORMAT_VERSION:
+        raise ValueError(f"{path} has format_version {version}, this code reads {DATASET_FORMAT_VERSION}")
+    dataset = EmojiDataset(
+        **{key: archive[key] for key in _ARRAY_KEYS},
+        image_size=int(archive["image_size"]),
+        max_tokens=int(archive["max_tokens"]),
+        trained_concept=archive.get("trained_concept"),  # optional key
+    )
     validate_dataset(dataset)
     return dataset
 

@@ -1,0 +1,124 @@
+"""Bad input to the `kroquant` verbs ends in one line naming the flag or file at fault, before the expensive part:
+unreadable .npz / .safetensors / JSON files, prompt arrays the sampler would misread, non-finite or non-positive
+sampler flags, an output path that cannot be written."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from scripts import cli
+
+
+def _error(capsys, verb: str) -> str:
+    """The one stderr line of a failed verb, without its ``kroquant <verb>: error: `` prefix."""
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    prefix = f"kroquant {verb}: error: "
+    assert err.startswith(prefix), err
+    return err[len(prefix):].strip()
+
+
+def _generate(checkpoint, prompts, out) -> int:
+    return cli.main(["generate", "--checkpoint", str(checkpoint), "--prompts", str(prompts), "--out", str(out),
+                     "--quiet"])
+
+
+def test_unreadable_npz_and_safetensors_files_are_named(tmp_path, capsys):
+    """A truncated .npz (numpy's BadZipFile) or .safetensors (the reader's SafetensorError) was an "internal error"
+    that named no file; each reader now names it: layer sets, testbed datasets, prompt files."""
+    good = tmp_path / "good.npz"
+    np.savez(good, **{"a/weight": np.zeros((8, 32), np.float32)})
+    truncated = tmp_path / "cut.npz"
+    truncated.write_bytes(good.read_bytes()[:100])
+    cut_st = tmp_path / "cut.safetensors"
+    cut_st.write_bytes(b"\x40" + b"\x00" * 20)
+    for argv, verb, path in ((["calibrate", "--layers", str(truncated), "--methods", "rtn"], "calibrate", truncated),
+                             (["calibrate", "--layers", str(cut_st), "--methods", "rtn"], "calibrate", cut_st),
+                             (["dmd2", "reference", "--data", str(truncated)], "dmd2", truncated)):
+        assert cli.main([*argv, "--out", str(tmp_path / "out")]) == 1
+        message = _error(capsys, verb)
+        assert message.startswith(f"{path}: not a readable ."), message
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("truncated", "not a readable .npz file (truncated or corrupt"),
+    ("nan", "'context' holds NaN or Inf values"),
+    ("mask_tokens", "'mask' has shape (2, 5), not the (prompts, tokens) of 'context', (2, 4)"),
+    ("mask_prompts", "'mask' has shape (3, 4), not the (prompts, tokens) of 'context', (2, 4)"),
+])
+def test_generate_refuses_a_bad_prompt_file_naming_its_flag(case, expected, tiny_quantized_pixart, tmp_path, capsys):
+    """Before: a truncated file was an internal BadZipFile, NaN features gave NaN latents with status 0, a mask of
+    another token count an internal TypeError, one of more prompts was used silently; errors said --embeddings
+    (quantize-checkpoint's flag) instead of generate's --prompts."""
+    _, quantized, prompts, _ = tiny_quantized_pixart
+    with np.load(prompts) as data:
+        arrays = {k: data[k] for k in data.files}
+    if case == "nan":
+        arrays["context"][0, 1, 2] = np.nan
+    elif case == "mask_tokens":
+        arrays["context_mask"] = np.ones((2, 5), np.float32)
+    elif case == "mask_prompts":
+        arrays["context_mask"] = np.ones((3, 4), np.float32)
+    path = tmp_path / "prompts.npz"
+    np.savez(path, **arrays)
+    if case == "truncated":
+        path.write_bytes(path.read_bytes()[:100])
+    assert _generate(quantized, path, tmp_path / "out") == 1
+    assert _error(capsys, "generate").startswith(f"--prompts {path}: {expected}")
+    assert not (tmp_path / "out" / "latents.npz").exists()
+
+
+@pytest.mark.parametrize("verb, argv, flag, message", [
+    ("generate", ["--guidance", "nan"], "--guidance", "must be a finite number, got nan"),
+    ("generate", ["--shift", "0"], "--shift", "must be > 0, got 0"),
+    ("quantize-checkpoint", ["--guidance", "inf"], "--guidance", "must be a finite number, got inf"),
+    ("quantize-checkpoint", ["--shift", "-1"], "--shift", "must be > 0, got -1"),
+])
+def test_sampler_flags_must_be_finite_and_the_shift_positive(verb, argv, flag, message, tmp_path, capsys):
+    """A NaN / Inf guidance or a shift <= 0 (flow_sigmas divides by 1 + (shift - 1) s) sampled NaN latents and
+    exited 0; now argparse refuses the flag."""
+    common = {"generate": ["--checkpoint", "c", "--prompts", "p.npz"],
+              "quantize-checkpoint": ["--checkpoint", "c", "--synthetic-prompts", "1"]}[verb]
+    assert cli.main([verb, *common, "--out", str(tmp_path / "o"), *argv]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"kroquant {verb}: error: argument {flag}: {message}"
+
+
+def test_generate_checks_out_before_sampling(tiny_quantized_pixart, tmp_path, capsys):
+    """An --out that is a file failed the write after the sampling, with an errno message naming no flag."""
+    _, quantized, prompts, _ = tiny_quantized_pixart
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder")
+    assert _generate(quantized, prompts, taken) == 1
+    assert _error(capsys, "generate") == f"--out {taken}: exists and is not a folder"
+    assert taken.read_text() == "not a folder"
+
+
+def test_encode_prompts_checks_out_and_prompts_file_before_loading_the_pipeline(tmp_path, capsys):
+    """--out a folder failed only at the write, after the text encoder ran; an unreadable --prompts-file gave a
+    decoder message naming neither flag nor file. Both are refused before the pipeline is loaded (none here)."""
+    pipeline = tmp_path / "pipeline"
+    pipeline.mkdir()
+    (pipeline / "model_index.json").write_text(json.dumps({"_class_name": "PixArtSigmaPipeline"}))
+    (tmp_path / "folder").mkdir()
+    assert cli.main(["encode-prompts", "--pipeline", str(pipeline), "--prompt", "a cat", "--out",
+                     str(tmp_path / "folder")]) == 1
+    assert _error(capsys, "encode-prompts") == f"--out {tmp_path / 'folder'}: is a folder, not a file name"
+    binary = tmp_path / "prompts.txt"
+    binary.write_bytes(b"\xb0\xff\x00")
+    assert cli.main(["encode-prompts", "--pipeline", str(pipeline), "--prompts-file", str(binary), "--out",
+                     str(tmp_path / "p.npz")]) == 1
+    assert _error(capsys, "encode-prompts").startswith(f"--prompts-file {binary}: not a readable UTF-8 text file")
+
+
+def test_generate_names_a_corrupt_json_file_of_the_checkpoint(tiny_quantized_pixart, tmp_path, capsys):
+    """A truncated quantization_config.json or config.json gave json's bare "Expecting value: line ..." message."""
+    _, quantized, prompts, _ = tiny_quantized_pixart
+    for name in ("quantization_config.json", "config.json"):
+        folder = tmp_path / name
+        shutil.copytree(quantized, folder)
+        text = (folder / name).read_text()
+        (folder / name).write_text(text[:len(text) // 2])
+        assert _generate(folder, prompts, tmp_path / "out") == 1
+        assert _error(capsys, "generate").startswith(f"{folder / name}: corrupt JSON (")
