@@ -7,18 +7,28 @@ fingerprint with the one of the current inputs and names what changed (:func:`de
 
 Settings that only decide *how* the work is scheduled, not its result, are left out (:data:`EXECUTION_SETTINGS`:
 progress bars, sharding, the number of layers per compiled program).
+
+One-shot outputs (a verb's latents, images, tables) are claimed the same way: :func:`claim_output_folder` keys an
+output folder by what produced its files, so a later run with other inputs refuses it (or, asked to overwrite,
+clears the earlier run's files first) instead of replacing some of them and leaving the rest beside the new ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Mapping, Optional
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["EXECUTION_SETTINGS", "NUMERICS_VERSION", "StaleResultError", "array_digest", "describe_changes",
-           "layer_fingerprint", "layer_set_mismatch", "recipe_settings"]
+from kroquant_jax.fileio import atomic_write_json
+
+__all__ = ["EXECUTION_SETTINGS", "NUMERICS_VERSION", "OutputFolderError", "StaleResultError", "array_digest",
+           "claim_output_folder", "describe_changes", "file_digest", "layer_fingerprint", "layer_set_mismatch",
+           "recipe_settings"]
 
 #: Bump whenever a change to the library alters the numbers a recipe produces for the same inputs (quantizer rounding,
 #: transform parameterization, optimiser, row draw): results stored under another version are then refused.
@@ -40,6 +50,11 @@ class StaleResultError(ValueError):
     def __init__(self, layer: str, changes: list[str], location: str):
         self.layer, self.changes, self.location = layer, list(changes), location
         super().__init__(f"{location}: stored layer {layer!r} was computed from other inputs ({'; '.join(changes)})")
+
+
+class OutputFolderError(ValueError):
+    """An output folder holds the files of another run (:func:`claim_output_folder`); the message names the flag,
+    the folder and what differs."""
 
 
 def array_digest(array: Optional[np.ndarray]) -> Optional[str]:
@@ -142,3 +157,64 @@ def layer_set_mismatch(layer_set: Mapping[str, Any],
                                                         np.asarray(bias, np.float32))):
             return f"layer {name!r} has another bias"
     return None
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """SHA-256 of a file's bytes (read in 1 MiB chunks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def claim_output_folder(folder: str | os.PathLike, record: str, key: Mapping[str, Any], outputs: Sequence[str], *,
+                        overwrite: bool = False, flag: str = "--out", remedy: str = "--overwrite") -> None:
+    """Makes ``folder`` the output folder of the run keyed by ``key``, before anything is written into it.
+
+    The folder's ``record`` file (JSON, written atomically) holds the key of the run whose files it holds;
+    ``outputs`` are the glob patterns (relative to ``folder``) of the files such a run writes.
+
+    * A folder without the record and without such files is this run's: the record is written.
+    * A record with an equal ``key`` is the same run again, whose files this one replaces as it writes them.
+    * A folder with such files and another key, or with such files and no record, raises
+      :class:`OutputFolderError` naming ``flag``, the folder and the settings that differ, unless ``overwrite``: then
+      the earlier run's files are deleted first, so none of them stays beside the new ones. (A record of another key
+      without any of its files, e.g. from a run that failed before writing, is simply replaced.)
+
+    The record is written before returning, so the files of an interrupted run are still known to be this key's.
+
+    Args:
+      folder: the output folder (created if missing).
+      record: the record's file name, e.g. ``"generate_run.json"``.
+      key: JSON-serialisable settings and input digests (:func:`file_digest`) that decide the run's files.
+      outputs: e.g. ``("latents.npz", "images/w4a4_*.png")``.
+      overwrite: delete another run's files instead of refusing.
+      flag, remedy: the output flag and the flag that allows overwriting, as the message names them.
+    """
+    folder = Path(folder)
+    key = json.loads(json.dumps(dict(key)))  # as it reads back (tuples as lists)
+    record_path = folder / record
+    present = sorted({p for pattern in outputs for p in folder.glob(pattern) if p.is_file()})
+    stored = None
+    if record_path.exists():
+        try:
+            stored = json.loads(record_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            stored = {"<unreadable>": str(record_path)}
+    if stored == key:
+        return
+    if present:
+        if stored is None:
+            why = f"holds {len(present)} output file(s) of an unknown run (no {record})"
+        else:
+            differ = sorted(k for k in set(stored) | set(key) if stored.get(k) != key.get(k))
+            shown = "; ".join(f"{k}: {_short(stored.get(k, '<unset>'))} -> {_short(key.get(k, '<unset>'))}"
+                              for k in differ[:4])
+            why = f"holds the outputs of a run with other inputs ({shown}{'; ...' if len(differ) > 4 else ''})"
+        if not overwrite:
+            raise OutputFolderError(f"{flag} {folder}: {why}; use another {flag} or pass {remedy}")
+        for path in present:
+            path.unlink()
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(record_path, key)

@@ -67,6 +67,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from kroquant_jax import provenance
 from kroquant_jax.fileio import atomic_write_json
 from models import qad
 from models.testbed import data as testbed_data
@@ -407,7 +408,7 @@ def load_ptq_store(folder: str | Path, model: nnx.Module) -> PTQStore:
         if name not in wanted:
             raise ValueError(f"--ptq-store file {path}: layer {name} is not a quantizable linear of the teacher")
         by_name[name] = path
-        digest.update(f"{path.name}|{testbed_data.file_sha256(path)}\n".encode())
+        digest.update(f"{path.name}|{provenance.file_digest(path)}\n".encode())
     missing = [name for name in wanted if name not in by_name]
     if missing:
         raise ValueError(f"--ptq-store {folder}: no layer file for {len(missing)} quantizable linear(s) of the "
@@ -559,7 +560,7 @@ def load_init_checkpoint(folder: str | Path, model: nnx.Module) -> PTQStore:
         raise ValueError(f"{flag} file {folder / 'model.safetensors'}: its parameter tree differs from the teacher's")
     digest = hashlib.sha256()
     for name in CHECKPOINT_FILES:
-        digest.update(f"{name}|{testbed_data.file_sha256(folder / name)}\n".encode())
+        digest.update(f"{name}|{provenance.file_digest(folder / name)}\n".encode())
     generator = {"model": jax.tree.map(lambda p: jnp.array(p, jnp.float32), state), "layers": layers}
     w4a4 = W4A4Generator(blocks=blocks, quant=qad.QADConfig(fmt=fmt, ste="identity"),
                          lowrank_quantized=bool(kinds and next(iter(kinds.values()))))

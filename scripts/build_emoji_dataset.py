@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from kroquant_jax import provenance
 from models.testbed import data as testbed_data
 from scripts.common_args import positive_int, verb_parser
 
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
     encoded = time.perf_counter()
     if args.prompts is not None:
         dataset = testbed_data.prompt_subset(dataset, args.prompts)
-    testbed_data.write_dataset(dataset, args.out, font_sha256=testbed_data.file_sha256(config.font_path))
+    testbed_data.write_dataset(dataset, args.out, font_sha256=provenance.file_digest(config.font_path))
     token_counts = dataset.context_mask.sum(axis=1)  # (n,)
     print(f"{dataset.num_examples} records ({int(dataset.heldout.sum())} held out), "
           f"{len(set(dataset.captions.tolist()))} distinct captions, images {dataset.images.shape}")

@@ -23,6 +23,9 @@ and kroquant unless ``--methods`` names others, 20 calibration steps, 128 + 32 +
 
 A ``--store`` folder is resumed only where its layers were computed from the same inputs and settings (each stored
 layer carries their fingerprint); otherwise the run is refused with the layer and what changed, unless ``--overwrite``.
+``--out`` is claimed the same way before any work (``calibrate_run.json``: the layer set's SHA-256 or the synthetic
+set's settings, the methods and their recipes' settings): another run's results there are refused, or with
+``--overwrite`` deleted first; the same run again replaces them.
 """
 
 
@@ -39,10 +42,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kroquant_jax import calibrate, layerset, synthetic  # noqa: E402
+from kroquant_jax import calibrate, layerset, provenance, synthetic  # noqa: E402
 from kroquant_jax.fileio import atomic_path, atomic_write_bytes  # noqa: E402
-from scripts.common_args import (add_compile_cache, check_out_dir, check_out_file, positive_int,  # noqa: E402
-                                 quantize_with_store, verb_parser)
+from scripts.common_args import (UserError, add_compile_cache, check_out_dir, check_out_file,  # noqa: E402
+                                 positive_int, quantize_with_store, verb_parser)
 
 EXAMPLES = ("--synthetic dit --out runs/calib_synthetic",
             "--layers pixart_layers.npz --methods rtn kroquant kroquant+loraq --store runs/st",
@@ -125,6 +128,25 @@ def plot(errors: dict, methods: list, layer_names: list, path: str, title: str,
     plt.close(fig)
 
 
+#: The files a calibrate run writes into --out (what another run's claim clears or refuses).
+OUTPUTS = ("results.json", "table.md", "plot.png")
+RUN_RECORD = "calibrate_run.json"
+
+
+def claim_out(args, recipes) -> None:
+    """--out as this run's (``provenance.claim_output_folder``, keyed by the layer set's SHA-256 or the synthetic
+    set's settings, the methods and every numerics setting of their recipes): another run's results are refused, or
+    with --overwrite deleted first."""
+    source = ({"layers_sha256": provenance.file_digest(args.layers)} if args.layers else
+              {"synthetic": args.synthetic, "synthetic_rows": args.synthetic_rows})
+    key = {**source, "seed": args.seed, "fast": args.fast, "methods": list(args.methods),
+           "recipes": {m: provenance.recipe_settings(r) for m, r in recipes.items()}}
+    try:
+        provenance.claim_output_folder(args.out, RUN_RECORD, key, OUTPUTS, overwrite=args.overwrite)
+    except provenance.OutputFolderError as err:
+        raise UserError(str(err)) from None
+
+
 def main(argv=None):
     ap = verb_parser("calibrate", __doc__, EXAMPLES)
     src = ap.add_mutually_exclusive_group(required=True)
@@ -142,8 +164,10 @@ def main(argv=None):
                     "rows, LoRaQ rank <= 32 with 30 + 10 steps, a 5 x 5 SmoothQuant grid (explicit flags win)")
     ap.add_argument("--store", default=None, help="folder of resumable per-method stores")
     ap.add_argument("--overwrite", action="store_true",
-                    help="recompute the layers of --store instead of refusing ones computed from other inputs")
-    ap.add_argument("--out", default="runs/calibrate_layers", help="folder for table.md, results.json, plot.png")
+                    help="recompute the layers of --store instead of refusing ones computed from other inputs, and "
+                    "delete another run's results in --out instead of refusing them")
+    ap.add_argument("--out", default="runs/calibrate_layers", help="folder for table.md, results.json, plot.png "
+                    "(another run's there are refused; the same run's are replaced)")
     ap.add_argument("--plot", default=None, help="PNG path (default <out>/plot.png)")
     ap.add_argument("--progress", action="store_true", help="a progress bar per method")
     add_compile_cache(ap)
@@ -170,6 +194,7 @@ def main(argv=None):
     check_out_dir(args.out)
     if args.plot:
         check_out_file(args.plot, "--plot")
+    claim_out(args, recipes)
 
     if args.layers:
         layers = layerset.load_layer_set(args.layers)

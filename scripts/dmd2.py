@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kroquant_jax import provenance
 from kroquant_jax.fileio import atomic_write_json
 from models import dmd2, families, image_metrics, pixart
 from models.testbed import metrics as emoji_metrics
@@ -315,7 +316,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     _, class_images = emoji_metrics.glyph_classes(ref_images)
     encoder_config = emoji_metrics.EncoderConfig(steps=args.encoder_steps, batch_size=args.encoder_batch_size)
     enc_graphdef, enc_params = emoji_metrics.cached_encoder(args.encoder_dir, class_images, encoder_config,
-                                                            testbed_data.file_sha256(args.reference), progress=True)
+                                                            provenance.file_digest(args.reference), progress=True)
     real_features = emoji_metrics.encoder_features(enc_graphdef, enc_params, ref_images[~ref_heldout])
     real_accuracy = emoji_metrics.caption_accuracy(
         emoji_metrics.classify(enc_graphdef, enc_params, class_images), np.arange(class_images.shape[0]))

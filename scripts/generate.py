@@ -13,6 +13,9 @@ elsewhere) and writes ``latents.npz`` (``latents (P, c, H, W)``, ``seeds (P,)``)
 diffusers AutoencoderKL folder, torch side) also ``images/w4a4_XXXX.png``. The prompt file has the layout of
 ``kroquant quantize-checkpoint --embeddings`` (``models.diffusers_io.encode_prompts``). ``--attention cudnn`` runs
 the softmax attention as cuDNN flash attention (GPU, bf16 / fp16 model) instead of the fp32-logits XLA attention.
+``--out`` is claimed before the model loads (``generate_run.json``: the checkpoint's and the prompt file's SHA-256
+and every sampler and serving flag): a folder holding another run's latents or images is refused, or with
+``--overwrite`` cleared of them first, so no earlier image stays beside the new ones.
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ def _parse(argv):
     parser.add_argument("--checkpoint", required=True, help="quantized checkpoint folder (quantize-checkpoint's "
                         "OUT/quantized-RECIPE)")
     parser.add_argument("--prompts", required=True, dest="embeddings", help=".npz of prompt embeddings")
-    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--out", required=True, help="output folder (another run's latents and images there are "
+                        "refused; the same run's are replaced)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete another run's latents and images in --out instead of refusing them")
     parser.add_argument("--max-prompts", type=positive_int, help="only the first N prompts (default: all)")
     parser.add_argument("--steps", type=positive_int, help="denoising steps (default: the ones the folder was "
                         "evaluated with, else 20)")
@@ -71,6 +77,41 @@ def _parse(argv):
     return args
 
 
+#: The files a generate run writes into --out (what another run's claim clears or refuses).
+OUTPUTS = ("latents.npz", "images/w4a4_*.png")
+RUN_RECORD = "generate_run.json"
+
+
+def run_key(args) -> dict:
+    """What decides a generate run's files: the checkpoint's configs and the prompt file (SHA-256), every sampler
+    and serving flag as given (a default is resolved the same way on the same backend), and the backend."""
+    import jax
+
+    from kroquant_jax import provenance
+
+    checkpoint = Path(args.checkpoint)
+    digests = {name: provenance.file_digest(checkpoint / name) if (checkpoint / name).is_file() else None
+               for name in ("config.json", "quantization_config.json")}
+    return {"checkpoint": str(checkpoint.resolve()), "checkpoint_config_sha256": digests["config.json"],
+            "quantization_config_sha256": digests["quantization_config.json"],
+            "prompts_sha256": provenance.file_digest(args.embeddings), "max_prompts": args.max_prompts,
+            "steps": args.steps, "guidance": args.guidance, "solver": args.solver, "shift": args.shift,
+            "latent_hw": args.latent_hw, "seed": args.seed, "dtype": args.dtype, "strategy": args.strategy,
+            "impl": args.impl, "attention": args.attention, "vae": None if args.vae is None else str(
+                Path(args.vae).resolve()), "backend": jax.default_backend()}
+
+
+def claim_out(args) -> None:
+    """--out as this run's (``provenance.claim_output_folder``): another run's latents and images are refused, or
+    with --overwrite deleted first; a :class:`UserError` names the flags."""
+    from kroquant_jax import provenance
+
+    try:
+        provenance.claim_output_folder(args.out, RUN_RECORD, run_key(args), OUTPUTS, overwrite=args.overwrite)
+    except provenance.OutputFolderError as err:
+        raise UserError(str(err)) from None
+
+
 def serve_options(strategy: str, impl: str | None):
     """``ServeOptions(strategy, impl)``; a combination it refuses is a :class:`UserError` naming both flags."""
     from pallas_kernels import served
@@ -85,6 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
     require_paths(("--checkpoint", args.checkpoint), ("--prompts", args.embeddings), ("--vae", args.vae))
     check_out_dir(args.out)  # a file there would fail the write after the sampling
+    claim_out(args)
     import jax
     import jax.numpy as jnp
     from flax import nnx

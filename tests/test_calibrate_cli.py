@@ -16,7 +16,7 @@ def test_calibrate_cli_writes_table_json_and_plot(tmp_path):
     out = tmp_path / "cal"
     errors = calibrate_layers.main(["--synthetic", "tiny", "--fast", "--methods", "rtn", "hadamard32",
                                     "--out", str(out)])
-    assert sorted(os.listdir(out)) == ["plot.png", "results.json", "table.md"]
+    assert sorted(os.listdir(out)) == ["calibrate_run.json", "plot.png", "results.json", "table.md"]
     saved = json.loads((out / "results.json").read_text())
     assert saved["errors"] == {m: {n: float(e) for n, e in errs.items()} for m, errs in errors.items()}
     names = sorted(errors["rtn"])

@@ -660,12 +660,3 @@ def load_dataset(path: str | os.PathLike) -> EmojiDataset:
     )
     validate_dataset(dataset)
     return dataset
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """Hex SHA-256 of a file (recorded in the dataset to name the font it was built from)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
