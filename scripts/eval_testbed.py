@@ -76,7 +76,7 @@ from models.testbed.evaluation import (CAPTION_GROUPS, capture_flow_layer_set, f
                                        group_metrics, layer_errors_summary, markdown_table, merge_outputs,
                                        select_caption_groups, training_caption_text, write_outputs)
 from scripts.common_args import (add_compile_cache, check_out_dir, finite_float, nonnegative_int, positive_int,
-                                 quantize_with_store, verb_parser)
+                                 quantize_with_store, require_paths, verb_parser)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "emoji_pixart"
@@ -231,6 +231,7 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
         print(markdown_table(report), flush=True)
         return 0
     check_out_dir(out)
+    require_paths(("--checkpoint", args.checkpoint), ("--prompts", args.prompts))
     prompts_path = args.prompts or str(Path(args.checkpoint) / "testbed_prompts.npz")
     dataset = testbed_data.load_dataset(prompts_path)
     cfg, model = families.PIXART.from_diffusers(args.checkpoint, "float32")

@@ -56,7 +56,7 @@ from models import convert, families, pixart, qad
 from models.testbed import model as testbed
 from models.testbed import data as testbed_data
 from models.testbed.evaluation import image_metrics_of
-from scripts.common_args import nonnegative_int, positive_int, verb_parser
+from scripts.common_args import nonnegative_int, positive_int, require_paths, verb_parser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -154,6 +154,7 @@ def main(argv=None) -> int:
     exports = {} if args.export_dir is None else {
         v: qad.check_export_dir(Path(args.export_dir) / v, args.overwrite_export, "--export-dir",
                                 "--overwrite-export") for v in args.variants}
+    require_paths(("--checkpoint", args.checkpoint), ("--prompts", args.prompts))
     prompts = testbed_data.load_dataset(args.prompts or str(Path(args.checkpoint) / "testbed_prompts.npz"))
     all_heldout = np.flatnonzero(prompts.heldout)
     if len(all_heldout) < args.eval_captions + args.validation_captions:

@@ -122,3 +122,14 @@ def test_generate_names_a_corrupt_json_file_of_the_checkpoint(tiny_quantized_pix
         (folder / name).write_text(text[:len(text) // 2])
         assert _generate(folder, prompts, tmp_path / "out") == 1
         assert _error(capsys, "generate").startswith(f"{folder / name}: corrupt JSON (")
+
+
+@pytest.mark.parametrize("verb", ["evaluate", "qad"])
+def test_testbed_verbs_name_a_missing_checkpoint_folder(verb, tmp_path, capsys):
+    """A missing --checkpoint was reported as its missing testbed_prompts.npz, with a `python -m` hint."""
+    missing = tmp_path / "nosuch"
+    argv = [verb, "--checkpoint", str(missing), "--out", str(tmp_path / "out")]
+    if verb == "qad":
+        argv += ["--data", str(tmp_path / "data.npz"), "--variants", "qad_16bit"]
+    assert cli.main(argv) == 1
+    assert _error(capsys, verb) == f"--checkpoint {missing}: no such file or folder"

@@ -156,7 +156,7 @@ def test_select_caption_groups_on_the_shipped_prompts():
         evaluation.select_caption_groups(dataset, calib, {"train": 0})
     import dataclasses
 
-    with pytest.raises(ValueError, match="no 'trained_concept' array.*build_emoji_dataset"):
+    with pytest.raises(ValueError, match="no 'trained_concept' array.*kroquant build-emoji-dataset"):
         evaluation.select_caption_groups(dataclasses.replace(dataset, trained_concept=None), calib, {"novel": 1})
 
 

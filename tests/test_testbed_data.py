@@ -131,7 +131,7 @@ def test_split_and_load_errors(few_glyph_dataset, tmp_path):
     np.savez(bad, images=np.zeros((1, 32, 32, 3), np.uint8))
     with pytest.raises(KeyError, match="lacks keys"):
         td.load_dataset(bad)
-    with pytest.raises(FileNotFoundError, match="build_emoji_dataset"):
+    with pytest.raises(FileNotFoundError, match="kroquant build-emoji-dataset"):
         td.load_dataset(tmp_path / "missing.npz")
 
 

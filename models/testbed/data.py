@@ -644,7 +644,7 @@ def load_dataset(path: str | os.PathLike) -> EmojiDataset:
     """Read a dataset written by ``write_dataset`` (numpy only, no pickles)."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: build it with `python -m scripts.build_emoji_dataset --out {path}`")
+        raise FileNotFoundError(f"{path} not found: build it with `kroquant build-emoji-dataset --out {path}`")
     archive = read_npz(path)  # a truncated or corrupt file is a ValueError naming it
     missing = [key for key in (*_ARRAY_KEYS, "image_size", "max_tokens", "format_version") if key not in archive]
     if missing:

@@ -506,7 +506,7 @@ def heldout_groups(dataset: testbed_data.EmojiDataset) -> dict[str, np.ndarray]:
     base. Raises when the dataset file predates ``trained_concept``."""
     if dataset.trained_concept is None:
         raise ValueError("the dataset has no 'trained_concept' array (written before it existed), so its held-out "
-                         "records cannot be told apart: rebuild it with `python -m scripts.build_emoji_dataset`")
+                         "records cannot be told apart: rebuild it with `kroquant build-emoji-dataset`")
     held = np.flatnonzero(dataset.heldout)
     return {GROUPS[0]: held[dataset.trained_concept[held]], GROUPS[1]: held[~dataset.trained_concept[held]]}
 
