@@ -40,6 +40,7 @@ import collections
 import dataclasses
 import functools
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -57,7 +58,7 @@ from models.testbed import metrics as emoji_metrics
 from models.testbed import model as testbed
 from models.testbed import data as testbed_data
 from models.layers import linears
-from scripts.common_args import action_parser, nonnegative_int, positive_int, verb_parser
+from scripts.common_args import UserError, action_parser, finite_float, nonnegative_int, positive_int, verb_parser
 from scripts.eval_testbed import DEFAULT_CHECKPOINT as DEFAULT_TEACHER
 
 DEFAULTS = dmd2.DMD2Config()
@@ -95,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--run", required=True, help="training folder (orbax checkpoints, log.jsonl)")
         p.add_argument("--num-steps", type=positive_int, default=DEFAULTS.num_steps,
                        help="student steps trained (backward simulation)")
-        p.add_argument("--guidance", type=float, default=DEFAULTS.guidance, help="real-score / teacher CFG scale")
+        p.add_argument("--guidance", type=finite_float, default=DEFAULTS.guidance, help="real-score / teacher CFG scale")
         p.add_argument("--seed", type=int, default=0, help="seed of the initialisation, the batches and the noise")
         p.add_argument("--gan-feature-layer", default=DEFAULTS.gan_feature_layer,
                        help="the linear whose input tokens feed the GAN head")
@@ -176,7 +177,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+#: DMD2Config's fields as the train flags that set them (its errors are reported by flag).
+CONFIG_FLAGS = {"num_steps": "--num-steps", "guidance": "--guidance", "dm_sigma_min": "--dm-sigma-range",
+                "dm_sigma_max": "--dm-sigma-range", "guidance_sigma_range": "--guidance-sigma-range",
+                "fake_updates_per_generator": "--ratio", "generator_lr": "--generator-lr", "fake_lr": "--fake-lr",
+                "gan_generator_weight": "--gan-generator-weight", "gan_max_sigma": "--gan-max-sigma",
+                "gan_discriminator_weight": "--gan-discriminator-weight", "fake_warmup": "--fake-warmup",
+                "fake_sigma_sampling": "--fake-sigma-sampling"}
+
+
 def config_from(args: argparse.Namespace) -> dmd2.DMD2Config:
+    """The run's :class:`~models.dmd2.DMD2Config` from the flags; a setting it refuses is a :class:`UserError` that
+    names the flags (checked before the teacher or the dataset is loaded)."""
+    try:
+        return _config_from(args)
+    except ValueError as err:
+        message = str(err).removeprefix("DMD2Config: ")
+        flags = [flag for field, flag in CONFIG_FLAGS.items() if re.search(rf"\b{field}\b", message)]
+        raise UserError(f"{' / '.join(dict.fromkeys(flags)) or 'the DMD2 settings'}: {message}") from None
+
+
+def _config_from(args: argparse.Namespace) -> dmd2.DMD2Config:
     extra = {}
     if args.action == "train":
         extra = dict(fake_updates_per_generator=args.ratio, generator_lr=args.generator_lr, fake_lr=args.fake_lr,
@@ -214,6 +235,7 @@ class Setup:
 def setup(args: argparse.Namespace, compute_dtype) -> Setup:
     """Teacher, dataset, the FlowModels and the template training state (the PTQ store or initial checkpoint is read
     and validated here, before anything is compiled)."""
+    config = config_from(args)  # bad settings fail before anything loads
     cfg, model = families.PIXART.from_diffusers(args.teacher, "float32")
     layers = linears(model)
     if args.gan_feature_layer not in layers:
@@ -235,7 +257,6 @@ def setup(args: argparse.Namespace, compute_dtype) -> Setup:
                                                                        compute_dtype, w4a4=store.w4a4)
     head = dmd2.GanHead(layers[args.gan_feature_layer].in_features, rngs=nnx.Rngs(args.seed))
     head_graphdef, head_params = nnx.split(head)
-    config = config_from(args)
     state = dmd2.init_state(teacher, head_params, config, args.seed,
                             generator=None if store is None else store.generator)
     return Setup(cfg=cfg, graphdef=graphdef, teacher=teacher, dataset=dataset, flow=flow,

@@ -133,3 +133,17 @@ def test_testbed_verbs_name_a_missing_checkpoint_folder(verb, tmp_path, capsys):
         argv += ["--data", str(tmp_path / "data.npz"), "--variants", "qad_16bit"]
     assert cli.main(argv) == 1
     assert _error(capsys, verb) == f"--checkpoint {missing}: no such file or folder"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--dm-sigma-range", "0.9", "0.1"], "--dm-sigma-range: need 0 < dm_sigma_min (0.9) < dm_sigma_max (0.1)"),
+    (["--guidance-sigma-range", "0.5", "0.2"], "--guidance-sigma-range: self.guidance_sigma_range=(0.5, 0.2) must "
+                                               "satisfy 0 <= low <= high <= 1"),
+    (["--generator-lr", "0"], "--generator-lr / --fake-lr: learning rates must be > 0"),
+])
+def test_dmd2_settings_are_refused_by_flag_before_anything_loads(flags, message, tmp_path, capsys):
+    """DMD2Config's checks ran only after the teacher and the dataset had loaded, and named its fields."""
+    argv = ["dmd2", "train", "--teacher", str(tmp_path / "no_teacher"), "--data", str(tmp_path / "no_data.npz"),
+            "--run", str(tmp_path / "run"), *flags]
+    assert cli.main(argv) == 1
+    assert _error(capsys, "dmd2").startswith(message)
