@@ -141,8 +141,11 @@ def main(argv=None) -> int:
     if args.curve_every % args.chunk:
         raise ValueError(f"--curve-every {args.curve_every} must be a multiple of --chunk {args.chunk} (the student is "
                          "scored between compiled chunks)")
-    if any(v.endswith("_ptq") for v in args.variants) and not args.ptq_store:
-        raise ValueError("--variants qad_ptq and naive_ptq need --ptq-store (a calibrated QLinearStore folder)")
+    ptq_variants = [v for v in args.variants if v.endswith("_ptq")]
+    if ptq_variants and not args.ptq_store:
+        given = "--variants" in (argv if argv is not None else sys.argv[1:])
+        raise ValueError(f"--variants {' '.join(ptq_variants)}{'' if given else ' (of the default variants)'} "
+                         "need --ptq-store (a calibrated QLinearStore folder), or name --variants without them")
     names = args.ptq_name or [Path(folder).name.rsplit("-", 1)[0] for folder in args.ptq_store]
     if len(names) != len(args.ptq_store) or len(set(names)) != len(names):
         raise ValueError(f"--ptq-name {names} must give one distinct name per --ptq-store ({len(args.ptq_store)})")

@@ -461,8 +461,10 @@ def test_script_validates_its_ptq_stores_before_any_work(tmp_path):
         qad_script.main(common + ["--ptq-store", str(a), str(b)])  # both default to "svdquant"
     with pytest.raises(ValueError, match="one distinct name per --ptq-store \\(2\\)"):
         qad_script.main(common + ["--ptq-store", str(a), str(b), "--ptq-name", "only_one"])
-    with pytest.raises(ValueError, match="need --ptq-store"):
+    with pytest.raises(ValueError, match=r"^--variants qad_ptq need --ptq-store"):
         qad_script.main(common + ["--variants", "qad_ptq"])
+    with pytest.raises(ValueError, match=r"^--variants qad_ptq \(of the default variants\) need --ptq-store"):
+        qad_script.main(common)
     with pytest.raises(ValueError, match="--curve-every 30 must be a multiple of --chunk 50"):
         qad_script.main(common + ["--curve-every", "30", "--chunk", "50"])
     with pytest.raises(ValueError, match="--eval-captions 10000 \\+ --validation-captions 8: the prompts have only"):
