@@ -156,6 +156,8 @@ class Family:
             tuple of dotted paths, in the order their outputs are stacked when the group is served as one linear:
             one activation transform, one quantizer call, one GEMM; ``kroquant_jax.shared_inputs`` calibrates a group
             as one layer named by its paths joined by ``|``). No linear is in two groups.
+        latent_multiple: ``cfg -> int``: the sampler's ``latent_hw`` must be multiples of it (the patch size of
+            PixArt / SANA, FLUX.1's 2 x 2 packing; Ideogram 4's ``latent_hw`` is its token grid already).
     """
 
     name: str
@@ -173,12 +175,21 @@ class Family:
     unstack: Callable[[dict, Any], dict] | None = None
     text_only: TextOnlyInputs | None = None
     shared_inputs: SharedInputGroups = _no_shared_inputs
+    latent_multiple: Callable[[Any], int] = lambda cfg: 1
 
     # -- configs ----------------------------------------------------------------------------------------------------
 
     def config_from_diffusers(self, config: Mapping[str, Any]) -> Any:
         """The family's config from a diffusers ``config.json`` dict (unknown or unported settings raise)."""
         return self.config_type.from_diffusers_config(dict(config))
+
+    def check_latent_hw(self, cfg: Any, latent_hw: tuple[int, int]) -> None:
+        """Raises ``ValueError`` when ``latent_hw`` (H, W) is not a positive multiple of :attr:`latent_multiple` (the
+        sampler would fail inside the trace, with a message about its own arrays)."""
+        multiple = self.latent_multiple(cfg)
+        if any(v <= 0 or v % multiple for v in latent_hw):
+            raise ValueError(f"latent size {tuple(latent_hw)}: a {self.name} model needs positive multiples of "
+                             f"{multiple}")
 
     def config_of(self, model: nnx.Module) -> Any:
         """The config a model was built with."""
@@ -283,24 +294,26 @@ _CAPTION_INPUTS = ("context", "mask", "uncond_context", "uncond_mask")
 
 def _dit_family(module: Any, config_type: type, model_type: type, presets: Mapping[str, Any],
                 prompt_inputs: tuple[str, ...], prompt_widths: Callable[[Any], dict[str, int]],
-                shared_inputs: SharedInputGroups, text_only: TextOnlyInputs | None = None) -> Family:
+                shared_inputs: SharedInputGroups, latent_multiple: Callable[[Any], int],
+                text_only: TextOnlyInputs | None = None) -> Family:
     """A PixArt / SANA / FLUX family: its module's CLASS_NAME and KEY_TABLE, ``models.sampling.make_sampler``."""
     name = module.__name__.rsplit(".", 1)[-1]
     return Family(name=name, class_name=module.CLASS_NAME, config_type=config_type, new_model=_dit_model(model_type),
                   key_table=module.KEY_TABLE, presets=presets, sampler=functools.partial(sampling.make_sampler, name),
                   prompt_inputs=prompt_inputs, prompt_widths=prompt_widths, text_only=text_only,
-                  shared_inputs=shared_inputs)
+                  shared_inputs=shared_inputs, latent_multiple=latent_multiple)
 
 
 PIXART = _dit_family(pixart, pixart.PixArtConfig, pixart.PixArtTransformer2DModel,
                      {"PixArt-Sigma-XL-2-1024-MS": pixart.PIXART_SIGMA_XL_2_1024_MS}, _CAPTION_INPUTS, _caption_widths,
-                     _self_and_cross_attention_groups, CAPTION_KEYS_VALUES)
+                     _self_and_cross_attention_groups, lambda cfg: cfg.patch_size, CAPTION_KEYS_VALUES)
 SANA = _dit_family(sana, sana.SanaConfig, sana.SanaTransformer2DModel,
                    {"Sana_1600M_1024px": sana.SANA_1600M_1024PX}, _CAPTION_INPUTS, _caption_widths,
-                   _self_and_cross_attention_groups, CAPTION_KEYS_VALUES)
+                   _self_and_cross_attention_groups, lambda cfg: cfg.patch_size, CAPTION_KEYS_VALUES)
 FLUX = _dit_family(flux, flux.FluxConfig, flux.FluxTransformer2DModel, {"FLUX.1-schnell": flux.FLUX1_SCHNELL},
                    ("context", "pooled"),
-                   lambda cfg: {"context": cfg.joint_attention_dim, "pooled": cfg.pooled_projection_dim}, _flux_groups)
+                   lambda cfg: {"context": cfg.joint_attention_dim, "pooled": cfg.pooled_projection_dim}, _flux_groups,
+                   lambda cfg: 2)  # pack_latents: 2 x 2 latent patches per token
 
 IDEOGRAM4 = Family(
     name="ideogram4", class_name=ideogram4.CLASS_NAME, config_type=ideogram4.Ideogram4Config,

@@ -163,6 +163,12 @@ def main(argv: list[str] | None = None) -> dict:
     settings = sampler_settings(loaded, steps=args.steps, guidance=args.guidance, solver=args.solver,
                                 shift=args.shift, latent_hw=args.latent_hw)
     family = families.get(loaded.family)
+    try:  # the sampler would fail inside its trace with a message about its own arrays
+        family.check_latent_hw(loaded.cfg, settings["latent_hw"])
+    except ValueError as err:
+        source = (f"--latent-hw {' '.join(map(str, args.latent_hw))}" if args.latent_hw else
+                  f"{args.checkpoint}: its recorded latent_hw")
+        raise UserError(f"{source}: {err}") from None
     arrays = prompt_arrays(args, family, loaded.cfg, "--prompts")
     try:
         overrides = loaded.overrides() if options is None else loaded.served_overrides(options)

@@ -444,6 +444,10 @@ def main(argv: list[str] | None = None) -> dict:
     from models import capture, image_metrics, quantize_model, sampling
 
     family, cfg, model = _load(args.checkpoint, args.dtype)
+    try:  # the sampler would fail inside its trace, after the capture's setup
+        family.check_latent_hw(cfg, tuple(args.latent_hw))
+    except ValueError as err:
+        raise UserError(f"--latent-hw {' '.join(map(str, args.latent_hw))}: {err}") from None
     solver, shift = sampling.resolve_sampler(family.name, args.solver, args.shift)
     arrays = prompt_arrays(args, family, cfg)
     dtype = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))[0].dtype

@@ -147,3 +147,25 @@ def test_dmd2_settings_are_refused_by_flag_before_anything_loads(flags, message,
             "--run", str(tmp_path / "run"), *flags]
     assert cli.main(argv) == 1
     assert _error(capsys, "dmd2").startswith(message)
+
+
+def test_generate_names_a_latent_size_the_model_cannot_patch(tiny_quantized_pixart, tmp_path, capsys):
+    """--latent-hw 7 7 on a PixArt model (patch 2) failed inside the sampler's trace, naming PatchEmbed's arrays."""
+    _, quantized, prompts, _ = tiny_quantized_pixart
+    argv = ["generate", "--checkpoint", str(quantized), "--prompts", str(prompts), "--out", str(tmp_path / "out"),
+            "--latent-hw", "7", "8", "--quiet"]
+    assert cli.main(argv) == 1
+    assert _error(capsys, "generate") == "--latent-hw 7 8: latent size (7, 8): a pixart model needs positive " \
+                                         "multiples of 2"
+
+
+def test_every_family_checks_its_latent_multiple():
+    from models import families
+
+    expected = {"pixart": 2, "sana": 1, "flux": 2, "ideogram4": 1}
+    for name, family in families.REGISTRY.items():
+        cfg = next(iter(family.presets.values()))
+        assert family.latent_multiple(cfg) == expected[name], name
+        family.check_latent_hw(cfg, (64, 64))
+    with pytest.raises(ValueError, match=r"latent size \(64, 63\): a flux model needs positive multiples of 2"):
+        families.FLUX.check_latent_hw(families.FLUX.presets["FLUX.1-schnell"], (64, 63))
