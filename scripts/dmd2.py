@@ -58,6 +58,7 @@ from models.testbed import metrics as emoji_metrics
 from models.testbed import model as testbed
 from models.testbed import data as testbed_data
 from models.layers import linears
+from pallas_kernels import served
 from scripts.common_args import UserError, action_parser, finite_float, nonnegative_int, positive_int, verb_parser
 from scripts.eval_testbed import DEFAULT_CHECKPOINT as DEFAULT_TEACHER
 
@@ -299,8 +300,6 @@ def _check_served(args: argparse.Namespace) -> None:
     """``--served`` names a served strategy and the run has W4A4 layers to serve (checked before anything loads)."""
     if args.served is None:
         return
-    from pallas_kernels import served
-
     if args.served not in served.strategy_names():
         raise ValueError(f"--served {args.served}: not a served strategy ({', '.join(served.strategy_names())})")
     if args.ptq_store is None and args.init_checkpoint is None:
@@ -312,7 +311,6 @@ def served_student(args: argparse.Namespace, built: Setup, out: Path):
     """The run's latest generator exported to ``out/served_checkpoint`` (replaced if present: it is this
     evaluation's output) and loaded with ``--served``'s served layers -> ``(FlowModel, params, export summary)``."""
     from models.quantized_checkpoint import load_quantized_checkpoint
-    from pallas_kernels import served
 
     kind = "ptq_store" if args.ptq_store is not None else "init_checkpoint"
     plan = dmd2.plan_export(args.run, out / "served_checkpoint", overwrite=True,
@@ -388,8 +386,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     served_export = None
     if args.served is not None:  # the same student through the served layers of its exported folder
         served_flow, served_params, served_export = served_student(args, built, out)
-        samplers["student_served"] = ({args.num_steps: jax.jit(functools.partial(
-            student_sample, served_flow, steps=args.num_steps))}, served_params)
+        # compiled as kroquant generate compiles a sampler of these served layers (the strategy's XLA options)
+        samplers["student_served"] = ({args.num_steps: jax.jit(
+            functools.partial(student_sample, served_flow, steps=args.num_steps),
+            compiler_options=served.program_compiler_options(args.served) or None)}, served_params)
     # the restored checkpoint's arrays are committed to a device, the teacher's and the store's are not, and jit
     # compiles one program per argument placement: every system's parameters are placed as the checkpoint's, so the
     # controls and the student share one compiled sampler per network and step count
@@ -470,6 +470,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         f"W4A4 {built.store.w4a4.quant.fmt} fake quant (STE), one branch", **built.run_key}
     if served_export is not None:
         report["settings"]["served"] = {"strategy": args.served, "checkpoint": served_export["out"],
+                                        "xla_options": served.program_compiler_options(args.served),
                                         "cycle": served_export["cycle"], "layers": served_export["layers"]}
     atomic_write_json(out / "report.json", report)
     rows_idx = np.arange(min(args.grid_rows, len(train_indices)))

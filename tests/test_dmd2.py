@@ -575,6 +575,7 @@ def test_script_trains_resumes_and_evaluates_a_tiny_teacher(tmp_path):
     # the same student as it is served: exported, its layers run by the dequant strategy (the jnp reference on the
     # CPU), the fake-quant student's noise
     assert report["settings"]["served"]["strategy"] == "dequant" and report["settings"]["served"]["cycle"] == 2
+    assert report["settings"]["served"]["xla_options"] == {}  # dequant's sampler compiles with XLA's defaults
     assert (tmp_path / "eval" / "served_checkpoint" / "config.json").exists()
     row, fake_quant = report["systems"]["student_served@1"], report["systems"]["student@1"]
     assert row["forward_passes_per_image"] == 1 and np.isfinite(row["fd_real"])
