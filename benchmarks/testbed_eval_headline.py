@@ -181,19 +181,24 @@ def main(argv=None) -> dict:
         table += "\nMethods run in more than one part (the first part's result is used above):\n\n" + \
             "".join(f"- {line}\n" for line in repeats)
     print(table)
-    if args.out:
-        atomic_write_json(args.out, summary)
-    if args.markdown:
-        atomic_write_bytes(args.markdown, table.encode())
+    figures = {}
     if args.headline:
         device = args.device or str(report.get("device", "?"))
         try:
             per_method = headline_figures(report, args.prefix, device=device, command=args.command, source=source)
         except ValueError as err:
             parser.exit(2, f"testbed_eval_headline: {' '.join(args.report)}: {err}\n")
+        margins = margin_figures(summary, report, device, args.command, source, args.prefix, args.goal_keys)
+        figures = {**per_method, **margins}
+        # every figure's value in the file it cites (--out): the rows above keep only a few fields per method
+        summary["headline_figures"] = {key: figure.value for key, figure in sorted(figures.items())}
+    if args.out:
+        atomic_write_json(args.out, summary)
+    if args.markdown:
+        atomic_write_bytes(args.markdown, table.encode())
+    if args.headline:
         headline.update(args.headline, per_method, replace_prefix=f"{args.prefix}_")
-        headline.update(args.headline, margin_figures(summary, report, device, args.command, source, args.prefix,
-                                                      args.goal_keys))
+        headline.update(args.headline, margins)
     return summary
 
 

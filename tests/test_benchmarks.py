@@ -290,9 +290,13 @@ def test_testbed_eval_headline_margin_over_the_baselines(tmp_path):
     try:
         _run("testbed_eval_headline.py", str(path), "--out", str(inside), "--headline", str(tmp_path / "h.json"),
              "--prefix", "lr", "--device", "test machine", "--goal-keys")
+        cited = json.loads(inside.read_text())
     finally:
         inside.unlink(missing_ok=True)
     figures = json.loads((tmp_path / "h.json").read_text())
+    # every figure's value is in the file it cites (the per-method rows keep only a few fields)
+    assert cited["headline_figures"] == {k: f["value"] for k, f in figures.items()}
+    assert "lr_layer_error_max_smoothquant_loraq" in cited["headline_figures"]
     assert figures["lr_psnr_db_heldout_smoothed_kroquant_gptq_loraq"]["value"] == 22.0
     assert figures["lr_psnr_seed_max_db_heldout_smoothquant_loraq"]["value"] == 21.0
     assert figures["lr_best_kroquant_family_psnr_margin_db"]["value"] == 1.5

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
@@ -30,6 +31,89 @@ def test_readme_tables_match_headline_json():
 def test_every_figure_traces_to_an_existing_results_file():
     for key, fig in headline.load(HEADLINE).items():
         assert (ROOT / fig.source).is_file(), f"{key}: source {fig.source} does not exist"
+
+
+def _numbers(source: Path) -> list[float]:
+    """Every number of a results file: the numeric leaves of a JSON file, the numbers written in a text one."""
+    if source.suffix == ".json":
+        def leaves(x):
+            if isinstance(x, dict):
+                x = list(x.values())
+            if isinstance(x, list):
+                for v in x:
+                    yield from leaves(v)
+            elif isinstance(x, (int, float)) and not isinstance(x, bool):
+                yield float(x)
+        return list(leaves(json.loads(source.read_text())))
+    return [float(t.replace(",", "")) for t in re.findall(r"[-+]?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?",
+                                                          source.read_text())]
+
+
+def _mean(errors: dict) -> float:
+    return sum(errors.values()) / len(errors)
+
+
+def _kernel_quantizer_fraction(kernels: dict) -> float:
+    """K1 quantizers + XLA's E4M3 re-encodes over the fused FP8 GEMMs (docs/w4a4.md's definition)."""
+    t = kernels["top_ms"]
+    return (t["tq_k1_mxfp4"] + t["tq_k1_mxfp4__1"] + t["input_concatenate_fusion_3"] + t["input_concatenate_fusion"]) \
+        / t["fp8_gemm_fused_mosaic_gpu_kernel"]
+
+
+def _beats_both(test: dict) -> float:
+    new, h, sq = test["smoothed_kroquant new"], test["hadamard32"], test["smoothquant"]
+    return sum(new[n] < h[n] and new[n] < sq[n] for n in new) / len(new)
+
+
+#: The figures computed from their source's numbers rather than copied from it: ``key -> (derivation from the loaded
+#: JSON source, digits the figure was rounded to or None)``. A new figure must either be a number of its source or
+#: be listed here, so each one is checked against the file it cites.
+DERIVED = {
+    "gptq_layer_error_reduction_fraction": (
+        lambda d: 1 - _mean(d["errors"]["smoothed_kroquant+gptq"]) / _mean(d["errors"]["smoothed_kroquant"]), 4),
+    "gptq_layer_error_reduction_fraction_hadamard32": (
+        lambda d: 1 - _mean(d["errors"]["hadamard32+gptq"]) / _mean(d["errors"]["hadamard32"]), 4),
+    "ideogram4_forward_fp8_mgpu_fused_qkv_device_time_speedup_vs_bf16": (
+        lambda d: d["kernels"]["bf16"]["device_ms"] / d["kernels"]["w4a4_fp8_mgpu_fused_qkv"]["device_ms"], None),
+    "ideogram4_forward_fp8_mgpu_fused_qkv_quantizer_fraction_of_gemms": (
+        lambda d: _kernel_quantizer_fraction(d["kernels"]["w4a4_fp8_mgpu_fused_qkv"]), None),
+    "ideogram4_forward_fp8_mgpu_quantizer_fraction_of_gemms": (
+        lambda d: _kernel_quantizer_fraction(d["kernels"]["w4a4_fp8_mgpu"]), None),
+    "served_fp8_mgpu_minus_dequant_psnr_db_testbed": (
+        lambda d: d["strategies"]["fp8_mgpu"]["vs_teacher"]["psnr_db"] - d["strategies"]["dequant"]["vs_teacher"][
+            "psnr_db"], None),
+    "testbed_kroquant_beats_hadamard_fraction_24layers": (
+        lambda d: d["seeds"]["0"]["summary"]["new"]["beats_hadamard"] / d["seeds"]["0"]["summary"]["new"]["layers"],
+        None),
+    "testbed_smoothed_kroquant_beats_both_fraction_24layers": (lambda d: _beats_both(d["seeds"]["0"]["test"]), None),
+}
+#: Text sources whose figure is a ratio of two of their numbers (``key -> (numerator, denominator)``).
+DERIVED_FROM_TEXT = {"flux_forward_dequant_speedup_vs_bf16": (135.40, 184.01)}
+
+
+def test_every_figure_is_in_or_derived_from_its_source():
+    """A careful reader can find each figure in the file it cites: a number of it (to the digits the figure keeps),
+    or, for the figures of :data:`DERIVED`, computed from it as stated there."""
+    unsupported = []
+    for key, fig in headline.load(HEADLINE).items():
+        source = ROOT / fig.source
+        if key in DERIVED:
+            derive, digits = DERIVED[key]
+            value = derive(json.loads(source.read_text()))
+            ok = (round(value, digits) == fig.value) if digits is not None else math.isclose(value, fig.value,
+                                                                                             rel_tol=1e-12)
+        elif key in DERIVED_FROM_TEXT:
+            num, den = DERIVED_FROM_TEXT[key]
+            ok = num in _numbers(source) and den in _numbers(source) and math.isclose(num / den, fig.value,
+                                                                                        rel_tol=1e-12)
+        else:
+            text = repr(fig.value)
+            digits = len(text.split(".")[1]) if "." in text and "e" not in text else 0
+            tol = max(abs(fig.value) * 1e-12, 0.5 * 10 ** -digits if digits <= 6 else 0.0)
+            ok = any(abs(x - fig.value) <= tol for x in _numbers(source))
+        if not ok:
+            unsupported.append(f"{key} = {fig.value!r} (source {fig.source})")
+    assert not unsupported, "figures not found in their source:\n" + "\n".join(unsupported)
 
 
 def test_every_table_key_is_present():
