@@ -26,9 +26,9 @@ import numpy as np
 
 from kroquant_jax.fileio import atomic_write_json
 
-__all__ = ["EXECUTION_SETTINGS", "NUMERICS_VERSION", "OutputFolderError", "StaleResultError", "array_digest",
-           "claim_output_folder", "describe_changes", "file_digest", "layer_fingerprint", "layer_set_mismatch",
-           "recipe_settings"]
+__all__ = ["EXECUTION_SETTINGS", "NUMERICS_VERSION", "OutputFolderError", "RunFolderError", "StaleResultError",
+           "array_digest", "check_run_folder", "claim_output_folder", "describe_changes", "describe_key_changes",
+           "file_digest", "layer_fingerprint", "layer_set_mismatch", "recipe_settings"]
 
 #: Bump whenever a change to the library alters the numbers a recipe produces for the same inputs (quantizer rounding,
 #: transform parameterization, optimiser, row draw): results stored under another version are then refused.
@@ -168,6 +168,16 @@ def file_digest(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def _read_record(path: Path) -> Optional[dict]:
+    """A run's key file as JSON; None if absent, a key that matches none if unreadable."""
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {"<unreadable>": str(path)}
+
+
 def claim_output_folder(folder: str | os.PathLike, record: str, key: Mapping[str, Any], outputs: Sequence[str], *,
                         overwrite: bool = False, flag: str = "--out", remedy: str = "--overwrite") -> None:
     """Makes ``folder`` the output folder of the run keyed by ``key``, before anything is written into it.
@@ -196,12 +206,7 @@ def claim_output_folder(folder: str | os.PathLike, record: str, key: Mapping[str
     key = json.loads(json.dumps(dict(key)))  # as it reads back (tuples as lists)
     record_path = folder / record
     present = sorted({p for pattern in outputs for p in folder.glob(pattern) if p.is_file()})
-    stored = None
-    if record_path.exists():
-        try:
-            stored = json.loads(record_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            stored = {"<unreadable>": str(record_path)}
+    stored = _read_record(record_path)
     if stored == key:
         return
     if present:
@@ -218,3 +223,58 @@ def claim_output_folder(folder: str | os.PathLike, record: str, key: Mapping[str
             path.unlink()
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_json(record_path, key)
+
+
+class RunFolderError(ValueError):
+    """A resumable run folder (training state, checkpoints) was made with other settings or inputs than this call's,
+    or before its verb keyed its runs (:func:`check_run_folder`); the message names the folder and what differs."""
+
+
+def _flat_key(value: Any, prefix: str, out: dict) -> None:
+    if isinstance(value, Mapping) and value:
+        for k in value:
+            _flat_key(value[k], f"{prefix}{k}.", out)
+    else:
+        out[prefix[:-1]] = value
+
+
+def describe_key_changes(stored: Mapping[str, Any], current: Mapping[str, Any], limit: int = 4) -> str:
+    """``"name: old -> new; ..."`` for every setting (nested mappings flattened to dotted names) that differs between
+    two run keys (as read back from JSON), at most ``limit`` of them (then ``"; and N more"``); ``<unset>`` for a
+    setting one side lacks; ``""`` when they match."""
+    old, new = {}, {}
+    _flat_key(json.loads(json.dumps(dict(stored))), "", old)
+    _flat_key(json.loads(json.dumps(dict(current))), "", new)
+    differ = [k for k in sorted(set(old) | set(new)) if old.get(k, "<unset>") != new.get(k, "<unset>")]
+    shown = "; ".join(f"{k}: {_short(old.get(k, '<unset>'))} -> {_short(new.get(k, '<unset>'))}"
+                      for k in differ[:limit])
+    return shown + (f"; and {len(differ) - limit} more" if len(differ) > limit else "")
+
+
+def check_run_folder(folder: str | os.PathLike, record: str, key: Mapping[str, Any], has_results: bool, *,
+                     flag: str = "--run", unverified: str = "its inputs and settings") -> None:
+    """Makes ``folder`` the run folder of the run keyed by ``key`` before any of its results is read or written.
+
+    ``record`` (JSON, in ``folder``) holds the key of the run whose results (training state, checkpoints) the folder
+    holds; ``has_results`` says whether it holds any.
+
+    * The same key: the run resumes (nothing written).
+    * Another key: :class:`RunFolderError` naming ``flag``, the folder and each setting's old -> new value, when the
+      folder holds results; without results (a run stopped before its first save) the record is replaced.
+    * No record: written, unless the folder holds results, made before the verb keyed its runs: they cannot be
+      verified (``unverified`` says what), so :class:`RunFolderError`.
+    """
+    folder = Path(folder)
+    key = json.loads(json.dumps(dict(key)))
+    path = folder / record
+    stored = _read_record(path)
+    if stored == key:
+        return
+    if has_results:
+        if stored is None:
+            raise RunFolderError(f"{flag} {folder}: holds results made before runs were keyed (no {record}), so "
+                                 f"{unverified} cannot be verified; use another {flag}")
+        raise RunFolderError(f"{flag} {folder}: made with other settings ({describe_key_changes(stored, key)}); "
+                             f"use another {flag} or the same settings")
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, key)

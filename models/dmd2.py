@@ -80,8 +80,8 @@ __all__ = ["DMD2Config", "FlowModel", "GanHead", "DMD2Divergence", "pixart_flow_
            "gan_logits", "make_optimizers", "init_state", "prompt_set", "prompt_batches", "make_cycle",
            "make_fake_warmup", "train", "restore_state",
            "forward_passes_per_image", "W4A4Generator", "PTQStore", "load_ptq_store", "load_init_checkpoint",
-           "generator_key", "check_run_key", "RunKeyMismatch", "restore_generator", "ExportPlan", "plan_export",
-           "export_run"]
+           "generator_key", "training_key", "check_run_key", "RunKeyMismatch", "restore_generator", "ExportPlan",
+           "plan_export", "export_run"]
 
 FAKE_SIGMA_SAMPLING = ("logit_normal", "uniform")  # DMD2Config.fake_sigma_sampling
 
@@ -1013,25 +1013,58 @@ def _describe(key: Mapping[str, Any]) -> str:
     return f"{flag} {key.get(f'{kind}_path', generator[kind])} (sha256 {generator['sha256'][:12]})"
 
 
+def training_key(config: DMD2Config, *, seed: int, batch_size: int, compute_dtype: str, data: Mapping[str, Any],
+                 teacher: Params) -> dict[str, Any]:
+    """What a run's checkpoints depend on besides the generator's initialisation (:func:`generator_key`), stored
+    under ``"training"`` in ``dmd2_run.json``: every :class:`DMD2Config` field (learning rates, ratio, guidance and
+    its interval, the DM and GAN settings, the fake-score warm-up), the seed, the batch size, the compute dtype, and
+    fingerprints of the training records (``data``: :func:`prompt_set`) and of the teacher's weights (the real
+    score, the fake score's start and, without an initialisation, the generator's). Not the cycle count, the time
+    budget, the cycles per call (the keys live in the state: any grouping gives the same cycles) or the save
+    interval."""
+    return {"config": json.loads(json.dumps(dataclasses.asdict(config))), "seed": int(seed),
+            "batch_size": int(batch_size), "compute_dtype": str(compute_dtype), "data": qad.fingerprint(dict(data)),
+            "teacher": qad.fingerprint(teacher)}
+
+
 def check_run_key(run_dir: str | Path, key: Mapping[str, Any], write: bool) -> None:
-    """Refuse a run folder made from another generator initialisation (:class:`RunKeyMismatch`, one line).
+    """Refuse a run folder made from another generator initialisation or, where ``key`` has a ``"training"`` entry
+    (:func:`training_key`), with other training settings (:class:`RunKeyMismatch`, one line).
 
     The stored key is ``run_dir/dmd2_run.json``, or :data:`TEACHER_KEY` for a folder with checkpoints and no key;
-    only the ``generator`` entries are compared (a moved copy of the same store resumes). ``write``: store ``key``
-    when the folder has none (a fresh run).
+    the ``generator`` entries are compared (a moved copy of the same store resumes), then each entry of
+    ``key["training"]`` (all of them for a training call; e.g. only the teacher for an evaluation). A folder with
+    checkpoints whose key lacks the training settings (written before they were keyed) is refused for training, as
+    they cannot be verified; an evaluation of it checks the generator alone, as before. ``write``: store ``key``
+    when the folder has none, or has no checkpoints yet (a fresh run).
     """
     run_dir = Path(run_dir)
     path = run_dir / RUN_KEY_FILE
+    has_checkpoints = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
     if path.exists():
         stored = json.loads(path.read_text())
-    elif (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+    elif has_checkpoints:
         stored = TEACHER_KEY
     else:
         stored = None
-    if stored is not None and stored["generator"] != json.loads(json.dumps(key["generator"])):
+    key = json.loads(json.dumps(dict(key)))
+    if stored is not None and stored["generator"] != key["generator"]:
         raise RunKeyMismatch(f"{run_dir}: its generator was initialised from {_describe(stored)}, this call's from "
                              f"{_describe(key)}; use another --run or the same --ptq-store / --init-checkpoint")
-    if stored is None and write:
+    training = key.get("training")
+    if stored is not None and training is not None:
+        old = stored.get("training")
+        if old is None and has_checkpoints and write:
+            raise RunKeyMismatch(f"{run_dir}: its checkpoints predate the keyed training settings ({RUN_KEY_FILE} "
+                                 "records only the generator's initialisation), so their teacher, data and settings "
+                                 "cannot be verified; use another --run")
+        if old is not None:
+            old = {k: old.get(k, "<unset>") for k in training}
+            if old != training:
+                raise RunKeyMismatch(f"{run_dir}: trained with other settings "
+                                     f"({provenance.describe_key_changes(old, training)}); use another --run or the "
+                                     "same settings")
+    if write and (stored is None or (not has_checkpoints and stored != key)):
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, dict(key))
 

@@ -55,6 +55,7 @@ __all__ = [
     "host_init",
     "layer_norm",
     "linears",
+    "params_digest",
     "name_linears",
     "rope_frequencies",
     "run_blocks_scanned",
@@ -369,6 +370,27 @@ def linears(model: nnx.Module, quantizable_only: bool = False) -> dict[str, Line
         if isinstance(node, Linear) and (node.quantizable or not quantizable_only):
             found[".".join(str(p) for p in path)] = node
     return found
+
+
+def params_digest(model: nnx.Module, exclude_linears: Sequence[str] = (), config: Any = None) -> str:
+    """SHA-256 of the model's parameters (each ``nnx.Param``'s path, shape, dtype and bytes, in graph order) and of
+    ``repr(config)``, leaving out the kernel and bias of the linears named in ``exclude_linears`` (e.g. the quantized
+    ones, whose weights a layer set already carries and compares): the rest of the model, which shapes the
+    activations a capture records."""
+    import hashlib  # noqa: PLC0415
+
+    excluded = set(exclude_linears)
+    digest = hashlib.sha256(repr(config).encode())
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Param):
+            continue
+        names = [str(p) for p in path]
+        if names[-1] in ("kernel", "bias") and ".".join(names[:-1]) in excluded:
+            continue
+        array = np.ascontiguousarray(np.asarray(node[...]))
+        digest.update(f"{'.'.join(names)}|{array.shape}|{array.dtype}|".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
 
 
 def run_blocks_scanned(blocks: list[nnx.Module], x: jax.Array, hooks: LinearHooks | None,

@@ -65,7 +65,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from kroquant_jax import formats, transforms
+from kroquant_jax import formats, provenance, transforms
 from kroquant_jax.fileio import atomic_write_text
 from models.testbed import model as testbed
 from models.layers import LinearHooks, linears
@@ -77,7 +77,8 @@ __all__ = ["BestIterate", "GuidanceSchedule", "QADConfig", "NonFiniteError", "st
            "make_optimizer", "with_state_dtype", "cast_floating", "apply_gradients", "make_train_chunk", "init_state",
            "train", "guided_sample", "teacher_sampler", "student_sample", "export_qlinears", "check_export_dir",
            "export_student_checkpoint", "colour_correct", "record_noise",
-           "save_checkpoint", "restore_checkpoint", "latest_checkpoint", "fingerprint"]
+           "save_checkpoint", "restore_checkpoint", "latest_checkpoint", "fingerprint",
+           "check_run_folder"]
 
 FORMATS = {"mxfp4": formats.MXFP4, "nvfp4": formats.NVFP4}
 STE_MODES = ("identity", "clipped", "none")
@@ -630,10 +631,19 @@ def _check_run_key(run_dir: Path, key: dict) -> None:
     if path.exists():
         stored = json.loads(path.read_text())
         if stored != json.loads(json.dumps(key)):
-            differ = sorted(k for k in set(stored) | set(key) if stored.get(k) != json.loads(json.dumps(key)).get(k))
-            raise ValueError(f"{run_dir}: made with other settings (differing: {differ}); use another folder")
+            raise ValueError(f"{run_dir}: made with other settings ({provenance.describe_key_changes(stored, key)}); "
+                             "use another folder")
     else:
         atomic_write_text(path, json.dumps(key, indent=1, sort_keys=True))
+
+
+def check_run_folder(run_dir: str | Path, config: QADConfig, key_extra: Mapping[str, Any]) -> None:
+    """What :func:`train` checks first, for a caller that writes into ``run_dir`` before training (e.g. a
+    :class:`BestIterate` offered the initial iterate): a folder keyed by other settings raises ValueError naming each
+    setting's old -> new value; a fresh folder gets the key."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _check_run_key(run_dir, run_key(config, key_extra))
 
 
 def train(run_dir: str | Path, train_chunk: Callable, state: dict, config: QADConfig, key_extra: Mapping[str, Any],

@@ -13,8 +13,14 @@ W4A4 student initialised from it instead (every quantizable linear in W4A4 fake 
 forward; the fake and real scores stay 16-bit); with ``--init-checkpoint DIR`` (a quantized checkpoint folder, e.g. a
 QAD student of ``kroquant qad --export-dir``) the W4A4 generator starts from that folder's 16-bit rest and packed
 layers (``models.dmd2.load_init_checkpoint``). Prompts are the training records of ``--data``; the GAN's real images
-are the same records' images. Method: ``models/dmd2.py``. A run folder is keyed by the generator's initialisation:
-resuming it (or evaluating it) with another ``--ptq-store`` / ``--init-checkpoint``, or none, is refused.
+are the same records' images. Method: ``models/dmd2.py``. A run folder is keyed (``dmd2_run.json``) by the
+generator's initialisation: resuming it (or evaluating it) with another ``--ptq-store`` / ``--init-checkpoint``, or
+none, is refused; and by what its checkpoints depend on (``models.dmd2.training_key``): resuming it with another
+teacher (its weights), other training records (``--data``'s training split), seed, batch size, compute dtype or
+DMD2 setting (learning rates, ``--ratio``, ``--guidance`` and its interval, ``--num-steps``, the DM, GAN and warm-up
+flags) is refused in one line naming each setting's old -> new value, and so is evaluating it with another teacher.
+``--cycles``, ``--time-budget``, ``--cycles-per-call`` and ``--save-every-calls`` are not keyed (a rerun may train
+further). A folder trained before the settings were keyed is refused for training (they cannot be verified).
 ``evaluate``: the teacher (Euler, ``--teacher-steps`` x 2 CFG branches; the reference system), the same teacher
 unguided (``--teacher-steps`` x 1 branch, CFG 1: the distribution a ``--guidance 1`` real score targets; left out when
 ``--guidance`` is 1), the teacher's weights used as a 4-step
@@ -53,7 +59,7 @@ from flax import nnx
 
 from kroquant_jax import provenance
 from kroquant_jax.fileio import atomic_write_json
-from models import dmd2, families, image_metrics, pixart
+from models import dmd2, families, image_metrics, pixart, qad
 from models.testbed import metrics as emoji_metrics
 from models.testbed import model as testbed
 from models.testbed import data as testbed_data
@@ -217,7 +223,8 @@ class Setup:
 
     flow: the real and fake scores' network (16-bit); generator_flow: the generator's (``flow`` itself, or the W4A4
     student with ``--ptq-store`` / ``--init-checkpoint``); store: the initialisation read (None without either);
-    run_key: the run folder's key (``models.dmd2.generator_key``).
+    run_key: the run folder's key (``models.dmd2.generator_key`` and, under ``"training"``,
+    ``models.dmd2.training_key`` to train, the teacher's fingerprint alone to evaluate).
     """
 
     cfg: Any
@@ -260,9 +267,17 @@ def setup(args: argparse.Namespace, compute_dtype) -> Setup:
     head_graphdef, head_params = nnx.split(head)
     state = dmd2.init_state(teacher, head_params, config, args.seed,
                             generator=None if store is None else store.generator)
+    # the run folder's key: the generator's initialisation and, to train, every setting and input the checkpoints
+    # depend on (a rerun with another one is refused, not resumed); an evaluation checks the teacher too
+    if args.action == "train":
+        training = dmd2.training_key(config, seed=args.seed, batch_size=args.batch_size,
+                                     compute_dtype=args.compute_dtype,
+                                     data=dmd2.prompt_set(dataset.split(heldout=False)), teacher=teacher)
+    else:
+        training = {"teacher": qad.fingerprint(teacher)}
     return Setup(cfg=cfg, graphdef=graphdef, teacher=teacher, dataset=dataset, flow=flow,
                  generator_flow=generator_flow, head_graphdef=head_graphdef, config=config, state=state, store=store,
-                 run_key=dmd2.generator_key(store))
+                 run_key={**dmd2.generator_key(store), "training": training})
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -182,19 +182,39 @@ def store_folder(out: Path, method: str, recipe, capture_key: str) -> Path:
     return out / "qlayers" / f"{method.replace('+', '_').replace('@', '_r')}-{digest}"
 
 
-def capture_key(args, prompts_path: str, calib_indices, names, text_prompts=None) -> str:
+def capture_key(args, prompts_path: str, calib_indices, names, text_prompts=None, inputs: str | None = None) -> str:
     """What the cached capture (``layer_set.safetensors``) and the method stores (:func:`store_folder`) depend on
     besides the weights; with ``--text-rows-from-all-prompts`` also the digest of its ``text_prompts`` (so a capture
-    made with the option is never reused without it, nor with other captions, and vice versa)."""
+    made with the option is never reused without it, nor with other captions, and vice versa). ``inputs``
+    (:func:`capture_inputs_digest`): the content the capture reads, the calibration captions of ``prompts_path``
+    (not only its path and the records' indices) and the model outside the quantized linears. ``--batch-size`` is
+    in the key: batch ``i`` of the capture draws its noise from ``fold_in(seed, i)``, so the batching changes the
+    rows."""
     from kroquant_jax.provenance import array_digest
 
     # "real-tokens": the capture drops masked tokens and repeated rows (models.capture); older caches differ.
     key = (f"real-tokens|{Path(args.checkpoint).resolve()}|{prompts_path}|{list(calib_indices)}|{args.steps}|"
-           f"{args.guidance}|{args.rows_per_layer}|{args.seed}|{names}")
+           f"{args.guidance}|{args.rows_per_layer}|{args.seed}|{names}|batch-size:{args.batch_size}")
+    if inputs is not None:
+        key = f"{key}|inputs:{inputs}"
     if text_prompts is None:
         return key
     digest = hashlib.sha256("|".join(f"{k}:{array_digest(v)}" for k, v in sorted(text_prompts.items())).encode())
     return f"{key}|text-rows-from-all-prompts:{digest.hexdigest()}"
+
+
+def capture_inputs_digest(dataset, calib_indices, model, cfg, names) -> str:
+    """SHA-256 of what a capture reads besides its settings: the calibration records' caption context and mask, the
+    null caption (``dataset``, the prompt file) and the model less the quantized linears ``names``
+    (``models.layers.params_digest``: a checkpoint at the same path whose norms, embeddings or 16-bit linears
+    changed gives other activations, though its quantized weights, compared with the cache's, are the same)."""
+    from kroquant_jax.provenance import array_digest
+    from models.layers import params_digest
+
+    parts = {"context": dataset.context[calib_indices], "context_mask": dataset.context_mask[calib_indices],
+             "null_context": dataset.null_context, "null_mask": dataset.null_mask}
+    text = "|".join(f"{k}:{array_digest(v)}" for k, v in parts.items())
+    return hashlib.sha256(f"{text}|model:{params_digest(model, names, config=cfg)}".encode()).hexdigest()
 
 
 def settings_line(args, names, calib_indices, groups, text_captions: int | None = None) -> str:
@@ -270,7 +290,8 @@ def main(argv=None, verb: str = "evaluate", description: str | None = None, pres
         text_prompts = training_caption_text(text_dataset)
         check_text_prompts(families.PIXART, model, text_prompts, args.guidance != 1.0, f"--text-prompts {text_path}")
     started = time.perf_counter()
-    key = capture_key(args, prompts_path, calib_indices, names, text_prompts)
+    key = capture_key(args, prompts_path, calib_indices, names, text_prompts,
+                      capture_inputs_digest(dataset, calib_indices, model, cfg, names))
     cache = out / "layer_set.safetensors"
     cache_key_path = out / "layer_set.key"
     layer_set = None

@@ -345,6 +345,9 @@ def main(argv=None) -> int:
                 if best is not None:
                     best.offer(step, state["trainable"], record["validation_psnr_db"])
 
+        # the run folder's key first: the init offered to a BestIterate below must not replace the best iterate of a
+        # folder trained with other settings, which qad.train would refuse only afterwards
+        qad.check_run_folder(run_dir, config, key_extra)
         init_psnr = image_metrics_of(images(one_branch(state["trainable"], blocks, packed, curve_noise, curve_ctx,
                                                        curve_mask)), curve_ref)["psnr_db"]
         if best is not None:

@@ -20,7 +20,8 @@ listed in the report (``padded``).
 
 Outputs in OUT (each file written atomically; RECIPE is the recipe name with ``+`` -> ``_``):
 ``layer_set.safetensors`` + ``layer_set.json`` (the captured layer set, padded layers padded, and the capture settings
-it came from, ``--text-rows-from-all-prompts`` and the digest of ``--text-embeddings`` among them; a rerun with the same settings reuses it; ``--layer-set`` reuses another one, refused unless its weights
+it came from, ``--text-rows-from-all-prompts``, the digest of ``--text-embeddings`` and of the model outside the
+quantized linears (its other parameters and config) among them; a rerun with the same settings reuses it; ``--layer-set`` reuses another one, refused unless its weights
 are ``--checkpoint``'s), ``qlayers-RECIPE/`` (the resumable per-layer store of ``kroquant_jax.calibrate``, each layer
 with the fingerprint of its inputs: a rerun resumes the layers whose weight, activations and recipe settings match
 and refuses the folder, naming the layer and what changed, when they do not, unless ``--overwrite``),
@@ -262,8 +263,12 @@ def check_layer_set(layer_set: dict, weights: dict, source: str, checkpoint: str
 
 
 def capture_settings(args, arrays: dict, capture_indices: list[int], names: list[str],
-                     text_arrays: dict | None = None) -> dict:
+                     text_arrays: dict | None = None, model_digest: str | None = None) -> dict:
     """What a captured layer set depends on besides the weights (stored beside it as ``layer_set.json``).
+
+    ``model_digest`` (``models.layers.params_digest`` of the model less the quantized linears, and of its config) is
+    the rest of the model, which the quantized linears' weights (compared with the layer set's) do not cover: a
+    checkpoint that differs only in a norm, an embedding or a 16-bit linear gives other activations.
 
     With ``--text-rows-from-all-prompts`` it also holds ``text_rows_from_all_prompts`` and the digests of the
     ``text_arrays`` the text-only rows come from (``--text-embeddings``, or None for the captured prompts); without
@@ -275,6 +280,8 @@ def capture_settings(args, arrays: dict, capture_indices: list[int], names: list
                 "latent_hw": list(args.latent_hw), "rows_per_layer": args.rows_per_layer, "seed": args.seed,
                 "shift": args.shift, "solver": args.solver, "batch_size": args.batch_size, "dtype": args.dtype,
                 "prompts": prompts, "layers": names}
+    if model_digest is not None:
+        settings["model"] = model_digest
     if args.text_rows_from_all_prompts:
         settings["text_rows_from_all_prompts"] = True
         settings["text_prompts"] = None if text_arrays is None else {k: array_digest(v) for k, v in
@@ -283,9 +290,15 @@ def capture_settings(args, arrays: dict, capture_indices: list[int], names: list
 
 
 def _settings_changes(stored: dict, current: dict) -> list[str]:
-    return [f"capture setting {k}: {stored.get(k)!r} -> {current.get(k)!r}" if k not in ("prompts", "layers",
-                                                                                             "text_prompts")
-            else f"capture {k}" for k in sorted(set(stored) | set(current)) if stored.get(k) != current.get(k)]
+    def change(k):
+        if k == "model":
+            return ("capture model: the checkpoint's parameters outside the quantized linears, or its config, "
+                    + ("differ" if stored.get(k) is not None else "not recorded (captured before they were keyed)"))
+        if k in ("prompts", "layers", "text_prompts"):
+            return f"capture {k}"
+        return f"capture setting {k}: {stored.get(k)!r} -> {current.get(k)!r}"
+
+    return [change(k) for k in sorted(set(stored) | set(current)) if stored.get(k) != current.get(k)]
 
 
 def _load(checkpoint: str, dtype: str):
@@ -466,7 +479,10 @@ def main(argv: list[str] | None = None) -> dict:
     # a result folder made from other inputs is refused now, not after the capture
     store_dir = out / f"qlayers-{tag}"  # one resumable store per recipe
     store = qlinear.QLinearStore(str(store_dir))
-    settings = capture_settings(args, arrays, capture_indices, names, text_arrays)
+    from models.layers import params_digest
+
+    settings = capture_settings(args, arrays, capture_indices, names, text_arrays,
+                                params_digest(model, names, config=cfg))
     cached, cached_key = out / "layer_set.safetensors", out / "layer_set.json"
     stored_settings = json.loads(cached_key.read_text()) if cached_key.exists() else None
     if not args.overwrite:

@@ -11,7 +11,12 @@ parameters is what gets exported (fp16 safetensors).
 
 Training stops at ``--steps`` or when ``--time-budget`` seconds have passed, whichever comes first; the training
 state (parameters, EMA, optimizer, step, PRNG key) is saved to ``<run>/train_state.npz`` every ``--save-every``
-steps and at the end (atomic writes), and a later run with the same ``--run`` resumes from it.
+steps and at the end (atomic writes), and a later run with the same ``--run`` resumes from it. The run folder is keyed
+by ``<run>/train_run.json`` (:func:`run_key`: the training split's content, the architecture, the seed and every
+optimisation setting): a folder whose state was trained with another dataset or settings, or before runs were keyed,
+is refused in one line naming each setting's old -> new value. ``--steps``, ``--time-budget``, ``--chunk`` (the keys
+live in the state: any chunking gives the same steps), ``--save-every`` and the export and sampling flags are not in
+the key: a rerun may train further or export differently.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from kroquant_jax import provenance
 from kroquant_jax.fileio import atomic_path
 from models import families
 from models.testbed import data as testbed_data
@@ -74,6 +80,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+#: The run folder's key file (:func:`run_key`).
+RUN_RECORD = "train_run.json"
+
+
+def run_key(args: argparse.Namespace, cfg, arrays: dict) -> dict:
+    """What a run folder's training state depends on: the training arrays' content (``arrays``: the training split's
+    images, captions and masks, the null caption), the architecture ``cfg`` (``--num-layers``, the image size), the
+    seed and the optimisation settings. Not the step count, the time budget, ``--chunk`` or the save and export
+    settings, which do not change a step's result."""
+    return {"data": {name: provenance.array_digest(np.asarray(value)) for name, value in sorted(arrays.items())},
+            "model": json.loads(json.dumps(dataclasses.asdict(cfg))), "seed": args.seed,
+            "batch_size": args.batch_size, "lr": args.lr, "warmup": args.warmup, "weight_decay": args.weight_decay,
+            "ema_decay": args.ema_decay, "caption_dropout": args.caption_dropout,
+            "compute_dtype": args.compute_dtype}
+
+
 def sample_checkpoint_grid(args: argparse.Namespace) -> None:
     """--sample-from: the first ``--sample-count`` captions of a split, the dataset image, one sample per seed."""
     if not args.sample_grid:
@@ -114,25 +136,29 @@ def main(argv=None) -> int:
     compute_dtype = jnp.dtype(args.compute_dtype)
     flow = testbed.FlowMatchingConfig(caption_dropout=args.caption_dropout)
 
+    arrays = {
+        "images": train.images,  # (n, s, s, 3) uint8
+        "context": train.context,  # (n, t, 384) fp16
+        "context_mask": train.context_mask,  # (n, t) uint8
+        "null_context": dataset.null_context,  # (t, 384)
+        "null_mask": dataset.null_mask,  # (t,)
+    }
+    state_path = run_dir / "train_state.npz"
+    # a state trained with another dataset or settings is refused before it is read, not resumed under these
+    provenance.check_run_folder(run_dir, RUN_RECORD, run_key(args, cfg, arrays), state_path.exists(),
+                                unverified="the dataset and settings its train_state.npz was trained with")
     model = build_model(cfg, args.seed)
     graphdef, params = nnx.split(model)
     optimizer = make_optimizer(args.lr, args.warmup, args.weight_decay)
     state = {"params": params, "ema": jax.tree.map(jnp.copy, params), "opt_state": optimizer.init(params),
              "step": jnp.asarray(0, jnp.int32), "key": jax.random.key_data(jax.random.key(args.seed))}
-    state_path = run_dir / "train_state.npz"
     if state_path.exists():
         state = load_train_state(state_path, state)
     state["key"] = jax.random.wrap_key_data(jnp.asarray(state["key"], jnp.uint32))
     start_step = int(state["step"])
     num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))
 
-    data = {
-        "images": jnp.asarray(train.images),  # (n, s, s, 3) uint8
-        "context": jnp.asarray(train.context),  # (n, t, 384) fp16
-        "context_mask": jnp.asarray(train.context_mask),  # (n, t) uint8
-        "null_context": jnp.asarray(dataset.null_context),  # (t, 384)
-        "null_mask": jnp.asarray(dataset.null_mask),  # (t,)
-    }
+    data = {name: jnp.asarray(value) for name, value in arrays.items()}
     train_chunk = make_train_chunk(graphdef, optimizer, flow, data, args.batch_size, args.chunk, args.ema_decay,
                                    compute_dtype)
     log_path = run_dir / "log.jsonl"
