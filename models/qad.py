@@ -627,14 +627,10 @@ def fingerprint(tree: Any) -> str:
 
 
 def _check_run_key(run_dir: Path, key: dict) -> None:
-    path = run_dir / "qad_run.json"
-    if path.exists():
-        stored = json.loads(path.read_text())
-        if stored != json.loads(json.dumps(key)):
-            raise ValueError(f"{run_dir}: made with other settings ({provenance.describe_key_changes(stored, key)}); "
-                             "use another folder")
-    else:
-        atomic_write_text(path, json.dumps(key, indent=1, sort_keys=True))
+    """``provenance.check_run_folder`` on ``run_dir/qad_run.json``: a folder with results (checkpoints, a best
+    iterate, a log) of other settings is refused naming each setting's old -> new value."""
+    has_results = any((run_dir / name).exists() for name in ("checkpoints", "best", "log.jsonl"))
+    provenance.check_run_folder(run_dir, "qad_run.json", key, has_results, flag="--out")
 
 
 def check_run_folder(run_dir: str | Path, config: QADConfig, key_extra: Mapping[str, Any]) -> None:

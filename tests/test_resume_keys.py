@@ -155,10 +155,15 @@ def test_qad_refusal_names_each_setting_old_and_new(tmp_path):
     config = qad.QADConfig(steps=20, chunk=10, save_every=10)
     qad.check_run_folder(tmp_path, config, {"init": "16bit", "data": "aaa"})
     qad.check_run_folder(tmp_path, config, {"init": "16bit", "data": "aaa"})  # the same key: resumed
+    (tmp_path / "checkpoints").mkdir()  # results of that key
     with pytest.raises(ValueError) as refused:
         qad.check_run_folder(tmp_path, dataclasses.replace(config, lr=1e-4), {"init": "16bit", "data": "bbb"})
-    assert str(refused.value) == (f"{tmp_path}: made with other settings (config.lr: 5e-05 -> 0.0001; data: 'aaa' -> "
-                                  "'bbb'); use another folder")
+    assert str(refused.value) == (f"--out {tmp_path}: made with other settings (config.lr: 5e-05 -> 0.0001; data: "
+                                  "'aaa' -> 'bbb'); use another --out or the same settings")
+    # a folder without results (a run stopped before its first save) takes the new key
+    (tmp_path / "checkpoints").rmdir()
+    qad.check_run_folder(tmp_path, dataclasses.replace(config, lr=1e-4), {"init": "16bit", "data": "bbb"})
+    assert json.loads((tmp_path / "qad_run.json").read_text())["config"]["lr"] == 1e-4
 
 
 # --------------------------------------------------------------------------------------------------------------------
