@@ -61,7 +61,7 @@ def test_recipe_from_args_without_flags_is_the_named_recipe():
     assert calibrate.recipe_from_args("kroquant", {}) == calibrate.get_recipe("kroquant")
 
 
-def test_recipe_from_args_sets_every_stage():
+def test_recipe_from_args_sets_every_stage(capsys):
     import pytest
 
     from kroquant_jax import calibrate
@@ -99,6 +99,7 @@ def test_recipe_from_args_sets_every_stage():
         calibrate.recipe_from_args("kroquant", {"calib_step": 3})
     with pytest.raises(SystemExit):
         _parsed("--rank", "0")
+    assert "argument --rank/--lora-rank: '0': a rank must be >= 1" in capsys.readouterr().err
 
 
 def test_calibrate_cli_rejects_an_unknown_method_before_any_work(tmp_path, capsys):

@@ -816,7 +816,7 @@ def test_fake_sigma_sampling_uniform_stays_in_the_dm_range():
     assert moved["uniform"] == 0.0 and moved["logit_normal"] != 0.0
 
 
-def test_script_flags_reach_the_config():
+def test_script_flags_reach_the_config(capsys):
     from scripts import dmd2 as script
 
     args = script.parse_args(["train", "--data", "d", "--run", "r", "--fake-warmup", "7",
@@ -829,8 +829,10 @@ def test_script_flags_reach_the_config():
     assert default.fake_warmup == 0 and default.fake_sigma_sampling == "logit_normal"
     with pytest.raises(SystemExit):
         script.parse_args(["train", "--data", "d", "--run", "r", "--fake-sigma-sampling", "beta"])
+    assert "argument --fake-sigma-sampling: invalid choice: 'beta'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         script.parse_args(["train", "--data", "d", "--run", "r", "--fake-warmup", "-1"])
+    assert "argument --fake-warmup: must be >= 0, got -1" in capsys.readouterr().err
 
 
 def test_pixart_scores_use_the_teachers_conventions():

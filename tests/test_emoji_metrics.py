@@ -88,6 +88,12 @@ def test_seed_diversity():
     assert emoji_metrics.seed_diversity(same, reference) == 0.0
     different = np.stack([reference[:10], reference[10:20]])
     assert emoji_metrics.seed_diversity(different, reference) == pytest.approx(1.0, rel=0.25)
+    # exact: seeds shifted by 0, v, 2v (|v| = 2: pair distances 2, 4, 2) over reference items 3 * e_i (every pair
+    # 3 * sqrt(2) apart): mean distance over seed pairs / mean distance between reference items
+    v = np.array([0.0, 2.0, 0.0, 0.0])
+    shifted = np.stack([reference[:10], reference[:10] + v, reference[:10] + 2 * v])
+    assert emoji_metrics.seed_diversity(shifted, 3.0 * np.eye(4)) == pytest.approx((8 / 3) / (3 * np.sqrt(2)),
+                                                                                    rel=1e-12)
     with pytest.raises(ValueError, match="seeds >= 2"):
         emoji_metrics.seed_diversity(reference[None], reference)
 

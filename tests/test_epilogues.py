@@ -51,7 +51,7 @@ class TestPacking:
         np.testing.assert_array_equal(np.asarray(wp[0::2]), np.asarray(w[:4]))  # gates
         np.testing.assert_array_equal(np.asarray(wp[1::2]), np.asarray(w[4:]))  # ups
         np.testing.assert_array_equal(np.asarray(e.unpack_swiglu_weight(wp)), np.asarray(w))
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="even number of fused output rows, got 7"):
             e.swiglu_permutation(7)
 
     @pytest.mark.parametrize("fmt", [MXFP4(), NVFP4()])
@@ -127,7 +127,7 @@ class TestFusedInterpret:
         qa, qw = _operands(a, w, "bf16")
         y = e.gemm(qa, qw, block_sizes=BS, out_dtype=jnp.float32, interpret=True)
         _close(y, e.gemm_reference(qa, qw), rtol=1e-5, atol_frac=1e-6)
-        with pytest.raises(ValueError):  # n = 128 is no multiple of head_dim 256
+        with pytest.raises(ValueError, match="head_dim=256 .* divide n=128"):  # n = 128: no multiple of 256
             e.gemm_rmsnorm(qa, qw, nw, block_sizes=BS, interpret=True)
 
 

@@ -102,6 +102,9 @@ def test_offset_minus_nine_partially_exact():
     q = _qarray(np.concatenate([top, ALL_CODES])[None], np.array([[127, 127 - 15]]))
     r = E.mxfp4_to_e4m3(q)
     assert int(r.inexact) == 2 * 4  # codes 0.5 and 1.5, both signs, twice each
+    changed = _decode_f64(r)[0] != _exact_f64(q)[0]
+    assert not changed[:32].any()  # the top block is in range
+    np.testing.assert_array_equal(np.flatnonzero(changed[32:]) % 16, [1, 3, 9, 11, 1, 3, 9, 11])  # +-0.5, +-1.5
 
 
 def test_nan_blocks_and_flushed_bytes():

@@ -511,7 +511,7 @@ def test_eval_seeds_flag_defaults_to_seed_and_refuses_repeats(capsys):
     assert eval_testbed.parse_args(["--out", "x", "--seed", "5", "--seeds", "0", "1"]).seeds == [0, 1]
     with pytest.raises(SystemExit):
         eval_testbed.parse_args(["--out", "x", "--seeds", "1", "2", "1"])
-    assert "--seeds" in capsys.readouterr().err
+    assert "--seeds: each generation seed once, got [1, 2, 1] (repeated: [1])" in capsys.readouterr().err
 
 
 def test_eval_script_seeds_rerun_reuses_calibration_and_reports_the_seed_spread(tmp_path, capfd, rtn_eval):
@@ -571,7 +571,7 @@ def test_prompt_subset_keeps_every_heldout_record_and_the_drawn_training_ones(pr
         testbed_data.prompt_subset(prompts, prompts.num_examples + 1)
 
 
-def test_eval_method_specs_and_helpers():
+def test_eval_method_specs_and_helpers(capsys):
     """The recipe flags are kroquant_jax.calibrate.add_recipe_arguments' (tested in tests/test_calibrate_cli.py)."""
     from kroquant_jax import calibrate
     from scripts import eval_testbed
@@ -582,6 +582,7 @@ def test_eval_method_specs_and_helpers():
     assert calibrate.recipe_from_args("kroquant+loraq@128", args).loraq.rank == 128
     with pytest.raises(SystemExit):
         eval_testbed.parse_args(["--out", "x", "--rank", "0"])
+    assert "argument --rank/--lora-rank: '0': a rank must be >= 1" in capsys.readouterr().err
     assert evaluation.layer_type("transformer_blocks.7.attn2.to_out.0") == "attn2.to_out.0"
     a, b = (eval_testbed.store_folder(Path("o"), "rtn+loraq", calibrate.recipe_from_args(m, args), "key")
             for m in ("rtn+loraq", "rtn+loraq@64"))

@@ -64,6 +64,15 @@ def _check(a, t, bs, fmt=MXFP4(), round_to_input=False, one_launch=False):
     return q, want
 
 
+def _assert_inf_made_nan_rows(a, q, want):
+    """The fp16 case the docstrings promise is there: the rows scaled by 2**18 overflowed to Inf, got a NaN block
+    and a NaN row scale, and still hold live (finite, non-zero) blocks."""
+    inf_rows = np.flatnonzero(np.isinf(np.asarray(a, np.float32)).any(axis=1))
+    assert inf_rows.size and np.array_equal(np.flatnonzero(np.isnan(np.asarray(want.scale))), inf_rows)
+    s = np.asarray(q.scales)[inf_rows]
+    assert ((s == 0xFF).any(axis=1) & ((s != 0xFF) & (s != 0)).any(axis=1)).all()
+
+
 @pytest.mark.parametrize("one_launch", [False, True], ids=["two_launches", "one_launch"])
 @pytest.mark.parametrize("kind", tq.KINDS)
 def test_every_kind_bit_exact_against_the_reencoding(kind, one_launch):
@@ -101,7 +110,8 @@ def test_default_tilings_and_fp16(kind, m, d):
         big = tq.default_block_sizes(kind, 64 * 512, d, jnp.float16)
         assert big.block_cols == 256 and big.num_stages > 1
         bs = tq.BlockSizes(block_rows=16, block_cols=256, num_warps=4, num_stages=3, dot_passes=big.dot_passes)
-    _check(a, t, bs, MXFP4(scale_mode=ScaleMode.EVEN), round_to_input=True)
+    q, want = _check(a, t, bs, MXFP4(scale_mode=ScaleMode.EVEN), round_to_input=True)
+    _assert_inf_made_nan_rows(a, q, want)
 
 
 @pytest.mark.parametrize("kind,m,d", [("k1", 40, 96), ("k2", 33, 1152)])
@@ -111,7 +121,8 @@ def test_one_launch_fp16_and_odd_widths(kind, m, d):
     (K1 one block per chunk) and 32 * 36 (K2: 36 chunks walked by the loop)."""
     a = _rows_with_spans(jax.random.key(3), m, d, jnp.float16, nan=False)
     t = exact_transform(kind, d, jax.random.key(4))
-    _check(a, t, None, MXFP4(scale_mode=ScaleMode.EVEN), round_to_input=True, one_launch=True)
+    q, want = _check(a, t, None, MXFP4(scale_mode=ScaleMode.EVEN), round_to_input=True, one_launch=True)
+    _assert_inf_made_nan_rows(a, q, want)
 
 
 def test_general_data_same_bytes_as_the_kernels_mxfp4():

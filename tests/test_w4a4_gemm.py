@@ -88,18 +88,28 @@ class TestTileMath:
         assert bool(jnp.all(jnp.abs(out - ref) <= _bound(qa, qw, k, extra)))
 
     def test_nan_scale_propagates_and_zero_block_is_zero(self):
+        """A NaN block makes its whole output row NaN and no other; an all-zero block (E8M0 byte of a zero block)
+        contributes exactly nothing: a row of zero blocks gives zeros, a zero block beside a live one leaves the live
+        block's product (both compute modes)."""
         a, w = _data(2, 8, 16, 64, outliers=False)
         a = a.at[1, 3].set(jnp.nan)  # block (1, 0) gets the E8M0 NaN byte
+        a = a.at[5].set(0.0).at[6, 32:].set(0.0)  # row 5: two zero blocks; row 6: a zero block beside a live one
         qa, qw = quantize(a, MXFP4()), quantize(w, MXFP4())
-        out = tiled_reference(qa, qw, block_k=64)
-        assert bool(jnp.all(jnp.isnan(out[1]))) and bool(jnp.all(jnp.isfinite(out[0])))
+        live = np.array([0, 2, 3, 4, 5, 6, 7])
+        ref = np.asarray(jnp.matmul(fake_quant(a, MXFP4()), fake_quant(w, MXFP4()).T, precision="highest"))[live]
+        bound = np.asarray(_bound(qa, qw, 64))[live]
+        for compute in ("bf16", "fp8"):
+            out = np.asarray(tiled_reference(qa, qw, block_k=64, compute=compute))
+            assert np.all(np.isnan(out[1])) and np.all(np.isfinite(out[live])), compute
+            np.testing.assert_array_equal(out[5], 0.0, err_msg=compute)
+            assert np.all(np.abs(out[live] - ref) <= bound), compute
 
     def test_choose_block_sizes(self):
         bs = g.choose_block_sizes(40, 2240, 5600)
         assert bs.block_m == 64 and 2240 % bs.block_n == 0 and bs.block_k == 32
         assert g.choose_block_sizes(4096, 4608, 4608) == g.BlockSizes(128, 128, 128, 8, 3)
         assert g.BlockSizes().n_sub == 1
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="block_m=48 must be a power of two"):
             g.BlockSizes(block_m=48)
 
 
@@ -142,11 +152,11 @@ class TestInterpretKernel:
 
     def test_rejects_mismatched_operands(self):
         qa = quantize(jnp.ones((16, 64)), MXFP4())
-        with pytest.raises(TypeError):
+        with pytest.raises(TypeError, match="both packed in one format or both 16-bit, got mxfp4 and nvfp4"):
             g.w4a4_matmul(qa, quantize(jnp.ones((32, 64)), NVFP4()), interpret=True)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"reduction lengths differ: a \(16, 64\), w \(32, 96\)"):
             g.w4a4_matmul(qa, quantize(jnp.ones((32, 96)), MXFP4()), interpret=True)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="compute='fp8' supports MXFP4 only"):
             g.w4a4_matmul(quantize(jnp.ones((16, 64)), NVFP4()), quantize(jnp.ones((32, 64)), NVFP4()),
                           compute="fp8", interpret=True)
         with pytest.raises(TypeError, match="both packed in one format or both 16-bit, got mxfp4 and 16-bit"):
@@ -249,7 +259,7 @@ class TestDequantStrategy:
 
     def test_rejects_bad_operands(self):
         qa = quantize(jnp.ones((16, 64)), MXFP4())
-        with pytest.raises(TypeError):
+        with pytest.raises(TypeError, match="both packed in one format or both 16-bit, got mxfp4 and nvfp4"):
             g.w4a4_matmul_dequant(qa, quantize(jnp.ones((32, 64)), NVFP4()))
         with pytest.raises(ValueError, match="lowrank"):
             g.w4a4_matmul_dequant(qa, quantize(jnp.ones((32, 64)), MXFP4()),

@@ -25,9 +25,9 @@ def test_matches_quantized_array_nbytes(fmt):
 def test_transform_storage_and_errors():
     assert wm.linear_weight_bytes(64, 4608, transform="kron_params").transform == 4 * 15 * 144
     assert wm.linear_weight_bytes(64, 4608, transform="k1_blocks_bf16").transform == 2 * 32 * 4608
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="48 is no multiple of 32"):
         wm.linear_weight_bytes(64, 48)  # 48 is no multiple of the MXFP4 block
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="unknown preset 'sd3'"):
         wm.preset_memory("sd3")
     with pytest.raises(ValueError, match="transform='kron'"):
         wm.linear_weight_bytes(64, 4608, transform="kron")
