@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kroquant_jax import objectives, transforms
-from kroquant_jax.formats import MXFP4, fake_quant
+from kroquant_jax.formats import MXFP4, fake_quant, quantize
 
 
 def _layer(seed=0, m=40, d=64, o=24):
@@ -115,6 +115,18 @@ def test_regularizer_gradients_under_each_ste():
         g = jax.grad(lambda p: objectives.loss_terms(p, param, a, w, cfg=cfg).act)(params)
         mx = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g))
         assert (mx > 0) == nonzero, (ste, mx)
+    # per element of A T: the clipped STE's gradient of L_A is -2 (Q(x) - x) / N where x saturated, 0 elsewhere
+    a_t, w_t = objectives.transformed_operands(param.blocks(params), param.inverse_blocks(params), a, w)
+    cfg = objectives.ObjectiveConfig(ste="clipped", regularizer_grad="ste")
+    ref = objectives.reference_output(a, w, cfg)
+    g_at = np.asarray(jax.grad(lambda x: objectives.loss_terms_transformed(x, w_t, ref, cfg).act)(a_t))
+    q = quantize(a_t, cfg.fmt)
+    limit = np.repeat(np.asarray(cfg.fmt.saturation_limit(q.scales, q.tensor_scale)), cfg.fmt.block_size, axis=-1)
+    saturated = np.abs(np.asarray(a_t)) > limit
+    assert 0 < saturated.sum() < saturated.size  # both kinds of element are present
+    expected = np.where(saturated, -2 * (np.asarray(fake_quant(a_t)) - np.asarray(a_t)) / a_t.size, 0.0)
+    np.testing.assert_allclose(g_at, expected, rtol=1e-5, atol=1e-12)
+    assert np.all(g_at[~saturated] == 0) and np.any(g_at[saturated] != 0)
 
 
 def test_detached_regularizer_gradient_pulls_towards_the_grid():

@@ -105,6 +105,10 @@ def test_sana_and_flux_sampling_run_jitted():
     sigmas = sampling.flow_sigmas(3, shift=3.0)
     out, aux = jax.jit(lambda p, n: sampling.flow_euler(denoise, p, n, sigmas))(params, jnp.ones((1, 4, 8, 8)))
     assert out.shape == (1, 4, 8, 8) and bool(jnp.isfinite(out).all()) and aux == {}
+    # the steps moved the noise, and the jitted sampler is the eager one
+    assert float(jnp.max(jnp.abs(out - 1.0))) > 1e-3
+    eager, _ = sampling.flow_euler(denoise, params, jnp.ones((1, 4, 8, 8)), sigmas)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(eager), rtol=1e-5, atol=1e-5)
 
     flux_cfg = flux.FluxConfig(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
                                num_attention_heads=2, joint_attention_dim=6, pooled_projection_dim=4,
@@ -116,3 +120,7 @@ def test_sana_and_flux_sampling_run_jitted():
     out, _ = jax.jit(lambda p, n: sampling.flow_euler(sampling.flux_denoiser(graphdef), p, n,
                                                       sampling.flow_sigmas(4), timestep_scale=1.0))(params, noise)
     assert flux.unpack_latents(out, 8, 8).shape == (1, 4, 8, 8) and bool(jnp.isfinite(out).all())
+    assert float(jnp.max(jnp.abs(out - noise))) > 1e-3
+    eager, _ = sampling.flow_euler(sampling.flux_denoiser(graphdef), params, noise, sampling.flow_sigmas(4),
+                                   timestep_scale=1.0)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(eager), rtol=1e-5, atol=1e-5)
