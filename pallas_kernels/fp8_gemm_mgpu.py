@@ -250,11 +250,12 @@ def _swizzled(plgpu, row_elems: int, itemsize: int):
 
 
 def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, interpret: Any, epilogue: str = "none",
-          step_ratio=None):
+          step_ratio=None, steps_per_group: int = 1):
     """``a8 e4m3 (m, k)``, ``sa f32 (m,)``, ``w8 e4m3 (n, k)``, ``sw f32 (n,)``, ``bias f32 (n,) | None``,
     ``h bf16 (m, r) | None``, ``left bf16 (n, r) | None`` -> ``(m, n)`` (``(m, n/2)`` with ``epilogue="swiglu"``);
     ``m``, ``n``, ``k`` multiples of the tiles. ``step_ratio f32 (k / tile_k, m) | None``: the factor each row's
-    accumulator is multiplied by before K step ``s``'s ``wgmma`` (row-group scales, :func:`_group_steps`)."""
+    accumulator is multiplied by before K step ``s``'s ``wgmma`` (row-group scales, :func:`_group_steps`), on the
+    first step of each group of ``steps_per_group`` (the others' factors are 1 and are not applied)."""
     plgpu = _plgpu()
     m, k = a8.shape
     n = w8.shape[0]
@@ -394,7 +395,13 @@ def _call(a8, sa, w8, sw, bias, h, left, *, cfg: Fp8MgpuConfig, out_dtype, inter
                 def mma_body(idxs, a_smem, w_smem, *rest):
                     *ratio_smem, acc_ref = rest
                     if grouped:  # the accumulator into this step's units (a power of two per row: exact)
-                        acc_ref[...] = acc_ref[...] * jax.lax.broadcast_in_dim(ratio_smem[0][0], (tm, tn), (0,))
+                        def rescale():
+                            acc_ref[...] = acc_ref[...] * jax.lax.broadcast_in_dim(ratio_smem[0][0], (tm, tn), (0,))
+
+                        if steps_per_group == 1:
+                            rescale()
+                        else:  # a group's later steps multiply by 1
+                            pl.when(idxs[0] % steps_per_group == 0)(rescale)
                     plgpu.wgmma(acc_ref, a_smem, w_smem.at[w_rows].transpose((1, 0)))
                     plgpu.wgmma_wait(cfg.delay_release)
                     return acc_ref
@@ -527,7 +534,8 @@ def fp8_matmul_mgpu(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None, 
         h, left = _lowrank_operands(lowrank, w, left_prescaled)
         h, left = pad(h, mp), pad(left, np_)
     y = _call(a8, sa, w8, sw, b, h, left, cfg=cfg, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
-              epilogue="none" if swiglu_group is None else "swiglu", step_ratio=step_ratio)
+              epilogue="none" if swiglu_group is None else "swiglu", step_ratio=step_ratio,
+              steps_per_group=1 if a.group is None else a.group // cfg.tile_k)
     n_out = n if swiglu_group is None else n // 2  # padded n is a multiple of cta_n: whole groups
     return y if y.shape == (m, n_out) else y[:m, :n_out]
 

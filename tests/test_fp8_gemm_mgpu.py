@@ -145,6 +145,9 @@ INTERPRET_CASES = [
     # one exponent per row and K group of 32 (one per K step): the accumulator rescaled between wgmmas
     ("row_groups_of_32_ragged_m_rank16_bias", dict(kind="fp8", m=70, n=128, k=128, rank=16, bias=True, row_group=32,
                                                    config=dict(SMALL, num_ctas=2))),
+    # groups of 64 over 32-wide K steps: the rescale on each group's first step only (the second's factor is 1)
+    ("row_groups_of_64_two_steps_each", dict(kind="fp8", m=64, n=128, k=256, rank=16, bias=True, row_group=64,
+                                             config=SMALL)),
     # a K step's wgmma left running while the next is issued; its stage released one step later (4 K steps)
     ("delay_release1_rank16", dict(kind="fp8", m=64, n=128, k=128, rank=16, bias=True,
                                    config=dict(SMALL, delay_release=1, max_concurrent_steps=2))),

@@ -54,14 +54,15 @@ CASES = {  # m, n, k, rank, config (None: default_config)
 }
 
 
-@pytest.mark.parametrize("m", [4096, 333])
-def test_row_group_scales_on_gpu(m):
-    """Activations with one exponent per row and group of 128 K values (the default tile_k): the accumulator rescaled
-    before each group's wgmma; rows with a group 30 binades down and with zero groups."""
+@pytest.mark.parametrize("m,group", [(4096, 128), (333, 128), (333, 256)])
+def test_row_group_scales_on_gpu(m, group):
+    """Activations with one exponent per row and group of 128 K values (the default tile_k; 256: the rescale on every
+    other K step only): the accumulator rescaled before each group's wgmma; rows with a group 30 binades down and
+    with zero groups."""
     n, k, r = 4608, 4608, 128
     _, w8, lowrank, bias = _operands(3, m, n, k, r)
     a = (jax.random.normal(jax.random.key(4), (m, k)) * 2.0).at[2, :1024].multiply(2.0**-30).at[3, 512:2048].set(0.0)
-    a8 = FE.mxfp4_to_e4m3(quantize(a, MXFP4()), order="even_odd", group=128)
+    a8 = FE.mxfp4_to_e4m3(quantize(a, MXFP4()), order="even_odd", group=group)
     out = np.asarray(F.fp8_matmul_mgpu(a8, w8, lowrank=lowrank, bias=bias, impl="pallas", out_dtype=jnp.float32),
                      np.float64)
     mirror = np.asarray(F.fp8_matmul_mgpu_reference(a8, w8, lowrank=lowrank, bias=bias), np.float64)
