@@ -262,6 +262,25 @@ def check_layer_set(layer_set: dict, weights: dict, source: str, checkpoint: str
                         f"--dtype?); capture again without --layer-set")
 
 
+def check_layer_set_model(path: str, model_digest: str | None, checkpoint: str) -> None:
+    """``--layer-set`` written by another quantize-checkpoint run (its ``.json`` beside it records the capture
+    settings) is refused when the model outside the quantized linears differs from ``--checkpoint``'s: its
+    activations came from another model even where the quantized weights agree. A layer set without that record
+    (captured elsewhere, or before the digest was recorded) is checked by its weights alone (:func:`check_layer_set`).
+    """
+    record = Path(path).with_suffix(".json")
+    if model_digest is None or not record.is_file():
+        return
+    try:
+        recorded = json.loads(record.read_text()).get("model")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return
+    if recorded is not None and recorded != model_digest:
+        raise UserError(f"--layer-set {path}: captured from a model whose parameters outside the quantized linears, or "
+                        f"whose config, differ from --checkpoint {checkpoint}'s (recorded in {record}); capture again "
+                        "without --layer-set")
+
+
 def capture_settings(args, arrays: dict, capture_indices: list[int], names: list[str],
                      text_arrays: dict | None = None, model_digest: str | None = None) -> dict:
     """What a captured layer set depends on besides the weights (stored beside it as ``layer_set.json``).
@@ -500,6 +519,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.layer_set:
         layer_set = load_layer_set(args.layer_set)
         check_layer_set(layer_set, weights, f"--layer-set {args.layer_set}", args.checkpoint)
+        check_layer_set_model(args.layer_set, settings.get("model"), args.checkpoint)
         layer_set = {n: layer_set[n] for n in names}
     elif not args.overwrite and cached.exists() and stored_settings == settings:
         layer_set = load_layer_set(str(cached))

@@ -211,6 +211,11 @@ def test_quantize_checkpoint_refuses_stored_layers_captured_from_another_rest_of
     assert len(lines) == 1 and "capture model: the checkpoint's parameters outside the quantized linears, or its " \
                                "config, differ" in lines[0], lines
     assert (tmp_path / "out" / "layer_set.safetensors").stat().st_mtime_ns == layer_set
+    # that layer set given to a run of the other checkpoint: its record beside it names the model it came from
+    other = ["--checkpoint", str(tmp_path / "b"), *tiny[:-1], str(tmp_path / "out_b")]
+    assert cli.main(["quantize-checkpoint", *other, "--layer-set", str(tmp_path / "out" / "layer_set.safetensors")]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "captured from a model whose parameters outside the quantized linears" in lines[0], lines
 
 
 def test_evaluate_capture_key_covers_the_prompt_content_batch_size_and_model(tmp_path):
