@@ -103,7 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--run", required=True, help="training folder (orbax checkpoints, log.jsonl)")
         p.add_argument("--num-steps", type=positive_int, default=DEFAULTS.num_steps,
                        help="student steps trained (backward simulation)")
-        p.add_argument("--guidance", type=finite_float, default=DEFAULTS.guidance, help="real-score / teacher CFG scale")
+        p.add_argument("--guidance", type=finite_float, default=DEFAULTS.guidance,
+                       help="real-score / teacher CFG scale")
         p.add_argument("--seed", type=int, default=0, help="seed of the initialisation, the batches and the noise")
         p.add_argument("--gan-feature-layer", default=DEFAULTS.gan_feature_layer,
                        help="the linear whose input tokens feed the GAN head")

@@ -21,8 +21,8 @@ listed in the report (``padded``).
 Outputs in OUT (each file written atomically; RECIPE is the recipe name with ``+`` -> ``_``):
 ``layer_set.safetensors`` + ``layer_set.json`` (the captured layer set, padded layers padded, and the capture settings
 it came from, ``--text-rows-from-all-prompts``, the digest of ``--text-embeddings`` and of the model outside the
-quantized linears (its other parameters and config) among them; a rerun with the same settings reuses it; ``--layer-set`` reuses another one, refused unless its weights
-are ``--checkpoint``'s), ``qlayers-RECIPE/`` (the resumable per-layer store of ``kroquant_jax.calibrate``, each layer
+quantized linears (its other parameters and config) among them; a rerun with the same settings reuses it;
+``--layer-set`` reuses another one, refused unless its weights are ``--checkpoint``'s), ``qlayers-RECIPE/`` (the resumable per-layer store of ``kroquant_jax.calibrate``, each layer
 with the fingerprint of its inputs: a rerun resumes the layers whose weight, activations and recipe settings match
 and refuses the folder, naming the layer and what changed, when they do not, unless ``--overwrite``),
 ``quantized-RECIPE/`` (the self-contained quantized checkpoint of ``models.quantized_checkpoint``: config, 16-bit

@@ -213,7 +213,8 @@ def test_quantize_checkpoint_refuses_stored_layers_captured_from_another_rest_of
     assert (tmp_path / "out" / "layer_set.safetensors").stat().st_mtime_ns == layer_set
     # that layer set given to a run of the other checkpoint: its record beside it names the model it came from
     other = ["--checkpoint", str(tmp_path / "b"), *tiny[:-1], str(tmp_path / "out_b")]
-    assert cli.main(["quantize-checkpoint", *other, "--layer-set", str(tmp_path / "out" / "layer_set.safetensors")]) == 1
+    layer_set_file = str(tmp_path / "out" / "layer_set.safetensors")
+    assert cli.main(["quantize-checkpoint", *other, "--layer-set", layer_set_file]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "captured from a model whose parameters outside the quantized linears" in lines[0], lines
 
