@@ -255,6 +255,8 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from kroquant_jax import fileio
+
     methods = list(result["methods"])
     cols = min(3, len(methods))
     rows = -(-len(methods) // cols)
@@ -280,8 +282,11 @@ def plot(result: dict, path: str) -> None:
     axes.flat[0].legend(fontsize=7)
     fig.suptitle(f"testbed shared-input groups: per-linear vs fused calibration ({result['date']})", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with fileio.atomic_path(path, suffix=Path(path).suffix) as tmp:  # the suffix picks the format
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def main(argv=None) -> int:

@@ -40,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kroquant_jax.fileio import atomic_write_json  # noqa: E402
+from kroquant_jax.fileio import atomic_path, atomic_write_json  # noqa: E402
 
 #: name -> (compile options, compile the programs concurrently from threads)
 VARIANTS = {
@@ -170,9 +170,10 @@ def child(args) -> dict:
         outputs[name] = jax.device_get(out)
     _, losses, _, err = outputs["kroquant"]
     branch = outputs["loraq"]
-    np.savez(os.path.join(args.out_dir, f"{args.child}.npz"), kroquant_errors=np.asarray(err),
-             kroquant_losses=np.asarray(losses), loraq_error_init=np.asarray(branch.error_init),
-             loraq_error_fit=np.asarray(branch.error_fit), loraq_error_final=np.asarray(branch.error_final))
+    with atomic_path(os.path.join(args.out_dir, f"{args.child}.npz"), suffix=".npz") as tmp:
+        np.savez(tmp, kroquant_errors=np.asarray(err), kroquant_losses=np.asarray(losses),
+                 loraq_error_init=np.asarray(branch.error_init), loraq_error_fit=np.asarray(branch.error_fit),
+                 loraq_error_final=np.asarray(branch.error_final))
     rec["kroquant_test_error_mean"] = float(np.mean(np.asarray(err)[:, 1, 1]))
     rec["loraq_error_final_mean"] = float(np.mean(np.asarray(branch.error_final)))
     atomic_write_json(os.path.join(args.out_dir, f"{args.child}.json"), rec)

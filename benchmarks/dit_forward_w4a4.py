@@ -91,7 +91,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from kroquant_jax import calibrate, timing  # noqa: E402
-from kroquant_jax.fileio import StagedResults  # noqa: E402
+from kroquant_jax.fileio import StagedResults, atomic_write_bytes  # noqa: E402
 from kroquant_jax.qlinear import QuantizedLinear, qlinear_forward  # noqa: E402
 from models import ideogram4 as ig  # noqa: E402
 from models import ideogram4_sampling as sampling  # noqa: E402
@@ -434,9 +434,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                         "launches": {k: t.kernel_launches.get(k, 0) for k, _ in top}}
         if args.hlo_dir:
             hlo = Path(args.hlo_dir) / f"dit_forward_{name}.hlo.txt.gz"
-            hlo.parent.mkdir(parents=True, exist_ok=True)
-            with gzip.open(hlo, "wt") as f:
-                f.write(compiled.as_text())
+            atomic_write_bytes(hlo, gzip.compress(compiled.as_text().encode("utf-8")))  # creates the folder
 
     for name in args.variants:
         if name != "w4a4_unfused":

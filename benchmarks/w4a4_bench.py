@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kroquant_jax import timing  # noqa: E402
 from kroquant_jax import transforms as T  # noqa: E402
+from kroquant_jax.fileio import atomic_write_text  # noqa: E402
 from kroquant_jax.formats import MXFP4, NVFP4, dequantize, quantize  # noqa: E402
 from models.layer_shapes import PRESET_LABELS, preset_layer_shapes, shape_table  # noqa: E402
 from pallas_kernels import epilogues as E  # noqa: E402
@@ -359,9 +360,7 @@ def main(argv=None):
               "cases": [], "stopped_early": False}
 
     def save():
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        atomic_write_text(args.out, json.dumps(result, indent=1))  # creates the folder
 
     tasks = []
     for model, layer, n, k in shapes:

@@ -16,14 +16,15 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-__all__ = ["DIR_MODE", "FILE_MODE", "StagedResults", "atomic_path", "atomic_write_bytes", "atomic_write_json",
-           "atomic_write_text", "publishable", "read_npz"]
+__all__ = ["DIR_MODE", "FILE_MODE", "StagedResults", "atomic_append_text", "atomic_path", "atomic_write_bytes",
+           "atomic_write_json", "atomic_write_text", "publishable", "read_npz", "replace_folder"]
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755
@@ -60,6 +61,20 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
             tmp.unlink()
 
 
+def replace_folder(tmp: str | os.PathLike, directory: str | os.PathLike) -> None:
+    """Renames the complete folder ``tmp`` (a sibling of ``directory``, e.g. from ``tempfile.mkdtemp``) onto
+    ``directory``. An existing ``directory`` is first renamed aside (``.<name>.old-<pid>``) and deleted only once
+    ``tmp`` is in its place, so an interruption never destroys the previous version."""
+    directory = Path(directory)
+    if directory.exists():
+        old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+        os.replace(directory, old)
+        os.replace(tmp, directory)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, directory)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Writes ``data`` to ``path`` atomically (temporary file, fsync, rename)."""
     with atomic_path(path) as tmp:
@@ -72,6 +87,15 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Writes UTF-8 ``text`` to ``path`` atomically."""
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_append_text(path: str | os.PathLike, text: str) -> None:
+    """Appends UTF-8 ``text`` to ``path`` (created if absent) by rewriting the whole file atomically: a reader sees
+    it before or after the append, never a torn last line that a later append would run on into. Each call copies
+    the file, so it is for small logs (a ``log.jsonl`` of one line per chunk of training), not for large ones."""
+    path = Path(path)
+    old = path.read_bytes() if path.exists() else b""
+    atomic_write_bytes(path, old + text.encode("utf-8"))
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int = 2, sort_keys: bool = True) -> None:

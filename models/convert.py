@@ -65,7 +65,7 @@ from typing import Any, ClassVar
 import ml_dtypes
 import numpy as np
 
-from kroquant_jax.fileio import atomic_path, atomic_write_json, publishable
+from kroquant_jax.fileio import atomic_path, atomic_write_json, publishable, replace_folder
 
 __all__ = [
     "CheckpointError",
@@ -669,13 +669,7 @@ def save_flax_state(directory: str | os.PathLike, params: Mapping[str, Any],
         checkpointer.save(tmp / "params", _nest({k: np.asarray(v) for k, v in params.items()}))
         checkpointer.wait_until_finished()
         (tmp / CONFIG_NAME).write_text(json.dumps(dict(config or {}), indent=2, sort_keys=True))
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-            os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, directory)
+        replace_folder(tmp, directory)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -68,7 +68,7 @@ import optax
 from flax import nnx
 
 from kroquant_jax import provenance
-from kroquant_jax.fileio import atomic_write_json
+from kroquant_jax.fileio import atomic_append_text, atomic_write_json
 from models import qad
 from models.testbed import data as testbed_data
 from models.testbed import model as testbed
@@ -1109,9 +1109,8 @@ def train(run_cycles, state: dict[str, Any], teacher: Params, run_dir: str | Pat
     state = jax.device_put(state, jax.tree.map(lambda leaf: leaf.sharding, state))
     cycle = 0 if resumed_from is None else resumed_from
     log_path = run_dir / "log.jsonl"
-    with open(log_path, "a") as log:
-        log.write(json.dumps({"event": "start", "cycle": cycle, "device": str(jax.devices()[0]),
-                              "jax": jax.__version__, **(log_extra or {})}) + "\n")
+    atomic_append_text(log_path, json.dumps({"event": "start", "cycle": cycle, "device": str(jax.devices()[0]),
+                                             "jax": jax.__version__, **(log_extra or {})}) + "\n")
     began = time.perf_counter()
     if warmup is not None and resumed_from is None:
         state, metrics = warmup(state)
@@ -1119,9 +1118,8 @@ def train(run_cycles, state: dict[str, Any], teacher: Params, run_dir: str | Pat
         if metrics["finite"] != 1.0 or not all(math.isfinite(v) for v in metrics.values()):
             raise DMD2Divergence(f"DMD2 fake-score warm-up diverged (a loss or parameter is NaN/Inf: {metrics}); "
                                  "no checkpoint had been saved yet")
-        with open(log_path, "a") as log:
-            log.write(json.dumps({"event": "warmup", "fake_updates": int(state["step"]), **metrics,
-                                  "elapsed_s": round(time.perf_counter() - began, 2)}) + "\n")
+        atomic_append_text(log_path, json.dumps({"event": "warmup", "fake_updates": int(state["step"]), **metrics,
+                                                 "elapsed_s": round(time.perf_counter() - began, 2)}) + "\n")
     bar = tqdm(total=total_cycles, initial=cycle, unit="cycle", disable=not progress, dynamic_ncols=True)
     calls = 0
     last_saved = resumed_from
@@ -1142,9 +1140,8 @@ def train(run_cycles, state: dict[str, Any], teacher: Params, run_dir: str | Pat
             calls += 1
             bar.update(cycles_per_call)
             bar.set_postfix(dm=f"{metrics['dm_loss']:.4f}", fake=f"{metrics['fake_loss']:.4f}")
-            with open(log_path, "a") as log:
-                log.write(json.dumps({"event": "call", "cycle": cycle, **metrics,
-                                      "elapsed_s": round(time.perf_counter() - began, 2)}) + "\n")
+            atomic_append_text(log_path, json.dumps({"event": "call", "cycle": cycle, **metrics,
+                                                     "elapsed_s": round(time.perf_counter() - began, 2)}) + "\n")
             if calls % save_every_calls == 0:
                 manager.save(cycle, args=ocp.args.StandardSave(state))
                 last_saved = cycle
@@ -1157,8 +1154,7 @@ def train(run_cycles, state: dict[str, Any], teacher: Params, run_dir: str | Pat
     elapsed = time.perf_counter() - began
     summary = {"cycles": cycle, "fake_updates": int(state["step"]), "elapsed_s": round(elapsed, 2),
                "resumed_from": resumed_from}
-    with open(log_path, "a") as log:
-        log.write(json.dumps({"event": "end", **summary}) + "\n")
+    atomic_append_text(log_path, json.dumps({"event": "end", **summary}) + "\n")
     return state, summary
 
 

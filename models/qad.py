@@ -66,7 +66,7 @@ import optax
 from flax import nnx
 
 from kroquant_jax import formats, provenance, transforms
-from kroquant_jax.fileio import atomic_write_text
+from kroquant_jax.fileio import atomic_append_text, atomic_write_text
 from models.testbed import model as testbed
 from models.layers import LinearHooks, linears
 
@@ -694,8 +694,7 @@ def train(run_dir: str | Path, train_chunk: Callable, state: dict, config: QADCo
             if on_chunk is not None:
                 on_chunk(step, state, record)
             records.append(record)
-            with open(run_dir / "log.jsonl", "a") as log:
-                log.write(json.dumps(record) + "\n")
+            atomic_append_text(run_dir / "log.jsonl", json.dumps(record) + "\n")
             bar.update(config.chunk)
             bar.set_postfix(loss=f"{record['loss']:.4f}")
             out_of_time = time_budget is not None and time.perf_counter() - began > time_budget

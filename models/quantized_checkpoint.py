@@ -186,7 +186,7 @@ def save_quantized_checkpoint(directory: str | os.PathLike, model: Any, qlayers:
       extra: JSON-able notes stored under ``extra``.
     """
     from kroquant_jax import provenance, qlinear
-    from kroquant_jax.fileio import atomic_write_json, publishable
+    from kroquant_jax.fileio import atomic_write_json, publishable, replace_folder
     from models import convert, families
     from models.layers import linears
 
@@ -232,9 +232,7 @@ def save_quantized_checkpoint(directory: str | os.PathLike, model: Any, qlayers:
         convert.write_safetensors(tmp / "quantized.safetensors", arrays, metadata={"format": "kroquant-qlinears"})
         atomic_write_json(tmp / "quantization_config.json", json.loads(json.dumps(config, default=float)))
         publishable(tmp)
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
+        replace_folder(tmp, directory)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -35,7 +35,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from kroquant_jax import provenance
-from kroquant_jax.fileio import atomic_path
+from kroquant_jax.fileio import atomic_append_text, atomic_path
 from models import families
 from models.testbed import data as testbed_data
 from models.testbed import model as testbed
@@ -164,8 +164,7 @@ def main(argv=None) -> int:
     log_path = run_dir / "log.jsonl"
     header = {"event": "start", "step": start_step, "params": int(num_params), "train_examples": train.num_examples,
               "device": str(jax.devices()[0]), "jax": jax.__version__, "args": vars(args)}
-    with open(log_path, "a") as log:
-        log.write(json.dumps(header) + "\n")
+    atomic_append_text(log_path, json.dumps(header) + "\n")
     print(json.dumps(header), flush=True)
 
     began = time.perf_counter()
@@ -184,8 +183,7 @@ def main(argv=None) -> int:
         bar.update(args.chunk)
         bar.set_postfix(loss=f"{loss:.4f}")
         record = {"event": "chunk", "step": step, "loss": loss, "elapsed_s": round(elapsed, 2)}
-        with open(log_path, "a") as log:
-            log.write(json.dumps(record) + "\n")
+        atomic_append_text(log_path, json.dumps(record) + "\n")
         if args.no_progress and (step // args.chunk) % 20 == 0:
             print(json.dumps(record), flush=True)
         if step - last_saved >= args.save_every:
@@ -196,8 +194,7 @@ def main(argv=None) -> int:
     save_train_state(state_path, {**state, "key": jax.random.key_data(state["key"])})
     summary = {"event": "end", "step": step, "steps_this_run": step - start_step, "elapsed_s": round(elapsed, 1),
                "images_per_s": round((step - start_step) * args.batch_size / max(elapsed, 1e-9), 1)}
-    with open(log_path, "a") as log:
-        log.write(json.dumps(summary) + "\n")
+    atomic_append_text(log_path, json.dumps(summary) + "\n")
     print(json.dumps(summary), flush=True)
 
     ema_model = nnx.merge(graphdef, state["ema"])
