@@ -62,3 +62,47 @@ def test_staged_results_save_after_each_stage_and_record_errors(tmp_path, capsys
     assert saved["errors"] == {"second": "ValueError: bad shape (3, 4)"} and saved["count"] == 1
     assert saved["elapsed_s"] >= 0 and "Traceback" in capsys.readouterr().err
     assert [line.split("] ")[1] for line in lines] == ["first done", "second done"]
+
+
+def test_atomic_append_keeps_whole_lines_and_the_old_file_on_failure(tmp_path, monkeypatch):
+    log = tmp_path / "log.jsonl"
+    fileio.atomic_append_text(log, '{"step": 1}\n')
+    fileio.atomic_append_text(log, '{"step": 2}\n')
+    assert log.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+    def fail(*_):  # the rename that publishes the appended file never happens
+        raise OSError("disk full")
+
+    monkeypatch.setattr(fileio.os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        fileio.atomic_append_text(log, '{"step": 3}\n')
+    assert log.read_text() == '{"step": 1}\n{"step": 2}\n'  # no torn line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl"]  # nor a temporary left behind
+
+
+def test_replace_folder_keeps_the_old_folder_until_the_new_one_is_in_place(tmp_path, monkeypatch):
+    target, new = tmp_path / "ckpt", tmp_path / "new"
+    target.mkdir()
+    (target / "a.txt").write_text("old")
+    new.mkdir()
+    (new / "a.txt").write_text("new")
+    fileio.replace_folder(new, target)
+    assert (target / "a.txt").read_text() == "new" and not new.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the old one deleted once replaced
+    # interrupted between moving the old folder aside and moving the new one in: the old one is still on disk
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    real_replace = fileio.os.replace
+    calls = []
+
+    def second_rename_fails(src, dst):
+        calls.append(src)
+        if len(calls) == 2:
+            raise OSError("interrupted")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(fileio.os, "replace", second_rename_fails)
+    with pytest.raises(OSError, match="interrupted"):
+        fileio.replace_folder(newer, target)
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.old-")]
+    assert len(aside) == 1 and (aside[0] / "a.txt").read_text() == "new"
