@@ -213,10 +213,7 @@ def claim_output_folder(folder: str | os.PathLike, record: str, key: Mapping[str
         if stored is None:
             why = f"holds {len(present)} output file(s) of an unknown run (no {record})"
         else:
-            differ = sorted(k for k in set(stored) | set(key) if stored.get(k) != key.get(k))
-            shown = "; ".join(f"{k}: {_short(stored.get(k, '<unset>'))} -> {_short(key.get(k, '<unset>'))}"
-                              for k in differ[:4])
-            why = f"holds the outputs of a run with other inputs ({shown}{'; ...' if len(differ) > 4 else ''})"
+            why = f"holds the outputs of a run with other inputs ({describe_key_changes(stored, key)})"
         if not overwrite:
             raise OutputFolderError(f"{flag} {folder}: {why}; use another {flag} or pass {remedy}")
         for path in present:
