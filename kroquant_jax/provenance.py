@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from kroquant_jax.fileio import atomic_write_json
 
 __all__ = ["EXECUTION_SETTINGS", "NUMERICS_VERSION", "OutputFolderError", "RunFolderError", "StaleResultError",
            "array_digest", "check_run_folder", "claim_output_folder", "describe_changes", "describe_key_changes",
-           "file_digest", "layer_fingerprint", "layer_set_mismatch", "recipe_settings"]
+           "file_digest", "named_arrays_digest", "layer_fingerprint", "layer_set_mismatch", "recipe_settings"]
 
 #: Bump whenever a change to the library alters the numbers a recipe produces for the same inputs (quantizer rounding,
 #: transform parameterization, optimiser, row draw): results stored under another version are then refused.
@@ -157,6 +157,17 @@ def layer_set_mismatch(layer_set: Mapping[str, Any],
                                                         np.asarray(bias, np.float32))):
             return f"layer {name!r} has another bias"
     return None
+
+
+def named_arrays_digest(named: Iterable[tuple[str, Any]], *, prefix: bytes = b"", algorithm: str = "sha256") -> str:
+    """Hex digest of ``prefix`` then each ``(name, array)``'s name, shape, dtype and bytes, in the order given: a
+    fingerprint of a tree of weights or data (``models.qad.fingerprint``, ``models.layers.params_digest``)."""
+    digest = hashlib.new(algorithm, prefix)
+    for name, leaf in named:
+        array = np.ascontiguousarray(np.asarray(leaf))
+        digest.update(f"{name}|{array.shape}|{array.dtype}|".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
 
 
 def file_digest(path: str | os.PathLike) -> str:

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kroquant_jax.provenance import named_arrays_digest
+
 __all__ = [
     "Attention",
     "FeedForward",
@@ -377,20 +379,16 @@ def params_digest(model: nnx.Module, exclude_linears: Sequence[str] = (), config
     ``repr(config)``, leaving out the kernel and bias of the linears named in ``exclude_linears`` (e.g. the quantized
     ones, whose weights a layer set already carries and compares): the rest of the model, which shapes the
     activations a capture records."""
-    import hashlib  # noqa: PLC0415
-
     excluded = set(exclude_linears)
-    digest = hashlib.sha256(repr(config).encode())
-    for path, node in nnx.iter_graph(model):
-        if not isinstance(node, nnx.Param):
-            continue
-        names = [str(p) for p in path]
-        if names[-1] in ("kernel", "bias") and ".".join(names[:-1]) in excluded:
-            continue
-        array = np.ascontiguousarray(np.asarray(node[...]))
-        digest.update(f"{'.'.join(names)}|{array.shape}|{array.dtype}|".encode())
-        digest.update(array.tobytes())
-    return digest.hexdigest()
+
+    def kept():
+        for path, node in nnx.iter_graph(model):
+            names = [str(p) for p in path]
+            if isinstance(node, nnx.Param) and not (names[-1] in ("kernel", "bias")
+                                                    and ".".join(names[:-1]) in excluded):
+                yield ".".join(names), node[...]
+
+    return named_arrays_digest(kept(), prefix=repr(config).encode())
 
 
 def run_blocks_scanned(blocks: list[nnx.Module], x: jax.Array, hooks: LinearHooks | None,

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import shutil
 from collections.abc import Callable, Mapping
@@ -618,12 +617,7 @@ def run_key(config: QADConfig, extra: Mapping[str, Any]) -> dict:
 
 def fingerprint(tree: Any) -> str:
     """SHA-1 of a pytree's leaves (shapes, dtypes and bytes), to key a run by its initial weights or data."""
-    digest = hashlib.sha1()
-    for name, leaf in _leaves(tree)[0]:
-        array = np.ascontiguousarray(np.asarray(leaf))
-        digest.update(f"{name}|{array.shape}|{array.dtype}|".encode())
-        digest.update(array.tobytes())
-    return digest.hexdigest()
+    return provenance.named_arrays_digest(_leaves(tree)[0], algorithm="sha1")
 
 
 def _check_run_key(run_dir: Path, key: dict) -> None:
