@@ -53,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -65,7 +66,7 @@ import optax
 from flax import nnx
 
 from kroquant_jax import formats, provenance, transforms
-from kroquant_jax.fileio import atomic_append_text, atomic_write_text
+from kroquant_jax.fileio import atomic_append_text, atomic_write_text, replace_folder
 from models.testbed import model as testbed
 from models.layers import LinearHooks, linears
 
@@ -509,8 +510,10 @@ def _leaves(state: Any) -> tuple[list[tuple[str, Any]], Any]:
 
 
 def save_checkpoint(folder: Path, state: Any) -> Path:
-    """Save ``state`` with orbax to ``folder/step_<step>`` (orbax writes a temporary folder and renames it), then
-    delete older step folders. Leaves are stored as ``leaf_<i>`` in tree order; the tree paths go to ``paths.json``."""
+    """Save ``state`` with orbax to ``folder/step_<step>``, then delete older step folders. Leaves are stored as
+    ``leaf_<i>`` in tree order; the tree paths go to ``paths.json``. The checkpoint is written complete into a hidden
+    sibling and renamed into place (``fileio.replace_folder``), so a stop at any moment leaves a complete checkpoint,
+    also when the same step is saved again (a resumed run that stops where it started)."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
     folder = Path(folder)
@@ -518,15 +521,17 @@ def save_checkpoint(folder: Path, state: Any) -> Path:
     step = int(state["step"])
     named, _ = _leaves(state)
     target = folder / f"step_{step:08d}"
-    if target.exists():
-        shutil.rmtree(target)
+    staging = folder / f".{target.name}.saving-{os.getpid()}"
+    if staging.exists():
+        shutil.rmtree(staging)
     # zero-size leaves (a rank-0 branch and its optimizer moments) cannot be stored by orbax: restored from shape
     flat = {f"leaf_{i:05d}": np.asarray(leaf) for i, (_, leaf) in enumerate(named) if np.size(leaf)}
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(target.resolve(), flat)
+    checkpointer.save(staging.resolve(), flat)
     checkpointer.wait_until_finished()
-    atomic_write_text(target / "paths.json", json.dumps([name for name, _ in named]))
-    for old in folder.glob("step_*"):
+    atomic_write_text(staging / "paths.json", json.dumps([name for name, _ in named]))
+    replace_folder(staging, target)
+    for old in [*folder.glob("step_*"), *folder.glob(".step_*.saving-*")]:  # older steps, a killed save's staging
         if old != target and old.is_dir():
             shutil.rmtree(old)
     return target

@@ -269,6 +269,30 @@ def test_nan_stops_training_and_keeps_the_last_good_checkpoint(setup, training, 
     assert [r["step"] for r in log] == [2, 4]
 
 
+def test_saving_a_step_again_never_leaves_it_missing(tmp_path, monkeypatch):
+    """A resumed run that stops where it started saves the same step again: the new checkpoint replaces the old one
+    whole, and a save that fails half-way leaves the old one as it was (never a deleted or half-written step)."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    first = {"step": np.int32(3), "w": np.arange(4, dtype=np.float32)}
+    second = {"step": np.int32(3), "w": -np.arange(4, dtype=np.float32)}
+    qad.save_checkpoint(tmp_path, first)
+    qad.save_checkpoint(tmp_path, second)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003"]  # no staging folder left
+    np.testing.assert_array_equal(np.asarray(qad.restore_checkpoint(tmp_path / "step_00000003", first)["w"]),
+                                  second["w"])
+
+    def broken_save(self, *args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        qad.save_checkpoint(tmp_path, first)
+    assert qad.latest_checkpoint(tmp_path).name == "step_00000003"
+    np.testing.assert_array_equal(np.asarray(qad.restore_checkpoint(tmp_path / "step_00000003", first)["w"]),
+                                  second["w"])
+
+
 @pytest.mark.parametrize("transform,packed_branch", [("hadamard32", True), ("diagonal", False)])
 def test_ptq_init_and_export_reproduce_the_calibrated_layers(setup, transform, packed_branch):
     """LoRaQ-like (Hadamard, MXFP4 branch) and SVDQuant-like (diagonal, 16-bit branch) PTQ layers: the student at
