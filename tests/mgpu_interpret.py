@@ -8,7 +8,8 @@ register array (jax's mixed-type Hopper kernel and ``pallas_kernels/w4a4_gemm_mg
 transposed view (``ref.transpose((1, 0))``) fails there. Nor does it interpret a store into a ``wgmma`` accumulator
 (``acc_ref[...] = v``, which ``pallas_kernels/fp8_gemm_mgpu.py`` uses to scale its accumulator between ``wgmma`` s).
 :func:`gpu_interpret` installs, for the duration of a ``with`` block, a ``wgmma`` with the same semantics
-(``acc += a @ b`` in the accumulator's dtype) that also takes those two forms, and the accumulator store.
+(``acc += a @ b`` in the accumulator's dtype) that also takes those two forms, and the accumulator store; and it
+compiles each simulated thread's program once per kernel call instead of once per thread and CTA.
 
 ``available()`` says whether this jax has the pieces (else the tests that need them skip, naming the reason).
 """
@@ -17,12 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 
 import jax
 import numpy as np
 from jax.experimental import io_callback
 
 try:  # private, version-specific: tests only
+    from jax._src import core as _jcore
+    from jax._src.pallas.mosaic.interpret import thread_map as _tmap
     from jax._src.pallas.mosaic.interpret import utils as _iutils
     from jax._src.pallas.mosaic_gpu import primitives as _gprim
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as _gcb
@@ -36,6 +40,8 @@ try:  # private, version-specific: tests only
         _REASON = f"GPU interpret mode's wgmma callback has an unknown signature in jax {jax.__version__}"
     elif not hasattr(_gprim, "wgmma_accumulator_store_p"):
         _REASON = f"jax {jax.__version__} has no wgmma accumulator store"
+    elif list(inspect.signature(_tmap._run_jaxpr).parameters) != ["jaxpr", "consts", "args"]:
+        _REASON = f"GPU interpret mode's thread runner has an unknown signature in jax {jax.__version__}"
 except ImportError as e:  # pragma: no cover - other jax versions
     InterpretGPUParams = None
     _REASON = f"jax {jax.__version__} has no GPU interpret mode for Mosaic GPU ({e})"
@@ -89,6 +95,27 @@ def _accumulator_store(value, *, device_id, thread_id, acc_allocation_key_as_arr
     return np.asarray(value)
 
 
+_COMPILED: dict = {}
+_COMPILE_LOCK = threading.Lock()
+
+
+def _run_jaxpr_compiled_once(jaxpr, consts, *args):
+    """``thread_map._run_jaxpr``: runs a simulated thread's program, compiled once per program and argument types.
+    jax's own lowers and compiles it again for every thread of every CTA (an AOT ``.lower().compile()`` skips the
+    in-memory cache), though the threads differ only in their arguments (thread id, grid point); the programs and
+    what they compute are the same."""
+    leaves = jax.tree.leaves((consts, args))
+    key = (jaxpr, jax.tree.structure((consts, args)), tuple((np.shape(x), np.result_type(x)) for x in leaves))
+    with _COMPILE_LOCK:  # the other threads of the CTA wait for the one compile
+        compiled = _COMPILED.get(key)
+        if compiled is None:
+            def run(jaxpr, consts, *args):
+                _jcore.eval_jaxpr(jaxpr, consts, *args)
+
+            compiled = _COMPILED[key] = jax.jit(run, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
+    compiled(consts, *args)
+
+
 def _arithmetic_or_accumulator_store(orig):
     def interpret(self, eqn, get_invals):
         if eqn.primitive is not _gprim.wgmma_accumulator_store_p:
@@ -108,14 +135,17 @@ def gpu_interpret(detect_races: bool = True):
     ok, reason = available()
     if not ok:
         raise RuntimeError(reason)
-    orig, orig_arith = _gcb.wgmma, _jinterp.JaxprInterpreter._interpret_arithmetic_primitive
+    orig, orig_arith, orig_run = _gcb.wgmma, _jinterp.JaxprInterpreter._interpret_arithmetic_primitive, _tmap._run_jaxpr
     _gcb.wgmma = _wgmma
     _jinterp.JaxprInterpreter._interpret_arithmetic_primitive = _arithmetic_or_accumulator_store(orig_arith)
+    _tmap._run_jaxpr = _run_jaxpr_compiled_once
     try:
         yield InterpretGPUParams(detect_races=detect_races)
     finally:
         _gcb.wgmma = orig
         _jinterp.JaxprInterpreter._interpret_arithmetic_primitive = orig_arith
+        _tmap._run_jaxpr = orig_run
+        _COMPILED.clear()
         _ipc.reset_gpu_interpret_mode_state()
 
 
@@ -202,26 +232,33 @@ def _run_fp8_case(case: dict) -> dict:
     from pallas_kernels import fp8_gemm_mgpu as F
 
     m, n, k, r = case["m"], case["n"], case["k"], case.get("rank", 0)
-    ka, kw, kb, kh, kl = jax.random.split(jax.random.key(case.get("seed", 0)), 5)
-    a = jax.random.normal(ka, (m, k)) * 2.0
-    a = a.at[:, 5].multiply(80.0).at[1, 40].set(-3.0e3).at[0, 0:32].set(0.0)  # outliers, huge value, zero block
-    a = a.at[min(2, m - 1), 32:64].multiply(1e-3)  # a small block (inside the 14-binade span)
-    w = jax.random.normal(kw, (n, k)) * 0.05
-    if case.get("zero_scale_rows"):  # all-zero rows whose factor a caller's encoder left at 0 (the kernel takes 1),
-        # and one with the smallest factor 2**-126 beside a non-zero h (h / sa would overflow; the kernel never forms it)
-        a, w = a.at[m - 2:].set(0.0), w.at[n - 1].set(0.0)
-    if case.get("row_group"):  # scales per group of K values: blocks far apart in one row, a group of zeros
-        a = a.at[min(3, m - 1), : k // 4].multiply(2.0**-30).at[min(4, m - 1), k // 2:].set(0.0)
-    a8 = FE.mxfp4_to_e4m3(quantize(a, MXFP4()), order="even_odd", group=case.get("row_group"))
-    w8 = FE.mxfp4_to_e4m3(quantize(w, MXFP4()), order="even_odd")
-    if case.get("zero_scale_rows"):
-        a8 = FE.Fp8Rows(a8.values, a8.scale.at[m - 1].set(0.0), a8.inexact, a8.order)
-        w8 = FE.Fp8Rows(w8.values, w8.scale.at[n - 1].set(0.0), w8.inexact, w8.order)
-    bias = jax.random.normal(kb, (n,)) if case.get("bias") else None
-    lowrank = None
-    if r:
-        lowrank = ((jax.random.normal(kh, (m, r)) * 0.5).astype(jnp.bfloat16),
-                   (jax.random.normal(kl, (n, r)) * 0.1).astype(jnp.bfloat16))
+
+    @jax.jit  # the operands in one program: eagerly, their dozens of ops compiled one by one took most of a case
+    def operands(key):
+        ka, kw, kb, kh, kl = jax.random.split(key, 5)
+        a = jax.random.normal(ka, (m, k)) * 2.0
+        a = a.at[:, 5].multiply(80.0).at[1, 40].set(-3.0e3).at[0, 0:32].set(0.0)  # outliers, huge value, zero block
+        a = a.at[min(2, m - 1), 32:64].multiply(1e-3)  # a small block (inside the 14-binade span)
+        w = jax.random.normal(kw, (n, k)) * 0.05
+        if case.get("zero_scale_rows"):  # all-zero rows whose factor a caller's encoder left at 0 (the kernel takes
+            # 1), and one with the smallest factor 2**-126 beside a non-zero h (h / sa would overflow; the kernel never
+            # forms it)
+            a, w = a.at[m - 2:].set(0.0), w.at[n - 1].set(0.0)
+        if case.get("row_group"):  # scales per group of K values: blocks far apart in one row, a group of zeros
+            a = a.at[min(3, m - 1), : k // 4].multiply(2.0**-30).at[min(4, m - 1), k // 2:].set(0.0)
+        a8 = FE.mxfp4_to_e4m3(quantize(a, MXFP4()), order="even_odd", group=case.get("row_group"))
+        w8 = FE.mxfp4_to_e4m3(quantize(w, MXFP4()), order="even_odd")
+        if case.get("zero_scale_rows"):
+            a8 = FE.Fp8Rows(a8.values, a8.scale.at[m - 1].set(0.0), a8.inexact, a8.order)
+            w8 = FE.Fp8Rows(w8.values, w8.scale.at[n - 1].set(0.0), w8.inexact, w8.order)
+        bias = jax.random.normal(kb, (n,)) if case.get("bias") else None
+        lowrank = None
+        if r:
+            lowrank = ((jax.random.normal(kh, (m, r)) * 0.5).astype(jnp.bfloat16),
+                       (jax.random.normal(kl, (n, r)) * 0.1).astype(jnp.bfloat16))
+        return a8, w8, bias, lowrank
+
+    a8, w8, bias, lowrank = operands(jax.random.key(case.get("seed", 0)))
     cfg = F.Fp8MgpuConfig(**case["config"])
     group = case.get("swiglu_group")
     with gpu_interpret() as params:

@@ -1,5 +1,7 @@
 """CPU tests of the FP8 W4A4 / W4A8 GEMM and layer (pallas_kernels.fp8_gemm) against the float64 eq. 11 reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,10 @@ from kroquant_jax.qlinear import build_qlinear
 from pallas_kernels import fp8_gemm as G8
 from pallas_kernels import served
 
+# the re-encode and row spans the GEMM's operands are checked with, each one jitted program (the same jnp ops)
+_mxfp4_to_e4m3 = jax.jit(FE.mxfp4_to_e4m3, static_argnames=("order", "count_inexact", "arithmetic", "group"))
+_row_spans = jax.jit(FE.row_spans)
+
 
 def _acc_bound(a_abs: np.ndarray, w_abs: np.ndarray, k: int) -> np.ndarray:
     """fp32 accumulation-order bound ``k 2**-24 |A| |W|^T`` (plus one f32 output rounding)."""
@@ -24,7 +30,12 @@ def _dense(q) -> np.ndarray:
 
 
 def _operands(seed, m, n, k, spread=3.0):
-    ka, kw, ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return _quantized_operands(jax.random.PRNGKey(seed), m, n, k, spread)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))  # one program: its eager ops compiled one by one cost more
+def _quantized_operands(key, m, n, k, spread):
+    ka, kw, ks = jax.random.split(key, 3)
     a = jax.random.normal(ka, (m, k)) * jnp.exp(jax.random.uniform(ks, (m, k // 32), minval=-spread,
                                                                     maxval=spread)).repeat(32, axis=1)
     a = a.at[:, 7].multiply(30.0)  # an outlier channel
@@ -57,7 +68,7 @@ def test_bit_exact_where_every_partial_sum_is_exact():
 def test_random_within_accumulation_bound(storage):
     m, n, k = 40, 48, 512
     a, w = _operands(1, m, n, k)
-    assert int(jnp.max(FE.row_spans(a))) <= FE.E4M3_SPAN  # in range: only the summation order differs
+    assert int(jnp.max(_row_spans(a))) <= FE.E4M3_SPAN  # in range: only the summation order differs
     kl, kh, kb = jax.random.split(jax.random.PRNGKey(2), 3)
     h = (jax.random.normal(kh, (m, 32)) * 0.1).astype(jnp.bfloat16)
     left = (jax.random.normal(kl, (n, 32)) * 0.1).astype(jnp.bfloat16)
@@ -99,9 +110,9 @@ def test_out_of_range_rows_are_counted_and_bounded():
     scales[2, 3] = scales[2].max() - 20  # one block 20 binades below its row's largest: out of range
     a = QuantizedArray(codes=a.codes, scales=jnp.asarray(scales), tensor_scale=a.tensor_scale, fmt=a.fmt,
                        dtype=a.dtype)
-    assert int(FE.row_spans(a)[2]) > FE.E4M3_SPAN
+    assert int(_row_spans(a)[2]) > FE.E4M3_SPAN
     y, inexact = G8.fp8_matmul(a, G8.prepare_weight(w), out_dtype=jnp.float32, return_inexact=True)
-    rows = FE.mxfp4_to_e4m3(a)
+    rows = _mxfp4_to_e4m3(a)
     assert int(inexact) == int(rows.inexact) > 0
     ref = G8.fp8_matmul_reference(a, w)
     # the rounding moves each affected activation by <= 2**-10 * 2**e_ref of its row

@@ -6,6 +6,8 @@ rows in range, rows whose block exponents span more than 14 binades (the out-of-
 a NaN block, and a ragged last row tile, for every kernel kind and the tilings the defaults pick.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ from tq_cases import exact_activations, exact_transform
 SMALL = tq.BlockSizes(block_rows=16, block_cols=128)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))  # one program: its dozens of eager ops compiled one by one
 def _rows_with_spans(key, m, d, dtype, nan=True):
     """Exact activations with per-row powers of two on whole 32-column blocks (the transforms act per block, so the
     data stay exact): rows in range, rows spanning 20+ binades, zero rows and (``nan``) a row with a NaN."""
@@ -32,6 +35,12 @@ def _rows_with_spans(key, m, d, dtype, nan=True):
     if nan:
         a = a.at[4, 5].set(jnp.nan)
     return a.astype(dtype)
+
+
+# the re-encode and row spans the kernel's bytes are compared with, each one jitted program (the same jnp ops)
+_mxfp4_to_e4m3 = jax.jit(FE.mxfp4_to_e4m3, static_argnames=("order", "count_inexact", "arithmetic", "group"))
+_row_spans = jax.jit(FE.row_spans)
+_exact_transform = jax.jit(exact_transform, static_argnums=(0, 1))
 
 
 def _bits(v):
@@ -48,7 +57,7 @@ def _check(a, t, bs, fmt=MXFP4(), round_to_input=False, one_launch=False):
     m, d = a.shape
     q = tq.transform_quantize(a, t, fmt, block_sizes=None if one_launch else bs, impl="interpret",
                               round_to_input=round_to_input)
-    want = FE.mxfp4_to_e4m3(q, order="even_odd", count_inexact=False)
+    want = _mxfp4_to_e4m3(q, order="even_odd", count_inexact=False)
     # two poisoned starts of the E4M3 output (0xA5 with the MXFP4 outputs, 0x00 without): every byte is written
     poison = (jnp.full((m, 2, d // 2), 0xA5, jnp.uint8), jnp.full((m, d // 2), 0xA5, jnp.uint8),
               jnp.full((m, d // 32), 0xA5, jnp.uint8))
@@ -80,19 +89,19 @@ def test_every_kind_bit_exact_against_the_reencoding(kind, one_launch):
     launch: 16-row programs of whole rows (the chunks walked twice), the largest block anywhere in the row."""
     m, d = 21, 256
     a = _rows_with_spans(jax.random.key(1), m, d, jnp.bfloat16)
-    t = exact_transform(kind, d, jax.random.key(2))
+    t = _exact_transform(kind, d, jax.random.key(2))
     bs = tq.default_block_sizes_one_launch(kind, m, d, jnp.bfloat16) if one_launch else SMALL
     q, want = _check(a, t, bs, one_launch=one_launch)
     if kind != "fwht":  # the full-width Hadamard mixes every block of the row: all spans are small
-        spans = np.asarray(FE.row_spans(q))
+        spans = np.asarray(_row_spans(q))
         assert spans.max() > FE.E4M3_SPAN and (spans <= FE.E4M3_SPAN).sum() > m // 2  # both kinds of rows
-        assert int(FE.mxfp4_to_e4m3(q).inexact) > 0  # the out-of-range policy rounded something
+        assert int(_mxfp4_to_e4m3(q).inexact) > 0  # the out-of-range policy rounded something
     assert np.isnan(np.asarray(want.scale)[4]) and np.isfinite(np.asarray(want.scale)[[0, 1, 2, 3, 5]]).all()
     assert np.all(np.asarray(want.values[2].astype(jnp.float32)) == 0)  # a zero row
     if kind != "fwht":
         # and the same as re-encoding the jnp reference (exact data: the kernel's codes are the reference's; the
         # FWHT's f32 butterflies over rows of mixed binades are not exact)
-        ref = FE.mxfp4_to_e4m3(tq.reference_transform_quantize(a, t, round_to_input=False),
+        ref = _mxfp4_to_e4m3(tq.reference_transform_quantize(a, t, round_to_input=False),
                                order="even_odd", count_inexact=False)
         _assert_rows_equal(want, ref)
 
@@ -104,7 +113,7 @@ def test_default_tilings_and_fp16(kind, m, d):
     EVEN scales. In fp16 the rows scaled by 2**18 overflow to Inf: NaN blocks beside larger live blocks of the same
     tile (the pre-pass's per-chunk records must not let the NaN flag hide the larger byte)."""
     a = _rows_with_spans(jax.random.key(3), m, d, jnp.float16, nan=False)
-    t = exact_transform(kind, d, jax.random.key(4))
+    t = _exact_transform(kind, d, jax.random.key(4))
     bs = tq.default_block_sizes(kind, m, d, jnp.float16)
     if kind == "k1":  # the tiling default_block_sizes picks at >= 512 programs, with 16-row tiles
         big = tq.default_block_sizes(kind, 64 * 512, d, jnp.float16)
@@ -120,7 +129,7 @@ def test_one_launch_fp16_and_odd_widths(kind, m, d):
     blocks of the same row (the running record must not let the NaN flag hide the larger byte), widths of 32 * 3
     (K1 one block per chunk) and 32 * 36 (K2: 36 chunks walked by the loop)."""
     a = _rows_with_spans(jax.random.key(3), m, d, jnp.float16, nan=False)
-    t = exact_transform(kind, d, jax.random.key(4))
+    t = _exact_transform(kind, d, jax.random.key(4))
     q, want = _check(a, t, None, MXFP4(scale_mode=ScaleMode.EVEN), round_to_input=True, one_launch=True)
     _assert_inf_made_nan_rows(a, q, want)
 
@@ -136,7 +145,7 @@ def test_general_data_same_bytes_as_the_kernels_mxfp4():
 
 def test_reference_path_leading_dims_and_errors():
     a = _rows_with_spans(jax.random.key(7), 12, 64, jnp.bfloat16).reshape(3, 4, 64)
-    t = exact_transform("k2", 64, jax.random.key(8))
+    t = _exact_transform("k2", 64, jax.random.key(8))
     rows = tq.transform_quantize_fp8(a, t)  # CPU: the reference
     assert rows.values.shape == (3, 4, 64) and rows.scale.shape == (3, 4)
     kern = tq.transform_quantize_fp8(a, t, impl="interpret", block_sizes=SMALL)
@@ -154,7 +163,7 @@ def test_reencode_kernel_bit_exact():
     row tiles, several column tiles, out-of-range / zero / NaN rows)."""
     a = _rows_with_spans(jax.random.key(9), 45, 512, jnp.bfloat16)
     q = tq.reference_transform_quantize(a, tq.PreparedTransform.identity(512), round_to_input=False)
-    want = FE.mxfp4_to_e4m3(q, order="even_odd", count_inexact=False)
+    want = _mxfp4_to_e4m3(q, order="even_odd", count_inexact=False)
     _assert_rows_equal(tq.reencode_e4m3(q, impl="interpret", block_rows=16, block_cols=64), want)
     _assert_rows_equal(tq.reencode_e4m3(q), want)  # CPU: the jnp re-encode itself
     with pytest.raises(ValueError, match="power of two"):
