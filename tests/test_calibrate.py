@@ -203,7 +203,9 @@ _SHARD_SCRIPT = textwrap.dedent("""
 def test_sharded_equals_unsharded_on_4_host_devices():
     """The layer axis sharded over 4 (forced host) devices gives the single-device result (to rounding: 4 steps, as
     in test_vmapped_equals_per_layer)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    # the device count added to the inherited XLA_FLAGS (on the CPU the suite's -O0, see conftest), not replacing them
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _SHARD_SCRIPT.format(repo=REPO)], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

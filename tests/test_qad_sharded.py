@@ -82,7 +82,10 @@ def sharded_run(tmp_path_factory):
     """Two steps of one start state on 1 device (remat) and on 2 devices (no remat): one comparison checks both the
     sharding and remat, with one sharded program to compile."""
     out = tmp_path_factory.mktemp("qad_sharded") / "states.npz"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    # the device count added to the inherited XLA_FLAGS, not replacing them: on the CPU the suite's backend
+    # optimisation level (tests/conftest.py) then holds here too, as in the benchmark's subprocess below
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT.format(repo=str(REPO), exact=EXACT), str(out)],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
