@@ -207,28 +207,40 @@ def test_student_sampler_and_backward_simulation():
     assert dmd2.forward_passes_per_image(20, 3.0) == 40 and dmd2.forward_passes_per_image(4, 1.0) == 4
 
 
+# The settings of the own-network, resume and NaN tests: one cycle program (2 cycles per call, backward simulation,
+# CFG), compiled once for the three (fake_warmup is read by make_fake_warmup only, not by make_cycle's program).
+PLAIN = dmd2.DMD2Config(num_steps=2, guidance=1.5, fake_updates_per_generator=2, generator_lr=0.01, fake_lr=0.01,
+                        fake_warmup=3)
+PLAIN_B = 16
+
+
+def _plain_sample_batch(_, key):
+    return gcond(PLAIN_B), None, None
+
+
+def _plain_cycle(model=None):
+    """``(run, state, teacher)``: PLAIN's 2-cycle program (no GAN head, generator N(0.5, 1), teacher N(2, 1));
+    ``model``: the generator's own network (make_cycle's generator_model)."""
+    run = dmd2.make_cycle(GAUSSIAN, PLAIN, None, _plain_sample_batch, (PLAIN_B, 1, 1, D), cycles=2,
+                          generator_model=model)
+    teacher = gparams(2.0)
+    return run, dmd2.init_state(teacher, {}, PLAIN, seed=0, generator=gparams(0.5)), teacher
+
+
 def test_a_generator_of_its_own_network_is_used_wherever_the_generator_runs():
     """``generator_model`` (the W4A4 generator's network) serves every generator forward of make_cycle and
     make_fake_warmup (backward simulation included) and nothing else: a generator whose parameters are wrapped in
     another structure, with a network that unwraps them, trains bit-identically to the plain one."""
     wrapped = dmd2.FlowModel(apply=lambda p, x, sigma, cond: gaussian_apply(p["inner"], x, sigma, cond),
                              uncond=GAUSSIAN.uncond)
-    b = 16
-    config = dmd2.DMD2Config(num_steps=2, guidance=1.5, fake_updates_per_generator=2, generator_lr=0.01,
-                             fake_lr=0.01, fake_warmup=3)
-
-    def sample_batch(_, key):
-        return gcond(b), None, None
-
-    teacher = gparams(2.0)
-    plain = dmd2.init_state(teacher, {}, config, seed=0, generator=gparams(0.5))
+    b, config, sample_batch = PLAIN_B, PLAIN, _plain_sample_batch
+    _, plain, teacher = _plain_cycle()
     boxed = dmd2.init_state(teacher, {}, config, seed=0, generator={"inner": gparams(0.5)})
     results = []
     for model, state in ((None, plain), (wrapped, boxed)):
         warm, _ = dmd2.make_fake_warmup(GAUSSIAN, config, None, sample_batch, (b, 1, 1, D), generator_model=model)(
             state)
-        new, metrics = dmd2.make_cycle(GAUSSIAN, config, None, sample_batch, (b, 1, 1, D), cycles=2,
-                                       generator_model=model)(warm, teacher)
+        new, metrics = _plain_cycle(model)[0](warm, teacher)
         assert float(metrics["finite"]) == 1.0
         results.append(new)
     assert not np.array_equal(np.asarray(results[0]["generator"]["m"]), np.asarray(plain["generator"]["m"]))
@@ -239,10 +251,7 @@ def test_a_generator_of_its_own_network_is_used_wherever_the_generator_runs():
 
 
 def test_train_resume_is_bit_identical(tmp_path):
-    config = dmd2.DMD2Config(num_steps=2, guidance=1.5, fake_updates_per_generator=2, generator_lr=0.01,
-                             fake_lr=0.01)
-    run, state = _gaussian_cycle(config, b=16, cycles=2)
-    teacher = gparams(2.0)
+    run, state, teacher = _plain_cycle()
     straight, summary = dmd2.train(run, state, teacher, tmp_path / "a", 8, 2, save_every_calls=100, progress=False)
     assert summary["cycles"] == 8 and summary["fake_updates"] == 16 and summary["resumed_from"] is None
     dmd2.train(run, state, teacher, tmp_path / "b", 4, 2, save_every_calls=1, progress=False)
@@ -255,24 +264,25 @@ def test_train_resume_is_bit_identical(tmp_path):
 
 
 def test_nan_stops_training_and_keeps_the_last_good_checkpoint(tmp_path):
-    config = dmd2.DMD2Config(num_steps=1, guidance=1.0, fake_updates_per_generator=1, generator_lr=0.01,
-                             fake_lr=0.01)
-    run, state = _gaussian_cycle(config, b=8, cycles=1)
-    teacher = gparams(2.0)
+    run, state, teacher = _plain_cycle()
+    # committed to its device as train commits it: the direct call below and train's calls are one program
+    state = jax.device_put(state, jax.tree.map(lambda leaf: leaf.sharding, state))
 
     def poisoned(state, teacher):  # a generator parameter turns NaN: the cycle's own finiteness flag must catch it
-        return run({**state, "generator": {**state["generator"], "log_s": jnp.asarray(jnp.nan)}}, teacher)
+        # (times NaN: the leaf keeps its dtype and placement, so the poisoned call is the same compiled program)
+        return run({**state, "generator": {**state["generator"], "log_s": state["generator"]["log_s"] * jnp.nan}},
+                   teacher)
 
     _, metrics = poisoned(state, teacher)
     assert float(metrics["finite"]) == 0.0
-    good, _ = dmd2.train(run, state, teacher, tmp_path, 2, 1, save_every_calls=1, progress=False)
-    with pytest.raises(dmd2.DMD2Divergence, match=r"cycles 3\.\.3.*last good checkpoint \(cycle 2\)"):
-        dmd2.train(poisoned, state, teacher, tmp_path, 4, 1, save_every_calls=1, progress=False)
+    good, _ = dmd2.train(run, state, teacher, tmp_path, 2, 2, save_every_calls=1, progress=False)
+    with pytest.raises(dmd2.DMD2Divergence, match=r"cycles 3\.\.4.*last good checkpoint \(cycle 2\)"):
+        dmd2.train(poisoned, state, teacher, tmp_path, 4, 2, save_every_calls=1, progress=False)
     restored, cycles = dmd2.restore_state(tmp_path, state)
     assert cycles == 2
     assert np.array_equal(np.asarray(restored["generator"]["m"]), np.asarray(good["generator"]["m"]))
     with pytest.raises(dmd2.DMD2Divergence, match="no checkpoint had been saved yet"):
-        dmd2.train(poisoned, state, teacher, tmp_path / "fresh", 2, 1, progress=False)
+        dmd2.train(poisoned, state, teacher, tmp_path / "fresh", 2, 2, progress=False)
 
 
 def test_config_validation():
@@ -752,8 +762,12 @@ def test_fake_warmup_fits_the_initial_generator_once_and_leaves_it_unchanged(tmp
     teacher = toy_teacher()
     state = dmd2.init_state(teacher, {}, config, seed=0)
     # a generator away from the teacher: class means shifted by 0.5, 1-step std 0.3
-    state = {**state, "generator": {**teacher, "m": teacher["m"] + 0.5, "t": jnp.full((3, TOY_D), 0.3)}}
+    # float32, not a weakly typed array: a checkpoint restores it as float32, and the resumed train below then
+    # calls the same compiled cycle as the fresh one
+    state = {**state, "generator": {**teacher, "m": teacher["m"] + 0.5, "t": jnp.full((3, TOY_D), 0.3, jnp.float32)}}
     state = {**state, "gen_opt": dmd2.make_optimizers(config)[0].init(state["generator"])}
+    # committed to its device as train commits it: the direct warm-up call and train's are one compiled program
+    state = jax.device_put(state, jax.tree.map(lambda leaf: leaf.sharding, state))
     warmup = dmd2.make_fake_warmup(TOY, config, None, _toy_sample_batch(b), (b, 1, 1, TOY_D))
     warm, metrics = warmup(state)
     assert float(metrics["finite"]) == 1.0 and int(warm["step"]) == 40

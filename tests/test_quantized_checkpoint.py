@@ -139,24 +139,36 @@ def test_generate_runs_a_served_strategy(tmp_path, monkeypatch):
         generate.main([*common, "--out", str(tmp_path / "x"), "--attention", "cudnn"])
 
 
-def _count_layer_traces(monkeypatch, strategy, num_layers):
-    """(layer forwards traced, W4A4 layers) for one trace of a ``num_layers``-block PixArt sampler whose block linears
-    run W4A4 through ``strategy``'s overrides (jax's caches cleared first)."""
+@pytest.fixture(scope="module")
+def stand_in_pixarts():
+    """``{num_layers: (cfg, model, qlayers)}`` for 1 and 3 blocks: a PixArt whose block linears have stand-in W4A4
+    layers, built once for both strategies' trace counts (building them is the cost; tracing is what is counted)."""
     import dataclasses
 
-    from kroquant_jax import qlinear
     from kroquant_jax.qlinear import random_qlinear
+
+    module, base = MODELS["pixart"]
+    built = {}
+    for num_layers in (1, 3):
+        cfg = dataclasses.replace(base, num_layers=num_layers)
+        model = module.build(cfg, seed=2)
+        keys = iter(jax.random.split(jax.random.key(0), 64))
+        layers = {name: layer for name, layer in linears(model, quantizable_only=True).items()
+                  if name.startswith("transformer_blocks.") and layer.kernel.shape[0] % 32 == 0}  # kernel (d, o)
+        built[num_layers] = cfg, model, {name: random_qlinear(np.asarray(layer.kernel[...], np.float32).T,
+                                                              next(keys), 32) for name, layer in layers.items()}
+    return built
+
+
+def _count_layer_traces(monkeypatch, strategy, built):
+    """(layer forwards traced, W4A4 layers) for one trace of a PixArt sampler (``built``: one entry of
+    ``stand_in_pixarts``) whose block linears run W4A4 through ``strategy``'s overrides (jax's caches cleared first)."""
+    from kroquant_jax import qlinear
     from models.quantized_checkpoint import QuantizedCheckpoint
     from pallas_kernels import served
 
-    module, cfg = MODELS["pixart"]
-    cfg = dataclasses.replace(cfg, num_layers=num_layers)
-    model = module.build(cfg, seed=2)
-    keys = iter(jax.random.split(jax.random.key(0), 64))
-    layers = {name: layer for name, layer in linears(model, quantizable_only=True).items()
-              if name.startswith("transformer_blocks.") and layer.kernel.shape[0] % 32 == 0}  # kernel (d, o)
-    qlayers = {name: random_qlinear(np.asarray(layer.kernel[...], np.float32).T, next(keys), 32)
-               for name, layer in layers.items()}
+    module, _ = MODELS["pixart"]
+    cfg, model, qlayers = built
     checkpoint = QuantizedCheckpoint(family="pixart", cfg=cfg, model=model, qlayers=qlayers, config={})
     traced = []
     if strategy == "simulate":
@@ -176,11 +188,11 @@ def _count_layer_traces(monkeypatch, strategy, num_layers):
 
 
 @pytest.mark.parametrize("strategy", ["simulate", "dequant"])
-def test_a_layer_shape_is_traced_once_per_model(monkeypatch, strategy):
+def test_a_layer_shape_is_traced_once_per_model(monkeypatch, strategy, stand_in_pixarts):
     """The overrides compile each layer's forward as a unit, so 3 blocks trace (and lower) as many layer forwards as
     1 block, one per distinct layer signature, not one per layer: what keeps a 28-block PixArt-Σ program's compile
     short."""
-    one, one_layers = _count_layer_traces(monkeypatch, strategy, 1)
-    three, three_layers = _count_layer_traces(monkeypatch, strategy, 3)
+    one, one_layers = _count_layer_traces(monkeypatch, strategy, stand_in_pixarts[1])
+    three, three_layers = _count_layer_traces(monkeypatch, strategy, stand_in_pixarts[3])
     assert three_layers == 3 * one_layers and 0 < one < one_layers
     assert three == one
