@@ -48,6 +48,11 @@ the blocks are identical in shape and work, so block time scales with ``N``; the
 final layer (bf16 in every variant) run once, so at small ``N`` they weigh more and the bf16 / W4A4 ratio lies
 closer to 1 than the full model's. The JSON and the printout name ``N`` of the real block count.
 
+``--reference-variants`` runs the named variants' served layers on their jnp references (``impl="reference"``, the
+default off the GPU) even with ``--interpret``: one CPU run then checks the interpreted kernels of some variants and
+the wiring of the others (their layers, hooks and output checks) without interpreting every kernel. The JSON records
+the list.
+
 Checks: the relative error of each forward's output (image tokens) against the others (all must be finite: the W4A4
 forwards run the same quantized layers, so they differ by rounding, amplified through the blocks, not by the
 quantization error they both have against bf16), and layer 0's served layers (``to_q`` + norm, ``w1 | w3`` +
@@ -250,6 +255,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", choices=("full", "tiny"), default="full")
     parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU validation)")
+    parser.add_argument("--reference-variants", type=choice_list(VARIANTS, "variant"), default=(),
+                        help="these variants' served layers run their jnp references (impl 'reference') whatever "
+                             "--interpret says (default none): one CPU run can check the wiring of some variants "
+                             "cheaply beside others on the interpreted kernels")
     parser.add_argument("--variants", type=choice_list(VARIANTS, "variant"), default=VARIANTS,
                         help=f"comma-separated subset of {','.join(VARIANTS)} (run in that order; default all)")
     parser.add_argument("--blocks", type=int, default=None,
@@ -299,7 +308,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": getattr(device, "device_kind", str(device)), "jax": jax.__version__, "preset": args.preset,
         "blocks": blocks_n, "model_blocks": base.num_layers, "variants": list(args.variants),
-        "impl": impl, "attention_impl": cfg.attention_impl, "rank": rank, "transform": TRANSFORM,
+        "impl": impl, "reference_variants": list(args.reference_variants), "attention_impl": cfg.attention_impl,
+        "rank": rank, "transform": TRANSFORM,
         "method": f"median of {args.repeats} repeats of {args.inner} back-to-back calls after a warm-up call "
                   "(AOT-compiled, block_until_ready per repeat)",
         "command_args": list(sys.argv[1:] if argv is None else argv),
@@ -378,20 +388,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "swiglu": _tiles_json(opts["swiglu_blocks"])}
 
     # The forwards: the served layers as hooks of the scanned model (stacked entries).
-    kernel = S.ServeOptions(strategy="kernel", impl=impl, gemm_blocks=opts["gemm_blocks"])
+    def impl_of(name: str) -> str:
+        return "reference" if name in args.reference_variants else impl
+
+    kernel = S.ServeOptions(strategy="kernel", gemm_blocks=opts["gemm_blocks"])
     entries = {
         **({"bf16_fused_qkv": serving.bf16_qkv_hooks(model).entries()} if "bf16_fused_qkv" in args.variants else {}),
-        **({"w4a4_fp8_mgpu_fused_qkv": serving.block_served_hooks(
-            served_qkv, S.ServeOptions(strategy="fp8_mgpu", impl=impl)).entries()} if fused_qkv else {}),
-        "w4a4_dequant": serving.block_served_hooks(served, S.ServeOptions(impl=impl)).entries(),
-        **({"w4a4_fp8": serving.block_served_hooks(served_fp8, S.ServeOptions(strategy="fp8", impl=impl)).entries()}
-           if "w4a4_fp8" in args.variants else {}),
+        **({"w4a4_fp8_mgpu_fused_qkv": serving.block_served_hooks(served_qkv, S.ServeOptions(
+            strategy="fp8_mgpu", impl=impl_of("w4a4_fp8_mgpu_fused_qkv"))).entries()} if fused_qkv else {}),
+        "w4a4_dequant": serving.block_served_hooks(served, S.ServeOptions(impl=impl_of("w4a4_dequant"))).entries(),
+        **({"w4a4_fp8": serving.block_served_hooks(served_fp8, S.ServeOptions(
+            strategy="fp8", impl=impl_of("w4a4_fp8"))).entries()} if "w4a4_fp8" in args.variants else {}),
         **{name: serving.block_served_hooks(mgpu_variant(served_mgpu[MGPU_VARIANTS[name][1]], MGPU_VARIANTS[name][0]),
-                                            S.ServeOptions(strategy="fp8_mgpu", impl=impl)).entries()
+                                            S.ServeOptions(strategy="fp8_mgpu", impl=impl_of(name))).entries()
            for name in mgpu_variants},
         "w4a4_fused": serving.block_served_hooks(served, dataclasses.replace(
-            kernel, fused=True, norm_blocks=opts["norm_blocks"], swiglu_blocks=opts["swiglu_blocks"])).entries(),
-        "w4a4_unfused": serving.block_served_hooks(served, dataclasses.replace(kernel, fused=False)).entries(),
+            kernel, impl=impl_of("w4a4_fused"), fused=True, norm_blocks=opts["norm_blocks"],
+            swiglu_blocks=opts["swiglu_blocks"])).entries(),
+        "w4a4_unfused": serving.block_served_hooks(served, dataclasses.replace(
+            kernel, impl=impl_of("w4a4_unfused"), fused=False)).entries(),
         "simulate": FusedLinearHooks(SharedOverrides.merged(  # w1|w3 held once: one fake-quant forward of it
             *(whole_layer_overrides(q[p], p) for p in (*NORMED, *PLAIN)),
             split_qlinear_overrides(q[GATE], [GATE, UP])), stacked=True).entries(),

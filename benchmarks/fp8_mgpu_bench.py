@@ -58,11 +58,14 @@ def main(argv=None) -> int:
         extra = dict(_parse_config(spec) for spec in args.configs)
     except ValueError as err:
         p.error(str(err))
-    from models.layer_shapes import preset_layer_shapes
+    from models.layer_shapes import PRESET_LABELS, preset_layer_shapes
 
-    shapes = preset_layer_shapes()
+    # only the presets that the layers name (each preset's model is built to read its shapes); all for an unknown one
+    named = {ALIASES.get(name, name).split(".", 1)[0] for name in args.layers}
+    shapes = preset_layer_shapes(*[label for label in PRESET_LABELS if label in named])
     unknown = [name for name in args.layers if ALIASES.get(name, name) not in shapes]
     if unknown:
+        shapes = preset_layer_shapes()
         p.error(f"--layers: unknown {unknown} (known: {', '.join([*ALIASES, *shapes])})")
 
     import jax
@@ -77,6 +80,21 @@ def main(argv=None) -> int:
     from pallas_kernels import fp8_gemm_mgpu as F
 
     quant = jax.jit(lambda x: FE.mxfp4_to_e4m3(quantize(x, MXFP4()), order="even_odd"))
+
+    @functools.partial(jax.jit, static_argnums=(1, 2, 3))  # one program per shape (op by op, each op compiles)
+    def random_operands(key, m, n, k):
+        """``w`` f32, ``L`` bf16, bias, and per input set ``(a f32 with outlier channels, h bf16)``."""
+        keys = jax.random.split(key, 4)
+        w = jax.random.normal(keys[0], (n, k)) / np.sqrt(k)
+        left = (jax.random.normal(keys[1], (n, args.rank)) * 0.05).astype(jnp.bfloat16)
+        bias = jax.random.normal(keys[2], (n,)) * 0.1
+        activations = []
+        for s in range(3):
+            ka, kh = jax.random.split(jax.random.fold_in(keys[3], s))
+            a = jax.random.normal(ka, (m, k)) * jnp.where(jnp.arange(k) % 97 == 0, 20.0, 1.0)
+            activations.append((a, (jax.random.normal(kh, (m, args.rank)) * 0.5).astype(jnp.bfloat16)))
+        return w, left, bias, activations
+
     quant_groups = jax.jit(lambda x: FE.mxfp4_to_e4m3(quantize(x, MXFP4()), order="even_odd", group=args.row_group))
     record = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M"),
@@ -86,18 +104,11 @@ def main(argv=None) -> int:
         for m in args.ms:
             case = {"layer": name, "model_layer": ALIASES.get(name, name), "m": m, "n": n, "k": k, "rank": args.rank}
             try:
-                keys = jax.random.split(jax.random.key(m + n), 4)
-                w = jax.random.normal(keys[0], (n, k)) / np.sqrt(k)
+                w, left, bias, activations = random_operands(jax.random.key(m + n), m, n, k)
                 w8 = quant(w)
-                left = (jax.random.normal(keys[1], (n, args.rank)) * 0.05).astype(jnp.bfloat16)
-                bias = jax.random.normal(keys[2], (n,)) * 0.1
                 wb = w.astype(jnp.bfloat16)
-                sets = []
-                for s in range(3):
-                    ka, kh = jax.random.split(jax.random.fold_in(keys[3], s))
-                    a = jax.random.normal(ka, (m, k)) * jnp.where(jnp.arange(k) % 97 == 0, 20.0, 1.0)
-                    h = (jax.random.normal(kh, (m, args.rank)) * 0.5).astype(jnp.bfloat16)
-                    sets.append((quant(a), h, a.astype(jnp.bfloat16), quant_groups(a) if args.row_group else None))
+                sets = [(quant(a), h, a.astype(jnp.bfloat16), quant_groups(a) if args.row_group else None)
+                        for a, h in activations]
                 xla = jax.jit(lambda s: G8.fp8_matmul(s[0], w8, lowrank=(s[1], left), bias=bias))
                 bf16 = jax.jit(lambda s: jnp.dot(s[2], wb.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
                 mirrors = {i: np.asarray(F.fp8_matmul_mgpu_reference(sets[0][i], w8, lowrank=(sets[0][1], left),

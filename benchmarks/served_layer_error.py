@@ -12,7 +12,9 @@ a served layer receives):
 * the reference: ``served.quantized_inputs`` of the jnp reference quantizer, then eq. 11 on those packed operands in
   float64 (``fp8_gemm.fp8_matmul_reference``: ``Q(x T) Q(W~)^T + h L^T + b``);
 * each strategy of ``--strategies`` (``pallas_kernels.served``: its own quantizer kernel, GEMM and epilogue; ``--impl``
-  as ``kroquant generate``'s), output in f32 where the strategy gives more than bf16;
+  as ``kroquant generate``'s), output in f32 where the strategy gives more than bf16; with several ``--impl`` (e.g.
+  ``reference,interpret`` on a CPU) each strategy runs once per implementation on the same captured rows, its rows
+  named ``STRATEGY/IMPL``;
 * the floor: the reference rounded to bf16 (what any bf16-output strategy cannot beat).
 
 Printed and written per strategy: the relative L2 error ``||y - y64|| / ||y64||`` (median, mean and largest over the
@@ -75,8 +77,10 @@ def _parse(argv):
     parser.add_argument("--strategies", default="dequant,fp8,fp8_mgpu",
                         type=choice_list(served.strategy_names(), "strategy"),
                         help="comma-separated served strategies (default %(default)s)")
-    parser.add_argument("--impl", choices=("pallas", "interpret", "reference"),
-                        help="served strategies' kernels (default: compiled on a GPU, the jnp reference elsewhere)")
+    parser.add_argument("--impl", type=choice_list(("pallas", "interpret", "reference"), "impl"),
+                        help="served strategies' kernels (default: compiled on a GPU, the jnp reference elsewhere); "
+                             "several, comma-separated: each strategy once per implementation, its rows named "
+                             "STRATEGY/IMPL")
     parser.add_argument("--steps", type=positive_int, help="denoising steps of the capture (default: the folder's)")
     parser.add_argument("--guidance", type=float, help="CFG scale of the capture (default: the folder's)")
     parser.add_argument("--seed", type=int, default=0, help="noise and row-draw seed (default %(default)s)")
@@ -126,8 +130,10 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = list(range(arrays["context"].shape[0]))
     captured = capture.capture_layer_set(family, teacher, prompt_batches(arrays, prompts, len(prompts), dtype), config)
 
-    errors = {s: {} for s in strategies}
-    floors, finite, rows = {}, {s: True for s in strategies}, {}
+    impls = args.impl or (None,)
+    runs = {(f"{s}/{impl}" if len(impls) > 1 else s): (s, impl) for s in strategies for impl in impls}
+    errors = {label: {} for label in runs}
+    floors, finite, rows = {}, dict.fromkeys(runs, True), {}
     for name, layer in loaded.qlayers.items():
         x = np.asarray(captured[inputs[name]][2], np.float32)  # (n, d') the 16-bit model's input rows
         if layer.config.input_pad:
@@ -140,11 +146,11 @@ def main(argv: list[str] | None = None) -> dict:
                                               bias=reference_layer.bias)  # (n, o) float64
         floors[name] = relative_error(np.asarray(jnp.asarray(exact, jnp.float32).astype(jnp.bfloat16), np.float64),
                                       exact)
-        for strategy in strategies:
-            options = served.ServeOptions(strategy=strategy, impl=args.impl)
+        for label, (strategy, impl) in runs.items():
+            options = served.ServeOptions(strategy=strategy, impl=impl)
             y = np.asarray(served.forward(prepared[name, strategy], x2, options=options, out_dtype=jnp.float32))
-            finite[strategy] &= bool(np.isfinite(y).all())
-            errors[strategy][name] = relative_error(y, exact)
+            finite[label] &= bool(np.isfinite(y).all())
+            errors[label][name] = relative_error(y, exact)
     device = jax.devices()[0]
     payload = {
         "what": "served W4A4 layer outputs vs the exact eq. 11 product (float64) on the same packed operands, "
@@ -157,11 +163,11 @@ def main(argv: list[str] | None = None) -> dict:
         "teacher": str(args.teacher), "prompts": len(prompts),
         "capture": {"steps": config.num_steps, "guidance": config.guidance_scale, "solver": config.solver,
                     "rows_per_layer": args.rows, "seed": args.seed},
-        "impl": args.impl, "layers": len(loaded.qlayers), "rows": rows,
+        "impl": impls[0] if len(impls) == 1 else list(impls), "layers": len(loaded.qlayers), "rows": rows,
         "bf16_floor": {"per_layer": floors, "median": float(np.median(list(floors.values()))),
                        "max": float(max(floors.values()))},
-        "strategies": {s: {"finite": finite[s], **summarize(errors[s], floors), "per_layer": errors[s]}
-                       for s in strategies}}
+        "strategies": {label: {"finite": finite[label], **summarize(errors[label], floors), "per_layer": errors[label]}
+                       for label in runs}}
     atomic_write_json(out_path, payload)
     atomic_write_text(out_path.with_suffix(".md"), table(payload))
     print(table(payload), flush=True)

@@ -35,13 +35,20 @@ sys.path.insert(0, REPO)
 
 from kroquant_jax import headline  # noqa: E402
 from kroquant_jax.fileio import atomic_write_bytes, atomic_write_json  # noqa: E402
-from models.testbed.evaluation import headline_figures, join_reports, standard_error  # noqa: E402
 
 BASELINES = ("svdquant", "smoothquant+loraq")
 GPTQ_BASELINES = ("svdquant+gptq", "smoothquant+gptq+loraq")
 PREFIX = "testbed_lowrank"
 MARGIN_KEY = "best_kroquant_family_psnr_margin_db"
 MARGIN_VS_GPTQ_KEY = "best_kroquant_family_psnr_margin_vs_gptq_baselines_db"
+
+
+def _evaluation():
+    """``models.testbed.evaluation``, imported where it is used: it imports jax, which a run that stops at an error
+    in its one report need not."""
+    from models.testbed import evaluation
+
+    return evaluation
 
 
 def is_kroquant_family(method: str, branch: str) -> bool:
@@ -57,7 +64,8 @@ def paired(report: dict, group: str, method: str, baseline: str) -> dict:
     if a is None or b is None or len(a) != len(b) or len(a) < 2:
         return {}
     diff = np.asarray(a) - np.asarray(b)  # (captions,)
-    return {"paired_sem_db": standard_error(diff), "captions_ahead": int((diff > 0).sum()), "captions": len(diff)}
+    return {"paired_sem_db": _evaluation().standard_error(diff), "captions_ahead": int((diff > 0).sum()),
+            "captions": len(diff)}
 
 
 def summarize(report: dict, group: str = "heldout") -> dict:
@@ -168,7 +176,7 @@ def main(argv=None) -> dict:
         for path in args.report:
             with open(path) as f:
                 reports.append(json.load(f))
-        report = reports[0] if len(reports) == 1 else join_reports(reports, args.report, repeated=True)
+        report = reports[0] if len(reports) == 1 else _evaluation().join_reports(reports, args.report, repeated=True)
         summary = summarize(report, args.group)
     except (OSError, ValueError, KeyError) as err:
         parser.exit(2, f"testbed_eval_headline: {' '.join(args.report)}: {err}\n")
@@ -185,7 +193,8 @@ def main(argv=None) -> dict:
     if args.headline:
         device = args.device or str(report.get("device", "?"))
         try:
-            per_method = headline_figures(report, args.prefix, device=device, command=args.command, source=source)
+            per_method = _evaluation().headline_figures(report, args.prefix, device=device, command=args.command,
+                                                        source=source)
         except ValueError as err:
             parser.exit(2, f"testbed_eval_headline: {' '.join(args.report)}: {err}\n")
         margins = margin_figures(summary, report, device, args.command, source, args.prefix, args.goal_keys)

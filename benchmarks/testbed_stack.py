@@ -48,20 +48,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 
-from kroquant_jax import timing  # noqa: E402
-from kroquant_jax.fileio import StagedResults  # noqa: E402
-from kroquant_jax.qlinear import random_qlinear  # noqa: E402
-from models import convert, families  # noqa: E402
-from models.layers import linears  # noqa: E402
-from models.quantize_model import FusedLinearHooks, served_hooks  # noqa: E402
-from models.testbed import data as testbed_data  # noqa: E402
-from models.testbed import model as testbed  # noqa: E402
-from pallas_kernels import served as S  # noqa: E402
+# jax, the models and the served kernels are imported once the command line is parsed (main, and the helpers that
+# need them): a command line argparse refuses is a one-line error without importing jax
 from scripts.common_args import choice_list, positive_int  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,6 +83,12 @@ def forwards_per_image(name: str) -> int:
 def w4a4_layers(model: nnx.Module, key: jax.Array, rank: int) -> dict[str, Any]:
     """``{path: QuantizedLinear}`` of every quantizable linear of ``model`` from its own weights and bias (real layer
     math, stand-in calibration; layer ``i`` draws ``fold_in(key, i)``)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kroquant_jax.qlinear import random_qlinear
+    from models.layers import linears
+
     out = {}
     for i, (path, linear) in enumerate(linears(model, quantizable_only=True).items()):
         w = jnp.asarray(linear.kernel[...], jnp.float32).T  # (o, d)
@@ -106,6 +102,10 @@ def load_first_blocks(checkpoint: str, blocks: int | None) -> tuple[Any, nnx.Mod
     """``(cfg, model)`` of the diffusers checkpoint in bf16; with ``blocks``, only its first ``blocks`` transformer
     blocks (``cfg.num_layers = blocks``; the diffusers keys ``transformer_blocks.{i}.*`` of the others are dropped
     before the conversion)."""
+    import jax.numpy as jnp
+
+    from models import convert, families
+
     if blocks is None:
         _, cfg, model = families.load_diffusers(checkpoint, dtype=jnp.bfloat16)
         return cfg, model
@@ -127,14 +127,27 @@ def derive(payload: dict[str, Any]) -> None:
             payload["speedup_per_image"][batch] = {n: per_image[BASELINE] / ms for n, ms in per_image.items()}
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, with the registered served strategies (``pallas_kernels.served``, which imports jax)
+    filled in for ``{strategies}`` only when the help is shown."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = super()._get_help_string(action)
+        if text is not None and "{strategies}" in text:
+            from pallas_kernels import served
+
+            text = text.replace("{strategies}", ", ".join(served.strategy_names()))
+        return text
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=_HelpFormatter)
     parser.add_argument("--checkpoint", default=str(CHECKPOINT), help="the testbed's diffusers PixArt directory")
     parser.add_argument("--prompts", default=None, help="prompt embeddings .npz (default: the checkpoint's)")
     parser.add_argument("--systems", type=choice_list(tuple(SYSTEMS), "system"), default=tuple(SYSTEMS),
                         help=f"comma-separated subset of {','.join(SYSTEMS)} (run in that order; default all)")
     parser.add_argument("--strategy", default="dequant",
-                        help=f"served strategy of the W4A4 layers (one of {', '.join(S.strategy_names())})")
+                        help="served strategy of the W4A4 layers (one of {strategies})")
     parser.add_argument("--batches", type=batch_list, default=(1, 64),
                         help="comma-separated image batches (default 1,64)")
     parser.add_argument("--rank", type=positive_int, default=32, help="low-rank rank (docs/qad.md's stores: 32)")
@@ -144,12 +157,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "not the per-image figures)")
     parser.add_argument("--out", default=None, help="JSON (default $OUT/testbed_stack.json, else /tmp)")
     args = parser.parse_args(argv)
+
+    from pallas_kernels import served as S
+
     if args.strategy not in S.strategy_names():
         parser.error(f"--strategy {args.strategy!r}: one of {', '.join(S.strategy_names())}")
+    from models import families
+
     family, config = families.detect_dir(args.checkpoint)
     model_blocks = family.config_from_diffusers(config).num_layers
     if args.blocks is not None and args.blocks > model_blocks:
         parser.error(f"--blocks {args.blocks}: the checkpoint has {model_blocks} blocks")
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from kroquant_jax import timing
+    from kroquant_jax.fileio import StagedResults
+    from models.quantize_model import FusedLinearHooks, served_hooks
+    from models.testbed import data as testbed_data
+    from models.testbed import model as testbed
+
     prompts_path = Path(args.prompts) if args.prompts else Path(args.checkpoint) / "testbed_prompts.npz"
     start = time.perf_counter()
     cfg, model = load_first_blocks(args.checkpoint, args.blocks)

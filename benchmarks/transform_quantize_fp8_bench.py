@@ -70,10 +70,12 @@ REENCODE_FIELDS = ("block_rows", "block_cols", "num_warps")
 
 def parse_tiling(spec: str, known=None) -> tuple[str, dict]:
     """``"name:field=int,..."`` -> ``(name, fields)`` over ``known`` (default ``BlockSizes``' fields)."""
-    from pallas_kernels.transform_quantize import BlockSizes
+    if known is None:  # imported only here: a run stopped by an argument error need not import jax
+        from pallas_kernels.transform_quantize import BlockSizes
 
+        known = [f.name for f in dataclasses.fields(BlockSizes)]
     name, sep, body = spec.partition(":")
-    known = set(known) if known is not None else {f.name for f in dataclasses.fields(BlockSizes)}
+    known = set(known)
     if not sep or not name:
         raise ValueError(f"--tilings {spec!r}: expected NAME:FIELD=VALUE,...")
     fields = {}

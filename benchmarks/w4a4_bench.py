@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import sys
@@ -118,20 +119,31 @@ def make_layer(key, m, n, k, with_outliers=True):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)  # one jitted quantizer per format: its programs compiled once per input shape
 def _quantize_jit(fmt):
     return jax.jit(lambda x: quantize(x, fmt))
 
 
-def gemm_variants(layers, interpret, tiny):
+def _everything(name: str) -> bool:
+    return True
+
+
+# Each builder takes ``want`` (variant name -> bool, default: all): it makes the operands of the variants kept only.
+
+
+def gemm_variants(layers, interpret, tiny, want=_everything):
     """bf16 XLA vs the W4A4 GEMM (operands pre-quantized)."""
     out = {}
 
     def bf16(a, w):
         return jnp.matmul(a, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
-    out["bf16_xla"] = (bf16, [(a, w) for a, w, _, _ in layers],
-                       lambda a, w: jnp.matmul(a.astype(jnp.float32), w.astype(jnp.float32).T))
+    if want("bf16_xla"):
+        out["bf16_xla"] = (bf16, [(a, w) for a, w, _, _ in layers],
+                           lambda a, w: jnp.matmul(a.astype(jnp.float32), w.astype(jnp.float32).T))
     for fmt, compute in ((MXFP4(), "bf16"), (MXFP4(), "fp8"), (NVFP4(), "bf16")):
+        if not want(f"w4a4_gemm_{fmt.name}_{compute}"):
+            continue
         q = _quantize_jit(fmt)
         sets = [(q(a), q(w)) for a, w, _, _ in layers]
         bs = G.BlockSizes(16, 32, 64, 4, 2) if tiny else None
@@ -141,7 +153,7 @@ def gemm_variants(layers, interpret, tiny):
 
         out[f"w4a4_gemm_{fmt.name}_{compute}"] = (
             fn, sets, lambda qa, qw: jnp.matmul(dequantize(qa, jnp.float32), dequantize(qw, jnp.float32).T))
-    out.update(dequant_mgpu_variants(layers, interpret, tiny))
+    out.update(dequant_mgpu_variants(layers, interpret, tiny, want=want))
     return out
 
 
@@ -149,22 +161,30 @@ def _ref_packed(qa, qw):
     return jnp.matmul(dequantize(qa, jnp.float32), dequantize(qw, jnp.float32).T)
 
 
-def dequant_mgpu_variants(layers, interpret=False, tiny=False, mgpu_configs=None):
+def dequant_mgpu_variants(layers, interpret=False, tiny=False, mgpu_configs=None, want=_everything):
     """The "dequantize + cuBLAS" strategy (with and without the barrier) and the Mosaic GPU kernel on MXFP4 operands.
 
     ``mgpu_configs``: ``{suffix: MgpuGemmConfig}`` for extra Mosaic GPU tilings (``w4a4_mgpu_mxfp4_<suffix>``). Off the
     GPU the Mosaic variant is skipped unless ``interpret`` (then its jnp mirror runs: a CPU check of the plumbing).
     """
+    mgpu = jax.default_backend() == "gpu" or interpret
+    configs = {"": None, **(mgpu_configs or {})} if mgpu else {}
+    names = ["w4a4_dequant_mxfp4", "w4a4_dequant_mxfp4_xla_fused",
+             *("w4a4_mgpu_mxfp4" + (f"_{suffix}" if suffix else "") for suffix in configs)]
+    if not any(want(name) for name in names):
+        return {}
     q = _quantize_jit(MXFP4())
     sets = [(q(a.astype(jnp.float32)), q(w.astype(jnp.float32))) for a, w, _, _ in layers]
     out = {"w4a4_dequant_mxfp4": (lambda qa, qw: G.w4a4_matmul_dequant(qa, qw), sets, _ref_packed),
            "w4a4_dequant_mxfp4_xla_fused": (lambda qa, qw: G.w4a4_matmul_dequant(qa, qw, materialize=False), sets,
                                             _ref_packed)}
-    if jax.default_backend() != "gpu" and not interpret:
+    out = {name: v for name, v in out.items() if want(name)}
+    if not mgpu:
         return out
     impl = S.resolve_impl(None)  # the Mosaic GPU kernel, or its jnp mirror off the GPU
-    configs = {"": None, **(mgpu_configs or {})}
     for suffix, cfg in configs.items():
+        if not want("w4a4_mgpu_mxfp4" + (f"_{suffix}" if suffix else "")):
+            continue
         m, k = layers[0][0].shape
         n = layers[0][1].shape[0]
         num_sms = int(getattr(jax.devices()[0], "core_count", 0) or 132) if impl == "pallas" else 132
@@ -180,11 +200,15 @@ def dequant_mgpu_variants(layers, interpret=False, tiny=False, mgpu_configs=None
     return out
 
 
-def layer_variants(layers, interpret, tiny):
+LAYER_VARIANTS = ("w4a4_layer_lr_fused", "w4a4_layer_lr_beside", "w4a4_layer_nolr", "transform_quantize_only",
+                  "w4a4_layer_dequant", "w4a4_layer_mgpu")
+
+
+def layer_variants(layers, interpret, tiny, want=_everything):
     """The whole served W4A4 layer (``pallas_kernels.served.forward``): transform+quantize kernel + low-rank input +
     GEMM strategy (+ fused / beside low-rank), on :class:`~pallas_kernels.served.ServedLinear` layers built from the
     random factors (``T`` folded into ``R``, as ``served.serve`` does)."""
-    if TQ is None:
+    if TQ is None or not any(want(name) for name in LAYER_VARIANTS):
         return {}
     k = layers[0][0].shape[1]
     params = T.get("kron_lu").init(k)
@@ -229,16 +253,19 @@ def layer_variants(layers, interpret, tiny):
     if jax.default_backend() == "gpu" or interpret:  # the Mosaic GPU GEMM (its jnp mirror off the GPU), h L^T beside
         out["w4a4_layer_mgpu"] = (served("resident", S.ServeOptions(strategy="mgpu", impl=impl)), sets,
                                   ref("resident"))
-    return out
+    return {name: v for name, v in out.items() if want(name)}
 
 
-def epilogue_variants(layers, kind, interpret, tiny):
+def epilogue_variants(layers, kind, interpret, tiny, want=_everything):
     """Fused epilogue vs GEMM kernel + XLA op vs XLA GEMM + op (``kind`` 'rmsnorm' or 'swiglu')."""
     bs = E.EpilogueBlockSizes(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=2) if tiny else None
     nw = (1.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(5), (256,))).astype(jnp.float32)
     q = _quantize_jit(MXFP4())
     out = {}
     for operands in ("bf16", "mxfp4"):
+        names = [f"{kind}_{operands}_fused", f"{kind}_{operands}_gemm_kernel_then_op", f"{kind}_bf16_xla_then_op"]
+        if not any(want(name) for name in names[:3 if operands == "bf16" else 2]):
+            continue
         sets = []
         for a, w, _, _ in layers:
             if kind == "swiglu":
@@ -271,7 +298,7 @@ def epilogue_variants(layers, kind, interpret, tiny):
                 return op(jnp.matmul(a, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
 
             out[f"{kind}_bf16_xla_then_op"] = (xla_then_op, sets, ref)
-    return out
+    return {name: v for name, v in out.items() if want(name)}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -375,20 +402,20 @@ def main(argv=None):
             break
         layers = [make_layer(jax.random.PRNGKey(100 * i + m), m, n, k) for i in range(N_SETS)]
         flops = 2.0 * m * n * k
+        keep = args.variants.split(",") if args.variants else None
+
+        def want(key, lean=mode == "lean", keep=keep):  # the variants this case runs: the builders make only theirs
+            return (not lean or key in LEAN) and (keep is None or any(x in key for x in keep))
+
         if mode == "sweep":
-            variants = sweep_variants(layers, args.interpret, args.tiny)
+            variants = sweep_variants(layers, args.interpret, args.tiny, want=want)
         else:
-            variants = dict(gemm_variants(layers, args.interpret, args.tiny))
+            variants = dict(gemm_variants(layers, args.interpret, args.tiny, want=want))
             if not args.no_layer:
-                variants.update(layer_variants(layers, args.interpret, args.tiny))
-            if mode == "lean":
-                variants = {key: v for key, v in variants.items() if key in LEAN}
+                variants.update(layer_variants(layers, args.interpret, args.tiny, want=want))
             epi = "rmsnorm" if layer == "attn.q" else ("swiglu" if layer == "ffn.w13" else None)
             if mode == "full" and epi and not args.no_epilogues:
-                variants.update(epilogue_variants(layers, epi, args.interpret, args.tiny))
-        if args.variants:
-            keep = args.variants.split(",")
-            variants = {key: v for key, v in variants.items() if any(x in key for x in keep)}
+                variants.update(epilogue_variants(layers, epi, args.interpret, args.tiny, want=want))
         case = {"model": model, "layer": layer, "m": m, "n": n, "k": k, "flops": flops, "mode": mode, "variants": []}
         result["cases"].append(case)
         for name, (fn, sets, ref) in variants.items():
@@ -416,12 +443,17 @@ SWEEP = [(128, 128, 128, 8, 3, 1), (128, 128, 64, 4, 4, 1), (64, 128, 128, 4, 3,
          (128, 128, 64, 8, 3, 2), (64, 64, 128, 4, 4, 1)]
 
 
-def sweep_variants(layers, interpret=False, tiny=False):
+def sweep_variants(layers, interpret=False, tiny=False, want=_everything):
     """Tilings of the W4A4 GEMM (MXFP4, bf16 and fp8 modes)."""
+    tilings = [(16, 32, 64, 4, 2, 2)] if tiny else SWEEP
+    names = {(t, compute): "mxfp4_{}_bm{}_bn{}x{}_bk{}_w{}_s{}".format(compute, t[0], t[1], t[5], *t[2:5])
+             for t in tilings for compute in ("bf16", "fp8")}
+    if not any(want(name) for name in names.values()):
+        return {}
     q = _quantize_jit(MXFP4())
     sets = [(q(a.astype(jnp.float32)), q(w.astype(jnp.float32))) for a, w, _, _ in layers]
     out = {}
-    for bm, bn, bk, nw, ns, nsub in ([(16, 32, 64, 4, 2, 2)] if tiny else SWEEP):
+    for bm, bn, bk, nw, ns, nsub in tilings:
         bs = G.BlockSizes(bm, bn, bk, nw, ns, nsub)
         for compute in ("bf16", "fp8"):
             def fn(qa, qw, bs=bs, compute=compute):
@@ -429,7 +461,7 @@ def sweep_variants(layers, interpret=False, tiny=False):
 
             out[f"mxfp4_{compute}_bm{bm}_bn{bn}x{nsub}_bk{bk}_w{nw}_s{ns}"] = (
                 fn, sets, lambda qa, qw: jnp.matmul(dequantize(qa, jnp.float32), dequantize(qw, jnp.float32).T))
-    return out
+    return {name: v for name, v in out.items() if want(name)}
 
 
 def doc_tables(result) -> str:

@@ -8,8 +8,10 @@ register array (jax's mixed-type Hopper kernel and ``pallas_kernels/w4a4_gemm_mg
 transposed view (``ref.transpose((1, 0))``) fails there. Nor does it interpret a store into a ``wgmma`` accumulator
 (``acc_ref[...] = v``, which ``pallas_kernels/fp8_gemm_mgpu.py`` uses to scale its accumulator between ``wgmma`` s).
 :func:`gpu_interpret` installs, for the duration of a ``with`` block, a ``wgmma`` with the same semantics
-(``acc += a @ b`` in the accumulator's dtype) that also takes those two forms, and the accumulator store; and it
-compiles each simulated thread's program once per kernel call instead of once per thread and CTA.
+(``acc += a @ b`` in the accumulator's dtype) that also takes those two forms, and the accumulator store; it
+compiles each simulated thread's program once per kernel call instead of once per thread and CTA; and it hands the
+interpreter's host callbacks (one per memory access, barrier and allocation of every simulated thread) their arguments
+as numpy copies instead of jax Arrays (one ``device_put`` each).
 
 ``available()`` says whether this jax has the pieces (else the tests that need them skip, naming the reason).
 """
@@ -25,6 +27,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 try:  # private, version-specific: tests only
+    from jax._src import callback as _jcallback
     from jax._src import core as _jcore
     from jax._src.pallas.mosaic.interpret import thread_map as _tmap
     from jax._src.pallas.mosaic.interpret import utils as _iutils
@@ -116,6 +119,17 @@ def _run_jaxpr_compiled_once(jaxpr, consts, *args):
     compiled(consts, *args)
 
 
+def _io_callback_on_host(*args, result_avals, callback, sharding, ordered):
+    """``callback.io_callback_impl`` with the host arguments as numpy copies (jax's copies each into a jax Array
+    first); the results as there, numpy arrays."""
+    del result_avals, sharding, ordered
+    return jax.tree.map(np.asarray, callback(*(np.array(a) for a in args)))
+
+
+# the implementation this replaces, if it has the expected signature (else jax's own stays)
+_IO_CALLBACK_IMPL = ["args", "result_avals", "callback", "sharding", "ordered"]
+
+
 def _arithmetic_or_accumulator_store(orig):
     def interpret(self, eqn, get_invals):
         if eqn.primitive is not _gprim.wgmma_accumulator_store_p:
@@ -136,15 +150,19 @@ def gpu_interpret(detect_races: bool = True):
     if not ok:
         raise RuntimeError(reason)
     orig, orig_arith, orig_run = _gcb.wgmma, _jinterp.JaxprInterpreter._interpret_arithmetic_primitive, _tmap._run_jaxpr
+    orig_io = _jcallback.io_callback_impl
     _gcb.wgmma = _wgmma
     _jinterp.JaxprInterpreter._interpret_arithmetic_primitive = _arithmetic_or_accumulator_store(orig_arith)
     _tmap._run_jaxpr = _run_jaxpr_compiled_once
+    if list(inspect.signature(orig_io).parameters) == _IO_CALLBACK_IMPL:
+        _jcallback.io_callback_impl = _io_callback_on_host
     try:
         yield InterpretGPUParams(detect_races=detect_races)
     finally:
         _gcb.wgmma = orig
         _jinterp.JaxprInterpreter._interpret_arithmetic_primitive = orig_arith
         _tmap._run_jaxpr = orig_run
+        _jcallback.io_callback_impl = orig_io
         _COMPILED.clear()
         _ipc.reset_gpu_interpret_mode_state()
 
@@ -186,35 +204,63 @@ def run_in_subprocess(cases: list[dict], timeout_s: float = 600.0) -> list[dict]
     return [json.loads(ln[len("RESULT "):]) for ln in lines]
 
 
+# The cases' inputs: drawn with numpy's generator (jax.random's threefry, compiled per shape, took about a second of
+# each case) and encoded by one jitted program per operand shape, shared by the cases of that shape.
+_PROGRAMS: dict = {}
+
+
+def _program(name: str):
+    """The jitted input programs, made on first use (this module loads in the test process too)."""
+    if not _PROGRAMS:
+        import jax.numpy as jnp
+
+        from kroquant_jax import fp8_encoding as FE
+        from kroquant_jax.formats import MXFP4, dequantize, quantize
+
+        def w4a4_reference(qa, qw, bias):  # the exact product of the fake-quantized operands, and of their magnitudes
+            ah, wh = dequantize(qa, jnp.float32), dequantize(qw, jnp.float32)
+            ref = jnp.matmul(ah, wh.T, precision="highest")
+            p = jnp.matmul(jnp.abs(ah), jnp.abs(wh).T, precision="highest")
+            return (ref, p) if bias is None else (ref + bias, p + jnp.abs(bias))
+
+        _PROGRAMS.update(
+            quantize=jax.jit(lambda x: quantize(x, MXFP4())),
+            e4m3=jax.jit(lambda x, group: FE.mxfp4_to_e4m3(quantize(x, MXFP4()), order="even_odd", group=group),
+                         static_argnums=1),
+            w4a4_reference=jax.jit(w4a4_reference))
+    return _PROGRAMS[name]
+
+
+def _normal(rng, shape, scale):
+    return rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
+
+
 def _run_w4a4_case(case: dict) -> dict:
     """One ``w4a4_matmul_mgpu`` run in GPU interpret mode against the exact product of the fake-quantized operands:
     the largest difference relative to the tested bound (<= 1 passes), NaN/Inf count, race detector."""
     import jax.numpy as jnp
 
-    from kroquant_jax.formats import MXFP4, dequantize, quantize
     from pallas_kernels import w4a4_gemm_mgpu as M
 
     m, n, k = case["m"], case["n"], case["k"]
-    ka, kw, kb = jax.random.split(jax.random.key(case.get("seed", 0)), 3)
-    a = jax.random.normal(ka, (m, k)) * 2.0
-    a = a.at[:, 5].multiply(80.0).at[1, 40].set(-3.0e3).at[0, 0:32].set(0.0)  # outliers, huge value, zero block
-    a = a.at[min(2, m - 1), 32:64].multiply(1e-20)  # a tiny block
-    w = jax.random.normal(kw, (n, k)) * 0.05
-    bias = jax.random.normal(kb, (n,)) if case.get("bias") else None
-    qa, qw = quantize(a, MXFP4()), quantize(w, MXFP4())
+    rng = np.random.default_rng(case.get("seed", 0))
+    a = _normal(rng, (m, k), 2.0)
+    a[:, 5] *= 80.0  # outliers, a huge value, a zero block
+    a[1, 40] = -3.0e3
+    a[0, 0:32] = 0.0
+    a[min(2, m - 1), 32:64] *= np.float32(1e-20)  # a tiny block
+    w = _normal(rng, (n, k), 0.05)
+    bias = jnp.asarray(_normal(rng, (n,), 1.0)) if case.get("bias") else None
+    qa, qw = _program("quantize")(a), _program("quantize")(w)
     cfg = M.MgpuGemmConfig(**case["config"])
-    ah, wh = dequantize(qa, jnp.float32), dequantize(qw, jnp.float32)
-    ref = jnp.matmul(ah, wh.T, precision="highest")
-    p = jnp.matmul(jnp.abs(ah), jnp.abs(wh).T, precision="highest")
-    if bias is not None:
-        ref, p = ref + bias, p + jnp.abs(bias)
+    ref, p = _program("w4a4_reference")(qa, qw, bias)
     w_in = M.prepare_operand(qw, rows_multiple=cfg.cta_n) if case.get("prepared") else qw
     with gpu_interpret() as params:
         out = M.w4a4_matmul_mgpu(qa, w_in, bias=bias, config=cfg, impl="pallas", interpret=params,
                                  out_dtype=jnp.float32)
         out = np.asarray(jax.block_until_ready(out))
         races = races_found()
-    bound = np.asarray(2 * (k + 1) * 2.0**-24 * p + 1e-30)
+    bound = np.asarray(2 * (k + 1) * 2.0**-24 * np.asarray(p) + 1e-30)
     err = np.abs(out - np.asarray(ref))
     return {"shape": list(out.shape), "max_err_over_bound": float(np.max(err / bound)),
             "max_abs_err": float(np.max(err)), "nonfinite": int(np.sum(~np.isfinite(out))), "races": races}
@@ -227,38 +273,35 @@ def _run_fp8_case(case: dict) -> dict:
     import jax.numpy as jnp
 
     from kroquant_jax import fp8_encoding as FE
-    from kroquant_jax.formats import MXFP4, quantize
     from pallas_kernels import fp8_gemm as G
     from pallas_kernels import fp8_gemm_mgpu as F
 
     m, n, k, r = case["m"], case["n"], case["k"], case.get("rank", 0)
-
-    @jax.jit  # the operands in one program: eagerly, their dozens of ops compiled one by one took most of a case
-    def operands(key):
-        ka, kw, kb, kh, kl = jax.random.split(key, 5)
-        a = jax.random.normal(ka, (m, k)) * 2.0
-        a = a.at[:, 5].multiply(80.0).at[1, 40].set(-3.0e3).at[0, 0:32].set(0.0)  # outliers, huge value, zero block
-        a = a.at[min(2, m - 1), 32:64].multiply(1e-3)  # a small block (inside the 14-binade span)
-        w = jax.random.normal(kw, (n, k)) * 0.05
-        if case.get("zero_scale_rows"):  # all-zero rows whose factor a caller's encoder left at 0 (the kernel takes
-            # 1), and one with the smallest factor 2**-126 beside a non-zero h (h / sa would overflow; the kernel never
-            # forms it)
-            a, w = a.at[m - 2:].set(0.0), w.at[n - 1].set(0.0)
-        if case.get("row_group"):  # scales per group of K values: blocks far apart in one row, a group of zeros
-            a = a.at[min(3, m - 1), : k // 4].multiply(2.0**-30).at[min(4, m - 1), k // 2:].set(0.0)
-        a8 = FE.mxfp4_to_e4m3(quantize(a, MXFP4()), order="even_odd", group=case.get("row_group"))
-        w8 = FE.mxfp4_to_e4m3(quantize(w, MXFP4()), order="even_odd")
-        if case.get("zero_scale_rows"):
-            a8 = FE.Fp8Rows(a8.values, a8.scale.at[m - 1].set(0.0), a8.inexact, a8.order)
-            w8 = FE.Fp8Rows(w8.values, w8.scale.at[n - 1].set(0.0), w8.inexact, w8.order)
-        bias = jax.random.normal(kb, (n,)) if case.get("bias") else None
-        lowrank = None
-        if r:
-            lowrank = ((jax.random.normal(kh, (m, r)) * 0.5).astype(jnp.bfloat16),
-                       (jax.random.normal(kl, (n, r)) * 0.1).astype(jnp.bfloat16))
-        return a8, w8, bias, lowrank
-
-    a8, w8, bias, lowrank = operands(jax.random.key(case.get("seed", 0)))
+    rng = np.random.default_rng(case.get("seed", 0))
+    a = _normal(rng, (m, k), 2.0)
+    a[:, 5] *= 80.0  # outliers, a huge value, a zero block
+    a[1, 40] = -3.0e3
+    a[0, 0:32] = 0.0
+    a[min(2, m - 1), 32:64] *= np.float32(1e-3)  # a small block (inside the 14-binade span)
+    w = _normal(rng, (n, k), 0.05)
+    if case.get("zero_scale_rows"):  # all-zero rows whose factor a caller's encoder left at 0 (the kernel takes 1),
+        # and one with the smallest factor 2**-126 beside a non-zero h (h / sa would overflow; the kernel never forms
+        # it)
+        a[m - 2:] = 0.0
+        w[n - 1] = 0.0
+    if case.get("row_group"):  # scales per group of K values: blocks far apart in one row, a group of zeros
+        a[min(3, m - 1), : k // 4] *= np.float32(2.0**-30)
+        a[min(4, m - 1), k // 2:] = 0.0
+    a8 = _program("e4m3")(a, case.get("row_group"))
+    w8 = _program("e4m3")(w, None)
+    if case.get("zero_scale_rows"):  # the last row's factor 0
+        a8, w8 = (FE.Fp8Rows(x8.values, jnp.asarray(np.concatenate([np.asarray(x8.scale)[:-1], [0.0]]), jnp.float32),
+                             x8.inexact, x8.order) for x8 in (a8, w8))
+    bias = jnp.asarray(_normal(rng, (n,), 1.0)) if case.get("bias") else None
+    lowrank = None
+    if r:
+        lowrank = (jnp.asarray(_normal(rng, (m, r), 0.5).astype(jnp.bfloat16)),
+                   jnp.asarray(_normal(rng, (n, r), 0.1).astype(jnp.bfloat16)))
     cfg = F.Fp8MgpuConfig(**case["config"])
     group = case.get("swiglu_group")
     with gpu_interpret() as params:
@@ -267,11 +310,12 @@ def _run_fp8_case(case: dict) -> dict:
         out = np.asarray(jax.block_until_ready(out))
         races = races_found()
     ref = G.fp8_matmul_reference(a8, w8, lowrank=lowrank, bias=bias)  # float64
-    absolute = lambda x: None if x is None else jnp.abs(jnp.asarray(x, jnp.float32))  # noqa: E731
-    p = G.fp8_matmul_reference(
-        FE.Fp8Rows(jnp.abs(a8.values.astype(jnp.float32)).astype(a8.values.dtype), a8.scale, a8.inexact, a8.order),
-        FE.Fp8Rows(jnp.abs(w8.values.astype(jnp.float32)).astype(w8.values.dtype), w8.scale, w8.inexact, w8.order),
-        lowrank=None if lowrank is None else (absolute(lowrank[0]), absolute(lowrank[1])), bias=absolute(bias))
+    # the same product of the magnitudes (the bound's scale); |E4M3| and |bf16| values are exact in their types
+    absolute = lambda x: None if x is None else np.abs(np.asarray(x, np.float32))  # noqa: E731
+    magnitudes = lambda x8: FE.Fp8Rows(np.abs(np.asarray(x8.values)), x8.scale, x8.inexact, x8.order)  # noqa: E731
+    p = G.fp8_matmul_reference(magnitudes(a8), magnitudes(w8),
+                               lowrank=None if lowrank is None else (absolute(lowrank[0]), absolute(lowrank[1])),
+                               bias=absolute(bias))
     bound = 2 * (k + r + 2) * 2.0**-24 * p + 1e-30
     if group is not None:  # SiLU(g) u in float64 on the halves; the GEMM's bound carried through it, plus its rounding
         split = lambda x: np.asarray(x, np.float64).reshape(m, n // group, 2, group // 2)  # noqa: E731

@@ -1,23 +1,110 @@
-"""Smoke runs of the benchmark mains on their tiny presets, as subprocesses (tests never import a benchmark module):
-each must finish, write its JSON, and record what it claims to (methods, finite outputs, flop counts). The forward
-benchmark of the quantized DiT has its own run in tests/test_fused_hooks.py."""
+"""Smoke runs of the benchmark mains on their tiny presets, as subprocesses (tests never import a benchmark module;
+the runs are forked from one process that has imported jax, see `_main`): each must finish, write its JSON, and
+record what it claims to (methods, finite outputs, flop counts). The forward benchmark of the quantized DiT has its
+own run in tests/test_fused_hooks.py."""
 
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The mains run as subprocesses. A fresh interpreter spends a second or two importing jax, flax and this repository's
+# packages before a main begins; so one server process (started with the runs' environment) imports them once,
+# starting no JAX backend, and forks a child per run: the child runs the script as __main__ with its own argument
+# list and output files, in the repository's root, and exits with the script's status (after `timeout` seconds it is
+# killed). XLA reads XLA_FLAGS when a child starts its backend. KROQUANT_TESTS_NO_FORK_SERVER=1: a fresh interpreter
+# per run instead.
+# ---------------------------------------------------------------------------------------------------------------------
+
+PRELOAD = ("jax", "jax.numpy", "numpy", "flax.nnx", "kroquant_jax.timing", "kroquant_jax.fp8_encoding",
+           "kroquant_jax.transforms", "kroquant_jax.headline", "pallas_kernels.served", "pallas_kernels.fp8_gemm_mgpu",
+           "pallas_kernels.w4a4_gemm_mgpu", "pallas_kernels.epilogues", "models.layer_shapes",
+           "models.ideogram4_serving", "models.testbed.evaluation",
+           "jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")  # what Pallas imports on a first call
+_SERVER = r"""
+import importlib, json, os, runpy, sys, time
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+from jax._src import xla_bridge
+assert not xla_bridge.backends_are_initialized(), "the server must fork before any JAX backend starts"
+sys.argv = sys.argv[:1]
+print("ready", flush=True)
+for line in sys.stdin:
+    run = json.loads(line)
+    pid = os.fork()
+    if pid == 0:  # the run: the script as __main__, then the interpreter's own exit with the script's status
+        new = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, run["stdout"], new), (2, run["stderr"], new)):
+            os.dup2(os.open(path, flags, 0o644), fd)
+        sys.argv, sys.path[0] = [run["script"], *run["argv"]], os.path.dirname(run["script"])
+        runpy.run_path(run["script"], run_name="__main__")  # an exception: its traceback, status 1
+        sys.exit(0)
+    deadline = time.monotonic() + run["timeout"]
+    while not (status := os.waitpid(pid, os.WNOHANG))[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            status = os.waitpid(pid, 0)
+            print("timeout", flush=True)
+            break
+        time.sleep(0.02)
+    else:
+        print(os.waitstatus_to_exitcode(status[1]), flush=True)
+"""
+_server: list = []  # the server's Popen, once started
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_fork_server():
+    yield
+    while _server:
+        proc = _server.pop()
+        proc.stdin.close()
+        proc.wait(timeout=60)
+        proc.log.close()
+
+
+def _main(script: str, *argv: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``python benchmarks/<script> argv...`` in the repository's root, with :data:`ENV`: its status and output."""
+    path = str(REPO / "benchmarks" / script)
+    if not hasattr(os, "fork") or os.environ.get("KROQUANT_TESTS_NO_FORK_SERVER"):
+        return subprocess.run([sys.executable, path, *argv], cwd=REPO, env=ENV, capture_output=True, text=True,
+                              timeout=timeout)
+    if not _server:
+        log = tempfile.TemporaryFile("w+")  # the server's own stderr
+        _server.append(subprocess.Popen([sys.executable, "-c", _SERVER, *PRELOAD], cwd=REPO, env=ENV, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log))
+        _server[0].log = log
+        _reply(_server[0], "ready")
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        _server[0].stdin.write(json.dumps({"script": path, "argv": list(argv), "stdout": str(out), "stderr": str(err),
+                                           "timeout": timeout}) + "\n")
+        _server[0].stdin.flush()
+        status = _reply(_server[0])
+        if status == "timeout":
+            raise subprocess.TimeoutExpired([path, *argv], timeout)
+        return subprocess.CompletedProcess([path, *argv], int(status), out.read_text(), err.read_text())
+
+
+def _reply(server: subprocess.Popen, expected: str | None = None) -> str:
+    line = server.stdout.readline().strip()
+    if not line or (expected and line != expected):
+        server.log.seek(0)
+        raise RuntimeError(f"the fork server stopped (status {server.poll()}):\n{server.log.read()[-3000:]}")
+    return line
 
 
 def _run(script: str, *argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *argv], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=900)
+    run = _main(script, *argv)
     assert run.returncode == 0, run.stderr[-3000:]
     return run
 
@@ -76,10 +163,8 @@ def test_gpu_benchmarks_time_the_real_layer_shapes_of_models_layer_shapes(script
 
 
 def test_fp8_mgpu_bench_keeps_the_short_ideogram4_names_and_rejects_unknown_layers(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fp8_mgpu_bench.py"), "--layers", "q", "w13",
-                          "w2", "flux1.attn.q", "sd3.attn.q", "--out", str(tmp_path / "x.json")], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300)
+    run = _main("fp8_mgpu_bench.py", "--layers", "q", "w13", "w2", "flux1.attn.q", "sd3.attn.q", "--out",
+                str(tmp_path / "x.json"), timeout=300)
     assert run.returncode == 2 and "--layers: unknown ['sd3.attn.q'] (known: q, w13, w2, ideogram4.attn.q" in run.stderr
     assert not (tmp_path / "x.json").exists()
 
@@ -92,17 +177,14 @@ def test_lowrank_input_bench_compares_both_roundings(tmp_path):
     # on the CPU the two programs may sum in different orders: at most one bf16 ulp apart, and the flag says so
     assert case["max_ulp_difference"] <= 1 and case["bit_equal"] == (case["differing_elements"] == 0)
     assert case["f32"]["us"] > 0 and case["bf16"]["us"] > 0 and case["f32"]["method"] == "wallclock"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "lowrank_input_bench.py"), "--shapes", "64x16",
-                          "--out", str(tmp_path / "x.json")], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=300)
+    run = _main("lowrank_input_bench.py", "--shapes", "64x16", "--out", str(tmp_path / "x.json"), timeout=300)
     assert run.returncode == 2 and "'64x16' is not D:R" in run.stderr and not (tmp_path / "x.json").exists()
 
 
 def test_ideogram4_serving_tiny_run(tmp_path):
     out = tmp_path / "bench.json"
     _run("ideogram4_serving.py", "--preset", "tiny", "--layouts", "packed", "--steps", "2", "--repeats", "1",
-         "--inner", "1", "--out", str(out))
+         "--inner", "1", "--matmul-size", "128", "--out", str(out))
     saved = json.loads(out.read_text())
     packed = saved["layouts"]["packed"]
     assert packed["errors"] == {} and packed["tokens"] == 6 + 16
@@ -218,16 +300,12 @@ def test_calibration_goals_reads_the_subset_choice_from_the_candidates(tmp_path)
     assert "| **all** | 2 |" in (tmp_path / "goals.md").read_text()
     assert summary["fractions"]["kroquant_beats_hadamard"] == 0.5
     assert summary["fractions"]["smoothed_beats_both"] == 1.0
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "calibration_goals.py"), str(path), "--starts",
-                          "hadamard", "smoothquant_hadamard", "--subset", "smoothquant"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300)
+    bad = _main("calibration_goals.py", str(path), "--starts", "hadamard", "smoothquant_hadamard", "--subset",
+                "smoothquant", timeout=300)
     assert bad.returncode == 2 and "not among the run's starts" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
-    outside = subprocess.run([sys.executable, str(REPO / "benchmarks" / "calibration_goals.py"), str(path),
-                              "--starts", *starts, "--subset", "hadamard", "--out", str(out), "--headline",
-                              str(tmp_path / "headline.json")], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=300)
+    outside = _main("calibration_goals.py", str(path), "--starts", *starts, "--subset", "hadamard", "--out",
+                    str(out), "--headline", str(tmp_path / "headline.json"), timeout=300)
     assert outside.returncode == 2 and "--headline needs --out under benchmarks/results/" in outside.stderr
     assert not (tmp_path / "headline.json").exists()
 
@@ -277,9 +355,7 @@ def test_testbed_eval_headline_margin_over_the_baselines(tmp_path):
     assert "+1.50 dB" in table and "kroquant in each part: 30.00 / 30.20 dB" in table
     second["settings"] = "other"
     paths[1].write_text(json.dumps(second))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "testbed_eval_headline.py"), *map(str, paths)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    bad = _main("testbed_eval_headline.py", *map(str, paths), timeout=300)
     assert bad.returncode == 2 and "another 'settings'" in bad.stderr
     # --headline: the per-method keys are the evaluation's own (as the demo's), the margins beside them; the summary
     # must lie under benchmarks/results/ (the figures' source), so this one is removed afterwards
@@ -306,7 +382,6 @@ def test_testbed_eval_headline_margin_over_the_baselines(tmp_path):
     assert {f["source"] for f in figures.values()} == {f"benchmarks/results/{inside.name}"}
     del report["results"]["svdquant"]
     path.write_text(json.dumps(report))
-    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "testbed_eval_headline.py"), str(path)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    bad = _main("testbed_eval_headline.py", str(path), timeout=300)
     assert bad.returncode == 2 and "no baseline ['svdquant']" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1

@@ -110,8 +110,10 @@ def test_fake_score_update_reduces_its_flow_matching_loss():
     opt = optimizer.init(fake)
     keys = jax.random.split(jax.random.key(4), 8)
 
+    @jax.jit  # one program (eager, every primitive of the eight losses compiles on its own)
     def mean_loss(p):
-        return jnp.mean(jnp.stack([dmd2.fake_score_loss(GAUSSIAN, p, samples, gcond(b), k) for k in keys]))
+        return jnp.mean(jnp.stack([dmd2.fake_score_loss(GAUSSIAN, p, samples, gcond(b), keys[i])
+                                   for i in range(len(keys))]))
 
     before = float(mean_loss(fake))
     step = jax.jit(lambda p, o, k: _adam_step(optimizer, p, o, lambda q: dmd2.fake_score_loss(
@@ -195,8 +197,10 @@ def test_student_sampler_and_backward_simulation():
     np.testing.assert_allclose(dmd2.generate(GAUSSIAN, p, jax.random.key(5), gcond(b), (b, 1, 1, D), 2), expected,
                                rtol=1e-5, atol=1e-6)
     seen = set()
+    # jitted: one program for the 40 draws (eager, each call's loop compiles again)
+    simulate = jax.jit(lambda key: dmd2.backward_simulate(GAUSSIAN, p, key, gcond(b), (b, 1, 1, D), 4))
     for k in range(40):
-        x, sigma = dmd2.backward_simulate(GAUSSIAN, p, jax.random.key(k), gcond(b), (b, 1, 1, D), 4)
+        x, sigma = simulate(jax.random.key(k))
         assert x.shape == (b, 1, 1, D) and sigma.shape == (b,) and bool(jnp.all(sigma == sigma[0]))
         seen.add(round(float(sigma[0]), 4))
     assert seen == {1.0, 0.75, 0.5, 0.25}
@@ -238,6 +242,9 @@ def test_a_generator_of_its_own_network_is_used_wherever_the_generator_runs():
     boxed = dmd2.init_state(teacher, {}, config, seed=0, generator={"inner": gparams(0.5)})
     results = []
     for model, state in ((None, plain), (wrapped, boxed)):
+        # committed to its device as train commits it: the plain cycle below is then the program that the resume and
+        # NaN tests call (one compilation for the three)
+        state = jax.device_put(state, jax.tree.map(lambda leaf: leaf.sharding, state))
         warm, _ = dmd2.make_fake_warmup(GAUSSIAN, config, None, sample_batch, (b, 1, 1, D), generator_model=model)(
             state)
         new, metrics = _plain_cycle(model)[0](warm, teacher)
@@ -332,8 +339,9 @@ def test_pixart_cycle_with_gan_and_guidance_interval():
     changed = [not np.array_equal(np.asarray(a), np.asarray(c)) for a, c in
                zip(jax.tree_util.tree_leaves(state["generator"]), jax.tree_util.tree_leaves(new["generator"]))]
     assert any(changed)
-    x = dmd2.generate(flow, new["generator"], jax.random.key(1), {"context": context, "mask": jnp.ones((b, t))},
-                      (b, 3, 8, 8), 2)
+    # jitted: one program (eager, every primitive of the two forwards compiles on its own)
+    x = jax.jit(lambda generator, key, cond: dmd2.generate(flow, generator, key, cond, (b, 3, 8, 8), 2))(
+        new["generator"], jax.random.key(1), {"context": context, "mask": jnp.ones((b, t))})
     assert x.shape == (b, 3, 8, 8)
 
 
@@ -429,24 +437,30 @@ def test_w4a4_generator_is_the_qad_student_and_its_gradient_reaches_every_quanti
     x = jax.random.normal(jax.random.key(1), (2, 3, 8, 8))
     sigma = jnp.array([0.9, 0.3])
 
+    sixteen_flow = dmd2.pixart_flow_model(graphdef, null_context, null_mask)
+    # the QAD student on the same store, through models.qad alone
+    layers, blocks, packed = qad.student_from_qlinears(model, QLinearStore(str(folder)).load_all())
+
     def loss(generator):
         velocity = flow.apply(generator, x, sigma, cond)
         return jnp.sum(jnp.square(velocity)), velocity
 
-    (_, ours), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(store.generator)
-    # the QAD student on the same store, through models.qad alone
-    layers, blocks, packed = qad.student_from_qlinears(model, QLinearStore(str(folder)).load_all())
-    theirs = jax.jit(lambda trainable: qad.student_velocity(
-        graphdef, trainable, blocks, qad.QADConfig(fmt="mxfp4", ste="identity"), packed, x,
-        sigma * testbed.TIMESTEP_SCALE, cond["context"], cond["mask"]))({"model": teacher, "layers": layers})
+    @jax.jit  # the generator's gradient, the QAD student's and the 16-bit velocity in one program
+    def generator_student_and_teacher(generator, trainable, teacher):
+        (_, ours), grads = jax.value_and_grad(loss, has_aux=True)(generator)
+        theirs = qad.student_velocity(graphdef, trainable, blocks, qad.QADConfig(fmt="mxfp4", ste="identity"), packed,
+                                      x, sigma * testbed.TIMESTEP_SCALE, cond["context"], cond["mask"])
+        return ours, grads, theirs, sixteen_flow.apply(teacher, x, sigma, cond)
+
+    ours, grads, theirs, sixteen = generator_student_and_teacher(store.generator, {"model": teacher, "layers": layers},
+                                                                 teacher)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-6, atol=1e-6)
-    sixteen = jax.jit(dmd2.pixart_flow_model(graphdef, null_context, null_mask).apply)(teacher, x, sigma, cond)
     assert float(jnp.abs(ours - sixteen).max()) > 1e-3  # the quantizers are on
     # the STE: every quantized weight and both packed branch factors get a non-zero gradient
     for name, layer in grads["layers"].items():
         for key in ("weight", "left", "right", "bias"):
-            assert float(jnp.abs(layer[key]).max()) > 0.0, (name, key)
-    assert all(float(jnp.abs(g).max()) == 0.0 for g in  # the stored kernels of quantized linears are unused
+            assert float(np.abs(np.asarray(layer[key])).max()) > 0.0, (name, key)
+    assert all(float(np.abs(np.asarray(g)).max()) == 0.0 for g in  # the stored kernels of quantized linears are unused
                jax.tree_util.tree_leaves(grads["model"]["transformer_blocks"][0]["attn1"]["to_q"]))
     assert float(jnp.abs(grads["model"]["proj_out"]["kernel"][...]).max()) > 0.0  # the 16-bit rest trains
 
@@ -528,7 +542,10 @@ def test_script_trains_resumes_and_evaluates_a_tiny_teacher(tmp_path):
     store = write_ptq_store(model, tmp_path / "smoothquant_loraq-0123")
     common = ["--data", str(prompts), "--teacher", str(tmp_path / "teacher"), "--num-steps", "1",
               "--gan-feature-layer", "transformer_blocks.0.ff.net.0.proj"]
-    train = ["train", *common, "--batch-size", "2", "--ratio", "2", "--cycles-per-call", "1", "--no-progress",
+    # one fake-score update per cycle (on the generator update's own samples): the cycle program then has no second,
+    # gradient-free W4A4 generator forward (fresh samples) to compile; later updates' fresh samples through the
+    # generator's own network are checked by test_a_generator_of_its_own_network_is_used_wherever_the_generator_runs
+    train = ["train", *common, "--batch-size", "2", "--ratio", "1", "--cycles-per-call", "1", "--no-progress",
              "--gan-generator-weight", "0.01", "--gan-discriminator-weight", "0.1", "--compute-dtype", "float32"]
     w4a4 = ["--run", str(tmp_path / "w4a4"), "--ptq-store", str(store)]
     assert script.main([*train, *w4a4, "--cycles", "1"]) == 0
@@ -680,13 +697,15 @@ def test_toy_teacher_is_the_exact_flow_matching_velocity():
     cls = jnp.zeros((n,), jnp.int32)
     x0 = jnp.asarray(TOY_MU[0]) + 0.3 * jax.random.normal(jax.random.key(0), (n, 1, 1, TOY_D))
     key = jax.random.key(1)
-    loss = dmd2.fake_score_loss(TOY, toy_teacher(), x0, toy_cond(cls), key, "uniform", (0.5, 0.5 + 1e-7))
+    # jitted: one program for both parameter sets (eager, every primitive compiles on its own)
+    loss_of = jax.jit(lambda params: dmd2.fake_score_loss(TOY, params, x0, toy_cond(cls), key, "uniform",
+                                                          (0.5, 0.5 + 1e-7)))
+    loss = loss_of(toy_teacher())
     # E|v - v*|^2 = Var(x0 | x_sigma) / sigma^2 per element; Var = s^2 sigma^2 / ((1-sigma)^2 s^2 + sigma^2)
     irreducible = 0.09 / (0.25 * 0.09 + 0.25)
     np.testing.assert_allclose(float(loss), irreducible, rtol=0.03)
     wrong = {**toy_teacher(), "m": toy_teacher()["m"] + 0.5}
-    assert float(dmd2.fake_score_loss(TOY, wrong, x0, toy_cond(cls), key, "uniform", (0.5, 0.5 + 1e-7))) > \
-        1.1 * irreducible
+    assert float(loss_of(wrong)) > 1.1 * irreducible
 
 
 def test_dmd2_without_guidance_converges_to_the_data_distribution_and_the_fake_score_tracks():
@@ -805,9 +824,11 @@ def test_fake_sigma_sampling_uniform_stays_in_the_dm_range():
     n = 512
     x0, cond, key = jnp.zeros((n, 1, 1, TOY_D)), toy_cond(jnp.zeros((n,), jnp.int32)), jax.random.key(0)
     params = {"b": jnp.asarray(10.0)}
-    uniform = dmd2.fake_score_loss(model, params, x0, cond, key, "uniform", (0.4, 0.6))
+    uniform, logit_normal = jax.jit(lambda params: (  # one program (eager, every primitive compiles on its own)
+        dmd2.fake_score_loss(model, params, x0, cond, key, "uniform", (0.4, 0.6)),
+        dmd2.fake_score_loss(model, params, x0, cond, key, "logit_normal")))(params)
     assert float(uniform) < 1e-8
-    assert float(dmd2.fake_score_loss(model, params, x0, cond, key, "logit_normal")) > 10.0
+    assert float(logit_normal) > 10.0
     with pytest.raises(ValueError, match="sigma_sampling"):
         dmd2.fake_score_loss(model, params, x0, cond, key, "beta")
 

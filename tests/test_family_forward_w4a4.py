@@ -30,9 +30,12 @@ def _run(args, xla_flags=None):
     ("flux", ["--single-blocks", 1, "--kernels"], 17, 0, "dequant", {})])
 def test_one_step_bf16_against_served_w4a4(family, args, layers, groups, strategy, xla_options, tmp_path):
     out = tmp_path / "f.json"
-    # recorded: XLA flags change what a GPU run measures; -O0 (as conftest gives the suite) because these flags
-    # replace the suite's XLA_FLAGS, and LLVM's optimiser is most of the tiny samplers' compile time
-    flags = "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"
+    # recorded: XLA flags change what a GPU run measures. These replace the suite's XLA_FLAGS, so they start from them
+    # (conftest's CPU compile settings reach this run too), plus one host device and -O0 where the suite left XLA's
+    # optimisation level alone (LLVM's optimiser is most of the tiny samplers' compile time)
+    suite = os.environ.get("XLA_FLAGS", "")
+    flags = " ".join([suite, "--xla_force_host_platform_device_count=1"] + (
+        [] if "--xla_backend_optimization_level" in suite else ["--xla_backend_optimization_level=0"])).strip()
     run = _run(["--family", family, "--preset", "tiny", *args, "--strategies", f"simulate,{strategy}", "--repeats", 2,
                 "--inner", 1, "--out", out], xla_flags=flags)
     assert run.returncode == 0, run.stderr[-3000:]

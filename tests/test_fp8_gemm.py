@@ -18,6 +18,8 @@ from pallas_kernels import served
 # the re-encode and row spans the GEMM's operands are checked with, each one jitted program (the same jnp ops)
 _mxfp4_to_e4m3 = jax.jit(FE.mxfp4_to_e4m3, static_argnames=("order", "count_inexact", "arithmetic", "group"))
 _row_spans = jax.jit(FE.row_spans)
+_prepare_weight = jax.jit(G8.prepare_weight, static_argnames=("storage", "order"))
+_per_token_e4m3 = jax.jit(FE.per_token_e4m3, static_argnames=("order",))
 
 
 def _acc_bound(a_abs: np.ndarray, w_abs: np.ndarray, k: int) -> np.ndarray:
@@ -29,18 +31,21 @@ def _dense(q) -> np.ndarray:
     return np.asarray(F.dequantize(q, jnp.float32), np.float64)
 
 
+# Random test inputs come from numpy's generator: jax.random's threefry is compiled for every shape it draws (about a
+# second a program at the suite's -O0); the jnp work on them runs as one jitted program each.
+def _normal(rng, shape, scale=1.0):
+    return rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
+
+
+_quantize_pair = jax.jit(lambda a, w: (F.quantize(a, MXFP4()), F.quantize(w, MXFP4())))
+
+
 def _operands(seed, m, n, k, spread=3.0):
-    return _quantized_operands(jax.random.PRNGKey(seed), m, n, k, spread)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))  # one program: its eager ops compiled one by one cost more
-def _quantized_operands(key, m, n, k, spread):
-    ka, kw, ks = jax.random.split(key, 3)
-    a = jax.random.normal(ka, (m, k)) * jnp.exp(jax.random.uniform(ks, (m, k // 32), minval=-spread,
-                                                                    maxval=spread)).repeat(32, axis=1)
-    a = a.at[:, 7].multiply(30.0)  # an outlier channel
-    w = jax.random.normal(kw, (n, k)) / np.sqrt(k)
-    return F.quantize(a, MXFP4()), F.quantize(w, MXFP4())
+    """MXFP4 ``A (m, k)`` (block magnitudes spread over ``e**+-spread``, an outlier channel) and ``W (n, k)``."""
+    rng = np.random.default_rng(seed)
+    a = _normal(rng, (m, k)) * np.exp(rng.uniform(-spread, spread, (m, k // 32))).astype(np.float32).repeat(32, 1)
+    a[:, 7] *= 30.0  # an outlier channel
+    return _quantize_pair(a, _normal(rng, (n, k), 1 / np.sqrt(k)))
 
 
 def test_bit_exact_where_every_partial_sum_is_exact():
@@ -59,7 +64,7 @@ def test_bit_exact_where_every_partial_sum_is_exact():
 
     a, w = qa(codes_a, bytes_a), qa(codes_w, bytes_w)
     for order in ("even_odd", "natural"):
-        y = G8.fp8_matmul(a, G8.prepare_weight(w, order=order), out_dtype=jnp.float32)
+        y = G8.fp8_matmul(a, _prepare_weight(w, order=order), out_dtype=jnp.float32)
         np.testing.assert_array_equal(np.asarray(y, np.float64), G8.fp8_matmul_reference(a, w))
     assert float(jnp.max(jnp.abs(y))) > 0
 
@@ -69,11 +74,10 @@ def test_random_within_accumulation_bound(storage):
     m, n, k = 40, 48, 512
     a, w = _operands(1, m, n, k)
     assert int(jnp.max(_row_spans(a))) <= FE.E4M3_SPAN  # in range: only the summation order differs
-    kl, kh, kb = jax.random.split(jax.random.PRNGKey(2), 3)
-    h = (jax.random.normal(kh, (m, 32)) * 0.1).astype(jnp.bfloat16)
-    left = (jax.random.normal(kl, (n, 32)) * 0.1).astype(jnp.bfloat16)
-    bias = jax.random.normal(kb, (n,))
-    wp = G8.prepare_weight(w, storage=storage)
+    rng = np.random.default_rng(2)
+    h, left = (jnp.asarray(_normal(rng, (rows, 32), 0.1).astype(jnp.bfloat16)) for rows in (m, n))
+    bias = jnp.asarray(_normal(rng, (n,)))
+    wp = _prepare_weight(w, storage=storage)
     y, inexact = G8.fp8_matmul(a, wp, lowrank=(h, left), bias=bias, out_dtype=jnp.float32, return_inexact=True)
     assert int(inexact) == 0
     ref = G8.fp8_matmul_reference(a, w, lowrank=(h, left), bias=bias)
@@ -95,12 +99,12 @@ def test_split_k_and_bf16_gemm_output():
     a, w = _operands(3, m, n, k)
     ref = G8.fp8_matmul_reference(a, w)
     bound = _acc_bound(np.abs(_dense(a)), np.abs(_dense(w)), k) + 2.0 ** -24 * np.abs(ref)
-    y = G8.fp8_matmul(a, G8.prepare_weight(w), k_split=256, out_dtype=jnp.float32)
+    y = G8.fp8_matmul(a, _prepare_weight(w), k_split=256, out_dtype=jnp.float32)
     assert np.all(np.abs(np.asarray(y, np.float64) - ref) <= bound)
-    yb = G8.fp8_matmul(a, G8.prepare_weight(w), gemm_dtype=jnp.bfloat16, out_dtype=jnp.float32)
+    yb = G8.fp8_matmul(a, _prepare_weight(w), gemm_dtype=jnp.bfloat16, out_dtype=jnp.float32)
     assert np.all(np.abs(np.asarray(yb, np.float64) - ref) <= bound + 2.0 ** -8 * np.abs(ref))
     with pytest.raises(ValueError, match="k_split"):
-        G8.fp8_matmul(a, G8.prepare_weight(w), k_split=100)
+        G8.fp8_matmul(a, _prepare_weight(w), k_split=100)
 
 
 def test_out_of_range_rows_are_counted_and_bounded():
@@ -111,7 +115,7 @@ def test_out_of_range_rows_are_counted_and_bounded():
     a = QuantizedArray(codes=a.codes, scales=jnp.asarray(scales), tensor_scale=a.tensor_scale, fmt=a.fmt,
                        dtype=a.dtype)
     assert int(_row_spans(a)[2]) > FE.E4M3_SPAN
-    y, inexact = G8.fp8_matmul(a, G8.prepare_weight(w), out_dtype=jnp.float32, return_inexact=True)
+    y, inexact = G8.fp8_matmul(a, _prepare_weight(w), out_dtype=jnp.float32, return_inexact=True)
     rows = _mxfp4_to_e4m3(a)
     assert int(inexact) == int(rows.inexact) > 0
     ref = G8.fp8_matmul_reference(a, w)
@@ -132,7 +136,7 @@ def test_nan_blocks_propagate_like_the_dequantized_product():
                               dtype=q.dtype)
 
     a, w = rep(a, sa), rep(w, sw)
-    y = np.asarray(G8.fp8_matmul(a, G8.prepare_weight(w), out_dtype=jnp.float32))
+    y = np.asarray(G8.fp8_matmul(a, _prepare_weight(w), out_dtype=jnp.float32))
     ref = G8.fp8_matmul_reference(a, w)
     np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
     assert np.isnan(y[1]).all() and np.isnan(y[:, 3]).all() and np.isfinite(np.delete(np.delete(y, 1, 0), 3, 1)).all()
@@ -140,12 +144,12 @@ def test_nan_blocks_propagate_like_the_dequantized_product():
 
 def test_w4a8_per_token_activations():
     m, n, k = 16, 32, 256
-    x = jax.random.normal(jax.random.PRNGKey(6), (m, k)) * 3.0
+    x = jnp.asarray(_normal(np.random.default_rng(6), (m, k), 3.0))
     _, w = _operands(7, m, n, k)
-    a8 = FE.per_token_e4m3(x, order="even_odd")  # the weight's K order (prepare_weight's default)
+    a8 = _per_token_e4m3(x, order="even_odd")  # the weight's K order (prepare_weight's default)
     with pytest.raises(ValueError, match="order"):
-        G8.fp8_matmul(FE.per_token_e4m3(x), G8.prepare_weight(w))
-    y = G8.fp8_matmul(a8, G8.prepare_weight(w), out_dtype=jnp.float32)
+        G8.fp8_matmul(_per_token_e4m3(x), _prepare_weight(w))
+    y = G8.fp8_matmul(a8, _prepare_weight(w), out_dtype=jnp.float32)
     ref = G8.fp8_matmul_reference(a8, w)
     a_abs = np.abs(np.asarray(FE.dequantize_rows(a8), np.float64))
     # products of a per-token E4M3 value (4 bits) and an E4M3 weight (<= 3 bits) times the f32 scale: 2 roundings
@@ -153,13 +157,13 @@ def test_w4a8_per_token_activations():
     assert np.all(np.abs(np.asarray(y, np.float64) - ref) <= bound)
     # W4A8 is closer to the unquantized activations' product than W4A4
     exact = np.asarray(x, np.float64) @ _dense(w).T
-    y4 = np.asarray(G8.fp8_matmul(F.quantize(x), G8.prepare_weight(w), out_dtype=jnp.float32), np.float64)
+    y4 = np.asarray(G8.fp8_matmul(F.quantize(x), _prepare_weight(w), out_dtype=jnp.float32), np.float64)
     assert np.linalg.norm(np.asarray(y, np.float64) - exact) < 0.5 * np.linalg.norm(y4 - exact)
 
 
 def test_xla_program_is_one_fp8_dot():
     a, w = _operands(8, 16, 32, 128)
-    jaxpr = jax.make_jaxpr(lambda a, w: G8.fp8_matmul(a, w))(a, G8.prepare_weight(w))
+    jaxpr = jax.make_jaxpr(lambda a, w: G8.fp8_matmul(a, w))(a, _prepare_weight(w))
     text = str(jaxpr)
     assert text.count("dot_general") == 1
     assert "f8_e4m3fn[16,128]" in text and "f8_e4m3fn[32,128]" in text and "preferred_element_type=float32" in text
@@ -172,11 +176,11 @@ def test_errors():
     with pytest.raises(ValueError, match="storage"):
         G8.prepare_weight(w, storage="fp16")
     with pytest.raises(ValueError, match="must be"):
-        G8.fp8_matmul(a, G8.prepare_weight(F.quantize(jnp.ones((16, 96)))))
+        G8.fp8_matmul(a, _prepare_weight(F.quantize(jnp.ones((16, 96)))))
     with pytest.raises(ValueError, match="accumulation"):
-        G8.fp8_matmul(a, G8.prepare_weight(w), accumulation="exact")
+        G8.fp8_matmul(a, _prepare_weight(w), accumulation="exact")
     with pytest.raises(TypeError, match="Fp8Rows"):
-        G8.fp8_matmul(jnp.ones((8, 64)), G8.prepare_weight(w))
+        G8.fp8_matmul(jnp.ones((8, 64)), _prepare_weight(w))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -184,15 +188,29 @@ def test_errors():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def _kron_params(rng, d):
+    """KroQuant (Kronecker-LU) parameters near the init."""
+    return jax.tree.map(lambda v: np.asarray(v) + _normal(rng, np.shape(v), 0.05), transforms.get("kron_lu").init(d))
+
+
+def _layer_factors(seed, o, d, rank, bias):
+    """A layer's random ``W``, bias, KroQuant parameters and low-rank factors."""
+    rng = np.random.default_rng(seed)
+    w, params = _normal(rng, (o, d), 1 / np.sqrt(d)), _kron_params(rng, d)
+    lowrank = (_normal(rng, (o, rank), 0.05), _normal(rng, (rank, d), 0.05)) if rank else None
+    return w, _normal(rng, (o,), 0.3) if bias else None, params, lowrank
+
+
+# the layer preparations, each one jitted program (the same jnp ops; integer and exact conversions, the same bytes)
+_serve = jax.jit(served.serve, static_argnames=("swiglu", "transform_kernel", "strategy"))
+_prepare_fp8_layer = jax.jit(G8.prepare_fp8_layer, static_argnames=("act", "weight_storage", "act_encode"))
+
+
+@functools.lru_cache(maxsize=None)  # tests that take the same layer share it (frozen pytrees)
 def _served(seed, o, d, rank=32, bias=True, swiglu=False):
-    kw, kt, kl, kr, kb = jax.random.split(jax.random.PRNGKey(seed), 5)
-    w = jax.random.normal(kw, (o, d)) / np.sqrt(d)
-    p = transforms.get("kron_lu")
-    params = jax.tree.map(lambda v: v + 0.05 * jax.random.normal(kt, v.shape), p.init(d))
-    lowrank = (jax.random.normal(kl, (o, rank)) * 0.05, jax.random.normal(kr, (rank, d)) * 0.05) if rank else None
-    b = 0.3 * jax.random.normal(kb, (o,)) if bias else None
+    w, b, params, lowrank = _layer_factors(seed, o, d, rank, bias)
     layer = build_qlinear(w, b, transform="kron_lu", transform_params=params, lowrank=lowrank)
-    return served.serve(layer, swiglu=swiglu)
+    return _serve(layer, swiglu=swiglu)
 
 
 def _dequant(s, x, impl=None, **kw):
@@ -200,14 +218,15 @@ def _dequant(s, x, impl=None, **kw):
 
 
 def _x(seed, m, d):
-    x = jax.random.normal(jax.random.PRNGKey(seed), (m, d))
-    return x.at[:, 3].multiply(15.0).astype(jnp.bfloat16)
+    x = _normal(np.random.default_rng(seed), (m, d))
+    x[:, 3] *= 15.0  # an outlier channel
+    return jnp.asarray(x.astype(jnp.bfloat16))
 
 
 @pytest.mark.parametrize("impl", ["reference", "interpret"])
 def test_layer_w4a4_equals_float64_reference(impl):
     s_layer = _served(10, 64, 128)
-    layer = G8.prepare_fp8_layer(s_layer)
+    layer = _prepare_fp8_layer(s_layer)
     assert isinstance(layer.weight, FE.Fp8Rows) and layer.left.dtype == jnp.bfloat16
     x = _x(11, 2 * 10, 128).reshape(2, 10, 128)
     y, inexact = G8.fp8_linear_forward(layer, x, impl=impl, out_dtype=jnp.float32, return_inexact=True)
@@ -225,8 +244,8 @@ def test_layer_w4a4_equals_float64_reference(impl):
 def test_layer_ops_and_w4a8():
     s_layer = _served(12, 64, 64)
     x = _x(13, 12, 64)
-    layer = G8.prepare_fp8_layer(s_layer)
-    nw = 1.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(14), (32,))
+    layer = _prepare_fp8_layer(s_layer)
+    nw = jnp.asarray(1.0 + _normal(np.random.default_rng(14), (32,), 0.1))
     norm = dict(op="rmsnorm", norm_weight=nw, head_dim=32, eps=1e-5)
     y = G8.fp8_linear_forward(layer, x, **norm)
     ref = G8.fp8_linear_reference(layer, x, **norm)
@@ -235,7 +254,7 @@ def test_layer_ops_and_w4a8():
     assert np.linalg.norm(np.asarray(y, np.float64) - np.asarray(yd, np.float64)) <= 6e-3 * np.linalg.norm(ref)
 
     served13 = _served(15, 128, 64, swiglu=True)
-    l13 = G8.prepare_fp8_layer(served13)
+    l13 = _prepare_fp8_layer(served13)
     y = G8.fp8_linear_forward(l13, x, op="swiglu")
     assert y.shape == (12, 64)
     yd = _dequant(served13, x, op="swiglu", out_dtype=jnp.float32)
@@ -244,7 +263,7 @@ def test_layer_ops_and_w4a8():
         G8.fp8_linear_forward(l13, x)
 
     # W4A8: closer to the unquantized-activation layer than W4A4
-    l8 = G8.prepare_fp8_layer(s_layer, act="fp8")
+    l8 = _prepare_fp8_layer(s_layer, act="fp8")
     y8 = np.asarray(G8.fp8_linear_forward(l8, x, out_dtype=jnp.float32), np.float64)
     y4 = np.asarray(G8.fp8_linear_forward(layer, x, out_dtype=jnp.float32), np.float64)
     xt = np.asarray(tq_apply(s_layer, x), np.float64)
@@ -261,16 +280,14 @@ def tq_apply(s_layer, x):
 
 
 def test_served_strategy_registered():
-    kw, kt = jax.random.split(jax.random.PRNGKey(17))
-    d = 64
-    p = transforms.get("kron_lu")
-    params = jax.tree.map(lambda v: v + 0.05 * jax.random.normal(kt, v.shape), p.init(d))
-    qlayer = build_qlinear(jax.random.normal(kw, (32, d)) / 8.0, transform="kron_lu", transform_params=params,
-                           lowrank=(jax.random.normal(kw, (32, 32)) * 0.05, jax.random.normal(kt, (32, d)) * 0.05))
+    d = 128  # test_layer_w4a4_equals_float64_reference's width and rows: its interpret-mode programs, compiled once
+    rng = np.random.default_rng(17)
+    qlayer = build_qlinear(_normal(rng, (32, d), 1 / 8), transform="kron_lu", transform_params=_kron_params(rng, d),
+                           lowrank=(_normal(rng, (32, 32), 0.05), _normal(rng, (32, d), 0.05)))
     assert {"fp8", "fp8_w4a8"} <= set(served.strategy_names())
-    x = _x(18, 10, d)
+    x = _x(18, 20, d)
     for name in ("fp8", "fp8_w4a8"):
-        layer = served.serve(qlayer, strategy=name)
+        layer = _serve(qlayer, strategy=name)
         assert isinstance(layer, G8.Fp8Linear) and layer.act == ("fp8" if name == "fp8_w4a8" else "mxfp4")
         opts = served.ServeOptions(strategy=name, impl="interpret")
         y = served.forward(layer, x, options=opts, out_dtype=jnp.float32)
@@ -286,7 +303,7 @@ def test_prepare_errors():
     s_layer = _served(16, 32, 64, rank=0, bias=False)
     with pytest.raises(ValueError, match="act"):
         G8.prepare_fp8_layer(s_layer, act="int8")
-    layer = G8.prepare_fp8_layer(s_layer, weight_storage="mxfp4")
+    layer = _prepare_fp8_layer(s_layer, weight_storage="mxfp4")
     assert isinstance(layer.weight, QuantizedArray) and layer.left is None
     with pytest.raises(ValueError, match="features"):
         G8.fp8_linear_forward(layer, jnp.ones((4, 32), jnp.bfloat16))
@@ -304,7 +321,7 @@ def test_quantizer_fp8_output_gives_the_same_layer_output(impl):
     x = x.at[3, :32].multiply(2.0**20).at[5].set(0.0)  # an out-of-range row (before the transform) and a zero row
     y = {}
     for enc in G8.ACT_ENCODES:
-        layer = G8.prepare_fp8_layer(s_layer, act_encode=enc)
+        layer = _prepare_fp8_layer(s_layer, act_encode=enc)
         assert layer.act_encode == enc
         y[enc] = G8.fp8_linear_forward(layer, x, impl=impl, out_dtype=jnp.float32, return_inexact=True)
         if impl == "interpret":  # the kernel's FP8 mode (pre-pass + quantizing pass) runs only for "kernel"

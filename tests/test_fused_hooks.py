@@ -78,16 +78,19 @@ def _x(seed: int, m: int, d: int) -> jax.Array:
 
 
 def test_stacked_builders_slice_to_the_single_layer_builders():
-    w = jax.random.normal(jax.random.PRNGKey(0), (48, 64), jnp.float32) * 0.2
+    """The stacked layer builders: each slice is the single-layer builder's layer; two kernels give the fused layer;
+    ``serve_stacked`` serves each slice as ``serve`` does. The kernels have the shape and dtype of the f32 tiny model's
+    attention projections, so the builder programs are those of test_stacked_hooks_in_scan_layout_equal_list_layout."""
+    w = jax.random.normal(jax.random.PRNGKey(0), (64, 64), jnp.float32) * 0.2
     # Stacked on a layer axis (lax.map), from (layers, d, o) Linear kernels: the same layer per slice.
-    kernels = jnp.stack([w.T, 2.0 * w.T]).astype(jnp.bfloat16)  # (2, 64, 48)
-    stacked = build_stacked_qlinears((kernels,), jax.random.PRNGKey(3), rank=32)
-    assert stacked.weight.codes.shape == (2, 48, 32)
-    one = random_qlinear(kernels[1].T.astype(jnp.float32), jax.random.split(jax.random.PRNGKey(3), 2)[1], 32)
+    kernels = jnp.stack([w.T, 2.0 * w.T])  # (2, 64, 64)
+    stacked = build_stacked_qlinears((kernels,), jax.random.PRNGKey(3), 32)
+    assert stacked.weight.codes.shape == (2, 64, 32)
+    one = random_qlinear(kernels[1].T, jax.random.split(jax.random.PRNGKey(3), 2)[1], 32)
     np.testing.assert_array_equal(np.asarray(layer_at(stacked, 1).weight.codes), np.asarray(one.weight.codes))
     # Two kernels: the fused [k_1^T; k_2^T] layer.
-    fused = build_stacked_qlinears((kernels, kernels[:, :, :16]), jax.random.PRNGKey(3), rank=32)
-    assert fused.weight.codes.shape == (2, 64, 32) and fused.config.out_features == 64
+    fused = build_stacked_qlinears((kernels, kernels[:, :, :16]), jax.random.PRNGKey(3), 32)
+    assert fused.weight.codes.shape == (2, 80, 32) and fused.config.out_features == 80
     # serve_stacked == serve per layer.
     s_stacked, s_one = serve_stacked(stacked, swiglu=False), S.serve(layer_at(stacked, 1))
     for a, b in zip(jax.tree_util.tree_leaves(layer_at(s_stacked, 1)), jax.tree_util.tree_leaves(s_one)):
@@ -246,9 +249,18 @@ def test_served_strategy_default_structure_and_errors(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _tiny_model(dtype=jnp.bfloat16):
+@functools.lru_cache(maxsize=None)
+def _tiny_split(dtype) -> tuple:
+    """``(config, graphdef, state)`` of the tiny model in ``dtype``, initialised by one jitted program (op by op,
+    every parameter shape's initialiser compiles on its own): built once per dtype for the whole file."""
     cfg = ig.tiny_config(dtype=dtype, param_dtype=dtype)
-    return cfg, ig.Ideogram4Transformer(cfg, rngs=nnx.Rngs(3))
+    return cfg, *nnx.split(nnx.jit(lambda: ig.Ideogram4Transformer(cfg, rngs=nnx.Rngs(3)))())
+
+
+def _tiny_model(dtype=jnp.bfloat16):
+    """A fresh tiny model (its own Variables: a test may set its weights) of the file's one initialisation."""
+    cfg, graphdef, state = _tiny_split(jnp.dtype(dtype))
+    return cfg, nnx.merge(graphdef, state, copy=True)
 
 
 def _qlayer(linears, seed, rank=32):
@@ -460,14 +472,15 @@ def test_bad_fused_hooks_raise():
     for target, hooks, message in bad:
         with pytest.raises(ValueError, match=message):
             target(*args, hooks=hooks)
-    # A fused function returning the wrong shape is named.
+    # A fused function returning the wrong shape is named: the bf16 model traced (shapes are checked while tracing,
+    # so nothing needs to compile and run).
     real_cfg, real = _tiny_model()
     wrong = FusedLinearHooks(projection_norm={"layers.0.attention.to_k": lambda x, s, e: x[..., :16]})
     with pytest.raises(ValueError, match="projection_norm entry layers.0.attention.to_k: returned shape"):
-        real(*args[:1], *args[1:], hooks=wrong)
+        nnx.eval_shape(lambda m: m(*args, hooks=wrong), real)
     wrong = FusedLinearHooks(shared_input={"layers.0.attention.to_q": lambda x: x})  # hidden wide, not 3 hidden
     with pytest.raises(ValueError, match="shared_input entry layers.0.attention.to_q: returned shape"):
-        real(*args, hooks=wrong)
+        nnx.eval_shape(lambda m: m(*args, hooks=wrong), real)
 
 
 def _run_benchmark(*argv: str) -> subprocess.CompletedProcess:
@@ -476,34 +489,41 @@ def _run_benchmark(*argv: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900)
 
 
+#: The fused-kernel variants of the benchmark run: their served layers on the jnp references (--reference-variants).
+MGPU = ["w4a4_fp8_mgpu", "w4a4_fp8_mgpu_fused_qkv", "w4a4_fp8_mgpu_one_launch", "w4a4_fp8_mgpu_k2"]
+#: Every variant of the benchmark run, in the order the benchmark runs them.
+BENCHMARK_VARIANTS = ["bf16", "bf16_fused_qkv", "w4a4_dequant", "w4a4_fp8", *MGPU]
+
+
 @pytest.fixture(scope="module")
-def benchmark_cache(tmp_path_factory) -> str:
-    """One persistent compilation cache for this file's benchmark runs: they build the same tiny model and quantized
-    layers (its initialiser, the layer builders, the bf16 forward), which the later run loads instead of compiling."""
-    return str(tmp_path_factory.mktemp("dit_forward_compile_cache"))
+def benchmark_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
+    """``(process, saved JSON, folder)`` of one run of the H200 script on the tiny config (a subprocess), shared by
+    the two tests below: one interpreter, one model and one set of quantized layers for every variant. On one of the
+    2 blocks: bf16 and its fused q | k | v, the dequant and FP8 strategies on the interpreted transform + quantize
+    kernel (with the --check simulation), and the fused-kernel variants on their jnp mirrors; --kernels profiles,
+    --hlo-dir HLO."""
+    folder = tmp_path_factory.mktemp("dit_forward")
+    run = _run_benchmark("--preset", "tiny", "--interpret", "--variants", ",".join(BENCHMARK_VARIANTS),
+                         "--reference-variants", ",".join(MGPU), "--blocks", "1", "--check", "--no-tune", "--kernels",
+                         "--repeats", "1", "--inner", "1", "--budget-s", "3000",  # no stage skipped
+                         "--hlo-dir", str(folder / "hlo"), "--out", str(folder / "forward.json"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run, json.loads((folder / "forward.json").read_text()), folder
 
 
-def test_benchmark_fused_fp8_variants_and_kernel_profile(tmp_path, benchmark_cache):
+def test_benchmark_fused_fp8_variants_and_kernel_profile(benchmark_run):
     """The fused-kernel variants (its jnp mirror off the GPU) with the activations' E4M3 made by XLA, by the one-launch
     quantizer writing E4M3 (another ``act_encode``), and the transforms as K2 instead of K1: the same bytes, so the same
     forward; --kernels records a profile per timed forward (time and launches per kernel name), --hlo-dir each
     forward's optimized HLO. The other act_encodes (the Pallas re-encode, the two-launch quantizer) take the same
     ``act_encode`` path of the benchmark; their bytes are checked on one layer in
     tests/test_fp8_gemm.py::test_quantizer_fp8_output_gives_the_same_layer_output."""
-    run = _run_benchmark("--preset", "tiny", "--variants",
-                         "bf16,bf16_fused_qkv,w4a4_fp8_mgpu,w4a4_fp8_mgpu_fused_qkv,w4a4_fp8_mgpu_k2,"
-                         "w4a4_fp8_mgpu_one_launch",
-                         "--blocks", "1", "--no-tune", "--kernels", "--repeats", "1", "--inner", "1",
-                         "--hlo-dir", str(tmp_path / "hlo"), "--compile-cache", benchmark_cache,
-                         "--out", str(tmp_path / "forward.json"))
-    assert run.returncode == 0, run.stderr[-3000:]
-    saved = json.loads((tmp_path / "forward.json").read_text())
-    names = ["bf16", "bf16_fused_qkv", "w4a4_fp8_mgpu", "w4a4_fp8_mgpu_fused_qkv", "w4a4_fp8_mgpu_k2",
-             "w4a4_fp8_mgpu_one_launch"]
-    assert saved["errors"] == {} and saved["finite"] == dict.fromkeys(names, True)
+    run, saved, folder = benchmark_run
+    assert saved["reference_variants"] == MGPU
+    assert saved["errors"] == {} and saved["finite"] == dict.fromkeys([*BENCHMARK_VARIANTS, "simulate"], True)
     assert saved["checks"]["forward w4a4_fp8_mgpu_k2 vs w4a4_fp8_mgpu"] == 0.0
     assert saved["checks"]["forward w4a4_fp8_mgpu_one_launch vs w4a4_fp8_mgpu"] == 0.0
-    with gzip.open(tmp_path / "hlo" / "dit_forward_w4a4_fp8_mgpu_k2.hlo.txt.gz", "rt") as f:
+    with gzip.open(folder / "hlo" / "dit_forward_w4a4_fp8_mgpu_k2.hlo.txt.gz", "rt") as f:
         assert "HloModule" in f.read(200)
     assert 0 < saved["checks"]["forward w4a4_fp8_mgpu vs bf16"] < 0.5
     # q | k | v fused: the bf16 forward up to summation order; the W4A4 one with its own (shared) transform.
@@ -513,25 +533,23 @@ def test_benchmark_fused_fp8_variants_and_kernel_profile(tmp_path, benchmark_cac
     fastest_ms = saved["timings_ms"][saved["fastest_bf16"]]["median_ms"]
     assert saved["fastest_bf16_over"]["w4a4_fp8_mgpu"] == pytest.approx(
         fastest_ms / saved["timings_ms"]["w4a4_fp8_mgpu"]["median_ms"])
-    assert set(saved["kernels"]) == set(names) and all(k["device_ms"] > 0 for k in saved["kernels"].values())
+    assert set(saved["kernels"]) == set(BENCHMARK_VARIANTS)
+    assert all(k["device_ms"] > 0 for k in saved["kernels"].values())
     assert all(set(k["launches"]) == set(k["top_ms"]) for k in saved["kernels"].values())
     assert "kernels of w4a4_fp8_mgpu:" in run.stdout
 
 
-def test_benchmark_tiny_run(tmp_path, benchmark_cache):
+def test_benchmark_tiny_run(benchmark_run):
     """The H200 script end to end on the tiny config (a subprocess): the dequant forward on one of the 2 blocks, the
     transform + quantize kernel interpreted, with the --check simulation; the FP8 strategy's forward beside it."""
-    run = _run_benchmark("--preset", "tiny", "--interpret", "--variants", "w4a4_dequant,w4a4_fp8,bf16", "--blocks", "1",
-                         "--check", "--repeats", "1", "--inner", "1", "--budget-s", "3000",  # no stage skipped
-                         "--compile-cache", benchmark_cache, "--out", str(tmp_path / "forward.json"))
-    assert run.returncode == 0, run.stderr[-3000:]
-    saved = json.loads((tmp_path / "forward.json").read_text())
-    assert saved["variants"] == ["bf16", "w4a4_dequant", "w4a4_fp8"]
-    assert set(saved["timings_ms"]) == {"bf16", "w4a4_dequant", "w4a4_fp8"}
+    run, saved, _ = benchmark_run
+    assert saved["variants"] == BENCHMARK_VARIANTS and saved["impl"] == "interpret"
+    assert set(saved["timings_ms"]) == set(BENCHMARK_VARIANTS)
     assert saved["blocks"] == 1 and saved["model_blocks"] == 2 and "ONLY 1 OF THE REAL 2" in saved["what"]
     assert "1 of the model's 2 (NOT the whole model" in run.stdout
     assert saved["tokens"] == 3 + 4 and saved["errors"] == {}
-    assert saved["finite"] == {"bf16": True, "w4a4_dequant": True, "w4a4_fp8": True, "simulate": True}
+    assert {name: saved["finite"][name] for name in ("bf16", "w4a4_dequant", "w4a4_fp8", "simulate")} == {
+        "bf16": True, "w4a4_dequant": True, "w4a4_fp8": True, "simulate": True}
     ratio = saved["timings_ms"]["bf16"]["median_ms"] / saved["timings_ms"]["w4a4_dequant"]["median_ms"]
     assert saved["bf16_over"]["w4a4_dequant"] == pytest.approx(ratio)
     layers = saved["checks"]["layers"]

@@ -47,7 +47,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     start = host(state0)
     arrays, info = {{}}, {{}}
     for name, n, remat in (("1", 1, True), ("2_noremat", 2, False)):
-        program = qs.build(base, config(remat), qs.make_mesh(jax.devices()[:n]))
+        program = single if n == 1 else qs.build(base, config(remat), qs.make_mesh(jax.devices()[:n]))
         state = jax.device_put(start, program.state_shardings)
         frozen = jax.device_put(host(frozen0), program.frozen_shardings)
         batch = jax.device_put(host(batch0), program.batch_shardings)

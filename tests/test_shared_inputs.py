@@ -181,20 +181,23 @@ def test_a_fused_layer_calibrates_as_one_and_splits_into_its_members_outputs():
 
 @pytest.mark.slow
 def test_the_testbed_measurement_tiny_run(tmp_path):
-    """benchmarks/calibrate_shared_inputs.py on the shipped testbed, one block, a tiny capture: both arms measure each
-    member on the same held-out rows, so a fixed transform (Hadamard-32, round to nearest: nothing depends on the
-    rows) gives every member exactly its per-linear error fused; the capture is written, then read back (the same
-    errors), and refused for other capture options."""
+    """benchmarks/calibrate_shared_inputs.py on the shipped testbed cut to its first block (its real weights and
+    prompts; the measurement's wiring is the same at any depth), a tiny capture: both arms measure each member on the
+    same held-out rows, so a fixed transform (Hadamard-32, round to nearest: nothing depends on the rows) gives every
+    member exactly its per-linear error fused; the capture is written, then read back (the same errors), and refused
+    for other capture options."""
     import json
     import os
     import subprocess
     import sys
 
     from tests.test_benchmarks import REPO, _run
+    from tests.test_testbed import write_first_blocks
 
     out = tmp_path / "r.json"
-    argv = ["--layer-set", str(tmp_path / "ls.safetensors"), "--calib-captions", "2", "--batch-size", "2",
-            "--steps", "2", "--rows-per-layer", "64", "--calib-steps", "2", "--calib-rows", "24",
+    checkpoint = write_first_blocks(tmp_path / "first_block", 1)
+    argv = ["--checkpoint", str(checkpoint), "--layer-set", str(tmp_path / "ls.safetensors"), "--calib-captions", "2",
+            "--batch-size", "2", "--steps", "2", "--rows-per-layer", "64", "--calib-steps", "2", "--calib-rows", "24",
             "--calib-validation", "8", "--calib-test", "8", "--blocks", "1", "--heldout", "8", "--out-json", str(out),
             "--out-md", str(tmp_path / "r.md"), "--compile-cache", str(tmp_path / "jax-cache")]
     _run("calibrate_shared_inputs.py", *argv, "--methods", "hadamard32")

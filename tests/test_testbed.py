@@ -15,6 +15,7 @@ from models import families, pixart
 from models.testbed import data as testbed_data
 from models.testbed import evaluation
 from models.testbed import model as testbed
+from models.testbed.metrics import FULL_BACKEND_OPTIMIZATION
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKPOINT = REPO / "checkpoints" / "emoji_pixart"
@@ -29,6 +30,37 @@ def prompts() -> testbed_data.EmojiDataset:
 @pytest.fixture(scope="module")
 def jax_model():
     return families.PIXART.from_diffusers(CHECKPOINT, "float32")
+
+
+def first_blocks(blocks: int) -> tuple[dict, dict[str, np.ndarray]]:
+    """The shipped checkpoint's diffusers config and state cut to its first ``blocks`` transformer blocks (the other
+    blocks' weights dropped, ``num_layers`` = ``blocks``): for the tests whose claim is the same at any depth (the
+    capture's rows, a sampler against another, the evaluation command's wiring), at a fraction of the compile and
+    sampling time (as ``--blocks 1`` does in tests/test_testbed_stack.py)."""
+    from models import convert
+
+    config, state = convert.read_diffusers_dir(CHECKPOINT)
+    kept = {k: v for k, v in state.items() if not k.startswith("transformer_blocks.") or int(k.split(".")[1]) < blocks}
+    return {**config, "num_layers": blocks}, kept
+
+
+def write_first_blocks(folder: Path, blocks: int) -> Path:
+    """:func:`first_blocks` written as a diffusers folder ``folder`` with the shipped prompt file beside it (where the
+    scripts look for it by default); returns ``folder``."""
+    import shutil
+
+    from models import convert
+
+    convert.write_diffusers_dir(folder, *first_blocks(blocks))
+    shutil.copy(PROMPTS, folder / PROMPTS.name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def two_block_model():
+    """The shipped model's first two blocks, float32 (its blocks 0 and 1 with their real weights)."""
+    config, state = first_blocks(2)
+    return families.PIXART.from_diffusers_state(state, pixart.PixArtConfig.from_diffusers_config(config), "float32")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -86,10 +118,11 @@ def test_shipped_model_samples_its_captions(jax_model, prompts):
     mask = np.concatenate([train.context_mask[train_indices], held.context_mask[[held_index]]])
     noise = jax.random.normal(jax.random.key(0), (4, 3, 32, 32), jnp.float32)
     graphdef, state = nnx.split(model)
-    # the weights an argument: closed over, XLA would fold the whole checkpoint into the program as constants
+    # the weights an argument: closed over, XLA would fold the whole checkpoint into the program as constants; 80
+    # forward passes make the program run-time bound: XLA's full backend optimisation (its default), not the suite's -O0
     sample = jax.jit(lambda s, n, c, m: testbed.euler_sample(
         testbed.pixart_velocity_fn(nnx.merge(graphdef, s)), n, c, m, jnp.asarray(prompts.null_context, jnp.float32),
-        jnp.asarray(prompts.null_mask), num_steps=10, guidance=3.0))
+        jnp.asarray(prompts.null_mask), num_steps=10, guidance=3.0), compiler_options=FULL_BACKEND_OPTIMIZATION)
     images = testbed.pixels_to_images(sample(state, noise, jnp.asarray(context), jnp.asarray(mask)))  # (4, 32, 32, 3)
     targets = np.concatenate([train.images[train_indices], held.images[[held_index]]]).astype(np.float32) / 255
     samples = images.astype(np.float32) / 255
@@ -104,13 +137,14 @@ def test_shipped_model_samples_its_captions(jax_model, prompts):
     assert errors[3].argmin() == 3, errors
 
 
-def test_project_flow_euler_sampler_reproduces_the_testbed_sampler(jax_model, prompts):
-    """models.sampling.flow_euler + pixart_denoiser (what capture / W4A4 evaluation use) = testbed.euler_sample."""
+def test_project_flow_euler_sampler_reproduces_the_testbed_sampler(two_block_model, prompts):
+    """models.sampling.flow_euler + pixart_denoiser (what capture / W4A4 evaluation use) = testbed.euler_sample (on the
+    shipped model's first two blocks: the samplers' equivalence does not depend on the depth)."""
     from flax import nnx
 
     from models import sampling
 
-    _, model = jax_model
+    model = two_block_model
     graphdef, state = nnx.split(model)
     noise = jax.random.normal(jax.random.key(5), (1, 3, 32, 32), jnp.float32)
     context = jnp.asarray(prompts.context[:1], jnp.float32)  # (1, t, 384)
@@ -243,9 +277,10 @@ def test_layer_errors_summary_groups_by_layer_type():
     assert len(summary["per_layer_error"]) == 3
 
 
-def test_checkpoint_capture_records_only_real_caption_tokens(jax_model, prompts):
-    """Cross-attention keys/values of the shipped model: no padding row, each real caption token once."""
-    _, jax_model = jax_model
+def test_checkpoint_capture_records_only_real_caption_tokens(two_block_model, prompts):
+    """Cross-attention keys/values of the shipped model (its first two blocks, which hold the recorded layers): no
+    padding row, each real caption token once."""
+    jax_model = two_block_model
     indices = np.flatnonzero(~prompts.heldout)[:2]
     names = ["transformer_blocks.0.attn2.to_k", "transformer_blocks.0.ff.net.2"]
     layer_set = evaluation.capture_flow_layer_set(jax_model, prompts, indices, names, steps=2, guidance=3.0,
@@ -263,10 +298,11 @@ def test_checkpoint_capture_records_only_real_caption_tokens(jax_model, prompts)
     assert layer_set["transformer_blocks.0.ff.net.2"][2].shape[0] == 512
 
 
-def test_checkpoint_text_rows_are_every_training_caption_token(jax_model, prompts):
-    """--text-rows-from-all-prompts on the shipped model: the cross-attention keys / values get the caption projection
-    of every real token of every distinct training caption + the empty caption; the other layers are unchanged."""
-    _, jax_model = jax_model
+def test_checkpoint_text_rows_are_every_training_caption_token(two_block_model, prompts):
+    """--text-rows-from-all-prompts on the shipped model (its first two blocks, which hold the recorded layers): the
+    cross-attention keys / values get the caption projection of every real token of every distinct training caption +
+    the empty caption; the other layers are unchanged."""
+    jax_model = two_block_model
     indices = np.flatnonzero(~prompts.heldout)[:2]
     names = ["transformer_blocks.0.attn2.to_k", "transformer_blocks.1.attn2.to_v", "transformer_blocks.0.ff.net.2"]
     text = evaluation.training_caption_text(prompts)
@@ -400,8 +436,8 @@ def test_sample_captions_compiles_once_for_every_seed(prompts):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-#: The tiny evaluation's settings, after ``--out FOLDER``: 1 calibration caption, 2 held-out captions, 2 Euler steps,
-#: the first 3 linears.
+#: The tiny evaluation's settings, after ``--out FOLDER --checkpoint <first_block>``: 1 calibration caption, 2 held-out
+#: captions, 2 Euler steps, the first 3 linears.
 TINY_EVAL = ["--calib-captions", "1", "--eval-captions", "2", "--steps", "2", "--batch-size", "1", "--rows-per-layer",
              "128", "--calib-rows", "64", "--calib-validation", "32", "--calib-test", "32", "--layers", "3",
              "--loraq-steps", "2", "--rotation-steps", "2"]
@@ -410,25 +446,43 @@ RTN_EVAL = ["--methods", "rtn", "--rank", "64"]
 
 
 @pytest.fixture(scope="module")
-def rtn_eval(tmp_path_factory) -> Path:
-    """One tiny ``kroquant evaluate`` of RTN alone (``TINY_EVAL + RTN_EVAL``, one generation seed), shared by the tests
-    as a finished run of the same settings: read it, or copy it before changing it."""
+def first_block(tmp_path_factory) -> Path:
+    """The shipped checkpoint cut to its first transformer block (:func:`write_first_blocks`): the model of the tiny
+    evaluation and generalisation runs. The evaluation's wiring (capture, calibration, generation, outputs,
+    resumption, merging) is the same at any depth, and the 3 linears it quantizes are block 0's with their real
+    weights."""
+    return write_first_blocks(tmp_path_factory.mktemp("first_block"), 1)
+
+
+def tiny_eval_args(out: Path, checkpoint: Path) -> list[str]:
+    """``--out out --checkpoint checkpoint`` and :data:`TINY_EVAL`."""
+    return ["--out", str(out), "--checkpoint", str(checkpoint), *TINY_EVAL]
+
+
+@pytest.fixture(scope="module")
+def rtn_eval(tmp_path_factory, first_block) -> Path:
+    """One tiny ``kroquant evaluate`` of RTN alone (``TINY_EVAL + RTN_EVAL`` on ``first_block``, one generation seed),
+    shared by the tests as a finished run of the same settings: read it, or copy it before changing it."""
     from scripts import eval_testbed
 
     out = tmp_path_factory.mktemp("rtn_eval") / "eval"
-    assert eval_testbed.main(["--out", str(out), *TINY_EVAL, *RTN_EVAL]) == 0
+    assert eval_testbed.main([*tiny_eval_args(out, first_block), *RTN_EVAL]) == 0
     return out
 
 
-def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path, rtn_eval):
+def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path, rtn_eval, first_block):
+    """``kroquant evaluate`` (tiny, on the shipped checkpoint's first block): report, table, grid and stores of three
+    methods; a rerun with another rank calibrates anew; runs of the same settings merge, others are refused."""
     import shutil
 
     from scripts import eval_testbed
 
     out = tmp_path / "eval"
-    tiny = ["--out", str(out), *TINY_EVAL]
+    tiny = tiny_eval_args(out, first_block)
+    # 1 training + 1 held-out caption: as many images as the shared run's 2 held-out captions, so that the 16-bit and
+    # RTN sampling programs are those of rtn_eval (one compiled program per model, settings and batch)
     assert eval_testbed.main(tiny + ["--methods", "rtn", "rtn+loraq", "rtn+loraq@64", "--rank", "0.125",
-                                     "--eval-train-captions", "1"]) == 0
+                                     "--eval-train-captions", "1", "--eval-captions", "1"]) == 0
     report = json.loads((out / "report.json").read_text())
     results = report["results"]
     result = results["rtn"]
@@ -436,7 +490,7 @@ def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path, rtn_eval):
     assert 0.0 < result["layer_error_mean"] <= result["layer_error_max"] < 1.0
     held = result["groups"]["heldout"]
     assert 10.0 < held["psnr_db"] < 99.0, "3 W4A4 linears change the images, but not beyond recognition"
-    assert 0.0 < held["ssim"] <= 1.0 and len(held["psnr_per_image_db"]) == 2
+    assert 0.0 < held["ssim"] <= 1.0 and len(held["psnr_per_image_db"]) == 1
     assert set(result["layer_error_by_type"]) == {"attn1.to_k", "attn1.to_out.0", "attn1.to_q"}
     # --rank 0.125 of the 256-wide layers is rank 32; "@64" overrides it for one method
     assert results["rtn"]["low_rank_branch"] == "none"
@@ -444,7 +498,7 @@ def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path, rtn_eval):
     assert results["rtn+loraq@64"]["low_rank_branch"] == "LoRaQ r=64 (MXFP4)"
     errors = [results[m]["layer_error_mean"] for m in ("rtn", "rtn+loraq", "rtn+loraq@64")]
     assert errors[0] > errors[1] > errors[2], f"a larger LoRaQ branch must lower the layer error: {errors}"
-    assert [len(report["caption_groups"][g]["records"]) for g in ("train", "heldout")] == [1, 2]
+    assert [len(report["caption_groups"][g]["records"]) for g in ("train", "heldout")] == [1, 1]
     assert 0.0 < result["groups"]["train"]["ssim"] <= 1.0
     table = (out / "table.md").read_text()
     assert "| rtn | none |" in table and "training, not calibration (1)" in table
@@ -514,14 +568,17 @@ def test_eval_seeds_flag_defaults_to_seed_and_refuses_repeats(capsys):
     assert "--seeds: each generation seed once, got [1, 2, 1] (repeated: [1])" in capsys.readouterr().err
 
 
-def test_eval_script_seeds_rerun_reuses_calibration_and_reports_the_seed_spread(tmp_path, capfd, rtn_eval):
+def test_eval_script_seeds_rerun_reuses_calibration_and_reports_the_seed_spread(tmp_path, capfd, rtn_eval,
+                                                                                   first_block):
+    """A rerun of a tiny ``kroquant evaluate`` folder with other ``--seeds`` reuses its capture and calibrated layers,
+    generates again, and reports the per-seed PSNR and its spread; it does not merge with a run of other seeds."""
     import shutil
 
     from scripts import eval_testbed
 
     # the shared RTN run (the default: one generation seed, --seed's) is the first run; the rerun goes to a copy of it
     first, out = rtn_eval, shutil.copytree(rtn_eval, tmp_path / "eval")
-    tiny = ["--out", str(out), *TINY_EVAL, *RTN_EVAL]
+    tiny = [*tiny_eval_args(out, first_block), *RTN_EVAL]
     report = json.loads((out / "report.json").read_text())
     held = report["results"]["rtn"]["groups"]["heldout"]
     assert report["seeds"] == [0] and report["noise_seeds"] == [1000] and report["results"]["rtn"]["resumed_layers"] == 0
@@ -604,7 +661,10 @@ def test_eval_preset_becomes_the_defaults_and_out_stays_required(capsys):
         assert "required: --out" in capsys.readouterr().err
 
 
-def test_generalisation_script_groups_heldout_records_and_finds_nearest(tmp_path):
+def test_generalisation_script_groups_heldout_records_and_finds_nearest(tmp_path, first_block):
+    """The held-out records split into siblings of trained concepts and novel concepts; the nearest-image outcome;
+    ``scripts/testbed_generalisation.py`` (run on the shipped checkpoint's first block: its report and grid do not
+    depend on the depth) reports one outcome per generated record and writes the grid."""
     from scripts import testbed_generalisation as tg
 
     data = testbed_data.load_dataset(str(CHECKPOINT / "testbed_prompts.npz"))
@@ -623,8 +683,8 @@ def test_generalisation_script_groups_heldout_records_and_finds_nearest(tmp_path
     assert evaluation.nearest_outcome(data.images[target], target, data, pool, bases)[2] == 0.0
 
     out = tmp_path / "gen"
-    assert tg.main(["--data", str(CHECKPOINT / "testbed_prompts.npz"), "--out", str(out), "--per-group", "1",
-                    "--steps", "2"]) == 0
+    assert tg.main(["--data", str(CHECKPOINT / "testbed_prompts.npz"), "--checkpoint", str(first_block), "--out",
+                    str(out), "--per-group", "1", "--steps", "2"]) == 0
     report = json.loads((out / "report.json").read_text())
     for kind in evaluation.GROUPS:
         assert report["groups"][kind]["records"] == 1

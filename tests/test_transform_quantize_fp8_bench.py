@@ -19,7 +19,7 @@ def _run(tmp_path, *argv):
 
 def test_tilings_checked_then_timed(tmp_path):
     out = tmp_path / "tq_fp8.json"
-    run = _run(tmp_path, "--interpret", "--shapes", "64x256", "--n-iter", "2", "--out", str(out), "--tilings",
+    run = _run(tmp_path, "--interpret", "--shapes", "64x256", "--n-iter", "1", "--out", str(out), "--tilings",
                "br32_bd64:block_rows=32,block_cols=64", "odd_rows:block_rows=48", "--reencode-tilings",
                "br8_bc64:block_rows=8,block_cols=64,num_warps=2", "bad:block_cols=8",
                "--one-launch-tilings", "br32:block_rows=32", "--kinds", "k2,k1")

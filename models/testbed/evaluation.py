@@ -27,6 +27,7 @@ thin mains over these functions:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -73,8 +74,13 @@ __all__ = ["CAPTION_GROUPS", "CaptionGroup", "GROUPS", "OUTCOMES", "capture_flow
            "select_caption_groups", "standard_error", "text_params", "training_caption_text", "write_outputs"]
 
 
+@functools.lru_cache(maxsize=16)
 def flow_sampler(graphdef, num_steps: int, guidance: float, channels: int, hooks_factory=None):
-    """jit(params, noise) -> (pixels (b, c, s, s), aux per step): Euler on linspace(1, 0) sigmas with CFG."""
+    """jit(params, noise) -> (pixels (b, c, s, s), aux per step): Euler on linspace(1, 0) sigmas with CFG.
+
+    One jitted function per model structure and sampler settings in a process (the weights and overrides are
+    arguments), so a second run of the same settings (e.g. ``kroquant evaluate`` called again in one process) traces
+    and compiles nothing."""
     denoise = sampling.pixart_denoiser(graphdef, guidance, channels, hooks_factory)
     sigmas = sampling.flow_sigmas(num_steps)
     return jax.jit(lambda params, noise: sampling.flow_euler(denoise, params, noise, sigmas))
