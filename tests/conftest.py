@@ -14,15 +14,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
-# On a machine without a GPU, XLA:CPU compiles with LLVM's optimizer off: the suite compiles hundreds of programs over
-# tiny arrays, so compile time dominates, and -O0 cuts the suite's time (docs/architecture.md, "Tests and their
-# time"). It changes code generation only, not the HLO. Set here, before jax is imported, so
-# the test processes and the scripts they start inherit it; a level the caller set in XLA_FLAGS is kept, and
-# KROQUANT_TESTS_XLA_OPT=1 keeps XLA's default.
-_OPT_FLAG = "--xla_backend_optimization_level"
-if (shutil.which("nvidia-smi") is None and not os.environ.get("KROQUANT_TESTS_XLA_OPT")
-        and _OPT_FLAG not in os.environ.get("XLA_FLAGS", "")):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_OPT_FLAG}=0".strip()
+# On a machine without a GPU, XLA:CPU compiles with LLVM's optimizer off and with its older loop emitters instead of
+# the MLIR fusion emitters: the suite compiles hundreds of programs over tiny arrays, so compile time dominates, and
+# both cut the suite's time (docs/architecture.md, "Tests and their time"). They change code generation only, not the
+# HLO. Set here, before jax is imported, so the test processes and the scripts they start inherit them; a flag the
+# caller set in XLA_FLAGS is kept, and KROQUANT_TESTS_XLA_OPT=1 keeps XLA's defaults.
+_CPU_COMPILE_FLAGS = {"--xla_backend_optimization_level": "0", "--xla_cpu_use_fusion_emitters": "false"}
+if shutil.which("nvidia-smi") is None and not os.environ.get("KROQUANT_TESTS_XLA_OPT"):
+    for _flag, _value in _CPU_COMPILE_FLAGS.items():
+        if _flag not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}={_value}".strip()
 
 _CACHE_ENV = "KROQUANT_TESTS_JAX_CACHE"
 

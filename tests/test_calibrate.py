@@ -433,7 +433,8 @@ def test_recipe_transform_conflict_raises_and_unset_is_filled_in():
 
 def test_paper_literal_settings_are_the_old_engine():
     """PAPER_LITERAL: identity STE in the regularizers (zero regularizer gradient), constant lr, last iterate; on the
-    same rows its trained transform is exactly a plain optax Adam loop on L (the engine before the new defaults)."""
+    same rows its trained transform is a plain optax Adam loop on L (the engine before the new defaults), to within
+    half a step."""
     import optax
 
     cfg = calibrate.PAPER_LITERAL
@@ -449,12 +450,22 @@ def test_paper_literal_settings_are_the_old_engine():
     lam = objectives.auto_lambdas(objectives.loss_terms(p0, par, a, w, ref, cfg.objective))
     opt = optax.adam(cfg.learning_rate)
     p, state = p0, opt.init(p0)
-    for _ in range(6):
+
+    @jax.jit
+    def step(p, state):
         g = jax.grad(lambda q: objectives.total_loss(q, par, a, w, lam, ref, cfg.objective))(p)
         upd, state = opt.update(g, state, p)
-        p = optax.apply_updates(p, upd)
-    for x, y in zip(jax.tree.leaves(res.params), jax.tree.leaves(p)):
-        np.testing.assert_allclose(x, np.asarray(y), rtol=1e-5, atol=1e-6)
+        return optax.apply_updates(p, upd), state
+
+    for _ in range(6):
+        p, state = step(p, state)
+    # Same algorithm, two programs: the engine's vmapped scan and this loop are compiled differently, so their f32
+    # roundings differ, and Adam turns a near-zero gradient's noise into a step of up to lr (the STE quantizer's
+    # rounding flips add more). Bit equality is not the claim; each element within half a step is: a missing or extra
+    # step, another learning rate or schedule, or a selected earlier iterate moves some element by about lr or more.
+    for x, y, x0 in zip(jax.tree.leaves(res.params), jax.tree.leaves(p), jax.tree.leaves(p0)):
+        np.testing.assert_allclose(x, np.asarray(y), rtol=0, atol=cfg.learning_rate / 2)
+        assert np.abs(np.asarray(y) - np.asarray(x0)).max() > 5 * cfg.learning_rate, "6 steps must move the factors"
 
 
 def test_quantizing_more_layers_of_the_same_shapes_compiles_nothing():
