@@ -254,3 +254,47 @@ def test_default_wide_tiling_exact(kind):
     r = _reference(a, t, MXFP4())
     np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(r.codes))
     np.testing.assert_array_equal(_scale_bytes(q), _scale_bytes(r))
+
+
+def test_div_rn_ptx_exact_in_a_kernel():
+    """The kernel's inline-PTX ``div.rn.f32`` alone, in a Pallas Triton kernel, against numpy's correctly rounded
+    quotients: elementwise on the operand sets of ``formats.divide_rn``'s test, and a scalar numerator over a tile
+    (``inv_tensor_scale / s``, as the NVFP4 tile math divides). When the NVFP4 tests above fail, this says whether
+    the division is the cause."""
+    from pallas_kernels._compat import pl, triton_compiler_params
+    from tq_cases import assert_division_exact, division_operands
+
+    def elementwise(x_ref, y_ref, o_ref):
+        o_ref[...] = tq.div_rn_ptx(x_ref[...], y_ref[...])
+
+    def scalar_numerator(s_ref, y_ref, o_ref):
+        o_ref[...] = tq.div_rn_ptx(s_ref[0, 0], y_ref[...])
+
+    def run(body, *args):
+        return np.asarray(pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((256, 256), jnp.float32),
+                                         compiler_params=triton_compiler_params(4, 1))(*args)).ravel()
+
+    for tag, (x, y) in division_operands(256 * 256).items():
+        if x.size != 256 * 256:  # the special-value pairs: padded with ones to the tile
+            x, y = (np.concatenate([v, np.ones(256 * 256 - v.size, np.float32)]) for v in (x, y))
+        assert_division_exact(run(elementwise, x.reshape(256, 256), y.reshape(256, 256)), x, y, tag)
+    _, y = division_operands(256 * 256)["wide"]
+    numerator = np.float32(0.37)
+    assert_division_exact(run(scalar_numerator, np.full((1, 1), numerator), y.reshape(256, 256)),
+                          np.full(y.size, numerator), y, "scalar numerator")
+
+
+def test_nvfp4_reference_codes_same_on_gpu_and_cpu():
+    """The NVFP4 reference (``reference_transform_quantize``) gives the same codes, scales and tensor scale on the
+    GPU as on the CPU for the exact-data case of ``test_nvfp4_exact``: when those tests fail, this says whether the
+    reference or the kernel moved."""
+    cpu = jax.devices("cpu")[0]
+    a = _exact_activations(jax.random.key(5), 1000, 1152, jnp.float16)
+    for kind in ("q4", "k1"):
+        t = _exact_transform(kind, 1152, jax.random.key(6))
+        on_gpu = tq.reference_transform_quantize(a, t, NVFP4())
+        with jax.default_device(cpu):
+            on_cpu = tq.reference_transform_quantize(jax.device_put(a, cpu), jax.device_put(t, cpu), NVFP4())
+        np.testing.assert_array_equal(np.asarray(on_gpu.tensor_scale), np.asarray(on_cpu.tensor_scale))
+        np.testing.assert_array_equal(_scale_bytes(on_gpu), _scale_bytes(on_cpu))
+        np.testing.assert_array_equal(np.asarray(on_gpu.codes), np.asarray(on_cpu.codes), err_msg=kind)
