@@ -70,6 +70,7 @@ __all__ = [
     "divide_rn",
     "e2m1_decode",
     "e2m1_encode",
+    "e4m3_round",
     "fake_quant",
     "flush_subnormals",
     "mx_shared_exponent",
@@ -401,9 +402,19 @@ def mxfp4_quantize_blocks(x_blocks: jax.Array, mode: ScaleMode = ScaleMode.FLOOR
     return codes, scale_bytes
 
 
-def _e4m3_round(x: jax.Array) -> jax.Array:
-    """f32 -> float8_e4m3fn (round to nearest even); ``x`` already clamped to ``[E4M3_TINY, 448]``."""
-    return x.astype(jnp.float8_e4m3fn)
+def e4m3_round(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Positive normal f32 ``s`` in ``[E4M3_TINY, E4M3_MAX]`` rounded to E4M3 (nearest, ties to even) on its integer
+    bits -> ``(value float32, byte int32)``, both of ``s``'s shape; ``value`` is exactly the E4M3 number of ``byte``.
+
+    Why not ``s.astype(float8_e4m3fn).astype(float32)``: inside one compiled program XLA:GPU replaces a chain of float
+    conversions ``f32 -> f8 -> f32`` by its input (the ``simplify-fp-conversions`` pass, on while excess precision is
+    allowed, its default), so a jitted consumer of the rounded scale would get ``s`` unrounded. Integer operations
+    are never removed, so every backend, jitted or not, gives the same bits. The Pallas kernels use this function too.
+    """
+    bits = jax.lax.bitcast_convert_type(s, jnp.int32)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & jnp.int32(-0x100000)  # keep 3 fraction bits, ties to even
+    byte = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7)  # E4M3: exponent bias 7 (f32's is 127)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32), byte
 
 
 def divide_rn(x: jax.Array, y) -> jax.Array:
@@ -494,10 +505,13 @@ def nvfp4_quantize_blocks(x_blocks: jax.Array, tensor_scale: jax.Array) -> tuple
     # torchao's two roundings, (amax / 6) / tensor_scale, each correctly rounded (divide_rn: XLA:GPU's own f32
     # division is not, and XLA rewrites divisions by scalars), so jit == eager == numpy on every backend (tested).
     block_over_max = divide_rn(amax, E2M1_MAX)  # (...)
-    s_blk = _e4m3_round(jnp.clip(divide_rn(block_over_max, tensor_scale), E4M3_TINY, E4M3_MAX))  # (...)
+    # The rounded scale as an f32 value from integer ops (e4m3_round: XLA:GPU would drop an f32 -> f8 -> f32 round trip
+    # inside this program and divide by the unrounded scale); its f8 form is exact.
+    s_value, _ = e4m3_round(jnp.clip(divide_rn(block_over_max, tensor_scale), E4M3_TINY, E4M3_MAX))  # (...)
+    s_blk = s_value.astype(jnp.float8_e4m3fn)
     # One multiply per element by the reciprocal of the combined scale, the numerics of torchao's nvfp4_quantize.
     inv_tensor_scale = divide_rn(jnp.float32(1.0), tensor_scale)
-    reciprocal = divide_rn(inv_tensor_scale, s_blk.astype(jnp.float32))  # (...)
+    reciprocal = divide_rn(inv_tensor_scale, s_value)  # (...)
     v = flush_subnormals(x * reciprocal[..., None])
     codes = e2m1_encode(jnp.clip(v, -E2M1_MAX, E2M1_MAX))
     codes = jnp.where(nonfinite[..., None], jnp.uint8(0), codes)

@@ -17,7 +17,7 @@ Encode (``A T`` in f32 -> packed codes + scale bytes):
   layout ``hint`` (the Mosaic GPU kernels).
 * :func:`nv_quantize_tile` ``(R, w)`` -> codes + E4M3 bytes ``(R, w/16)``, given the tensor scale.
 * The pieces: :func:`mx_block_scale` (E8M0 byte and ``2**-e`` multiplier from the block's integer max),
-  :func:`e2m1_codes_fast` (E2M1 codes in ~16 integer ops), :func:`e4m3_round` (E4M3 on the integer bits),
+  :func:`e2m1_codes_fast` (E2M1 codes in ~16 integer ops), ``formats.e4m3_round`` (E4M3 on the integer bits),
   :func:`pack_pairs`, :func:`is_nonfinite`.
 
 Decode (packed operand tiles -> tensor-core inputs):
@@ -48,7 +48,6 @@ __all__ = [
     "decode_tile_fp8",
     "e2m1_codes_fast",
     "e2m1_to_e4m3_bits",
-    "e4m3_round",
     "combine_live_bytes",
     "is_nonfinite",
     "max_live_byte",
@@ -276,14 +275,6 @@ def mx_quantize_pair_lastaxis(y_even: jax.Array, y_odd: jax.Array, mode: ScaleMo
     return (ce | (co << 4)).astype(jnp.uint8), scale_byte.astype(jnp.uint8)
 
 
-def e4m3_round(s: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Round positive normal f32 ``s`` in ``[2**-6, 448]`` to E4M3 (nearest, ties to even) -> (f32 value, int32 byte)."""
-    bits = jax.lax.bitcast_convert_type(s, jnp.int32)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & jnp.int32(-0x100000)
-    byte = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32), byte
-
-
 def nv_quantize_tile(y: jax.Array, tensor_scale: jax.Array, inv_tensor_scale: jax.Array, *,
                      divide: Optional[Callable] = None) -> tuple[jax.Array, jax.Array]:
     """NVFP4 of a tile: ``y float32 (R, w)`` (``w % 16 == 0``) -> ``(packed uint8 (R, w/2), E4M3 bytes uint8 (R, w/16))``.
@@ -303,7 +294,7 @@ def nv_quantize_tile(y: jax.Array, tensor_scale: jax.Array, inv_tensor_scale: ja
     # Two roundings, as formats.nvfp4_quantize_blocks (and torchao): (amax / 6) / ts, each division correctly rounded
     # (neither divide_rn's integer ops nor the kernel's inline PTX can be fused into one division by XLA).
     s = jnp.clip(div(div(amax, jnp.float32(F.E2M1_MAX)), tensor_scale), F.E4M3_TINY, F.E4M3_MAX)
-    s, byte = e4m3_round(s)
+    s, byte = F.e4m3_round(s)
     reciprocal = div(inv_tensor_scale, s)
     v = F.flush_subnormals(x * reciprocal[..., None])
     codes = F.e2m1_encode(jnp.clip(v, -F.E2M1_MAX, F.E2M1_MAX)).astype(jnp.int32)
