@@ -25,8 +25,9 @@ among ``--strategies`` (the same quantized layers fake-quantized in f32, ``Quant
 served output's error against it. Each served system's sampler is compiled as ``kroquant generate`` compiles it,
 with its strategy's per-program XLA options (``served.program_compiler_options``, recorded as ``xla_options``);
 ``--xla-defaults`` compiles every system with XLA's defaults instead. Writes the JSON (``--out``, atomically) and
-prints a table. Off the GPU each served system's layers are prepared in one jitted program (op by op, every op would
-compile on its own for each layer shape); on a GPU op by op, as ``kroquant generate`` prepares them.
+prints a table. Off the GPU each served system's layers are prepared in one jitted program
+(``served_overrides(jit=True)``: op by op, every op would compile on its own for each layer shape); on a GPU op by
+op, as ``kroquant generate`` prepares them.
 
     python3 benchmarks/family_forward_w4a4.py --family pixart --strategies dequant,fp8,fp8_mgpu --kernels
     python3 benchmarks/family_forward_w4a4.py --family flux --double-blocks 2 --single-blocks 4 --kernels
@@ -135,16 +136,6 @@ def bf16_shared_input_overrides(model, groups) -> SharedOverrides:
     return SharedOverrides.merged(*parts)
 
 
-def served_overrides(checkpoint: QuantizedCheckpoint, options: served.ServeOptions, jit: bool) -> SharedOverrides:
-    """``checkpoint.served_overrides(options)``; with ``jit`` every layer is prepared in one jitted program (one
-    compile instead of one per op and layer shape; the layers keep their order)."""
-    if not jit:
-        return checkpoint.served_overrides(options)
-    names = list(checkpoint.qlayers)  # a jitted dict comes back in sorted key order
-    return jax.jit(lambda qlayers: dataclasses.replace(checkpoint, qlayers={n: qlayers[n] for n in names})
-                   .served_overrides(options))(checkpoint.qlayers)
-
-
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--family", choices=("pixart", "flux"), required=True)
@@ -208,8 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
     for system in [*baselines, *strategies]:
         overrides = ({} if system == "bf16" else bf16_shared_input_overrides(model, groups) if system == BF16_FUSED
                      else checkpoint.overrides() if system == SIMULATE
-                     else served_overrides(checkpoint, served.ServeOptions(strategy=system),
-                                           jit=jax.default_backend() != "gpu"))
+                     else checkpoint.served_overrides(served.ServeOptions(strategy=system),
+                                                       jit=jax.default_backend() != "gpu"))
         params = {"model": state, **batch, **({"overrides": overrides} if overrides else {})}
         served_system = system not in (*baselines, SIMULATE) and not args.xla_defaults
         xla_options = served.program_compiler_options(system if served_system else None)

@@ -21,8 +21,9 @@ finite; and the seconds it took (compilation included: not a speed figure). ``--
 such as the emoji testbed: latents in [-1, 1] mapped to [0, 1] and clipped, peak 1) or ``latents`` (the reference
 sample's range as the peak, as ``kroquant quantize-checkpoint``'s evaluation). Writes the JSON (``--out``,
 atomically), a markdown table beside it (``.md``) and, with ``--save-latents``, every system's samples (``.npz``).
-Off the GPU each served strategy's layers are prepared in one jitted program (op by op, every op would compile on its
-own for each layer shape); on a GPU op by op, as ``kroquant generate`` prepares them.
+Off the GPU each served strategy's layers are prepared in one jitted program (``served_overrides(jit=True)``: op by
+op, every op would compile on its own for each layer shape); on a GPU op by op, as ``kroquant generate`` prepares
+them.
 
     python3 benchmarks/generate_strategies.py --checkpoint runs/quantized-best --teacher checkpoints/emoji_pixart \\
         --prompts prompts.npz --space pixels --strategies simulate,dequant,fp8,fp8_mgpu --seeds 0 1 \\
@@ -33,7 +34,6 @@ own for each layer shape); on a GPU op by op, as ``kroquant generate`` prepares 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import os
 import platform
@@ -83,18 +83,6 @@ def paired_difference(row: dict, baseline: dict) -> dict:
     diff = diff[np.isfinite(diff)]
     sem = float(np.std(diff, ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else None
     return {"psnr_db": float(np.mean(diff)) if len(diff) else float("nan"), "psnr_sem_db": sem}
-
-
-def served_overrides(loaded, option, jit: bool):
-    """``loaded.served_overrides(option)`` (a ``QuantizedCheckpoint``); with ``jit`` every layer is prepared in one
-    jitted program (one compile instead of one per op and layer shape; the layers keep their order)."""
-    if not jit:
-        return loaded.served_overrides(option)
-    import jax
-
-    names = list(loaded.qlayers)  # a jitted dict comes back in sorted key order
-    return jax.jit(lambda qlayers: dataclasses.replace(loaded, qlayers={n: qlayers[n] for n in names})
-                   .served_overrides(option))(loaded.qlayers)
 
 
 def _parse(argv):
@@ -157,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     for strategy, option in options.items():  # every strategy's layers prepared before any sampling
         try:
             overrides[strategy] = (loaded.overrides() if option is None
-                                   else served_overrides(loaded, option, jit=jax.default_backend() != "gpu"))
+                                   else loaded.served_overrides(option, jit=jax.default_backend() != "gpu"))
         except ValueError as err:
             raise UserError(f"--strategies {strategy}: {err}") from None
 

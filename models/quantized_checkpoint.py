@@ -72,12 +72,17 @@ class QuantizedCheckpoint:
         take their rows of its output)."""
         return linear_overrides(self.qlayers, self.model, forward)
 
-    def served_overrides(self, options: Any = None) -> Any:
+    def served_overrides(self, options: Any = None, *, jit: bool = False) -> Any:
         """The linear overrides that run the W4A4 layers served (``pallas_kernels.served``: prepared once with
         ``options.strategy``, then its packed forward; ``options.impl`` None runs the compiled kernels on a GPU and the
         jnp reference elsewhere). ``options`` None: ``served.default_strategy`` of these layers on this device
         (``"fp8_mgpu"`` on Hopper where it serves every layer, else ``"dequant"``). A padded layer
         (``QLinearConfig.input_pad``) gets its inputs zero-padded first.
+
+        ``jit``: prepare every layer in one jitted program (one compile, where op by op each operation compiles on
+        its own for every layer shape; what the benchmarks' tiny CPU runs use). Off by default: ``kroquant generate``
+        prepares op by op, and one program would let XLA change the prepared bits on a GPU (it may drop a rounding to
+        a narrower float inside a program).
 
         Returns a ``models.layers.SharedOverrides`` (each served layer held once; see :func:`linear_overrides`).
 
@@ -88,6 +93,12 @@ class QuantizedCheckpoint:
 
         from models.layers import SharedOverrides
 
+        if jit:
+            import jax
+
+            names = list(self.qlayers)  # a jitted dict comes back in sorted key order: keep the layers' order
+            return jax.jit(lambda qlayers: dataclasses.replace(self, qlayers={n: qlayers[n] for n in names})
+                           .served_overrides(options))(self.qlayers)
         if options is None:
             options = served.ServeOptions(strategy=served.default_strategy(self.qlayers.values())[0])
         parts = []
