@@ -73,7 +73,6 @@ from pallas_kernels import w4a4_gemm as G  # noqa: E402
 RANK = 128
 N_SETS = 3
 _mxfp4_to_e4m3 = jax.jit(FE.mxfp4_to_e4m3, static_argnames=("order", "count_inexact", "arithmetic", "group"))
-_row_spans = jax.jit(FE.row_spans)
 # (model, layer, n, k): the real checkpoints' come from models.layer_shapes (derived from the presets, in priority
 # order: the run stops starting cases at --budget-s); these are the CPU validation's.
 TINY_LAYERS = [("tiny", "attn.q", 256, 256), ("tiny", "ffn.w2", 128, 512)]
@@ -277,12 +276,11 @@ def run_case(model, layer, n, k, m, *, impl, n_calls, check_rows, do_accuracy, k
         sets.append(s)
     jax.block_until_ready([s["layer8"] for s in sets])
     case = {"model": model, "layer": layer, "m": m, "n": n, "k": k, "flops": 2.0 * m * n * k, "variants": {}}
-    # spans of the (random) activations after the quantizer: fraction of rows exact in E4M3 (fp8_encoding.span_stats'
-    # two figures, from one compiled program)
+    # spans of the (random) activations after the quantizer: fraction of rows exact in E4M3
     xq0 = xqs[0]
-    spans = np.asarray(_row_spans(xq0)).reshape(-1)
-    case["act_rows_in_range"] = int((spans <= FE.E4M3_SPAN).sum()) / max(spans.size, 1)
-    case["act_max_span"] = int(spans.max()) if spans.size else 0
+    st = FE.span_stats(xq0)
+    case["act_rows_in_range"] = st["fraction_in_range"]
+    case["act_max_span"] = st["max_span"]
     case["weight_inexact"] = int(sets[0]["layer8"].weight.inexact)
     fns = {}
     for name, fn in variants(impl).items():

@@ -397,17 +397,23 @@ def per_token_e4m3(x: jax.Array, *, order: str = "natural") -> Fp8Rows:
     return Fp8Rows(values=v.astype(jnp.float8_e4m3fn), scale=scale, inexact=jnp.int32(0), order=order)
 
 
+@jax.jit
+def _span_arrays(q: QuantizedArray) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`span_stats`' device work as one compiled program per shape: (row spans, NaN rows, inexact elements)."""
+    _, _, nan_blk = block_exponents(q)
+    return row_spans(q), jnp.sum(jnp.any(nan_blk, axis=-1)), mxfp4_to_e4m3(q).inexact
+
+
 def span_stats(q: QuantizedArray) -> dict:
     """Host-side summary of a re-encoding: ``rows``, ``rows_in_range`` (span ``<= 14``), ``fraction_in_range``,
     ``max_span``, ``span_histogram`` (``{span: rows}``), ``inexact_elements``, ``elements``, ``nan_rows``."""
-    spans = np.asarray(jax.device_get(row_spans(q))).reshape(-1)
-    _, _, nan_blk = block_exponents(q)
-    nan_rows = int(np.asarray(jnp.any(nan_blk, axis=-1)).sum())
+    spans, nan_rows, inexact = jax.device_get(_span_arrays(q))
+    spans, nan_rows = np.asarray(spans).reshape(-1), int(nan_rows)
     rows = int(spans.size)
     inside = int((spans <= E4M3_SPAN).sum())
     vals, counts = np.unique(spans, return_counts=True)
     return {"rows": rows, "rows_in_range": inside, "fraction_in_range": inside / max(rows, 1),
             "max_span": int(spans.max()) if rows else 0,
             "span_histogram": {int(v): int(c) for v, c in zip(vals, counts)},
-            "inexact_elements": int(mxfp4_to_e4m3(q).inexact), "elements": int(np.prod(q.shape)),
+            "inexact_elements": int(inexact), "elements": int(np.prod(q.shape)),
             "nan_rows": nan_rows}
