@@ -127,27 +127,14 @@ def derive(payload: dict[str, Any]) -> None:
             payload["speedup_per_image"][batch] = {n: per_image[BASELINE] / ms for n, ms in per_image.items()}
 
 
-class _HelpFormatter(argparse.HelpFormatter):
-    """argparse's formatter, with the registered served strategies (``pallas_kernels.served``, which imports jax)
-    filled in for ``{strategies}`` only when the help is shown."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = super()._get_help_string(action)
-        if text is not None and "{strategies}" in text:
-            from pallas_kernels import served
-
-            text = text.replace("{strategies}", ", ".join(served.strategy_names()))
-        return text
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=_HelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", default=str(CHECKPOINT), help="the testbed's diffusers PixArt directory")
     parser.add_argument("--prompts", default=None, help="prompt embeddings .npz (default: the checkpoint's)")
     parser.add_argument("--systems", type=choice_list(tuple(SYSTEMS), "system"), default=tuple(SYSTEMS),
                         help=f"comma-separated subset of {','.join(SYSTEMS)} (run in that order; default all)")
     parser.add_argument("--strategy", default="dequant",
-                        help="served strategy of the W4A4 layers (one of {strategies})")
+                        help="served strategy of the W4A4 layers (pallas_kernels.served's names; default %(default)s)")
     parser.add_argument("--batches", type=batch_list, default=(1, 64),
                         help="comma-separated image batches (default 1,64)")
     parser.add_argument("--rank", type=positive_int, default=32, help="low-rank rank (docs/qad.md's stores: 32)")
