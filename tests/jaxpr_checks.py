@@ -1,12 +1,14 @@
 """Checks on what a traced program computes, for the tests: every matmul (``dot_general``) of a function, nested
-jaxprs included (scan, while, cond, pjit, custom_jvp/vjp, custom_linear_solve), and the precision it asks for; and
-which arrays a lowered program holds as constants (:func:`folded_leaves`: weights a jitted function closed over)."""
+jaxprs included (scan, while, cond, pjit, custom_jvp/vjp, custom_linear_solve), and the precision it asks for; every
+widening of an 8-bit float (:func:`float8_widenings`); and which arrays a lowered program holds as constants
+(:func:`folded_leaves`: weights a jitted function closed over)."""
 
 from __future__ import annotations
 
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
@@ -43,6 +45,20 @@ def dot_generals(fn, *args) -> list[tuple[tuple, str]]:
         if eqn.primitive.name == "dot_general":
             p = eqn.params["precision"]
             out.append((tuple(p) if isinstance(p, (tuple, list)) else (p, p), _where(eqn)))
+    return out
+
+
+def float8_widenings(fn, *args) -> list[str]:
+    """``["float8_e4m3fn -> float32 at where", ...]``: every ``convert_element_type`` of ``jax.make_jaxpr(fn)(*args)``
+    from an 8-bit float to a wider float. Inside one compiled program XLA:GPU replaces a chain ``f32 -> f8 -> f32`` by
+    its input (excess precision, allowed by default), so a value rounded to f8 and widened back is unrounded there."""
+    out = []
+    for eqn in _equations(jax.make_jaxpr(fn)(*args).jaxpr):
+        if eqn.primitive.name == "convert_element_type":
+            src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+            if jnp.issubdtype(src, jnp.floating) and src.itemsize == 1 and jnp.issubdtype(dst, jnp.floating) \
+                    and dst.itemsize > 1:  # (numpy does not count ml_dtypes' float8 types as floating)
+                out.append(f"{src} -> {dst} at {_where(eqn)}")
     return out
 
 

@@ -394,32 +394,17 @@ def test_nvfp4_tensor_scale_correctly_rounded_under_jit():
     np.testing.assert_array_equal(got, amax / np.float32(448.0 * 6.0))
 
 
-def _float_round_trips(jaxpr) -> list[str]:
-    """The ``convert_element_type`` equations of ``jaxpr`` (nested jaxprs included) that widen a float8 value back to
-    a wider float: the chains XLA:GPU's ``simplify-fp-conversions`` pass replaces by their unrounded input."""
-    from jax.extend.core import jaxprs_in_params
-
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "convert_element_type":
-            src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
-            if jnp.issubdtype(src, jnp.floating) and src.itemsize == 1 and dst.itemsize > 1:
-                found.append(f"{src} -> {dst}")
-        for sub in jaxprs_in_params(eqn.params):
-            found += _float_round_trips(sub)
-    return found
-
-
 def test_nvfp4_quantizer_never_widens_its_rounded_scale():
     """The NVFP4 quantizer divides by its E4M3-rounded block scale: that value must come from integer ops
     (``e4m3_round``), not from the f8 scale widened back to f32, because XLA:GPU drops an ``f32 -> f8 -> f32`` chain
     inside one program and the codes would be those of the unrounded scale (up to one E2M1 step off, while the
     stored scale bytes stay right; docs/kernels.md, "Tests", the NVFP4 failures on the GPU)."""
+    from jaxpr_checks import float8_widenings
+
     x = jnp.ones((4, 32), jnp.float32)
-    jaxpr = jax.make_jaxpr(lambda v: F.quantize(v, NVFP4()))(x).jaxpr
-    assert _float_round_trips(jaxpr) == []
+    assert float8_widenings(lambda v: F.quantize(v, NVFP4()), x) == []
     # the check sees such a chain where there is one
-    assert _float_round_trips(jax.make_jaxpr(lambda v: v.astype(jnp.float8_e4m3fn).astype(jnp.float32))(x).jaxpr)
+    assert float8_widenings(lambda v: v.astype(jnp.float8_e4m3fn).astype(jnp.float32), x)
 
 
 def test_e4m3_round_matches_ml_dtypes():
