@@ -138,6 +138,10 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     out = Path(args.out)
+    for flag, value in (("--steps", args.steps), ("--save-every", args.save_every)):
+        if value % args.chunk:
+            raise ValueError(f"{flag} {value} must be a multiple of --chunk {args.chunk} (training runs in compiled "
+                             "chunks of that many steps)")
     if args.curve_every % args.chunk:
         raise ValueError(f"--curve-every {args.curve_every} must be a multiple of --chunk {args.chunk} (the student is "
                          "scored between compiled chunks)")

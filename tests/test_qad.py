@@ -495,6 +495,10 @@ def test_script_validates_its_ptq_stores_before_any_work(tmp_path):
         qad_script.main(common)
     with pytest.raises(ValueError, match="--curve-every 30 must be a multiple of --chunk 50"):
         qad_script.main(common + ["--curve-every", "30", "--chunk", "50"])
+    with pytest.raises(ValueError, match="--steps 6 must be a multiple of --chunk 4"):
+        qad_script.main(common + ["--steps", "6", "--chunk", "4", "--curve-every", "4"])
+    with pytest.raises(ValueError, match="--save-every 500 must be a multiple of --chunk 3"):
+        qad_script.main(common + ["--steps", "6", "--chunk", "3", "--curve-every", "3"])
     with pytest.raises(ValueError, match="--eval-captions 10000 \\+ --validation-captions 8: the prompts have only"):
         qad_script.main(common + ["--variants", "qad_16bit", "--eval-captions", "10000"])  # the shipped prompts
     with pytest.raises(ValueError, match="--student-init .*: not a diffusers folder"):
