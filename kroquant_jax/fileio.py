@@ -103,6 +103,24 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int = 2, sor
     atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")
 
 
+def read_json_object(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON object (a dict) in the file ``path``.
+
+    Raises:
+      FileNotFoundError: ``path`` does not exist.
+      ValueError: naming ``path``, when it is not valid UTF-8 JSON (e.g. truncated) or not an object.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: corrupt JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return value
+
+
 class _NotAnArchive(ValueError):
     """A file numpy reads, but not as a ``.npz`` archive (:func:`read_npz`)."""
 

@@ -65,6 +65,7 @@ from typing import Any, ClassVar
 import ml_dtypes
 import numpy as np
 
+from kroquant_jax import fileio
 from kroquant_jax.fileio import atomic_path, atomic_write_json, publishable, replace_folder
 
 __all__ = [
@@ -235,12 +236,11 @@ def read_json_object(path: str | os.PathLike) -> dict[str, Any]:
         CheckpointError: naming ``path`` when it is not valid UTF-8 JSON (e.g. truncated) or not an object.
     """
     try:
-        value = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path}: corrupt JSON ({err})") from err
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: not a JSON object")
-    return value
+        return fileio.read_json_object(path)
+    except FileNotFoundError:
+        raise
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def read_diffusers_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

@@ -66,7 +66,8 @@ import optax
 from flax import nnx
 
 from kroquant_jax import formats, provenance, transforms
-from kroquant_jax.fileio import atomic_append_text, atomic_write_text, replace_folder
+from kroquant_jax.fileio import (atomic_append_text, atomic_write_json, atomic_write_text, read_json_object,
+                                 replace_folder)
 from models.testbed import model as testbed
 from models.layers import LinearHooks, linears
 
@@ -129,7 +130,7 @@ class GuidanceSchedule:
 
 @dataclasses.dataclass(frozen=True)
 class QADConfig:
-    """Settings of one QAD run (all of them enter the run folder's key).
+    """Settings of one QAD run (all but :data:`UNKEYED_CONFIG` enter the run folder's key).
 
     fmt: ``"mxfp4"`` or ``"nvfp4"`` (weights, activations and a quantized low-rank branch).
     ste: ``"identity"`` (plain STE), ``"clipped"`` (zero gradient where saturated) or ``"none"`` (naive distillation:
@@ -577,11 +578,15 @@ class BestIterate:
         self._trainable = None
         meta = self.folder / "best.json"
         if meta.exists():
-            stored = json.loads(meta.read_text())
+            stored = read_json_object(meta)
             if stored.get("selection") != selection:
                 raise ValueError(f"{self.folder}: its best iterate was selected by {stored.get('selection')!r}, this "
                                  f"run selects by {selection!r}; use another --out or delete that folder")
-            self.step, self.score = int(stored["step"]), float(stored["score"])
+            try:
+                self.step, self.score = int(stored["step"]), float(stored["score"])
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"{meta}: no step and score of a best iterate; delete {self.folder} to select "
+                                 "again") from None
 
     def offer(self, step: int, trainable: Any, score: float) -> bool:
         """Keep ``trainable`` (saved) if ``score`` is finite and beats the best so far; True when it was kept."""
@@ -613,11 +618,32 @@ class BestIterate:
 TRAINING_NUMERICS_VERSION = 2
 
 
+#: The config fields that only schedule the work: a step's result does not depend on them (the PRNG key is carried
+#: step by step in the state, the learning rate is warm-up then constant), so a rerun may train further or save and
+#: compile in other chunks in the same run folder.
+UNKEYED_CONFIG = ("steps", "chunk", "save_every")
+
+
 def run_key(config: QADConfig, extra: Mapping[str, Any]) -> dict:
-    """The settings a run folder is keyed by: the config, ``extra`` (initialisation, data, model fingerprints) and
-    :data:`TRAINING_NUMERICS_VERSION`."""
-    return {"config": config.to_json(), "numerics_version": TRAINING_NUMERICS_VERSION,
-            **{k: extra[k] for k in sorted(extra)}}
+    """The settings a run folder is keyed by: the config less :data:`UNKEYED_CONFIG`, ``extra`` (initialisation,
+    data, model fingerprints) and :data:`TRAINING_NUMERICS_VERSION`."""
+    keyed = {k: v for k, v in config.to_json().items() if k not in UNKEYED_CONFIG}
+    return {"config": keyed, "numerics_version": TRAINING_NUMERICS_VERSION, **{k: extra[k] for k in sorted(extra)}}
+
+
+def _upgrade_run_record(path: Path) -> None:
+    """A record written while :data:`UNKEYED_CONFIG` and the teacher folder's name (``checkpoint``, which the
+    teacher's fingerprint covers) were keyed is rewritten without them: the same run's key in today's form, so the
+    check resumes it or names only the settings that decide results."""
+    try:
+        stored = read_json_object(path)
+    except (FileNotFoundError, ValueError):
+        return  # absent, or unreadable: the check refuses it
+    current = {k: v for k, v in stored.items() if k != "checkpoint"}
+    if isinstance(current.get("config"), dict):
+        current["config"] = {k: v for k, v in current["config"].items() if k not in UNKEYED_CONFIG}
+    if current != stored:
+        atomic_write_json(path, current)
 
 
 def fingerprint(tree: Any) -> str:
@@ -629,6 +655,7 @@ def _check_run_key(run_dir: Path, key: dict) -> None:
     """``provenance.check_run_folder`` on ``run_dir/qad_run.json``: a folder with results (checkpoints, a best
     iterate, a log) of other settings is refused naming each setting's old -> new value."""
     has_results = any((run_dir / name).exists() for name in ("checkpoints", "best", "log.jsonl"))
+    _upgrade_run_record(run_dir / "qad_run.json")
     provenance.check_run_folder(run_dir, "qad_run.json", key, has_results, flag="--out")
 
 

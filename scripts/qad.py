@@ -335,8 +335,7 @@ def main(argv=None) -> int:
         chunk = qad.make_train_chunk(student_graph, teacher_graph, teacher_state, blocks, config, packed, data)
         state = qad.init_state(student_state, layers, config)
         key_extra = {"init": init if init != "ptq" else f"{ptq_name}:{qad.fingerprint(layers)}",
-                     "data": qad.fingerprint(data), "checkpoint": str(Path(args.checkpoint).name),
-                     "teacher": qad.fingerprint(teacher_state),
+                     "data": qad.fingerprint(data), "teacher": qad.fingerprint(teacher_state),
                      **({} if args.student_init is None else {"student_init": qad.fingerprint(student_state)})}
 
         run_dir = out / "runs" / variant

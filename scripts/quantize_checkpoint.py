@@ -24,7 +24,9 @@ it came from, ``--text-rows-from-all-prompts``, the digest of ``--text-embedding
 quantized linears (its other parameters and config) among them; a rerun with the same settings reuses it;
 ``--layer-set`` reuses another one, refused unless its weights are ``--checkpoint``'s), ``qlayers-RECIPE/`` (the resumable per-layer store of ``kroquant_jax.calibrate``, each layer
 with the fingerprint of its inputs: a rerun resumes the layers whose weight, activations and recipe settings match
-and refuses the folder, naming the layer and what changed, when they do not, unless ``--overwrite``),
+and refuses the folder, naming the layer and what changed, when they do not, unless ``--overwrite``; its
+``capture.json`` holds the capture settings the store was calibrated on, which a rerun's are checked against before
+it captures, so recipes calibrated on different captures can share OUT),
 ``quantized-RECIPE/`` (the self-contained quantized checkpoint of ``models.quantized_checkpoint``: config, 16-bit
 weights, packed W4A4 layers; ``kroquant generate --checkpoint OUT/quantized-RECIPE`` runs it), ``samples-RECIPE.npz``
 (16-bit and W4A4 latents of the evaluation prompts, same seeds) and ``report-RECIPE.json`` (latent PSNR / relative
@@ -55,6 +57,8 @@ from kroquant_jax import calibrate
 from scripts.common_args import (UserError, add_compile_cache, add_quiet, check_out_dir, finite_float, positive_float,
                                  positive_int, quantize_with_store, require_paths, verb_parser)
 
+
+STORE_CAPTURE_RECORD = "capture.json"  # in qlayers-RECIPE/: the capture settings its layers were calibrated on
 
 EXAMPLES = (
     "--checkpoint pixart-sigma/transformer --embeddings prompts.npz --out runs/pixart",
@@ -271,10 +275,12 @@ def check_layer_set_model(path: str, model_digest: str | None, checkpoint: str) 
     record = Path(path).with_suffix(".json")
     if model_digest is None or not record.is_file():
         return
+    from kroquant_jax.fileio import read_json_object
+
     try:
-        recorded = json.loads(record.read_text()).get("model")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        return
+        recorded = read_json_object(record).get("model")
+    except ValueError as err:
+        raise UserError(f"--layer-set {path}: its capture record is unreadable: {err}") from None
     if recorded is not None and recorded != model_digest:
         raise UserError(f"--layer-set {path}: captured from a model whose parameters outside the quantized linears, or "
                         f"whose config, differ from --checkpoint {checkpoint}'s (recorded in {record}); capture again "
@@ -309,6 +315,9 @@ def capture_settings(args, arrays: dict, capture_indices: list[int], names: list
 
 
 def _settings_changes(stored: dict, current: dict) -> list[str]:
+    if stored.get("layer_set"):  # a store calibrated on --layer-set (its record holds that file's digest alone)
+        return ["calibrated on --layer-set, not on a capture with these settings"]
+
     def change(k):
         if k == "model":
             return ("capture model: the checkpoint's parameters outside the quantized linears, or its config, "
@@ -471,7 +480,7 @@ def main(argv: list[str] | None = None) -> dict:
     from kroquant_jax import provenance, qlinear
     if args.compile_cache:
         calibrate.enable_compile_cache(args.compile_cache)
-    from kroquant_jax.fileio import atomic_write_json
+    from kroquant_jax.fileio import atomic_write_json, read_json_object
     from kroquant_jax.layerset import load_layer_set, save_layer_set
     from models import capture, image_metrics, quantize_model, sampling
 
@@ -503,14 +512,20 @@ def main(argv: list[str] | None = None) -> dict:
     settings = capture_settings(args, arrays, capture_indices, names, text_arrays,
                                 params_digest(model, names, config=cfg))
     cached, cached_key = out / "layer_set.safetensors", out / "layer_set.json"
-    stored_settings = json.loads(cached_key.read_text()) if cached_key.exists() else None
+    # (--overwrite recaptures and recomputes, so it reads neither record)
+    stored_settings = read_json_object(cached_key) if cached_key.exists() and not args.overwrite else None
+    # the capture this recipe's store was calibrated on: its own record, since another recipe's run into the same
+    # --out may have captured again since (stores from before the record: the folder's layer_set.json)
+    store_key = store_dir / STORE_CAPTURE_RECORD
+    store_settings = (read_json_object(store_key) if store_key.exists() and not args.overwrite else stored_settings)
     if not args.overwrite:
         try:
             partial = {n: provenance.layer_fingerprint(w, b, None, recipe) for n, (w, b) in calibrated.items()}
             stored = store.verify(partial)
-            if stored and not args.layer_set and stored_settings is not None and stored_settings != settings:
+            # (a --layer-set run is checked layer by layer against its rows, in the calibration below)
+            if stored and not args.layer_set and store_settings is not None and store_settings != settings:
                 raise provenance.StaleResultError(
-                    next(n for n in calibrated if n in store), _settings_changes(stored_settings, settings),
+                    next(n for n in calibrated if n in store), _settings_changes(store_settings, settings),
                     str(store_dir))
         except provenance.StaleResultError as err:
             raise UserError(f"{err}; rerun with --overwrite to recompute, or choose another --out") from None
@@ -542,6 +557,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     if groups:  # each group one layer (its first member's rows, the members' weights stacked)
         layer_set = fuse_shared_inputs(layer_set, groups)
+    # recorded before the store's first layer from this capture (a --layer-set: that file's digest)
+    atomic_write_json(store_key, {"layer_set": provenance.file_digest(args.layer_set)} if args.layer_set else settings)
     qlayers, reports = quantize_with_store(layer_set, recipe, store, args.overwrite, "--out")
     qlayers = {n: qlinear.with_input_pad(q, pads.get(members_of(n)[0], 0)) for n, q in qlayers.items()}
     resumed = sum(bool(r.get("resumed")) for r in reports.values())

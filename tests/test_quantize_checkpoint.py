@@ -90,6 +90,32 @@ def test_rerun_with_other_inputs_is_refused_before_the_capture(runs, tmp_path, c
     assert (_store_state(out), (out / "layer_set.safetensors").stat().st_mtime_ns) == before  # nothing recomputed
 
 
+def test_each_recipe_store_is_checked_against_its_own_capture(runs, tmp_path, capsys):
+    """Two recipes in one --out with other capture settings: the second recaptures (its store is empty), and the
+    first one's store is still judged by the capture it was calibrated on (its own record), not by the folder's
+    latest layer_set.json: a rerun with its settings resumes, a rerun with the second's settings is refused."""
+    out = _copy(runs, tmp_path)
+    (out / "qlayers-rtn" / quantize_checkpoint.STORE_CAPTURE_RECORD).unlink()  # a store made before the record
+    recipe_at = TINY.index("--recipe") + 1
+    other = [*TINY[:recipe_at], "hadamard32", *TINY[recipe_at + 1:], "--steps", "3"]
+    quantize_checkpoint.main(["--checkpoint", str(runs / "a"), "--out", str(out), *other])
+    assert json.loads((out / "layer_set.json").read_text())["steps"] == 3
+    assert json.loads((out / "qlayers-hadamard32" / "capture.json").read_text())["steps"] == 3
+    capsys.readouterr()
+    # the rtn store has no record of its own and the folder's is the hadamard32 run's: refused early (legacy rule)
+    assert cli.main(["quantize-checkpoint", "--checkpoint", str(runs / "a"), "--out", str(out), *TINY]) == 1
+    assert "(capture setting steps: 3 -> 2)" in capsys.readouterr().err
+    # with its own record (what every run writes now) the rtn store resumes after a capture with its settings
+    quantize_checkpoint.main(["--checkpoint", str(runs / "a"), "--out", str(out), *TINY, "--overwrite"])
+    quantize_checkpoint.main(["--checkpoint", str(runs / "a"), "--out", str(out), *other])
+    assert json.loads((out / "layer_set.json").read_text())["steps"] == 3
+    report = quantize_checkpoint.main(["--checkpoint", str(runs / "a"), "--out", str(out), *TINY])
+    assert report["layers_resumed"] == LAYERS
+    capsys.readouterr()
+    code = cli.main(["quantize-checkpoint", "--checkpoint", str(runs / "a"), "--out", str(out), *TINY, "--steps", "4"])
+    assert code == 1 and "qlayers-rtn: stored layer" in capsys.readouterr().err
+
+
 def test_overwrite_recomputes(runs, tmp_path, capsys):
     out = _copy(runs, tmp_path)
     report = quantize_checkpoint.main(["--checkpoint", str(runs / "b"), "--out", str(out), *TINY, "--overwrite"])

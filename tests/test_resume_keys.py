@@ -166,6 +166,32 @@ def test_qad_refusal_names_each_setting_old_and_new(tmp_path):
     assert json.loads((tmp_path / "qad_run.json").read_text())["config"]["lr"] == 1e-4
 
 
+def test_qad_run_may_train_further_and_an_older_record_resumes(tmp_path):
+    """The step count, the steps per compiled chunk and the save interval schedule the work, so they are not keyed
+    (as docs/reliability.md says of every training verb): a rerun with more steps resumes. A record written while
+    they (and the teacher folder's name) were keyed is rewritten without them: the same run resumes, another is
+    refused naming only the settings that decide results."""
+    config = qad.QADConfig(steps=20, chunk=10, save_every=10)
+    extra = {"init": "16bit", "data": "aaa", "teacher": "t"}
+    qad.check_run_folder(tmp_path / "run", config, extra)
+    (tmp_path / "run" / "checkpoints").mkdir()
+    qad.check_run_folder(tmp_path / "run", dataclasses.replace(config, steps=40, chunk=5, save_every=20), extra)
+    assert "steps" not in json.loads((tmp_path / "run" / "qad_run.json").read_text())["config"]
+
+    def older_record(folder, config):
+        (folder / "checkpoints").mkdir(parents=True)
+        record = {**qad.run_key(config, extra), "config": config.to_json(), "checkpoint": "emoji_pixart"}
+        (folder / "qad_run.json").write_text(json.dumps(record))
+
+    older_record(tmp_path / "old", config)
+    qad.check_run_folder(tmp_path / "old", dataclasses.replace(config, steps=60), extra)
+    assert json.loads((tmp_path / "old" / "qad_run.json").read_text()) == json.loads(json.dumps(
+        qad.run_key(config, extra)))
+    older_record(tmp_path / "old_lr", config)
+    with pytest.raises(ValueError, match=r"made with other settings \(config.lr: 5e-05 -> 0.0001\); use another"):
+        qad.check_run_folder(tmp_path / "old_lr", dataclasses.replace(config, lr=1e-4), extra)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # quantize-checkpoint / evaluate: the capture's key covers the model outside the quantized linears
 # --------------------------------------------------------------------------------------------------------------------
