@@ -340,6 +340,15 @@ def served_student(args: argparse.Namespace, built: Setup, out: Path):
     return flow, {"model": params, "overrides": overrides}, summary
 
 
+def sampled_records(heldout: np.ndarray, samples: int) -> np.ndarray:
+    """The training records ``dmd2 evaluate`` samples (``heldout (n,) bool``): ``samples`` of them at random (seed 0),
+    in record order, or all when there are no more. Not a prefix: the records are in the font's code-point order, so
+    the first ones are one corner of the training distribution the Fréchet distance compares with."""
+    train_records = np.flatnonzero(~np.asarray(heldout, bool))
+    chosen = np.random.default_rng(0).choice(train_records, min(samples, train_records.size), replace=False)
+    return np.sort(chosen)
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     _check_served(args)
     built = setup(args, jnp.float32)
@@ -356,7 +365,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     real_accuracy = emoji_metrics.caption_accuracy(
         emoji_metrics.classify(enc_graphdef, enc_params, class_images), np.arange(class_images.shape[0]))
 
-    train_indices = np.flatnonzero(~dataset.heldout)[:args.samples]
+    train_indices = sampled_records(dataset.heldout, args.samples)
     targets = emoji_metrics.class_of(dataset.images[train_indices], class_images)
     channel_shape = (cfg.in_channels, cfg.sample_size, cfg.sample_size)
     null_context = jnp.asarray(dataset.null_context, jnp.float32)

@@ -55,7 +55,7 @@ from kroquant_jax.fileio import atomic_path, atomic_write_text
 from models import convert, families, pixart, qad
 from models.testbed import model as testbed
 from models.testbed import data as testbed_data
-from models.testbed.evaluation import image_metrics_of
+from models.testbed.evaluation import image_metrics_of, seed_image_metrics
 from scripts.common_args import nonnegative_int, positive_int, require_paths, verb_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -295,17 +295,13 @@ def main(argv=None) -> int:
                                 **{f"column{k}_seed{s}": by_seed[s] for k, by_seed in enumerate(columns.values())
                                    for s in args.seeds})
         atomic_write_text(out / "qad_training.json", json.dumps(training))
-        # metrics: every image of every seed against the teacher's image of the same caption and seed
+        # metrics: every image of every seed against the teacher's image of the same caption and seed; the PSNR's
+        # standard error is over the captions (their means over seeds), as kroquant evaluate reports it
         results = {}
         for title, by_seed in columns.items():
             entry = {"forward_passes_per_image": passes[title]}
             for split, part in (("heldout", held), ("train", slice(len(heldout), None))):
-                got = np.concatenate([by_seed[s][part] for s in args.seeds])
-                ref = np.concatenate([reference[s][part] for s in args.seeds])
-                metrics = image_metrics_of(got, ref)
-                per_seed = [image_metrics_of(by_seed[s][part], reference[s][part])["psnr_db"] for s in args.seeds]
-                metrics.pop("psnr_per_image_db")
-                entry[split] = {**metrics, "psnr_db_per_seed": per_seed}
+                entry[split] = column_metrics(by_seed, reference, args.seeds, part)
             results[title] = entry
         report = {"settings": vars(args), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                   "train_records": int(len(keep)), "heldout_captions": [str(c) for c in prompts.captions[heldout]],
@@ -399,12 +395,22 @@ def main(argv=None) -> int:
     return 0
 
 
+def column_metrics(by_seed: dict, reference: dict, seeds, part) -> dict:
+    """A column's images ``by_seed[s] (captions, s, s, 3) uint8`` against the teacher's (``reference[s]``), captions
+    ``part`` of each seed: ``seed_image_metrics`` (PSNR's standard error over the captions' means over seeds), with
+    ``psnr_db_per_seed`` also for one seed."""
+    got = np.stack([by_seed[s][part] for s in seeds])  # (S, n, s, s, 3)
+    ref = np.stack([reference[s][part] for s in seeds])
+    metrics = seed_image_metrics(got, ref)
+    return {"psnr_db_per_seed": [metrics["psnr_db"]], **metrics}
+
+
 def table(report: dict) -> str:
     lines = [f"{report['device']}, jax {report['jax']}; teacher {report['schedule']}; "
              f"{len(report['heldout_captions'])} held-out + {len(report['train_eval_captions'])} training captions "
              f"(not trained on) x seeds {report['settings']['seeds']}; metrics vs the teacher's image", "",
-             "| model | forward passes / image | held-out PSNR (dB) | held-out SSIM | chroma ratio | saturation ratio "
-             "| train-caption PSNR (dB) | train-caption SSIM |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| model | forward passes / image | held-out PSNR (dB ± s.e. over captions) | held-out SSIM | chroma ratio "
+             "| saturation ratio | train-caption PSNR (dB ± s.e.) | train-caption SSIM |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for title, r in report["results"].items():
         h, t = r["heldout"], r["train"]
         trained = report["training"].get(title)

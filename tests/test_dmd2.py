@@ -901,3 +901,17 @@ def test_pixart_scores_use_the_teachers_conventions():
     euler, guided, ours, theirs = both_conventions(teacher)
     np.testing.assert_allclose(noise - guided, euler, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-6)
+
+
+def test_evaluation_samples_random_training_records_not_a_prefix():
+    """`kroquant dmd2 evaluate --samples N`: N training records drawn at random (seed 0), in record order; the
+    records are in code-point order, so a prefix would be one corner of the distribution; no more than N: all."""
+    from scripts import dmd2 as dmd2_script
+
+    heldout = np.zeros(3000, bool)
+    heldout[::20] = True
+    chosen = dmd2_script.sampled_records(heldout, 100)
+    assert chosen.size == 100 and np.all(np.diff(chosen) > 0) and not heldout[chosen].any()
+    assert chosen.max() > 2000 and chosen.min() < 1000, "spread over the records"
+    np.testing.assert_array_equal(chosen, dmd2_script.sampled_records(heldout, 100))
+    np.testing.assert_array_equal(dmd2_script.sampled_records(heldout, 5000), np.flatnonzero(~heldout))

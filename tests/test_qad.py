@@ -643,3 +643,24 @@ def test_scanned_blocks_refuse_hooks_they_cannot_stack():
 
     with pytest.raises(ValueError, match="a recorder or fused hooks cannot run under the scan"):
         run({}, recorder=Recorder())
+
+
+def test_report_psnr_standard_error_is_over_captions_not_images():
+    """`kroquant qad`'s tables: a caption's seeds are not independent samples, so the PSNR's standard error is over
+    the captions' means across seeds (as `kroquant evaluate` reports it), not over every image of every seed (which
+    understated it by up to sqrt(seeds) when the error level is the caption's)."""
+    from scripts import qad as qad_script
+
+    rng = np.random.default_rng(0)
+    seeds, n = (1000, 2000), 12
+    reference = {s: rng.integers(0, 256, (n, 16, 16, 3), dtype=np.uint8) for s in seeds}
+    level = rng.uniform(2, 40, (n, 1, 1, 1))  # each caption's error level, shared by its seeds
+    got = {s: np.clip(reference[s] + rng.normal(0, 1, reference[s].shape) * level, 0, 255).astype(np.uint8)
+           for s in seeds}
+    metrics = qad_script.column_metrics(got, reference, seeds, slice(None))
+    per_image = np.array(metrics["psnr_per_image_db"]).reshape(len(seeds), n)
+    assert metrics["psnr_sem_db"] == pytest.approx(per_image.mean(0).std(ddof=1) / np.sqrt(n), rel=1e-3)
+    assert metrics["psnr_sem_db"] > 1.3 * per_image.std(ddof=1) / np.sqrt(per_image.size)
+    assert metrics["psnr_db_per_seed"] == pytest.approx(list(per_image.mean(1)), abs=1e-3)
+    one = qad_script.column_metrics(got, reference, seeds[:1], slice(0, 6))
+    assert one["psnr_db_per_seed"] == [one["psnr_db"]]
