@@ -28,7 +28,8 @@ from kroquant_jax.fileio import atomic_write_json
 
 __all__ = ["EXECUTION_SETTINGS", "NUMERICS_VERSION", "OutputFolderError", "RunFolderError", "StaleResultError",
            "array_digest", "check_run_folder", "claim_output_folder", "describe_changes", "describe_key_changes",
-           "file_digest", "named_arrays_digest", "layer_fingerprint", "layer_set_mismatch", "recipe_settings"]
+           "file_digest", "named_arrays_digest", "layer_fingerprint", "layer_set_mismatch", "recipe_settings",
+           "without_execution_settings"]
 
 #: Bump whenever a change to the library alters the numbers a recipe produces for the same inputs (quantizer rounding,
 #: transform parameterization, optimiser, row draw): results stored under another version are then refused.
@@ -82,6 +83,24 @@ def _flatten(prefix: str, value: Any, out: dict) -> None:
         out[name] = [v if isinstance(v, (bool, int, float, str)) or v is None else repr(v) for v in value]
     else:
         out[name] = repr(value)
+
+
+def without_execution_settings(config: Any) -> Any:
+    """``config`` (a nested frozen dataclass) with every :data:`EXECUTION_SETTINGS` field at its default, e.g. to
+    name a store by its ``repr``: configs that differ only in how the work is scheduled get one name."""
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        return config
+    changes = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name in EXECUTION_SETTINGS and f.default is not dataclasses.MISSING:
+            if value != f.default:
+                changes[f.name] = f.default
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            inner = without_execution_settings(value)
+            if inner is not value:
+                changes[f.name] = inner
+    return dataclasses.replace(config, **changes) if changes else config
 
 
 def recipe_settings(recipe: Any) -> dict[str, Any]:

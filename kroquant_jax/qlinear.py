@@ -460,13 +460,39 @@ def save_qlinear(path: str, layer: QuantizedLinear, extra_metadata: Optional[dic
 
 
 def load_qlinear(path: str) -> tuple[QuantizedLinear, dict]:
-    """Reads a layer written by :func:`save_qlinear`; returns ``(layer, extra_metadata)``."""
-    from safetensors import safe_open
+    """Reads a layer written by :func:`save_qlinear`; returns ``(layer, extra_metadata)``; a truncated or foreign
+    file raises ValueError naming it."""
+    from safetensors import SafetensorError
 
-    with safe_open(path, framework="numpy") as f:
-        meta = json.loads(f.metadata()["qlinear"])
-        state = {k: f.get_tensor(k) for k in f.keys()}
+    with _open_stored_layer(path) as f:
+        meta = _layer_metadata(f, path)
+        try:
+            state = {k: f.get_tensor(k) for k in f.keys()}
+        except SafetensorError as err:
+            raise ValueError(f"{path}: not a readable stored layer ({err}); delete it to recompute that layer") from None
     return from_state(state, meta), meta.get("extra", {})
+
+
+def _open_stored_layer(path: str):
+    """``safe_open(path)``, a truncated or foreign file refused naming it (safetensors' own error names none)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(path, framework="numpy")
+    except SafetensorError as err:
+        raise ValueError(f"{path}: not a readable stored layer ({err}); delete it to recompute that layer") from None
+
+
+def _layer_metadata(f, path: str) -> dict:
+    """The ``qlinear`` metadata of an open stored layer, or ValueError naming ``path``."""
+    try:
+        meta = json.loads((f.metadata() or {})["qlinear"])
+    except (KeyError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a layer written by save_qlinear (no readable 'qlinear' metadata: "
+                         f"{type(err).__name__})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: not a layer written by save_qlinear ('qlinear' metadata is not an object)")
+    return meta
 
 
 def _file_name(name: str) -> str:
@@ -516,12 +542,10 @@ class QLinearStore:
     def changes(self, name: str, fingerprint: Mapping[str, Any]) -> list[str]:
         """What differs between the stored layer's fingerprint and ``fingerprint`` (only the keys it has; a partial
         fingerprint without ``activations`` checks the weight and recipe before a capture); ``[]`` if they match."""
-        from safetensors import safe_open
-
         from kroquant_jax import provenance
 
-        with safe_open(self.path(name), framework="numpy") as f:
-            extra = json.loads(f.metadata()["qlinear"]).get("extra", {})
+        with _open_stored_layer(self.path(name)) as f:
+            extra = _layer_metadata(f, self.path(name)).get("extra", {})
         return provenance.describe_changes(extra.get("fingerprint"), fingerprint)
 
     def verify(self, fingerprints: Mapping[str, Mapping[str, Any]]) -> int:

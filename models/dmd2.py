@@ -68,7 +68,7 @@ import optax
 from flax import nnx
 
 from kroquant_jax import provenance
-from kroquant_jax.fileio import atomic_append_text, atomic_write_json
+from kroquant_jax.fileio import atomic_append_text, atomic_write_json, read_json_object
 from models import qad
 from models.testbed import data as testbed_data
 from models.testbed import model as testbed
@@ -1042,7 +1042,7 @@ def check_run_key(run_dir: str | Path, key: Mapping[str, Any], write: bool) -> N
     path = run_dir / RUN_KEY_FILE
     has_checkpoints = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
     if path.exists():
-        stored = json.loads(path.read_text())
+        stored = read_json_object(path)
     elif has_checkpoints:
         stored = TEACHER_KEY
     else:
@@ -1238,8 +1238,8 @@ def plan_export(run_dir: str | Path, out: str | Path, overwrite: bool = False,
     if not (run_dir / "checkpoints").is_dir():
         raise ValueError(f"--run {run_dir}: no DMD2 run there (no checkpoints folder)")
     key_path = run_dir / RUN_KEY_FILE
-    key = json.loads(key_path.read_text()) if key_path.exists() else dict(TEACHER_KEY)
-    if key["generator"] == "teacher":
+    key = read_json_object(key_path) if key_path.exists() else dict(TEACHER_KEY)
+    if key.get("generator", "teacher") == "teacher":
         raise ValueError(f"--run {run_dir}: its generator is 16-bit (trained without --ptq-store or "
                          "--init-checkpoint), so it has no W4A4 layers to export as a quantized checkpoint")
     manager = ocp.CheckpointManager(run_dir / "checkpoints")

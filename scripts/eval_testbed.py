@@ -177,8 +177,12 @@ def build_parser(verb: str = "evaluate", description: str | None = None, example
 
 def store_folder(out: Path, method: str, recipe, capture_key: str) -> Path:
     """Where ``method``'s calibrated layers are stored: named by the method and a hash of the capture settings and
-    the whole recipe (every stage's settings), so layers calibrated with other settings are never resumed."""
-    digest = hashlib.sha1(f"{capture_key}|{recipe!r}".encode()).hexdigest()[:12]
+    the whole recipe (every stage's settings but those that only schedule the work,
+    ``provenance.EXECUTION_SETTINGS``, e.g. ``--max-layers-per-program``), so layers calibrated with other settings
+    are never resumed, and a rerun that only schedules the work otherwise resumes them."""
+    from kroquant_jax.provenance import without_execution_settings
+
+    digest = hashlib.sha1(f"{capture_key}|{without_execution_settings(recipe)!r}".encode()).hexdigest()[:12]
     return out / "qlayers" / f"{method.replace('+', '_').replace('@', '_r')}-{digest}"
 
 

@@ -132,6 +132,26 @@ def test_store_is_atomic_and_lists_names(tmp_path):
         store.load("zzz")
 
 
+def test_truncated_or_foreign_stored_layer_is_refused_naming_the_file(tmp_path):
+    """A stored layer cut short (a full disk, a copy stopped midway) or a safetensors file of something else: a
+    ValueError naming the file, from the resume check (``changes``) and from ``load``, not safetensors' own error."""
+    store = qlinear.QLinearStore(str(tmp_path / "store"))
+    store.save("a", _layer()[0])
+    path = store.path("a")
+    data = open(path, "rb").read()
+    for cut in (40, len(data) - 100):
+        open(path, "wb").write(data[:cut])
+        with pytest.raises(ValueError, match=f"{path}: not a readable stored layer .*delete it to recompute"):
+            store.changes("a", {})
+        with pytest.raises(ValueError, match="not a readable stored layer"):
+            store.load("a")
+    from safetensors.numpy import save_file
+
+    save_file({"x": np.zeros(4, np.float32)}, path)
+    with pytest.raises(ValueError, match=f"{path}: not a layer written by save_qlinear"):
+        store.load("a")
+
+
 def test_effective_weight_absorbs_branch_quantization():
     layer, w, _, _ = _layer()
     p = transforms.get("kron_lu")

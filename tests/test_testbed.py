@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
@@ -644,6 +646,16 @@ def test_eval_method_specs_and_helpers(capsys):
     a, b = (eval_testbed.store_folder(Path("o"), "rtn+loraq", calibrate.recipe_from_args(m, args), "key")
             for m in ("rtn+loraq", "rtn+loraq@64"))
     assert a.parent == b.parent == Path("o/qlayers") and a != b and a.name.startswith("rtn_loraq-")
+    # a setting that only schedules the work (--max-layers-per-program) names the same store; a default run's name
+    # is the one it had before such settings were left out
+    recipe = calibrate.recipe_from_args("kroquant", args)
+    scheduled = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration,
+                                                                            max_layers_per_program=8))
+    assert scheduled != recipe
+    assert (eval_testbed.store_folder(Path("o"), "kroquant", scheduled, "key")
+            == eval_testbed.store_folder(Path("o"), "kroquant", recipe, "key"))
+    legacy = hashlib.sha1(f"key|{recipe!r}".encode()).hexdigest()[:12]
+    assert eval_testbed.store_folder(Path("o"), "kroquant", recipe, "key").name == f"kroquant-{legacy}"
 
 
 def test_eval_preset_becomes_the_defaults_and_out_stays_required(capsys):

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kroquant_jax.fileio import atomic_path, atomic_write_text
+from kroquant_jax.fileio import atomic_path, atomic_write_text, read_json_object, read_npz
 from kroquant_jax.headline import Figure
 from models import image_metrics, sampling
 from models.capture import CaptureConfig, capture_layer_set
@@ -398,11 +398,16 @@ def write_outputs(out: Path, report: dict, images: dict[str, np.ndarray], grid_r
 
 
 def load_outputs(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """``(report, images)`` written by :func:`write_outputs` in ``folder``."""
-    report = json.loads((folder / "report.json").read_text())
-    with np.load(folder / "images.npz") as data:
-        images = {str(t): data[f"column{k}"] for k, t in enumerate(data["titles"])}
-    return report, images
+    """``(report, images)`` written by :func:`write_outputs` in ``folder``; a missing, truncated or foreign file
+    raises naming it."""
+    report = read_json_object(folder / "report.json")
+    data = read_npz(folder / "images.npz")
+    titles = data.get("titles")
+    missing = [] if titles is None else [f"column{k}" for k in range(len(titles)) if f"column{k}" not in data]
+    if titles is None or missing:
+        raise ValueError(f"{folder / 'images.npz'}: not the images of kroquant evaluate (missing "
+                         f"{'titles' if titles is None else ', '.join(missing)})")
+    return report, {str(t): data[f"column{k}"] for k, t in enumerate(titles)}
 
 
 def join_reports(reports: list[dict], sources: list[str], *, repeated: bool = False) -> dict:
