@@ -181,6 +181,31 @@ def _first_leaf(y: Any) -> jax.Array:
     return leaf.reshape(-1)[0].astype(jnp.float32)
 
 
+def _timed_loop(fn: Callable, xs: tuple, n_iter: int) -> Callable:
+    """The jitted program :func:`loop_time` times: ``n_iter`` iterations, each calling ``fn`` on every input set.
+
+    Every set's output is carried out of the loop: an output that is not (every set's but the first, when only its
+    first element was summed) let XLA compute just that element of the XLA ops that make it, and the loop timed less
+    than the calls (an ``optimization_barrier`` on the output does not stop that: XLA removes barriers before it
+    fuses)."""
+    y_shape = jax.eval_shape(fn, *xs[0])
+
+    def body(_, carry):
+        acc, _, xs = carry
+        xs, acc = jax.lax.optimization_barrier((xs, acc))
+        ys = tuple(fn(*x) for x in xs)
+        for y in ys:
+            acc = acc + _first_leaf(y)
+        return acc, ys, xs
+
+    def run(xs):
+        y_init = tuple(jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), y_shape) for _ in xs)
+        acc, ys, _ = jax.lax.fori_loop(0, n_iter, body, (jnp.float32(0.0), y_init, xs))
+        return acc, ys  # all of them: an output dropped here is a dead loop value, which XLA prunes
+
+    return jax.jit(run)
+
+
 def loop_time(fn: Callable, input_sets: Sequence[Sequence], *, n_calls: int, repeats: int = 5,
               warmup: int = 1) -> LoopTime:
     """Median seconds per call of ``fn(*inputs)`` over rotating ``input_sets`` inside one jitted ``fori_loop`` of
@@ -188,31 +213,14 @@ def loop_time(fn: Callable, input_sets: Sequence[Sequence], *, n_calls: int, rep
     r_sets = len(input_sets)
     n_iter = max(1, n_calls // r_sets)
     xs = tuple(tuple(s) for s in input_sets)
-    y_shape = jax.eval_shape(fn, *xs[0])
-
-    def body(_, carry):
-        acc, y0, xs = carry
-        xs, acc = jax.lax.optimization_barrier((xs, acc))
-        for r in range(r_sets):
-            y = fn(*xs[r])
-            if r == 0:
-                y0 = y
-            acc = acc + _first_leaf(y)
-        return acc, y0, xs
-
-    def run(xs):
-        y_init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), y_shape)
-        acc, y0, _ = jax.lax.fori_loop(0, n_iter, body, (jnp.float32(0.0), y_init, xs))
-        return acc, y0
-
-    loop = jax.jit(run)
+    loop = _timed_loop(fn, xs, n_iter)
     y0 = None
     for _ in range(warmup):
-        _, y0 = jax.block_until_ready(loop(xs))
+        _, (y0, *_) = jax.block_until_ready(loop(xs))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        _, y = jax.block_until_ready(loop(xs))
+        _, (y, *_) = jax.block_until_ready(loop(xs))
         times.append((time.perf_counter() - t0) / (n_iter * r_sets))
         y0 = y if y0 is None else y0
     return LoopTime(statistics.median(times), tuple(times), y0)

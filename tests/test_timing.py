@@ -54,6 +54,21 @@ def test_loop_time_returns_the_first_sets_output_from_the_timed_loop():
     np.testing.assert_array_equal(np.asarray(got.y0), np.full((4, 4), 2.0))
 
 
+def test_loop_time_computes_every_sets_whole_output():
+    """Sets after the first are not carried out of the timed loop; XLA must still compute their whole outputs, not
+    just the element the loop sums (which timed an elementwise call at a quarter of its cost with 4 sets)."""
+    import re
+
+    def fn(x):
+        return jnp.sin(x) * 1.0001 + jnp.cos(x)
+
+    n, sets = 1 << 12, 4
+    xs = tuple((jnp.full((n,), float(i)),) for i in range(sets))
+    text = timing._timed_loop(fn, xs, 2).lower(xs).compile().as_text()
+    full = len(re.findall(rf"_fusion\S* = f32\[{n}\]\S* fusion\(", text))  # full-size fused outputs
+    assert full >= sets, f"{full} full-size computations for {sets} input sets"
+
+
 def test_wall_times_and_summary():
     calls = []
     samples = timing.wall_times(lambda: calls.append(1) or jnp.ones(2), repeats=3, inner=4)
