@@ -164,11 +164,13 @@ TABLES: dict[str, dict] = {
              "{w4a4_gemm_ideogram4_q_m4096_mgpu_us:.0f} µs, Triton kernel {w4a4_gemm_ideogram4_q_m4096_triton_us:.0f} µs "
              "vs bf16 cuBLAS {w4a4_gemm_ideogram4_q_m4096_bf16_us:.0f} µs",
              "≥ 1x", "[w4a4](docs/w4a4.md)"],
-            ["W4A4 layer (transform + quantize + low-rank + GEMM), 10 layer shapes of FLUX.1 / PixArt-Σ / SANA / "
-             "Ideogram 4 w2",
+            ["W4A4 layer (transform + quantize + low-rank + GEMM), layer shapes of FLUX.1 / PixArt-Σ / SANA / "
+             "Ideogram 4 w2; wall time of a jitted loop of calls, not CUPTI",
              "best strategy (dequantize + cuBLAS) {w4a4_layer_dequant_vs_bf16_min_m4096:.2f}–"
-             "{w4a4_layer_dequant_vs_bf16_max_m4096:.2f}x bf16 at m = 4096, {w4a4_layer_dequant_vs_bf16_min_m512:.2f}–"
-             "{w4a4_layer_dequant_vs_bf16_max_m512:.2f}x at m = 512",
+             "{w4a4_layer_dequant_vs_bf16_max_m4096:.2f}x bf16 at m = 4096 "
+             "({w4a4_layer_dequant_vs_bf16_m4096_over_shapes:.0f} shapes), "
+             "{w4a4_layer_dequant_vs_bf16_min_m512:.2f}–{w4a4_layer_dequant_vs_bf16_max_m512:.2f}x at m = 512 "
+             "({w4a4_layer_dequant_vs_bf16_m512_over_shapes:.0f} shapes)",
              "≥ 1x at 4096, > 1x at 512", "[w4a4](docs/w4a4.md)"],
             ["W4A4 layer on the FP8 tensor cores (MXFP4 re-encoded exactly in E4M3; transform + quantize, re-encode, "
              "low-rank input and GEMM counted, CUPTI), Ideogram 4 and FLUX.1 shapes",
@@ -279,7 +281,7 @@ TABLES: dict[str, dict] = {
              "{testbed_stack_qad_w4a4_fd_ratio_vs_teacher:.2f}x, {testbed_stack_qad_w4a4_caption_accuracy:.3f}; "
              "QAD -> DMD2, 4 x 1: {testbed_stack_qad_dmd2_4step_fd_ratio_vs_teacher:.2f}x, "
              "{testbed_stack_qad_dmd2_4step_caption_accuracy:.3f} "
-             "(teacher {testbed_dmd2_teacher_caption_accuracy:.3f}); "
+             "(teacher {testbed_stack_teacher_caption_accuracy:.3f}); "
              "a second DMD2 run served (its exported checkpoint on dequant + cuBLAS): "
              "{testbed_stack_qad_dmd2_4step_served_fd_ratio_vs_teacher:.2f}x, "
              "{testbed_stack_qad_dmd2_4step_served_caption_accuracy:.3f}, "
@@ -340,7 +342,7 @@ TABLES: dict[str, dict] = {
                  ["smoothed KroQuant beats both SmoothQuant and Hadamard-32",
                   "{testbed_smoothed_kroquant_beats_both_fraction:.0%} of the layers", "≥ 90%"],
                  ["GPTQ rounding vs round-to-nearest, smoothed KroQuant with its two earlier starts: mean layer error",
-                  "-{gptq_layer_error_reduction_fraction:.1%}", "≤ -10%"]],
+                  "{gptq_layer_error_reduction_fraction:.1%} lower", "≥ 10% lower"]],
     },
     "testbed-lowrank": {
         "header": ["24 held-out captions x 3 generation seeds, vs the 16-bit images", "measured", "goal"],
@@ -427,17 +429,32 @@ def render_block(name: str, figures: Mapping[str, Figure]) -> str:
     return "\n".join(lines)
 
 
-_BLOCK = re.compile(r"<!-- headline:(?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /headline:(?P=name) -->", re.S)
+_BLOCK = re.compile(r"<!-- headline:(?P<name>[\w-]+) -->[ \t]*\r?\n(?P<body>.*?)<!-- /headline:(?P=name) -->", re.S)
 
 
 def render_readme(text: str, figures: Mapping[str, Figure]) -> str:
-    """``text`` with every headline block regenerated from ``figures``. Raises if a marker is unmatched."""
+    """``text`` with every headline block regenerated from ``figures``.
+
+    Raises :class:`HeadlineError` if a marker is unmatched, a block of :data:`TABLES` is missing or repeated, or a
+    block's opening marker is not alone on its line (such a block would never be regenerated, so ``--check`` could
+    not see it go stale)."""
     opened = re.findall(r"<!-- headline:([\w-]+) -->", text)
     closed = re.findall(r"<!-- /headline:([\w-]+) -->", text)
     if sorted(opened) != sorted(closed):
         raise HeadlineError(f"README headline markers do not match: opened {opened}, closed {closed}")
+    if sorted(opened) != sorted(TABLES):
+        missing, repeated = sorted(set(TABLES) - set(opened)), sorted({n for n in opened if opened.count(n) > 1})
+        raise HeadlineError(f"README headline blocks: missing {missing}, repeated {repeated}, unknown "
+                            f"{sorted(set(opened) - set(TABLES))}")
+    rendered: list[str] = []
+
     def block(m: re.Match) -> str:
         name = m.group("name")
+        rendered.append(name)
         return f"<!-- headline:{name} -->\n{render_block(name, figures)}\n<!-- /headline:{name} -->"
 
-    return _BLOCK.sub(block, text)
+    out = _BLOCK.sub(block, text)
+    if sorted(rendered) != sorted(opened):
+        raise HeadlineError(f"README headline blocks {sorted(set(opened) - set(rendered))}: the opening marker must "
+                            "end its line and the block end with its closing marker")
+    return out

@@ -65,6 +65,14 @@ def _beats_both(test: dict) -> float:
     return sum(new[n] < h[n] and new[n] < sq[n] for n in new) / len(new)
 
 
+def _dequant_layer_shapes(d: dict, m: int) -> float:
+    """Layer shapes of ``w4a4_models.json`` at ``m`` with both a ``w4a4_layer_dequant`` and a ``bf16_xla`` time."""
+    def timed(case, name):
+        return any(v["variant"] == name and "us" in v for v in case["variants"])
+
+    return float(sum(c["m"] == m and timed(c, "w4a4_layer_dequant") and timed(c, "bf16_xla") for c in d["cases"]))
+
+
 #: The figures computed from their source's numbers rather than copied from it: ``key -> (derivation from the loaded
 #: JSON source, digits the figure was rounded to or None)``. A new figure must either be a number of its source or
 #: be listed here, so each one is checked against the file it cites.
@@ -86,6 +94,8 @@ DERIVED = {
         lambda d: d["seeds"]["0"]["summary"]["new"]["beats_hadamard"] / d["seeds"]["0"]["summary"]["new"]["layers"],
         None),
     "testbed_smoothed_kroquant_beats_both_fraction_24layers": (lambda d: _beats_both(d["seeds"]["0"]["test"]), None),
+    "w4a4_layer_dequant_vs_bf16_m4096_over_shapes": (lambda d: _dequant_layer_shapes(d, 4096), None),
+    "w4a4_layer_dequant_vs_bf16_m512_over_shapes": (lambda d: _dequant_layer_shapes(d, 512), None),
 }
 #: Text sources whose figure is a ratio of two of their numbers (``key -> (numerator, denominator)``).
 DERIVED_FROM_TEXT = {"flux_forward_dequant_speedup_vs_bf16": (135.40, 184.01)}
@@ -194,6 +204,28 @@ def test_update_with_replace_prefix_drops_that_family_only(tmp_path):
 def test_unmatched_marker_is_an_error():
     with pytest.raises(headline.HeadlineError, match="markers do not match"):
         headline.render_readme("<!-- headline:gpu -->\nx\n", {})
+
+
+@pytest.mark.parametrize("spoil", ["<!-- headline:gpu --> \n", "<!-- headline:gpu -->\r\n"])
+def test_a_stale_block_is_found_whatever_its_marker_line_ends_with(spoil):
+    """An opening marker with a trailing space or a CRLF ending left its block as it was, so a stale figure in it
+    passed `render_readme.py --check`: such a block is regenerated now (and the check sees the difference)."""
+    figures = headline.load(HEADLINE)
+    text = (ROOT / "README.md").read_text()
+    stale = text.replace("<!-- headline:gpu -->\n", spoil).replace("| what | measured | goal | page |", "| stale |")
+    assert "| stale |" in stale
+    assert headline.render_readme(stale, figures) == text
+
+
+def test_a_block_that_cannot_be_rendered_or_is_missing_is_an_error():
+    figures = headline.load(HEADLINE)
+    text = (ROOT / "README.md").read_text()
+    with pytest.raises(headline.HeadlineError, match=r"\['gpu'\]: the opening marker must end its line"):
+        headline.render_readme(text.replace("<!-- headline:gpu -->\n", "<!-- headline:gpu --> note\n"), figures)
+    start, end = text.index("<!-- headline:gpu -->"), text.index("<!-- /headline:gpu -->")
+    without = text[:start] + text[end + len("<!-- /headline:gpu -->"):]
+    with pytest.raises(headline.HeadlineError, match=r"missing \['gpu'\]"):
+        headline.render_readme(without, figures)
 
 
 def test_missing_key_is_named():
