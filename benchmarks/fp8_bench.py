@@ -47,7 +47,6 @@ import dataclasses
 import datetime
 import functools
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -87,15 +86,12 @@ HEADLINE_MODELS = ("ideogram4", "flux1")
 
 
 def _per_call(events, n_calls: int) -> dict:
-    """``us`` (median over calls of the summed kernel time) and ``kernels_us`` (median per call of each kernel)."""
+    """``us`` (median over calls of the summed kernel time), ``timing`` and ``kernels_us`` (median per call of each
+    kernel): ``timing.calls_device_time``."""
     if not events:
         return {}
-    if len(events) % n_calls:
-        return {"us": sum(e[1] for e in events) / 1e3 / n_calls, "timing": "cupti(total/n)", "kernels_us": {}}
-    per = len(events) // n_calls
-    calls = [events[i * per:(i + 1) * per] for i in range(n_calls)]
-    return {"us": statistics.median(sum(e[1] for e in c) / 1e3 for c in calls), "timing": f"cupti({per} kernels/call)",
-            "kernels_us": timing.per_call_breakdown(events, n_calls)}
+    t = timing.calls_device_time(events, n_calls)
+    return {"us": t.us, "timing": t.method, "kernels_us": t.kernels_us}
 
 
 def time_variants(fns: dict, sets: list, n_calls: int, pause_s: float = 0.05) -> dict:

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["CUDNN_ATTENTION_KERNELS", "CompileClock", "CompileWatch", "DeviceTime", "LoopTime", "block", "calls_for",
+           "calls_device_time",
            "compile_clock", "device_memory_gib", "device_time", "gpu_kernel_events", "kernels_matching_us", "loop_time",
            "measure", "per_call_breakdown", "recorded_compilations", "summary_ms", "wall_times"]
 
@@ -53,7 +54,8 @@ class DeviceTime:
     Attributes:
       us: median microseconds per call.
       method: ``"cupti(N kernels/call)"`` (each call's N kernel durations summed, median over calls),
-        ``"cupti(total/n)"`` (the events did not split evenly into calls: their total over the number of calls) or
+        ``"cupti(total/n: the calls' kernels differ)"`` (the events did not split into calls of the same kernels,
+        e.g. some were not captured: their total over the number of calls, to be read with care) or
         ``"wallclock"`` (no GPU kernel events: the median of 5 wall-clock loops of ``n_iter`` calls).
       kernels: names (first 60 characters) of the kernels of one call.
       kernels_us: ``{kernel name: median µs per call}`` (:func:`per_call_breakdown`; empty without a per-call split).
@@ -129,6 +131,31 @@ def _profiled_events(fn: Callable, inputs: Sequence, n_iter: int) -> tuple[list,
         shutil.rmtree(trace_dir, ignore_errors=True)
 
 
+def calls_device_time(events: Sequence[tuple[int, int, str]], n_calls: int) -> DeviceTime:
+    """The :class:`DeviceTime` of ``n_calls`` calls of one function from their kernel ``events`` (sorted
+    ``(start_ns, duration_ns, name)``, :func:`gpu_kernel_events`).
+
+    The events are split into calls only when every call has the same kernels (names, with repeats): a count that
+    splits evenly but with other kernels per call means some were not captured, and a median over such "calls" could
+    read far too fast, so then (and when the count does not split) the method says so and the figure is the total
+    over ``n_calls``."""
+    if not events:
+        raise ValueError("calls_device_time: no kernel events")
+    per = len(events) // n_calls if len(events) % n_calls == 0 else 0
+    if per and any(sorted(e[2] for e in events[i * per:(i + 1) * per]) != sorted(e[2] for e in events[:per])
+                   for i in range(1, n_calls)):
+        per = 0
+    if not per:
+        return DeviceTime(sum(ev[1] for ev in events) / 1e3 / n_calls, "cupti(total/n: the calls' kernels differ)",
+                          tuple(sorted({e[2][:60] for e in events})[:4]))
+    sums = [sum(ev[1] for ev in events[i * per:(i + 1) * per]) / 1e3 for i in range(n_calls)]
+    launches: dict[str, int] = {}
+    for _, _, name in events[:per]:
+        launches[name[:80]] = launches.get(name[:80], 0) + 1
+    return DeviceTime(statistics.median(sums), f"cupti({per} kernels/call)",
+                      tuple(sorted({ev[2][:60] for ev in events[:per]})), per_call_breakdown(events, n_calls), launches)
+
+
 def device_time(fn: Callable, inputs: Sequence, *, n_iter: int = 60, warmup: int = 3) -> DeviceTime:
     """Median device time of one call ``fn(inputs[i % len(inputs)])`` (rotating inputs, so no call reuses the
     previous call's cache-resident operands), after ``warmup`` calls; see :class:`DeviceTime` for the methods."""
@@ -137,18 +164,8 @@ def device_time(fn: Callable, inputs: Sequence, *, n_iter: int = 60, warmup: int
     for i in range(warmup):
         jax.block_until_ready(fn(inputs[i % len(inputs)]))
     events, failure = _profiled_events(fn, inputs, n_iter)
-    if events and len(events) % n_iter == 0:
-        per = len(events) // n_iter
-        sums = [sum(ev[1] for ev in events[i * per:(i + 1) * per]) / 1e3 for i in range(n_iter)]
-        launches: dict[str, int] = {}
-        for _, _, name in events[:per]:
-            launches[name[:80]] = launches.get(name[:80], 0) + 1
-        return DeviceTime(statistics.median(sums), f"cupti({per} kernels/call)",
-                          tuple(sorted({ev[2][:60] for ev in events[:per]})), per_call_breakdown(events, n_iter),
-                          launches)
     if events:
-        return DeviceTime(sum(ev[1] for ev in events) / 1e3 / n_iter, "cupti(total/n)",
-                          tuple(sorted({e[2][:60] for e in events})[:4]))
+        return calls_device_time(events, n_iter)
     times = []
     for _ in range(5):
         t0 = time.perf_counter()

@@ -47,6 +47,32 @@ def test_device_time_falls_back_to_wall_clock_without_gpu_kernels():
         timing.device_time(fn, [])
 
 
+def test_calls_device_time_splits_calls_only_when_each_has_the_same_kernels():
+    """Ten calls of quantize (20 µs) + GEMM (100 µs): 120 µs a call. A lost GEMM launch or a GEMM never captured
+    must not read as a faster call."""
+    def trace(calls):
+        events, t = [], 0
+        for kernels in calls:
+            for name, us in kernels:
+                events.append((t, int(us * 1e3), name))
+                t += int(us * 1e3) + 1000
+        return events
+
+    call = [("quantize", 20.0), ("gemm", 100.0)]
+    full = timing.calls_device_time(trace([call] * 10), 10)
+    assert (full.us, full.method, full.kernel_launches) == (120.0, "cupti(2 kernels/call)", {"quantize": 1, "gemm": 1})
+    lost = timing.calls_device_time(trace([call] * 9 + [call[:1]]), 10)
+    assert lost.method.startswith("cupti(total/n") and lost.us == 110.0
+    # calls that differ though the count splits evenly (20 events, 2 a call): not split into calls
+    shifted = trace([call] * 8 + [[("quantize", 20.0), ("quantize", 20.0)], [("gemm", 100.0), ("gemm", 100.0)]])
+    got = timing.calls_device_time(shifted, 10)
+    assert got.method.startswith("cupti(total/n") and got.us == 120.0
+    never = timing.calls_device_time(trace([call[:1]] * 10), 10)
+    assert never.method == "cupti(1 kernels/call)" and never.kernels == ("quantize",), "what a call ran is listed"
+    with pytest.raises(ValueError, match="no kernel events"):
+        timing.calls_device_time([], 10)
+
+
 def test_loop_time_returns_the_first_sets_output_from_the_timed_loop():
     sets = [(jnp.full((4, 4), float(i)), jnp.eye(4)) for i in range(1, 4)]
     got = timing.loop_time(lambda a, b: a @ b + 1.0, sets, n_calls=6, repeats=3)
