@@ -30,7 +30,8 @@ Numerical policies (one documented choice each, tested in ``tests/test_formats.p
   offending tensor.
 * **Subnormals**: f32 subnormal values (``|x| < 2**-126``) are flushed to signed zero on input and on output. XLA:CPU
   does this in hardware (DAZ/FTZ); doing it explicitly makes every backend (CPU, GPU, the numpy reference) agree bit
-  for bit. It only affects blocks whose ``amax < 2**-124``.
+  for bit. It only affects blocks whose ``amax < 2**-124``. NVFP4's tensor scale is floored at
+  :data:`NVFP4_MIN_TENSOR_SCALE` so that the quantizer's reciprocal stays finite for tensors of tiny (normal) values.
 * **Shapes**: ``d`` must be a multiple of the block size, or ``pad=True`` pads with zeros to the next multiple (and
   :func:`dequantize` returns the padded width, sliced back by ``fake_quant``).
   Empty arrays (``(0, d)``, an empty batch) are valid: they round-trip through :func:`quantize` /
@@ -38,8 +39,9 @@ Numerical policies (one documented choice each, tested in ``tests/test_formats.p
   empty array is ``1.0``, as for an all-zero one.
 
 The straight-through estimator: :func:`fake_quant` has a ``custom_vjp`` whose backward pass is the identity
-(``ste="identity"``) or the identity masked to zero where the element saturated (``ste="clipped"``: ``|x| > 6 * s``
-for the element's effective block scale ``s``).
+(``ste="identity"``) or the identity masked to zero where the element saturated (``ste="clipped"``: where the
+quantizer clipped it, ``|x| > 6 * s`` for the element's effective block scale ``s``, decided on the quantizer's own
+scaled value: :meth:`QuantFormat.saturated`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ __all__ = [
     "mxfp4_quantize_blocks",
     "nvfp4_quantize_blocks",
     "nvfp4_tensor_scale",
+    "nvfp4_tensor_scale_from_amax",
     "pack_nibbles",
     "pow2",
     "quantize",
@@ -119,7 +122,7 @@ class QuantFormat(abc.ABC):
     * ``name`` (``"mxfp4"`` / ``"nvfp4"``), ``standard_block_size`` (32 / 16, the only block the GPU kernels write),
       ``has_tensor_scale`` (NVFP4's per-tensor fp32 scale), ``scale_dtype`` (``uint8`` E8M0 bytes /
       ``float8_e4m3fn``);
-    * :meth:`tensor_scale`, :meth:`quantize_blocks`, :meth:`dequantize_blocks`, :meth:`saturation_limit`,
+    * :meth:`tensor_scale`, :meth:`quantize_blocks`, :meth:`dequantize_blocks`, :meth:`saturated`,
       :meth:`scale_factors` (the per-block math, shared by the reference path and the GPU kernels);
     * :meth:`to_json` / :meth:`from_json` (the checkpoint description).
     """
@@ -159,8 +162,9 @@ class QuantFormat(abc.ABC):
         tensor scale not included). A NaN scale gives NaN."""
 
     @abc.abstractmethod
-    def saturation_limit(self, scales: jax.Array, tensor_scale: jax.Array) -> jax.Array:
-        """f32 ``(..., nb)``: an element saturated when ``|x| > limit`` (``6 * effective block scale``)."""
+    def saturated(self, x_blocks: jax.Array, scales: jax.Array, tensor_scale: jax.Array) -> jax.Array:
+        """bool ``(..., nb, block)``: where the quantizer that made ``scales`` clipped ``x_blocks`` to ``+-6`` units
+        (the clipped STE's mask), decided on the quantizer's own scaled value; never in a NaN block."""
 
     def to_json(self) -> dict:
         """``{"name": ..., <field>: <value>}`` (enums by value): the description :meth:`from_json` reads back."""
@@ -229,18 +233,21 @@ class MXFP4(QuantFormat):
     def scale_factors(self, scales: jax.Array, exponent_offset: int = 0) -> jax.Array:
         """``2**(byte - 127 + exponent_offset)`` built from bits: exact for bytes in ``[1, 254 - exponent_offset]``,
         clamped to ``2**127`` above; byte 0 gives 0 (below the GPU kernels' exact range of bytes ``[2, 248]``; the
-        reference keeps such a block's normal results); byte 0xFF gives NaN."""
+        reference keeps such a block's normal results); byte 0xFF gives NaN. ``exponent_offset >= 0``."""
+        if exponent_offset < 0:
+            raise ValueError(f"{exponent_offset=} must be >= 0 (the factor of a small byte would not be built exactly)")
         s = _scale_bytes(scales)
         mult = jax.lax.bitcast_convert_type(jnp.minimum(s + exponent_offset, 254) << 23, jnp.float32)
         mult = jnp.where(s == 0, jnp.float32(0.0), mult)
         return jnp.where(s == E8M0_NAN, jnp.float32(jnp.nan), mult)
 
-    def saturation_limit(self, scales: jax.Array, tensor_scale: jax.Array) -> jax.Array:
-        # 6 * 2**e = 1.5 * 2**(e + 2), built from bits so that e = -127 does not underflow; a NaN scale never
-        # saturates.
+    def saturated(self, x_blocks: jax.Array, scales: jax.Array, tensor_scale: jax.Array) -> jax.Array:
+        # |x| > 6 * 2**e, the limit an exact power-of-two product: 1.5 * 2**(e + 2), built from bits so that
+        # e = -127 does not underflow; a NaN scale never saturates.
         e_plus_2 = scales.astype(jnp.int32) - E8M0_BIAS + 2
         limit = jnp.where(e_plus_2 > 127, jnp.inf, 1.5 * pow2(jnp.clip(e_plus_2, -126, 127)))
-        return jnp.where(scales == E8M0_NAN, jnp.nan, limit)
+        limit = jnp.where(scales == E8M0_NAN, jnp.nan, limit)
+        return jnp.abs(x_blocks.astype(jnp.float32)) > limit[..., None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,8 +274,12 @@ class NVFP4(QuantFormat):
         s8 = jax.lax.bitcast_convert_type(_scale_bytes(scales).astype(jnp.uint8), jnp.float8_e4m3fn)
         return s8.astype(jnp.float32) * jnp.float32(2.0**exponent_offset)
 
-    def saturation_limit(self, scales: jax.Array, tensor_scale: jax.Array) -> jax.Array:
-        return scales.astype(jnp.float32) * tensor_scale * jnp.float32(E2M1_MAX)
+    def saturated(self, x_blocks: jax.Array, scales: jax.Array, tensor_scale: jax.Array) -> jax.Array:
+        # the quantizer's own value x * ((1 / tensor_scale) / s), not |x| > 6 s ts: that product rounds on its own
+        # and disagrees at the boundary (a block's largest element, reproduced exactly, was called clipped)
+        x = flush_subnormals(x_blocks.astype(jnp.float32))
+        reciprocal = divide_rn(divide_rn(jnp.float32(1.0), tensor_scale), scales.astype(jnp.float32))  # (..., nb)
+        return jnp.abs(flush_subnormals(x * reciprocal[..., None])) > E2M1_MAX
 
 
 _FORMATS = {cls.name: cls for cls in (MXFP4, NVFP4)}
@@ -477,14 +488,29 @@ def divide_rn(x: jax.Array, y) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+#: The smallest NVFP4 tensor scale: below it ``(1 / ts) / s`` overflows f32 for small block scales (an all-zero block
+#: came back as -0, and a tensor of maximum below ~3e-35 quantized to +-6 everywhere and dequantized to 0). At this
+#: floor ``(1 / ts) / E4M3_TINY = 2**126``; only tensors with ``amax < 448 * 6 * 2**-120`` (~2e-33) reach it, and
+#: their block scales then sit below 448 instead of at it.
+NVFP4_MIN_TENSOR_SCALE = 2.0**-120
+
+
+def nvfp4_tensor_scale_from_amax(amax: jax.Array) -> jax.Array:
+    """NVFP4 per-tensor scale from the tensor's largest finite ``|x|``: ``amax / (448 * 6)`` (correctly rounded), at
+    least :data:`NVFP4_MIN_TENSOR_SCALE`; ``1.0`` for ``amax = 0`` (one home for the reference and the kernels)."""
+    amax = jnp.asarray(amax, jnp.float32)
+    scale = jnp.maximum(divide_rn(amax, E4M3_MAX * E2M1_MAX), jnp.float32(NVFP4_MIN_TENSOR_SCALE))
+    return jnp.where(amax > 0, scale, jnp.float32(1.0))
+
+
 def nvfp4_tensor_scale(x: jax.Array) -> jax.Array:
-    """NVFP4 per-tensor scale ``amax(|x|) / (448 * 6)`` (f32 ``()``); ``1.0`` for an all-zero (or non-finite) tensor."""
+    """NVFP4 per-tensor scale ``amax(|x|) / (448 * 6)`` (f32 ``()``, :func:`nvfp4_tensor_scale_from_amax`); ``1.0``
+    for an all-zero (or non-finite) tensor."""
     xf = flush_subnormals(x.astype(jnp.float32))
     # initial=0: an empty array has amax 0 (scale 1.0); |x| >= 0, so non-empty results are unchanged. Non-finite
     # blocks become NaN on their own.
     amax = jnp.max(jnp.abs(jnp.where(jnp.isfinite(xf), xf, 0.0)), initial=0.0)
-    ok = amax > 0
-    return jnp.where(ok, divide_rn(amax, E4M3_MAX * E2M1_MAX), jnp.float32(1.0))
+    return nvfp4_tensor_scale_from_amax(amax)
 
 
 def nvfp4_quantize_blocks(x_blocks: jax.Array, tensor_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -637,9 +663,12 @@ SteMode = Literal["identity", "clipped"]
 def _fake_quant_forward(x: jax.Array, fmt: QuantFormat, pad: bool) -> tuple[jax.Array, jax.Array]:
     """Returns (fake-quantized x in x.dtype, saturation mask (bool, same shape))."""
     q = quantize(x, fmt, pad=pad)
-    x_hat = dequantize(q, jnp.float32)[..., : x.shape[-1]]
-    limit = jnp.repeat(fmt.saturation_limit(q.scales, q.tensor_scale), fmt.block_size, axis=-1)[..., : x.shape[-1]]
-    saturated = jnp.abs(x.astype(jnp.float32)) > limit
+    d = x.shape[-1]
+    x_hat = dequantize(q, jnp.float32)[..., :d]
+    padded = q.scales.shape[-1] * fmt.block_size
+    xf = jnp.pad(x.astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, padded - d)])
+    blocks = xf.reshape(*x.shape[:-1], q.scales.shape[-1], fmt.block_size)
+    saturated = fmt.saturated(blocks, q.scales, q.tensor_scale).reshape(*x.shape[:-1], padded)[..., :d]
     return x_hat.astype(x.dtype), saturated
 
 
@@ -669,9 +698,13 @@ def fake_quant(x: jax.Array, fmt: QuantFormat = MXFP4(), *, ste: SteMode = "iden
     Args:
       x: ``float32 | bfloat16 | float16 (..., d)``.
       fmt: :class:`MXFP4` or :class:`NVFP4`.
-      ste: backward rule: ``"identity"`` (plain straight-through) or ``"clipped"`` (zero gradient where the element
-        saturated, i.e. ``|x| > 6 * block_scale``).
+      ste: backward rule: ``"identity"`` (plain straight-through) or ``"clipped"`` (zero gradient where the quantizer
+        clipped the element, i.e. ``|x| > 6 * block_scale``: :meth:`QuantFormat.saturated`).
       pad: zero-pad the last axis to a block multiple internally (output keeps ``d`` columns).
+
+    The result is in ``x.dtype``: with MXFP4's CEIL / EVEN / RCEIL scale modes a finite value within a block exponent
+    of the dtype's largest (f32 near ``2**128``, f16 near 65504) can round up to ``inf``, as the exact (float64)
+    quantizer and torchao's do; FLOOR, the default, never rounds up past the block's largest value.
     """
     _check_dtype(x, "fake_quant")
     check_format(fmt, "fake_quant")

@@ -387,7 +387,9 @@ def per_token_e4m3(x: jax.Array, *, order: str = "natural") -> Fp8Rows:
     finite = jnp.isfinite(xf)
     amax = jnp.max(jnp.abs(jnp.where(finite, xf, 0.0)), axis=-1)
     ok = amax > 0
-    safe = jnp.where(ok, amax, 1.0)
+    # at least 448 * 2**-126: below it 448 / amax overflows f32 (a row of tiny normal values came back as +-448 and
+    # its zeros as NaN) and amax / 448 is subnormal; such rows get scale 2**-126 and their values below 448
+    safe = jnp.where(ok, jnp.maximum(amax, jnp.float32(F.E4M3_MAX * 2.0**-126)), 1.0)
     scale = jnp.where(ok, F.divide_rn(safe, F.E4M3_MAX), 1.0)
     inv = jnp.where(ok, F.divide_rn(jnp.float32(F.E4M3_MAX), safe), 1.0)
     v = jnp.clip(jnp.where(finite, xf, 0.0) * inv[..., None], -F.E4M3_MAX, F.E4M3_MAX)

@@ -782,8 +782,7 @@ def transform_quantize(a: jax.Array, transform: PreparedTransform, fmt=MXFP4(), 
         if tensor_scale is None:
             (row_max,) = _pallas_call(a2, transform, fmt, None, bs, interpret, amax_only=True,
                                       round_y=round_to_input)
-            amax = jnp.max(row_max)
-            ts = jnp.where(amax > 0, F.divide_rn(amax, F.E4M3_MAX * F.E2M1_MAX), jnp.float32(1.0))
+            ts = F.nvfp4_tensor_scale_from_amax(jnp.max(row_max))
         else:
             ts = jnp.asarray(tensor_scale, jnp.float32)
         ts_pair = jnp.stack([ts, F.divide_rn(jnp.float32(1.0), ts)])

@@ -214,6 +214,24 @@ def test_nvfp4_bit_exact_against_reference():
     assert float(zero.tensor_scale) == 1.0 and np.all(np.asarray(zero.codes) == 0)
 
 
+def test_nvfp4_tensor_of_tiny_normal_values_round_trips():
+    """A tensor whose largest value is tiny but normal (below ~3e-35 the tensor scale was subnormal, its reciprocal
+    inf: every code +-6 and every value dequantized to 0; below ~5e-34 an all-zero block came back as -0). The
+    tensor scale is floored at NVFP4_MIN_TENSOR_SCALE: the values keep NVFP4's relative accuracy, zeros stay +0."""
+    x = (np.arange(1, 17, dtype=np.float32) * np.float32(1e-37)).reshape(1, 16)
+    q = F.quantize(jnp.asarray(x), NVFP4())
+    assert float(q.tensor_scale) == F.NVFP4_MIN_TENSOR_SCALE
+    back = np.asarray(F.dequantize(q, jnp.float32))
+    assert np.all(np.abs(back - x) <= np.abs(x).max() / 6), back  # within one E2M1 unit of the block (its max is 6)
+    assert abs(back[0, -1] - x[0, -1]) <= 0.1 * x[0, -1]  # the largest: 6 units, up to the scale's E4M3 rounding
+    y = np.zeros((1, 32), np.float32)
+    y[0, 0] = 1e-34
+    out = np.asarray(F.fake_quant(jnp.asarray(y), NVFP4()))
+    assert not np.any(np.signbit(out[0, 16:])) and np.all(out[0, 16:] == 0)
+    # a normal tensor's scale is untouched by the floor
+    assert float(F.nvfp4_tensor_scale(jnp.asarray([[2688.0] + [0.0] * 15]))) == 1.0
+
+
 @pytest.mark.parametrize("fmt", [MXFP4(), NVFP4()])
 def test_ste_gradients(fmt):
     x = jnp.asarray(_outlier_data(jax.random.key(7), (4, 64)))
@@ -227,6 +245,27 @@ def test_ste_gradients(fmt):
     assert 0 < np.asarray(grad_c).sum() < 64
     with pytest.raises(ValueError, match="ste"):
         F.fake_quant(x, fmt, ste="bogus")
+
+
+def test_nvfp4_clipped_ste_masks_exactly_the_clipped_elements():
+    """NVFP4's clipped STE decides on the quantizer's own scaled value ``x * ((1 / ts) / s)`` (numpy's f32 below): the
+    block's largest element, reproduced exactly, keeps its gradient (``|x| > 6 * s * ts`` computed apart rounds
+    differently and zeroed it); over random one-block tensors the mask is exactly the clipped elements."""
+    x = jnp.asarray([[1.0] * 15 + [15.733753]], jnp.float32)
+    assert np.float32(F.fake_quant(x, NVFP4())[0, 15]) == np.float32(15.733753)
+    grad = jax.grad(lambda a: jnp.sum(F.fake_quant(a, NVFP4(), ste="clipped")))(x)
+    assert float(grad[0, 15]) == 1.0
+    rng = np.random.default_rng(0)
+    grad_of = jax.jit(jax.grad(lambda a: jnp.sum(F.fake_quant(a, NVFP4(), ste="clipped"))))
+    kinds = set()
+    for _ in range(200):
+        one = (rng.standard_normal((1, 16)) * np.exp(rng.uniform(-3, 3))).astype(np.float32)
+        q = F.quantize(jnp.asarray(one), NVFP4())
+        reciprocal = (np.float32(1.0) / np.float32(q.tensor_scale)) / np.asarray(q.scales, np.float32)[0, 0]
+        clipped = np.abs(one * np.float32(reciprocal)) > 6
+        np.testing.assert_array_equal(np.asarray(grad_of(jnp.asarray(one))) == 0, clipped)
+        kinds.add(bool(clipped.any()))
+    assert kinds == {False, True}
 
 
 def test_quantized_array_is_a_pytree_with_static_format():

@@ -234,6 +234,17 @@ def test_per_token_e4m3():
     assert int(r.inexact) == 0
 
 
+def test_per_token_e4m3_row_of_tiny_normal_values():
+    """Below a row maximum of ~7.6e-37, 448 / amax overflowed: the zeros became NaN and the rest +-448. Such a row now
+    gets scale 2**-126 and values below 448 that decode to the row within E4M3's rounding."""
+    x = jnp.asarray([[1e-37, 0.0, -5e-38, 3e-38]], jnp.float32)
+    r = E.per_token_e4m3(x)
+    vals = np.asarray(r.values.astype(jnp.float32))
+    assert not np.any(np.isnan(vals)) and vals[0, 1] == 0 and float(r.scale[0]) == 2.0 ** -126
+    back = np.asarray(E.dequantize_rows(r), np.float64)
+    np.testing.assert_allclose(back, np.asarray(x, np.float64), rtol=2.0 ** -3)
+
+
 @pytest.mark.parametrize("arithmetic", E.ARITHMETICS)
 def test_e4m3_bits_equals_rounding_the_exact_value_for_every_code_byte_and_offset(arithmetic):
     """Both encoders (the integer one shared with the quantizer kernels' FP8 output; the f32 -> E4M3 conversion one)
