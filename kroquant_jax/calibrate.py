@@ -410,9 +410,10 @@ class Recipe:
         :func:`get_recipe` turns it on for ``smoothed_kroquant+loraq``.
       lowrank: ``None``, ``"loraq"`` (LoRaQ, branch in MXFP4) or ``"svd"`` (SVDQuant's 16-bit SVD branch).
       smooth_svd_rank: rank (or fraction of ``min(o, d)``) of the 16-bit SVD branch inside the SmoothQuant search;
-        ``None`` (default): the paper's 32 when the recipe has a low-rank branch (the search then models the deployed
-        layer), 0 without one (plain SmoothQuant, searched for the plain 4-bit weight). It replaces
-        ``smoothquant.svd_rank``.
+        ``None`` (default): the paper's 32 when the recipe has a low-rank branch that carries the main part of
+        ``W T^{-T}`` (the search then models the deployed layer), 0 without one (plain SmoothQuant, searched for the
+        plain 4-bit weight) and with ``gptq.lowrank_order="gptq_first"`` (its branch carries GPTQ's error only). It
+        replaces ``smoothquant.svd_rank``.
       gptq: ``None`` (the stored weight is rounded to nearest) or the :class:`kroquant_jax.gptq.GPTQConfig` of GPTQ
         rounding with the Hessian of the transformed calibration rows (the ``+gptq`` suffix of :func:`get_recipe`).
       calibration: the calibration engine's settings; ``calibration.transform`` is ``None`` (filled in with
@@ -454,6 +455,10 @@ class Recipe:
                                  f"{list(transforms.smoothed_kron.STARTS)}")
         if self.select_with_branch and self.lowrank != "loraq":
             raise ValueError(f"Recipe.select_with_branch needs lowrank='loraq', got lowrank={self.lowrank!r}")
+        if self.select_with_branch and self.gptq is not None and self.gptq.lowrank_order == "gptq_first":
+            raise ValueError("Recipe.select_with_branch scores each candidate with a branch fitted to its rounded-to-"
+                             "nearest residual, which gptq.lowrank_order='gptq_first' does not store (its branch fits "
+                             "GPTQ's error): turn one of them off")
         if self.calibration.transform is None:
             object.__setattr__(self, "calibration", dataclasses.replace(self.calibration, transform=self.transform))
         elif self.calibration.transform != self.transform:
@@ -659,6 +664,8 @@ def recipe_from_args(spec: str, args: argparse.Namespace | Mapping[str, Any], **
         starts = tuple(args.smoothed_starts)
     if args.select_with_branch is not None and recipe.lowrank == "loraq":
         select_with_branch = args.select_with_branch in ("on", True)
+    elif gptq_cfg is not None and gptq_cfg.lowrank_order == "gptq_first":
+        select_with_branch = False  # the recipe's default cannot score what gptq_first stores (Recipe refuses both)
     return dataclasses.replace(recipe, calibration=calibration, run=run, loraq=loraq, svdquant=svdquant,
                                smoothquant=smooth, smooth_svd_rank=smooth_svd_rank, gptq=gptq_cfg, starts=starts,
                                select_with_branch=select_with_branch)
@@ -693,7 +700,8 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
     if recipe.smooth_init:
         svd_rank = recipe.smooth_svd_rank
         if svd_rank is None:
-            svd_rank = 32 if recipe.lowrank else 0
+            branch_first = recipe.gptq is None or recipe.gptq.lowrank_order != "gptq_first"
+            svd_rank = 32 if recipe.lowrank and branch_first else 0
         sq = smoothquant.smoothquant_layers(layers, dataclasses.replace(recipe.smoothquant, svd_rank=svd_rank),
                                             run=run, pad_to=pad_to)
         inits = {}

@@ -79,8 +79,9 @@ def validate_layer(name: str, layer, block: int = 32) -> LayerData:
     if b is not None and b.shape != (w.shape[0],):
         raise ValueError(f"layer {name!r}: bias shape {b.shape} does not match weight {w.shape} (expected "
                          f"({w.shape[0]},))")
-    if a.shape[0] < 2:
-        raise ValueError(f"layer {name!r}: needs at least 2 activation rows (calibration + held-out), got {a.shape}")
+    if a.shape[0] < 3:
+        raise ValueError(f"layer {name!r}: needs at least 3 activation rows (calibration, validation and test), got "
+                         f"{a.shape}")
     check_finite(w, f"layer {name!r} weight")
     check_finite(a, f"layer {name!r} activations")
     if b is not None:
@@ -302,11 +303,16 @@ def run_stacked(fn, stacked_inputs: Sequence[Any], num_jobs: int, *, max_per_pro
     """Runs ``fn(*inputs)`` over chunks of the leading (layer) axis of ``stacked_inputs``; returns per-chunk outputs
     (host numpy, padding dropped) concatenated along the leading axis.
 
-    Every chunk is padded to the same size (a multiple of the local device count when sharding) so that ``fn``
-    compiles once; with ``shard`` each input leaf is placed with ``NamedSharding(mesh, P("layers"))``.
+    Every chunk is padded to the same size (a multiple of the local device count when sharding), and to at least 2
+    jobs unless ``max_per_program`` is 1, so that ``fn`` compiles once and a job's result does not depend on how many
+    others share its program; with ``shard`` each input leaf is placed with ``NamedSharding(mesh, P("layers"))``.
     """
     n_dev = jax.local_device_count() if shard else 1
     chunk = min(max_per_program, num_jobs)
+    if max_per_program >= 2:
+        # a program of one job compiles to other float rounding than a batch (XLA:CPU: a LoRaQ fit's randomized SVD
+        # came out other, and with it the layer), so a layer alone in its shape runs beside a copy of itself
+        chunk = max(chunk, 2)
     chunk = int(math.ceil(chunk / n_dev) * n_dev)
     sharding = NamedSharding(make_mesh(), PartitionSpec("layers")) if shard and n_dev > 1 else None
     outputs = []

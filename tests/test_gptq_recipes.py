@@ -48,6 +48,12 @@ def test_recipe_names_parse():
                                                                       "gptq_scales": "static"})
     assert r.gptq == GPTQConfig(damp=0.1, act_order=True, lowrank_order="gptq_first", scales="static")
     assert r.loraq.rank == 64 and r.smooth_init and r.transform == "smoothed_kron"
+    # gptq_first stores GPTQ's rounding with a branch fitted to its error: the recipe's choice with the branch (which
+    # scores a branch fitted to the rounded-to-nearest residual) is off, and asking for both is refused
+    assert calibrate.get_recipe("smoothed_kroquant+gptq+loraq").select_with_branch and not r.select_with_branch
+    with pytest.raises(ValueError, match="select_with_branch scores each candidate .* turn one of them off"):
+        calibrate.recipe_from_args("smoothed_kroquant+gptq+loraq", {"gptq_order": "gptq_first",
+                                                                    "select_with_branch": "on"})
     parser = argparse.ArgumentParser()
     calibrate.add_recipe_arguments(parser)
     args = parser.parse_args(["--gptq-damp", "0.1", "--gptq-act-order", "on", "--gptq-order", "gptq_first",
@@ -210,3 +216,26 @@ def test_stored_gptq_layer_round_trips(results):
                               np.asarray(formats.quantize(resid, formats.MXFP4()).codes))
     _, again = calibrate.quantize_layer_set(layers, _recipe("hadamard32+gptq+loraq"), store=results["store"])
     assert again["blk.proj"]["resumed"] and again["blk.proj"]["heldout_error"] == rep["blk.proj"]["heldout_error"]
+
+
+@pytest.mark.parametrize("order, rank", [("branch_first", 32), ("gptq_first", 0)])
+def test_smoothing_search_models_the_branch_only_when_it_carries_the_weight(monkeypatch, order, rank):
+    """The SmoothQuant search's 16-bit SVD branch (default rank 32) stands for a LoRaQ branch that carries the main
+    part of W T^-T; under gptq_first the branch fits GPTQ's error only, so the search models no branch (rank 0)."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(layers, config, **kwargs):
+        seen.append(config.svd_rank)
+        raise Stop
+
+    monkeypatch.setattr(calibrate.smoothquant, "smoothquant_layers", spy)
+    recipe = calibrate.recipe_from_args("smoothed_kroquant+gptq+loraq", {"gptq_order": order})
+    rng = np.random.default_rng(0)
+    layer = LayerData(rng.standard_normal((32, 64)).astype(np.float32), None,
+                      rng.standard_normal((48, 64)).astype(np.float32))
+    with pytest.raises(Stop):
+        calibrate.quantize_layer_set({"l": layer}, recipe)
+    assert seen == [rank]

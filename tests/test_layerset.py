@@ -34,6 +34,23 @@ def test_run_groups_gives_each_name_its_own_outputs(max_per_program, pad_to, pro
     assert ("test stage" in capsys.readouterr().err) == progress
 
 
+def test_a_layer_alone_in_its_shape_runs_in_a_program_of_two():
+    """A one-job program compiles to other float rounding than a batch (a LoRaQ fit came out other on XLA:CPU), so
+    a job alone in its shape is padded to 2 (its result then equals the batched one); ``max_per_program=1`` (asked
+    for explicitly, e.g. the one-layer-at-a-time speed baseline) keeps programs of one."""
+    seen = []
+
+    def fn(x):
+        seen.append(x.shape[0])
+        return x * 2
+
+    out = layerset.run_stacked(jax.jit(fn), [np.ones((1, 3))], 1, max_per_program=64, shard=False)
+    assert seen == [2] and np.asarray(out).shape == (1, 3)
+    layerset.run_stacked(jax.jit(lambda x: x + 0), [np.ones((1, 3))], 1, max_per_program=1, shard=False)
+    with pytest.raises(ValueError, match="needs at least 3 activation rows"):
+        layerset.validate_layer("x", (np.ones((8, 32), np.float32), None, np.ones((2, 32), np.float32)))
+
+
 @pytest.mark.parametrize("flags, kept", [
     ("", True),
     ("--xla_gpu_autotune_level=4", False),
