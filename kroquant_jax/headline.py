@@ -398,6 +398,24 @@ def _cell(text: str) -> str:
     return re.sub(r"(?<!\\)\|", r"\\|", text)
 
 
+#: What a template says a figure's unit is: its format spec ``%`` (a fraction) or the text right after it.
+_UNIT_AFTER = ((" µs", "us"), (" ms", "ms"), (" dB", "dB"), ("x", "x"))
+
+
+def _template_units(template: str) -> dict[str, str]:
+    """``{key: unit}`` for the placeholders of ``template`` whose unit the text shows (``{k:.0f} µs``, ``{k:.1%}``,
+    ``{k:.2f}x``, ...); placeholders without one (counts, ratios in words) are not listed."""
+    units = {}
+    for m in re.finditer(r"\{(\w+):([^}]*)\}", template):
+        key, spec, after = m.group(1), m.group(2), template[m.end():m.end() + 3]
+        if spec.endswith("%"):
+            units[key] = "fraction"
+        for text, unit in _UNIT_AFTER:
+            if after.startswith(text) and not spec.endswith("%"):
+                units[key] = unit
+    return units
+
+
 def render_block(name: str, figures: Mapping[str, Figure]) -> str:
     """The markdown of README block ``name``: the table of :data:`TABLES` filled in, then one line per distinct
     (device, jax, date) naming what was measured where. Raises naming the first missing key."""
@@ -411,6 +429,10 @@ def render_block(name: str, figures: Mapping[str, Figure]) -> str:
             for key in _keys_of(cell):
                 if key not in figures:
                     raise HeadlineError(f"README block {name!r} needs headline key {key!r}, which is missing")
+                shown = _template_units(cell).get(key)
+                if shown is not None and shown != figures[key].unit:
+                    raise HeadlineError(f"README block {name!r} shows headline key {key!r} in {shown!r}, but it is "
+                                        f"recorded in {figures[key].unit!r}")
                 values[key] = figures[key].value
                 if key not in used:
                     used.append(key)

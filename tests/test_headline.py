@@ -228,6 +228,15 @@ def test_a_block_that_cannot_be_rendered_or_is_missing_is_an_error():
         headline.render_readme(without, figures)
 
 
+def test_a_figure_shown_in_another_unit_than_recorded_is_an_error():
+    figures = headline.load(HEADLINE)
+    key = "tq_k1_us_4096x16384_fp16"  # shown as "{...:.0f} µs"
+    headline.render_block("gpu", figures)
+    in_ms = dict(figures, **{key: dataclasses.replace(figures[key], unit="ms", value=0.147)})
+    with pytest.raises(headline.HeadlineError, match=f"shows headline key '{key}' in 'us', but it is recorded in 'ms'"):
+        headline.render_block("gpu", in_ms)
+
+
 def test_missing_key_is_named():
     with pytest.raises(headline.HeadlineError, match="needs headline key 'tq_k1_us_4096x16384_fp16'"):
         headline.render_block("gpu", {})
