@@ -422,8 +422,59 @@ def to_state(layer: QuantizedLinear) -> tuple[dict, dict]:
     return state, meta
 
 
+def state_keys(meta: dict) -> set[str]:
+    """The array keys :func:`to_state` writes for a layer of metadata ``meta`` (what :func:`from_state` reads)."""
+    def qa(prefix):
+        return {f"{prefix}.codes", f"{prefix}.scales", f"{prefix}.tensor_scale"}
+
+    keys = {"blocks"} | qa("weight")
+    if meta["has_params"]:
+        template = transforms.get(meta["config"]["transform"]).init(meta["config"]["in_features"])
+        keys |= {f"transform_params.{i}" for i in range(len(jax.tree.leaves(template)))}
+    if meta["has_bias"]:
+        keys.add("bias")
+    lr = meta["lowrank"]
+    if lr is not None:
+        keys |= (qa("lowrank_left") | qa("lowrank_right")) if lr["quantized"] else {"lowrank_left", "lowrank_right"}
+    return keys
+
+
+def _check_state(state: Mapping[str, np.ndarray], meta: dict) -> None:
+    """Raises ValueError naming the key when ``state`` is not what :func:`to_state` writes for ``meta``: a missing or
+    unknown key, or a packed array whose shape or dtype disagrees with the layer's width and format."""
+    expected = state_keys(meta)
+    missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unknown:
+        raise ValueError(f"layer arrays: missing {missing}, unknown {unknown}")
+    o, d = meta["config"]["out_features"], meta["config"]["in_features"]
+
+    def packed(prefix, array_meta, rows=None, cols=None):
+        codes, scales = np.asarray(state[f"{prefix}.codes"]), np.asarray(state[f"{prefix}.scales"])
+        block = QuantFormat.from_json(array_meta["fmt"]).block_size
+        if codes.dtype != np.uint8 or codes.ndim != 2 or scales.ndim != 2:
+            raise ValueError(f"{prefix}.codes: expected uint8 (rows, cols/2) with 2-D scales, got {codes.dtype} "
+                             f"{codes.shape} and scales {scales.shape}")
+        want = (codes.shape[0] if rows is None else rows, codes.shape[1] if cols is None else cols // 2)
+        if codes.shape != want or scales.shape != (want[0], want[1] * 2 // block):
+            raise ValueError(f"{prefix}: codes {codes.shape} and scales {scales.shape}, expected {want} and "
+                             f"{(want[0], want[1] * 2 // block)} (out_features={o}, in_features={d})")
+
+    packed("weight", meta["weight"], o, d)
+    blocks = np.asarray(state["blocks"])
+    if blocks.ndim != 3 or blocks.shape[1] != blocks.shape[2] or blocks.shape[0] * blocks.shape[1] != d:
+        raise ValueError(f"blocks: shape {blocks.shape}, expected (d/n, n, n) with d = in_features = {d}")
+    if meta["has_bias"] and np.asarray(state["bias"]).shape != (o,):
+        raise ValueError(f"bias: shape {np.asarray(state['bias']).shape}, expected ({o},)")
+    lr = meta["lowrank"]
+    if lr is not None and lr["quantized"]:
+        packed("lowrank_left", lr["left"], o)
+        packed("lowrank_right", lr["right"], None, d)
+
+
 def from_state(state: Mapping[str, np.ndarray], meta: dict) -> QuantizedLinear:
-    """Inverse of :func:`to_state`."""
+    """Inverse of :func:`to_state`; a state that is not what :func:`to_state` writes for ``meta`` (missing or unknown
+    keys, packed arrays of another shape or dtype) raises ValueError naming the key."""
+    _check_state(state, meta)
     c = meta["config"]
     cfg = QLinearConfig(in_features=c["in_features"], out_features=c["out_features"], transform=c["transform"],
                         act_fmt=QuantFormat.from_json(c["act_fmt"]), rank=c["rank"], ste=c["ste"],

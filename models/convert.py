@@ -128,7 +128,8 @@ _ST_TO_NP = {
 _NP_TO_ST = {v: k for k, v in _ST_TO_NP.items()}
 
 
-def _is_float(dtype: np.dtype) -> bool:
+def is_float_dtype(dtype: np.dtype) -> bool:
+    """A floating dtype, bfloat16 and float8 included (``np.issubdtype(bfloat16, np.floating)`` is False)."""
     return dtype.kind == "f" or dtype in (_ST_TO_NP["BF16"], _ST_TO_NP["F8_E4M3"], _ST_TO_NP["F8_E5M2"])
 
 
@@ -172,7 +173,10 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
     data_size = file_size - 8 - header_len
-    needed = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
+    try:
+        needed = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
+    except (KeyError, TypeError, ValueError, IndexError) as err:
+        raise CheckpointError(f"{path}: corrupt safetensors header (an entry without data_offsets: {err!r})") from None
     if needed > data_size:
         raise CheckpointError(f"{path}: truncated safetensors file: tensors need {needed} data bytes, "
                               f"the file holds {data_size}")
@@ -262,6 +266,9 @@ def read_diffusers_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], di
         weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise CheckpointError(f"{index_path}: corrupt index ({err!r})") from err
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise CheckpointError(f"{index_path}: corrupt index (weight_map must map tensor names to shard files)")
     state: dict[str, np.ndarray] = {}
     for shard in sorted(set(weight_map.values())):
         shard_tensors = read_safetensors(directory / shard)
@@ -269,7 +276,13 @@ def read_diffusers_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], di
         if listed - set(shard_tensors):
             raise CheckpointError(f"{directory / shard}: keys listed in the index are absent: "
                                   f"{sorted(listed - set(shard_tensors))}")
-        state.update(shard_tensors)
+        # only what the index assigns to this shard: a key it also holds but the index puts elsewhere (or nowhere)
+        # would otherwise replace the listed tensor depending on the shards' order
+        stray = sorted(set(shard_tensors) - listed)
+        if stray:
+            raise CheckpointError(f"{directory / shard}: holds tensors {stray[:5]}{' ...' if len(stray) > 5 else ''} "
+                                  f"that {index_path.name} does not assign to it")
+        state.update({k: shard_tensors[k] for k in listed})
     return config, state
 
 
@@ -525,7 +538,11 @@ class KeyTable:
                     mis_shaped.append(f"{source_names}: gives {path} of shape {tuple(array.shape)}, "
                                       f"the model expects {tuple(expected_shapes[path])}")
                     continue
-                if target_dtype is not None and _is_float(array.dtype):
+                if not is_float_dtype(array.dtype):
+                    mis_shaped.append(f"{source_names}: gives {path} of dtype {array.dtype}, the model's parameters "
+                                      "are floating point")
+                    continue
+                if target_dtype is not None:
                     array = array.astype(target_dtype)
                 result[path] = array
         for path in expected_shapes:
@@ -565,7 +582,7 @@ class KeyTable:
             outputs = _apply(rule_, [np.asarray(params[slots[n]]) for n in range(len(rule_.target))], inverse=True)
             for pattern, array in zip(rule_.source, outputs):
                 array = np.ascontiguousarray(array)
-                if target_dtype is not None and _is_float(array.dtype):
+                if target_dtype is not None and is_float_dtype(array.dtype):
                     array = array.astype(target_dtype)
                 state[_fill(pattern, captured)] = array
         if missing or unexpected:

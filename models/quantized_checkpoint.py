@@ -279,7 +279,7 @@ def load_quantized_checkpoint(directory: str | os.PathLike, dtype: Any = None,
     family = families.detect(config, str(directory / "config.json"))
     cfg = dataclasses.replace(family.config_from_diffusers(config), **dict(config_overrides or {}))
     state = convert.read_safetensors(directory / "model.safetensors")
-    stored_dtype = next((v.dtype for v in state.values() if np.issubdtype(v.dtype, np.floating)), np.float32)
+    stored_dtype = next((v.dtype for v in state.values() if convert.is_float_dtype(v.dtype)), np.dtype(np.float32))
     np_dtype = convert.resolve_dtype(dtype) if dtype is not None else stored_dtype
     names = list(qconfig["layers"])
     for name in names:
@@ -288,10 +288,18 @@ def load_quantized_checkpoint(directory: str | os.PathLike, dtype: Any = None,
     model = family.from_diffusers_state(state, cfg, np_dtype)
     qlayers = {}
     arrays = convert.read_safetensors(directory / "quantized.safetensors")
+    packed_file = directory / "quantized.safetensors"
+    stray = sorted(k for k in arrays if k.partition("/")[0] not in qconfig["layers"])
+    if stray:
+        raise ValueError(f"{packed_file}: arrays of no layer in quantization_config.json: {stray[:5]}"
+                         f"{' ...' if len(stray) > 5 else ''}")
     for name in names:
         prefix = f"{name}/"
         layer_state = {k[len(prefix):]: np.asarray(v) for k, v in arrays.items() if k.startswith(prefix)}
         if not layer_state:
-            raise ValueError(f"{directory / 'quantized.safetensors'}: no arrays for layer {name!r}")
-        qlayers[name] = qlinear.from_state(layer_state, qconfig["layers"][name]["meta"])
+            raise ValueError(f"{packed_file}: no arrays for layer {name!r}")
+        try:
+            qlayers[name] = qlinear.from_state(layer_state, qconfig["layers"][name]["meta"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{packed_file}: layer {name!r}: {err}") from None
     return QuantizedCheckpoint(family=family.name, cfg=cfg, model=model, qlayers=qlayers, config=qconfig)

@@ -68,6 +68,41 @@ def test_truncated_shard_names_the_shard(tmp_path):
         families.PIXART.from_diffusers(tmp_path)
 
 
+def test_a_shard_holding_tensors_its_index_puts_elsewhere_is_refused(tmp_path):
+    """A shard may hold only what the index assigns to it: a tensor also held by a later shard replaced the listed one
+    silently (the shards were read in sorted order)."""
+    _tiny_checkpoint(tmp_path, max_shard_bytes=2048)
+    index = json.loads((tmp_path / convert.WEIGHTS_INDEX_NAME).read_text())["weight_map"]
+    key, home = sorted(index.items())[0]
+    other = next(s for s in sorted(set(index.values())) if s != home)
+    tensors = dict(convert.read_safetensors(tmp_path / other))
+    tensors[key] = np.full_like(convert.read_safetensors(tmp_path / home)[key], 7.0)
+    convert.write_safetensors(tmp_path / other, tensors)
+    with pytest.raises(CheckpointError, match=f"{other}: holds tensors \\['{key}'\\] that .* does not assign"):
+        families.PIXART.from_diffusers(tmp_path)
+    (tmp_path / convert.WEIGHTS_INDEX_NAME).write_text(json.dumps({"weight_map": []}))
+    with pytest.raises(CheckpointError, match="corrupt index \\(weight_map must map"):
+        families.PIXART.from_diffusers(tmp_path)
+
+
+def test_a_header_entry_without_offsets_names_the_file(tmp_path):
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1]}}).encode()
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+    with pytest.raises(CheckpointError, match="x.safetensors: corrupt safetensors header \\(an entry without"):
+        convert.read_safetensors(path)
+
+
+def test_an_integer_weight_is_refused_naming_the_key(tmp_path):
+    _tiny_checkpoint(tmp_path)
+    config, state = convert.read_diffusers_dir(tmp_path)
+    state = dict(state)
+    state["proj_out.weight"] = state["proj_out.weight"].astype(np.int32)
+    convert.write_diffusers_dir(tmp_path, config, state)
+    with pytest.raises(ConversionError, match="proj_out.weight: gives .* of dtype int32"):
+        families.PIXART.from_diffusers(tmp_path)
+
+
 def test_missing_unexpected_and_misshaped_keys_reported_together(tmp_path):
     _tiny_checkpoint(tmp_path)
     config, state = convert.read_diffusers_dir(tmp_path)

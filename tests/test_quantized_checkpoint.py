@@ -78,6 +78,43 @@ def test_round_trip_samples_the_same(family, tmp_path):
     assert np.isfinite(outputs[0]).all() and np.abs(outputs[0]).max() > 0
 
 
+def test_a_spoiled_quantized_folder_is_refused_naming_the_layer_and_key(tmp_path):
+    """Packed arrays of another shape or dtype, a missing or extra array, an array of no layer: refused at load,
+    naming quantized.safetensors, the layer and the key (they loaded and failed in the forward with no name, or loaded
+    silently); a bf16 folder loads in bf16 by default (``np.issubdtype`` does not call bfloat16 floating)."""
+    from models import convert
+
+    module, cfg = MODELS["pixart"]
+    model = module.build(cfg, jnp.bfloat16, seed=1)
+    rng = np.random.default_rng(0)
+    layer_set = {n: (np.asarray(l.kernel[...], np.float32).T, None if l.bias is None else np.asarray(l.bias[...],
+                     np.float32), rng.standard_normal((40, l.kernel.shape[0])).astype(np.float32))
+                 for n, l in linears(model, quantizable_only=True).items()}
+    qlayers, reports = calibrate.quantize_layer_set(layer_set, RECIPE)
+    folder = tmp_path / "q"
+    save_quantized_checkpoint(folder, model, qlayers, recipe_name="hadamard32", recipe=RECIPE, reports=reports)
+    assert jax.tree.leaves(nnx.state(load_quantized_checkpoint(folder).model, nnx.Param))[0].dtype == jnp.bfloat16
+    good = dict(convert.read_safetensors(folder / "quantized.safetensors"))
+    name = sorted(qlayers)[0]
+    codes = good[f"{name}/weight.codes"]
+    spoils = {
+        "cut codes": ({f"{name}/weight.codes": codes[:, : codes.shape[1] // 2]}, "weight: codes"),
+        "int32 codes": ({f"{name}/weight.codes": codes.astype(np.int32)}, "weight.codes: expected uint8"),
+        "short bias": ({f"{name}/bias": good[f"{name}/bias"][:3]}, "bias: shape \\(3,\\)"),
+        "missing scales": ({f"{name}/weight.scales": None}, "missing \\['weight.scales'\\]"),
+        "extra array": ({f"{name}/lowrank_left": np.zeros((2, 2), np.float32)}, "unknown \\['lowrank_left'\\]"),
+        "no layer": ({"transformer_blocks.0.nothing/bias": np.zeros(2, np.float32)}, "arrays of no layer"),
+    }
+    for what, (change, message) in spoils.items():
+        arrays = {k: v for k, v in {**good, **change}.items() if v is not None}
+        convert.write_safetensors(folder / "quantized.safetensors", arrays)
+        with pytest.raises(ValueError, match=message) as refused:
+            load_quantized_checkpoint(folder)
+        assert "quantized.safetensors" in str(refused.value), what
+        if what != "no layer":
+            assert repr(name) in str(refused.value), what
+
+
 def test_load_names_what_is_missing(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="no model.safetensors \\(not a quantized checkpoint folder"):
