@@ -520,7 +520,8 @@ def load_qlinear(path: str) -> tuple[QuantizedLinear, dict]:
         try:
             state = {k: f.get_tensor(k) for k in f.keys()}
         except SafetensorError as err:
-            raise ValueError(f"{path}: not a readable stored layer ({err}); delete it to recompute that layer") from None
+            raise ValueError(f"{path}: not a readable stored layer ({err}); delete it to recompute that "
+                             "layer") from None
     return from_state(state, meta), meta.get("extra", {})
 
 
@@ -531,7 +532,8 @@ def _open_stored_layer(path: str):
     try:
         return safe_open(path, framework="numpy")
     except SafetensorError as err:
-        raise ValueError(f"{path}: not a readable stored layer ({err}); delete it to recompute that layer") from None
+        raise ValueError(f"{path}: not a readable stored layer ({err}); delete it to recompute that "
+                         "layer") from None
 
 
 def _layer_metadata(f, path: str) -> dict:

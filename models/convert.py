@@ -734,6 +734,33 @@ def jax_side_field(default: Any) -> Any:
     return dataclasses.field(default=default, metadata={JAX_SIDE: True})
 
 
+def _json_kind_of(default: Any) -> str | None:
+    """The JSON kind a config field takes, from its default (``None`` when the default does not say)."""
+    if isinstance(default, bool):
+        return "a boolean"
+    if isinstance(default, int):
+        return "an integer"
+    if isinstance(default, float):
+        return "a number"
+    if isinstance(default, str):
+        return "a string"
+    if isinstance(default, tuple):
+        return "a list"
+    return None
+
+
+def _is_json_kind(value: Any, kind: str) -> bool:
+    if kind == "a boolean":
+        return isinstance(value, bool)
+    if kind == "an integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "a number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "a string":
+        return isinstance(value, str)
+    return isinstance(value, (list, tuple))
+
+
 def dataclass_from_config(cls: type, config: Mapping[str, Any], ignored: Mapping[str, Any] = ()) -> Any:
     """Build the frozen config dataclass ``cls`` from a diffusers ``config.json`` dict.
 
@@ -743,15 +770,22 @@ def dataclass_from_config(cls: type, config: Mapping[str, Any], ignored: Mapping
     ``{"dropout": 0.0}``. Lists become tuples.
 
     Raises:
-        ValueError: naming unknown keys, and ignored keys whose value the port does not implement.
+        ValueError: naming unknown keys, values of another JSON kind than the field's default (``"num_layers": "2"``),
+            and ignored keys whose value the port does not implement.
     """
-    fields = {f.name for f in dataclasses.fields(cls) if not f.metadata.get(JAX_SIDE)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get(JAX_SIDE)}
     kwargs: dict[str, Any] = {}
     problems = []
     for key, value in config.items():
         if key.startswith("_"):
             continue
         if key in fields:
+            expected = _json_kind_of(fields[key].default)
+            if expected == "an integer" and isinstance(value, float) and value.is_integer():
+                value = int(value)  # e.g. a rope theta written as 5000000.0
+            if expected is not None and value is not None and not _is_json_kind(value, expected):
+                problems.append(f"{key}={value!r} (expected {expected})")
+                continue
             kwargs[key] = tuple(value) if isinstance(value, list) else value
         elif key in ignored:
             if ignored[key] is not None and value != ignored[key] and value is not None:

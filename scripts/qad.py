@@ -409,8 +409,9 @@ def table(report: dict) -> str:
     lines = [f"{report['device']}, jax {report['jax']}; teacher {report['schedule']}; "
              f"{len(report['heldout_captions'])} held-out + {len(report['train_eval_captions'])} training captions "
              f"(not trained on) x seeds {report['settings']['seeds']}; metrics vs the teacher's image", "",
-             "| model | forward passes / image | held-out PSNR (dB ± s.e. over captions) | held-out SSIM | chroma ratio "
-             "| saturation ratio | train-caption PSNR (dB ± s.e.) | train-caption SSIM |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| model | forward passes / image | held-out PSNR (dB ± s.e. over captions) | held-out SSIM "
+             "| chroma ratio | saturation ratio | train-caption PSNR (dB ± s.e.) | train-caption SSIM |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for title, r in report["results"].items():
         h, t = r["heldout"], r["train"]
         trained = report["training"].get(title)

@@ -93,6 +93,16 @@ def test_a_header_entry_without_offsets_names_the_file(tmp_path):
         convert.read_safetensors(path)
 
 
+def test_config_values_of_another_kind_are_refused_naming_the_key():
+    """``"num_layers": "2"`` failed in Python's own TypeError naming neither key nor file; an integral float where an
+    integer is due (a theta written as 5000000.0) is taken as that integer."""
+    cfg = pixart.PixArtConfig(num_layers=2)
+    config = convert.dataclass_to_config(cfg, "PixArtTransformer2DModel")
+    with pytest.raises(ValueError, match="num_layers='2' \\(expected an integer\\); norm_eps='1e-6' \\(expected a"):
+        families.PIXART.config_from_diffusers(dict(config, num_layers="2", norm_eps="1e-6"))
+    assert families.PIXART.config_from_diffusers(dict(config, num_layers=2.0)).num_layers == 2
+
+
 def test_an_integer_weight_is_refused_naming_the_key(tmp_path):
     _tiny_checkpoint(tmp_path)
     config, state = convert.read_diffusers_dir(tmp_path)
