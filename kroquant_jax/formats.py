@@ -79,6 +79,7 @@ __all__ = [
     "mxfp4_quantize_blocks",
     "nvfp4_quantize_blocks",
     "nvfp4_tensor_scale",
+    "nvfp4_block_reciprocal",
     "nvfp4_tensor_scale_from_amax",
     "pack_nibbles",
     "pow2",
@@ -278,7 +279,7 @@ class NVFP4(QuantFormat):
         # the quantizer's own value x * ((1 / tensor_scale) / s), not |x| > 6 s ts: that product rounds on its own
         # and disagrees at the boundary (a block's largest element, reproduced exactly, was called clipped)
         x = flush_subnormals(x_blocks.astype(jnp.float32))
-        reciprocal = divide_rn(divide_rn(jnp.float32(1.0), tensor_scale), scales.astype(jnp.float32))  # (..., nb)
+        reciprocal = nvfp4_block_reciprocal(tensor_scale, scales.astype(jnp.float32))  # (..., nb)
         return jnp.abs(flush_subnormals(x * reciprocal[..., None])) > E2M1_MAX
 
 
@@ -513,6 +514,12 @@ def nvfp4_tensor_scale(x: jax.Array) -> jax.Array:
     return nvfp4_tensor_scale_from_amax(amax)
 
 
+def nvfp4_block_reciprocal(tensor_scale: jax.Array, block_scale: jax.Array) -> jax.Array:
+    """``(1 / tensor_scale) / block_scale`` (f32, each division correctly rounded): what NVFP4 multiplies an element
+    by before encoding it (the quantizer and its clipped-STE mask share it)."""
+    return divide_rn(divide_rn(jnp.float32(1.0), tensor_scale), block_scale)
+
+
 def nvfp4_quantize_blocks(x_blocks: jax.Array, tensor_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
     """NVFP4-quantizes blocks given the per-tensor scale. Shared per-tile function.
 
@@ -536,8 +543,7 @@ def nvfp4_quantize_blocks(x_blocks: jax.Array, tensor_scale: jax.Array) -> tuple
     s_value, _ = e4m3_round(jnp.clip(divide_rn(block_over_max, tensor_scale), E4M3_TINY, E4M3_MAX))  # (...)
     s_blk = s_value.astype(jnp.float8_e4m3fn)
     # One multiply per element by the reciprocal of the combined scale, the numerics of torchao's nvfp4_quantize.
-    inv_tensor_scale = divide_rn(jnp.float32(1.0), tensor_scale)
-    reciprocal = divide_rn(inv_tensor_scale, s_value)  # (...)
+    reciprocal = nvfp4_block_reciprocal(tensor_scale, s_value)  # (...)
     v = flush_subnormals(x * reciprocal[..., None])
     codes = e2m1_encode(jnp.clip(v, -E2M1_MAX, E2M1_MAX))
     codes = jnp.where(nonfinite[..., None], jnp.uint8(0), codes)

@@ -520,9 +520,12 @@ def load_qlinear(path: str) -> tuple[QuantizedLinear, dict]:
         try:
             state = {k: f.get_tensor(k) for k in f.keys()}
         except SafetensorError as err:
-            raise ValueError(f"{path}: not a readable stored layer ({err}); delete it to recompute that "
-                             "layer") from None
+            raise _unreadable_layer(path, err) from None
     return from_state(state, meta), meta.get("extra", {})
+
+
+def _unreadable_layer(path: str, err: Exception) -> ValueError:
+    return ValueError(f"{path}: not a readable stored layer ({err}); delete it to recompute that layer")
 
 
 def _open_stored_layer(path: str):
@@ -532,8 +535,7 @@ def _open_stored_layer(path: str):
     try:
         return safe_open(path, framework="numpy")
     except SafetensorError as err:
-        raise ValueError(f"{path}: not a readable stored layer ({err}); delete it to recompute that "
-                         "layer") from None
+        raise _unreadable_layer(path, err) from None
 
 
 def _layer_metadata(f, path: str) -> dict:

@@ -142,9 +142,10 @@ def calls_device_time(events: Sequence[tuple[int, int, str]], n_calls: int) -> D
     if not events:
         raise ValueError("calls_device_time: no kernel events")
     per = len(events) // n_calls if len(events) % n_calls == 0 else 0
-    if per and any(sorted(e[2] for e in events[i * per:(i + 1) * per]) != sorted(e[2] for e in events[:per])
-                   for i in range(1, n_calls)):
-        per = 0
+    if per:
+        first = sorted(e[2] for e in events[:per])
+        if any(sorted(e[2] for e in events[i * per:(i + 1) * per]) != first for i in range(1, n_calls)):
+            per = 0
     if not per:
         return DeviceTime(sum(ev[1] for ev in events) / 1e3 / n_calls, "cupti(total/n: the calls' kernels differ)",
                           tuple(sorted({e[2][:60] for e in events})[:4]))

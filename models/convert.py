@@ -241,9 +241,7 @@ def read_json_object(path: str | os.PathLike) -> dict[str, Any]:
     """
     try:
         return fileio.read_json_object(path)
-    except FileNotFoundError:
-        raise
-    except ValueError as err:
+    except ValueError as err:  # (a missing file stays FileNotFoundError)
         raise CheckpointError(str(err)) from None
 
 
