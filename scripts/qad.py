@@ -55,7 +55,7 @@ from kroquant_jax.fileio import atomic_path, atomic_write_text
 from models import convert, families, pixart, qad
 from models.testbed import model as testbed
 from models.testbed import data as testbed_data
-from models.testbed.evaluation import image_metrics_of, seed_image_metrics
+from models.testbed.evaluation import image_metrics_of, psnr_text, seed_image_metrics
 from scripts.common_args import nonnegative_int, positive_int, require_paths, verb_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -417,9 +417,9 @@ def table(report: dict) -> str:
         trained = report["training"].get(title)
         if trained is not None and trained.get("selected_step") not in (None, trained["steps"]):
             title = f"{title} (best validation iterate: step {trained['selected_step']} of {trained['steps']})"
-        lines.append(f"| {title} | {r['forward_passes_per_image']} | {h['psnr_db']:.2f} ± {h['psnr_sem_db']:.2f} | "
+        lines.append(f"| {title} | {r['forward_passes_per_image']} | {psnr_text(h)} | "
                      f"{h['ssim']:.3f} | {h['chroma_ratio']:.3f} | {h['saturation_ratio']:.3f} | "
-                     f"{t['psnr_db']:.2f} ± {t['psnr_sem_db']:.2f} | {t['ssim']:.3f} |")
+                     f"{psnr_text(t)} | {t['ssim']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

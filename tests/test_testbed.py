@@ -537,6 +537,14 @@ def test_eval_script_tiny_run_writes_table_report_and_grid(tmp_path, rtn_eval, f
         evaluation.merge_outputs([out, other], tmp_path / "bad")
 
 
+def test_psnr_text_leaves_out_an_undefined_standard_error():
+    one_caption = evaluation.seed_image_metrics(np.zeros((2, 1, 12, 12, 3), np.uint8),
+                                                 np.ones((2, 1, 12, 12, 3), np.uint8))
+    assert np.isnan(one_caption["psnr_sem_db"])
+    assert evaluation.psnr_text(one_caption) == f"{one_caption['psnr_db']:.2f}"
+    assert evaluation.psnr_text({"psnr_db": 21.957, "psnr_sem_db": 0.481}) == "21.96 ± 0.48"
+
+
 def test_seed_image_metrics_match_a_manual_computation():
     rng = np.random.default_rng(0)
     ref = rng.integers(0, 256, (2, 3, 12, 12, 3), dtype=np.uint8)  # (seeds, captions, s, s, 3)

@@ -294,8 +294,11 @@ def report_seeds(report: dict) -> list[int]:
     return [int(args["seed"])]
 
 
-def _psnr(metrics: dict) -> str:
-    return f"{metrics['psnr_db']:.2f} ± {metrics['psnr_sem_db']:.2f}"
+def psnr_text(metrics: dict) -> str:
+    """``"mean ± standard error"`` of a metrics dict's PSNR; the mean alone where the standard error is undefined
+    (one caption)."""
+    sem = metrics["psnr_sem_db"]
+    return f"{metrics['psnr_db']:.2f}" + ("" if np.isnan(sem) else f" ± {sem:.2f}")
 
 
 def _seed_range(metrics: dict) -> str:
@@ -322,7 +325,7 @@ def markdown_table(report: dict) -> str:
             heads.append(f"{CAPTION_GROUPS[gid].tag}: seed range")
 
     def cells(metrics: dict) -> str:
-        return " | ".join(f"{_psnr(metrics[gid])} | {_seed_range(metrics[gid])}" if several else _psnr(metrics[gid])
+        return " | ".join(f"{psnr_text(metrics[gid])} | {_seed_range(metrics[gid])}" if several else psnr_text(metrics[gid])
                           for gid in groups)
 
     intro = ("PSNR (dB) ↑ against the 16-bit images on the same seeds, ± its standard error over the captions of each "
