@@ -239,18 +239,22 @@ TABLES: dict[str, dict] = {
         "header": ["what", "measured", "goal", "page"],
         "rows": [
             ["QAD: one-branch W4A4 (MXFP4) testbed student, from calibrated PTQ layers (the recipe in "
-             "docs/qad.md), about 600 steps, flow-matching weight 1.0; held-out captions vs the 16-bit CFG images",
-             "best student {testbed_qad_psnr_heldout_db:.2f} dB at 20 forwards / image (from smoothed KroQuant + "
-             "LoRaQ, weights rounded to nearest; from the GPTQ store itself: "
-             "{testbed_qad_psnr_heldout_db_gptq_init:.2f} dB) vs the best two-branch PTQ (smoothed KroQuant + "
-             "GPTQ + LoRaQ) {testbed_best_ptq_psnr_heldout_db:.2f} dB at 40 (the same captions, seeds and "
-             "sampler); from SmoothQuant + LoRaQ: {testbed_qad_psnr_heldout_db_smoothquant_loraq_init:.2f} vs "
-             "{testbed_smoothquant_loraq_psnr_heldout_db:.2f} dB; chroma ratio {testbed_qad_chroma_ratio:.3f}; "
-             "naive-distillation control {testbed_naive_distill_psnr_heldout_db:.2f} dB "
-             "(fm weight 0.25, 1,023 records); the same distillation without quantization (what one branch folds; "
-             "best iterate of 1,500 steps): {testbed_distill_16bit_psnr_heldout_db:.2f} dB; that 16-bit "
-             "one-branch model calibrated with the same PTQ recipe (fold CFG first, then quantize; QAD from it "
-             "did not beat its start in 600 steps): {testbed_folded_ptq_psnr_heldout_db:.2f} dB",
+             "docs/qad.md), flow-matching weight 1.0; held-out captions vs the 16-bit CFG images",
+             "best student {testbed_qad_psnr_heldout_db:.2f} dB at 20 forwards / image, chroma ratio "
+             "{testbed_qad_chroma_ratio:.3f} (CFG folded into a 16-bit branch on all 3,723 training records, then "
+             "smoothed KroQuant + GPTQ + LoRaQ, then QAD, which stays under its PTQ start: "
+             "{testbed_folded_ptq_psnr_heldout_db:.2f} dB, the best one-branch W4A4 model) vs the best two-branch "
+             "PTQ (smoothed KroQuant + GPTQ + LoRaQ) {testbed_best_ptq_psnr_heldout_db:.2f} dB at 40 (the same "
+             "captions, seeds and sampler); the folded 16-bit branch itself: "
+             "{testbed_distill_16bit_psnr_heldout_db:.2f} dB ({testbed_distill_16bit_psnr_heldout_db_1023_records:.2f} "
+             "on 1,023 records, whose fold quantized gave {testbed_folded_ptq_psnr_heldout_db_1023_records:.2f}); "
+             "QAD from the teacher's PTQ layers (1,023 records, about 600 steps): "
+             "{testbed_qad_psnr_heldout_db_teacher_ptq_init:.2f} dB, chroma ratio "
+             "{testbed_qad_chroma_ratio_teacher_ptq_init:.3f} (from the GPTQ store itself: "
+             "{testbed_qad_psnr_heldout_db_gptq_init:.2f} dB; from SmoothQuant + LoRaQ: "
+             "{testbed_qad_psnr_heldout_db_smoothquant_loraq_init:.2f} vs "
+             "{testbed_smoothquant_loraq_psnr_heldout_db:.2f} dB); naive-distillation control "
+             "{testbed_naive_distill_psnr_heldout_db:.2f} dB (fm weight 0.25, 1,023 records)",
              "beat every two-branch PTQ; chroma within 3% of 1", "[qad](docs/qad.md)"],
             ["QAD training step of the whole Ideogram 4 (34 blocks, W4A4 student + bf16 teacher, both CFG branches, "
              "1K layout), one H200",
