@@ -24,7 +24,7 @@ gradient reaches ``W~`` and the layers before. What is trained, frozen or recomp
   what ``kroquant_jax.formats.quantize`` does at export), never stored or trained.
 
 **Naive distillation** (the seed's control): the same quantized student and loss, but "no gradient flowed through the
-quantization - the student was frozen in its quantized state": ``ste="none"`` gives the weight quantizers (and those
+quantization - the student was frozen in its quantized state": ``naive=True`` gives the weight quantizers (and those
 of a quantized low-rank branch) their true derivative, zero (a rounding function is flat almost everywhere), so the
 quantized weights stay frozen at their rounded start. The activation quantizers keep the STE: they sit on the path
 from the loss to every earlier layer, and a zero there would cut the chain rule at each linear's input, leaving the
@@ -82,7 +82,7 @@ __all__ = ["BestIterate", "GuidanceSchedule", "QADConfig", "NonFiniteError", "st
            "check_run_folder"]
 
 FORMATS = {"mxfp4": formats.MXFP4, "nvfp4": formats.NVFP4}
-STE_MODES = ("identity", "clipped", "none")
+STE_MODES = ("identity", "clipped")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -133,10 +133,13 @@ class QADConfig:
     """Settings of one QAD run (all but :data:`UNKEYED_CONFIG` enter the run folder's key).
 
     fmt: ``"mxfp4"`` or ``"nvfp4"`` (weights, activations and a quantized low-rank branch).
-    ste: ``"identity"`` (plain STE), ``"clipped"`` (zero gradient where saturated) or ``"none"`` (naive distillation:
-        the weight quantizers' true, zero derivative; the activations keep the STE).
+    ste: ``"identity"`` (plain STE) or ``"clipped"`` (zero gradient where saturated): the rule of the activation
+        quantizers and, unless ``naive``, of the weight quantizers.
+    naive: naive distillation: the weight quantizers (and a quantized low-rank branch's) get their true, zero
+        derivative; the activations keep the ``ste`` rule, so the control differs from QAD in the weights alone.
     fm_weight: lambda of the flow-matching term. schedule: the teacher's guidance.
-    lr, warmup, clip_norm, weight_decay: AdamW (linear warm-up, then constant). batch_size: images per step.
+    lr, warmup, clip_norm, weight_decay: AdamW (linear warm-up over ``warmup`` steps, then constant; 0: constant
+        from the first step). batch_size: images per step.
     steps: total optimizer steps. chunk: steps per jitted call (and the granularity of the NaN check).
     save_every: checkpoint every N steps (a multiple of ``chunk``). seed: data order, noise and sigmas.
     train_rest: also train the 16-bit parameters outside the quantized linears.
@@ -144,6 +147,7 @@ class QADConfig:
 
     fmt: str = "mxfp4"
     ste: str = "identity"
+    naive: bool = False
     fm_weight: float = 0.25
     schedule: GuidanceSchedule = GuidanceSchedule()
     lr: float = 5e-5
@@ -166,6 +170,8 @@ class QADConfig:
             raise ValueError(f"QADConfig.ste={self.ste!r} must be one of {STE_MODES}")
         if self.fm_weight < 0:
             raise ValueError(f"QADConfig.fm_weight={self.fm_weight} must be >= 0")
+        if self.warmup < 0:
+            raise ValueError(f"QADConfig.warmup={self.warmup} must be >= 0")
         for name in ("batch_size", "steps", "chunk", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"QADConfig.{name}={getattr(self, name)} must be >= 1")
@@ -331,11 +337,10 @@ def student_from_qlinears(model: nnx.Module, qlayers: Mapping[str, Any],
 def student_forward(config: QADConfig, lowrank_quantized: bool) -> tuple[Callable, jax.Array]:
     """``(forward, through)``: ``forward(layer, blocks, through, x)`` is :func:`student_linear` with the config's
     format and STE rule; ``through`` is the float32 scalar that lets the STE gradient through the weight quantizers
-    (1.0) or gives them their true, zero derivative (0.0, ``ste="none"``: naive distillation)."""
-    rule = "identity" if config.ste == "none" else config.ste
-    forward = functools.partial(student_linear, fmt=config.quant_format, ste=rule,
+    (1.0) or gives them their true, zero derivative (0.0, ``config.naive``: naive distillation)."""
+    forward = functools.partial(student_linear, fmt=config.quant_format, ste=config.ste,
                                 lowrank_quantized=lowrank_quantized)
-    return forward, jnp.float32(0.0 if config.ste == "none" else 1.0)
+    return forward, jnp.float32(0.0 if config.naive else 1.0)
 
 
 def student_velocity(graphdef: Any, trainable: Mapping[str, Any], blocks: Mapping[str, jax.Array],
@@ -433,7 +438,8 @@ def with_state_dtype(inner: optax.GradientTransformation, dtype: Any) -> optax.G
 def make_optimizer(config: QADConfig, state_dtype: Any = None) -> optax.GradientTransformation:
     """AdamW with a linear warm-up and global-norm clipping; ``state_dtype`` (None: the parameters' dtype, float32
     moments for float32 parameters) stores the moments in another dtype (:func:`with_state_dtype`)."""
-    schedule = optax.linear_schedule(0.0, config.lr, max(config.warmup, 1))
+    schedule = (optax.constant_schedule(config.lr) if config.warmup == 0
+                else optax.linear_schedule(0.0, config.lr, config.warmup))
     optimizer = optax.chain(optax.clip_by_global_norm(config.clip_norm),
                             optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=config.weight_decay))
     return optimizer if state_dtype is None else with_state_dtype(optimizer, state_dtype)
@@ -633,8 +639,9 @@ def run_key(config: QADConfig, extra: Mapping[str, Any]) -> dict:
 
 def _upgrade_run_record(path: Path) -> None:
     """A record written while :data:`UNKEYED_CONFIG` and the teacher folder's name (``checkpoint``, which the
-    teacher's fingerprint covers) were keyed is rewritten without them: the same run's key in today's form, so the
-    check resumes it or names only the settings that decide results."""
+    teacher's fingerprint covers) were keyed is rewritten without them, and one from before ``naive`` had a field of
+    its own (``ste="none"`` then: naive, the identity STE on the activations) with it: the same run's key in today's
+    form, so the check resumes it or names only the settings that decide results."""
     try:
         stored = read_json_object(path)
     except (FileNotFoundError, ValueError):
@@ -642,6 +649,10 @@ def _upgrade_run_record(path: Path) -> None:
     current = {k: v for k, v in stored.items() if k != "checkpoint"}
     if isinstance(current.get("config"), dict):
         current["config"] = {k: v for k, v in current["config"].items() if k not in UNKEYED_CONFIG}
+        if "naive" not in current["config"] and "ste" in current["config"]:  # before ``naive`` had its own field,
+            naive = current["config"]["ste"] == "none"  # ste="none" meant: naive, with the identity STE elsewhere
+            current["config"] = {**current["config"], "ste": "identity" if naive else current["config"]["ste"],
+                                 "naive": naive}
     if current != stored:
         atomic_write_json(path, current)
 
@@ -666,6 +677,17 @@ def check_run_folder(run_dir: str | Path, config: QADConfig, key_extra: Mapping[
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _check_run_key(run_dir, run_key(config, key_extra))
+
+
+def _drop_log_records_after(path: Path, step: int) -> None:
+    """Rewrites the log ``path`` (JSON lines with a ``step``) without the records past ``step``, the checkpoint a
+    run resumes from: chunks logged after the last save and lost by a kill are run again, and would be logged twice."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if not line.strip() or json.loads(line)["step"] <= step]
+    if len(kept) != len(lines):
+        atomic_write_text(path, "".join(kept))
 
 
 def train(run_dir: str | Path, train_chunk: Callable, state: dict, config: QADConfig, key_extra: Mapping[str, Any],
@@ -699,6 +721,7 @@ def train(run_dir: str | Path, train_chunk: Callable, state: dict, config: QADCo
     if last is not None:
         state = restore_checkpoint(last, state)
     step = int(state["step"])
+    _drop_log_records_after(run_dir / "log.jsonl", step)  # steps a kill lost are trained (and logged) again
     end = config.steps if stop_after is None else min(config.steps, stop_after)
     records = []
     began = time.perf_counter()

@@ -8,8 +8,8 @@ Variants (each trained in its own run folder ``--out``/runs/<name>, resumable, k
 
 * ``qad_16bit``: the seed's QAD, student initialised from the 16-bit weights (RTN W4A4 at step 0);
 * ``qad_ptq``: the student initialised from the calibrated PTQ layers of ``--ptq-store`` (any recipe);
-* ``naive_16bit``: the seed's naive distillation (``ste="none"``: no gradient through the weight quantizers, so the
-  quantized weights stay frozen; ``models.qad``).
+* ``naive_16bit``: the seed's naive distillation (``naive=True``: no gradient through the weight quantizers, so the
+  quantized weights stay frozen; the activations keep ``--ste``'s rule; ``models.qad``).
 * ``naive_ptq``: the naive distillation from the PTQ layers (not run by default).
 * ``distill_16bit``: the control of what one branch can fold at all: the same loss, data and steps with no
   quantization (every weight trained in 16 bits; not run by default). Its held-out PSNR bounds what a one-branch
@@ -327,7 +327,7 @@ def main(argv=None) -> int:
     for variant in args.variants:
         init = "ptq" if variant.endswith("_ptq") else "unquantized" if variant == UNQUANTIZED else "16bit"
         layers, blocks, packed = inits[init]
-        config = dataclasses.replace(base, ste="none") if variant.startswith("naive") else base
+        config = dataclasses.replace(base, naive=True) if variant.startswith("naive") else base
         chunk = qad.make_train_chunk(student_graph, teacher_graph, teacher_state, blocks, config, packed, data)
         state = qad.init_state(student_state, layers, config)
         key_extra = {"init": init if init != "ptq" else f"{ptq_name}:{qad.fingerprint(layers)}",

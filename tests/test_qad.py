@@ -79,6 +79,7 @@ def test_guided_sample_equals_testbed_euler_for_constant_schedule_and_the_teache
 
 # (format, STE rule) of the gradient tests: each rule once and each format at least once (pairwise, not all six:
 # each case is the whole QAD loss's gradient); the clipped rule's elementwise behaviour is tested for MXFP4 below.
+# "none" is the naive control (QADConfig.naive) with the identity rule.
 GRADIENT_CASES = (("mxfp4", "identity"), ("nvfp4", "clipped"), ("mxfp4", "none"))
 
 
@@ -105,8 +106,8 @@ def gradients(setup):
                             data["context_mask"].astype(jnp.float32), data["null_context"].astype(jnp.float32),
                             data["null_mask"].astype(jnp.float32), jax.random.key(0))[0]
 
-    configs = [qad.QADConfig(fmt=fmt, ste=ste, batch_size=4, steps=2, chunk=2, save_every=2)
-               for fmt, ste in GRADIENT_CASES]
+    configs = [qad.QADConfig(fmt=fmt, ste="identity" if ste == "none" else ste, naive=ste == "none", batch_size=4,
+                             steps=2, chunk=2, save_every=2) for fmt, ste in GRADIENT_CASES]
 
     @jax.jit  # the teacher's weights an argument (closed over, XLA would fold them into the program as constants)
     def all_gradients(trainables, teacher_state):
@@ -220,10 +221,13 @@ def test_resume_after_a_stop_is_bit_identical(setup, training, tmp_path):
     full, _ = qad.train(tmp_path / "full", chunk, state0, config, {"init": "x"}, progress=False, stop_after=6)
     part, records = qad.train(tmp_path / "split", chunk, state0, config, {"init": "x"}, progress=False, stop_after=2)
     assert int(part["step"]) == 2 and len(records) == 1
-    # a fresh call (as after a kill): only the checkpoint on disk survives
+    # a fresh call (as after a kill): only the checkpoint on disk survives, and a chunk logged after it is dropped
+    (tmp_path / "split" / "log.jsonl").open("a").write(json.dumps({"step": 4, "loss": 1.0}) + "\n")
     resumed, records = qad.train(tmp_path / "split", chunk, state0, config, {"init": "x"}, progress=False,
                                  stop_after=6)
     assert [r["step"] for r in records] == [4, 6]
+    log = [json.loads(line) for line in (tmp_path / "split" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [2, 4, 6] and log[1]["loss"] != 1.0, "each step logged once, by this run"
     for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     moved = jax.tree.leaves(jax.tree.map(lambda a, b: jnp.any(a != b), full["trainable"], state0["trainable"]))
@@ -391,7 +395,7 @@ def test_config_validation():
 
 
 def test_naive_control_freezes_the_quantized_weights_and_keeps_the_rest_of_the_gradient(gradients):
-    """ste="none": zero gradient for the quantized weights, and for every other parameter exactly the gradient of the
+    """naive=True: zero gradient for the quantized weights, and for every other parameter exactly the gradient of the
     identity-STE student (the activation quantizers keep the STE, so the chain rule reaches the earlier layers)."""
     naive, ste = gradients["mxfp4", "none"], gradients["mxfp4", "identity"]
     for name in naive["layers"]:
@@ -404,6 +408,38 @@ def test_naive_control_freezes_the_quantized_weights_and_keeps_the_rest_of_the_g
     flat_ste = dict(jax.tree_util.tree_leaves_with_path(ste["model"]))
     for path, leaf in flat_naive:
         np.testing.assert_allclose(leaf, flat_ste[path], rtol=1e-5, atol=1e-8, err_msg=jax.tree_util.keystr(path))
+
+
+def test_naive_control_keeps_the_configured_activation_rule():
+    """The naive control differs from QAD in the weight quantizers alone: with the clipped rule its activations'
+    gradient is QAD's clipped one (zero where an element saturated), not the identity rule's."""
+    rng = np.random.default_rng(0)
+    layer = {"weight": jnp.asarray(rng.standard_normal((8, 64)), jnp.float32), "bias": jnp.zeros(8),
+             "left": jnp.zeros((8, 0)), "right": jnp.zeros((0, 64))}
+    blocks = jnp.broadcast_to(jnp.eye(32), (2, 32, 32))
+    x = jnp.asarray(rng.standard_normal((4, 64)) * np.where(rng.random((4, 64)) < 0.1, 30.0, 1.0), jnp.float32)
+
+    def input_gradient(config):
+        forward, through = qad.student_forward(config, False)
+        return np.asarray(jax.grad(lambda x: jnp.sum(forward(layer, blocks, through, x) ** 2))(x))
+
+    naive = input_gradient(qad.QADConfig(ste="clipped", naive=True))
+    clipped = input_gradient(qad.QADConfig(ste="clipped"))
+    identity = input_gradient(qad.QADConfig(naive=True))
+    np.testing.assert_array_equal(naive, clipped)
+    assert (naive == 0).sum() > (identity == 0).sum(), "the clipped rule zeroes the saturated elements"
+    assert float(qad.student_forward(qad.QADConfig(ste="clipped", naive=True), False)[1]) == 0.0
+
+
+def test_warmup_zero_is_a_constant_learning_rate():
+    params = {"w": jnp.zeros(3)}
+    grads = {"w": jnp.ones(3)}
+    for warmup, first_moves in ((0, True), (2, False)):
+        optimizer = qad.make_optimizer(qad.QADConfig(warmup=warmup, lr=1e-2))
+        updates, _ = optimizer.update(grads, optimizer.init(params), params)
+        assert bool(jnp.any(updates["w"] != 0)) == first_moves, warmup
+    with pytest.raises(ValueError, match="warmup=-1"):
+        qad.QADConfig(warmup=-1)
 
 
 def test_unquantized_student_is_the_teacher_and_trains_every_weight(setup):

@@ -192,6 +192,30 @@ def test_qad_run_may_train_further_and_an_older_record_resumes(tmp_path):
         qad.check_run_folder(tmp_path / "old_lr", dataclasses.replace(config, lr=1e-4), extra)
 
 
+def test_qad_record_from_before_the_naive_field_resumes_as_what_it_ran(tmp_path):
+    """A naive run used to be keyed ``ste="none"`` (the identity STE on the activations); its record is rewritten as
+    ``ste="identity", naive=True``, so that run resumes, a naive run with the clipped rule is refused (it trains
+    other numerics), and an older non-naive record gains ``naive: false``."""
+    extra = {"init": "16bit", "data": "aaa", "teacher": "t"}
+
+    def older_record(folder, ste):
+        (folder / "checkpoints").mkdir(parents=True)
+        key = qad.run_key(qad.QADConfig(), extra)
+        config = {k: v for k, v in key["config"].items() if k != "naive"}
+        (folder / "qad_run.json").write_text(json.dumps({**key, "config": {**config, "ste": ste}}))
+
+    older_record(tmp_path / "naive", "none")
+    qad.check_run_folder(tmp_path / "naive", qad.QADConfig(naive=True), extra)
+    stored = json.loads((tmp_path / "naive" / "qad_run.json").read_text())["config"]
+    assert (stored["ste"], stored["naive"]) == ("identity", True)
+    older_record(tmp_path / "naive_clipped", "none")
+    with pytest.raises(ValueError, match=r"config.ste: 'identity' -> 'clipped'"):
+        qad.check_run_folder(tmp_path / "naive_clipped", qad.QADConfig(naive=True, ste="clipped"), extra)
+    older_record(tmp_path / "clipped", "clipped")
+    qad.check_run_folder(tmp_path / "clipped", qad.QADConfig(ste="clipped"), extra)
+    assert json.loads((tmp_path / "clipped" / "qad_run.json").read_text())["config"]["naive"] is False
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # quantize-checkpoint / evaluate: the capture's key covers the model outside the quantized linears
 # --------------------------------------------------------------------------------------------------------------------
