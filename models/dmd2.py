@@ -1077,7 +1077,8 @@ def train(run_cycles, state: dict[str, Any], teacher: Params, run_dir: str | Pat
     """Run ``run_cycles`` (from :func:`make_cycle` with ``cycles=cycles_per_call``) until ``total_cycles`` cycles.
 
     ``warmup`` (from :func:`make_fake_warmup`) runs once before the first cycle of a fresh run (not on resume: its
-    result is in the checkpoints), logged as a ``warmup`` line; a non-finite warm-up raises :class:`DMD2Divergence`.
+    result is in the checkpoints, saved as cycle 0 as soon as it ends), logged as a ``warmup`` line; a non-finite
+    warm-up raises :class:`DMD2Divergence`.
 
     Resumes from the latest orbax checkpoint in ``run_dir/checkpoints`` (same structure as ``state``; continuing is
     bit-identical to an uninterrupted run, since the batch and noise keys live in the state). Saves every
@@ -1112,6 +1113,7 @@ def train(run_cycles, state: dict[str, Any], teacher: Params, run_dir: str | Pat
     atomic_append_text(log_path, json.dumps({"event": "start", "cycle": cycle, "device": str(jax.devices()[0]),
                                              "jax": jax.__version__, **(log_extra or {})}) + "\n")
     began = time.perf_counter()
+    last_saved = resumed_from
     if warmup is not None and resumed_from is None:
         state, metrics = warmup(state)
         metrics = {k: float(v) for k, v in metrics.items()}
@@ -1120,9 +1122,12 @@ def train(run_cycles, state: dict[str, Any], teacher: Params, run_dir: str | Pat
                                  "no checkpoint had been saved yet")
         atomic_append_text(log_path, json.dumps({"event": "warmup", "fake_updates": int(state["step"]), **metrics,
                                                  "elapsed_s": round(time.perf_counter() - began, 2)}) + "\n")
+        # saved as cycle 0 at once: a call whose time budget or a kill ends it before the first cycle resumes past
+        # the warm-up instead of running it again
+        manager.save(0, args=ocp.args.StandardSave(state))
+        last_saved = 0
     bar = tqdm(total=total_cycles, initial=cycle, unit="cycle", disable=not progress, dynamic_ncols=True)
     calls = 0
-    last_saved = resumed_from
     try:
         while cycle < total_cycles:
             if time_budget is not None and time.perf_counter() - began > time_budget:

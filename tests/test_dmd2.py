@@ -812,6 +812,26 @@ def test_fake_warmup_fits_the_initial_generator_once_and_leaves_it_unchanged(tmp
     assert len(warm_lines) == 1 and warm_lines[0]["fake_updates"] == 40
 
 
+def test_a_warmup_longer_than_the_time_budget_is_kept_and_not_run_again(tmp_path):
+    """The warm-up is saved as cycle 0 as soon as it ends: a call whose budget it uses up resumes past it, so a run
+    under a short ``--time-budget`` advances instead of warming up again at every call."""
+    import time
+
+    run, state, teacher = _plain_cycle()
+    calls = []
+
+    def slow_warmup(s):  # stands in for make_fake_warmup's program: any warm-up longer than the budget
+        calls.append(1)
+        time.sleep(0.3)
+        return {**s, "step": s["step"] + 3}, {"fake_loss_first": 1.0, "fake_loss_last": 0.5, "gan_d": 0.0,
+                                              "finite": 1.0}
+
+    _, first = dmd2.train(run, state, teacher, tmp_path, 4, 2, time_budget=0.2, progress=False, warmup=slow_warmup)
+    assert (first["cycles"], first["fake_updates"], len(calls)) == (0, 3, 1)
+    _, second = dmd2.train(run, state, teacher, tmp_path, 4, 2, progress=False, warmup=slow_warmup)
+    assert (second["resumed_from"], second["cycles"], len(calls)) == (0, 4, 1), "resumed past the warm-up"
+
+
 def test_fake_sigma_sampling_uniform_stays_in_the_dm_range():
     """A velocity that is exact for x0 = 0 (v = x / sigma = eps) plus a penalty outside [0.4, 0.6]: the uniform
     fake-score loss over that range is exactly 0, the logit-normal one is not (it also checks that fake_score_loss
