@@ -122,8 +122,17 @@ def _orthonormalize(y: jax.Array) -> jax.Array:
 
     Only matrix products, a ``k x k`` Cholesky and triangular solves: unlike Householder QR these batch well under
     ``vmap`` (XLA:CPU's and cuSOLVER's QR of tall ``(o, k)`` matrices were the slow part of the randomized SVD).
+
+    Where ``y`` is numerically rank-deficient in float32 (a weight whose singular values fall off fast, e.g. by
+    half per direction), rounding leaves the Gram matrix of the first pass's result indefinite by more than that
+    small shift, its Cholesky is NaN, and so would every factor after it. Such a ``y`` takes shifted Cholesky-QR3
+    instead (Fukaya et al., 2020: a first pass shifted by ``11 (n k + k (k + 1)) u ||y||_F^2``, then two passes
+    shifted by ``k u`` times the Gram matrix's trace), whose basis spans the same leading directions; every other
+    ``y`` gets CholeskyQR2's result, bit for bit as before.
     """
     hi = jax.lax.Precision.HIGHEST
+    n, k = y.shape
+    eps = jnp.finfo(jnp.float32).eps
 
     def cholesky_qr(_, y):
         g = jnp.matmul(y.T, y, precision=hi)  # (k, k)
@@ -131,7 +140,18 @@ def _orthonormalize(y: jax.Array) -> jax.Array:
         r = jnp.linalg.cholesky(g + shift * jnp.eye(g.shape[0], dtype=g.dtype)).T  # upper, (k, k)
         return jax.scipy.linalg.solve_triangular(r, y.T, trans="T", lower=False).T  # y R^{-1}, (n, k)
 
-    return jax.lax.fori_loop(0, 2, cholesky_qr, y)
+    def shifted_cholesky_qr(y, relative_shift):
+        g = jnp.matmul(y.T, y, precision=hi)  # (k, k)
+        shift = relative_shift * jnp.trace(g) + jnp.finfo(jnp.float32).tiny
+        r = jnp.linalg.cholesky(g + shift * jnp.eye(k, dtype=g.dtype)).T  # upper, (k, k)
+        return jax.scipy.linalg.solve_triangular(r, y.T, trans="T", lower=False).T  # y R^{-1}, (n, k)
+
+    def cholesky_qr3(y):
+        y = shifted_cholesky_qr(y, 11.0 * (n * k + k * (k + 1)) * eps)
+        return jax.lax.fori_loop(0, 2, lambda _, y: shifted_cholesky_qr(y, k * eps), y)
+
+    q = jax.lax.fori_loop(0, 2, cholesky_qr, y)
+    return jax.lax.cond(jnp.all(jnp.isfinite(q)), lambda: q, lambda: cholesky_qr3(y))
 
 
 def branch(left: jax.Array, right: jax.Array, fmt: Optional[QuantFormat], ste: str = "identity") -> jax.Array:

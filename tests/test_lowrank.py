@@ -33,6 +33,26 @@ def test_low_rank_svd_matches_exact():
         lowrank.low_rank_svd(jnp.asarray(w), 200)
 
 
+def test_randomized_svd_of_a_fast_decaying_spectrum_is_finite_and_accurate():
+    """Singular values halving per direction leave the sketch numerically rank-deficient in float32: CholeskyQR2's
+    Cholesky was NaN there (and with it LoRaQ's SVD candidate and SmoothQuant's search errors); the shifted
+    CholeskyQR3 fallback gives a finite, accurate factorization. A well-conditioned sketch keeps an orthonormal
+    basis."""
+    rng = np.random.default_rng(0)
+    u, _ = np.linalg.qr(rng.standard_normal((256, 256)))
+    v, _ = np.linalg.qr(rng.standard_normal((384, 256)))
+    spectrum = 100 * 0.5 ** np.arange(256)
+    w = ((u * spectrum) @ v.T).astype(np.float32)  # (256, 384)
+    y = jnp.asarray(w) @ jax.random.normal(jax.random.key(0), (384, 48))
+    q = lowrank._orthonormalize(y)
+    assert bool(jnp.all(jnp.isfinite(q)))
+    left, right = lowrank.low_rank_svd(jnp.asarray(w), 32, "randomized")
+    assert bool(jnp.all(jnp.isfinite(left)) & jnp.all(jnp.isfinite(right)))
+    assert np.linalg.norm(w - np.asarray(left @ right)) < 1e-4 * np.linalg.norm(w)
+    well = lowrank._orthonormalize(jnp.asarray(rng.standard_normal((256, 48)), jnp.float32))
+    np.testing.assert_allclose(np.asarray(well.T @ well), np.eye(48), atol=1e-5)
+
+
 def test_loraq_reduces_weight_error():
     ws = _weights()
     res = lowrank.loraq_layers(ws, SMALL)
