@@ -408,7 +408,8 @@ class Recipe:
         transform is trained without the branch, and a transform better alone can be worse with it
         (docs/calibration.md, "Choosing with the branch"). ``None`` / ``False``: the calibration's choice;
         :func:`get_recipe` turns it on for ``smoothed_kroquant+loraq``.
-      lowrank: ``None``, ``"loraq"`` (LoRaQ, branch in MXFP4) or ``"svd"`` (SVDQuant's 16-bit SVD branch).
+      lowrank: ``None``, ``"loraq"`` (LoRaQ, branch in the layer's 4-bit format) or ``"svd"`` (SVDQuant's 16-bit SVD
+        branch).
       smooth_svd_rank: rank (or fraction of ``min(o, d)``) of the 16-bit SVD branch inside the SmoothQuant search;
         ``None`` (default): the paper's 32 when the recipe has a low-rank branch that carries the main part of
         ``W T^{-T}`` (the search then models the deployed layer), 0 without one (plain SmoothQuant, searched for the
@@ -418,7 +419,9 @@ class Recipe:
         rounding with the Hessian of the transformed calibration rows (the ``+gptq`` suffix of :func:`get_recipe`).
       calibration: the calibration engine's settings; ``calibration.transform`` is ``None`` (filled in with
         ``transform``) or equal to ``transform`` (anything else raises).
-      smoothquant, loraq, svdquant: the other stages' settings (each used only by the recipes that run the stage).
+      smoothquant, loraq, svdquant: the other stages' settings (each used only by the recipes that run the stage); a
+        stage that runs must have the format of ``calibration.objective.fmt``, the one the layer is stored in (the
+        LoRaQ branch is stored in it too).
       run: the run-level settings every stage reads (rows, seed, sharding, progress).
     """
 
@@ -459,6 +462,13 @@ class Recipe:
             raise ValueError("Recipe.select_with_branch scores each candidate with a branch fitted to its rounded-to-"
                              "nearest residual, which gptq.lowrank_order='gptq_first' does not store (its branch fits "
                              "GPTQ's error): turn one of them off")
+        stored = self.calibration.objective.fmt  # the format the layer's weight and activations are stored in
+        for stage, runs in (("smoothquant", self.smooth_init), ("loraq", self.lowrank == "loraq"),
+                            ("svdquant", self.lowrank == "svd")):
+            if runs and getattr(self, stage).fmt != stored:
+                raise ValueError(f"Recipe.{stage}.fmt={getattr(self, stage).fmt.name} differs from "
+                                 f"calibration.objective.fmt={stored.name}: that stage would fit the layer for a "
+                                 "format it is not stored in; give both the same format")
         if self.calibration.transform is None:
             object.__setattr__(self, "calibration", dataclasses.replace(self.calibration, transform=self.transform))
         elif self.calibration.transform != self.transform:
@@ -752,7 +762,7 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
     if recipe.gptq is not None and not gptq_first:  # GPTQ of the residual against the branch as stored
         residuals = {n: np.asarray(qlinear.residual_weight(
             layer.weight, transform=recipe.transform, transform_params=calib[n].params, lowrank=lowranks[n],
-            lowrank_quantized=quantized_branch)) for n, layer in layers.items()}
+            lowrank_quantized=quantized_branch, lowrank_fmt=recipe.loraq.fmt)) for n, layer in layers.items()}
         rounded = gptq.gptq_layers(residuals, hessians, fmt, recipe.gptq, run=run, pad_to=pad_to)
     out = {}
     forward = jax.jit(qlinear.qlinear_forward, static_argnames="path")
@@ -763,7 +773,8 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
                               weight_error_final=float(branches[n].error_final))
         q = qlinear.build_qlinear(layer.weight, layer.bias, transform=recipe.transform,
                                   transform_params=calib[n].params, lowrank=lr, lowrank_quantized=quantized_branch,
-                                  weight_fmt=fmt, act_fmt=fmt, quantized_weight=rounded.get(n), name=n)
+                                  weight_fmt=fmt, act_fmt=fmt, lowrank_fmt=recipe.loraq.fmt,
+                                  quantized_weight=rounded.get(n), name=n)
         y = np.asarray(forward(q, jnp.asarray(a_test[n])))
         if layer.bias is not None:
             y = y - layer.bias
@@ -828,7 +839,8 @@ def _select_with_branch(layers: dict[str, LayerData], calib: dict[str, LayerCali
             b = branches[key(n, lab)]
             q = qlinear.build_qlinear(layer.weight, None, transform=recipe.transform,
                                       transform_params=c.candidate_params[lab], lowrank=(b.left, b.right),
-                                      lowrank_quantized=quantized_branch, weight_fmt=fmt, act_fmt=fmt, name=n)
+                                      lowrank_quantized=quantized_branch, weight_fmt=fmt, act_fmt=fmt,
+                                      lowrank_fmt=recipe.loraq.fmt, name=n)
             errors[n][lab] = _relative_error(np.asarray(forward(q, jnp.asarray(a_val))), ref)
         best = min(errors[n], key=lambda lab: (errors[n][lab], lab))
         calib[n] = dataclasses.replace(c, params=c.candidate_params[best], chosen=best)

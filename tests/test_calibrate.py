@@ -419,6 +419,29 @@ def test_best_iterate_never_ends_above_its_start_and_cosine_changes_the_run():
     np.testing.assert_array_equal(const.losses[0, :1], last.losses[0, :1])  # same start, same first step size
 
 
+def test_recipe_stages_fit_the_format_the_layer_is_stored_in():
+    """A stage whose format differs from the stored one is refused; an NVFP4 recipe stores its LoRaQ branch in NVFP4
+    (the format LoRaQ fitted it for) and reports the error of the layer as stored."""
+    from kroquant_jax.formats import NVFP4
+
+    nvfp4 = calibrate.CalibrationConfig(transform=None, objective=objectives.ObjectiveConfig(fmt=NVFP4()))
+    with pytest.raises(ValueError, match="Recipe.loraq.fmt=mxfp4 differs from calibration.objective.fmt=nvfp4"):
+        calibrate.Recipe(transform="hadamard32", train=False, lowrank="loraq", calibration=nvfp4)
+    with pytest.raises(ValueError, match="Recipe.smoothquant.fmt=mxfp4 differs"):
+        calibrate.Recipe(transform="diagonal", train=False, smooth_init=True, calibration=nvfp4)
+    calibrate.Recipe(transform="hadamard32", train=False, calibration=nvfp4)  # no stage of another format: accepted
+    recipe = calibrate.Recipe(transform="hadamard32", train=False, lowrank="loraq", calibration=nvfp4,
+                              loraq=lowrank.LoRaQConfig(rank=16, steps=20, rotation_steps=10, fmt=NVFP4()), run=RUN)
+    layers = _layer_set(shapes=((48, 64),))
+    quantized, reports = calibrate.quantize_layer_set(layers, recipe)
+    (name, q), = quantized.items()
+    assert q.lowrank_left.fmt.name == q.lowrank_right.fmt.name == q.weight.fmt.name == "nvfp4"
+    params = transforms.HADAMARD32.init(64)
+    w_t = np.asarray(transforms.apply_to_weights(layers[name][0], transforms.HADAMARD32.inverse_blocks(params)))
+    stored = np.linalg.norm(np.asarray(qlinear.effective_weight(q)) - w_t) / np.linalg.norm(w_t)
+    assert reports[name]["weight_error"] == pytest.approx(stored, rel=1e-4)
+
+
 def test_recipe_transform_conflict_raises_and_unset_is_filled_in():
     with pytest.raises(ValueError, match="'identity' conflicts with calibration.transform='kron_lu'"):
         calibrate.Recipe(transform="identity", calibration=calibrate.CalibrationConfig(transform="kron_lu"))
