@@ -19,6 +19,7 @@ final sigma 0: diffusers' defaults for the PixArt-Σ scheduler config).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -194,16 +195,27 @@ def _cfg_batch(params: Mapping[str, Any], x: jax.Array, use_cfg: bool):
     return x_in, context, _masks(params, use_cfg)
 
 
+def _uses_cfg(guidance_scale: float, family: str) -> bool:
+    """Whether a step runs both CFG branches: ``guidance_scale > 1``, as diffusers' PixArt-Σ and SANA pipelines
+    decide. Below 1 those pipelines run the conditional branch alone whatever the value (0.5 and 0 give the same
+    image), so such a value is refused here rather than given another meaning."""
+    if not math.isfinite(guidance_scale) or guidance_scale < 1.0:
+        raise ValueError(f"{family}: guidance_scale={guidance_scale} must be a number >= 1 (1: the conditional "
+                         "branch alone, which diffusers' pipelines also run for any value below 1)")
+    return guidance_scale > 1.0
+
+
 def pixart_denoiser(graphdef: nnx.GraphDef, guidance_scale: float, latent_channels: int,
                     hooks_factory: HooksFactory | None = None) -> Denoiser:
     """PixArt epsilon denoiser with CFG. params = {"model": nnx state, "context": (b, t, c), "mask": (b, t),
     "uncond_context": (b, t, c), "uncond_mask": (b, t), optional "overrides": {path: pytree callable}}.
     Learned-sigma models (out_channels = 2 * latent channels) keep the first ``latent_channels`` channels."""
 
+    use_cfg = _uses_cfg(guidance_scale, "pixart")
+
     def denoise(params, x, t, step):
         model = nnx.merge(graphdef, params["model"])
         hooks = step_hooks(params, hooks_factory, step)
-        use_cfg = guidance_scale != 1.0
         x_in, context, mask = _cfg_batch(params, x, use_cfg)  # (2b, c, H, W), (2b, t, c), (2b, t)
         out = model(x_in, context, jnp.full((x_in.shape[0],), t), mask, hooks=hooks)  # (2b, out, H, W)
         out = cfg_combine(out, guidance_scale) if use_cfg else out  # (b, out, H, W)
@@ -217,10 +229,11 @@ def sana_denoiser(graphdef: nnx.GraphDef, guidance_scale: float, hooks_factory: 
     """SANA velocity denoiser with CFG; params as :func:`pixart_denoiser` (+ optional "guidance" (b,) for
     guidance-embedding models)."""
 
+    use_cfg = _uses_cfg(guidance_scale, "sana")
+
     def denoise(params, x, t, step):
         model = nnx.merge(graphdef, params["model"])
         hooks = step_hooks(params, hooks_factory, step)
-        use_cfg = guidance_scale != 1.0
         x_in, context, mask = _cfg_batch(params, x, use_cfg)  # (2b, c, H, W), (2b, t, c), (2b, t)
         guidance = params.get("guidance")
         if guidance is not None and use_cfg:
@@ -295,7 +308,10 @@ def make_sampler(family: str, graphdef: nnx.GraphDef, cfg: Any, *, num_steps: in
         channels = cfg.in_channels
         sigmas = flow_sigmas(num_steps, shift)
         denoise = sana_denoiser(graphdef, guidance_scale, hooks_factory)
-        loop = lambda params, noise: flow_euler(denoise, params, noise, sigmas)  # noqa: E731
+        # diffusers' SanaPipeline multiplies the scheduler's timestep (1000 sigma) by the config's timestep_scale
+        model_scale = 1000.0 * cfg.timestep_scale
+        loop = lambda params, noise: flow_euler(denoise, params, noise, sigmas,  # noqa: E731
+                                                timestep_scale=model_scale)
     else:  # flux
         if cfg.in_channels % 4:
             raise ValueError(f"FLUX in_channels={cfg.in_channels} must be 4 x latent channels")

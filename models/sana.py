@@ -39,8 +39,9 @@ CLASS_NAME = "SanaTransformer2DModel"
 class SanaConfig(convert.DiTConfig):
     """The fields of diffusers' SanaTransformer2DModel config.json (defaults = Sana_1600M_1024px).
 
-    ``guidance_embeds_scale`` and ``timestep_scale`` are kept for the config round trip; diffusers' forward pass
-    does not use them either.
+    ``guidance_embeds_scale`` is kept for the config round trip (diffusers' forward pass does not use it either);
+    ``timestep_scale`` is not used by the forward pass but by the sampler, which multiplies the model's timestep
+    (1000 sigma) by it as diffusers' ``SanaPipeline`` does (:func:`models.sampling.make_sampler`).
     """
 
     diffusers_class: ClassVar[str] = CLASS_NAME

@@ -124,3 +124,33 @@ def test_sana_and_flux_sampling_run_jitted():
     eager, _ = sampling.flow_euler(sampling.flux_denoiser(graphdef), params, noise, sampling.flow_sigmas(4),
                                    timestep_scale=1.0)
     np.testing.assert_allclose(np.asarray(out), np.asarray(eager), rtol=1e-5, atol=1e-5)
+
+
+def test_guidance_below_one_is_refused_as_diffusers_gives_it_no_meaning():
+    graphdef, _ = nnx.split(_tiny_pixart()[1])
+    for guidance in (0.5, 0.0, float("nan")):
+        with pytest.raises(ValueError, match=r"pixart: guidance_scale=.* must be a number >= 1"):
+            sampling.pixart_denoiser(graphdef, guidance, 4)
+
+
+def test_sana_sampler_applies_the_config_timestep_scale():
+    """diffusers' SanaPipeline feeds the transformer ``timestep * config.timestep_scale``: a checkpoint with
+    timestep_scale 2 is sampled as the plain sampler with model timesteps 2000 sigma."""
+    import dataclasses
+
+    base = sana.SanaConfig(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1,
+                           num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16,
+                           caption_channels=6, mlp_ratio=2.0, sample_size=8)
+    scaled = dataclasses.replace(base, timestep_scale=2.0)
+    graphdef, state = nnx.split(families.SANA.build(scaled))
+    params = {"model": state, "context": jnp.ones((1, 3, 6)), "mask": jnp.ones((1, 3)),
+              "uncond_context": jnp.zeros((1, 3, 6)), "uncond_mask": jnp.ones((1, 3))}
+    sample = sampling.make_sampler("sana", graphdef, scaled, num_steps=3, guidance_scale=4.5, latent_hw=(8, 8))
+    out, _ = sample(params, jax.random.key(0))
+    noise = jax.random.normal(jax.random.key(0), out.shape)
+    sigmas = sampling.flow_sigmas(3, shift=3.0)
+    want, _ = sampling.flow_euler(sampling.sana_denoiser(graphdef, 4.5), params, noise, sigmas, timestep_scale=2000.0)
+    unscaled, _ = sampling.flow_euler(sampling.sana_denoiser(graphdef, 4.5), params, noise, sigmas)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert float(jnp.max(jnp.abs(out - unscaled))) > 1e-4
+
