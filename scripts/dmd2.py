@@ -492,7 +492,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         "encoder_top1_on_real_glyphs": real_accuracy, "classes": int(class_images.shape[0]),
         "real_reference_images": int(real_features.shape[0]), "jax": jax.__version__,
         "device": str(jax.devices()[0]), "generator_forward": "16-bit" if built.store is None else
-        f"W4A4 {built.store.w4a4.quant.fmt} fake quant (STE), one branch", **built.run_key}
+        f"W4A4 {built.store.w4a4.quant.fmt} fake quant (STE), one branch",
+        "evaluation_compute_dtype": "float32", **built.run_key}  # every network here; training's is in the run key
     if served_export is not None:
         report["settings"]["served"] = {"strategy": args.served, "checkpoint": served_export["out"],
                                         "xla_options": served.program_compiler_options(args.served),
