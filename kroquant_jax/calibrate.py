@@ -769,7 +769,7 @@ def _quantize_batch(layers: dict[str, LayerData], recipe: Recipe, pad_to: int = 
     for n, layer in layers.items():
         lr = lowranks[n]
         if n in branches:
-            reports[n].update(weight_error_init=float(branches[n].error_init),
+            reports[n].update(weight_error_init=float(branches[n].error_init),  # the fit's start: see LowRank
                               weight_error_final=float(branches[n].error_final))
         q = qlinear.build_qlinear(layer.weight, layer.bias, transform=recipe.transform,
                                   transform_params=calib[n].params, lowrank=lr, lowrank_quantized=quantized_branch,

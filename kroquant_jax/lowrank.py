@@ -58,9 +58,11 @@ class LowRank(NamedTuple):
 
     Attributes:
       left, right: the factors.
-      error_init: relative weight error of the initialisation.
+      error_init: relative weight error of the initialisation, with the branch as the fit scores it (LoRaQ: 16-bit
+        unless ``fit_quantized_branch``, so it can be below ``error_final``, whose branch is quantized as stored:
+        not the error of a stored layer).
       error_fit: after the Adam fit (LoRaQ) / the chosen refinement candidate (SVDQuant).
-      error_final: after the rotation (LoRaQ); same as ``error_fit`` otherwise.
+      error_final: after the rotation (LoRaQ); same as ``error_fit`` otherwise: the branch as stored.
     """
 
     left: jax.Array
