@@ -537,6 +537,15 @@ def parse_rank(text: str, minimum: int = 1) -> int | float:
     return value
 
 
+def split_rows_wanted(args: argparse.Namespace) -> int:
+    """The activation rows per layer that the row split of :func:`add_recipe_arguments`' options asks for
+    (calibration + validation + test, each the flag or :class:`RunConfig`'s default): what a capture should keep so
+    that no layer takes :func:`kroquant_jax.layerset.split_rows`' fallback."""
+    defaults = RunConfig()
+    return ((args.calib_rows or defaults.num_rows) + (args.calib_validation or defaults.num_validation)
+            + (args.calib_test or defaults.num_test))
+
+
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the recipe settings every entry point shares (each defaults to ``None``: the recipe's own value); read
     them back with :func:`recipe_from_args`."""

@@ -118,8 +118,9 @@ def split_rows(name: str, num_available: int, num_rows: int, num_validation: int
 
     One permutation of the rows: its first ``num_validation`` entries validate, the next ``num_rows`` calibrate, the
     next ``num_test`` test (so the calibration and validation rows do not depend on ``num_test``). With fewer than
-    ``num_rows + num_validation + num_test`` rows available, a fifth of them (at least one) validates, a fifth (at
-    least one) tests and the rest calibrate.
+    ``num_rows + num_validation + num_test`` rows available, validation and test each take at most a fifth of them
+    (at least one; never more than asked) and calibration the rest, up to ``num_rows``: the validation rows are still
+    the same, and the calibration rows the first of the full split's (fewer where the test slice needs them).
 
     Args:
       name: layer name (part of the seed, so layers draw different rows).
@@ -139,8 +140,9 @@ def split_rows(name: str, num_available: int, num_rows: int, num_validation: int
     if num_available >= num_rows + num_validation + num_test:
         n_val, n_cal, n_test = num_validation, num_rows, num_test
     else:
-        n_val = n_test = max(1, num_available // 5)
-        n_cal = num_available - n_val - n_test
+        fifth = max(1, num_available // 5)
+        n_val, n_test = min(num_validation, fifth), min(num_test, fifth)
+        n_cal = min(num_rows, num_available - n_val - n_test)
     return RowSplit(calibration=np.sort(perm[n_val:n_val + n_cal]), validation=np.sort(perm[:n_val]),
                     test=np.sort(perm[n_val + n_cal:n_val + n_cal + n_test]))
 

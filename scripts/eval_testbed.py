@@ -104,6 +104,8 @@ def parse_args(argv=None, verb: str = "evaluate", description: str | None = None
         parser = build_parser(verb, description, examples, out_required=defaults["out"] is None)
         parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
+    if args.rows_per_layer is None:
+        args.rows_per_layer = calibrate.split_rows_wanted(args)
     if args.seeds is None:
         args.seeds = [args.seed]  # the default generation seed is --seed (documented in --help)
     if args.text_prompts is not None and not args.text_rows_from_all_prompts:
@@ -141,7 +143,9 @@ def build_parser(verb: str = "evaluate", description: str | None = None, example
                         help="held-out novel concepts, never trained (instead of --eval-captions' mix)")
     parser.add_argument("--steps", type=positive_int, default=20, help="Euler steps (capture and generation)")
     parser.add_argument("--guidance", type=finite_float, default=3.0, help="CFG scale")
-    parser.add_argument("--rows-per-layer", type=positive_int, default=1024, help="captured rows kept per layer")
+    parser.add_argument("--rows-per-layer", type=positive_int, default=None,
+                        help="captured rows kept per layer (default: what the row split asks for, --calib-rows + "
+                             "--calib-validation + --calib-test)")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="captions per sampling call (capture)")
     parser.add_argument("--text-rows-from-all-prompts", action="store_true",
                         help="the cross-attention keys' / values' rows (their input is the caption projection alone, "
@@ -221,6 +225,11 @@ def capture_inputs_digest(dataset, calib_indices, model, cfg, names) -> str:
     return hashlib.sha256(f"{text}|model:{params_digest(model, names, config=cfg)}".encode()).hexdigest()
 
 
+def _rows(given: int | None, field: str) -> str:
+    """A row-split setting as the settings line shows it: the value, marked when it is RunConfig's default."""
+    return str(given) if given is not None else f"{getattr(calibrate.RunConfig(), field)} (default)"
+
+
 def settings_line(args, names, calib_indices, groups, text_captions: int | None = None) -> str:
     seeds = "" if len(args.seeds) == 1 else (f", generation seeds {' '.join(map(str, args.seeds))} (mean over "
                                              "caption x seed images, standard error over captions of the per-caption "
@@ -231,8 +240,10 @@ def settings_line(args, names, calib_indices, groups, text_captions: int | None 
     return (f"{args.checkpoint}: {len(names)} linears W4A4 (MXFP4), capture from {len(calib_indices)} training "
             f"captions x {args.steps} Euler steps (CFG {args.guidance:g}, {args.rows_per_layer} rows/layer"
             f"{text_rows}); "
-            f"calibration rows {args.calib_rows or 'default'}, validation rows {args.calib_validation or 'default'}, "
-            f"test rows {args.calib_test or 'default'}, KroQuant steps {args.calib_steps or 'default'}, LoRaQ steps "
+            f"calibration rows {_rows(args.calib_rows, 'num_rows')}, validation rows "
+            f"{_rows(args.calib_validation, 'num_validation')}, test rows {_rows(args.calib_test, 'num_test')} "
+            f"per layer (fewer where a layer has fewer: the report's fallback_split_layers), KroQuant steps "
+            f"{args.calib_steps or 'default'}, LoRaQ steps "
             f"{args.loraq_steps or 'default'}+{args.rotation_steps or 'default'}, --rank {args.rank or 'default'}; "
             f"metrics vs the 16-bit images of the captions {generated}, same seeds (PSNR ± its standard error "
             f"over the group's captions){seeds}; "

@@ -1,7 +1,7 @@
 """diffusers checkpoint -> capture -> calibrate -> save the W4A4 model -> generate with both models.
 
     kroquant quantize-checkpoint --checkpoint DIR --out OUT [--embeddings prompts.npz | --synthetic-prompts N]
-        [--recipe kroquant] [--steps 20] [--guidance 4.5] [--latent-hw 128 128] [--rows-per-layer 1024]
+        [--recipe kroquant] [--steps 20] [--guidance 4.5] [--latent-hw 128 128] [--rows-per-layer N]
         [--compile-cache DIR]
 
 ``DIR`` is a diffusers transformer directory (config.json + safetensors; PixArt-Σ, SANA, FLUX.1 or Ideogram 4,
@@ -89,7 +89,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--guidance", type=finite_float, default=4.5, help="CFG scale (PixArt/SANA)")
     parser.add_argument("--latent-hw", type=positive_int, nargs=2, default=(128, 128), metavar=("H", "W"),
                         help="latent height and width")
-    parser.add_argument("--rows-per-layer", type=positive_int, default=1024, help="captured rows kept per layer")
+    parser.add_argument("--rows-per-layer", type=positive_int, default=None,
+                        help="captured rows kept per layer (default: what the row split asks for, --calib-rows + "
+                             "--calib-validation + --calib-test)")
     parser.add_argument("--layer-set", help="reuse a captured layer set (.safetensors/.npz) instead of capturing; "
                         "its weights must be --checkpoint's")
     parser.add_argument("--batch-size", type=positive_int, default=1, help="prompts per sampling run")
@@ -122,7 +124,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vae", help="diffusers AutoencoderKL directory: decode the latents to PNGs (torch)")
     add_compile_cache(parser, "calibration, capture, sampling")
     add_quiet(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.rows_per_layer is None:
+        args.rows_per_layer = calibrate.split_rows_wanted(args)
+    return args
 
 
 def check_checkpoint_dir(checkpoint: str) -> dict:

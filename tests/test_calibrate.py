@@ -97,6 +97,15 @@ def test_rows_depend_on_seed_and_name_only_and_are_disjoint():
     small = layerset.split_rows("a", 50, 300, 100, 100, seed=0)  # too few rows: a fifth validates, a fifth tests
     assert (len(small.calibration), len(small.validation), len(small.test)) == (30, 10, 10)
     assert len(set(small.calibration) | set(small.validation) | set(small.test)) == 50
+    # fewer rows than asked: never more than asked for, the validation rows unchanged, calibration the first of the
+    # full split's (the test slice takes at most a fifth)
+    few = layerset.split_rows("a", 1000, 10, 10, 1000, seed=0)
+    assert (len(few.calibration), len(few.validation), len(few.test)) == (10, 10, 200)
+    full = layerset.split_rows("a", 1500, 1024, 256, 200, seed=0)
+    short = layerset.split_rows("a", 1500, 1024, 256, 256, seed=0)
+    assert (len(short.calibration), len(short.validation), len(short.test)) == (988, 256, 256)
+    np.testing.assert_array_equal(short.validation, full.validation)
+    assert set(short.calibration) < set(full.calibration)
     with pytest.raises(ValueError, match="'a'.*at least 3"):
         layerset.split_rows("a", 2, 1, 1, 1, seed=0)
     with pytest.raises(ValueError, match="num_test"):

@@ -212,3 +212,19 @@ def test_evaluate_and_demo_say_which_stage_flags_the_methods_do_not_use(tmp_path
     assert capsys.readouterr().err.splitlines() == [
         "kroquant demo: note: --sq-grid applies to a recipe with the SmoothQuant search, and none of the methods "
         "(rtn, kroquant) has that stage; it changes nothing in this run"]
+
+
+def test_capture_rows_default_to_what_the_row_split_asks_for():
+    """`kroquant evaluate` and `quantize-checkpoint` keep, by default, as many captured rows per layer as the split
+    asks for (calibration + validation + test), so no layer takes split_rows' fallback at the defaults."""
+    from kroquant_jax import calibrate
+    from scripts import eval_testbed, quantize_checkpoint
+
+    wanted = calibrate.RunConfig().num_rows + calibrate.RunConfig().num_validation + calibrate.RunConfig().num_test
+    assert eval_testbed.parse_args(["--out", "x"]).rows_per_layer == wanted
+    assert eval_testbed.parse_args(["--out", "x", "--calib-rows", "100", "--calib-test", "10"]).rows_per_layer == \
+        100 + calibrate.RunConfig().num_validation + 10
+    assert eval_testbed.parse_args(["--out", "x", "--rows-per-layer", "64"]).rows_per_layer == 64
+    base = ["--checkpoint", "c", "--out", "o", "--synthetic-prompts", "2"]
+    assert quantize_checkpoint._parse(base).rows_per_layer == wanted
+    assert quantize_checkpoint._parse([*base, "--rows-per-layer", "24"]).rows_per_layer == 24
