@@ -124,6 +124,19 @@ class Fp8Rows:
         """Storage: one byte per element plus 4 per row or row group (``inexact`` not counted)."""
         return int(self.values.size + self.scale.size * 4)
 
+    def with_zero_row_factors(self) -> "Fp8Rows":
+        """The same rows with factor 0 for each row whose values are all zero (one factor per row only).
+
+        :func:`mxfp4_to_e4m3` gives such a row the clamped ``2**-126`` (any factor is exact for it). A consumer that
+        divides by the factor (the fused FP8 kernel's low-rank operand ``L / sw``, ``pallas_kernels.fp8_gemm_mgpu``)
+        would scale that row's branch by ``2**126`` and overflow; it replaces a zero factor by 1 instead. Reads every
+        value: for a weight, once, when it is prepared."""
+        if self.group is not None:
+            raise ValueError(f"with_zero_row_factors: rows with one factor per group of {self.group} already give an "
+                             "empty group factor 0")
+        empty = jnp.all(self.values.astype(jnp.float32) == 0, axis=-1)  # (...)
+        return dataclasses.replace(self, scale=jnp.where(empty, jnp.zeros_like(self.scale), self.scale))
+
 
 def _check_mxfp4(q: QuantizedArray, what: str) -> None:
     if not isinstance(q, QuantizedArray) or not isinstance(q.fmt, MXFP4):

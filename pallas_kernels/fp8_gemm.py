@@ -125,8 +125,8 @@ def prepare_weight(w: QuantizedArray, *, storage: Literal["e4m3", "mxfp4"] = "e4
     if not isinstance(w, QuantizedArray) or not isinstance(w.fmt, MXFP4) or len(w.shape) != 2:
         raise TypeError(f"prepare_weight: needs a 2-D MXFP4 QuantizedArray, got {getattr(w, 'fmt', type(w).__name__)!r}"
                         f" of shape {getattr(w, 'shape', None)}")
-    if storage == "e4m3":
-        return FE.mxfp4_to_e4m3(w, order=order)
+    if storage == "e4m3":  # an all-zero row's factor 0, so the fused kernel's L / sw stays finite there
+        return FE.mxfp4_to_e4m3(w, order=order).with_zero_row_factors()
     if storage == "mxfp4":
         return w
     raise ValueError(f"storage={storage!r} must be 'e4m3' or 'mxfp4'")

@@ -489,6 +489,8 @@ def fp8_matmul_mgpu(a: Fp8Rows, w: Fp8Rows, *, lowrank: Optional[tuple] = None, 
     m, n, k, r = _check(a, w, lowrank, bias)
     if swiglu_group is not None and (swiglu_group <= 0 or swiglu_group % 2 or n % (2 * swiglu_group)):
         raise ValueError(f"fp8_matmul_mgpu: {swiglu_group=} must be even and 2 * swiglu_group must divide n={n}")
+    if lowrank is not None and not left_prescaled:  # L / sw made here: an all-zero weight row's factor must be 0
+        w = w.with_zero_row_factors()  # (prepare_weight does it once for a prepared layer)
     if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         raise ValueError(f"fp8_matmul_mgpu: out_dtype must be bfloat16 or float32, got {out_dtype}")
     if impl is None:
@@ -585,7 +587,8 @@ def _group_steps(scale: jax.Array, steps_per_group: int) -> tuple[jax.Array, jax
 
 
 def _nonzero(scale: jax.Array) -> jax.Array:
-    """A zero factor (an all-zero row: any factor is exact there) replaced by 1; the kernel's epilogue runs it on
+    """A zero factor (an all-zero row: any factor is exact there; ``Fp8Rows.with_zero_row_factors`` gives a weight's
+    such rows 0, ``pallas_kernels.fp8_gemm.prepare_weight`` does it) replaced by 1; the kernel's epilogue runs it on
     the factors it loads."""
     return jnp.where(scale == 0, jnp.ones_like(scale), scale)
 

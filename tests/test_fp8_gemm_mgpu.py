@@ -280,6 +280,33 @@ def test_layer_and_served_strategy():
     assert np.linalg.norm(diff) <= 4e-3 * np.linalg.norm(np.asarray(normed, np.float32))
 
 
+def test_an_all_zero_weight_row_keeps_its_low_rank_term_finite():
+    """A weight row quantized to all zeros (scale byte 0) with a low-rank branch: the re-encode gives it the clamped
+    factor 2**-126, and the kernel's operand L / sw scaled that row's branch by 2**126 (inf). A prepared weight gives
+    such a row factor 0 (the kernel takes 1), and so does the per-call division; the row's output is its branch, as
+    the dequantize strategy computes it."""
+    qlayer = _quantized_layer(8, 64, 128)
+    codes, scales = np.array(qlayer.weight.codes), np.array(qlayer.weight.scales)
+    codes[0], scales[0] = 0, 0  # what quantize gives for an all-zero residual row
+    weight = dataclasses.replace(qlayer.weight, codes=jnp.asarray(codes), scales=jnp.asarray(scales))
+    qlayer = dataclasses.replace(qlayer, weight=weight)
+    x = jnp.asarray(_normal(9, (8, 128)).astype(np.float32)).astype(jnp.bfloat16)
+    want = np.asarray(served.forward(_serve(qlayer, strategy="dequant"), x,
+                                     options=served.ServeOptions(strategy="dequant")), np.float32)
+    mg = _serve(qlayer, strategy="fp8_mgpu")
+    assert float(mg.weight.scale[0]) == 0.0 and float(jnp.min(mg.weight.scale[1:])) > 0.0
+    for impl in ("reference", "interpret"):
+        got = np.asarray(served.forward(mg, x, options=served.ServeOptions(strategy="fp8_mgpu", impl=impl)),
+                         np.float32)
+        np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05 * np.abs(want).max(), err_msg=impl)
+    raw = FE.mxfp4_to_e4m3(weight, order="even_odd")  # not prepared: the zero row's factor is the clamp's
+    assert float(raw.scale[0]) == 2.0 ** -126
+    a8 = FE.mxfp4_to_e4m3(quantize(jnp.asarray(_normal(10, (8, 128)), jnp.float32), MXFP4()), order="even_odd")
+    lowrank = (jnp.ones((8, 32), jnp.bfloat16), jnp.full((64, 32), 4.0, jnp.bfloat16))  # L / 2**-126 = 2**128: inf
+    y = np.asarray(F.fp8_matmul_mgpu(a8, raw, lowrank=lowrank, impl="reference"))
+    assert np.all(np.isfinite(y)) and np.allclose(y[:, 0], 32 * 4.0)
+
+
 def test_swiglu_pairs_reads_gate_up_pairs_in_place():
     c = jnp.asarray(_normal(8, (6, 16)).astype(jnp.bfloat16))
     gathered = swiglu(jnp.concatenate([c[:, 0::2], c[:, 1::2]], axis=1))  # gate | up, then SiLU(gate) * up
