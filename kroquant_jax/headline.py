@@ -289,7 +289,8 @@ TABLES: dict[str, dict] = {
              "a second DMD2 run served (its exported checkpoint on dequant + cuBLAS): "
              "{testbed_stack_qad_dmd2_4step_served_fd_ratio_vs_teacher:.2f}x, "
              "{testbed_stack_qad_dmd2_4step_served_caption_accuracy:.3f}, "
-             "{testbed_dmd2_served_psnr_vs_fake_quant_db:.1f} dB from its fake-quant images",
+             "{testbed_dmd2_served_psnr_vs_fake_quant_db:.1f} dB from its fake-quant images (mean PSNR over "
+             "images, an identical image counted as 99 dB)",
              "— (measured)", "[dmd2](docs/dmd2.md)"],
             ["DMD2: the same with a 16-bit student, 600 generator updates",
              "{testbed_dmd2_16bit_4step_fd_ratio_vs_teacher:.2f}x (the teacher's weights at 4 steps, untrained: "

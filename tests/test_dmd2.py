@@ -608,6 +608,9 @@ def test_script_trains_resumes_and_evaluates_a_tiny_teacher(tmp_path):
     assert row["forward_passes_per_image"] == 1 and np.isfinite(row["fd_real"])
     # the served layers compute what the fake-quant ones do up to bf16 / rounding flips: close, not identical
     assert 20.0 < row["psnr_vs_fake_quant_db"] < 99.0, row["psnr_vs_fake_quant_db"]
+    assert 0.0 <= row["identical_to_fake_quant_fraction"] < 1.0
+    assert 20.0 < row["psnr_vs_fake_quant_pooled_db"] <= row["psnr_vs_fake_quant_db"] + 1e-9, "a pooled error is no " \
+        "smaller than the mean image's"
     assert row["fd_teacher"] != fake_quant["fd_teacher"]
 
 
