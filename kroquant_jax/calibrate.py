@@ -930,21 +930,36 @@ def quantize_layer_set(layer_set: LayerSet, recipe: Recipe | str = "kroquant", s
     if store is not None and not overwrite:
         store.verify(fingerprints)  # every stale layer is refused before any work
     done_layers, reports = {}, {}
-    todo = []
+    todo, split_changed = [], []
     for n in layers:
         if store is not None and not overwrite and n in store:
             done_layers[n], rep = store.load(n)
             reports[n] = {k: v for k, v in rep.items() if k not in ("name", "fingerprint")}
             reports[n]["resumed"] = True
+            split = recipe.run.split(n, layers[n].activations.shape[0])
+            now = {"calibration": len(split.calibration), "validation": len(split.validation), "test": len(split.test)}
+            if "rows" in rep and dict(rep["rows"]) != now:  # the same settings, another split: the fallback's rule
+                split_changed.append((n, dict(rep["rows"]), now))
         else:
             todo.append(n)
+    if split_changed:
+        n, old, now = split_changed[0]
+        others = f"; {len(split_changed) - 1} more stored layer(s) too" if len(split_changed) > 1 else ""
+        raise provenance.StaleResultError(n, [f"row split {old} -> {now} (the rule for layers with fewer rows than "
+                                              f"asked changed){others}"], store.directory)
+    # The batches of the whole layer set, less the layers already stored: a resumed run runs the rest in the programs
+    # (padded to the sizes) an uninterrupted one would, since a learned transform's last bits depend on that size.
     by_shape: dict[tuple, list[str]] = {}
-    for n in todo:
+    for n in layers:
         by_shape.setdefault(layers[n].weight.shape, []).append(n)
+    pending = set(todo)
     batches = []  # (names, layers per program)
     for names in by_shape.values():
         per_batch = math.ceil(len(names) / math.ceil(len(names) / recipe.calibration.max_layers_per_program))
-        batches += [(names[i:i + per_batch], per_batch) for i in range(0, len(names), per_batch)]
+        for i in range(0, len(names), per_batch):
+            left = [n for n in names[i:i + per_batch] if n in pending]
+            if left:
+                batches.append((left, per_batch))
     bar = progress_bar(len(todo), recipe.run.progress, "quantize")
     try:
         for batch, per_batch in batches:

@@ -35,7 +35,10 @@ __all__ = ["EXECUTION_SETTINGS", "NUMERICS_VERSION", "OutputFolderError", "RunFo
 #: transform parameterization, optimiser, row draw): results stored under another version are then refused.
 NUMERICS_VERSION = 1
 
-#: Recipe fields (last dotted component) that do not change a layer's result.
+#: Recipe fields (last dotted component) that do not change what a layer's result computes, so they are not keyed.
+#: ``max_layers_per_program`` sets the size of the programs a learned transform is calibrated in, which can move
+#: its last bits (float reassociation in a batch of another size): a store resumed with another value holds layers
+#: equal up to those bits (with the same value a resumed run is bit-identical, ``calibrate.quantize_layer_set``).
 EXECUTION_SETTINGS = frozenset({"progress", "shard", "max_layers_per_program"})
 
 

@@ -253,6 +253,49 @@ def test_recipe_resumes_after_an_interruption(tmp_path):
         assert rep[n]["heldout_error"] == pytest.approx(full_rep[n]["heldout_error"], rel=1e-6)
 
 
+def test_a_resumed_run_runs_the_rest_in_the_programs_of_an_uninterrupted_one(tmp_path):
+    """Five layers of one shape at three per program: batches of 3 and 2, both padded to 3. Interrupted after the
+    first, the rerun must pad the last two to 3 again (not 2): a learned transform's last bits depend on the size of
+    the program it was calibrated in, so the store then equals an uninterrupted run's bit for bit."""
+    rng = np.random.default_rng(0)
+    ls = {f"l{i}": (rng.standard_normal((64, 64)).astype(np.float32), rng.standard_normal(64).astype(np.float32),
+                    rng.standard_normal((48, 64)).astype(np.float32) * (1 + 5 * (rng.random(64) > 0.9)))
+          for i in range(5)}  # layers whose transform, calibrated in a program of 2, differs from one of 3
+    recipe = calibrate.get_recipe("kroquant", run=calibrate.RunConfig(num_rows=24, num_validation=12, num_test=12),
+                                  calibration=calibrate.CalibrationConfig(transform=None, max_layers_per_program=3,
+                                                                          steps=5))
+    full, _ = calibrate.quantize_layer_set(ls, recipe)
+
+    class Interrupt(Exception):
+        pass
+
+    def crash(names):
+        raise Interrupt(names)
+
+    store = str(tmp_path / "store")
+    with pytest.raises(Interrupt):
+        calibrate.quantize_layer_set(ls, recipe, store=store, on_batch_done=crash)
+    resumed, rep = calibrate.quantize_layer_set(ls, recipe, store=store)
+    assert sum(r["resumed"] for r in rep.values()) == 3
+    for n in ls:
+        for a, b in zip(jax.tree.leaves(full[n].transform_params), jax.tree.leaves(resumed[n].transform_params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=n)
+        np.testing.assert_array_equal(np.asarray(full[n].weight.codes), np.asarray(resumed[n].weight.codes), n)
+    # a layer stored with another row split than today's rule gives the same settings (a store of the fallback rule
+    # before 2026-12-08) is refused, naming the split, not resumed
+    from kroquant_jax import provenance
+
+    qstore = qlinear.QLinearStore(store)
+    layer, extra = qstore.load("l0")
+    extra = {k: v for k, v in extra.items() if k not in ("name", "fingerprint")}
+    fingerprint = provenance.layer_fingerprint(*ls["l0"], recipe)
+    qstore.save("l0", layer, {**extra, "rows": {"calibration": 28, "validation": 10, "test": 10}},
+                fingerprint=fingerprint)
+    with pytest.raises(provenance.StaleResultError,
+                       match=r"'l0'.*row split .*'calibration': 28.* -> .*'calibration': 24"):
+        calibrate.quantize_layer_set(ls, recipe, store=store)
+
+
 def _quantize_two_batches(recipe):
     """Three layers of one shape through ``recipe`` at two per batch (so the last batch, one layer, is padded to the
     first one's size) and at three per batch (one batch). Returns the names of the programs the first run compiled
