@@ -225,21 +225,27 @@ def test_sharded_equals_unsharded_on_4_host_devices():
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+class _Interrupt(Exception):
+    pass
+
+
+def _interrupt_after_the_first_batch(layer_set, recipe, store: str) -> None:
+    """``quantize_layer_set`` into ``store``, stopped (as if killed) once its first batch is stored."""
+    def crash(names):
+        raise _Interrupt(names)
+
+    with pytest.raises(_Interrupt):
+        calibrate.quantize_layer_set(layer_set, recipe, store=store, on_batch_done=crash)
+
+
 def test_recipe_resumes_after_an_interruption(tmp_path):
     ls = _layer_set(shapes=((48, 64), (48, 64), (32, 96)))
     recipe = calibrate.get_recipe("kroquant", run=RUN, calibration=calibrate.CalibrationConfig(
         transform=None, max_layers_per_program=1, **dict(FAST, steps=5)))
     full, full_rep = calibrate.quantize_layer_set(ls, recipe)
 
-    class Interrupt(Exception):
-        pass
-
-    def crash(names):
-        raise Interrupt(names)
-
     store = str(tmp_path / "store")
-    with pytest.raises(Interrupt):
-        calibrate.quantize_layer_set(ls, recipe, store=store, on_batch_done=crash)
+    _interrupt_after_the_first_batch(ls, recipe, store)
     done = []
     resumed, rep = calibrate.quantize_layer_set(ls, recipe, store=store, on_batch_done=done.extend)
     assert sum(r["resumed"] for r in rep.values()) == 1  # the layer finished before the crash was not redone
@@ -266,15 +272,8 @@ def test_a_resumed_run_runs_the_rest_in_the_programs_of_an_uninterrupted_one(tmp
                                                                           steps=5))
     full, _ = calibrate.quantize_layer_set(ls, recipe)
 
-    class Interrupt(Exception):
-        pass
-
-    def crash(names):
-        raise Interrupt(names)
-
     store = str(tmp_path / "store")
-    with pytest.raises(Interrupt):
-        calibrate.quantize_layer_set(ls, recipe, store=store, on_batch_done=crash)
+    _interrupt_after_the_first_batch(ls, recipe, store)
     resumed, rep = calibrate.quantize_layer_set(ls, recipe, store=store)
     assert sum(r["resumed"] for r in rep.values()) == 3
     for n in ls:
