@@ -18,7 +18,9 @@ Layout of a folder written by :func:`save_quantized_checkpoint` (format version 
   .NUMERICS_VERSION`), ``class_name``, ``weight_format``, ``recipe`` (name) and ``settings`` (every recipe setting,
   dotted), ``layers`` (``{NAME: {"meta": to_state's metadata, "replaces": {diffusers key: shape}, "heldout_error":
   float}}``; a fused layer adds ``"members": [paths]``), ``left_16bit``
-  (``{NAME: reason}``) and ``extra`` (the writer's notes, e.g. the sampler of its evaluation).
+  (``{NAME: reason}``), ``extra`` (the writer's notes, e.g. the sampler of its evaluation) and ``files_sha256``
+  (the SHA-256 of ``model.safetensors`` and ``quantized.safetensors``, so that a digest of this file keys the
+  weights; folders written before it have none).
 
 **Fused layers.** A layer named ``a|b|c`` (``kroquant_jax.shared_inputs.fused_name``) is one ``QuantizedLinear`` of
 linears that read the same input, their weights stacked along the outputs (one transform, one low-rank branch, as
@@ -241,6 +243,10 @@ def save_quantized_checkpoint(directory: str | os.PathLike, model: Any, qlayers:
         atomic_write_json(tmp / "config.json", diffusers_config)
         convert.write_safetensors(tmp / "model.safetensors", params, metadata={"format": "kroquant-diffusers-params"})
         convert.write_safetensors(tmp / "quantized.safetensors", arrays, metadata={"format": "kroquant-qlinears"})
+        # the weights' digests in the folder's own record: what keys a run on the folder (kroquant generate's --out)
+        # without hashing gigabytes again
+        config["files_sha256"] = {name: provenance.file_digest(tmp / name)
+                                  for name in ("model.safetensors", "quantized.safetensors")}
         atomic_write_json(tmp / "quantization_config.json", json.loads(json.dumps(config, default=float)))
         publishable(tmp)
         replace_folder(tmp, directory)

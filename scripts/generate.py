@@ -83,7 +83,8 @@ RUN_RECORD = "generate_run.json"
 
 
 def run_key(args) -> dict:
-    """What decides a generate run's files: the checkpoint's configs and the prompt file (SHA-256), every sampler
+    """What decides a generate run's files: the checkpoint's configs and the prompt file (SHA-256; a quantized
+    folder's ``quantization_config.json`` holds its weight files' SHA-256, so new weights are a new key), every sampler
     and serving flag as given (a default is resolved the same way on the same backend), and the backend."""
     import jax
 

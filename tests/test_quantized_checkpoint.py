@@ -58,6 +58,9 @@ def test_round_trip_samples_the_same(family, tmp_path):
     assert qconfig["settings"]["transform"] == "hadamard32" and qconfig["left_16bit"] == {"x": "test"}
     assert set(qconfig["layers"]) == set(qlayers)
     assert all(qconfig["layers"][n]["heldout_error"] == pytest.approx(reports[n]["heldout_error"]) for n in qlayers)
+    from kroquant_jax import provenance  # the weight files' digests, what keys a generate run on the folder
+    assert qconfig["files_sha256"] == {name: provenance.file_digest(folder / name)
+                                       for name in ("model.safetensors", "quantized.safetensors")}
 
     loaded = load_quantized_checkpoint(folder)
     assert loaded.family == family and loaded.cfg == cfg and sorted(loaded.qlayers) == sorted(qlayers)
