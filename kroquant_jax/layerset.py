@@ -119,8 +119,9 @@ def split_rows(name: str, num_available: int, num_rows: int, num_validation: int
     One permutation of the rows: its first ``num_validation`` entries validate, the next ``num_rows`` calibrate, the
     next ``num_test`` test (so the calibration and validation rows do not depend on ``num_test``). With fewer than
     ``num_rows + num_validation + num_test`` rows available, validation and test each take at most a fifth of them
-    (at least one; never more than asked) and calibration the rest, up to ``num_rows``: each slice is the first rows
-    of the full split's own (all of them where they fit).
+    (at least one; never more than asked) and calibration the rest, up to ``num_rows``, in the same permutation order
+    (validation first): where all ``num_validation`` rows fit, they are the full split's and the calibration rows the
+    first of its.
 
     Args:
       name: layer name (part of the seed, so layers draw different rows).
