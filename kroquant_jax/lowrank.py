@@ -136,23 +136,17 @@ def _orthonormalize(y: jax.Array) -> jax.Array:
     n, k = y.shape
     eps = jnp.finfo(jnp.float32).eps
 
-    def cholesky_qr(_, y):
+    def cholesky_qr(y, shift_of):  # one pass: y R^{-1} with R^T R = y^T y + shift_of(y^T y) I
         g = jnp.matmul(y.T, y, precision=hi)  # (k, k)
-        shift = 1e-6 * jnp.trace(g) / g.shape[0] + jnp.finfo(jnp.float32).tiny
-        r = jnp.linalg.cholesky(g + shift * jnp.eye(g.shape[0], dtype=g.dtype)).T  # upper, (k, k)
-        return jax.scipy.linalg.solve_triangular(r, y.T, trans="T", lower=False).T  # y R^{-1}, (n, k)
-
-    def shifted_cholesky_qr(y, relative_shift):
-        g = jnp.matmul(y.T, y, precision=hi)  # (k, k)
-        shift = relative_shift * jnp.trace(g) + jnp.finfo(jnp.float32).tiny
+        shift = shift_of(g) + jnp.finfo(jnp.float32).tiny
         r = jnp.linalg.cholesky(g + shift * jnp.eye(k, dtype=g.dtype)).T  # upper, (k, k)
-        return jax.scipy.linalg.solve_triangular(r, y.T, trans="T", lower=False).T  # y R^{-1}, (n, k)
+        return jax.scipy.linalg.solve_triangular(r, y.T, trans="T", lower=False).T  # (n, k)
 
     def cholesky_qr3(y):
-        y = shifted_cholesky_qr(y, 11.0 * (n * k + k * (k + 1)) * eps)
-        return jax.lax.fori_loop(0, 2, lambda _, y: shifted_cholesky_qr(y, k * eps), y)
+        y = cholesky_qr(y, lambda g: 11.0 * (n * k + k * (k + 1)) * eps * jnp.trace(g))
+        return jax.lax.fori_loop(0, 2, lambda _, y: cholesky_qr(y, lambda g: k * eps * jnp.trace(g)), y)
 
-    q = jax.lax.fori_loop(0, 2, cholesky_qr, y)
+    q = jax.lax.fori_loop(0, 2, lambda _, y: cholesky_qr(y, lambda g: 1e-6 * jnp.trace(g) / k), y)
     return jax.lax.cond(jnp.all(jnp.isfinite(q)), lambda: q, lambda: cholesky_qr3(y))
 
 
