@@ -61,12 +61,12 @@ def main(argv=None) -> int:
     config = testbed_data.EmojiDatasetConfig(font_path=args.font, image_size=args.image_size,
                                              max_tokens=args.max_tokens, heldout_modulus=args.heldout_modulus)
     if args.from_npz is not None:
-        dataset = testbed_data.load_dataset(args.from_npz)
+        archive = testbed_data.read_dataset_arrays(args.from_npz)  # once: a compact file is decompressed here
+        dataset = testbed_data.dataset_from_arrays(archive, args.from_npz)
         if args.prompts is not None:
             dataset = testbed_data.prompt_subset(dataset, args.prompts)
         if args.split is not None:
             dataset = _split(dataset, args.split, args.from_npz)
-        archive = testbed_data.read_dataset_arrays(args.from_npz)
         font_sha256 = str(archive["font_sha256"]) if "font_sha256" in archive else ""
         testbed_data.write_dataset(dataset, args.out, font_sha256=font_sha256)
         print(f"{dataset.num_examples} records ({int(dataset.heldout.sum())} held out) -> {args.out}")

@@ -646,19 +646,19 @@ def write_dataset(dataset: EmojiDataset, path: str | os.PathLike, font_sha256: s
     archive is xz-compressed. Every other path gets a compressed ``.npz`` with the arrays as they are."""
     validate_dataset(dataset)
     arrays = _dataset_arrays(dataset, font_sha256)
-    padding = ~dataset.context_mask.astype(bool)  # (n, L)
-    if str(path).endswith(COMPACT_SUFFIX) and np.any(dataset.context[padding] != 0):
-        rows = np.flatnonzero(np.any(dataset.context != 0, axis=-1) & padding)  # flat (n * L) positions
-        raise ValueError(f"{path}: the compact form keeps only real tokens, but dataset['context'] is nonzero at "
-                         f"{rows.size} padded positions (first: record {rows[0] // padding.shape[1]}, token "
-                         f"{rows[0] % padding.shape[1]}); write a .npz")
     if not str(path).endswith(COMPACT_SUFFIX):
         with atomic_path(path, suffix=".npz") as temporary, open(temporary, "wb") as handle:
             np.savez_compressed(handle, **arrays)
         return
     import lzma
 
-    bits = arrays.pop("context")[dataset.context_mask.astype(bool)].view(np.uint16)  # (tokens, 384)
+    tokens = dataset.context_mask.astype(bool)  # (n, L)
+    if np.any(dataset.context[~tokens] != 0):
+        rows = np.flatnonzero(np.any(dataset.context != 0, axis=-1) & ~tokens)  # flat (n * L) positions
+        raise ValueError(f"{path}: the compact form keeps only real tokens, but dataset['context'] is nonzero at "
+                         f"{rows.size} padded positions (first: record {rows[0] // tokens.shape[1]}, token "
+                         f"{rows[0] % tokens.shape[1]}); write a .npz")
+    bits = arrays.pop("context")[tokens].view(np.uint16)  # (tokens, 384)
     arrays["context_token_bytes"] = np.stack([(bits >> 8).astype(np.uint8), (bits & 0xFF).astype(np.uint8)])
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
@@ -702,7 +702,11 @@ def read_dataset_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 def load_dataset(path: str | os.PathLike) -> EmojiDataset:
     """Read a dataset written by ``write_dataset``, ``.npz`` or compact ``.npz.xz`` (numpy only, no pickles)."""
-    archive = read_dataset_arrays(path)
+    return dataset_from_arrays(read_dataset_arrays(path), path)
+
+
+def dataset_from_arrays(archive: dict[str, np.ndarray], path: str | os.PathLike) -> EmojiDataset:
+    """The dataset of :func:`read_dataset_arrays`' ``archive``, validated (``path`` names the file in errors)."""
     missing = [key for key in (*_ARRAY_KEYS, "image_size", "max_tokens", "format_version") if key not in archive]
     if missing:
         raise KeyError(f"{path} lacks keys {missing}: not an emoji testbed dataset")
